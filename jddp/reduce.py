@@ -164,12 +164,13 @@ def _bucket_hook(
             reduced, new_states = hook.reduce(grads, states, ctx)
         _check_hook_output(hook, grads, reduced, index)
         _check_hook_state(hook, states, new_states, index)
+        # The dependency is taken before casting back to varying: the token is replicated.
+        dep = _zero_dependency(reduced)
         reduced = tuple(_match_varying(r, v, axis_name) for r, v in zip(reduced, varying))
         new_states = jax.tree.map(
             lambda x, old: _match_varying(x, _varying_axes(old), axis_name),
             tuple(new_states), tuple(states),
         )
-        dep = _zero_dependency(reduced)
         if last and ct_extras and not getattr(hook, "fuses_extras", False):
             # The hook cannot carry the extras: one more (chained) mean all-reduce for them.
             summed = lax.psum(tuple(e + dep.astype(e.dtype) for e in ct_extras), axis_name)

@@ -147,9 +147,7 @@ class DataParallel:
         n = self.num_devices
 
         def build(params, model_state, hook_state):
-            per_device = jax.tree.map(
-                lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), hook_state
-            )
+            per_device = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), hook_state)
             return TrainState(
                 step=jnp.zeros((), jnp.int32),
                 params=params,
@@ -162,7 +160,8 @@ class DataParallel:
         abstract = jax.eval_shape(build, params, model_state, hook_state)
         specs = _state_specs(abstract, self.axis_name)
         shardings = jax.tree.map(
-            lambda s: jax.sharding.NamedSharding(self.mesh, s), specs,
+            lambda s: jax.sharding.NamedSharding(self.mesh, s),
+            specs,
             is_leaf=lambda x: isinstance(x, P),
         )
         return jax.jit(build, out_shardings=shardings)(params, model_state, hook_state)
@@ -177,8 +176,11 @@ class DataParallel:
         local = _local_batch_shape(batch, self.num_devices)
         fun = self.loss_fn if not self.has_aux else (lambda p, b: self.loss_fn(p, b)[0])
         return buckets_lib.plan_buckets(
-            fun, params, local,
-            bucket_cap_mb=self.bucket_cap_mb, first_bucket_mb=self.first_bucket_mb,
+            fun,
+            params,
+            local,
+            bucket_cap_mb=self.bucket_cap_mb,
+            first_bucket_mb=self.first_bucket_mb,
         )
 
     def _plan_inside(self, params: Any, batch: Any) -> buckets_lib.BucketPlan:
@@ -188,8 +190,11 @@ class DataParallel:
         else:
             fun = self.loss_fn if not self.has_aux else (lambda p, b: self.loss_fn(p, b)[0])
             plan = buckets_lib.plan_buckets(
-                fun, params, batch,
-                bucket_cap_mb=self.bucket_cap_mb, first_bucket_mb=self.first_bucket_mb,
+                fun,
+                params,
+                batch,
+                bucket_cap_mb=self.bucket_cap_mb,
+                first_bucket_mb=self.first_bucket_mb,
             )
         self._last_plan = plan
         return plan
@@ -249,8 +254,7 @@ class DataParallel:
             return out, {}
         if not isinstance(out, tuple) or len(out) != 2:
             raise TypeError(
-                "With has_aux=True, loss_fn must return (loss, metrics), got "
-                f"{type(out).__name__}."
+                f"With has_aux=True, loss_fn must return (loss, metrics), got {type(out).__name__}."
             )
         return out
 

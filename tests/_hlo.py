@@ -47,17 +47,16 @@ def _computations(text: str) -> dict[str, str]:
 def entry_ops(text: str) -> list[Op]:
     """The entry computation's instructions in schedule order, classified."""
     comps = _computations(text)
-    has_compute = {
-        n: bool(re.search(r"\b(dot|convolution)\(", b)) for n, b in comps.items()
-    }
+    has_compute = {n: bool(re.search(r"\b(dot|convolution)\(", b)) for n, b in comps.items()}
     ops = []
     for line in comps["ENTRY"].splitlines():
         m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\(", line)
         if not m:
             continue
         name, result, opcode = m.groups()
-        shapes = tuple((d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in
-                       _SHAPE.findall(result))
+        shapes = tuple(
+            (d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _SHAPE.findall(result)
+        )
         if opcode in ("all-reduce", "all-reduce-start"):
             kind = "all-reduce"
         elif opcode in ("dot", "convolution"):
@@ -77,4 +76,4 @@ def all_reduces(text: str) -> list[Op]:
 
 def count_all_reduces(text: str) -> int:
     """All all-reduce instructions anywhere in the module (loop bodies included)."""
-    return len(re.findall(r"= [^=]*? all-reduce(?:-start)?\(", text))
+    return len(re.findall(r"^\s*(?:ROOT )?%\S+ = .*? all-reduce(?:-start)?\(", text, re.M))

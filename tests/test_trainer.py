@@ -38,8 +38,11 @@ def test_equals_single_device(n, name, optimizer, tol):
     ref_params, ref_losses = single_device_run(params, batches, optimizer)
 
     ddp = jddp.DataParallel(
-        mlp_loss, optimizer, mesh=jddp.data_mesh(jax.devices()[:n]),
-        bucket_cap_mb=0.002, first_bucket_mb=0.001,
+        mlp_loss,
+        optimizer,
+        mesh=jddp.data_mesh(jax.devices()[:n]),
+        bucket_cap_mb=0.002,
+        first_bucket_mb=0.001,
     )
     state = ddp.init(params)
     losses = []
@@ -61,8 +64,9 @@ def test_gradient_is_mean_not_sum():
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(lr), mesh=jddp.data_mesh(), donate=False)
     state = ddp.init(params)
     new_state, _ = ddp.step(state, batch)
-    step_grads = jax.tree.map(lambda a, b: (np.asarray(a) - np.asarray(b)) / lr, params,
-                              new_state.params)
+    step_grads = jax.tree.map(
+        lambda a, b: (np.asarray(a) - np.asarray(b)) / lr, params, new_state.params
+    )
     for g, ref in zip(jax.tree.leaves(step_grads), jax.tree.leaves(ref_grads), strict=True):
         ratio = np.linalg.norm(g) / np.linalg.norm(ref)
         assert abs(ratio - 1.0) < 1e-4, f"gradient is {ratio:.3f}x the single-device gradient"
@@ -143,7 +147,7 @@ def test_non_float_params():
 
 def test_non_scalar_loss():
     def bad_loss(p, b):
-        return (mlp_loss(p, b) * jnp.ones(3))
+        return mlp_loss(p, b) * jnp.ones(3)
 
     ddp = jddp.DataParallel(bad_loss, optax.sgd(0.1))
     state = ddp.init(mlp_params(0, SIZES))

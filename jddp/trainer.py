@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp import buckets as buckets_lib
@@ -143,28 +143,37 @@ class DataParallel:
         reduce_lib._check_float_params(params)
         if self._fixed_plan is not None:
             self._fixed_plan.check_tree(params)
-        hook_state = reduce_lib.init_hook_state(self.hook, params)
+        shardings = self._state_shardings(jax.eval_shape(self._build_state, params, model_state))
+        return jax.jit(self._build_state, out_shardings=shardings)(params, model_state)
+
+    def _build_state(self, params: Any, model_state: Any) -> TrainState:
         n = self.num_devices
-
-        def build(params, model_state, hook_state):
-            per_device = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), hook_state)
-            return TrainState(
-                step=jnp.zeros((), jnp.int32),
-                params=params,
-                opt_state=self.optimizer.init(params),
-                model_state=model_state,
-                hook_state=per_device,
-                accum=None,
-            )
-
-        abstract = jax.eval_shape(build, params, model_state, hook_state)
-        specs = _state_specs(abstract, self.axis_name)
-        shardings = jax.tree.map(
-            lambda s: jax.sharding.NamedSharding(self.mesh, s),
-            specs,
-            is_leaf=lambda x: isinstance(x, P),
+        hook_state = reduce_lib.init_hook_state(self.hook, params)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self.optimizer.init(params),
+            model_state=model_state,
+            hook_state=jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), hook_state),
+            accum=None,
         )
-        return jax.jit(build, out_shardings=shardings)(params, model_state, hook_state)
+
+    def _state_shardings(self, abstract_state: TrainState) -> TrainState:
+        specs = _state_specs(abstract_state, self.axis_name)
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+        )
+
+    def abstract_state(self, params_like: Any, model_state_like: Any = None) -> TrainState:
+        """The TrainState ``init`` would build, as ``jax.ShapeDtypeStruct``s with shardings.
+
+        Nothing is allocated or computed, so this works on meshes of compile-only devices.
+        """
+        abstract = jax.eval_shape(self._build_state, params_like, model_state_like)
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract, self._state_shardings(abstract),
+        )
 
     # ----------------------------------------------------------------------------------- plan
 
@@ -258,8 +267,26 @@ class DataParallel:
             )
         return out
 
-    def lower(self, state: Any, batch: Any) -> jax.stages.Lowered:
-        """Lowers the step for ``state`` and ``batch``, which may be ``jax.ShapeDtypeStruct``s."""
+    def lower(self, params_like: Any, batch_like: Any, model_state_like: Any = None):
+        """Lowers the step that ``step`` runs, from abstract (or concrete) params and batch.
+
+        Args:
+          params_like: the params, or ``jax.ShapeDtypeStruct``s of them.
+          batch_like: a global batch, or ``jax.ShapeDtypeStruct``s (placed on the data axis if
+            they carry no sharding).
+          model_state_like: the model state, or its shape structs, if the model has one.
+
+        Returns:
+          The ``jax.stages.Lowered`` of ``self.step``; ``.compile().as_text()`` is the compiled
+          HLO. With a mesh of compile-only devices (``jddp.testing``) this is the program a GPU or
+          TPU cluster would run.
+        """
+        state = self.abstract_state(params_like, model_state_like)
+        sharding = NamedSharding(self.mesh, P(self.axis_name))
+        batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding),
+            batch_like,
+        )
         return self.step.lower(state, batch)
 
 

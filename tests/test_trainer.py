@@ -160,3 +160,19 @@ def test_bad_optimizer_and_loss_fn():
         jddp.DataParallel(mlp_loss, object())
     with pytest.raises(TypeError, match="callable"):
         jddp.DataParallel(3, optax.sgd(0.1))
+
+
+def test_lower_from_shape_structs_matches_step():
+    """ddp.lower(params_like, batch_like) compiles the same program ddp.step runs."""
+    params = mlp_params(3, SIZES)
+    batch = regression_batch(0, 16, SIZES[0], SIZES[-1])
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), bucket_cap_mb=0.002, first_bucket_mb=0.001)
+    params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    batch_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    abstract = ddp.lower(params_like, batch_like).compile().as_text()
+    concrete = ddp.step.lower(ddp.init(params), batch).compile().as_text()
+    assert abstract.count(" all-reduce(") == concrete.count(" all-reduce(") == (
+        ddp.bucket_plan.num_buckets
+    )
+    state_like = ddp.abstract_state(params_like)
+    assert state_like.params["Dense_0"]["kernel"].sharding.is_fully_replicated

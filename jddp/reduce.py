@@ -152,16 +152,20 @@ def _bucket_hook(
             grads = tuple(g + o.astype(g.dtype) for g, o in zip(grads, offset, strict=True))
         if pre_scale is not None:
             grads = tuple(g * jnp.asarray(pre_scale, g.dtype) for g in grads)
-        # Chain on the previous bucket (see the module docstring).
-        grads = tuple(g + ct_dep.astype(g.dtype) for g in grads)
         ctx = HookContext(axis_name, axis_size(axis_name), step, index)
         n = len(grads)
         extras_out = tuple(jnp.zeros_like(s) for s in sink)
-        if last and ct_extras and getattr(hook, "fuses_extras", False):
-            reduced, new_states = hook.reduce(
+        fuses = getattr(hook, "fuses_extras", False)
+        # Chain on the previous bucket (see the module docstring). JAX emits one all-reduce per
+        # leaf and XLA's combiner then merges independent ones, so every leaf needs the
+        # dependency: a scalar carried alongside would not keep the leaves apart.
+        grads = tuple(g + ct_dep.astype(g.dtype) for g in grads)
+        if fuses and last and ct_extras:
+            # The loss and metrics ride on the last bucket's all-reduce.
+            out, new_states = hook.reduce(
                 grads + tuple(ct_extras), states + ((),) * len(ct_extras), ctx
             )
-            reduced, extras_out, new_states = reduced[:n], tuple(reduced[n:]), new_states[:n]
+            reduced, extras_out, new_states = out[:n], tuple(out[n:]), new_states[:n]
         else:
             reduced, new_states = hook.reduce(grads, states, ctx)
         _check_hook_output(hook, grads, reduced, index)
@@ -174,7 +178,7 @@ def _bucket_hook(
             tuple(new_states),
             tuple(states),
         )
-        if last and ct_extras and not getattr(hook, "fuses_extras", False):
+        if last and ct_extras and not fuses:
             # The hook cannot carry the extras: one more (chained) mean all-reduce for them.
             summed = lax.psum(tuple(e + dep.astype(e.dtype) for e in ct_extras), axis_name)
             extras_out = tuple(e / ctx.axis_size for e in summed)

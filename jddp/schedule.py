@@ -61,6 +61,7 @@ _NAME_RE = re.compile(r"%?([\w.\-]+)")
 _TARGET_RE = re.compile(r'custom_call_target="([^"]*)"')
 _OP_NAME_RE = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _GROUPS_RE = re.compile(r"replica_groups=(.*?)(?:, [a-z_]+=|$)")
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
 _IS_SYNC_RE = re.compile(r'"is_sync":\s*(true|false)')
 # Custom-call targets that are matrix multiplications or convolutions (cuBLAS, cuBLASLt, cuDNN).
 _DOT_TARGET_RE = re.compile(r"gemm|matmul|conv", re.IGNORECASE)
@@ -415,7 +416,8 @@ def _parse_instr(line: str) -> _Instr | None:
         return None
     open_at = op.end() - 1
     close = _balanced_end(rest, open_at)
-    operand_text = rest[open_at + 1 : close - 1]
+    # Long operand lists carry /*index=N*/ comments; drop them before reading names.
+    operand_text = _COMMENT_RE.sub("", rest[open_at + 1 : close - 1])
     attrs = rest[close:]
     operands = tuple(
         n.group(1)
@@ -465,7 +467,7 @@ def _split_top(s: str) -> list[str]:
 def _arrays(shape: str) -> list[Operand]:
     out = []
     # Drop /*index=5*/ comments so they are not read as arrays.
-    for m in _ARRAY_RE.finditer(re.sub(r"/\*.*?\*/", "", shape)):
+    for m in _ARRAY_RE.finditer(_COMMENT_RE.sub("", shape)):
         dtype = m.group(1)
         dims = tuple(int(d.strip().lstrip("<=")) for d in m.group(2).split(",") if d.strip())
         bits = _BITS.get(dtype)

@@ -207,7 +207,7 @@ def mlp_dp_step(
     width: int = 512,
     batch: int = 256,
     layers_per_bucket: int = 2,
-    chain: bool = True,
+    chain: str | None = "add",
     dtype: Any = np.float32,
 ) -> tuple[Any, Any, Any]:
     """A hand-written bucketed data-parallel SGD step of a tanh MLP, for schedule tests.
@@ -217,8 +217,8 @@ def mlp_dp_step(
     (``check_vma=False``), and the gradients are reduced per bucket. Buckets take
     ``layers_per_bucket`` layers each in reverse layer order (the order backward produces them);
     a bucket is one ``lax.psum`` over the tuple of its leaves (no concatenation). With ``chain``,
-    every leaf of bucket ``i+1`` gets a data dependency on every reduced leaf of bucket ``i``
-    (``g + 0 * sum(first elements)``), which stops XLA's combiners from merging buckets.
+    every leaf of bucket ``i+1`` gets a data dependency on every reduced leaf of bucket ``i``,
+    which stops XLA's combiners from merging buckets.
 
     Args:
         mesh: a 1-D mesh (CPU devices, :func:`gpu_mesh` or :func:`tpu_mesh`).
@@ -226,7 +226,9 @@ def mlp_dp_step(
         width: layer width.
         batch: global batch size; must divide evenly over the mesh.
         layers_per_bucket: layers per gradient bucket; ``layers / layers_per_bucket`` psums.
-        chain: chain consecutive buckets by a data dependency.
+        chain: how consecutive buckets are chained: ``"add"`` (``g + 0 * sum(first elements)``),
+            ``"barrier"`` (``lax.optimization_barrier((leaves, previous_reduced))``) or ``None``
+            (independent psums, which XLA's combiners may merge).
         dtype: parameter and input dtype.
 
     Returns:
@@ -251,10 +253,14 @@ def mlp_dp_step(
         for start in range(0, layers, layers_per_bucket):
             members = order[start : start + layers_per_bucket]
             leaves = [grads[i][k] for i in members for k in ("w", "b")]
-            if chain and previous:
+            if chain == "add" and previous:
                 # A real data dependency on the previous bucket's result; zero in value.
                 dep = sum(r.ravel()[0] for r in previous)
                 leaves = [g + 0 * dep for g in leaves]
+            elif chain == "barrier" and previous:
+                # The same dependency without arithmetic that XLA could fuse into the GEMMs
+                # producing these gradients: the barrier's outputs depend on all its inputs.
+                leaves, _ = jax.lax.optimization_barrier((leaves, previous))
             out = list(jax.lax.psum(tuple(leaves), axis))
             for j, i in enumerate(members):
                 reduced[i] = {"w": out[2 * j] / size, "b": out[2 * j + 1] / size}

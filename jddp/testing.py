@@ -52,6 +52,7 @@ __all__ = [
 CUDA_PLUGIN_MODULES = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
 
 _SKIP_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+_MULTIPLE_LIBTPU_ENV = "ALLOW_MULTIPLE_LIBTPU_LOAD"
 
 
 def _pip_gpu() -> str:
@@ -156,6 +157,11 @@ def tpu_mesh(topology: str = "v5e:2x4", *, axis_name: str = "data") -> Mesh:
             "(no TPU needed)",
             name="libtpu",
         )
+    # With libtpu installed, every JAX process that initialises its backends (even a CPU-only
+    # one) holds /tmp/libtpu_lockfile while it lives, and libtpu then refuses to start in any
+    # other process ("Internal error when accessing libtpu multi-process lockfile"). Compiling
+    # needs no TPU, so allow the concurrent load; read when libtpu initialises in this process.
+    os.environ.setdefault(_MULTIPLE_LIBTPU_ENV, "1")
     from jax.experimental import topologies
 
     desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -40,6 +40,7 @@ __all__ = [
     "CoordinatorTimeoutError",
     "ProcessInfo",
     "global_batch_from_local",
+    "hard_exit",
     "initialize",
     "is_main_process",
     "local_slice",
@@ -67,7 +68,8 @@ class ProcessInfo:
 
     Attributes:
       source: how the configuration was found: "args", "jddp-env" (set by jddp-run), "cluster"
-        (JAX's auto-detection: SLURM, Open MPI, Cloud TPU) or "single" (no cluster: one process).
+        (JAX's auto-detection: SLURM, Open MPI, Cloud TPU), "single" (no cluster: one process)
+        or "existing" (`jax.distributed` was already initialised).
     """
 
     process_id: int
@@ -93,7 +95,7 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _wait_for_coordinator(address: str, deadline: float) -> None:
+def _wait_for_coordinator(address: str, deadline: float, timeout_s: float) -> None:
     """Polls a TCP connection to the coordinator until it accepts or `deadline` passes.
 
     JAX's own client retries for `initialization_timeout` and then aborts the whole process from
@@ -106,8 +108,8 @@ def _wait_for_coordinator(address: str, deadline: float) -> None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise CoordinatorTimeoutError(
-                f"jddp: could not reach the coordinator at {address} within the start-up "
-                f"timeout (last error: {last_error}). Check that process 0 is running, that the "
+                f"jddp: could not reach the coordinator at {address} within {timeout_s:g} s "
+                f"(last error: {last_error}). Check that process 0 is running, that the "
                 "address and port are the same on every process, and that no firewall blocks it."
             )
         try:
@@ -249,7 +251,7 @@ def initialize(
 
     deadline = time.monotonic() + timeout_s
     if source != "cluster" and process_id != 0:
-        _wait_for_coordinator(coordinator_address, deadline)
+        _wait_for_coordinator(coordinator_address, deadline, timeout_s)
     remaining = max(deadline - time.monotonic(), 1.0)
     where = coordinator_address or "the auto-detected coordinator"
     watchdog = _start_watchdog(
@@ -282,6 +284,21 @@ def initialize(
         _install_fail_fast()
     return ProcessInfo(jax.process_index(), jax.process_count(),
                        _jax_distributed.global_state.coordinator_address, source)
+
+
+def hard_exit(status: int = 1) -> NoReturn:
+    """Ends this process now with `status`, without waiting for the other processes.
+
+    Use it instead of `sys.exit(status)` to fail a rank of a multi-process job: a normal exit
+    runs JAX's shutdown, which waits (up to the shutdown timeout) for every other process to
+    finish too, and may turn the status into an abort (134) when they do not.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(status)
 
 
 def process_index() -> int:

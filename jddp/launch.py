@@ -183,7 +183,7 @@ def launch(
                 reason = (f"rank {first_failure[0]} exited with status {first_failure[1]}; "
                           "ending the other ranks")
             elif stop_signal:
-                reason = f"got signal {stop_signal[0]}; ending all ranks"
+                reason = f"got {signal.Signals(stop_signal[0]).name}; ending all ranks"
                 status = 128 + stop_signal[0]
             elif deadline is not None and time.monotonic() > deadline:
                 reason = f"timed out after {timeout_s:g} s; ending all ranks"

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import jax
@@ -181,6 +182,7 @@ def initialize(
     process_id: int | None = None,
     *,
     local_device_count: int | None = None,
+    local_device_ids: Sequence[int] | None = None,
     timeout_s: float = 120.0,
     heartbeat_timeout_s: int = 60,
     shutdown_timeout_s: int = 30,
@@ -199,6 +201,9 @@ def initialize(
       local_device_count: number of CPU devices to simulate in this process (sets
         `jax_num_cpu_devices`); default `JDDP_LOCAL_DEVICE_COUNT` if set, else JAX's default.
         Has no effect on GPU/TPU devices.
+      local_device_ids: accelerators this process uses (passed to JAX). Under SLURM and Open MPI,
+        JAX defaults to the one GPU numbered by the local rank; give all of them for one process
+        per node.
       timeout_s: bound on start-up. A rank that cannot reach the coordinator raises
         `CoordinatorTimeoutError`; a process stuck inside JAX's connect (e.g. process 0 waiting
         for ranks that never start) prints why and exits with status 1.
@@ -266,6 +271,7 @@ def initialize(
             coordinator_address,
             num_processes,
             process_id,
+            local_device_ids=local_device_ids,
             # JAX's own timeout only as a backstop behind the watchdog: it aborts without a
             # useful message.
             initialization_timeout=math.ceil(remaining) + 5,
@@ -273,7 +279,7 @@ def initialize(
             shutdown_timeout_seconds=int(shutdown_timeout_s),
         )
     except ValueError as e:
-        if source == "cluster" and "defined" in str(e):
+        if source == "cluster" and "coordinator_address" in str(e):
             # JAX found no cluster environment: a plain single-process run.
             return ProcessInfo(0, 1, None, "single")
         raise

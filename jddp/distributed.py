@@ -142,10 +142,9 @@ def _start_watchdog(seconds: float, message: str) -> threading.Timer:
 
 def _fail_fast_excepthook(exc_type, exc, tb) -> None:
     """Prints an uncaught exception and exits at once, skipping JAX's blocking shutdown."""
-    try:
-        rank = jax.process_index()
-    except Exception:  # the backend may not be up; the traceback matters more than the rank
-        rank = "?"
+    # Not jax.process_index(): if the backend is not up yet, that would start it and wait for
+    # every other process.
+    rank = _jax_distributed.global_state.process_id
     try:
         sys.stderr.write(f"jddp: uncaught exception in process {rank}; exiting without waiting "
                          "for the other processes\n")
@@ -220,8 +219,9 @@ def initialize(
       The resulting `ProcessInfo`.
     """
     if jax.distributed.is_initialized():
-        return ProcessInfo(jax.process_index(), jax.process_count(),
-                           _jax_distributed.global_state.coordinator_address, "existing")
+        state = _jax_distributed.global_state
+        return ProcessInfo(state.process_id, state.num_processes, state.coordinator_address,
+                           "existing")
 
     explicit = any(v is not None for v in (coordinator_address, num_processes, process_id))
     from_env = not explicit and os.environ.get(ENV_COORDINATOR) is not None
@@ -232,15 +232,6 @@ def initialize(
         if num_processes is None or process_id is None:
             raise ValueError(f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} and "
                              f"{ENV_PROCESS_ID} are not both set")
-    if local_device_count is None:
-        local_device_count = _env_int(ENV_LOCAL_DEVICE_COUNT)
-    if local_device_count is not None:
-        _set_local_device_count(local_device_count)
-    if preemption_service is None and os.environ.get(ENV_COORDINATOR) is not None:
-        preemption_service = False
-    if preemption_service is not None:
-        jax.config.update("jax_enable_preemption_service", preemption_service)
-
     if explicit or from_env:
         if None in (coordinator_address, num_processes, process_id):
             raise ValueError("coordinator_address, num_processes and process_id must be given "
@@ -249,10 +240,20 @@ def initialize(
         assert num_processes is not None and process_id is not None
         if not 0 <= process_id < num_processes:
             raise ValueError(f"process_id={process_id} is not in [0, {num_processes})")
-        if num_processes == 1:
-            return ProcessInfo(0, 1, None, "single")
     else:
         source = "cluster"
+
+    # Settings that must precede the backend, applied only once the arguments are known good.
+    if local_device_count is None:
+        local_device_count = _env_int(ENV_LOCAL_DEVICE_COUNT)
+    if local_device_count is not None:
+        _set_local_device_count(local_device_count)
+    if preemption_service is None and os.environ.get(ENV_COORDINATOR) is not None:
+        preemption_service = False
+    if preemption_service is not None:
+        jax.config.update("jax_enable_preemption_service", preemption_service)
+    if num_processes == 1:
+        return ProcessInfo(0, 1, None, "single")
 
     deadline = time.monotonic() + timeout_s
     if source != "cluster" and process_id != 0:
@@ -286,10 +287,12 @@ def initialize(
     finally:
         watchdog.cancel()
 
-    if fail_fast and jax.process_count() > 1:
+    # Read from the distributed state, not jax.process_count(): that would start the backend
+    # (and its topology exchange with every process) here.
+    state = _jax_distributed.global_state
+    if fail_fast and state.num_processes > 1:
         _install_fail_fast()
-    return ProcessInfo(jax.process_index(), jax.process_count(),
-                       _jax_distributed.global_state.coordinator_address, source)
+    return ProcessInfo(state.process_id, state.num_processes, state.coordinator_address, source)
 
 
 def hard_exit(status: int = 1) -> NoReturn:

@@ -195,10 +195,10 @@ def launch(
             time.sleep(_POLL_S)
     finally:
         # Also on an error in the launcher itself: never leave ranks behind.
+        # (Ranks that ended were already swept: their process groups got SIGKILL.)
         live = [p for p in procs if p.poll() is None]
         if live:
             _terminate(live, grace_s)
-        _signal_groups(procs, signal.SIGKILL)
         for t in pumps:
             t.join(timeout=2.0)
         for sig, handler in old_handlers.items():

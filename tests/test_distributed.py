@@ -136,7 +136,7 @@ def test_unreachable_coordinator_raises_clear_error_within_timeout():
     assert rc == 0, err
     m = re.search(r"CAUGHT ([\d.]+) (.*)", out)
     assert m, (out, err)
-    assert 2.0 <= float(m.group(1)) < 4.0
+    assert 2.0 <= float(m.group(1)) < 8.0  # JAX alone would retry for 300 s, then abort
     assert f"127.0.0.1:{port}" in m.group(2) and "within 2 s" in m.group(2)
 
 

@@ -41,8 +41,9 @@ print(f"RESULT rank={info.process_id} procs={jax.process_count()} "
       f"psum={float(total)}")
 """
 
-# Each rank records its pid and a grandchild's; rank 1 fails (MODE) while rank 0 blocks in a
-# collective that can never complete.
+# Each rank records its pid and a grandchild's. Rank 1 then fails (MODE): "raise-early" before
+# JAX's backend starts (rank 0 waits in the start-up topology exchange), "raise"/"hard_exit"
+# after one psum together (rank 0 waits in a second psum that can never complete).
 FAIL_SCRIPT = """
 import os, subprocess, sys, time
 import jax
@@ -55,17 +56,21 @@ child = subprocess.Popen(["sleep", "1000"])
 with open(os.path.join(sys.argv[1], f"pids.{info.process_id}"), "w") as f:
     f.write(f"{os.getpid()}\\n{child.pid}\\n")
 mode = sys.argv[2]
-if info.process_id == 1:
-    time.sleep(1.0)  # let rank 0 enter the collective first
-    if mode == "raise":
-        raise RuntimeError("rank 1 fails on purpose")
-    if mode == "hard_exit":
-        dist.hard_exit(7)
+if info.process_id == 1 and mode == "raise-early":
+    time.sleep(1.0)
+    raise RuntimeError("rank 1 fails on purpose")
 mesh = Mesh(np.array(jax.devices()), ("data",))
 x = dist.shard_global_batch(np.ones(jax.device_count(), np.float32), mesh)
 f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v.sum(), "data"), mesh=mesh,
                           in_specs=P("data"), out_specs=P()))
 print("PSUM", float(f(x)), flush=True)
+if info.process_id == 1:
+    time.sleep(1.0)  # let rank 0 enter the second psum first
+    if mode == "raise":
+        raise RuntimeError("rank 1 fails on purpose")
+    if mode == "hard_exit":
+        dist.hard_exit(7)
+print("PSUM2", float(f(x)), flush=True)
 time.sleep(100)
 """
 
@@ -237,7 +242,7 @@ def test_two_processes_psum_over_gloo(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, status", [("raise", 1), ("hard_exit", 7)])
+@pytest.mark.parametrize("mode, status", [("raise-early", 1), ("raise", 1), ("hard_exit", 7)])
 def test_failing_rank_ends_job_fast_with_no_leftovers(tmp_path, mode, status):
     script = _write(tmp_path, "fail.py", FAIL_SCRIPT)
     try:
@@ -245,12 +250,15 @@ def test_failing_rank_ends_job_fast_with_no_leftovers(tmp_path, mode, status):
             ["-n", "2", "--devices-per-process", "2", "--grace", "3", "--timeout", "50",
              str(script), str(tmp_path), mode], timeout=55)
         assert rc == status, (out, err)
-        # Rank 0 is stuck in a psum that rank 1 never joins; without fail-fast + SIGTERM it
-        # would hang until the 50 s timeout.
+        # Rank 0 is stuck waiting for rank 1; without fail-fast + a working SIGTERM the job
+        # would take >= 30 s (JAX's shutdown wait) or hang until the 50 s timeout.
         assert secs < 25, secs
         assert f"rank 1 exited with status {status}" in err
-        if mode == "raise":
+        if mode.startswith("raise"):
             assert "[rank1] RuntimeError: rank 1 fails on purpose" in err
+        if mode != "raise-early":
+            assert "[rank0] PSUM 4.0" in out and "[rank1] PSUM 4.0" in out
+            assert "PSUM2" not in out
         pids = read_pids(tmp_path)
         assert len(pids) == 4
         assert wait_all_dead(pids) == []

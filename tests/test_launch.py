@@ -265,3 +265,50 @@ def test_failing_rank_ends_job_fast_with_no_leftovers(tmp_path, mode, status):
         print(f"{mode}: job ended in {secs:.1f} s")
     finally:
         kill_leftovers(read_pids(tmp_path))
+
+
+# A DataParallel job: 2 processes x 2 devices must match plain SGD on the whole batch.
+DDP_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.experimental import multihost_utils
+import jddp
+
+info = jddp.initialize(timeout_s=30)
+mesh = jddp.data_mesh()
+rng = np.random.default_rng(0)
+X = rng.normal(size=(16, 3)).astype(np.float32)
+Y = rng.normal(size=(16, 1)).astype(np.float32)
+loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh)
+state = ddp.init({"w": np.zeros((3, 1), np.float32), "b": np.zeros((1,), np.float32)})
+for _ in range(5):
+    state, metrics = ddp.step(state, jddp.shard_global_batch({"x": X, "y": Y}, mesh))
+w = multihost_utils.process_allgather(state.params["w"], tiled=True)
+print("W", ",".join(repr(float(v)) for v in np.ravel(w)), "DEVICES", jax.device_count())
+"""
+
+
+@pytest.mark.slow
+def test_data_parallel_across_two_processes_matches_single_device(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    script = _write(tmp_path, "ddp.py", DDP_SCRIPT)
+    rc, out, err, _ = run_launcher(
+        ["-n", "2", "--devices-per-process", "2", "--timeout", "50", str(script)], timeout=55)
+    assert rc == 0, (out, err)
+    rows = re.findall(r"\[rank(\d)\] W (\S+) DEVICES 4", out)
+    assert sorted(r for r, _ in rows) == ["0", "1"], out
+    assert rows[0][1] == rows[1][1]  # both processes hold the same parameters
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 3)).astype(np.float32)
+    y = rng.normal(size=(16, 1)).astype(np.float32)
+    params = {"w": jnp.zeros((3, 1)), "b": jnp.zeros((1,))}
+    loss = lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+    for _ in range(5):
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params))
+    got = np.array([float(v) for v in rows[0][1].split(",")])
+    np.testing.assert_allclose(got, np.ravel(params["w"]), rtol=1e-5, atol=1e-6)
+    assert np.abs(got).max() > 1e-3  # the parameters moved

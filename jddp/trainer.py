@@ -79,6 +79,9 @@ class DataParallel:
       first_bucket_mb: cap of the first bucket in MiB (DDP's default 1).
       hook: communication hook for each bucket (default: mean all-reduce).
       bucket_plan: a fixed plan to use instead of planning from the traced use order.
+      chain: how buckets are kept apart in the compiled step: ``"auto"`` (``"barrier"`` on GPU,
+        ``"add"`` on CPU and TPU; see :func:`jddp.reduce.resolve_chain`), or ``"none"`` to let
+        XLA's combiner merge all-reduces as it likes.
       donate: donate the old state's buffers to the new one (default True).
     """
 
@@ -93,6 +96,7 @@ class DataParallel:
         has_aux: bool = False,
         hook: CommHook | None = None,
         bucket_plan: buckets_lib.BucketPlan | None = None,
+        chain: str = "auto",
         donate: bool = True,
     ) -> None:
         if not callable(loss_fn):
@@ -118,6 +122,9 @@ class DataParallel:
         self.first_bucket_mb = float(first_bucket_mb)
         self.has_aux = has_aux
         self.hook = hook or allreduce_mean()
+        if chain not in reduce_lib.CHAIN_MODES:
+            raise ValueError(f"chain must be one of {reduce_lib.CHAIN_MODES}, got {chain!r}.")
+        self.chain = chain
         self._fixed_plan = bucket_plan
         self._last_plan: buckets_lib.BucketPlan | None = None
         self.step = jax.jit(self._step, donate_argnums=(0,) if donate else ())
@@ -246,6 +253,7 @@ class DataParallel:
             step=state.step,
             has_aux=True,
             extras_fn=_metrics_of,
+            chain=self.chain,
         )
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

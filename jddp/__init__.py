@@ -1,5 +1,6 @@
 """jddp: distributed data-parallel training for JAX, built like PyTorch DDP."""
 
+from jddp import nnx
 from jddp.buckets import Bucket, BucketPlan, plan_buckets
 from jddp.hooks import CommHook, HookContext, allreduce_mean
 from jddp.mesh import batch_sharding, data_mesh, replicate, replicated, shard_batch
@@ -18,6 +19,7 @@ __all__ = [
     "bucketed_value_and_grad",
     "data_mesh",
     "init_hook_state",
+    "nnx",
     "plan_buckets",
     "replicate",
     "replicated",

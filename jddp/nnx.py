@@ -8,8 +8,8 @@ counts); ``nnx.merge`` rebuilds the model from them inside the step.
 Two entry points:
 
 - :class:`DataParallel` -- the NNX counterpart of :class:`jddp.DataParallel`, for a
-  ``loss_fn(model, batch)``. Non-``Param`` state that the forward pass changes (BatchNorm statistics,
-  RNG counts) is carried in ``TrainState.model_state`` and kept identical on every device.
+  ``loss_fn(model, batch)``. Non-``Param`` state that the forward pass changes (BatchNorm
+  statistics, RNG counts) is carried in ``TrainState.model_state``, identical on every device.
 - :func:`wrap` -- turns a model and a ``loss_fn(model, batch)`` into a pure
   ``loss(params, batch)`` plus the ``Param`` state, for :class:`jddp.DataParallel`,
   :func:`jddp.value_and_grad` or your own ``shard_map``. The non-``Param`` state is frozen into the
@@ -194,7 +194,8 @@ class DataParallel:
         if self.has_aux:
             if not isinstance(out, tuple) or len(out) != 2:
                 raise TypeError(
-                    f"With has_aux=True, loss_fn must return (loss, metrics), got {type(out).__name__}."
+                    "With has_aux=True, loss_fn must return (loss, metrics), got "
+                    f"{type(out).__name__}."
                 )
             loss, metrics = out
         else:

@@ -146,8 +146,9 @@ def test_model_state_batchnorm_and_rng_are_synchronised():
         m(jnp.asarray(shard))
         means.append(np.asarray(m.bn.mean.get_value()))
         vars_.append(np.asarray(m.bn.var.get_value()))
-    np.testing.assert_allclose(state.model_state["bn"]["mean"].get_value(), np.mean(means, 0), **TOL)
-    np.testing.assert_allclose(state.model_state["bn"]["var"].get_value(), np.mean(vars_, 0), **TOL)
+    bn = state.model_state["bn"]
+    np.testing.assert_allclose(bn["mean"].get_value(), np.mean(means, 0), **TOL)
+    np.testing.assert_allclose(bn["var"].get_value(), np.mean(vars_, 0), **TOL)
     # Replicated: every device holds the same statistics.
     mean = state.model_state["bn"]["mean"].get_value()
     shards = [np.asarray(s.data) for s in mean.addressable_shards]

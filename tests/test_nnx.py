@@ -163,3 +163,15 @@ def test_model_state_batchnorm_and_rng_are_synchronised():
 def test_rejects_non_nnx_model():
     with pytest.raises(TypeError, match="nnx.Module"):
         jddp.nnx.DataParallel({"w": jnp.ones(3)}, optax.sgd(0.1), loss_fn=mse)
+
+
+def test_example_train_nnx_runs():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "examples" / "train_nnx.py"
+    spec = importlib.util.spec_from_file_location("train_nnx", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = example.main(["--steps", "30", "--batch-size", "64"])
+    assert np.isfinite(out["loss"]) and out["test_accuracy"] > 0.4  # 4 classes: chance is 0.25

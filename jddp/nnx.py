@@ -150,6 +150,7 @@ class DataParallel:
 
     @property
     def num_devices(self) -> int:
+        """The number of devices of the data mesh (replicas)."""
         return self.mesh.size
 
     @property

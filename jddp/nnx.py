@@ -38,6 +38,12 @@ from jddp.hooks import CommHook, allreduce_mean
 __all__ = ["DataParallel", "wrap"]
 
 
+def _split(model: nnx.Module, wrt: Any) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """``(graphdef, wrt_state, rest)``: ``nnx.split`` with exactly two filters."""
+    graphdef, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]
+    return graphdef, params, rest
+
+
 def wrap(
     model: nnx.Module,
     loss_fn: Callable[..., Any],
@@ -66,7 +72,7 @@ def wrap(
       forward pass makes to the non-``wrt`` state are discarded; use :class:`DataParallel` for
       models with BatchNorm statistics or dropout RNG streams.
     """
-    graphdef, params, rest = nnx.split(model, wrt, ...)
+    graphdef, params, rest = _split(model, wrt)
 
     def loss_over_params(params: nnx.State, *args: Any) -> Any:
         return loss_fn(nnx.merge(graphdef, params, rest), *args)
@@ -164,7 +170,7 @@ class DataParallel:
     def split(self, model: nnx.Module | None = None) -> tuple[nnx.State, nnx.State]:
         """``(params, rest)`` of ``model`` (default: the model given at construction)."""
         model = self._model if model is None else model
-        graphdef, params, rest = nnx.split(model, self.wrt, ...)
+        graphdef, params, rest = _split(model, self.wrt)
         if graphdef != self.graphdef:
             raise ValueError("model does not have the structure of the model this was built with.")
         return params, rest
@@ -201,7 +207,7 @@ class DataParallel:
             loss, metrics = out
         else:
             loss, metrics = out, {}
-        _, _, new_rest = nnx.split(model, self.wrt, ...)
+        _, _, new_rest = _split(model, self.wrt)
         return loss, (metrics, new_rest)
 
     def _step(self, state: trainer_lib.TrainState, batch: Any):

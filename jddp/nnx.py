@@ -115,6 +115,11 @@ class DataParallel:
       wrt: the NNX filter of the trained state (default ``nnx.Param``).
       mesh, bucket_cap_mb, first_bucket_mb, hook, donate: as for :class:`jddp.DataParallel`.
       has_aux: whether ``loss_fn`` returns ``(loss, metrics)``.
+
+    Attributes:
+      step: the jitted step, ``step(state, batch) -> (state, metrics)``; ``batch`` has the global
+        batch as leading dimension, ``metrics["loss"]`` is the loss averaged over devices.
+      graphdef: the model's static structure (``nnx.graphdef(model)``).
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """jddp: distributed data-parallel training for JAX, built like PyTorch DDP."""
 
-from jddp import distributed
+from jddp import distributed, nnx
 from jddp.buckets import Bucket, BucketPlan, plan_buckets
 from jddp.distributed import (
     global_batch_from_local,
@@ -31,6 +31,7 @@ __all__ = [
     "initialize",
     "is_main_process",
     "local_slice",
+    "nnx",
     "plan_buckets",
     "replicate",
     "replicated",

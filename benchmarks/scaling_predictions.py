@@ -166,8 +166,9 @@ def plot_timeline(path: str) -> None:
         ax.barh(1, est.forward_s * 1e3, color="tab:blue", label="forward")
         ax.barh(1, est.backward_s * 1e3, left=est.forward_s * 1e3, color="tab:orange",
                 label="backward")
-        ax.barh(1, est.optimizer_s * 1e3 or 0.5, left=(est.iteration_s - est.optimizer_s) * 1e3,
-                color="tab:gray", label="optimizer")
+        if est.optimizer_s > 0:  # the reference profiles leave the optimizer out (0 s)
+            ax.barh(1, est.optimizer_s * 1e3, left=(est.iteration_s - est.optimizer_s) * 1e3,
+                    color="tab:gray", label="optimizer")
         for b in est.buckets:
             ax.barh(0, b.duration_s * 1e3, left=b.start_s * 1e3, color="tab:green",
                     edgecolor="k")

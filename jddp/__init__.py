@@ -2,6 +2,7 @@
 
 from jddp import distributed, nnx
 from jddp.buckets import Bucket, BucketPlan, plan_buckets
+from jddp.costmodel import ClusterSpec, Link, ModelProfile, suggest_bucket_cap
 from jddp.distributed import (
     global_batch_from_local,
     initialize,
@@ -17,9 +18,12 @@ from jddp.trainer import DataParallel, TrainState
 __all__ = [
     "Bucket",
     "BucketPlan",
+    "ClusterSpec",
     "CommHook",
     "DataParallel",
     "HookContext",
+    "Link",
+    "ModelProfile",
     "TrainState",
     "allreduce_mean",
     "batch_sharding",
@@ -37,5 +41,6 @@ __all__ = [
     "replicated",
     "shard_batch",
     "shard_global_batch",
+    "suggest_bucket_cap",
     "value_and_grad",
 ]

@@ -384,6 +384,10 @@ def bucketed_value_and_grad(
         mean_extras = tuple(lax.pmean(extras, axis_name))
     ct_token = (jnp.zeros((), jnp.float32), extras if plan.num_buckets else extras_zero)
     grad_leaves, new_states, _, reduced = vjp_fn((jnp.ones_like(loss), ct_token))
+    # plan.unused leaves have no gradient path to the loss: state the zero explicitly, so that it is
+    # identical on every replica whatever autodiff materialises for them.
+    unused = frozenset(plan.unused)
+    grad_leaves = [jnp.zeros_like(g) if i in unused else g for i, g in enumerate(grad_leaves)]
     if plan.num_buckets:
         mean_extras = tuple(reduced)
     elif not extras:

@@ -3,24 +3,44 @@
 from jddp.buckets import Bucket, BucketPlan, plan_buckets
 from jddp.hooks import CommHook, HookContext, allreduce_mean
 from jddp.mesh import batch_sharding, data_mesh, replicate, replicated, shard_batch
+from jddp.model_state import SYNC_MODES
 from jddp.reduce import bucketed_value_and_grad, init_hook_state, value_and_grad
 from jddp.trainer import DataParallel, TrainState
+from jddp.uneven import pad_batch
+from jddp.unused import grad_reachable
+from jddp.verify import (
+    Divergence,
+    ReplicaDivergenceError,
+    check_same_structure,
+    describe,
+    sync_from_process0,
+    verify_replicas,
+)
 
 __all__ = [
     "Bucket",
     "BucketPlan",
     "CommHook",
     "DataParallel",
+    "Divergence",
     "HookContext",
+    "ReplicaDivergenceError",
+    "SYNC_MODES",
     "TrainState",
     "allreduce_mean",
     "batch_sharding",
     "bucketed_value_and_grad",
+    "check_same_structure",
     "data_mesh",
+    "describe",
+    "grad_reachable",
     "init_hook_state",
+    "pad_batch",
     "plan_buckets",
     "replicate",
     "replicated",
     "shard_batch",
+    "sync_from_process0",
     "value_and_grad",
+    "verify_replicas",
 ]

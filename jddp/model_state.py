@@ -139,8 +139,8 @@ def _from_uint(u: jax.Array, dtype: np.dtype) -> jax.Array:
 def _encode_bits(x: jax.Array, n: int, axis_name: Any) -> jax.Array:
     """Replica 0's bits of ``x`` as exact float32 integers times ``n``, zeros on other replicas."""
     u = _as_uint(x)
-    bits = _chunk_bits(n)
     width = 8 * u.dtype.itemsize
+    bits = min(_chunk_bits(n), width)
     mask = jnp.asarray(2**bits - 1, u.dtype)
     chunks = [((u >> jnp.asarray(s, u.dtype)) & mask).astype(jnp.float32)
               for s in range(0, width, bits)]
@@ -150,10 +150,9 @@ def _encode_bits(x: jax.Array, n: int, axis_name: Any) -> jax.Array:
 
 def _decode_bits(mean: jax.Array, dtype: np.dtype, n: int) -> jax.Array:
     """Inverts :func:`_encode_bits` on the mean over replicas (which is each chunk, exactly)."""
-    udtype = jnp.bool_ if dtype == np.bool_ else dtype
-    itemsize = 1 if dtype == np.bool_ else np.dtype(udtype).itemsize
+    itemsize = 1 if dtype == np.bool_ else np.dtype(dtype).itemsize
     utype = _UINT[itemsize]
-    bits = _chunk_bits(n)
+    bits = min(_chunk_bits(n), 8 * itemsize)
     # round() guards against a division implemented as a multiplication by 1/N.
     chunks = jnp.clip(jnp.round(mean), 0, 2**bits - 1).astype(utype)
     u = jnp.zeros(mean.shape[1:], utype)

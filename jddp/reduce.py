@@ -355,7 +355,9 @@ def bucketed_value_and_grad(
 
         for i in plan.unused:
             # Unused leaves get a zero gradient, identical on every replica: nothing to reduce.
-            hooked[i] = leaves_in[i]
+            # They may still be read (by aux outputs, integer paths): varying like the traced
+            # params, and behind stop_gradient so that no implicit reduction is transposed.
+            hooked[i] = _to_varying(lax.stop_gradient(leaves_in[i]), axis_name)
         outs = _eval_with_hooks(
             closed.jaxpr, closed.consts, list(leaves_in) + list(arg_leaves), param_vars, hooked,
             apply_bucket, owner,

@@ -56,7 +56,7 @@ def describe(tree: Any) -> tuple[LeafDesc, ...]:
     """The :class:`LeafDesc` of every leaf of ``tree``, in ``jax.tree.leaves`` order."""
     return tuple(
         LeafDesc(key_path_str(path), tuple(int(d) for d in np.shape(leaf)),
-                 str(getattr(leaf, "dtype", np.result_type(leaf))))
+                 str(leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)))
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
     )
 
@@ -89,7 +89,7 @@ def check_same_structure(
     if process_index is None:
         process_index = jax.process_index()
     prints = [
-        [int(x) for x in (fingerprint(d) if d and isinstance(d[0], tuple) else d)]
+        [int(x) for x in (fingerprint(d) if len(d) and isinstance(d[0], tuple) else d)]
         for d in all_descs
     ]
     ref = prints[0]

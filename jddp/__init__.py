@@ -1,6 +1,14 @@
 """jddp: distributed data-parallel training for JAX, built like PyTorch DDP."""
 
+from jddp import distributed
 from jddp.buckets import Bucket, BucketPlan, plan_buckets
+from jddp.distributed import (
+    global_batch_from_local,
+    initialize,
+    is_main_process,
+    local_slice,
+    shard_global_batch,
+)
 from jddp.hooks import CommHook, HookContext, allreduce_mean
 from jddp.mesh import batch_sharding, data_mesh, replicate, replicated, shard_batch
 from jddp.model_state import SYNC_MODES
@@ -33,13 +41,19 @@ __all__ = [
     "check_same_structure",
     "data_mesh",
     "describe",
+    "distributed",
+    "global_batch_from_local",
     "grad_reachable",
     "init_hook_state",
+    "initialize",
+    "is_main_process",
+    "local_slice",
     "pad_batch",
     "plan_buckets",
     "replicate",
     "replicated",
     "shard_batch",
+    "shard_global_batch",
     "sync_from_process0",
     "value_and_grad",
     "verify_replicas",

@@ -97,8 +97,10 @@ class BucketPlan(NamedTuple):
 
     def table(self) -> str:
         """A readable table: one row per bucket with its bytes and parameter paths."""
-        rows = [f"BucketPlan: {self.num_buckets} buckets, {_fmt_bytes(self.total_bytes)}, "
-                f"cap {_fmt_bytes(self.cap_bytes)}, first bucket {_fmt_bytes(self.first_bytes)}"]
+        rows = [
+            f"BucketPlan: {self.num_buckets} buckets, {_fmt_bytes(self.total_bytes)}, "
+            f"cap {_fmt_bytes(self.cap_bytes)}, first bucket {_fmt_bytes(self.first_bytes)}"
+        ]
         rows.append(f"{'#':>3}  {'bytes':>10}  {'dtype':<9} {'leaves':>6}  parameters")
         for i, b in enumerate(self.buckets):
             names = ", ".join(b.paths)
@@ -108,8 +110,10 @@ class BucketPlan(NamedTuple):
                 f"{i:>3}  {_fmt_bytes(b.nbytes):>10}  {str(b.dtype):<9} {len(b.indices):>6}  {names}"
             )
         if self.unused:
-            rows.append("unused (no gradient, not reduced): "
-                        + ", ".join(self.paths[i] for i in self.unused))
+            rows.append(
+                "unused (no gradient, not reduced): "
+                + ", ".join(self.paths[i] for i in self.unused)
+            )
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -206,9 +210,9 @@ def _sub_jaxprs(eqn: Any) -> list[tuple[Any, list[Any]]]:
         return out
     if name == "while":
         nc, nb = params["cond_nconsts"], params["body_nconsts"]
-        carry = list(eqn.invars[nc + nb:])
+        carry = list(eqn.invars[nc + nb :])
         out.append((params["cond_jaxpr"].jaxpr, list(eqn.invars[:nc]) + carry))
-        out.append((params["body_jaxpr"].jaxpr, list(eqn.invars[nc:nc + nb]) + carry))
+        out.append((params["body_jaxpr"].jaxpr, list(eqn.invars[nc : nc + nb]) + carry))
         return out
     for value in params.values():
         for sub in value if isinstance(value, tuple | list) else (value,):
@@ -301,15 +305,13 @@ def make_plan(
     paths = tuple(key_path_str(p) for p, _ in path_leaves)
     shapes = tuple(tuple(np.shape(x)) for x in leaves)
     dtypes = tuple(_dtype(x) for x in leaves)
-    nbytes = [int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in zip(shapes, dtypes)]
+    nbytes = [int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in zip(shapes, dtypes, strict=True)]
     if len(use_times) != len(leaves):
         raise ValueError(f"{len(use_times)} use times for {len(leaves)} leaves.")
     used = [i for i, t in enumerate(use_times) if t is not None]
     unused = tuple(i for i, t in enumerate(use_times) if t is None)
     order = sorted(used, key=lambda i: (use_times[i], i), reverse=True)
-    groups = assign_buckets(
-        [nbytes[i] for i in order], [dtypes[i] for i in order], cap, first
-    )
+    groups = assign_buckets([nbytes[i] for i in order], [dtypes[i] for i in order], cap, first)
     buckets = tuple(
         Bucket(
             indices=tuple(order[p] for p in g),

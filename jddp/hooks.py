@@ -47,7 +47,9 @@ class CommHook(NamedTuple):
     """A communication hook: ``init(leaves) -> state`` and ``reduce(grads, state, ctx)``."""
 
     init: Callable[[jax.ShapeDtypeStruct], Any]
-    reduce: Callable[[tuple[jax.Array, ...], tuple, HookContext], tuple[tuple[jax.Array, ...], tuple]]
+    reduce: Callable[
+        [tuple[jax.Array, ...], tuple, HookContext], tuple[tuple[jax.Array, ...], tuple]
+    ]
     name: str = "hook"
     fuses_extras: bool = False
 

@@ -152,32 +152,44 @@ def _bucket_hook(
             grads = tuple(g + o.astype(g.dtype) for g, o in zip(grads, offset, strict=True))
         if pre_scale is not None:
             grads = tuple(g * jnp.asarray(pre_scale, g.dtype) for g in grads)
-        # Chain on the previous bucket (see the module docstring).
-        grads = tuple(g + ct_dep.astype(g.dtype) for g in grads)
         ctx = HookContext(axis_name, axis_size(axis_name), step, index)
         n = len(grads)
         extras_out = tuple(jnp.zeros_like(s) for s in sink)
-        if last and ct_extras and getattr(hook, "fuses_extras", False):
-            reduced, new_states = hook.reduce(grads + tuple(ct_extras), states + ((),) * len(ct_extras), ctx)
-            reduced, extras_out, new_states = reduced[:n], tuple(reduced[n:]), new_states[:n]
+        fuses = getattr(hook, "fuses_extras", False)
+        # Chain on the previous bucket (see the module docstring). JAX emits one all-reduce per
+        # leaf and XLA's combiner then merges independent ones, so every leaf needs the
+        # dependency: a scalar carried alongside would not keep the leaves apart.
+        grads = tuple(g + ct_dep.astype(g.dtype) for g in grads)
+        if fuses and last and ct_extras:
+            # The loss and metrics ride on the last bucket's all-reduce.
+            out, new_states = hook.reduce(
+                grads + tuple(ct_extras), states + ((),) * len(ct_extras), ctx
+            )
+            reduced, extras_out, new_states = out[:n], tuple(out[n:]), new_states[:n]
         else:
             reduced, new_states = hook.reduce(grads, states, ctx)
         _check_hook_output(hook, grads, reduced, index)
         _check_hook_state(hook, states, new_states, index)
-        reduced = tuple(_match_varying(r, v, axis_name) for r, v in zip(reduced, varying))
+        # The dependency is taken before casting back to varying: the token is replicated.
+        dep = _zero_dependency(reduced)
+        reduced = tuple(_match_varying(r, v, axis_name) for r, v in zip(reduced, varying, strict=True))
         new_states = jax.tree.map(
             lambda x, old: _match_varying(x, _varying_axes(old), axis_name),
-            tuple(new_states), tuple(states),
+            tuple(new_states),
+            tuple(states),
         )
-        dep = _zero_dependency(reduced)
-        if last and ct_extras and not getattr(hook, "fuses_extras", False):
+        if last and ct_extras and not fuses:
             # The hook cannot carry the extras: one more (chained) mean all-reduce for them.
             summed = lax.psum(tuple(e + dep.astype(e.dtype) for e in ct_extras), axis_name)
             extras_out = tuple(e / ctx.axis_size for e in summed)
-        extras_out = tuple(_match_varying(e, _varying_axes(s), axis_name)
-                           for e, s in zip(extras_out, sink, strict=True))
+        extras_out = tuple(
+            _match_varying(e, _varying_axes(s), axis_name)
+            for e, s in zip(extras_out, sink, strict=True)
+        )
         ct_token = (
-            _match_varying(dep.astype(jnp.result_type(token[0])), _varying_axes(token[0]), axis_name),
+            _match_varying(
+                dep.astype(jnp.result_type(token[0])), _varying_axes(token[0]), axis_name
+            ),
             tuple(jnp.zeros_like(e) for e in ct_extras) if last else tuple(ct_extras),
         )
         return (
@@ -334,7 +346,9 @@ def bucketed_value_and_grad(
         extras_shape = ()
     owner = {i: b for b, bucket in enumerate(plan.buckets) for i in bucket.indices}
     last = plan.num_buckets - 1
-    hooks = [_bucket_hook(b, hook, axis_name, pre_scale, b == last) for b in range(plan.num_buckets)]
+    hooks = [
+        _bucket_hook(b, hook, axis_name, pre_scale, b == last) for b in range(plan.num_buckets)
+    ]
     arg_leaves = jax.tree.leaves(args)
     param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars[: len(leaves)])}
 
@@ -348,8 +362,12 @@ def bucketed_value_and_grad(
             idx = plan.buckets[b].indices
             off = tuple(offsets[i] for i in idx) if offsets is not None else ()
             token[0], out = hooks[b](
-                token[0], tuple(leaves_in[i] for i in idx), tuple(states[i] for i in idx), off,
-                step, sink if b == last else tuple(jnp.zeros_like(s) for s in sink),
+                token[0],
+                tuple(leaves_in[i] for i in idx),
+                tuple(states[i] for i in idx),
+                off,
+                step,
+                sink if b == last else tuple(jnp.zeros_like(s) for s in sink),
             )
             hooked.update(zip(idx, out, strict=True))
 
@@ -359,8 +377,13 @@ def bucketed_value_and_grad(
             # params, and behind stop_gradient so that no implicit reduction is transposed.
             hooked[i] = _to_varying(lax.stop_gradient(leaves_in[i]), axis_name)
         outs = _eval_with_hooks(
-            closed.jaxpr, closed.consts, list(leaves_in) + list(arg_leaves), param_vars, hooked,
-            apply_bucket, owner,
+            closed.jaxpr,
+            closed.consts,
+            list(leaves_in) + list(arg_leaves),
+            param_vars,
+            hooked,
+            apply_bucket,
+            owner,
         )
         # Buckets whose parameters never reached an equation still reduce, exactly once.
         for b in range(plan.num_buckets):
@@ -370,11 +393,14 @@ def bucketed_value_and_grad(
         return (loss, token[0]), aux
 
     extras_zero = tuple(
-        _to_varying(jnp.zeros(e.shape, jnp.float32), axis_name) for e in jax.tree.leaves(extras_shape)
+        _to_varying(jnp.zeros(e.shape, jnp.float32), axis_name)
+        for e in jax.tree.leaves(extras_shape)
     )
     token0 = (jnp.zeros((), jnp.float32), extras_zero)
     sink0 = tuple(jnp.zeros(e.shape, jnp.float32) for e in jax.tree.leaves(extras_shape))
-    (loss, _), vjp_fn, aux = jax.vjp(run, tuple(leaves), tuple(hook_state), token0, sink0, has_aux=True)
+    (loss, _), vjp_fn, aux = jax.vjp(
+        run, tuple(leaves), tuple(hook_state), token0, sink0, has_aux=True
+    )
     if extras_fn is not None:
         extras = tuple(
             _to_varying(jnp.asarray(e, jnp.float32), axis_name)
@@ -403,8 +429,10 @@ def bucketed_value_and_grad(
 
 def _check_scalar_loss(loss: Any) -> None:
     """Raises TypeError unless ``loss`` (an array or shape struct) is a floating-point scalar."""
-    if not hasattr(loss, "shape") or jnp.shape(loss) != () or not jnp.issubdtype(
-        jnp.result_type(loss), jnp.floating
+    if (
+        not hasattr(loss, "shape")
+        or jnp.shape(loss) != ()
+        or not jnp.issubdtype(jnp.result_type(loss), jnp.floating)
     ):
         raise TypeError(
             "loss_fn must return a scalar floating-point loss (the mean over its shard of the "
@@ -447,8 +475,11 @@ def value_and_grad(
     def wrapped(params, *args):
         _check_float_params(params)
         the_plan = plan or buckets_lib.plan_buckets(
-            _value_only(fun, has_aux), params, *args,
-            bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+            _value_only(fun, has_aux),
+            params,
+            *args,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=first_bucket_mb,
         )
         value, grads, _, _ = bucketed_value_and_grad(
             fun, params, args, axis_name=axis_name, plan=the_plan, hook=hook, has_aux=has_aux

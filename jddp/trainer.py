@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp import buckets as buckets_lib
@@ -157,6 +157,10 @@ class DataParallel:
         self.step = jax.jit(self._step, donate_argnums=(0,) if donate else ())
 
     @property
+    def _per_device_ms(self) -> bool:
+        return self.model_state_sync == "none"
+
+    @property
     def num_devices(self) -> int:
         return self.mesh.size
 
@@ -180,30 +184,41 @@ class DataParallel:
         ms_lib.check_model_state(model_state, self.model_state_sync)
         # DDP's init_sync: every process starts from process 0's values (no-op with one process).
         params, model_state = verify_lib.sync_from_process0((params, model_state), "params")
-        hook_state = reduce_lib.init_hook_state(self.hook, params)
+        shardings = self._state_shardings(jax.eval_shape(self._build_state, params, model_state))
+        return jax.jit(self._build_state, out_shardings=shardings)(params, model_state)
+
+    def _build_state(self, params: Any, model_state: Any) -> TrainState:
         n = self.num_devices
-        per_device_ms = self.model_state_sync == "none"
+        hook_state = reduce_lib.init_hook_state(self.hook, params)
         to_devices = lambda tree: jax.tree.map(
             lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree
         )
-
-        def build(params, model_state, hook_state):
-            return TrainState(
-                step=jnp.zeros((), jnp.int32),
-                params=params,
-                opt_state=self.optimizer.init(params),
-                model_state=to_devices(model_state) if per_device_ms else model_state,
-                hook_state=to_devices(hook_state),
-                accum=None,
-            )
-
-        abstract = jax.eval_shape(build, params, model_state, hook_state)
-        specs = _state_specs(abstract, self.axis_name, per_device_ms)
-        shardings = jax.tree.map(
-            lambda s: jax.sharding.NamedSharding(self.mesh, s), specs,
-            is_leaf=lambda x: isinstance(x, P),
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self.optimizer.init(params),
+            # With model_state_sync="none" each replica keeps its own copy.
+            model_state=to_devices(model_state) if self._per_device_ms else model_state,
+            hook_state=to_devices(hook_state),
+            accum=None,
         )
-        return jax.jit(build, out_shardings=shardings)(params, model_state, hook_state)
+
+    def _state_shardings(self, abstract_state: TrainState) -> TrainState:
+        specs = _state_specs(abstract_state, self.axis_name, self._per_device_ms)
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+        )
+
+    def abstract_state(self, params_like: Any, model_state_like: Any = None) -> TrainState:
+        """The TrainState ``init`` would build, as ``jax.ShapeDtypeStruct``s with shardings.
+
+        Nothing is allocated or computed, so this works on meshes of compile-only devices.
+        """
+        abstract = jax.eval_shape(self._build_state, params_like, model_state_like)
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract, self._state_shardings(abstract),
+        )
 
     # ----------------------------------------------------------------------------------- plan
 
@@ -221,8 +236,13 @@ class DataParallel:
         del mask  # only its shape matters, which the batch fixes
         obj = self._objective(model_state is not None)
         return buckets_lib.plan_buckets(
-            obj.plan_fun, params, model_state, local, weights,
-            bucket_cap_mb=self.bucket_cap_mb, first_bucket_mb=self.first_bucket_mb,
+            obj.plan_fun,
+            params,
+            model_state,
+            local,
+            weights,
+            bucket_cap_mb=self.bucket_cap_mb,
+            first_bucket_mb=self.first_bucket_mb,
             keep_unused=self.keep_unused,
         )
 
@@ -238,8 +258,11 @@ class DataParallel:
             plan = self._fixed_plan
         else:
             plan = buckets_lib.plan_buckets(
-                obj.plan_fun, params, *args,
-                bucket_cap_mb=self.bucket_cap_mb, first_bucket_mb=self.first_bucket_mb,
+                obj.plan_fun,
+                params,
+                *args,
+                bucket_cap_mb=self.bucket_cap_mb,
+                first_bucket_mb=self.first_bucket_mb,
                 keep_unused=self.keep_unused,
             )
         if plan.unused and not self._warned_unused:
@@ -276,8 +299,7 @@ class DataParallel:
         self, state: TrainState, batch: Any, mask: Any = None
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         mask = self._check_inputs(state, batch, mask)
-        per_device_ms = self.model_state_sync == "none" and state.model_state is not None
-        specs = _state_specs(state, self.axis_name, per_device_ms)
+        specs = _state_specs(state, self.axis_name, self._per_device_ms)
         sharded = jax.shard_map(
             self._local_step,
             mesh=self.mesh,
@@ -291,7 +313,7 @@ class DataParallel:
         axis = self.axis_name
         n = self.num_devices
         stateful = state.model_state is not None
-        per_device_ms = stateful and self.model_state_sync == "none"
+        per_device_ms = stateful and self._per_device_ms
         obj = self._objective(stateful)
         model_state = state.model_state
         if per_device_ms:
@@ -342,8 +364,26 @@ class DataParallel:
             tree["model_state"] = state.model_state
         verify_lib.verify_replicas(tree, self.mesh, atol=atol)
 
-    def lower(self, state: Any, batch: Any) -> jax.stages.Lowered:
-        """Lowers the step for ``state`` and ``batch``, which may be ``jax.ShapeDtypeStruct``s."""
+    def lower(self, params_like: Any, batch_like: Any, model_state_like: Any = None):
+        """Lowers the step that ``step`` runs, from abstract (or concrete) params and batch.
+
+        Args:
+          params_like: the params, or ``jax.ShapeDtypeStruct``s of them.
+          batch_like: a global batch, or ``jax.ShapeDtypeStruct``s (placed on the data axis if
+            they carry no sharding).
+          model_state_like: the model state, or its shape structs, if the model has one.
+
+        Returns:
+          The ``jax.stages.Lowered`` of ``self.step``; ``.compile().as_text()`` is the compiled
+          HLO. With a mesh of compile-only devices (``jddp.testing``) this is the program a GPU or
+          TPU cluster would run.
+        """
+        state = self.abstract_state(params_like, model_state_like)
+        sharding = NamedSharding(self.mesh, P(self.axis_name))
+        batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding),
+            batch_like,
+        )
         return self.step.lower(state, batch)
 
 

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import jddp
+from tests import _hlo
 
 # --------------------------------------------------------------------------- exact transport
 
@@ -186,6 +187,24 @@ def test_has_aux_with_model_state():
     ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), has_aux=True)
     _, metrics = ddp.step(ddp.init(params, model_state=ms), batch)
     np.testing.assert_allclose(metrics["double"], 2 * metrics["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("sync, weighted", [("broadcast", False), ("mean", False),
+                                             ("broadcast", True)])
+def test_sync_adds_no_collective(sync, weighted):
+    """Model state (and the real-example count) ride on the last bucket's all-reduce."""
+    params, ms, batch = _bn_setup()
+    loss_fn = _bn_loss
+    if weighted:
+        def loss_fn(p, s, b):
+            logits, updates = _NET.apply({"params": p, **s}, b["x"], train=True,
+                                         mutable=["batch_stats"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), updates
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), model_state_sync=sync, weighted=weighted,
+                            first_bucket_mb=0.0005)
+    text = ddp.lower(params, batch, ms).compile().as_text()
+    assert ddp.bucket_plan.num_buckets >= 2
+    assert _hlo.count_all_reduces(text) == ddp.bucket_plan.num_buckets
 
 
 # --------------------------------------------------------------------------- errors

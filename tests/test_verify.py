@@ -94,3 +94,42 @@ def test_verify_replicas_nan_semantics_and_errors():
     sharded = jax.device_put(jnp.zeros(8), NamedSharding(mesh, P("data")))
     with pytest.raises(TypeError, match="not a replicated"):
         jddp.verify_replicas({"x": sharded}, mesh)
+
+
+# Two processes x 2 devices: init takes process 0's values, or names the mismatching leaf.
+INIT_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.experimental import multihost_utils
+import jddp
+
+info = jddp.initialize(timeout_s=30)
+rank = jax.process_index()
+rows = 4 if (sys.argv[1] == "shape" and rank == 1) else 3
+params = {"w": np.full((rows, 1), float(rank), np.float32), "b": np.zeros((1,), np.float32)}
+ddp = jddp.DataParallel(lambda p, b: jnp.mean(b["x"] @ p["w"] + p["b"]), optax.sgd(0.1))
+state = ddp.init(params)
+ddp.verify(state)
+w = multihost_utils.process_allgather(state.params["w"], tiled=True)
+print("W", float(np.sum(w)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["values", "shape"])
+def test_init_across_two_processes(tmp_path, mode):
+    from tests.launch_util import run_launcher
+
+    script = tmp_path / "init.py"
+    script.write_text(INIT_SCRIPT)
+    rc, out, err, _ = run_launcher(
+        ["-n", "2", "--devices-per-process", "2", "--timeout", "50", str(script), mode],
+        timeout=55,
+    )
+    if mode == "values":
+        assert rc == 0, (out, err)
+        assert out.count("W 0.0") == 2, out  # process 1's ones were replaced by process 0's zeros
+    else:
+        assert rc != 0, (out, err)
+        assert "The params differ between processes" in err, err
+        assert "w: float32[" in err, err

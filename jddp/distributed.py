@@ -1,0 +1,394 @@
+"""Multi-process set-up on JAX's own distributed runtime, and per-process input helpers.
+
+`initialize` is a thin wrapper over `jax.distributed.initialize`. It reads the variables that
+`jddp-run` (jddp/launch.py) sets, otherwise lets JAX auto-detect SLURM, Open MPI or Cloud TPU, and
+otherwise runs as a single process, so one script works for 1 or N processes. It adds what a
+training job needs and JAX does not give by default:
+
+* bounded start-up: a rank that cannot reach the coordinator raises `CoordinatorTimeoutError`
+  after `timeout_s` instead of retrying for JAX's default 5 minutes and then aborting;
+* fail-fast exit: after `jax.distributed.initialize`, a rank that dies with an uncaught exception
+  waits at exit for the other ranks (JAX's shutdown barrier), so the job hangs. `initialize`
+  installs an excepthook that prints the traceback and leaves with `os._exit(1)`;
+* bounded heartbeat and shutdown timeouts, so a dead peer is detected in seconds, not minutes.
+
+Cross-process collectives on CPU use Gloo (`jax_cpu_collectives_implementation`, JAX's default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import jax
+import numpy as np
+from jax._src import distributed as _jax_distributed  # read-only: the coordinator address
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = [
+    "ENV_COORDINATOR",
+    "ENV_LOCAL_DEVICE_COUNT",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "CoordinatorTimeoutError",
+    "ProcessInfo",
+    "global_batch_from_local",
+    "hard_exit",
+    "initialize",
+    "is_main_process",
+    "local_slice",
+    "process_count",
+    "process_index",
+    "shard_global_batch",
+]
+
+# Environment variables written by `jddp-run` for each rank it starts.
+ENV_COORDINATOR = "JDDP_COORDINATOR"  # "host:port" of process 0's coordinator service
+ENV_NUM_PROCESSES = "JDDP_NUM_PROCESSES"
+ENV_PROCESS_ID = "JDDP_PROCESS_ID"
+ENV_LOCAL_DEVICE_COUNT = "JDDP_LOCAL_DEVICE_COUNT"  # simulated CPU devices in this process
+
+PyTree = Any
+
+
+class CoordinatorTimeoutError(TimeoutError):
+    """The coordinator service could not be reached within the start-up timeout."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """Where this process sits in the job, as `initialize` set it up.
+
+    Attributes:
+      source: how the configuration was found: "args", "jddp-env" (set by jddp-run), "cluster"
+        (JAX's auto-detection: SLURM, Open MPI, Cloud TPU), "single" (no cluster: one process)
+        or "existing" (`jax.distributed` was already initialised).
+    """
+
+    process_id: int
+    num_processes: int
+    coordinator_address: str | None
+    source: str
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"coordinator address must be 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _wait_for_coordinator(address: str, deadline: float, timeout_s: float) -> None:
+    """Polls a TCP connection to the coordinator until it accepts or `deadline` passes.
+
+    JAX's own client retries for `initialization_timeout` and then aborts the whole process from
+    C++ (SIGABRT, no Python exception). Probing first turns the common failure (wrong address,
+    rank 0 not started or dead) into a catchable exception with a readable message.
+    """
+    host, port = _split_address(address)
+    last_error: OSError | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CoordinatorTimeoutError(
+                f"jddp: could not reach the coordinator at {address} within {timeout_s:g} s "
+                f"(last error: {last_error}). Check that process 0 is running, that the "
+                "address and port are the same on every process, and that no firewall blocks it."
+            )
+        try:
+            with socket.create_connection((host, port), timeout=min(1.0, remaining)):
+                return
+        except OSError as e:
+            last_error = e
+            time.sleep(min(0.2, max(remaining, 0.0)))
+
+
+def _start_watchdog(seconds: float, message: str) -> threading.Timer:
+    """Exits the process hard, with `message`, if not cancelled within `seconds`.
+
+    Used while `jax.distributed.initialize` blocks in C++ (e.g. process 0 waiting for ranks that
+    never join): a Python exception cannot interrupt it, and JAX's own timeout ends in an abort
+    whose message does not say what to check.
+    """
+
+    def fire() -> None:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _fail_fast_excepthook(exc_type, exc, tb) -> None:
+    """Prints an uncaught exception and exits at once, skipping JAX's blocking shutdown."""
+    # Not jax.process_index(): if the backend is not up yet, that would start it and wait for
+    # every other process.
+    rank = _jax_distributed.global_state.process_id
+    try:
+        sys.stderr.write(f"jddp: uncaught exception in process {rank}; exiting without waiting "
+                         "for the other processes\n")
+        traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+
+
+def _install_fail_fast() -> None:
+    sys.excepthook = _fail_fast_excepthook
+
+
+def _set_local_device_count(n: int) -> None:
+    if n < 1:
+        raise ValueError(f"local_device_count must be >= 1, got {n}")
+    try:
+        # Overrides XLA_FLAGS=--xla_force_host_platform_device_count (the config wins).
+        jax.config.update("jax_num_cpu_devices", n)
+    except Exception as e:
+        raise RuntimeError(
+            "jddp.distributed.initialize must run before anything initialises JAX's backend "
+            "(jax.devices(), any computation, ...): cannot set the CPU device count now"
+        ) from e
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_count: int | None = None,
+    local_device_ids: Sequence[int] | None = None,
+    timeout_s: float = 120.0,
+    heartbeat_timeout_s: int = 60,
+    shutdown_timeout_s: int = 30,
+    fail_fast: bool = True,
+    preemption_service: bool | None = None,
+) -> ProcessInfo:
+    """Joins this process to a multi-process JAX job (or sets up a single-process one).
+
+    Call it first, before any other JAX call. Resolution order: explicit arguments, then the
+    `JDDP_*` variables set by `jddp-run`, then JAX's cluster auto-detection (SLURM, Open MPI,
+    Cloud TPU: `jax.distributed.initialize()` with no arguments). If none applies, the job is a
+    single process and `jax.distributed` is not started. Calling it again returns the same info.
+
+    Args:
+      coordinator_address: "host:port" of process 0's coordinator service.
+      local_device_count: number of CPU devices to simulate in this process (sets
+        `jax_num_cpu_devices`); default `JDDP_LOCAL_DEVICE_COUNT` if set, else JAX's default.
+        Has no effect on GPU/TPU devices.
+      local_device_ids: accelerators this process uses (passed to JAX). Under SLURM and Open MPI,
+        JAX defaults to the one GPU numbered by the local rank; give all of them for one process
+        per node.
+      timeout_s: bound on start-up. A rank that cannot reach the coordinator raises
+        `CoordinatorTimeoutError`; a process stuck inside JAX's connect (e.g. process 0 waiting
+        for ranks that never start) prints why and exits with status 1.
+      heartbeat_timeout_s: a process that sends no heartbeat this long is declared dead and the
+        others abort (JAX's default is 100 s).
+      shutdown_timeout_s: how long a finishing process waits for the others at exit (JAX: 300 s).
+      fail_fast: in a multi-process job, install an excepthook that prints an uncaught exception
+        and calls `os._exit(1)`, because a normal exit blocks in JAX's shutdown barrier.
+      preemption_service: JAX's preemption service catches SIGTERM (to let jobs checkpoint at a
+        sync point), so SIGTERM no longer ends the process. None: off under jddp-run (its
+        SIGTERM must stop a rank), JAX's default otherwise.
+
+    Returns:
+      The resulting `ProcessInfo`.
+    """
+    if jax.distributed.is_initialized():
+        state = _jax_distributed.global_state
+        return ProcessInfo(state.process_id, state.num_processes, state.coordinator_address,
+                           "existing")
+
+    explicit = any(v is not None for v in (coordinator_address, num_processes, process_id))
+    from_env = not explicit and os.environ.get(ENV_COORDINATOR) is not None
+    if from_env:
+        coordinator_address = os.environ[ENV_COORDINATOR]
+        num_processes = _env_int(ENV_NUM_PROCESSES)
+        process_id = _env_int(ENV_PROCESS_ID)
+        if num_processes is None or process_id is None:
+            raise ValueError(f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} and "
+                             f"{ENV_PROCESS_ID} are not both set")
+    if explicit or from_env:
+        if None in (coordinator_address, num_processes, process_id):
+            raise ValueError("coordinator_address, num_processes and process_id must be given "
+                             "together (or all left to the environment)")
+        source = "args" if explicit else "jddp-env"
+        assert num_processes is not None and process_id is not None
+        if not 0 <= process_id < num_processes:
+            raise ValueError(f"process_id={process_id} is not in [0, {num_processes})")
+    else:
+        source = "cluster"
+
+    # Settings that must precede the backend, applied only once the arguments are known good.
+    if local_device_count is None:
+        local_device_count = _env_int(ENV_LOCAL_DEVICE_COUNT)
+    if local_device_count is not None:
+        _set_local_device_count(local_device_count)
+    if preemption_service is None and os.environ.get(ENV_COORDINATOR) is not None:
+        preemption_service = False
+    if preemption_service is not None:
+        jax.config.update("jax_enable_preemption_service", preemption_service)
+    if num_processes == 1:
+        return ProcessInfo(0, 1, None, "single")
+
+    deadline = time.monotonic() + timeout_s
+    if source != "cluster" and process_id != 0:
+        _wait_for_coordinator(coordinator_address, deadline, timeout_s)
+    remaining = max(deadline - time.monotonic(), 1.0)
+    where = coordinator_address or "the auto-detected coordinator"
+    watchdog = _start_watchdog(
+        remaining + 1.0,
+        f"jddp: process {process_id if process_id is not None else '?'} timed out after "
+        f"{timeout_s:g} s joining the job at {where}: not every process connected. Check that "
+        f"all {num_processes or 'N'} processes were started with the same coordinator address "
+        "and process count, and distinct process ids.",
+    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            local_device_ids=local_device_ids,
+            # JAX's own timeout only as a backstop behind the watchdog: it aborts without a
+            # useful message.
+            initialization_timeout=math.ceil(remaining) + 5,
+            heartbeat_timeout_seconds=int(heartbeat_timeout_s),
+            shutdown_timeout_seconds=int(shutdown_timeout_s),
+        )
+    except ValueError as e:
+        if source == "cluster" and "coordinator_address" in str(e):
+            # JAX found no cluster environment: a plain single-process run.
+            return ProcessInfo(0, 1, None, "single")
+        raise
+    finally:
+        watchdog.cancel()
+
+    # Read from the distributed state, not jax.process_count(): that would start the backend
+    # (and its topology exchange with every process) here.
+    state = _jax_distributed.global_state
+    if fail_fast and state.num_processes > 1:
+        _install_fail_fast()
+    return ProcessInfo(state.process_id, state.num_processes, state.coordinator_address, source)
+
+
+def hard_exit(status: int = 1) -> NoReturn:
+    """Ends this process now with `status`, without waiting for the other processes.
+
+    Use it instead of `sys.exit(status)` to fail a rank of a multi-process job: a normal exit
+    runs JAX's shutdown, which waits (up to the shutdown timeout) for every other process to
+    finish too, and may turn the status into an abort (134) when they do not.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(status)
+
+
+def process_index() -> int:
+    """This process's index in the job (0 in a single-process run)."""
+    return jax.process_index()
+
+
+def process_count() -> int:
+    """Number of processes in the job."""
+    return jax.process_count()
+
+
+def is_main_process() -> bool:
+    """True on process 0, the one that should log, print and write checkpoints."""
+    return jax.process_index() == 0
+
+
+def _batch_sharding(mesh: Mesh, axis: str, ndim: int) -> NamedSharding:
+    if ndim == 0:
+        raise ValueError("batch leaves need a leading batch dimension; got a scalar")
+    return NamedSharding(mesh, PartitionSpec(axis))
+
+
+def _local_rows(mesh: Mesh, axis: str, global_rows: int) -> list[tuple[int, int]]:
+    """Row ranges of a leading-dim-sharded array that this process's devices hold, in order."""
+    sharding = NamedSharding(mesh, PartitionSpec(axis))
+    index_map = sharding.addressable_devices_indices_map((global_rows,))
+    ranges = set()
+    for index in index_map.values():
+        start, stop, _ = index[0].indices(global_rows)
+        ranges.add((start, stop))
+    return sorted(ranges)
+
+
+def local_slice(global_batch: PyTree, mesh: Mesh, axis: str = "data") -> PyTree:
+    """Returns the rows of a global host batch that this process's devices hold.
+
+    Every leaf's leading dimension is the global batch, split over mesh axis `axis`. The result is
+    what `global_batch_from_local` expects, so `global_batch_from_local(local_slice(b, mesh),
+    mesh)` places `b` across all processes. In a single-process run it is the whole batch.
+    """
+    leaves = jax.tree.leaves(global_batch)
+    if not leaves:
+        return global_batch
+    rows = {np.shape(x)[0] for x in leaves}
+    if len(rows) != 1:
+        raise ValueError(f"batch leaves disagree on the leading (batch) dimension: {rows}")
+    (global_rows,) = rows
+    size = mesh.shape[axis]
+    if global_rows % size:
+        raise ValueError(f"global batch {global_rows} is not divisible by mesh axis "
+                         f"{axis!r} of size {size}")
+    ranges = _local_rows(mesh, axis, global_rows)
+
+    def take(x):
+        x = np.asarray(x)
+        parts = [x[start:stop] for start, stop in ranges]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+    return jax.tree.map(take, global_batch)
+
+
+def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: str = "data") -> PyTree:
+    """Assembles a global `jax.Array` batch from each process's local part.
+
+    Every process calls it with its own rows (its local batch); the leading dimension of the
+    result is the global batch (local rows x processes along `axis`), sharded over `axis`.
+    Wraps `jax.make_array_from_process_local_data`.
+    """
+
+    def make(x):
+        x = np.asarray(x)
+        return jax.make_array_from_process_local_data(_batch_sharding(mesh, axis, x.ndim), x)
+
+    return jax.tree.map(make, local_batch)
+
+
+def shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: str = "data") -> PyTree:
+    """Places a global host batch, present on every process, as a batch sharded over `axis`.
+
+    For data sets small enough that every process holds (or generates) all of it; each process
+    transfers only its own rows to its devices.
+    """
+    return global_batch_from_local(local_slice(global_batch, mesh, axis), mesh, axis)

@@ -1,0 +1,319 @@
+"""Compile-only GPU and TPU meshes, for reading XLA's real schedules on a CPU-only machine.
+
+JAX can compile for devices it does not have: ``jax.experimental.topologies`` hands out
+"compile-only" devices of an NVIDIA GPU or TPU topology, and ``jax.jit(f).lower(...).compile()``
+on abstract inputs sharded over them gives the program XLA would run there (it cannot run here).
+That is enough to check where XLA schedules the gradient all-reduces (see :mod:`jddp.schedule`).
+
+Needs the backend's compiler plugin, and nothing else (no GPU, no CUDA libraries, no TPU)::
+
+    pip install "jax[cuda13-local]==$JAX_VERSION"   # GPU: jax-cuda13-plugin + jax-cuda13-pjrt
+    pip install "jax[tpu]==$JAX_VERSION"            # TPU: libtpu
+
+(``pip install -e .[xla-compile]`` installs both for the pinned JAX.) The plugin versions must
+equal the installed jax version. With the plugins installed, ordinary CPU use of JAX is unchanged:
+the default backend stays CPU; libtpu prints a few warnings to stderr when JAX's backends
+initialise, and the CUDA plugin logs a "cuDNN not found" traceback unless
+``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` or ``JAX_PLATFORMS=cpu`` is set.
+
+The CUDA plugin only registers itself if its CUDA version check passes or is skipped. It runs that
+check once per process, when JAX first initialises its backends (the first ``jax.devices()``,
+computation or topology request), not at ``import jax``. :func:`gpu_mesh` sets
+``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` itself, and if the plugin already failed the check earlier
+in the process it runs the plugin's registration again, so callers need not set anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = [
+    "CUDA_PLUGIN_MODULES",
+    "abstract_like",
+    "gpu_mesh",
+    "has_gpu_compiler",
+    "has_tpu_compiler",
+    "h100_target_config",
+    "mlp_dp_step",
+    "tpu_mesh",
+]
+
+#: Module names under which the CUDA PJRT plugins register with JAX, newest first.
+CUDA_PLUGIN_MODULES = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+
+_SKIP_ENV = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+_MULTIPLE_LIBTPU_ENV = "ALLOW_MULTIPLE_LIBTPU_LOAD"
+
+
+def _pip_gpu() -> str:
+    return f'pip install "jax[cuda13-local]=={jax.__version__}"'
+
+
+def _pip_tpu() -> str:
+    return f'pip install "jax[tpu]=={jax.__version__}"'
+
+
+def has_gpu_compiler() -> bool:
+    """True if a CUDA compiler plugin is installed (checked without initialising JAX)."""
+    return any(_find_spec(m) for m in CUDA_PLUGIN_MODULES)
+
+
+def has_tpu_compiler() -> bool:
+    """True if libtpu is installed (checked without initialising JAX)."""
+    path = os.environ.get("TPU_LIBRARY_PATH")
+    return bool(path and os.path.isfile(path)) or _find_spec("libtpu")
+
+
+def h100_target_config() -> str:
+    """The device description of an NVIDIA H100 SXM (80 GB) shipped with jddp, as text."""
+    return resources.files("jddp").joinpath("data/h100_sxm.txtpb").read_text()
+
+
+def gpu_mesh(
+    n: int = 8,
+    *,
+    target_config: str | os.PathLike[str] | None = None,
+    axis_name: str = "data",
+    hosts: int = 1,
+) -> Mesh:
+    """A 1-D mesh of ``n`` compile-only NVIDIA GPUs.
+
+    Args:
+        n: number of GPUs in all.
+        target_config: the GPU description (an XLA ``GpuTargetConfigProto`` in text format):
+            its text, or the path of a file holding it. Default: an H100 SXM
+            (:func:`h100_target_config`).
+        axis_name: name of the mesh axis.
+        hosts: number of hosts the ``n`` GPUs are spread over (topology ``1 x hosts x n/hosts``);
+            devices of host ``h`` have ``process_index == h``.
+
+    Returns:
+        A ``Mesh`` over the compile-only devices. Use it with abstract inputs
+        (:func:`abstract_like`) and ``.lower(...).compile()``; nothing can run on it.
+
+    Raises:
+        ModuleNotFoundError: if no CUDA compiler plugin is installed (the message says what to
+            install).
+        ValueError: if ``n`` is not a positive multiple of ``hosts``.
+    """
+    if n < 1 or hosts < 1 or n % hosts:
+        raise ValueError(f"need n a positive multiple of hosts, got n={n}, hosts={hosts}")
+    if not has_gpu_compiler():
+        raise ModuleNotFoundError(
+            "gpu_mesh needs the CUDA compiler plugin for JAX (package jax-cuda13-plugin, with "
+            f"jax-cuda13-pjrt); install it with: {_pip_gpu()}  (no GPU or CUDA libraries needed)",
+            name="jax_plugins.xla_cuda13",
+        )
+    config = _read_target_config(target_config)
+    # Must be set before JAX first initialises its backends: the plugin checks it then.
+    os.environ.setdefault(_SKIP_ENV, "1")
+    from jax.experimental import topologies
+
+    topology = f"1x{hosts}x{n // hosts}"
+    try:
+        desc = topologies.get_topology_desc(
+            platform="cuda", target_config=config, topology=topology
+        )
+    except NotImplementedError:
+        # The plugin ran its version check earlier in this process without the variable set,
+        # failed and did not register. Register it again now that the check is skipped.
+        if not _reinitialise_cuda_plugin():
+            raise
+        desc = topologies.get_topology_desc(
+            platform="cuda", target_config=config, topology=topology
+        )
+    return Mesh(np.array(desc.devices), (axis_name,))
+
+
+def tpu_mesh(topology: str = "v5e:2x4", *, axis_name: str = "data") -> Mesh:
+    """A 1-D mesh over every chip of a compile-only TPU topology.
+
+    Args:
+        topology: a TPU topology name such as ``"v5e:2x4"`` (8 chips on 2 hosts), ``"v5e:4x4"``
+            (16 chips, 4 hosts), ``"v5e:2x2"`` (one host), ``"v4:2x2x1"``, ``"v6e:2x4"``.
+            Multi-host topologies give devices with several ``process_index`` values: the
+            program compiled on them is the one each host of that slice would run.
+        axis_name: name of the mesh axis.
+
+    Returns:
+        A ``Mesh`` over the compile-only TPU devices.
+
+    Raises:
+        ModuleNotFoundError: if libtpu is not installed (the message says what to install).
+    """
+    if not has_tpu_compiler():
+        raise ModuleNotFoundError(
+            f"tpu_mesh needs libtpu (the TPU compiler); install it with: {_pip_tpu()}  "
+            "(no TPU needed)",
+            name="libtpu",
+        )
+    # With libtpu installed, every JAX process that initialises its backends (even a CPU-only
+    # one) holds /tmp/libtpu_lockfile while it lives, and libtpu then refuses to start in any
+    # other process ("Internal error when accessing libtpu multi-process lockfile"). Compiling
+    # needs no TPU, so allow the concurrent load; read when libtpu initialises in this process.
+    os.environ.setdefault(_MULTIPLE_LIBTPU_ENV, "1")
+    from jax.experimental import topologies
+
+    desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    return Mesh(np.array(desc.devices), (axis_name,))
+
+
+def abstract_like(tree: Any, mesh: Mesh, spec: Any = None) -> Any:
+    """``jax.ShapeDtypeStruct`` leaves with ``NamedSharding``s, for lowering without data.
+
+    Args:
+        tree: a pytree whose leaves have ``shape`` and ``dtype`` (arrays, ``ShapeDtypeStruct``s,
+            NumPy arrays; Python scalars are taken as NumPy scalars).
+        mesh: the mesh the shardings refer to, e.g. from :func:`gpu_mesh`.
+        spec: a ``PartitionSpec`` for every leaf, or a pytree of ``PartitionSpec``s that is a
+            prefix of ``tree``. Default ``PartitionSpec()`` (replicated).
+
+    Returns:
+        A pytree of the same structure with ``ShapeDtypeStruct(shape, dtype, sharding=...)``
+        leaves.
+    """
+    if spec is None:
+        spec = PartitionSpec()
+
+    def one(s: PartitionSpec) -> Callable[[Any], jax.ShapeDtypeStruct]:
+        sharding = NamedSharding(mesh, s)
+
+        def leaf(x: Any) -> jax.ShapeDtypeStruct:
+            if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+                x = np.asarray(x)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        return leaf
+
+    if isinstance(spec, PartitionSpec):
+        return jax.tree.map(one(spec), tree)
+    # A tree of specs: each spec applies to the whole subtree at its position.
+    return jax.tree.map(
+        lambda s, sub: jax.tree.map(one(s), sub),
+        spec,
+        tree,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def mlp_dp_step(
+    mesh: Mesh,
+    *,
+    layers: int = 8,
+    width: int = 512,
+    batch: int = 256,
+    layers_per_bucket: int = 2,
+    chain: str | None = "add",
+    dtype: Any = np.float32,
+) -> tuple[Any, Any, Any]:
+    """A hand-written bucketed data-parallel SGD step of a tanh MLP, for schedule tests.
+
+    The reference pattern jddp's trainer follows, written out with ``shard_map``: params are
+    replicated (``P()``), the batch is split over the mesh axis, gradients are local
+    (``check_vma=False``), and the gradients are reduced per bucket. Buckets take
+    ``layers_per_bucket`` layers each in reverse layer order (the order backward produces them);
+    a bucket is one ``lax.psum`` over the tuple of its leaves (no concatenation). With ``chain``,
+    every leaf of bucket ``i+1`` gets a data dependency on every reduced leaf of bucket ``i``,
+    which stops XLA's combiners from merging buckets.
+
+    Args:
+        mesh: a 1-D mesh (CPU devices, :func:`gpu_mesh` or :func:`tpu_mesh`).
+        layers: number of dense layers (each ``width x width`` plus a bias).
+        width: layer width.
+        batch: global batch size; must divide evenly over the mesh.
+        layers_per_bucket: layers per gradient bucket; ``layers / layers_per_bucket`` psums.
+        chain: how consecutive buckets are chained: ``"add"`` (``g + 0 * sum(first elements)``),
+            ``"barrier"`` (``lax.optimization_barrier((leaves, previous_reduced))``) or ``None``
+            (independent psums, which XLA's combiners may merge).
+        dtype: parameter and input dtype.
+
+    Returns:
+        ``(step, params_like, batch_like)``: the jitted ``step(params, x) -> params`` and
+        abstract arguments for ``step.lower(params_like, batch_like)``. ``params`` is a list of
+        ``{"b", "w"}`` dicts, one per layer.
+    """
+    (axis,) = mesh.axis_names
+    size = mesh.devices.size
+
+    def loss(params: list[dict[str, jax.Array]], x: jax.Array) -> jax.Array:
+        h = x
+        for p in params:
+            h = jax.numpy.tanh(h @ p["w"] + p["b"])
+        return jax.numpy.mean(h**2)
+
+    def local_step(params: list[dict[str, jax.Array]], x: jax.Array) -> Any:
+        grads = jax.grad(loss)(params, x)
+        order = list(range(layers))[::-1]
+        reduced = list(grads)
+        previous: list[jax.Array] = []
+        for start in range(0, layers, layers_per_bucket):
+            members = order[start : start + layers_per_bucket]
+            leaves = [grads[i][k] for i in members for k in ("w", "b")]
+            if chain == "add" and previous:
+                # A real data dependency on the previous bucket's result; zero in value.
+                dep = sum(r.ravel()[0] for r in previous)
+                leaves = [g + 0 * dep for g in leaves]
+            elif chain == "barrier" and previous:
+                # The same dependency without arithmetic that XLA could fuse into the GEMMs
+                # producing these gradients: the barrier's outputs depend on all its inputs.
+                leaves, _ = jax.lax.optimization_barrier((leaves, previous))
+            out = list(jax.lax.psum(tuple(leaves), axis))
+            for j, i in enumerate(members):
+                reduced[i] = {"w": out[2 * j] / size, "b": out[2 * j + 1] / size}
+            previous = out
+        return [
+            jax.tree.map(lambda p, g: p - 0.1 * g, p, g)
+            for p, g in zip(params, reduced, strict=True)
+        ]
+
+    step = jax.jit(
+        jax.shard_map(
+            local_step,
+            mesh=mesh,
+            in_specs=(PartitionSpec(), PartitionSpec(axis)),
+            out_specs=PartitionSpec(),
+            check_vma=False,
+        )
+    )
+    layer = {"b": np.zeros((width,), dtype), "w": np.zeros((width, width), dtype)}
+    params_like = abstract_like([layer] * layers, mesh)
+    batch_like = abstract_like(np.zeros((batch, width), dtype), mesh, PartitionSpec(axis))
+    return step, params_like, batch_like
+
+
+def _read_target_config(target_config: str | os.PathLike[str] | None) -> str:
+    if target_config is None:
+        return h100_target_config()
+    if isinstance(target_config, os.PathLike):
+        return Path(target_config).read_text()
+    # The proto text always has a brace; a string without one is taken as a path.
+    if "{" not in target_config:
+        return Path(target_config).read_text()
+    return target_config
+
+
+def _find_spec(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _reinitialise_cuda_plugin() -> bool:
+    for name in CUDA_PLUGIN_MODULES:
+        if not _find_spec(name):
+            continue
+        plugin = importlib.import_module(name)
+        plugin.initialize()
+        return True
+    return False

@@ -1,0 +1,46 @@
+"""Small models and data shared by the tests."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def mlp_params(seed: int, sizes: list[int]) -> dict:
+    """A Flax-style params dict ``Dense_i/{kernel,bias}`` with random values (sorted keys!)."""
+    rng = np.random.default_rng(seed)
+    params = {}
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        params[f"Dense_{i}"] = {
+            "kernel": jnp.asarray(rng.normal(size=(a, b)) / np.sqrt(a), jnp.float32),
+            "bias": jnp.asarray(rng.normal(size=(b,)) * 0.1, jnp.float32),
+        }
+    return params
+
+
+def mlp_loss(params: dict, batch: dict) -> jax.Array:
+    """Mean squared error of a tanh MLP whose layers are used in numeric order."""
+    x = batch["x"]
+    n = len(params)
+    for i in range(n):
+        layer = params[f"Dense_{i}"]
+        x = x @ layer["kernel"] + layer["bias"]
+        if i < n - 1:
+            x = jnp.tanh(x)
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+def regression_batch(seed: int, n: int, d_in: int, d_out: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.normal(size=(n, d_in)).astype(np.float32),
+        "y": rng.normal(size=(n, d_out)).astype(np.float32),
+    }
+
+
+def max_abs_diff(a, b) -> float:
+    return max(
+        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )

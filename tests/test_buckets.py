@@ -1,0 +1,140 @@
+"""The bucket planner: properties over random trees and caps, use order, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jddp
+from jddp.buckets import MiB, assign_buckets, make_plan
+from tests._models import mlp_loss, mlp_params, regression_batch
+
+
+def _random_case(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 40))
+    dtypes = [
+        np.dtype(jnp.dtype(d))
+        for d in rng.choice(["float32", "bfloat16", "float16"], size=n, p=[0.6, 0.25, 0.15])
+    ]
+    nbytes = [int(rng.integers(1, 5000)) * d.itemsize for d in dtypes]
+    cap = int(rng.integers(1, 20000))
+    first = int(rng.integers(1, cap + 1))
+    return nbytes, dtypes, cap, first
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_assign_buckets_properties(seed):
+    nbytes, dtypes, cap, first = _random_case(seed)
+    buckets = assign_buckets(nbytes, dtypes, cap, first)
+    flat = [i for b in buckets for i in b]
+    # Every leaf in exactly one bucket.
+    assert sorted(flat) == list(range(len(nbytes)))
+    seen_per_dtype: dict = {}
+    for b in buckets:
+        # Never mixes dtypes; order inside a bucket is the backward order.
+        assert len({dtypes[i] for i in b}) == 1
+        assert b == sorted(b)
+        d = dtypes[b[0]]
+        size = sum(nbytes[i] for i in b)
+        limit = first if seen_per_dtype.get(d, 0) == 0 else cap
+        # Within the cap, except a single leaf that is larger than the cap on its own.
+        assert size <= max(limit, cap if len(b) == 1 else limit) or len(b) == 1
+        if len(b) > 1:
+            assert size <= limit
+        seen_per_dtype[d] = seen_per_dtype.get(d, 0) + 1
+    # Buckets of one dtype follow the backward order, and buckets are ordered by completion.
+    for d in set(dtypes):
+        of_d = [b for b in buckets if dtypes[b[0]] == d]
+        assert [i for b in of_d for i in b] == sorted(i for b in of_d for i in b)
+    assert [max(b) for b in buckets] == sorted(max(b) for b in buckets)
+
+
+def test_oversize_leaf_gets_its_own_bucket():
+    buckets = assign_buckets([10, 10, 500, 10], [np.float32] * 4, cap_bytes=100, first_bytes=100)
+    assert buckets == [[0, 1], [2], [3]]
+
+
+def test_first_bucket_is_small():
+    buckets = assign_buckets([40] * 10, [np.float32] * 10, cap_bytes=200, first_bytes=50)
+    assert buckets[0] == [0]
+    assert all(len(b) == 5 for b in buckets[1:-1])
+
+
+def test_plan_follows_use_order_not_key_order():
+    """Dense_10 sorts before Dense_2, but backward produces Dense_10's gradients first."""
+    params = mlp_params(0, [4] + [8] * 10 + [2])
+    paths = [
+        jddp.buckets.key_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
+    assert paths[:6:2] == ["Dense_0.bias", "Dense_1.bias", "Dense_10.bias"]
+    batch = regression_batch(0, 4, 4, 2)
+    plan = jddp.plan_buckets(mlp_loss, params, batch, bucket_cap_mb=1e-4, first_bucket_mb=1e-4)
+    order = [p for b in plan.buckets for p in b.paths]
+    layers = [int(p.split(".")[0].split("_")[1]) for p in order]
+    assert layers == sorted(layers, reverse=True)
+    assert order[0] == "Dense_10.bias" and order[-1] == "Dense_0.kernel"
+
+
+def test_plan_walks_into_jit_and_scan():
+    params = {"a": jnp.ones((3, 3)), "b": jnp.ones((3, 3)), "c": jnp.ones((3,))}
+
+    @jax.jit
+    def inner(p, x):
+        x = jnp.tanh(x @ p["b"])
+
+        def body(h, _):
+            return jnp.tanh(h @ p["a"]), None
+
+        h, _ = jax.lax.scan(body, x, None, length=2)
+        return h
+
+    def loss(p, x):
+        return jnp.sum(inner(p, x))  # "c" is unused
+
+    plan = jddp.plan_buckets(
+        loss, params, jnp.ones((2, 3)), bucket_cap_mb=1e-5, first_bucket_mb=1e-5
+    )
+    assert [b.paths for b in plan.buckets] == [("a",), ("b",)]
+    assert [plan.paths[i] for i in plan.unused] == ["c"]
+    assert "unused" in plan.table()
+
+
+def test_plan_table_lists_paths_and_bytes():
+    params = mlp_params(0, [4, 8, 2])
+    plan = jddp.plan_buckets(mlp_loss, params, regression_batch(0, 4, 4, 2))
+    text = str(plan)
+    assert "Dense_1.kernel" in text and "B" in text and plan.num_buckets == 1
+    assert plan.total_bytes == sum(x.size * 4 for x in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("cap", [0, -1, float("nan"), float("inf")])
+def test_bad_caps(cap):
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive"):
+        make_plan({"w": jnp.ones(3)}, [1], bucket_cap_mb=cap)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive"):
+        jddp.DataParallel(mlp_loss, __import__("optax").sgd(0.1), bucket_cap_mb=cap)
+
+
+def test_first_bucket_larger_than_cap():
+    with pytest.raises(ValueError, match="first_bucket_mb .* larger than bucket_cap_mb"):
+        jddp.DataParallel(
+            mlp_loss, __import__("optax").sgd(0.1), bucket_cap_mb=1.0, first_bucket_mb=2.0
+        )
+
+
+def test_plan_rejects_other_tree():
+    params = mlp_params(0, [4, 8, 2])
+    plan = jddp.plan_buckets(mlp_loss, params, regression_batch(0, 4, 4, 2))
+    with pytest.raises(ValueError, match="does not match the tree the bucket plan"):
+        plan.check_tree(mlp_params(0, [4, 8, 8, 2]))
+    other = jax.tree.map(lambda x: jnp.zeros(x.shape + (1,)), params)
+    with pytest.raises(ValueError, match="bucket plan was built for"):
+        plan.check_tree(other)
+
+
+def test_mib_unit():
+    plan = make_plan({"w": jnp.ones(3)}, [1], bucket_cap_mb=2.0, first_bucket_mb=0.5)
+    assert plan.cap_bytes == 2 * MiB and plan.first_bytes == MiB // 2

@@ -1,6 +1,6 @@
 """jddp: distributed data-parallel training for JAX, built like PyTorch DDP."""
 
-from jddp import distributed
+from jddp import distributed, nnx
 from jddp.buckets import Bucket, BucketPlan, plan_buckets
 from jddp.distributed import (
     global_batch_from_local,
@@ -11,7 +11,6 @@ from jddp.distributed import (
 )
 from jddp.hooks import CommHook, HookContext, allreduce_mean
 from jddp.mesh import batch_sharding, data_mesh, replicate, replicated, shard_batch
-from jddp.model_state import SYNC_MODES
 from jddp.reduce import bucketed_value_and_grad, init_hook_state, value_and_grad
 from jddp.trainer import DataParallel, TrainState
 from jddp.uneven import pad_batch
@@ -33,7 +32,6 @@ __all__ = [
     "Divergence",
     "HookContext",
     "ReplicaDivergenceError",
-    "SYNC_MODES",
     "TrainState",
     "allreduce_mean",
     "batch_sharding",
@@ -48,6 +46,7 @@ __all__ = [
     "initialize",
     "is_main_process",
     "local_slice",
+    "nnx",
     "pad_batch",
     "plan_buckets",
     "replicate",

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 
@@ -60,8 +61,11 @@ def _no_state(leaf: jax.ShapeDtypeStruct) -> tuple:
 
 
 def _allreduce_mean(grads, state, ctx: HookContext):
-    summed = lax.psum(tuple(grads), ctx.axis_name)
-    return tuple(g / ctx.axis_size for g in summed), state
+    # Divide before the sum, so the hook's outputs are the all-reduce's own outputs: the
+    # "barrier" chain between buckets only keeps XLA's GPU/TPU combiners apart when it ties the
+    # next bucket to the all-reduce results themselves, not to values computed from them.
+    scale = 1.0 / ctx.axis_size
+    return lax.psum(tuple(g * jnp.asarray(scale, g.dtype) for g in grads), ctx.axis_name), state
 
 
 def allreduce_mean() -> CommHook:

@@ -62,9 +62,20 @@ def _dtype(x: Any) -> np.dtype:
     return np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
 
 
+def _any_dtype(x: Any) -> Any:
+    """The dtype of ``x``, PRNG key dtypes included (which ``np.dtype`` rejects)."""
+    return x.dtype if hasattr(x, "dtype") else np.result_type(x)
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def check_model_state(model_state: Any, mode: str) -> None:
     """Raises TypeError for model-state leaves that ``mode`` cannot synchronise."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(model_state)[0]:
+        if _is_key(leaf):
+            continue  # sent as its key data
         try:
             dtype = _dtype(leaf)
         except TypeError:
@@ -75,8 +86,8 @@ def check_model_state(model_state: Any, mode: str) -> None:
         if mode != "none" and not ok:
             raise TypeError(
                 f"Model state leaf {key_path_str(path)} has dtype {getattr(leaf, 'dtype', None)}, "
-                f"which model_state_sync={mode!r} cannot send; use real, integer or boolean "
-                "arrays (keep PRNG keys out of the model state, e.g. pass them in the batch)."
+                f"which model_state_sync={mode!r} cannot send; use real, integer, boolean or "
+                "PRNG key arrays."
             )
 
 
@@ -88,7 +99,7 @@ def check_same_state(old: Any, new: Any) -> None:
     """
     old_paths = jax.tree_util.tree_flatten_with_path(old)[0]
     new_paths = jax.tree_util.tree_flatten_with_path(new)[0]
-    if jax.tree.structure(old) != jax.tree.structure(new):
+    if jax.tree.structure(old) != jax.tree.structure(new):  # type: ignore[operator]
         old_keys = [key_path_str(p) for p, _ in old_paths]
         new_keys = [key_path_str(p) for p, _ in new_paths]
         missing = [k for k in old_keys if k not in new_keys]
@@ -106,10 +117,11 @@ def check_same_state(old: Any, new: Any) -> None:
             "model.apply(..., mutable=['batch_stats'])), with the same keys at every step."
         )
     for (path, a), (_, b) in zip(old_paths, new_paths, strict=True):
-        if jnp.shape(a) != jnp.shape(b) or _dtype(a) != _dtype(b):
+        da, db = _any_dtype(a), _any_dtype(b)
+        if jnp.shape(a) != jnp.shape(b) or da != db:
             raise ValueError(
                 f"loss_fn changed model state leaf {key_path_str(path)} from "
-                f"{_dtype(a)}{list(jnp.shape(a))} to {_dtype(b)}{list(jnp.shape(b))}; model state "
+                f"{da}{list(jnp.shape(a))} to {db}{list(jnp.shape(b))}; model state "
                 "must keep its shapes and dtypes from step to step."
             )
 
@@ -172,6 +184,8 @@ def encode_state(new_state: Any, mode: str, axis_name: Any, n: int) -> Any:
         return ()
 
     def enc(x):
+        if _is_key(x):  # PRNG keys: replica 0's key data, in every mode
+            return _encode_bits(jax.random.key_data(x), n, axis_name)
         x = jnp.asarray(x)
         if mode == "mean" and jnp.issubdtype(x.dtype, jnp.floating):
             return x.astype(jnp.float32)
@@ -191,6 +205,9 @@ def decode_state(mean_payload: Any, like: Any, mode: str, n: int) -> Any:
         return like
 
     def dec(m, x):
+        if _is_key(x):
+            data = _decode_bits(m, np.dtype(jax.random.key_data(x).dtype), n)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         dtype = _dtype(x)
         if mode == "mean" and np.issubdtype(dtype, np.floating):
             return m.astype(dtype)

@@ -173,7 +173,7 @@ class Objective:
 
         return extras
 
-    def finish(self, grads: Any, extras: dict, aux: dict, n: int, local: int) -> tuple:
+    def finish(self, grads: Any, extras: Any, aux: dict, n: int, local: int) -> tuple:
         """Final gradients, metrics and the synchronised model state after the reduction.
 
         Args:

@@ -46,7 +46,7 @@ def _varying_axes(x: Any) -> frozenset:
     varying = getattr(mat, "varying", None)
     if varying is None:
         varying = getattr(aval, "vma", frozenset())
-    return frozenset(varying)
+    return frozenset(varying or ())
 
 
 def _axis_names(axis_name: Any) -> tuple:
@@ -69,12 +69,43 @@ def axis_size(axis_name: Any) -> int:
     return int(np.prod([lax.axis_size(a) for a in _axis_names(axis_name)]))
 
 
-def _zero_dependency(reduced: Sequence[jax.Array]) -> jax.Array:
-    """A float32 scalar that is always 0 but depends on one element of every reduced leaf.
+CHAIN_MODES = ("auto", "add", "barrier", "none")
 
-    It keeps the next bucket's all-reduce after this one, so XLA cannot combine them. The select on
-    ``isfinite`` keeps it exactly zero even when a gradient is NaN or Inf.
+
+def resolve_chain(chain: str) -> str:
+    """The chaining used between buckets; ``"auto"`` is ``"barrier"`` on GPU, ``"add"`` elsewhere.
+
+    Both keep XLA's combiners from merging buckets (measured in docs/xla_flags.md):
+
+    - ``"add"`` adds to each gradient an always-zero scalar that depends on the previous bucket's
+      result. On GPU, XLA fuses that add into the weight-gradient GEMMs, which then wait for the
+      previous all-reduce instead of overlapping it. On CPU it is the only mode that works (the
+      CPU pipeline removes optimization barriers before its combiner runs), and on TPU it gave the
+      most backward matmuls after each all-reduce.
+    - ``"barrier"`` ties the gradients to the previous bucket's all-reduce outputs with
+      ``lax.optimization_barrier``: no arithmetic, so the GEMMs stay free to overlap on GPU.
+    - ``"none"`` lets XLA combine the all-reduces as it likes.
     """
+    if chain not in CHAIN_MODES:
+        raise ValueError(f"chain must be one of {CHAIN_MODES}, got {chain!r}.")
+    if chain != "auto":
+        return chain
+    try:
+        platform = jax.sharding.get_abstract_mesh().abstract_device.platform
+    except Exception:  # no mesh context (e.g. plain jit): the default backend decides
+        platform = jax.default_backend()
+    return "barrier" if platform in ("gpu", "cuda", "rocm") else "add"
+
+
+def _dependency(reduced: Sequence[jax.Array], chain: str) -> Any:
+    """What the next bucket's gradients are made to depend on, so XLA cannot combine the two.
+
+    For ``"add"``: a float32 scalar that depends on one element of every reduced leaf and is
+    always exactly 0 (the select on ``isfinite`` keeps it 0 even when a gradient is NaN or Inf).
+    For ``"barrier"``: the reduced leaves themselves (no arithmetic, no copy).
+    """
+    if chain == "barrier":
+        return tuple(reduced)
     probe = sum(jnp.ravel(r)[0].astype(jnp.float32) for r in reduced)
     return jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0)
 
@@ -98,7 +129,8 @@ def _check_hook_output(hook: CommHook, grads: Sequence[jax.Array], out: Any, ind
 
 def _check_hook_state(hook: CommHook, old: Any, new: Any, index: int) -> None:
     name = getattr(hook, "name", "hook")
-    if jax.tree.structure(old) != jax.tree.structure(new):
+    # jaxlib types PyTreeDef loosely for mypy (no __ne__ it can see); the comparison is real.
+    if jax.tree.structure(old) != jax.tree.structure(new):  # type: ignore[operator]
         raise ValueError(
             f"Communication hook {name!r} changed the structure of its state for bucket {index}: "
             f"{jax.tree.structure(old)} -> {jax.tree.structure(new)}."
@@ -116,15 +148,34 @@ def _float0_like(x: Any) -> Any:
     return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
 
+def _dep_zeros(chain: str, structs: Sequence[jax.ShapeDtypeStruct], axis_name: Any) -> Any:
+    """The forward value of a token's dependency part (its cotangent carries the real thing).
+
+    ``"barrier"`` needs the previous bucket's reduced arrays themselves: an optimization barrier
+    on a scalar derived from them does not keep XLA's GPU combiner from merging the buckets.
+    """
+    if chain == "barrier":
+        return tuple(_to_varying(jnp.zeros(s.shape, s.dtype), axis_name) for s in structs)
+    return jnp.zeros((), jnp.float32)
+
+
 def _bucket_hook(
-    index: int, hook: CommHook, axis_name: Any, pre_scale: float | None, last: bool
+    index: int,
+    hook: CommHook,
+    axis_name: Any,
+    pre_scale: float | None,
+    last: bool,
+    chain: str,
+    prev_structs: Sequence[jax.ShapeDtypeStruct],
 ) -> Callable[..., Any]:
     """The identity-with-reducing-VJP for bucket ``index``.
 
     Arguments of the returned function: ``(token, leaves, states, offset, step, sink)``.
 
-    - ``token = (dep, extras)``: in backward, ``dep`` carries the zero dependency on the previous
-      bucket and ``extras`` the local values (metrics) to be averaged with the last bucket.
+    - ``token = (dep, extras)``: in backward, ``dep`` carries the dependency on the previous
+      bucket (an always-zero scalar for ``"add"``, the previous bucket's reduced arrays for
+      ``"barrier"``) and ``extras`` the local values (metrics) to be averaged with the last bucket.
+      ``prev_structs`` are the leaves of bucket ``index - 1``, whose reduction comes before.
     - ``states``: the hook state of each leaf. A custom VJP can return values only as cotangents,
       so the new state leaves the backward pass as the "cotangent" of ``states``.
     - ``offset``: local gradients added before the reduction (accumulated micro-steps), or ``()``.
@@ -135,7 +186,8 @@ def _bucket_hook(
     @jax.custom_vjp
     def ident(token, leaves, states, offset, step, sink):
         del states, offset, step, sink
-        return token, tuple(_to_varying(x, axis_name) for x in leaves)
+        token_out = (_dep_zeros(chain, prev_structs, axis_name), token[1])
+        return token_out, tuple(_to_varying(x, axis_name) for x in leaves)
 
     def fwd(token, leaves, states, offset, step, sink):
         # The primal leaves are kept as residuals only to read their types in backward (they are
@@ -159,7 +211,10 @@ def _bucket_hook(
         # Chain on the previous bucket (see the module docstring). JAX emits one all-reduce per
         # leaf and XLA's combiner then merges independent ones, so every leaf needs the
         # dependency: a scalar carried alongside would not keep the leaves apart.
-        grads = tuple(g + ct_dep.astype(g.dtype) for g in grads)
+        if chain == "add":
+            grads = tuple(g + ct_dep.astype(g.dtype) for g in grads)
+        elif chain == "barrier" and ct_dep:
+            grads, _ = lax.optimization_barrier((grads, ct_dep))
         if fuses and last and ct_extras:
             # The loss and metrics ride on the last bucket's all-reduce.
             out, new_states = hook.reduce(
@@ -171,7 +226,7 @@ def _bucket_hook(
         _check_hook_output(hook, grads, reduced, index)
         _check_hook_state(hook, states, new_states, index)
         # The dependency is taken before casting back to varying: the token is replicated.
-        dep = _zero_dependency(reduced)
+        dep = _dependency(reduced, chain)
         reduced = tuple(_match_varying(r, v, axis_name) for r, v in zip(reduced, varying, strict=True))
         new_states = jax.tree.map(
             lambda x, old: _match_varying(x, _varying_axes(old), axis_name),
@@ -180,16 +235,22 @@ def _bucket_hook(
         )
         if last and ct_extras and not fuses:
             # The hook cannot carry the extras: one more (chained) mean all-reduce for them.
-            summed = lax.psum(tuple(e + dep.astype(e.dtype) for e in ct_extras), axis_name)
+            summed = lax.psum(
+                tuple(e + _dependency(reduced, "add").astype(e.dtype) for e in ct_extras), axis_name
+            )
             extras_out = tuple(e / ctx.axis_size for e in summed)
         extras_out = tuple(
             _match_varying(e, _varying_axes(s), axis_name)
             for e, s in zip(extras_out, sink, strict=True)
         )
-        ct_token = (
-            _match_varying(
+        if chain == "barrier":
+            dep_ct = tuple(_to_varying(r, axis_name) for r in dep)
+        else:
+            dep_ct = _match_varying(
                 dep.astype(jnp.result_type(token[0])), _varying_axes(token[0]), axis_name
-            ),
+            )
+        ct_token = (
+            dep_ct,
             tuple(jnp.zeros_like(e) for e in ct_extras) if last else tuple(ct_extras),
         )
         return (
@@ -294,7 +355,8 @@ def bucketed_value_and_grad(
     pre_scale: float | None = None,
     step: jax.Array | None = None,
     has_aux: bool = False,
-    extras_fn: Callable[[Any, Any], Sequence[jax.Array]] | None = None,
+    extras_fn: Callable[[Any, Any], Any] | None = None,
+    chain: str = "auto",
 ) -> tuple[Any, Any, Any, tuple]:
     """``value_and_grad`` of ``fun(params, *args)`` with gradients reduced per bucket in backward.
 
@@ -310,6 +372,7 @@ def bucketed_value_and_grad(
       step: the optimizer step, passed to hooks.
       extras_fn: ``extras_fn(loss, aux)`` returns float arrays to be averaged over the axis; with
         the default hook they ride on the last bucket's all-reduce.
+      chain: how consecutive buckets are kept apart (see :func:`resolve_chain`).
 
     Returns:
       ``(value, grads, new_hook_state, mean_extras)``; ``value`` is local (``(loss, aux)`` with
@@ -346,8 +409,16 @@ def bucketed_value_and_grad(
         extras_shape = ()
     owner = {i: b for b, bucket in enumerate(plan.buckets) for i in bucket.indices}
     last = plan.num_buckets - 1
+    mode = resolve_chain(chain)
+
+    def structs(b: int) -> list[jax.ShapeDtypeStruct]:
+        if b < 0:
+            return []
+        return [jax.ShapeDtypeStruct(plan.shapes[i], plan.dtypes[i]) for i in plan.buckets[b].indices]
+
     hooks = [
-        _bucket_hook(b, hook, axis_name, pre_scale, b == last) for b in range(plan.num_buckets)
+        _bucket_hook(b, hook, axis_name, pre_scale, b == last, mode, structs(b - 1))
+        for b in range(plan.num_buckets)
     ]
     arg_leaves = jax.tree.leaves(args)
     param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars[: len(leaves)])}
@@ -396,7 +467,7 @@ def bucketed_value_and_grad(
         _to_varying(jnp.zeros(e.shape, jnp.float32), axis_name)
         for e in jax.tree.leaves(extras_shape)
     )
-    token0 = (jnp.zeros((), jnp.float32), extras_zero)
+    token0 = (_dep_zeros(mode, structs(last), axis_name), extras_zero)
     sink0 = tuple(jnp.zeros(e.shape, jnp.float32) for e in jax.tree.leaves(extras_shape))
     (loss, _), vjp_fn, aux = jax.vjp(
         run, tuple(leaves), tuple(hook_state), token0, sink0, has_aux=True
@@ -410,7 +481,7 @@ def bucketed_value_and_grad(
         extras = ()
     if plan.num_buckets == 0 and extras:
         mean_extras = tuple(lax.pmean(extras, axis_name))
-    ct_token = (jnp.zeros((), jnp.float32), extras if plan.num_buckets else extras_zero)
+    ct_token = (_dep_zeros(mode, [], axis_name), extras if plan.num_buckets else extras_zero)
     grad_leaves, new_states, _, reduced = vjp_fn((jnp.ones_like(loss), ct_token))
     # plan.unused leaves have no gradient path to the loss: state the zero explicitly, so that it is
     # identical on every replica whatever autodiff materialises for them.
@@ -451,6 +522,7 @@ def value_and_grad(
     has_aux: bool = False,
     hook: CommHook | None = None,
     plan: buckets_lib.BucketPlan | None = None,
+    chain: str = "auto",
 ) -> Callable[..., Any]:
     """Drop-in for ``jax.value_and_grad`` inside ``shard_map`` or ``pmap``: bucketed, averaged grads.
 
@@ -467,7 +539,11 @@ def value_and_grad(
       hook: a stateless communication hook for each bucket (stateful hooks need
         :class:`jddp.DataParallel`, which carries their state).
       plan: a precomputed bucket plan; by default one is made from ``fun``'s traced use order.
+      chain: how buckets are kept apart in XLA: ``"auto"`` (``"barrier"`` on GPU, ``"add"`` on
+        CPU and TPU), ``"add"``, ``"barrier"``, or ``"none"`` to let XLA combine them.
     """
+    if chain not in CHAIN_MODES:
+        raise ValueError(f"chain must be one of {CHAIN_MODES}, got {chain!r}.")
     buckets_lib.cap_to_bytes(bucket_cap_mb, "bucket_cap_mb")
     buckets_lib.cap_to_bytes(first_bucket_mb, "first_bucket_mb")
 
@@ -482,7 +558,8 @@ def value_and_grad(
             first_bucket_mb=first_bucket_mb,
         )
         value, grads, _, _ = bucketed_value_and_grad(
-            fun, params, args, axis_name=axis_name, plan=the_plan, hook=hook, has_aux=has_aux
+            fun, params, args, axis_name=axis_name, plan=the_plan, hook=hook, has_aux=has_aux,
+            chain=chain,
         )
         return value, grads
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,10 @@ class TrainState:
     hook_state: Any = ()
     accum: Any = None
 
+    if TYPE_CHECKING:  # flax.struct adds ``replace`` at run time; declared for type checkers.
+
+        def replace(self, **updates: Any) -> TrainState: ...
+
 
 def _state_specs(state: TrainState, axis: str, per_device_model_state: bool = False) -> TrainState:
     """Partition specs of a TrainState: replicated, except per-device hook and accumulator state
@@ -55,7 +59,7 @@ def _state_specs(state: TrainState, axis: str, per_device_model_state: bool = Fa
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)
     per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
     return TrainState(
-        step=P(),
+        step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
         params=rep(state.params),
         opt_state=rep(state.opt_state),
         model_state=(per_device if per_device_model_state else rep)(state.model_state),
@@ -92,6 +96,9 @@ class DataParallel:
       first_bucket_mb: cap of the first bucket in MiB (DDP's default 1).
       hook: communication hook for each bucket (default: mean all-reduce).
       bucket_plan: a fixed plan to use instead of planning from the traced use order.
+      chain: how buckets are kept apart in the compiled step: ``"auto"`` (``"barrier"`` on GPU,
+        ``"add"`` on CPU and TPU; see :func:`jddp.reduce.resolve_chain`), or ``"none"`` to let
+        XLA's combiner merge all-reduces as it likes.
       donate: donate the old state's buffers to the new one (default True).
       model_state_sync: how new model state is made consistent across replicas: ``"broadcast"``
         (replica 0's, bit-exact; DDP's ``broadcast_buffers``), ``"mean"`` (averaged; integer leaves
@@ -118,6 +125,7 @@ class DataParallel:
         has_aux: bool = False,
         hook: CommHook | None = None,
         bucket_plan: buckets_lib.BucketPlan | None = None,
+        chain: str = "auto",
         donate: bool = True,
         model_state_sync: str = "broadcast",
         weighted: bool = False,
@@ -147,6 +155,9 @@ class DataParallel:
         self.first_bucket_mb = float(first_bucket_mb)
         self.has_aux = has_aux
         self.hook = hook or allreduce_mean()
+        if chain not in reduce_lib.CHAIN_MODES:
+            raise ValueError(f"chain must be one of {reduce_lib.CHAIN_MODES}, got {chain!r}.")
+        self.chain = chain
         self._fixed_plan = bucket_plan
         self._last_plan: buckets_lib.BucketPlan | None = None
         self.model_state_sync = ms_lib.check_sync_mode(model_state_sync)
@@ -332,6 +343,7 @@ class DataParallel:
             step=state.step,
             has_aux=True,
             extras_fn=obj.extras_fn(axis, n),
+            chain=self.chain,
         )
         local = mask.shape[0] if mask is not None else 0
         grads, metrics, new_model_state = obj.finish(grads, extras, aux, n, local)
@@ -385,6 +397,27 @@ class DataParallel:
             batch_like,
         )
         return self.step.lower(state, batch)
+
+
+def _metrics_of(loss: jax.Array, aux: Any) -> dict[str, jax.Array]:
+    """The metrics dict of a scalar-loss step (used by jddp.nnx; the core step uses Objective)."""
+    metrics = {"loss": loss}
+    if isinstance(aux, dict):
+        for k, v in aux.items():
+            if k == "loss":
+                raise ValueError("loss_fn's aux metrics must not use the key 'loss'.")
+            if jnp.shape(v) != ():
+                raise ValueError(
+                    f"aux metric {k!r} has shape {jnp.shape(v)}; metrics must be scalars (they "
+                    "are averaged over devices)."
+                )
+            metrics[k] = v
+    elif aux is not None and jax.tree.leaves(aux):
+        raise TypeError(
+            "With has_aux=True, the aux value of loss_fn must be a dict of scalar metrics, got "
+            f"{type(aux).__name__}."
+        )
+    return metrics
 
 
 def _local_batch_shape(batch: Any, n: int) -> Any:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
+import jax.numpy as jnp
 
 from jddp import buckets as buckets_lib
 
@@ -32,10 +32,9 @@ def _inexact(v: Any) -> bool:
     dtype = getattr(getattr(v, "aval", None), "dtype", None)
     if dtype is None:
         return False
-    try:
-        return bool(np.issubdtype(np.dtype(dtype), np.inexact))
-    except TypeError:  # extended dtypes (PRNG keys) carry no gradient
-        return False
+    # jnp.issubdtype, not np: bfloat16 and the float8 types are not np.inexact subtypes, and
+    # extended dtypes (PRNG keys, which carry no gradient) are not NumPy dtypes at all.
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _reaching_inputs(jaxpr: Any, live_outputs: Sequence[bool]) -> list[bool]:

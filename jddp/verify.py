@@ -88,10 +88,12 @@ def check_same_structure(
     """
     if process_index is None:
         process_index = jax.process_index()
-    prints = [
-        [int(x) for x in (fingerprint(d) if len(d) and isinstance(d[0], tuple) else d)]
-        for d in all_descs
-    ]
+    prints: list[list[int]] = []
+    for d in all_descs:
+        if len(d) and isinstance(d[0], tuple):
+            prints.append(fingerprint([LeafDesc(*x) for x in d]).tolist())  # type: ignore[misc]
+        else:
+            prints.append([int(x) for x in d])  # type: ignore[arg-type]
     ref = prints[0]
     for p, other in enumerate(prints[1:], start=1):
         if other == ref:

@@ -239,4 +239,19 @@ def test_bad_loss_output_and_mode_errors():
         jddp.DataParallel(_bn_loss, optax.sgd(0.1), model_state_sync="average")
     ddp = jddp.DataParallel(_bn_loss, optax.sgd(0.1))
     with pytest.raises(TypeError, match="cannot send"):
-        ddp.init(params, model_state={"key": jax.random.key(0)})
+        ddp.init(params, model_state={"z": np.zeros(2, np.complex64)})
+
+
+def test_prng_key_state_is_broadcast():
+    def loss_fn(params, model_state, batch):
+        loss = jnp.mean((batch["x"] @ params["w"]) ** 2)
+        return loss, {"key": jax.random.fold_in(model_state["key"], batch["i"][0])}
+
+    batch = {"x": np.ones((16, 3), np.float32), "i": np.arange(16, dtype=np.int32) * 7}
+    for sync in ("broadcast", "mean"):
+        ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), model_state_sync=sync)
+        state = ddp.init({"w": jnp.ones((3, 2))}, model_state={"key": jax.random.key(3)})
+        state, _ = ddp.step(state, batch)
+        want = jax.random.fold_in(jax.random.key(3), 0)  # replica 0's first example
+        np.testing.assert_array_equal(jax.random.key_data(state.model_state["key"]),
+                                      jax.random.key_data(want))

@@ -31,6 +31,7 @@ def _params():
         "never": jnp.ones((7, 5)),
         "aux_only": jnp.ones((4,)),
         "custom": jnp.ones((4,)),
+        "bf16": jnp.ones((4,)),  # reaches the loss through bfloat16 values
     }
 
 
@@ -47,6 +48,8 @@ def _loss(params, x):
     loss += x[jnp.argmax(params["int_path"])]  # an integer index carries no gradient
     loss += jnp.sum(jax.lax.stop_gradient(params["stopped"]) * x)
     loss += jnp.sum(_ignores_w(x, params["custom"]))
+    loss += jnp.sum(params["bf16"].astype(jnp.bfloat16) * x.astype(jnp.bfloat16)).astype(jnp.float32)
+    loss += jax.random.uniform(jax.random.key(0)).astype(jnp.float32)  # a key in the graph
     return loss
 
 
@@ -85,7 +88,7 @@ def test_unused_are_reported_once_and_not_sent():
         assert name in msg
     plan = ddp.bucket_plan
     assert {plan.paths[i] for i in plan.unused} == {"int_path", "stopped", "never", "aux_only"}
-    assert plan.total_bytes == 4 * (4 + 4 + 3 + 4)  # used, in_jit, in_scan, custom
+    assert plan.total_bytes == 4 * (4 + 4 + 3 + 4 + 4)  # used, in_jit, in_scan, custom, bf16
     np.testing.assert_allclose(metrics["aux_norm"], 4.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second step (even a retrace) does not warn again

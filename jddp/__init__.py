@@ -2,6 +2,7 @@
 
 from jddp import distributed, nnx
 from jddp.buckets import Bucket, BucketPlan, plan_buckets
+from jddp.costmodel import ClusterSpec, Link, ModelProfile, suggest_bucket_cap
 from jddp.distributed import (
     global_batch_from_local,
     initialize,
@@ -27,10 +28,13 @@ from jddp.verify import (
 __all__ = [
     "Bucket",
     "BucketPlan",
+    "ClusterSpec",
     "CommHook",
     "DataParallel",
     "Divergence",
     "HookContext",
+    "Link",
+    "ModelProfile",
     "ReplicaDivergenceError",
     "TrainState",
     "allreduce_mean",
@@ -53,6 +57,7 @@ __all__ = [
     "replicated",
     "shard_batch",
     "shard_global_batch",
+    "suggest_bucket_cap",
     "sync_from_process0",
     "value_and_grad",
     "verify_replicas",

@@ -365,6 +365,18 @@ class DataParallel:
             metrics["skipped"] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
         return new_state, metrics
 
+    def _loss_with_aux(self, params: Any, batch: Any):
+        """``(loss, metrics)`` of a stateless ``loss_fn`` (used by ``jddp.calibrate``; the step
+        itself goes through :class:`jddp.objective.Objective`)."""
+        out = self.loss_fn(params, batch)
+        if not self.has_aux:
+            return out, {}
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise TypeError(
+                f"With has_aux=True, loss_fn must return (loss, metrics), got {type(out).__name__}."
+            )
+        return out
+
     def verify(self, state: TrainState, *, atol: float = 0.0) -> None:
         """Raises :class:`jddp.ReplicaDivergenceError` if replicas of ``state`` differ.
 

@@ -14,6 +14,16 @@ from jddp.hooks import CommHook, HookContext, allreduce_mean
 from jddp.mesh import batch_sharding, data_mesh, replicate, replicated, shard_batch
 from jddp.reduce import bucketed_value_and_grad, init_hook_state, value_and_grad
 from jddp.trainer import DataParallel, TrainState
+from jddp.uneven import pad_batch
+from jddp.unused import grad_reachable
+from jddp.verify import (
+    Divergence,
+    ReplicaDivergenceError,
+    check_same_structure,
+    describe,
+    sync_from_process0,
+    verify_replicas,
+)
 
 __all__ = [
     "Bucket",
@@ -21,26 +31,34 @@ __all__ = [
     "ClusterSpec",
     "CommHook",
     "DataParallel",
+    "Divergence",
     "HookContext",
     "Link",
     "ModelProfile",
+    "ReplicaDivergenceError",
     "TrainState",
     "allreduce_mean",
     "batch_sharding",
     "bucketed_value_and_grad",
+    "check_same_structure",
     "data_mesh",
+    "describe",
     "distributed",
     "global_batch_from_local",
+    "grad_reachable",
     "init_hook_state",
     "initialize",
     "is_main_process",
     "local_slice",
     "nnx",
+    "pad_batch",
     "plan_buckets",
     "replicate",
     "replicated",
     "shard_batch",
     "shard_global_batch",
     "suggest_bucket_cap",
+    "sync_from_process0",
     "value_and_grad",
+    "verify_replicas",
 ]

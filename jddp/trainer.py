@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jddp import accumulate as accum_lib
 from jddp import buckets as buckets_lib
 from jddp import mesh as mesh_lib
 from jddp import reduce as reduce_lib
@@ -54,7 +56,7 @@ def _state_specs(state: TrainState, axis: str) -> TrainState:
         opt_state=rep(state.opt_state),
         model_state=rep(state.model_state),
         hook_state=per_device(state.hook_state),
-        accum=per_device(state.accum),
+        accum=accum_lib.accum_specs(state.accum, axis),
     )
 
 
@@ -87,6 +89,13 @@ class DataParallel:
         ``"add"`` on CPU and TPU; see :func:`jddp.reduce.resolve_chain`), or ``"none"`` to let
         XLA's combiner merge all-reduces as it likes.
       donate: donate the old state's buffers to the new one (default True).
+      accumulate_steps: ``k > 1`` accumulates local gradients over ``k`` calls of ``step`` and
+        reduces once, on the ``k``-th (DDP's ``no_sync``); ``step(state, batch, sync=...)``
+        chooses explicitly. See :mod:`jddp.accumulate`.
+      microbatches: ``m > 1`` splits each device's batch into ``m`` micro-batches scanned inside
+        one step, with one reduction per bucket after the loop.
+      accum_dtype: dtype of the local gradient sums (default float32, or the parameter dtype if
+        wider).
     """
 
     def __init__(
@@ -102,6 +111,9 @@ class DataParallel:
         bucket_plan: buckets_lib.BucketPlan | None = None,
         chain: str = "auto",
         donate: bool = True,
+        accumulate_steps: int = 1,
+        microbatches: int = 1,
+        accum_dtype: Any = None,
     ) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
@@ -131,7 +143,13 @@ class DataParallel:
         self.chain = chain
         self._fixed_plan = bucket_plan
         self._last_plan: buckets_lib.BucketPlan | None = None
-        self.step = jax.jit(self._step, donate_argnums=(0,) if donate else ())
+        self.accumulate_steps, self.microbatches, self.accum_dtype = accum_lib.check_options(
+            accumulate_steps, microbatches, accum_dtype
+        )
+        # ``sync`` is static: each value is its own compiled variant (see jddp.accumulate).
+        self.step = jax.jit(
+            self._step, donate_argnums=(0,) if donate else (), static_argnames=("sync",)
+        )
 
     @property
     def num_devices(self) -> int:
@@ -166,7 +184,9 @@ class DataParallel:
             opt_state=self.optimizer.init(params),
             model_state=model_state,
             hook_state=jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), hook_state),
-            accum=None,
+            accum=accum_lib.init_accum(params, n, self.accum_dtype)
+            if self.accumulate_steps > 1
+            else None,
         )
 
     def _state_shardings(self, abstract_state: TrainState) -> TrainState:
@@ -194,6 +214,8 @@ class DataParallel:
             self._fixed_plan.check_tree(params)
             return self._fixed_plan
         local = _local_batch_shape(batch, self.num_devices)
+        if self.microbatches > 1:
+            local = accum_lib.microbatch_shape(local, self.microbatches)
         fun = self.loss_fn if not self.has_aux else (lambda p, b: self.loss_fn(p, b)[0])
         return buckets_lib.plan_buckets(
             fun,
@@ -230,9 +252,25 @@ class DataParallel:
         reduce_lib._check_float_params(state.params)
         mesh_lib.check_batch(batch, self.num_devices)
 
-    def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    def _step(
+        self, state: TrainState, batch: Any, sync: bool | None = None
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
         self._check_inputs(state, batch)
+        accum_lib.check_call(
+            state, batch, sync, accumulate_steps=self.accumulate_steps,
+            microbatches=self.microbatches, num_devices=self.num_devices,
+        )
         specs = _state_specs(state, self.axis_name)
+        if self.accumulate_steps > 1 or self.microbatches > 1:
+            sharded = jax.shard_map(
+                functools.partial(accum_lib.local_step, self, _metrics_of, sync=sync),
+                mesh=self.mesh,
+                in_specs=(specs, P(self.axis_name)),
+                out_specs=(specs, P(), P(self.axis_name)),
+                check_vma=True,
+            )
+            new_state, metrics, local_metrics = sharded(state, batch)
+            return new_state, {**metrics, **local_metrics}
         sharded = jax.shard_map(
             self._local_step,
             mesh=self.mesh,
@@ -279,7 +317,13 @@ class DataParallel:
             )
         return out
 
-    def lower(self, params_like: Any, batch_like: Any, model_state_like: Any = None):
+    def lower(
+        self,
+        params_like: Any,
+        batch_like: Any,
+        model_state_like: Any = None,
+        sync: bool | None = None,
+    ):
         """Lowers the step that ``step`` runs, from abstract (or concrete) params and batch.
 
         Args:
@@ -287,6 +331,7 @@ class DataParallel:
           batch_like: a global batch, or ``jax.ShapeDtypeStruct``s (placed on the data axis if
             they carry no sharding).
           model_state_like: the model state, or its shape structs, if the model has one.
+          sync: the accumulation variant (see :mod:`jddp.accumulate`); ``None`` by default.
 
         Returns:
           The ``jax.stages.Lowered`` of ``self.step``; ``.compile().as_text()`` is the compiled
@@ -299,7 +344,7 @@ class DataParallel:
             lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding),
             batch_like,
         )
-        return self.step.lower(state, batch)
+        return self.step.lower(state, batch, sync=sync)
 
 
 def _metrics_of(loss: jax.Array, aux: Any) -> dict[str, jax.Array]:

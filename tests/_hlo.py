@@ -74,9 +74,13 @@ def all_reduces(text: str) -> list[Op]:
     return [op for op in entry_ops(text) if op.kind == "all-reduce"]
 
 
+# An all-reduce instruction (the opcode, not an operand such as ``%all-reduce.3``).
+_ALL_REDUCE = re.compile(r"^\s*(?:ROOT )?%\S+ = .*? all-reduce(?:-start)?\(", re.M)
+
+
 def count_all_reduces(text: str) -> int:
     """All all-reduce instructions anywhere in the module (loop bodies included)."""
-    return len(re.findall(r"^\s*(?:ROOT )?%\S+ = .*? all-reduce(?:-start)?\(", text, re.M))
+    return len(_ALL_REDUCE.findall(text))
 
 
 _CALLED = re.compile(
@@ -112,6 +116,6 @@ def count_all_reduces_in_loops(text: str) -> int:
             if re.search(r"\bwhile\(", line):
                 loops.update(re.findall(r"(?:body|condition)=%([\w.\-]+)", line))
     return sum(
-        len(re.findall(r"= [^=]*? all-reduce(?:-start)?\(", comps[name]))
+        len(_ALL_REDUCE.findall(comps[name]))
         for name in _reachable(comps, loops)
     )

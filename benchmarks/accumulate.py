@@ -39,9 +39,9 @@ def parse_args():
     p.add_argument("--width", type=int, default=1152)
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--micro", type=int, default=8, help="micro-batches per optimizer step")
-    p.add_argument("--micro-batch", type=int, default=64, help="global examples per micro-batch")
-    p.add_argument("--iters", type=int, default=7, help="timed rounds per variant")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--micro-batch", type=int, default=32, help="global examples per micro-batch")
+    p.add_argument("--iters", type=int, default=5, help="timed rounds per variant")
+    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--json", type=str, default=None)
     return p.parse_args()
 

@@ -91,6 +91,10 @@ class AccumState:
       grads: a tree like params of each device's local gradient sum, with a leading device
         dimension (sharded over the data axis).
       loss: ``float32[num_devices]``: each device's sum of its micro-batch losses in the window.
+
+    ``grads`` and ``loss`` hold the window's sums only while ``count > 0``: a synchronising step
+    resets just the counter and leaves stale values in the buffers (rewriting them would cost a
+    copy of the accumulator), which the next step ignores.
     """
 
     count: jax.Array
@@ -240,7 +244,22 @@ def _varying_zeros(tree: Any, axis: Any, dtype: Any = None) -> Any:
 
 
 def _add(acc: Any, x: Any) -> Any:
-    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, x)
+    # ``x`` may lack the accumulator's leading device dimension; adding in the accumulator's own
+    # shape (not ``(acc[0] + x)[None]``) keeps the add in place: XLA does not reuse a donated
+    # buffer across the bitcasts of an index-then-expand.
+    return jax.tree.map(lambda a, b: a + b.astype(a.dtype).reshape(a.shape), acc, x)
+
+
+def _live(acc: AccumState) -> tuple[Any, jax.Array]:
+    """The accumulated sums, as zeros when the window is empty (``count == 0``).
+
+    A synchronising step resets only the counter and leaves the old sums in the buffers: writing
+    zeros there would make XLA copy the donated accumulator (the reset would race the backward's
+    reads of it), and a ``where`` fused into the next add costs nothing.
+    """
+    fresh = acc.count == 0
+    grads = jax.tree.map(lambda g: jnp.where(fresh, jnp.zeros((), g.dtype), g), acc.grads)
+    return grads, jnp.where(fresh, 0.0, acc.loss)
 
 
 class _Ctx:
@@ -292,7 +311,8 @@ def _sync(ctx: _Ctx, state: Any, micro: Any) -> tuple[Any, dict, dict]:
 
     # The offset: accumulated local gradients of earlier calls plus this call's first m - 1.
     if acc is not None:
-        grads0 = jax.tree.map(lambda x: x[0], acc.grads)
+        live_grads, live_loss = _live(acc)
+        grads0 = jax.tree.map(lambda x: x[0], live_grads)
     elif m > 1:
         grads0 = _varying_zeros(
             jax.tree.map(lambda p: jax.ShapeDtypeStruct(
@@ -324,7 +344,7 @@ def _sync(ctx: _Ctx, state: Any, micro: Any) -> tuple[Any, dict, dict]:
             loss, metrics = ctx.loss_and_metrics(p, b)
             return loss * inv.astype(loss.dtype), metrics
 
-        window_loss0 = acc.loss[0]
+        window_loss0 = live_loss[0]
 
     def extras_fn(_scaled_loss, metrics):
         # Averaged over devices inside the last bucket's all-reduce: no extra collective.
@@ -348,11 +368,8 @@ def _sync(ctx: _Ctx, state: Any, micro: Any) -> tuple[Any, dict, dict]:
     )
     if acc is None:
         return new_state, dict(mean_metrics), {}
-    new_state = new_state.replace(accum=AccumState(
-        count=jnp.zeros((), jnp.int32),
-        grads=_varying_zeros(acc.grads, axis),
-        loss=_varying_zeros(acc.loss, axis),
-    ))
+    # Only the counter is reset; the stale sums are masked by _live (no write, no copy).
+    new_state = new_state.replace(accum=acc.replace(count=jnp.zeros((), jnp.int32)))
     local_loss = (head_metrics["loss"] + this_metrics["loss"]) / m
     return (
         new_state,
@@ -365,14 +382,12 @@ def _accumulate(ctx: _Ctx, state: Any, micro: Any) -> tuple[Any, dict, dict]:
     """Adds this call's local gradients to the accumulator: no collective at all."""
     axis, acc = ctx.axis, state.accum
     shapes = ctx.metric_shapes(state.params, micro)
+    live_grads, live_loss = _live(acc)
     grads, metrics = ctx.local_sums(
-        _varying(state.params, axis), micro, jax.tree.map(lambda x: x[0], acc.grads),
-        _varying_zeros(shapes, axis),
+        _varying(state.params, axis), micro, live_grads, _varying_zeros(shapes, axis)
     )
     new_state = state.replace(accum=AccumState(
-        count=acc.count + 1,
-        grads=jax.tree.map(lambda g: g[None], grads),
-        loss=acc.loss + metrics["loss"][None],
+        count=acc.count + 1, grads=grads, loss=live_loss + metrics["loss"][None]
     ))
     # The global metrics need a collective; report "not computed" (see the module docstring).
     placeholders = {k: jnp.full((), jnp.nan, jnp.float32) for k in shapes}

@@ -7,6 +7,8 @@ concatenated batch after 3 optimizer steps, losses within rtol 1e-5 (the trainer
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,6 +190,9 @@ def test_all_reduce_counts_from_hlo():
     assert buckets > 1
     assert count_all_reduces(no_sync) == 0
     assert count_all_reduces(sync) == buckets
+    # The donated accumulator is updated in place: no copy of an accumulator leaf.
+    for text in (no_sync, sync):
+        assert not re.search(r"= f32\[1,16,16\]\S* copy\(", text)
     # The auto variant holds the sync branch of a conditional; it runs on the k-th call only.
     assert count_all_reduces(auto) == buckets and "conditional(" in auto
 

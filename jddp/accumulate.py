@@ -27,7 +27,9 @@ The two compose (``k`` calls of ``m`` micro-batches each).
   read of the counter (which would stall asynchronous dispatch), and the step can itself be
   ``jit``-ed or ``scan``-ned by the caller. The price: this variant's HLO holds both branches (the
   collectives appear, inside the sync branch of a conditional, and execute only on the ``k``-th
-  call) and compiles the forward/backward twice.
+  call) and compiles the forward/backward twice. On CPU it also measured much slower than explicit
+  ``sync=`` (XLA copies the state passed through the conditional on every call;
+  ``benchmarks/accumulate.py``), so a loop that knows its position should pass ``sync=``.
 
 A caller who drives the loop (``for i, mb in enumerate(mbs): step(state, mb, sync=(i == k - 1))``)
 compiles exactly two variants, and each is traced once. This is the equivalent of DDP's

@@ -359,7 +359,7 @@ def _sync(ctx: _Ctx, state: Any, micro: Any) -> tuple[Any, dict, dict]:
     (_, this_metrics), grads, new_hook_state, mean_metrics = reduce_lib.bucketed_value_and_grad(
         fun, params, (last,), axis_name=axis, plan=plan, hook=ddp.hook, hook_state=hook_state,
         grad_offset=offset, pre_scale=pre_scale, step=state.step, has_aux=True,
-        extras_fn=extras_fn,
+        extras_fn=extras_fn, chain=ddp.chain,
     )
     updates, opt_state = ddp.optimizer.update(grads, state.opt_state, params)
     new_state = state.replace(

@@ -1,6 +1,7 @@
 """jddp: distributed data-parallel training for JAX, built like PyTorch DDP."""
 
 from jddp import distributed, nnx
+from jddp.accumulate import AccumState, accum_dtype_for
 from jddp.buckets import Bucket, BucketPlan, plan_buckets
 from jddp.costmodel import ClusterSpec, Link, ModelProfile, suggest_bucket_cap
 from jddp.distributed import (
@@ -26,6 +27,7 @@ from jddp.verify import (
 )
 
 __all__ = [
+    "AccumState",
     "Bucket",
     "BucketPlan",
     "ClusterSpec",
@@ -37,6 +39,7 @@ __all__ = [
     "ModelProfile",
     "ReplicaDivergenceError",
     "TrainState",
+    "accum_dtype_for",
     "allreduce_mean",
     "batch_sharding",
     "bucketed_value_and_grad",

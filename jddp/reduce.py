@@ -357,7 +357,7 @@ def bucketed_value_and_grad(
     has_aux: bool = False,
     extras_fn: Callable[[Any, Any], Any] | None = None,
     chain: str = "auto",
-) -> tuple[Any, Any, Any, tuple]:
+) -> tuple[Any, Any, Any, Any]:
     """``value_and_grad`` of ``fun(params, *args)`` with gradients reduced per bucket in backward.
 
     Must run inside ``shard_map`` or ``pmap`` over ``axis_name``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jddp import accumulate as accum_lib
 from jddp import buckets as buckets_lib
 from jddp import mesh as mesh_lib
 from jddp import model_state as ms_lib
@@ -64,7 +66,7 @@ def _state_specs(state: TrainState, axis: str, per_device_model_state: bool = Fa
         opt_state=rep(state.opt_state),
         model_state=(per_device if per_device_model_state else rep)(state.model_state),
         hook_state=per_device(state.hook_state),
-        accum=per_device(state.accum),
+        accum=accum_lib.accum_specs(state.accum, axis),
     )
 
 
@@ -112,6 +114,13 @@ class DataParallel:
       skip_nonfinite: skip the update (params, optimizer, model and hook state, ``state.step``)
         when the reduced gradient has a NaN or Inf; ``metrics["skipped"]`` is 1.0 for a skipped
         step, else 0.0.
+      accumulate_steps: ``k > 1`` accumulates local gradients over ``k`` calls of ``step`` and
+        reduces once, on the ``k``-th (DDP's ``no_sync``); ``step(state, batch, sync=...)``
+        chooses explicitly. See :mod:`jddp.accumulate`.
+      microbatches: ``m > 1`` splits each device's batch into ``m`` micro-batches scanned inside
+        one step, with one reduction per bucket after the loop.
+      accum_dtype: dtype of the local gradient sums (default float32, or the parameter dtype if
+        wider).
     """
 
     def __init__(
@@ -131,6 +140,9 @@ class DataParallel:
         weighted: bool = False,
         keep_unused: bool = False,
         skip_nonfinite: bool = False,
+        accumulate_steps: int = 1,
+        microbatches: int = 1,
+        accum_dtype: Any = None,
     ) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
@@ -165,7 +177,22 @@ class DataParallel:
         self.keep_unused = bool(keep_unused)
         self.skip_nonfinite = bool(skip_nonfinite)
         self._warned_unused = False
-        self.step = jax.jit(self._step, donate_argnums=(0,) if donate else ())
+        self.accumulate_steps, self.microbatches, self.accum_dtype = accum_lib.check_options(
+            accumulate_steps, microbatches, accum_dtype
+        )
+        if self._accumulating and (self.weighted or self.skip_nonfinite):
+            raise ValueError(
+                "accumulate_steps/microbatches cannot be combined with weighted=True or "
+                "skip_nonfinite=True yet; use one or the other."
+            )
+        # ``sync`` is static: each value is its own compiled variant (see jddp.accumulate).
+        self.step = jax.jit(
+            self._step, donate_argnums=(0,) if donate else (), static_argnames=("sync",)
+        )
+
+    @property
+    def _accumulating(self) -> bool:
+        return self.accumulate_steps > 1 or self.microbatches > 1
 
     @property
     def _per_device_ms(self) -> bool:
@@ -211,7 +238,9 @@ class DataParallel:
             # With model_state_sync="none" each replica keeps its own copy.
             model_state=to_devices(model_state) if self._per_device_ms else model_state,
             hook_state=to_devices(hook_state),
-            accum=None,
+            accum=accum_lib.init_accum(params, n, self.accum_dtype)
+            if self.accumulate_steps > 1
+            else None,
         )
 
     def _state_shardings(self, abstract_state: TrainState) -> TrainState:
@@ -241,6 +270,8 @@ class DataParallel:
             self._fixed_plan.check_tree(params)
             return self._fixed_plan
         local = _local_batch_shape(batch, self.num_devices)
+        if self.microbatches > 1:
+            local = accum_lib.microbatch_shape(local, self.microbatches)
         weights = None
         if self.weighted:
             weights = jax.ShapeDtypeStruct((jax.tree.leaves(local)[0].shape[0],), jnp.float32)
@@ -263,13 +294,16 @@ class DataParallel:
             sync=self.model_state_sync, weighted=self.weighted,
         )
 
-    def _plan_inside(self, params: Any, obj: Objective, args: tuple) -> buckets_lib.BucketPlan:
+    def _plan_inside(
+        self, params: Any, fun: Callable[..., Any], args: tuple
+    ) -> buckets_lib.BucketPlan:
+        """The plan for ``fun(params, *args)`` (the scalar that is differentiated), at trace time."""
         if self._fixed_plan is not None:
             self._fixed_plan.check_tree(params)
             plan = self._fixed_plan
         else:
             plan = buckets_lib.plan_buckets(
-                obj.plan_fun,
+                fun,
                 params,
                 *args,
                 bucket_cap_mb=self.bucket_cap_mb,
@@ -307,10 +341,29 @@ class DataParallel:
         return uneven_lib.check_mask(mask, size)
 
     def _step(
-        self, state: TrainState, batch: Any, mask: Any = None
+        self, state: TrainState, batch: Any, mask: Any = None, sync: bool | None = None
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         mask = self._check_inputs(state, batch, mask)
+        accum_lib.check_call(
+            state, batch, sync, accumulate_steps=self.accumulate_steps,
+            microbatches=self.microbatches, num_devices=self.num_devices,
+        )
         specs = _state_specs(state, self.axis_name, self._per_device_ms)
+        if self._accumulating:
+            if state.model_state is not None:
+                raise ValueError(
+                    "accumulate_steps/microbatches do not support model state yet; train models "
+                    "with model state (e.g. BatchNorm) without accumulation."
+                )
+            accumulating = jax.shard_map(
+                functools.partial(accum_lib.local_step, self, _metrics_of, sync=sync),
+                mesh=self.mesh,
+                in_specs=(specs, P(self.axis_name)),
+                out_specs=(specs, P(), P(self.axis_name)),
+                check_vma=True,
+            )
+            new_state, metrics, local_metrics = accumulating(state, batch)
+            return new_state, {**metrics, **local_metrics}
         sharded = jax.shard_map(
             self._local_step,
             mesh=self.mesh,
@@ -330,7 +383,7 @@ class DataParallel:
         if per_device_ms:
             model_state = jax.tree.map(lambda x: x[0], model_state)
         args = (model_state, batch, mask)
-        plan = self._plan_inside(state.params, obj, args)
+        plan = self._plan_inside(state.params, obj.plan_fun, args)
         hook_state = jax.tree.map(lambda x: x[0], state.hook_state)
         (loss, aux), grads, new_hook_state, extras = reduce_lib.bucketed_value_and_grad(
             obj.fun,
@@ -388,7 +441,13 @@ class DataParallel:
             tree["model_state"] = state.model_state
         verify_lib.verify_replicas(tree, self.mesh, atol=atol)
 
-    def lower(self, params_like: Any, batch_like: Any, model_state_like: Any = None):
+    def lower(
+        self,
+        params_like: Any,
+        batch_like: Any,
+        model_state_like: Any = None,
+        sync: bool | None = None,
+    ):
         """Lowers the step that ``step`` runs, from abstract (or concrete) params and batch.
 
         Args:
@@ -396,6 +455,7 @@ class DataParallel:
           batch_like: a global batch, or ``jax.ShapeDtypeStruct``s (placed on the data axis if
             they carry no sharding).
           model_state_like: the model state, or its shape structs, if the model has one.
+          sync: the accumulation variant (see :mod:`jddp.accumulate`); ``None`` by default.
 
         Returns:
           The ``jax.stages.Lowered`` of ``self.step``; ``.compile().as_text()`` is the compiled
@@ -408,7 +468,7 @@ class DataParallel:
             lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding),
             batch_like,
         )
-        return self.step.lower(state, batch)
+        return self.step.lower(state, batch, sync=sync)
 
 
 def _metrics_of(loss: jax.Array, aux: Any) -> dict[str, jax.Array]:

@@ -291,3 +291,14 @@ def test_bad_calls():
     fused = jddp.DataParallel(mlp_loss, optax.sgd(0.1), microbatches=4)
     with pytest.raises(ValueError, match=r"microbatches=4 does not divide the per-device batch of 2"):
         fused.step(fused.init(params), mb)
+
+
+def test_accumulation_rejects_features_it_does_not_combine_with():
+    for kwargs in ({"weighted": True}, {"skip_nonfinite": True}):
+        with pytest.raises(ValueError, match="cannot be combined"):
+            jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2, **kwargs)
+    ddp = jddp.DataParallel(lambda p, ms, b: (mlp_loss(p, b), ms), optax.sgd(0.1),
+                            accumulate_steps=2)
+    state = ddp.init(mlp_params(0, [4, 8, 2]), model_state={"count": jnp.zeros(())})
+    with pytest.raises(ValueError, match="do not support model state"):
+        ddp.step(state, regression_batch(0, 16, 4, 2), sync=False)

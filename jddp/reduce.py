@@ -167,6 +167,7 @@ def _bucket_hook(
     last: bool,
     chain: str,
     prev_structs: Sequence[jax.ShapeDtypeStruct],
+    phase: Any = None,
 ) -> Callable[..., Any]:
     """The identity-with-reducing-VJP for bucket ``index``.
 
@@ -204,7 +205,7 @@ def _bucket_hook(
             grads = tuple(g + o.astype(g.dtype) for g, o in zip(grads, offset, strict=True))
         if pre_scale is not None:
             grads = tuple(g * jnp.asarray(pre_scale, g.dtype) for g in grads)
-        ctx = HookContext(axis_name, axis_size(axis_name), step, index)
+        ctx = HookContext(axis_name, axis_size(axis_name), step, index, phase)
         n = len(grads)
         extras_out = tuple(jnp.zeros_like(s) for s in sink)
         fuses = getattr(hook, "fuses_extras", False)
@@ -356,6 +357,7 @@ def bucketed_value_and_grad(
     step: jax.Array | None = None,
     has_aux: bool = False,
     extras_fn: Callable[[Any, Any], Any] | None = None,
+    phase: Any = None,
     chain: str = "auto",
 ) -> tuple[Any, Any, Any, tuple]:
     """``value_and_grad`` of ``fun(params, *args)`` with gradients reduced per bucket in backward.
@@ -370,6 +372,7 @@ def bucketed_value_and_grad(
         accumulated gradients of earlier micro-steps), or ``None``.
       pre_scale: multiplies the local gradients (after the offset) before the reduction.
       step: the optimizer step, passed to hooks.
+      phase: the hook's static phase for this step (``hook.phase(step)``), passed to hooks.
       extras_fn: ``extras_fn(loss, aux)`` returns float arrays to be averaged over the axis; with
         the default hook they ride on the last bucket's all-reduce.
       chain: how consecutive buckets are kept apart (see :func:`resolve_chain`).
@@ -384,6 +387,8 @@ def bucketed_value_and_grad(
         hook_state = init_hook_state(hook, params)
     if step is None:
         step = jnp.zeros((), jnp.int32)
+    # Hook state is per device by definition (error-feedback residuals differ between replicas).
+    hook_state = jax.tree.map(lambda x: _to_varying(x, axis_name), tuple(hook_state))
     leaves, treedef = jax.tree.flatten(params)
     offsets = jax.tree.leaves(grad_offset) if grad_offset is not None else None
     if offsets is not None and len(offsets) != len(leaves):
@@ -417,7 +422,7 @@ def bucketed_value_and_grad(
         return [jax.ShapeDtypeStruct(plan.shapes[i], plan.dtypes[i]) for i in plan.buckets[b].indices]
 
     hooks = [
-        _bucket_hook(b, hook, axis_name, pre_scale, b == last, mode, structs(b - 1))
+        _bucket_hook(b, hook, axis_name, pre_scale, b == last, mode, structs(b - 1), phase)
         for b in range(plan.num_buckets)
     ]
     arg_leaves = jax.tree.leaves(args)
@@ -487,6 +492,9 @@ def bucketed_value_and_grad(
     # identical on every replica whatever autodiff materialises for them.
     unused = frozenset(plan.unused)
     grad_leaves = [jnp.zeros_like(g) if i in unused else g for i, g in enumerate(grad_leaves)]
+    # Nor does their hook state reach a hook, so its "cotangent" is zero: keep the old state
+    # instead (a zeroed PowerSGD Q would stay zero).
+    new_states = [hook_state[i] if i in unused else s for i, s in enumerate(new_states)]
     if plan.num_buckets:
         mean_extras = tuple(reduced)
     elif not extras:

@@ -11,7 +11,15 @@ from jddp.distributed import (
     local_slice,
     shard_global_batch,
 )
-from jddp.hooks import CommHook, HookContext, allreduce_mean
+from jddp.hooks import (
+    CommHook,
+    HookContext,
+    allreduce_mean,
+    bf16_compress,
+    fp16_compress,
+    plan_bytes_sent,
+    powersgd,
+)
 from jddp.mesh import batch_sharding, data_mesh, replicate, replicated, shard_batch
 from jddp.reduce import bucketed_value_and_grad, init_hook_state, value_and_grad
 from jddp.trainer import DataParallel, TrainState
@@ -42,11 +50,13 @@ __all__ = [
     "accum_dtype_for",
     "allreduce_mean",
     "batch_sharding",
+    "bf16_compress",
     "bucketed_value_and_grad",
     "check_same_structure",
     "data_mesh",
     "describe",
     "distributed",
+    "fp16_compress",
     "global_batch_from_local",
     "grad_reachable",
     "init_hook_state",
@@ -56,6 +66,8 @@ __all__ = [
     "nnx",
     "pad_batch",
     "plan_buckets",
+    "plan_bytes_sent",
+    "powersgd",
     "replicate",
     "replicated",
     "shard_batch",

@@ -79,7 +79,9 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jddp import hooks as hooks_lib
 from jddp import reduce as reduce_lib
+from jddp import vma
 
 __all__ = ["AccumState", "accum_dtype_for", "check_options", "init_accum"]
 
@@ -233,14 +235,14 @@ def microbatch_shape(batch: Any, m: int) -> Any:
 
 
 def _varying(tree: Any, axis: Any) -> Any:
-    return jax.tree.map(lambda x: reduce_lib._to_varying(x, axis), tree)
+    return jax.tree.map(lambda x: vma.to_varying(x, axis), tree)
 
 
 def _varying_zeros(tree: Any, axis: Any, dtype: Any = None) -> Any:
     # Zeros that are typed as per-device values: lax.cond branches and scan carries must agree on
     # the varying axes of their values, and jnp.zeros_like would give a replicated constant.
     def zeros(x):
-        return reduce_lib._to_varying(jnp.zeros(jnp.shape(x), dtype or jnp.result_type(x)), axis)
+        return vma.to_varying(jnp.zeros(jnp.shape(x), dtype or jnp.result_type(x)), axis)
 
     return jax.tree.map(zeros, tree)
 
@@ -368,6 +370,8 @@ def _sync(ctx: _Ctx, state: Any, micro: Any) -> tuple[Any, dict, dict]:
         opt_state=opt_state,
         hook_state=jax.tree.map(lambda x: x[None], new_hook_state),
     )
+    comm = hooks_lib.plan_bytes_sent(ddp.hook, plan, reduce_lib.axis_size(axis), state.step)
+    mean_metrics = {**mean_metrics, "comm_bytes": comm}
     if acc is None:
         return new_state, dict(mean_metrics), {}
     # Only the counter is reset; the stale sums are masked by _live (no write, no copy).
@@ -395,7 +399,8 @@ def _accumulate(ctx: _Ctx, state: Any, micro: Any) -> tuple[Any, dict, dict]:
     placeholders = {k: jnp.full((), jnp.nan, jnp.float32) for k in shapes}
     return (
         new_state,
-        {**placeholders, "synced": jnp.asarray(False)},
+        # Nothing is sent on a no-sync step.
+        {**placeholders, "comm_bytes": jnp.zeros((), jnp.float32), "synced": jnp.asarray(False)},
         {"local_loss": (metrics["loss"] / ctx.m)[None]},
     )
 

@@ -33,6 +33,7 @@ from jddp import buckets as buckets_lib
 from jddp import mesh as mesh_lib
 from jddp import reduce as reduce_lib
 from jddp import trainer as trainer_lib
+from jddp import vma
 from jddp.hooks import CommHook, allreduce_mean
 
 __all__ = ["DataParallel", "wrap"]
@@ -273,7 +274,7 @@ def _sync_model_state(rest: Any, axis_name: Any) -> Any:
     """Makes the non-trained state identical on every device (see :class:`DataParallel`)."""
 
     def sync(path, x):
-        if axis_name not in reduce_lib._varying_axes(x):
+        if axis_name not in vma.varying_axes(x):
             return x
         if jnp.issubdtype(jnp.result_type(x), jnp.floating):
             return lax.pmean(x, axis_name)

@@ -113,8 +113,9 @@ class Objective:
                 "The metrics returned by loss_fn (has_aux=True) must be a dict of scalars, got "
                 f"{type(metrics).__name__}."
             )
-        if "loss" in metrics:
-            raise ValueError("loss_fn's aux metrics must not use the key 'loss'.")
+        for key in ("loss", "comm_bytes"):  # reserved: the step sets them
+            if key in metrics:
+                raise ValueError(f"loss_fn's aux metrics must not use the key {key!r}.")
         aux = {"state": new_state}
         if not self.weighted:
             _check_scalar_loss(loss)

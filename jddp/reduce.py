@@ -35,38 +35,15 @@ from jax import lax
 from jax._src import source_info_util  # only to keep user tracebacks in re-traced equations
 
 from jddp import buckets as buckets_lib
+from jddp import vma
 from jddp.hooks import CommHook, HookContext, allreduce_mean
 
 __all__ = ["value_and_grad", "bucketed_value_and_grad", "init_hook_state"]
 
 
-def _varying_axes(x: Any) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
-    varying = getattr(mat, "varying", None)
-    if varying is None:
-        varying = getattr(aval, "vma", frozenset())
-    return frozenset(varying or ())
-
-
-def _axis_names(axis_name: Any) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
-
-
-def _to_varying(x: jax.Array, axis_name: Any) -> jax.Array:
-    missing = tuple(a for a in _axis_names(axis_name) if a not in _varying_axes(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _match_varying(x: jax.Array, like_varying: frozenset, axis_name: Any) -> jax.Array:
-    if any(a in like_varying for a in _axis_names(axis_name)):
-        return _to_varying(x, axis_name)
-    return x
-
-
 def axis_size(axis_name: Any) -> int:
     """The number of replicas along ``axis_name`` (a static int inside shard_map or pmap)."""
-    return int(np.prod([lax.axis_size(a) for a in _axis_names(axis_name)]))
+    return int(np.prod([lax.axis_size(a) for a in vma.axis_names(axis_name)]))
 
 
 CHAIN_MODES = ("auto", "add", "barrier", "none")
@@ -155,7 +132,7 @@ def _dep_zeros(chain: str, structs: Sequence[jax.ShapeDtypeStruct], axis_name: A
     on a scalar derived from them does not keep XLA's GPU combiner from merging the buckets.
     """
     if chain == "barrier":
-        return tuple(_to_varying(jnp.zeros(s.shape, s.dtype), axis_name) for s in structs)
+        return tuple(vma.to_varying(jnp.zeros(s.shape, s.dtype), axis_name) for s in structs)
     return jnp.zeros((), jnp.float32)
 
 
@@ -167,6 +144,7 @@ def _bucket_hook(
     last: bool,
     chain: str,
     prev_structs: Sequence[jax.ShapeDtypeStruct],
+    phase: Any = None,
 ) -> Callable[..., Any]:
     """The identity-with-reducing-VJP for bucket ``index``.
 
@@ -187,7 +165,7 @@ def _bucket_hook(
     def ident(token, leaves, states, offset, step, sink):
         del states, offset, step, sink
         token_out = (_dep_zeros(chain, prev_structs, axis_name), token[1])
-        return token_out, tuple(_to_varying(x, axis_name) for x in leaves)
+        return token_out, tuple(vma.to_varying(x, axis_name) for x in leaves)
 
     def fwd(token, leaves, states, offset, step, sink):
         # The primal leaves are kept as residuals only to read their types in backward (they are
@@ -197,14 +175,14 @@ def _bucket_hook(
 
     def bwd(res, cts):
         leaves, states, offset, step, token, sink = res
-        varying = tuple(_varying_axes(x) for x in leaves)
+        varying = tuple(vma.varying_axes(x) for x in leaves)
         (ct_dep, ct_extras), ct_leaves = cts
         grads = tuple(ct_leaves)
         if offset:
             grads = tuple(g + o.astype(g.dtype) for g, o in zip(grads, offset, strict=True))
         if pre_scale is not None:
             grads = tuple(g * jnp.asarray(pre_scale, g.dtype) for g in grads)
-        ctx = HookContext(axis_name, axis_size(axis_name), step, index)
+        ctx = HookContext(axis_name, axis_size(axis_name), step, index, phase)
         n = len(grads)
         extras_out = tuple(jnp.zeros_like(s) for s in sink)
         fuses = getattr(hook, "fuses_extras", False)
@@ -227,9 +205,9 @@ def _bucket_hook(
         _check_hook_state(hook, states, new_states, index)
         # The dependency is taken before casting back to varying: the token is replicated.
         dep = _dependency(reduced, chain)
-        reduced = tuple(_match_varying(r, v, axis_name) for r, v in zip(reduced, varying, strict=True))
+        reduced = tuple(vma.match_varying(r, v, axis_name) for r, v in zip(reduced, varying, strict=True))
         new_states = jax.tree.map(
-            lambda x, old: _match_varying(x, _varying_axes(old), axis_name),
+            lambda x, old: vma.match_varying(x, vma.varying_axes(old), axis_name),
             tuple(new_states),
             tuple(states),
         )
@@ -240,14 +218,14 @@ def _bucket_hook(
             )
             extras_out = tuple(e / ctx.axis_size for e in summed)
         extras_out = tuple(
-            _match_varying(e, _varying_axes(s), axis_name)
+            vma.match_varying(e, vma.varying_axes(s), axis_name)
             for e, s in zip(extras_out, sink, strict=True)
         )
         if chain == "barrier":
-            dep_ct = tuple(_to_varying(r, axis_name) for r in dep)
+            dep_ct = tuple(vma.to_varying(r, axis_name) for r in dep)
         else:
-            dep_ct = _match_varying(
-                dep.astype(jnp.result_type(token[0])), _varying_axes(token[0]), axis_name
+            dep_ct = vma.match_varying(
+                dep.astype(jnp.result_type(token[0])), vma.varying_axes(token[0]), axis_name
             )
         ct_token = (
             dep_ct,
@@ -324,7 +302,7 @@ def _eval_with_hooks(jaxpr, consts, args, param_vars, hooked, apply_bucket, owne
                 inner.jaxpr, inner.consts, inner_args, sub_vars, hooked, apply_bucket, owner
             )
         elif name == "pvary" and all(
-            all(a in _varying_axes(x) for a in _axis_names(eqn.params["axes"]))
+            all(a in vma.varying_axes(x) for a in vma.axis_names(eqn.params["axes"]))
             for x in (read(v) for v in eqn.invars)
         ):
             # The jaxpr was traced with replicated params; hooked params are already varying.
@@ -356,6 +334,7 @@ def bucketed_value_and_grad(
     step: jax.Array | None = None,
     has_aux: bool = False,
     extras_fn: Callable[[Any, Any], Any] | None = None,
+    phase: Any = None,
     chain: str = "auto",
 ) -> tuple[Any, Any, Any, Any]:
     """``value_and_grad`` of ``fun(params, *args)`` with gradients reduced per bucket in backward.
@@ -370,6 +349,7 @@ def bucketed_value_and_grad(
         accumulated gradients of earlier micro-steps), or ``None``.
       pre_scale: multiplies the local gradients (after the offset) before the reduction.
       step: the optimizer step, passed to hooks.
+      phase: the hook's static phase for this step (``hook.phase(step)``), passed to hooks.
       extras_fn: ``extras_fn(loss, aux)`` returns float arrays to be averaged over the axis; with
         the default hook they ride on the last bucket's all-reduce.
       chain: how consecutive buckets are kept apart (see :func:`resolve_chain`).
@@ -384,6 +364,8 @@ def bucketed_value_and_grad(
         hook_state = init_hook_state(hook, params)
     if step is None:
         step = jnp.zeros((), jnp.int32)
+    # Hook state is per device by definition (error-feedback residuals differ between replicas).
+    hook_state = jax.tree.map(lambda x: vma.to_varying(x, axis_name), tuple(hook_state))
     leaves, treedef = jax.tree.flatten(params)
     offsets = jax.tree.leaves(grad_offset) if grad_offset is not None else None
     if offsets is not None and len(offsets) != len(leaves):
@@ -397,7 +379,7 @@ def bucketed_value_and_grad(
     # Trace with the parameters as the hooks will deliver them (varying), so that the jaxpr does not
     # cast them itself.
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(
-        jax.tree.map(lambda x: _to_varying(x, axis_name), params), *args
+        jax.tree.map(lambda x: vma.to_varying(x, axis_name), params), *args
     )
     out_tree = jax.tree.structure(out_shape)
     value_shape = out_shape[0] if has_aux else out_shape
@@ -417,7 +399,7 @@ def bucketed_value_and_grad(
         return [jax.ShapeDtypeStruct(plan.shapes[i], plan.dtypes[i]) for i in plan.buckets[b].indices]
 
     hooks = [
-        _bucket_hook(b, hook, axis_name, pre_scale, b == last, mode, structs(b - 1))
+        _bucket_hook(b, hook, axis_name, pre_scale, b == last, mode, structs(b - 1), phase)
         for b in range(plan.num_buckets)
     ]
     arg_leaves = jax.tree.leaves(args)
@@ -446,7 +428,7 @@ def bucketed_value_and_grad(
             # Unused leaves get a zero gradient, identical on every replica: nothing to reduce.
             # They may still be read (by aux outputs, integer paths): varying like the traced
             # params, and behind stop_gradient so that no implicit reduction is transposed.
-            hooked[i] = _to_varying(lax.stop_gradient(leaves_in[i]), axis_name)
+            hooked[i] = vma.to_varying(lax.stop_gradient(leaves_in[i]), axis_name)
         outs = _eval_with_hooks(
             closed.jaxpr,
             closed.consts,
@@ -464,7 +446,7 @@ def bucketed_value_and_grad(
         return (loss, token[0]), aux
 
     extras_zero = tuple(
-        _to_varying(jnp.zeros(e.shape, jnp.float32), axis_name)
+        vma.to_varying(jnp.zeros(e.shape, jnp.float32), axis_name)
         for e in jax.tree.leaves(extras_shape)
     )
     token0 = (_dep_zeros(mode, structs(last), axis_name), extras_zero)
@@ -474,7 +456,7 @@ def bucketed_value_and_grad(
     )
     if extras_fn is not None:
         extras = tuple(
-            _to_varying(jnp.asarray(e, jnp.float32), axis_name)
+            vma.to_varying(jnp.asarray(e, jnp.float32), axis_name)
             for e in jax.tree.leaves(extras_fn(loss, aux))
         )
     else:
@@ -487,6 +469,9 @@ def bucketed_value_and_grad(
     # identical on every replica whatever autodiff materialises for them.
     unused = frozenset(plan.unused)
     grad_leaves = [jnp.zeros_like(g) if i in unused else g for i, g in enumerate(grad_leaves)]
+    # Nor does their hook state reach a hook, so its "cotangent" is zero: keep the old state
+    # instead (a zeroed PowerSGD Q would stay zero).
+    new_states = [hook_state[i] if i in unused else s for i, s in enumerate(new_states)]
     if plan.num_buckets:
         mean_extras = tuple(reduced)
     elif not extras:

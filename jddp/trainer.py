@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jddp import accumulate as accum_lib
 from jddp import buckets as buckets_lib
+from jddp import hooks as hooks_lib
 from jddp import mesh as mesh_lib
 from jddp import model_state as ms_lib
 from jddp import nonfinite as nonfinite_lib
@@ -185,9 +187,14 @@ class DataParallel:
                 "accumulate_steps/microbatches cannot be combined with weighted=True or "
                 "skip_nonfinite=True yet; use one or the other."
             )
-        # ``sync`` is static: each value is its own compiled variant (see jddp.accumulate).
-        self.step = jax.jit(
-            self._step, donate_argnums=(0,) if donate else (), static_argnames=("sync",)
+        # ``sync`` (accumulation, see jddp.accumulate) and ``phase`` (hooks whose collectives change
+        # with the step, see jddp.hooks) are static: each value is its own compiled variant.
+        self._jit_step = jax.jit(
+            self._step, donate_argnums=(0,) if donate else (), static_argnames=("sync", "phase")
+        )
+        # With the default hook, ``step`` is the jitted function itself.
+        self.step = (
+            self._jit_step if getattr(self.hook, "phase", None) is None else _PhasedStep(self)
         )
 
     @property
@@ -341,7 +348,12 @@ class DataParallel:
         return uneven_lib.check_mask(mask, size)
 
     def _step(
-        self, state: TrainState, batch: Any, mask: Any = None, sync: bool | None = None
+        self,
+        state: TrainState,
+        batch: Any,
+        mask: Any = None,
+        sync: bool | None = None,
+        phase: Any = None,
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         mask = self._check_inputs(state, batch, mask)
         accum_lib.check_call(
@@ -365,7 +377,7 @@ class DataParallel:
             new_state, metrics, local_metrics = accumulating(state, batch)
             return new_state, {**metrics, **local_metrics}
         sharded = jax.shard_map(
-            self._local_step,
+            functools.partial(self._local_step, phase=phase),
             mesh=self.mesh,
             in_specs=(specs, P(self.axis_name), P(self.axis_name)),
             out_specs=(specs, P()),
@@ -373,7 +385,7 @@ class DataParallel:
         )
         return sharded(state, batch, mask)
 
-    def _local_step(self, state: TrainState, batch: Any, mask: Any):
+    def _local_step(self, state: TrainState, batch: Any, mask: Any, phase: Any = None):
         axis = self.axis_name
         n = self.num_devices
         stateful = state.model_state is not None
@@ -397,9 +409,12 @@ class DataParallel:
             has_aux=True,
             extras_fn=obj.extras_fn(axis, n),
             chain=self.chain,
+            phase=phase,
         )
         local = mask.shape[0] if mask is not None else 0
         grads, metrics, new_model_state = obj.finish(grads, extras, aux, n, local)
+        # Static accounting (no collective): bytes each device sends for this step's gradients.
+        metrics["comm_bytes"] = hooks_lib.plan_bytes_sent(self.hook, plan, n, state.step)
         if per_device_ms:
             new_model_state = jax.tree.map(lambda x: x[None], new_model_state)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
@@ -447,6 +462,8 @@ class DataParallel:
         batch_like: Any,
         model_state_like: Any = None,
         sync: bool | None = None,
+        *,
+        step: int | None = None,
     ):
         """Lowers the step that ``step`` runs, from abstract (or concrete) params and batch.
 
@@ -456,6 +473,8 @@ class DataParallel:
             they carry no sharding).
           model_state_like: the model state, or its shape structs, if the model has one.
           sync: the accumulation variant (see :mod:`jddp.accumulate`); ``None`` by default.
+          step: the step whose program to lower, for hooks that change with it (PowerSGD's
+            ``start_iter``; default: step 0).
 
         Returns:
           The ``jax.stages.Lowered`` of ``self.step``; ``.compile().as_text()`` is the compiled
@@ -468,7 +487,64 @@ class DataParallel:
             lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding),
             batch_like,
         )
-        return self.step.lower(state, batch, sync=sync)
+        phase_fn = getattr(self.hook, "phase", None)
+        phase = None if phase_fn is None else phase_fn(int(step or 0))
+        return self._jit_step.lower(state, batch, sync=sync, phase=phase)
+
+
+class _PhasedStep:
+    """``ddp.step``: the jitted step, specialised on the hook's static phase (``hook.phase``).
+
+    Hooks whose collectives change with the step (PowerSGD's ``start_iter``) get one compiled step
+    per phase instead of a ``lax.cond`` around collectives. The phase needs the step on the host:
+    it is remembered for states this object returned, so a training loop does not sync; any other
+    state costs one device-to-host read. Hooks without ``phase`` skip all this.
+    """
+
+    def __init__(self, ddp: DataParallel) -> None:
+        self._ddp = ddp
+        self._known: tuple[Any, int] | None = None  # (weakref to a returned step array, its value)
+        self._last_phase: Any = None
+
+    def _host_step(self, state: Any) -> int:
+        step = getattr(state, "step", None)
+        if self._known is not None and self._known[0]() is step:
+            return self._known[1]
+        return int(jax.device_get(step))
+
+    def _phase(self, state: Any, step: int | None = None) -> Any:
+        phase_fn = getattr(self._ddp.hook, "phase", None)
+        if phase_fn is None:
+            return None
+        if step is None:
+            s = getattr(state, "step", None)
+            step = 0 if isinstance(s, jax.ShapeDtypeStruct) else self._host_step(state)
+        return phase_fn(int(step))
+
+    def __call__(
+        self, state: Any, batch: Any, mask: Any = None, sync: bool | None = None
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        phase_fn = getattr(self._ddp.hook, "phase", None)
+        if phase_fn is None:
+            return self._ddp._jit_step(state, batch, mask, sync=sync)
+        step = self._host_step(state)
+        phase = phase_fn(step)
+        if phase != self._last_phase:
+            # Switching executables: let the previous step finish first. With simulated CPU devices,
+            # two executables with collectives in flight at once were seen to deadlock XLA:CPU.
+            jax.block_until_ready(state)
+            self._last_phase = phase
+        new_state, metrics = self._ddp._jit_step(state, batch, mask, sync=sync, phase=phase)
+        self._known = (weakref.ref(new_state.step), step + 1)
+        return new_state, metrics
+
+    def lower(
+        self, state: Any, batch: Any, mask: Any = None, sync: bool | None = None, *,
+        step: int | None = None,
+    ) -> jax.stages.Lowered:
+        return self._ddp._jit_step.lower(
+            state, batch, mask, sync=sync, phase=self._phase(state, step)
+        )
 
 
 def _metrics_of(loss: jax.Array, aux: Any) -> dict[str, jax.Array]:

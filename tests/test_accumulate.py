@@ -92,7 +92,7 @@ def test_microbatches_equal_large_batch(m, name, optimizer, tol):
     losses = []
     for batch in bigs:
         state, metrics = ddp.step(state, batch)
-        assert set(metrics) == {"loss"}
+        assert set(metrics) == {"loss", "comm_bytes"}
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert max_abs_diff(state.params, ref_params) < tol

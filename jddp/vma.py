@@ -1,0 +1,47 @@
+"""Which mesh axes a value varies over inside ``shard_map`` ("vma"), and casts between the two.
+
+With ``check_vma=True`` JAX tracks, per value, the manual axes it may differ over. jddp's hooks
+cast replicated parameters to "varying" so that their gradients stay local until the bucket's own
+reduction; these helpers keep that bookkeeping in one place. With ``check_vma=False`` or inside
+``pmap`` nothing is tracked and every cast is a no-op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax import lax
+
+
+def axis_names(axis_name: Any) -> tuple:
+    """``axis_name`` as a tuple of names."""
+    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes ``x`` varies over (empty outside shard_map or with check_vma off)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+    varying = getattr(mat, "varying", None)
+    if varying is None:
+        varying = getattr(aval, "vma", frozenset())
+    return frozenset(varying or ())
+
+
+def to_varying(x: jax.Array, axis_name: Any) -> jax.Array:
+    """``x`` cast to vary over ``axis_name`` (free: no data moves)."""
+    missing = tuple(a for a in axis_names(axis_name) if a not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def match_varying(x: jax.Array, like_varying: frozenset, axis_name: Any) -> jax.Array:
+    """``x`` cast to varying over ``axis_name`` if a value with ``like_varying`` axes does."""
+    if any(a in like_varying for a in axis_names(axis_name)):
+        return to_varying(x, axis_name)
+    return x
+
+
+def like(x: jax.Array, old: jax.Array, axis_name: Any) -> jax.Array:
+    """``x`` cast to varying where ``old`` is (so both branches of a ``lax.cond`` agree)."""
+    return match_varying(x, varying_axes(old), axis_name)

@@ -56,12 +56,8 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
     return jax.device_put(batch, batch_sharding(mesh))
 
 
-def check_batch(batch: Any, num_devices: int) -> int:
-    """Checks that every batch leaf has the same leading dimension, divisible by ``num_devices``.
-
-    Returns:
-      The global batch size.
-    """
+def batch_size(batch: Any) -> int:
+    """The common leading dimension of every leaf of ``batch`` (clear errors if there is none)."""
     path_leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not path_leaves:
         raise ValueError("The batch is empty: it must be a pytree with at least one array leaf.")
@@ -78,9 +74,19 @@ def check_batch(batch: Any, num_devices: int) -> int:
         desc = ", ".join(f"{p}: {n}" for n, p in sizes.items())
         raise ValueError(
             f"Batch leaves have different leading dimensions ({desc}); every leaf must have the "
-            "same global batch size as its first dimension."
+            "same batch size as its first dimension."
         )
     (size,) = sizes
+    return size
+
+
+def check_batch(batch: Any, num_devices: int) -> int:
+    """Checks that every batch leaf has the same leading dimension, divisible by ``num_devices``.
+
+    Returns:
+      The global batch size.
+    """
+    size = batch_size(batch)
     if size % num_devices:
         lo = size - size % num_devices
         raise ValueError(

@@ -23,33 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jddp.buckets import key_path_str
+from jddp.mesh import batch_size
 
 __all__ = ["pad_batch", "check_mask", "batch_size"]
-
-
-def batch_size(batch: Any) -> int:
-    """The common leading dimension of every leaf of ``batch`` (clear errors if there is none)."""
-    path_leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    if not path_leaves:
-        raise ValueError("The batch is empty: it must be a pytree with at least one array leaf.")
-    sizes: dict[int, str] = {}
-    for path, leaf in path_leaves:
-        shape = np.shape(leaf)
-        if len(shape) == 0:
-            raise ValueError(
-                f"Batch leaf {key_path_str(path)} is a scalar; every batch leaf needs a leading "
-                "batch dimension."
-            )
-        sizes.setdefault(shape[0], key_path_str(path))
-    if len(sizes) > 1:
-        desc = ", ".join(f"{p}: {n}" for n, p in sizes.items())
-        raise ValueError(
-            f"Batch leaves have different leading dimensions ({desc}); every leaf must have the "
-            "same batch size as its first dimension."
-        )
-    (size,) = sizes
-    return size
 
 
 def pad_batch(batch: Any, num_devices: int, *, size: int | None = None) -> tuple[Any, np.ndarray]:

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         for i in bar:
             idx = order[i * args.batch_size:(i + 1) * args.batch_size]
-            batch = {"image": x_train[idx], "label": y_train[idx]}
+            # Each process places only its own rows (all of them when there is one process).
+            batch = jddp.shard_global_batch({"image": x_train[idx], "label": y_train[idx]}, mesh)
             state, metrics = ddp.step(state, batch)
             losses.append(metrics["loss"])
             accs.append(metrics["accuracy"])

@@ -1,7 +1,8 @@
 """jddp: distributed data-parallel training for JAX, built like PyTorch DDP."""
 
-from jddp import distributed
+from jddp import distributed, nnx
 from jddp.buckets import Bucket, BucketPlan, plan_buckets
+from jddp.costmodel import ClusterSpec, Link, ModelProfile, suggest_bucket_cap
 from jddp.distributed import (
     global_batch_from_local,
     initialize,
@@ -17,9 +18,12 @@ from jddp.trainer import DataParallel, TrainState
 __all__ = [
     "Bucket",
     "BucketPlan",
+    "ClusterSpec",
     "CommHook",
     "DataParallel",
     "HookContext",
+    "Link",
+    "ModelProfile",
     "TrainState",
     "allreduce_mean",
     "batch_sharding",
@@ -31,10 +35,12 @@ __all__ = [
     "initialize",
     "is_main_process",
     "local_slice",
+    "nnx",
     "plan_buckets",
     "replicate",
     "replicated",
     "shard_batch",
     "shard_global_batch",
+    "suggest_bucket_cap",
     "value_and_grad",
 ]

@@ -214,7 +214,7 @@ def _sub_jaxprs(eqn: Any) -> list[tuple[Any, list[Any]]]:
         return out
     for value in params.values():
         for sub in value if isinstance(value, tuple | list) else (value,):
-            jaxpr = getattr(sub, "jaxpr", sub)
+            jaxpr: Any = getattr(sub, "jaxpr", sub)
             if hasattr(jaxpr, "eqns") and hasattr(jaxpr, "invars"):
                 if len(jaxpr.invars) == len(eqn.invars):
                     out.append((jaxpr, list(eqn.invars)))

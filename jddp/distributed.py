@@ -256,7 +256,7 @@ def initialize(
         return ProcessInfo(0, 1, None, "single")
 
     deadline = time.monotonic() + timeout_s
-    if source != "cluster" and process_id != 0:
+    if source != "cluster" and process_id != 0 and coordinator_address is not None:
         _wait_for_coordinator(coordinator_address, deadline, timeout_s)
     remaining = max(deadline - time.monotonic(), 1.0)
     where = coordinator_address or "the auto-detected coordinator"
@@ -337,6 +337,7 @@ def _local_rows(mesh: Mesh, axis: str, global_rows: int) -> list[tuple[int, int]
     index_map = sharding.addressable_devices_indices_map((global_rows,))
     ranges = set()
     for index in index_map.values():
+        assert index is not None  # a leading-dim sharding always gives an index
         start, stop, _ = index[0].indices(global_rows)
         ranges.add((start, stop))
     return sorted(ranges)

@@ -65,7 +65,7 @@ def check_batch(batch: Any, num_devices: int) -> int:
     path_leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not path_leaves:
         raise ValueError("The batch is empty: it must be a pytree with at least one array leaf.")
-    sizes = {}
+    sizes: dict[int, str] = {}
     for path, leaf in path_leaves:
         shape = np.shape(leaf)
         if len(shape) == 0:

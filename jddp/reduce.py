@@ -46,7 +46,7 @@ def _varying_axes(x: Any) -> frozenset:
     varying = getattr(mat, "varying", None)
     if varying is None:
         varying = getattr(aval, "vma", frozenset())
-    return frozenset(varying)
+    return frozenset(varying or ())
 
 
 def _axis_names(axis_name: Any) -> tuple:
@@ -129,7 +129,8 @@ def _check_hook_output(hook: CommHook, grads: Sequence[jax.Array], out: Any, ind
 
 def _check_hook_state(hook: CommHook, old: Any, new: Any, index: int) -> None:
     name = getattr(hook, "name", "hook")
-    if jax.tree.structure(old) != jax.tree.structure(new):
+    # jaxlib types PyTreeDef loosely for mypy (no __ne__ it can see); the comparison is real.
+    if jax.tree.structure(old) != jax.tree.structure(new):  # type: ignore[operator]
         raise ValueError(
             f"Communication hook {name!r} changed the structure of its state for bucket {index}: "
             f"{jax.tree.structure(old)} -> {jax.tree.structure(new)}."
@@ -354,7 +355,7 @@ def bucketed_value_and_grad(
     pre_scale: float | None = None,
     step: jax.Array | None = None,
     has_aux: bool = False,
-    extras_fn: Callable[[Any, Any], Sequence[jax.Array]] | None = None,
+    extras_fn: Callable[[Any, Any], Any] | None = None,
     chain: str = "auto",
 ) -> tuple[Any, Any, Any, tuple]:
     """``value_and_grad`` of ``fun(params, *args)`` with gradients reduced per bucket in backward.

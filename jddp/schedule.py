@@ -97,7 +97,7 @@ class ScheduledOp(NamedTuple):
             "backward GEMMs" that an all-reduce should overlap with.
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index; the schedule position reads best
     name: str
     opcode: str
     is_dot: bool

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +39,17 @@ class TrainState:
     hook_state: Any = ()
     accum: Any = None
 
+    if TYPE_CHECKING:  # flax.struct adds ``replace`` at run time; declared for type checkers.
+
+        def replace(self, **updates: Any) -> TrainState: ...
+
 
 def _state_specs(state: TrainState, axis: str) -> TrainState:
     """Partition specs of a TrainState: replicated, except per-device hook and accumulator state."""
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)
     per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
     return TrainState(
-        step=P(),
+        step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
         params=rep(state.params),
         opt_state=rep(state.opt_state),
         model_state=rep(state.model_state),

@@ -1,0 +1,226 @@
+"""Tests of the cost model (pure, fast) and of its calibration helpers on simulated devices."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jddp
+from jddp import calibrate
+from jddp import costmodel as cm
+from jddp import reference_profiles as rp
+from jddp.buckets import MiB, assign_buckets
+
+NVLINK = cm.Link.gbyte(130, 5)
+NET = cm.Link.gbit(100, 10)
+
+
+def random_profile(rng: np.random.Generator, n: int | None = None) -> cm.ModelProfile:
+    n = n or int(rng.integers(1, 40))
+    return cm.ModelProfile(
+        nbytes=tuple(int(x) for x in rng.integers(4, 8 * MiB, n)),
+        backward_s=tuple(float(x) for x in rng.uniform(0, 5e-3, n)),
+        forward_s=float(rng.uniform(0, 0.05)),
+        optimizer_s=float(rng.uniform(0, 0.01)),
+    )
+
+
+def random_cluster(rng: np.random.Generator) -> cm.ClusterSpec:
+    n = int(rng.choice([1, 2, 4, 8, 16, 64, 256]))
+    return cm.ClusterSpec(
+        n, devices_per_node=8,
+        intra=cm.Link(float(rng.uniform(1e9, 3e11)), float(rng.uniform(0, 2e-5))),
+        inter=cm.Link(float(rng.uniform(1e9, 5e10)), float(rng.uniform(0, 5e-5))),
+        hierarchical=bool(rng.integers(2)),
+    )
+
+
+def test_ring_allreduce_formula():
+    link = cm.Link(bandwidth=10e9, latency=7e-6)
+    for n in (2, 3, 8, 64):
+        b = 123_456_789
+        expected = 2 * (n - 1) / n * b / 10e9 + 2 * (n - 1) * 7e-6
+        assert cm.ring_allreduce_time(b, n, link) == pytest.approx(expected)
+    assert cm.ring_allreduce_time(1000, 1, link) == 0.0
+    assert cm.ring_allreduce_time(0, 8, link) == 0.0
+    # One node: allreduce_time is the ring over the intra link.
+    c = cm.ClusterSpec(8, intra=link)
+    assert cm.allreduce_time(1e6, c) == pytest.approx(cm.ring_allreduce_time(1e6, 8, link))
+
+
+def test_hierarchical_allreduce_formula():
+    c = cm.ClusterSpec(32, devices_per_node=8, intra=NVLINK, inter=NET)
+    b = 100e6
+    expected = (2 * 7 / 8 * b / NVLINK.bandwidth + 14 * NVLINK.latency
+                + 2 * 3 / 4 * b / NET.bandwidth + 6 * NET.latency)
+    assert cm.allreduce_time(b, c) == pytest.approx(expected)
+    flat = cm.ClusterSpec(32, devices_per_node=8, intra=NVLINK, inter=NET, hierarchical=False)
+    assert cm.allreduce_time(b, flat) == pytest.approx(
+        2 * 31 / 32 * b / NET.bandwidth + 62 * NET.latency)
+
+
+def test_cluster_validation():
+    with pytest.raises(ValueError, match="inter-node"):
+        cm.ClusterSpec(16)
+    with pytest.raises(ValueError, match="multiple"):
+        cm.ClusterSpec(12, inter=NET)
+    with pytest.raises(ValueError):
+        cm.ClusterSpec(0)
+
+
+def test_link_units():
+    assert cm.Link.gbit(100, 10) == pytest.approx((12.5e9, 1e-5))
+    assert cm.Link.gbyte(130, 5) == pytest.approx((130e9, 5e-6))
+
+
+def test_timeline_order_and_serialisation():
+    prof = rp.resnet50_profile(32, 10e12)
+    c = cm.ClusterSpec(32, intra=NVLINK, inter=NET)
+    est = cm.simulate_iteration(prof, c, bucket_cap_mb=5)
+    ready = prof.ready_times()
+    prev_end = 0.0
+    for i, b in enumerate(est.buckets):
+        assert b.index == i
+        assert b.ready_s == pytest.approx(max(ready[j] for j in b.leaves))
+        assert b.start_s >= b.ready_s - 1e-15
+        assert b.start_s >= prev_end - 1e-15
+        assert b.end_s - b.start_s == pytest.approx(cm.allreduce_time(b.nbytes, c))
+        prev_end = b.end_s
+    # Buckets are exactly jddp's planner's buckets, in order, and cover every leaf once.
+    groups = assign_buckets(prof.nbytes, prof.dtypes, 5 * MiB, 1 * MiB)
+    assert [list(b.leaves) for b in est.buckets] == groups
+    assert sorted(j for b in est.buckets for j in b.leaves) == list(range(prof.num_leaves))
+    assert est.iteration_s == pytest.approx(
+        max(prev_end, prof.forward_s + prof.backward_total_s) + prof.optimizer_s)
+
+
+def test_no_overlap_is_compute_plus_comm():
+    rng = np.random.default_rng(0)
+    prof = random_profile(rng, 20)
+    c = cm.ClusterSpec(8, intra=NVLINK)
+    off = cm.simulate_iteration(prof, c, bucket_cap_mb=2, overlap=False)
+    assert off.iteration_s == pytest.approx(prof.compute_s + off.comm_s)
+    assert off.overlap_fraction == pytest.approx(0.0, abs=1e-12)
+    cpu = cm.ClusterSpec(8, intra=NVLINK, async_collectives=False)
+    assert cm.simulate_iteration(prof, cpu, bucket_cap_mb=2).iteration_s == pytest.approx(
+        off.iteration_s)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_properties(seed):
+    rng = np.random.default_rng(seed)
+    prof = random_profile(rng)
+    c = random_cluster(rng)
+    cap = float(rng.choice([0.25, 1, 4, 25, 100, math.inf]))
+    first = min(cap, float(rng.choice([0.1, 1.0])))
+    on, off, gain = cm.overlap_speedup(prof, c, bucket_cap_mb=cap, first_bucket_mb=first)
+    eps = 1e-12
+    # Never faster than compute; overlap never slower than no overlap.
+    assert on.iteration_s >= prof.compute_s - eps
+    assert off.iteration_s >= on.iteration_s - eps
+    assert gain >= -eps
+    assert 0.0 - eps <= on.overlap_fraction <= 1.0 + eps
+    assert on.comm_s == pytest.approx(off.comm_s)
+    # Every leaf is in exactly one bucket.
+    assert sorted(j for b in on.buckets for j in b.leaves) == list(range(prof.num_leaves))
+    # More bandwidth or less latency never makes it slower.
+    faster = cm.ClusterSpec(
+        c.num_devices, devices_per_node=c.devices_per_node,
+        intra=cm.Link(c.intra.bandwidth * 2, c.intra.latency / 2),
+        inter=cm.Link(c.inter.bandwidth * 2, c.inter.latency / 2),
+        hierarchical=c.hierarchical)
+    for ov in (True, False):
+        a = cm.simulate_iteration(prof, c, bucket_cap_mb=cap, first_bucket_mb=first, overlap=ov)
+        b = cm.simulate_iteration(prof, faster, bucket_cap_mb=cap, first_bucket_mb=first,
+                                  overlap=ov)
+        assert b.iteration_s <= a.iteration_s + eps
+    # All-reduce time is monotone in bytes.
+    sizes = np.sort(rng.integers(0, 1 << 30, 5))
+    times = [cm.allreduce_time(int(s), c) for s in sizes]
+    assert all(t1 <= t2 + eps for t1, t2 in zip(times, times[1:], strict=False))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_suggest_bucket_cap_minimises_prediction(seed):
+    rng = np.random.default_rng(100 + seed)
+    prof = random_profile(rng, 30)
+    c = random_cluster(rng)
+    cands = (0.5, 1.0, 2.0, 8.0, 32.0, math.inf)
+    cap = jddp.suggest_bucket_cap(prof, c, candidates_mb=cands)
+    assert cap in cands
+    adv = cm.advise_bucket_cap(prof, c, candidates_mb=cands)
+    times = {k: e.iteration_s for k, e in adv.predictions}
+    assert times[cap] == min(times.values())
+    assert cap == min(k for k, t in times.items() if t == min(times.values()))
+    assert "suggested" in adv.table()
+
+
+def test_suggest_bucket_cap_inputs():
+    c = cm.ClusterSpec(64, inter=NET)
+    params = {"a": jnp.zeros((1024, 1024)), "b": jnp.zeros((1024,)), "c": jnp.zeros((512, 512))}
+    sizes = [4 * 1024 * 1024, 4096, 512 * 512 * 4]
+    with pytest.raises(ValueError, match="backward_s"):
+        jddp.suggest_bucket_cap(params, c)
+    a = jddp.suggest_bucket_cap(params, c, backward_s=0.01)
+    b = jddp.suggest_bucket_cap(sizes, c, backward_s=0.01)
+    assert a in cm.DEFAULT_CAP_CANDIDATES_MB and b in cm.DEFAULT_CAP_CANDIDATES_MB
+
+
+def test_zero_compute_prefers_one_bucket():
+    # With nothing to overlap, fewer all-reduces (less latency) can only help.
+    prof = cm.ModelProfile(nbytes=(MiB,) * 50, backward_s=(0.0,) * 50)
+    c = cm.ClusterSpec(256, inter=NET)
+    assert jddp.suggest_bucket_cap(prof, c, candidates_mb=(1, 10, math.inf),
+                                   first_bucket_mb=1000) == math.inf
+
+
+def test_reference_profiles():
+    r = rp.resnet50_leaves()
+    assert len(r) == 161
+    assert sum(x.numel for x in r) == 25_557_032
+    assert sum(x.forward_flops for x in r) / 2 == pytest.approx(4.09e9, rel=0.01)
+    b = rp.bert_large_leaves()
+    assert 330e6 < sum(x.numel for x in b) < 345e6
+    prof = rp.resnet50_profile(32, 10e12)
+    assert prof.names[0] == "fc.bias" and prof.names[-1] == "conv1.weight"
+
+
+def test_allreduce_table_interpolation():
+    c = cm.ClusterSpec(8, allreduce_table=((1000, 1e-3), (2000, 3e-3)))
+    assert cm.allreduce_time(1500, c) == pytest.approx(2e-3)
+    assert cm.allreduce_time(3000, c) == pytest.approx(5e-3)  # extrapolated
+    assert c.with_devices(16 // 2).allreduce_table  # same N keeps the table
+    with pytest.raises(ValueError):
+        cm.ClusterSpec(8, allreduce_table=((1000, 1e-3),))
+
+
+def test_fit_link_recovers_alpha_beta():
+    link = cm.Link(2e9, 3e-6)
+    sizes = [1 << 10, 1 << 16, 1 << 20, 1 << 24]
+    times = [cm.ring_allreduce_time(s, 8, link) for s in sizes]
+    fit = calibrate._fit_link(sizes, times, 8)
+    assert fit.link.bandwidth == pytest.approx(link.bandwidth, rel=1e-6)
+    assert fit.link.latency == pytest.approx(link.latency, rel=1e-6)
+
+
+def test_profile_step_and_measure_allreduce_run():
+    mesh = jddp.data_mesh()
+    params = {"l0": {"w": jnp.ones((32, 64)), "b": jnp.zeros(64)},
+              "l1": {"w": jnp.ones((64, 8)), "b": jnp.zeros(8)}}
+
+    def loss(p, batch):
+        h = jax.nn.relu(batch @ p["l0"]["w"] + p["l0"]["b"])
+        return jnp.mean((h @ p["l1"]["w"] + p["l1"]["b"]) ** 2)
+
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh, bucket_cap_mb=1.0)
+    state = ddp.init(params)
+    batch = jnp.ones((mesh.size * 2, 32))
+    prof = calibrate.profile_step(ddp, state, batch, repeats=2)
+    assert prof.num_leaves == 4
+    assert prof.names[0].startswith("l1")  # last layer's gradients come first
+    assert prof.compute_s > 0
+    fit = calibrate.measure_allreduce(mesh, (4096, 65536), repeats=2, chain=2)
+    assert len(fit.times) == 2 and fit.link.bandwidth > 0

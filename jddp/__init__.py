@@ -1,6 +1,6 @@
 """jddp: distributed data-parallel training for JAX, built like PyTorch DDP."""
 
-from jddp import distributed, nnx
+from jddp import distributed, nnx, xla_flags
 from jddp.buckets import Bucket, BucketPlan, plan_buckets
 from jddp.costmodel import ClusterSpec, Link, ModelProfile, suggest_bucket_cap
 from jddp.distributed import (
@@ -43,4 +43,5 @@ __all__ = [
     "shard_global_batch",
     "suggest_bucket_cap",
     "value_and_grad",
+    "xla_flags",
 ]

@@ -24,13 +24,13 @@ Overlap metrics (per compiled step; every all-reduce is an ``all-reduce-start``/
 
 - ``overlap_frac`` (the headline): for each pair, the estimated time of the backward ops XLA
   scheduled between start and done (ops from the transposed pass, by their ``op_name``: compute
-  that runs while the transfer is in flight) against the estimated transfer time; the pair's
-  bytes count as overlapped in proportion ``min(1, compute / transfer)``; pairs XLA marked
-  ``is_sync`` count 0. Sum over pairs / total bytes. Op times are a roofline:
-  ``max(FLOPs / gemm_tflops, bytes touched / hbm_gbs)``, FLOPs for GEMMs and convolutions (cuDNN
-  custom-calls, dots inside fusions, cuBLAS calls), bytes for every kernel (result plus
-  operands), no launch overhead. Transfer time is a ring all-reduce on
-  8 GPUs over NVLink: ``latency + 2 (n-1)/n * bytes / busbw``.
+  that runs while the transfer is in flight) against the estimated transfer time; the pair's bytes
+  count as overlapped in proportion ``min(1, compute / transfer)``; pairs XLA marked ``is_sync``
+  count 0. Sum over pairs / total bytes. Op times are a roofline: ``max(FLOPs / gemm_tflops, bytes
+  touched / hbm_gbs)``, FLOPs for GEMMs and convolutions (cuDNN custom-calls, dots inside fusions,
+  cuBLAS calls), bytes for every kernel (result plus operands; a slice counts only the part it
+  reads), no launch overhead. Transfer time is a ring all-reduce on 8 GPUs over NVLink: ``latency
+  + 2 (n-1)/n * bytes / busbw``.
 - ``overlap_any_frac``: the same counting every op in between (the optimizer update of already
   reduced parameters can hide the last bucket).
 - ``gemm_frac``: bytes of all-reduces with at least one GEMM/convolution scheduled between start
@@ -254,6 +254,17 @@ def _flops(ins: Any, by_name: dict, comps: dict) -> float:
     return total
 
 
+def _is_slicing(ins: Any, comps: dict) -> bool:
+    """A slice, or a fusion of slices without reductions: reads about as much as it writes."""
+    if ins.opcode in ("slice", "dynamic-slice"):
+        return True
+    if ins.opcode != "fusion":
+        return False
+    body = [i for c in ins.calls for i in comps.get(c, ())]
+    ops = {i.opcode for i in body}
+    return bool(ops & {"slice", "dynamic-slice"}) and not ops & {"reduce", "dot", "convolution"}
+
+
 def op_times(text: str, gemm_tflops: float, hbm_gbs: float) -> dict[str, float]:
     """Estimated seconds of every ENTRY op: roofline of its FLOPs and the bytes it touches."""
     from jddp import schedule
@@ -266,9 +277,12 @@ def op_times(text: str, gemm_tflops: float, hbm_gbs: float) -> dict[str, float]:
         if ins.opcode in _SKIP:
             out[ins.name] = 0.0
             continue
-        nbytes = _nbytes(ins.shape) + sum(
-            _nbytes(by_name[o].shape) for o in ins.operands if o in by_name
-        )
+        result = _nbytes(ins.shape)
+        operands = [_nbytes(by_name[o].shape) for o in ins.operands if o in by_name]
+        if _is_slicing(ins, comps):
+            # A slice reads only what it returns (e.g. one leaf out of a bucket's flat buffer).
+            operands = [min(b, result) for b in operands]
+        nbytes = result + sum(operands)
         flops = _flops(ins, by_name, comps)
         out[ins.name] = max(flops / (gemm_tflops * 1e12), nbytes / (hbm_gbs * 1e9))
     return out

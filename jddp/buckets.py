@@ -48,7 +48,9 @@ class BucketPlan(NamedTuple):
 
     Attributes:
       buckets: in reduction order (bucket 0 is reduced first: the last layers of the model).
-      unused: indices of leaves with no use in the traced computation; they are in no bucket.
+      unused: indices of leaves with no gradient path to the loss in the traced computation (no use
+        at all, or uses that reach the loss only through integers or ``stop_gradient``); they are
+        in no bucket and get zero gradients.
       treedef: the parameter tree structure the plan was built for.
       shapes: every leaf's shape, in tree-leaf order.
       dtypes: every leaf's dtype, in tree-leaf order.
@@ -328,14 +330,30 @@ def plan_buckets(
     *args: Any,
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
+    keep_unused: bool = False,
 ) -> BucketPlan:
     """Plans buckets for ``fun(params, *args)`` from the order in which it first uses each leaf.
 
+    Leaves with no gradient path to the output (see :func:`jddp.unused.grad_reachable`) go to
+    ``plan.unused`` and into no bucket, unless ``keep_unused``.
+
     Args:
       fun: the loss function; it is traced (not run) on ``params`` and ``args``, which may be arrays
-        or ``jax.ShapeDtypeStruct``s.
+        or ``jax.ShapeDtypeStruct``s. Every output counts as loss.
+      keep_unused: put every leaf in a bucket, even those whose gradient is zero by construction
+        (they are reduced last).
     """
+    from jddp.unused import grad_reachable  # jddp.unused imports this module
+
     closed = jax.make_jaxpr(fun)(params, *args)
     n = len(jax.tree.leaves(params))
     times = first_use_order(closed.jaxpr, n)
+    reach = grad_reachable(closed.jaxpr, n)
+    # A leaf that can reach the loss without a first use (a custom derivative that the primal does
+    # not read) is reduced last; time 0 puts it in the last bucket. Likewise every leaf with
+    # keep_unused.
+    times = [
+        (0 if t is None else t) if (r or keep_unused) else None
+        for t, r in zip(times, reach, strict=True)
+    ]
     return make_plan(params, times, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)

@@ -357,7 +357,7 @@ def bucketed_value_and_grad(
     has_aux: bool = False,
     extras_fn: Callable[[Any, Any], Any] | None = None,
     chain: str = "auto",
-) -> tuple[Any, Any, Any, tuple]:
+) -> tuple[Any, Any, Any, Any]:
     """``value_and_grad`` of ``fun(params, *args)`` with gradients reduced per bucket in backward.
 
     Must run inside ``shard_map`` or ``pmap`` over ``axis_name``.
@@ -444,7 +444,9 @@ def bucketed_value_and_grad(
 
         for i in plan.unused:
             # Unused leaves get a zero gradient, identical on every replica: nothing to reduce.
-            hooked[i] = leaves_in[i]
+            # They may still be read (by aux outputs, integer paths): varying like the traced
+            # params, and behind stop_gradient so that no implicit reduction is transposed.
+            hooked[i] = _to_varying(lax.stop_gradient(leaves_in[i]), axis_name)
         outs = _eval_with_hooks(
             closed.jaxpr,
             closed.consts,
@@ -481,6 +483,10 @@ def bucketed_value_and_grad(
         mean_extras = tuple(lax.pmean(extras, axis_name))
     ct_token = (_dep_zeros(mode, [], axis_name), extras if plan.num_buckets else extras_zero)
     grad_leaves, new_states, _, reduced = vjp_fn((jnp.ones_like(loss), ct_token))
+    # plan.unused leaves have no gradient path to the loss: state the zero explicitly, so that it is
+    # identical on every replica whatever autodiff materialises for them.
+    unused = frozenset(plan.unused)
+    grad_leaves = [jnp.zeros_like(g) if i in unused else g for i, g in enumerate(grad_leaves)]
     if plan.num_buckets:
         mean_extras = tuple(reduced)
     elif not extras:

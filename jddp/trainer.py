@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -12,10 +14,17 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jddp import accumulate as accum_lib
 from jddp import buckets as buckets_lib
 from jddp import mesh as mesh_lib
+from jddp import model_state as ms_lib
+from jddp import nonfinite as nonfinite_lib
 from jddp import reduce as reduce_lib
+from jddp import uneven as uneven_lib
+from jddp import unused as unused_lib
+from jddp import verify as verify_lib
 from jddp.hooks import CommHook, allreduce_mean
+from jddp.objective import Objective
 
 
 @struct.dataclass
@@ -26,7 +35,9 @@ class TrainState:
       step: number of optimizer updates applied (int32 scalar).
       params: the model parameters, replicated on every device.
       opt_state: the optimizer state, replicated.
-      model_state: non-differentiated model state (e.g. Flax ``batch_stats``), or ``None``.
+      model_state: non-differentiated model state (e.g. Flax ``batch_stats``), or ``None``;
+        replicated, except with ``model_state_sync="none"``: one copy per device (leading device
+        dimension, like ``hook_state``).
       hook_state: per-device communication-hook state, one entry per parameter leaf, each leaf with
         a leading device dimension (sharded over the data axis).
       accum: local gradient accumulation state, or ``None`` when not accumulating.
@@ -44,17 +55,18 @@ class TrainState:
         def replace(self, **updates: Any) -> TrainState: ...
 
 
-def _state_specs(state: TrainState, axis: str) -> TrainState:
-    """Partition specs of a TrainState: replicated, except per-device hook and accumulator state."""
+def _state_specs(state: TrainState, axis: str, per_device_model_state: bool = False) -> TrainState:
+    """Partition specs of a TrainState: replicated, except per-device hook and accumulator state
+    (and model state with ``model_state_sync="none"``)."""
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)
     per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
     return TrainState(
         step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
         params=rep(state.params),
         opt_state=rep(state.opt_state),
-        model_state=rep(state.model_state),
+        model_state=(per_device if per_device_model_state else rep)(state.model_state),
         hook_state=per_device(state.hook_state),
-        accum=per_device(state.accum),
+        accum=accum_lib.accum_specs(state.accum, axis),
     )
 
 
@@ -75,7 +87,10 @@ class DataParallel:
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss over its shard of the batch; with
         ``has_aux``, ``(loss, metrics)`` where ``metrics`` is a dict of float scalars (averaged over
-        devices and returned with the loss).
+        devices and returned with the loss). When ``init`` is given ``model_state``:
+        ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``, or with ``has_aux``
+        ``(loss, (new_model_state, metrics))``. With ``weighted``, ``loss`` is the vector of
+        per-example losses of the shard. See ``jddp.objective`` and docs/model_state.md.
       optimizer: an optax ``GradientTransformation``; it sees the averaged gradients, so
         transforms such as ``clip_by_global_norm`` act on the global gradient.
       mesh: the data mesh (default: ``jddp.data_mesh()``, every device).
@@ -87,6 +102,25 @@ class DataParallel:
         ``"add"`` on CPU and TPU; see :func:`jddp.reduce.resolve_chain`), or ``"none"`` to let
         XLA's combiner merge all-reduces as it likes.
       donate: donate the old state's buffers to the new one (default True).
+      model_state_sync: how new model state is made consistent across replicas: ``"broadcast"``
+        (replica 0's, bit-exact; DDP's ``broadcast_buffers``), ``"mean"`` (averaged; integer leaves
+        broadcast) or ``"none"`` (one state per replica). No extra collective: it rides on the last
+        bucket's all-reduce.
+      weighted: ``loss_fn`` returns per-example losses and ``step`` takes an optional ``mask`` (or
+        per-example weights); the step averages over real examples only (uneven final batches,
+        see ``jddp.pad_batch``).
+      keep_unused: keep parameters without a gradient path to the loss in the buckets (by
+        default they are left out, with a one-time warning naming them, and get zero gradients).
+      skip_nonfinite: skip the update (params, optimizer, model and hook state, ``state.step``)
+        when the reduced gradient has a NaN or Inf; ``metrics["skipped"]`` is 1.0 for a skipped
+        step, else 0.0.
+      accumulate_steps: ``k > 1`` accumulates local gradients over ``k`` calls of ``step`` and
+        reduces once, on the ``k``-th (DDP's ``no_sync``); ``step(state, batch, sync=...)``
+        chooses explicitly. See :mod:`jddp.accumulate`.
+      microbatches: ``m > 1`` splits each device's batch into ``m`` micro-batches scanned inside
+        one step, with one reduction per bucket after the loop.
+      accum_dtype: dtype of the local gradient sums (default float32, or the parameter dtype if
+        wider).
     """
 
     def __init__(
@@ -102,6 +136,13 @@ class DataParallel:
         bucket_plan: buckets_lib.BucketPlan | None = None,
         chain: str = "auto",
         donate: bool = True,
+        model_state_sync: str = "broadcast",
+        weighted: bool = False,
+        keep_unused: bool = False,
+        skip_nonfinite: bool = False,
+        accumulate_steps: int = 1,
+        microbatches: int = 1,
+        accum_dtype: Any = None,
     ) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
@@ -131,7 +172,31 @@ class DataParallel:
         self.chain = chain
         self._fixed_plan = bucket_plan
         self._last_plan: buckets_lib.BucketPlan | None = None
-        self.step = jax.jit(self._step, donate_argnums=(0,) if donate else ())
+        self.model_state_sync = ms_lib.check_sync_mode(model_state_sync)
+        self.weighted = bool(weighted)
+        self.keep_unused = bool(keep_unused)
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self._warned_unused = False
+        self.accumulate_steps, self.microbatches, self.accum_dtype = accum_lib.check_options(
+            accumulate_steps, microbatches, accum_dtype
+        )
+        if self._accumulating and (self.weighted or self.skip_nonfinite):
+            raise ValueError(
+                "accumulate_steps/microbatches cannot be combined with weighted=True or "
+                "skip_nonfinite=True yet; use one or the other."
+            )
+        # ``sync`` is static: each value is its own compiled variant (see jddp.accumulate).
+        self.step = jax.jit(
+            self._step, donate_argnums=(0,) if donate else (), static_argnames=("sync",)
+        )
+
+    @property
+    def _accumulating(self) -> bool:
+        return self.accumulate_steps > 1 or self.microbatches > 1
+
+    @property
+    def _per_device_ms(self) -> bool:
+        return self.model_state_sync == "none"
 
     @property
     def num_devices(self) -> int:
@@ -154,23 +219,32 @@ class DataParallel:
         reduce_lib._check_float_params(params)
         if self._fixed_plan is not None:
             self._fixed_plan.check_tree(params)
+        ms_lib.check_model_state(model_state, self.model_state_sync)
+        # DDP's init_sync: every process starts from process 0's values (no-op with one process).
+        params, model_state = verify_lib.sync_from_process0((params, model_state), "params")
         shardings = self._state_shardings(jax.eval_shape(self._build_state, params, model_state))
         return jax.jit(self._build_state, out_shardings=shardings)(params, model_state)
 
     def _build_state(self, params: Any, model_state: Any) -> TrainState:
         n = self.num_devices
         hook_state = reduce_lib.init_hook_state(self.hook, params)
+        to_devices = lambda tree: jax.tree.map(
+            lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree
+        )
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
             opt_state=self.optimizer.init(params),
-            model_state=model_state,
-            hook_state=jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), hook_state),
-            accum=None,
+            # With model_state_sync="none" each replica keeps its own copy.
+            model_state=to_devices(model_state) if self._per_device_ms else model_state,
+            hook_state=to_devices(hook_state),
+            accum=accum_lib.init_accum(params, n, self.accum_dtype)
+            if self.accumulate_steps > 1
+            else None,
         )
 
     def _state_shardings(self, abstract_state: TrainState) -> TrainState:
-        specs = _state_specs(abstract_state, self.axis_name)
+        specs = _state_specs(abstract_state, self.axis_name, self._per_device_ms)
         return jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
         )
@@ -188,88 +262,165 @@ class DataParallel:
 
     # ----------------------------------------------------------------------------------- plan
 
-    def plan(self, params: Any, batch: Any) -> buckets_lib.BucketPlan:
+    def plan(
+        self, params: Any, batch: Any, model_state: Any = None, mask: Any = None
+    ) -> buckets_lib.BucketPlan:
         """The bucket plan for ``params`` and a global ``batch`` (arrays or ShapeDtypeStructs)."""
         if self._fixed_plan is not None:
             self._fixed_plan.check_tree(params)
             return self._fixed_plan
         local = _local_batch_shape(batch, self.num_devices)
-        fun = self.loss_fn if not self.has_aux else (lambda p, b: self.loss_fn(p, b)[0])
+        if self.microbatches > 1:
+            local = accum_lib.microbatch_shape(local, self.microbatches)
+        weights = None
+        if self.weighted:
+            weights = jax.ShapeDtypeStruct((jax.tree.leaves(local)[0].shape[0],), jnp.float32)
+        del mask  # only its shape matters, which the batch fixes
+        obj = self._objective(model_state is not None)
         return buckets_lib.plan_buckets(
-            fun,
+            obj.plan_fun,
             params,
+            model_state,
             local,
+            weights,
             bucket_cap_mb=self.bucket_cap_mb,
             first_bucket_mb=self.first_bucket_mb,
+            keep_unused=self.keep_unused,
         )
 
-    def _plan_inside(self, params: Any, batch: Any) -> buckets_lib.BucketPlan:
+    def _objective(self, stateful: bool) -> Objective:
+        return Objective(
+            self.loss_fn, has_aux=self.has_aux, stateful=stateful,
+            sync=self.model_state_sync, weighted=self.weighted,
+        )
+
+    def _plan_inside(
+        self, params: Any, fun: Callable[..., Any], args: tuple
+    ) -> buckets_lib.BucketPlan:
+        """The plan for ``fun(params, *args)`` (the scalar that is differentiated), at trace time."""
         if self._fixed_plan is not None:
             self._fixed_plan.check_tree(params)
             plan = self._fixed_plan
         else:
-            fun = self.loss_fn if not self.has_aux else (lambda p, b: self.loss_fn(p, b)[0])
             plan = buckets_lib.plan_buckets(
                 fun,
                 params,
-                batch,
+                *args,
                 bucket_cap_mb=self.bucket_cap_mb,
                 first_bucket_mb=self.first_bucket_mb,
+                keep_unused=self.keep_unused,
+            )
+        if plan.unused and not self._warned_unused:
+            # Once per DataParallel (at trace time), instead of DDP's per-iteration graph search.
+            self._warned_unused = True
+            warnings.warn(
+                unused_lib.unused_message([plan.paths[i] for i in plan.unused]), stacklevel=2
             )
         self._last_plan = plan
         return plan
 
     # ----------------------------------------------------------------------------------- step
 
-    def _check_inputs(self, state: Any, batch: Any) -> None:
+    def _check_inputs(self, state: Any, batch: Any, mask: Any) -> Any:
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"step expects the TrainState returned by init (or a previous step), got "
                 f"{type(state).__name__}."
             )
         reduce_lib._check_float_params(state.params)
-        mesh_lib.check_batch(batch, self.num_devices)
+        size = mesh_lib.check_batch(batch, self.num_devices)
+        if not self.weighted:
+            if mask is not None:
+                raise ValueError(
+                    "step got a mask, but this DataParallel averages per-shard mean losses. "
+                    "Construct it with weighted=True and make loss_fn return per-example losses."
+                )
+            return None
+        if mask is None:
+            return jnp.ones((size,), jnp.float32)
+        return uneven_lib.check_mask(mask, size)
 
-    def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        self._check_inputs(state, batch)
-        specs = _state_specs(state, self.axis_name)
+    def _step(
+        self, state: TrainState, batch: Any, mask: Any = None, sync: bool | None = None
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        mask = self._check_inputs(state, batch, mask)
+        accum_lib.check_call(
+            state, batch, sync, accumulate_steps=self.accumulate_steps,
+            microbatches=self.microbatches, num_devices=self.num_devices,
+        )
+        specs = _state_specs(state, self.axis_name, self._per_device_ms)
+        if self._accumulating:
+            if state.model_state is not None:
+                raise ValueError(
+                    "accumulate_steps/microbatches do not support model state yet; train models "
+                    "with model state (e.g. BatchNorm) without accumulation."
+                )
+            accumulating = jax.shard_map(
+                functools.partial(accum_lib.local_step, self, _metrics_of, sync=sync),
+                mesh=self.mesh,
+                in_specs=(specs, P(self.axis_name)),
+                out_specs=(specs, P(), P(self.axis_name)),
+                check_vma=True,
+            )
+            new_state, metrics, local_metrics = accumulating(state, batch)
+            return new_state, {**metrics, **local_metrics}
         sharded = jax.shard_map(
             self._local_step,
             mesh=self.mesh,
-            in_specs=(specs, P(self.axis_name)),
+            in_specs=(specs, P(self.axis_name), P(self.axis_name)),
             out_specs=(specs, P()),
             check_vma=True,
         )
-        return sharded(state, batch)
+        return sharded(state, batch, mask)
 
-    def _local_step(self, state: TrainState, batch: Any):
+    def _local_step(self, state: TrainState, batch: Any, mask: Any):
         axis = self.axis_name
-        plan = self._plan_inside(state.params, batch)
+        n = self.num_devices
+        stateful = state.model_state is not None
+        per_device_ms = stateful and self._per_device_ms
+        obj = self._objective(stateful)
+        model_state = state.model_state
+        if per_device_ms:
+            model_state = jax.tree.map(lambda x: x[0], model_state)
+        args = (model_state, batch, mask)
+        plan = self._plan_inside(state.params, obj.plan_fun, args)
         hook_state = jax.tree.map(lambda x: x[0], state.hook_state)
-        (loss, aux), grads, new_hook_state, metrics = reduce_lib.bucketed_value_and_grad(
-            self._loss_with_aux,
+        (loss, aux), grads, new_hook_state, extras = reduce_lib.bucketed_value_and_grad(
+            obj.fun,
             state.params,
-            (batch,),
+            args,
             axis_name=axis,
             plan=plan,
             hook=self.hook,
             hook_state=hook_state,
             step=state.step,
             has_aux=True,
-            extras_fn=_metrics_of,
+            extras_fn=obj.extras_fn(axis, n),
             chain=self.chain,
         )
+        local = mask.shape[0] if mask is not None else 0
+        grads, metrics, new_model_state = obj.finish(grads, extras, aux, n, local)
+        if per_device_ms:
+            new_model_state = jax.tree.map(lambda x: x[None], new_model_state)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = state.replace(
             step=state.step + 1,
             params=params,
             opt_state=opt_state,
+            model_state=new_model_state,
             hook_state=jax.tree.map(lambda x: x[None], new_hook_state),
         )
+        if self.skip_nonfinite:
+            # Reduced gradients are identical on every replica: so is this decision.
+            finite = nonfinite_lib.all_finite(grads)
+            new_state = nonfinite_lib.select_tree(finite, new_state, state)
+            metrics["skipped"] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
         return new_state, metrics
 
     def _loss_with_aux(self, params: Any, batch: Any):
+        """``(loss, metrics)`` of a stateless ``loss_fn`` (used by ``jddp.calibrate``; the step
+        itself goes through :class:`jddp.objective.Objective`)."""
         out = self.loss_fn(params, batch)
         if not self.has_aux:
             return out, {}
@@ -279,7 +430,24 @@ class DataParallel:
             )
         return out
 
-    def lower(self, params_like: Any, batch_like: Any, model_state_like: Any = None):
+    def verify(self, state: TrainState, *, atol: float = 0.0) -> None:
+        """Raises :class:`jddp.ReplicaDivergenceError` if replicas of ``state`` differ.
+
+        Checks ``step``, ``params``, ``opt_state`` and (unless per-device) ``model_state``; the
+        per-device hook and accumulator state are meant to differ.
+        """
+        tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+        if self.model_state_sync != "none":
+            tree["model_state"] = state.model_state
+        verify_lib.verify_replicas(tree, self.mesh, atol=atol)
+
+    def lower(
+        self,
+        params_like: Any,
+        batch_like: Any,
+        model_state_like: Any = None,
+        sync: bool | None = None,
+    ):
         """Lowers the step that ``step`` runs, from abstract (or concrete) params and batch.
 
         Args:
@@ -287,6 +455,7 @@ class DataParallel:
           batch_like: a global batch, or ``jax.ShapeDtypeStruct``s (placed on the data axis if
             they carry no sharding).
           model_state_like: the model state, or its shape structs, if the model has one.
+          sync: the accumulation variant (see :mod:`jddp.accumulate`); ``None`` by default.
 
         Returns:
           The ``jax.stages.Lowered`` of ``self.step``; ``.compile().as_text()`` is the compiled
@@ -299,10 +468,11 @@ class DataParallel:
             lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding),
             batch_like,
         )
-        return self.step.lower(state, batch)
+        return self.step.lower(state, batch, sync=sync)
 
 
 def _metrics_of(loss: jax.Array, aux: Any) -> dict[str, jax.Array]:
+    """The metrics dict of a scalar-loss step (used by jddp.nnx; the core step uses Objective)."""
     metrics = {"loss": loss}
     if isinstance(aux, dict):
         for k, v in aux.items():

@@ -74,6 +74,48 @@ def all_reduces(text: str) -> list[Op]:
     return [op for op in entry_ops(text) if op.kind == "all-reduce"]
 
 
+# An all-reduce instruction (the opcode, not an operand such as ``%all-reduce.3``).
+_ALL_REDUCE = re.compile(r"^\s*(?:ROOT )?%\S+ = .*? all-reduce(?:-start)?\(", re.M)
+
+
 def count_all_reduces(text: str) -> int:
     """All all-reduce instructions anywhere in the module (loop bodies included)."""
-    return len(re.findall(r"^\s*(?:ROOT )?%\S+ = .*? all-reduce(?:-start)?\(", text, re.M))
+    return len(_ALL_REDUCE.findall(text))
+
+
+_CALLED = re.compile(
+    r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def _callees(body: str) -> set[str]:
+    names = set(_CALLED.findall(body))
+    for group in _BRANCHES.findall(body):
+        names.update(n.strip().lstrip("%") for n in group.split(","))
+    return names
+
+
+def _reachable(comps: dict[str, str], roots: set[str]) -> set[str]:
+    seen, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        todo.extend(_callees(comps[name]))
+    return seen
+
+
+def count_all_reduces_in_loops(text: str) -> int:
+    """All-reduce instructions inside ``while`` bodies/conditions (and what they call)."""
+    comps = _computations(text)
+    loops = set()
+    for body in comps.values():
+        for line in body.splitlines():
+            if re.search(r"\bwhile\(", line):
+                loops.update(re.findall(r"(?:body|condition)=%([\w.\-]+)", line))
+    return sum(
+        len(_ALL_REDUCE.findall(comps[name]))
+        for name in _reachable(comps, loops)
+    )

@@ -55,7 +55,7 @@ def all_reduce_types(ddp, state, batch):
     The lowered program, not the compiled one: XLA:CPU promotes bf16 all-reduces to f32 when it
     compiles them, so only the lowered program shows the dtype jddp asked to reduce in.
     """
-    text = ddp.lower(state, batch).as_text()
+    text = ddp.step.lower(state, batch).as_text()
     return re.findall(r'"stablehlo\.all_reduce".*?\}\) : \((.*?)\) ->', text, flags=re.DOTALL)
 
 

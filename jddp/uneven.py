@@ -1,0 +1,115 @@
+"""Uneven inputs (DDP's ``join``): padding a short final batch and masking it out of the step.
+
+A global batch must split evenly over the devices. The last batch of an epoch often does not;
+PyTorch DDP lets the ranks that ran out of data shadow the others' collectives (``join()``). Here
+the short batch is padded to a multiple of the device count instead, and a mask marks the real
+examples:
+
+    padded, mask = jddp.pad_batch(batch, ddp.num_devices)
+    state, metrics = ddp.step(state, padded, mask=mask)
+
+With padding, devices hold different numbers of real examples, so the mean of per-device mean losses
+is no longer the mean over real examples. ``DataParallel(..., weighted=True)`` therefore asks
+``loss_fn`` for per-example losses; each device sums its real (weighted) ones, and the gradients are
+divided by the global count of real examples, which rides on the last bucket's all-reduce (no extra
+collective). The step then equals a single-device step on the real examples only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jddp.buckets import key_path_str
+
+__all__ = ["pad_batch", "check_mask", "batch_size"]
+
+
+def batch_size(batch: Any) -> int:
+    """The common leading dimension of every leaf of ``batch`` (clear errors if there is none)."""
+    path_leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not path_leaves:
+        raise ValueError("The batch is empty: it must be a pytree with at least one array leaf.")
+    sizes: dict[int, str] = {}
+    for path, leaf in path_leaves:
+        shape = np.shape(leaf)
+        if len(shape) == 0:
+            raise ValueError(
+                f"Batch leaf {key_path_str(path)} is a scalar; every batch leaf needs a leading "
+                "batch dimension."
+            )
+        sizes.setdefault(shape[0], key_path_str(path))
+    if len(sizes) > 1:
+        desc = ", ".join(f"{p}: {n}" for n, p in sizes.items())
+        raise ValueError(
+            f"Batch leaves have different leading dimensions ({desc}); every leaf must have the "
+            "same batch size as its first dimension."
+        )
+    (size,) = sizes
+    return size
+
+
+def pad_batch(batch: Any, num_devices: int, *, size: int | None = None) -> tuple[Any, np.ndarray]:
+    """Pads ``batch`` on its leading dimension to a multiple of ``num_devices``; returns the mask.
+
+    Padding repeats the last real example (not zeros), so padded rows are valid inputs and cannot
+    produce NaN or Inf losses that a zero weight would not cancel in the gradient.
+
+    Args:
+      batch: a pytree of arrays (NumPy or JAX) with a common leading batch dimension.
+      num_devices: the number of devices of the data mesh (``ddp.num_devices``).
+      size: the padded global batch size (default: the next multiple of ``num_devices``). Padding
+        every short batch to the full batch size keeps one compiled step for the whole epoch.
+
+    Returns:
+      ``(padded_batch, mask)``: the padded batch (same array types as the input) and a boolean
+      NumPy mask of shape ``(padded_size,)``, True for real examples. Pass the mask to
+      ``ddp.step(state, padded_batch, mask=mask)`` with ``DataParallel(..., weighted=True)``.
+    """
+    if not isinstance(num_devices, int | np.integer) or num_devices < 1:
+        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}.")
+    n = batch_size(batch)
+    if n == 0:
+        raise ValueError("Cannot pad an empty batch (no real example to repeat); skip it instead.")
+    if size is None:
+        size = -(-n // num_devices) * num_devices
+    if size < n or size % num_devices:
+        raise ValueError(
+            f"size={size} must be at least the batch size {n} and a multiple of the "
+            f"{num_devices} devices."
+        )
+    pad = size - n
+
+    def pad_leaf(x):
+        if pad == 0:
+            return x
+        xp = jnp if isinstance(x, jax.Array) else np
+        x = xp.asarray(x)
+        return xp.concatenate([x, xp.repeat(x[-1:], pad, axis=0)], axis=0)
+
+    mask = np.arange(size) < n
+    return jax.tree.map(pad_leaf, batch), mask
+
+
+def check_mask(mask: Any, global_size: int) -> jax.Array:
+    """Validates a mask or per-example weights for a batch of ``global_size``; returns float32.
+
+    Raises:
+      ValueError: the mask is not a vector of ``global_size`` entries.
+      TypeError: the mask is not boolean or real.
+    """
+    shape = np.shape(mask)
+    if shape != (global_size,):
+        raise ValueError(
+            f"The mask has shape {tuple(shape)} but the batch has {global_size} examples; it must "
+            f"be a vector of shape ({global_size},), one entry per example of the global batch "
+            "(True/1 for real examples, False/0 for padding). jddp.pad_batch returns one."
+        )
+    dtype = np.dtype(mask.dtype) if hasattr(mask, "dtype") else np.result_type(mask)
+    if not (dtype == np.bool_ or np.issubdtype(dtype, np.integer)
+            or np.issubdtype(dtype, np.floating)):
+        raise TypeError(f"The mask must be boolean or real (per-example weights), got {dtype}.")
+    return jnp.asarray(mask).astype(jnp.float32)

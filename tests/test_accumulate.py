@@ -1,0 +1,304 @@
+"""Gradient accumulation: k micro-steps (or m fused micro-batches) equal one step on the k·B batch,
+with zero collectives on the accumulating calls and one all-reduce per bucket on the syncing one.
+
+Tolerances (float32): parameters within 1e-5 (SGD) / 5e-5 (Adam) of a single-device optax step on the
+concatenated batch after 3 optimizer steps, losses within rtol 1e-5 (the trainer tests use the same).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jddp
+from tests._hlo import count_all_reduces, count_all_reduces_in_loops
+from tests._models import max_abs_diff, mlp_loss, mlp_params, regression_batch
+
+SIZES = [6, 16, 16, 3]
+# Tiny caps so that the MLP has several buckets (each bucket is one all-reduce).
+CAPS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)
+OPTIMIZERS = [("sgd", optax.sgd(0.1), 1e-5), ("adam", optax.adam(1e-2), 5e-5)]
+MICRO = 16  # global examples per micro-batch: 2 per device on 8 devices
+STEPS = 3
+
+
+def concat(batches):
+    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+
+def reference(params, big_batches, optimizer):
+    """Plain optax on one device, one step per large batch."""
+    device = jax.devices()[0]
+
+    @jax.jit  # eager dispatch of every op was the slowest part of these tests
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(mlp_loss)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = jax.device_put(params, device)
+    opt_state = optimizer.init(params)
+    losses = []
+    for batch in big_batches:
+        params, opt_state, loss = step(params, opt_state, jax.device_put(batch, device))
+        losses.append(float(loss))
+    return params, losses
+
+
+def windows(k, seed=0):
+    """STEPS windows of k micro-batches of MICRO examples, random data."""
+    return [[regression_batch(100 * seed + 10 * s + i, MICRO, SIZES[0], SIZES[-1])
+             for i in range(k)] for s in range(STEPS)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("name,optimizer,tol", OPTIMIZERS)
+def test_accumulate_steps_equal_large_batch(k, name, optimizer, tol):
+    params = mlp_params(0, SIZES)
+    wins = windows(k)
+    ref_params, ref_losses = reference(params, [concat(w) for w in wins], optimizer)
+
+    ddp = jddp.DataParallel(mlp_loss, optimizer, accumulate_steps=k, **CAPS)
+    state = ddp.init(params)
+    losses = []
+    for w in wins:
+        for i, mb in enumerate(w):
+            state, metrics = ddp.step(state, mb)  # sync=None: the k-th call synchronises
+            if k > 1:
+                assert bool(metrics["synced"]) == (i == k - 1)
+        losses.append(float(metrics["loss"]))
+    assert int(state.step) == STEPS
+    assert ddp.bucket_plan.num_buckets > 1
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert max_abs_diff(state.params, ref_params) < tol
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("name,optimizer,tol", OPTIMIZERS)
+def test_microbatches_equal_large_batch(m, name, optimizer, tol):
+    params = mlp_params(1, SIZES)
+    bigs = [concat(w) for w in windows(m, seed=1)]
+    ref_params, ref_losses = reference(params, bigs, optimizer)
+
+    ddp = jddp.DataParallel(mlp_loss, optimizer, microbatches=m, **CAPS)
+    state = ddp.init(params)
+    assert state.accum is None
+    losses = []
+    for batch in bigs:
+        state, metrics = ddp.step(state, batch)
+        assert set(metrics) == {"loss"}
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert max_abs_diff(state.params, ref_params) < tol
+
+
+def test_accumulate_and_microbatches_compose():
+    """k=2 calls of m=2 fused micro-batches each = one step on 4 micro-batches."""
+    optimizer = optax.adam(1e-2)
+    params = mlp_params(2, SIZES)
+    wins = windows(4, seed=2)
+    ref_params, ref_losses = reference(params, [concat(w) for w in wins], optimizer)
+    ddp = jddp.DataParallel(mlp_loss, optimizer, accumulate_steps=2, microbatches=2, **CAPS)
+    state = ddp.init(params)
+    losses = []
+    for w in wins:
+        state, _ = ddp.step(state, concat(w[:2]), sync=False)
+        state, metrics = ddp.step(state, concat(w[2:]), sync=True)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert max_abs_diff(state.params, ref_params) < 5e-5
+
+
+def test_explicit_sync_two_variants_no_retrace():
+    """A caller-driven loop compiles sync=False and sync=True once each, and never retraces."""
+    traces = []
+
+    def counting_loss(p, b):
+        traces.append(1)  # runs only while tracing
+        return mlp_loss(p, b)
+
+    k, optimizer = 4, optax.sgd(0.1)
+    params = mlp_params(3, SIZES)
+    wins = windows(k, seed=3)
+    ref_params, _ = reference(params, [concat(w) for w in wins], optimizer)
+    ddp = jddp.DataParallel(counting_loss, optimizer, accumulate_steps=k, **CAPS)
+    state = ddp.init(params)
+    for s, w in enumerate(wins):
+        for i, mb in enumerate(w):
+            state, metrics = ddp.step(state, mb, sync=i == k - 1)
+        if s == 0:
+            traced_after_first_window = len(traces)
+    assert ddp.step._cache_size() == 2
+    assert len(traces) == traced_after_first_window
+    assert max_abs_diff(state.params, ref_params) < 1e-5
+
+
+def test_early_sync_is_mean_of_window():
+    """sync=True after 1 of k=4 micro-steps averages the 2 micro-batches it has (divisor from state);
+    sync=True on an empty accumulator is an ordinary step."""
+    optimizer = optax.sgd(0.5)
+    params = mlp_params(4, SIZES)
+    a, b, c = (regression_batch(40 + i, MICRO, SIZES[0], SIZES[-1]) for i in range(3))
+    ref_params, ref_losses = reference(params, [concat([a, b]), c], optimizer)
+    ddp = jddp.DataParallel(mlp_loss, optimizer, accumulate_steps=4, **CAPS)
+    state = ddp.init(params)
+    state, _ = ddp.step(state, a, sync=False)
+    state, m1 = ddp.step(state, b, sync=True)
+    assert int(state.accum.count) == 0
+    state, m2 = ddp.step(state, c, sync=True)
+    np.testing.assert_allclose([float(m1["loss"]), float(m2["loss"])], ref_losses, rtol=1e-5)
+    assert max_abs_diff(state.params, ref_params) < 1e-5
+
+
+def test_metrics_without_collectives():
+    params = mlp_params(5, SIZES)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2, donate=False, **CAPS)
+    state = ddp.init(params)
+    mb0, mb1 = (regression_batch(50 + i, MICRO, SIZES[0], SIZES[-1]) for i in range(2))
+    state, m0 = ddp.step(state, mb0)
+    assert not bool(m0["synced"]) and np.isnan(float(m0["loss"]))
+    assert m0["local_loss"].shape == (8,)
+    assert m0["local_loss"].sharding.spec == P("data")
+    per_device = jax.jit(jax.vmap(mlp_loss, in_axes=(None, 0)))(
+        params, jax.tree.map(lambda x: x.reshape(8, 2, -1), mb0))
+    np.testing.assert_allclose(np.asarray(m0["local_loss"]), per_device, rtol=1e-5)
+    state, m1 = ddp.step(state, mb1)
+    assert bool(m1["synced"])
+    np.testing.assert_allclose(float(m1["loss"]), float(mlp_loss(params, concat([mb0, mb1]))),
+                               rtol=1e-6)
+
+
+def _lower_text(ddp, state, batch, sync=None):
+    return ddp.step.lower(state, batch, sync=sync).compile().as_text()
+
+
+def test_all_reduce_counts_from_hlo():
+    params = mlp_params(6, SIZES)
+    batch = regression_batch(60, 4 * MICRO, SIZES[0], SIZES[-1])
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=4, **CAPS)
+    state = ddp.init(params)
+    no_sync = _lower_text(ddp, state, batch, sync=False)
+    sync = _lower_text(ddp, state, batch, sync=True)
+    auto = _lower_text(ddp, state, batch)
+    buckets = ddp.bucket_plan.num_buckets
+    assert buckets > 1
+    assert count_all_reduces(no_sync) == 0
+    assert count_all_reduces(sync) == buckets
+    # The donated accumulator is updated in place: no copy of an accumulator leaf.
+    for text in (no_sync, sync):
+        assert not re.search(r"= f32\[1,16,16\]\S* copy\(", text)
+    # The auto variant holds the sync branch of a conditional; it runs on the k-th call only.
+    assert count_all_reduces(auto) == buckets and "conditional(" in auto
+
+    fused = jddp.DataParallel(mlp_loss, optax.sgd(0.1), microbatches=4, **CAPS)
+    text = _lower_text(fused, fused.init(params), batch)
+    assert " while(" in text  # the scan over the first m - 1 micro-batches
+    assert count_all_reduces(text) == fused.bucket_plan.num_buckets
+    assert count_all_reduces_in_loops(text) == 0
+
+
+def test_native_scan_puts_all_reduce_in_loop():
+    """The helper above is meaningful: the JAX-native scan accumulation reduces inside the loop."""
+    mesh = jddp.data_mesh()
+    params = mlp_params(7, SIZES)
+    batch = regression_batch(70, 4 * MICRO, SIZES[0], SIZES[-1])
+
+    def local(params, batch):
+        micro = jax.tree.map(lambda x: x.reshape(4, -1, *x.shape[1:]), batch)
+
+        def body(acc, mb):
+            return jax.tree.map(jnp.add, acc, jax.grad(mlp_loss)(params, mb)), None
+
+        grads, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
+        return grads
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    text = fn.lower(params, batch).compile().as_text()
+    assert count_all_reduces_in_loops(text) >= 1
+
+
+def test_state_round_trips_with_donation():
+    params = mlp_params(8, SIZES)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), accumulate_steps=2, **CAPS)
+    state = ddp.init(params)
+    assert state.accum.count.sharding.is_fully_replicated
+    for leaf in jax.tree.leaves(state.accum.grads):
+        assert leaf.shape[0] == 8 and leaf.sharding.spec == P("data")
+    treedef = jax.tree.structure(state)
+    mb = regression_batch(80, MICRO, SIZES[0], SIZES[-1])
+    for i in range(4):
+        old = state
+        state, _ = ddp.step(state, mb)
+        assert all(x.is_deleted() for x in jax.tree.leaves(old.accum.grads))
+        assert old.params["Dense_0"]["kernel"].is_deleted()
+        assert jax.tree.structure(state) == treedef
+        assert int(state.accum.count) == (i + 1) % 2
+    assert int(state.step) == 2
+    assert ddp.step._cache_size() == 1
+
+
+def test_accumulator_dtype():
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), mlp_params(9, SIZES))
+    mb = regression_batch(90, MICRO, SIZES[0], SIZES[-1])
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2, **CAPS)
+    state = ddp.init(params)
+    assert {x.dtype for x in jax.tree.leaves(state.accum.grads)} == {jnp.dtype(jnp.float32)}
+    state, _ = ddp.step(state, mb)
+    state, metrics = ddp.step(state, mb)
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert np.isfinite(float(metrics["loss"]))
+
+    low = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2,
+                            accum_dtype=jnp.bfloat16, **CAPS)
+    st = low.init(mlp_params(9, SIZES))
+    assert {x.dtype for x in jax.tree.leaves(st.accum.grads)} == {jnp.dtype(jnp.bfloat16)}
+    assert jddp.accum_dtype_for(jnp.float64) == np.float64
+
+
+def test_bad_options():
+    for kw in [dict(accumulate_steps=0), dict(microbatches=0), dict(accumulate_steps=-2)]:
+        with pytest.raises(ValueError, match=">= 1"):
+            jddp.DataParallel(mlp_loss, optax.sgd(0.1), **kw)
+    for kw in [dict(accumulate_steps=2.0), dict(microbatches=True)]:
+        with pytest.raises(TypeError, match="positive int"):
+            jddp.DataParallel(mlp_loss, optax.sgd(0.1), **kw)
+    with pytest.raises(TypeError, match="floating dtype"):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2, accum_dtype=jnp.int32)
+
+
+def test_bad_calls():
+    params = mlp_params(10, SIZES)
+    mb = regression_batch(0, MICRO, SIZES[0], SIZES[-1])
+    plain = jddp.DataParallel(mlp_loss, optax.sgd(0.1))
+    plain_state = plain.init(params)
+    with pytest.raises(ValueError, match="needs an accumulator"):
+        plain.step(plain_state, mb, sync=False)
+
+    acc = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2)
+    with pytest.raises(ValueError, match="state.accum is NoneType"):
+        acc.step(plain_state, mb)
+    with pytest.raises(ValueError, match="accumulate_steps=1"):
+        plain.step(acc.init(params), mb)
+    with pytest.raises(TypeError, match="static Python bool"):
+        acc.step(acc.init(params), mb, sync=1)
+
+    fused = jddp.DataParallel(mlp_loss, optax.sgd(0.1), microbatches=4)
+    with pytest.raises(ValueError, match=r"microbatches=4 does not divide the per-device batch of 2"):
+        fused.step(fused.init(params), mb)
+
+
+def test_accumulation_rejects_features_it_does_not_combine_with():
+    for kwargs in ({"weighted": True}, {"skip_nonfinite": True}):
+        with pytest.raises(ValueError, match="cannot be combined"):
+            jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2, **kwargs)
+    ddp = jddp.DataParallel(lambda p, ms, b: (mlp_loss(p, b), ms), optax.sgd(0.1),
+                            accumulate_steps=2)
+    state = ddp.init(mlp_params(0, [4, 8, 2]), model_state={"count": jnp.zeros(())})
+    with pytest.raises(ValueError, match="do not support model state"):
+        ddp.step(state, regression_batch(0, 16, 4, 2), sync=False)

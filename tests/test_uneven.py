@@ -1,0 +1,145 @@
+"""Uneven final batches: pad_batch + weighted=True equals a single-device step on the real examples."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jddp
+
+# float32 on CPU; the DP and single-device steps sum in different orders, so agreement is to a few
+# ulps of the parameters' magnitude.
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def _init(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {
+        "w1": jax.random.normal(k1, (6, 16)) * 0.3,
+        "b1": jnp.zeros(16),
+        "w2": jax.random.normal(k2, (16, 1)) * 0.3,
+    }
+
+
+def _per_example(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return ((h @ params["w2"])[:, 0] - batch["y"]) ** 2
+
+
+def _mean_loss(params, batch):
+    return _per_example(params, batch).mean()
+
+
+def _data(n, seed=1):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.standard_normal((n, 6)).astype(np.float32),
+        "y": rng.standard_normal(n).astype(np.float32),
+    }
+
+
+def test_pad_batch_pads_to_a_multiple_and_masks():
+    batch = _data(13)
+    padded, mask = jddp.pad_batch(batch, 8)
+    assert padded["x"].shape == (16, 6) and mask.shape == (16,) and mask.dtype == np.bool_
+    assert mask.sum() == 13 and mask[:13].all()
+    np.testing.assert_array_equal(padded["x"][13:], np.repeat(batch["x"][-1:], 3, 0))
+    full, mask = jddp.pad_batch(batch, 8, size=32)
+    assert full["y"].shape == (32,) and mask.sum() == 13
+    same, mask = jddp.pad_batch(_data(16), 8)
+    assert same["x"].shape == (16, 6) and mask.all()
+    jax_padded, _ = jddp.pad_batch({"x": jnp.ones((3, 2))}, 4)
+    assert isinstance(jax_padded["x"], jax.Array) and jax_padded["x"].shape == (4, 2)
+    with pytest.raises(ValueError, match="multiple of the 8 devices"):
+        jddp.pad_batch(batch, 8, size=20)
+    with pytest.raises(ValueError, match="different leading dimensions"):
+        jddp.pad_batch({"x": np.ones((3, 1)), "y": np.ones(4)}, 8)
+
+
+@pytest.mark.parametrize("opt", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
+@pytest.mark.parametrize("n_real", [13, 3])
+def test_padded_step_equals_single_device_on_real_examples(opt, n_real):
+    params = _init()
+    ddp = jddp.DataParallel(_per_example, opt, weighted=True)
+    state = ddp.init(params)
+    ref_params, ref_opt = params, opt.init(params)
+    for step in range(3):
+        real = _data(n_real, seed=10 + step)
+        padded, mask = jddp.pad_batch(real, ddp.num_devices, size=16)
+        state, metrics = ddp.step(state, padded, mask=mask)
+        loss, grads = jax.value_and_grad(_mean_loss)(ref_params, real)
+        updates, ref_opt = opt.update(grads, ref_opt, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+        np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL),
+                 state.params, ref_params)
+    ddp.verify(state)
+
+
+def test_weighted_without_mask_is_the_plain_mean_and_weights_are_honoured():
+    params = _init()
+    batch = _data(16)
+    ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), weighted=True)
+    plain = jddp.DataParallel(_mean_loss, optax.sgd(0.1))
+    a, ma = ddp.step(ddp.init(params), batch)
+    b, mb = plain.step(plain.init(params), batch)
+    np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=RTOL)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL),
+                 a.params, b.params)
+    # Per-example float weights: a weighted mean.
+    w = np.random.default_rng(3).uniform(0, 2, 16).astype(np.float32)
+    c, mc = ddp.step(ddp.init(params), batch, mask=w)
+    ref = lambda p: jnp.sum(w * _per_example(p, batch)) / w.sum()
+    loss, grads = jax.value_and_grad(ref)(params)
+    np.testing.assert_allclose(mc["loss"], loss, rtol=RTOL)
+    jax.tree.map(lambda x, p, g: np.testing.assert_allclose(x, p - 0.1 * g, rtol=RTOL, atol=ATOL),
+                 c.params, params, grads)
+
+
+def test_per_example_metrics_are_averaged_over_real_examples():
+    def loss_fn(params, batch):
+        losses = _per_example(params, batch)
+        return losses, {"abs_err": jnp.sqrt(losses), "const": jnp.float32(2.0)}
+
+    real = _data(11)
+    padded, mask = jddp.pad_batch(real, 8)
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), has_aux=True, weighted=True)
+    _, metrics = ddp.step(ddp.init(_init()), padded, mask=mask)
+    np.testing.assert_allclose(
+        metrics["abs_err"], np.sqrt(_per_example(_init(), real)).mean(), rtol=RTOL
+    )
+    np.testing.assert_allclose(metrics["const"], 2.0)
+
+
+def test_inf_loss_on_padding_is_ignored():
+    def loss_fn(params, batch):
+        losses = _per_example(params, batch)
+        return jnp.where(batch["pad"], jnp.inf, losses)  # padding rows would be Inf
+
+    real = _data(13)
+    real["pad"] = np.zeros(13, bool)
+    padded, mask = jddp.pad_batch(real, 8)
+    padded["pad"] = ~mask
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), weighted=True)
+    state, metrics = ddp.step(ddp.init(_init()), padded, mask=mask)
+    assert np.isfinite(metrics["loss"])
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
+
+
+def test_mask_errors():
+    params, batch = _init(), _data(16)
+    ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), weighted=True)
+    state = ddp.init(params)
+    with pytest.raises(ValueError, match=r"mask has shape \(8,\).*shape \(16,\)"):
+        ddp.step(state, batch, mask=np.ones(8, bool))
+    with pytest.raises(ValueError, match=r"mask has shape \(16, 1\)"):
+        ddp.step(state, batch, mask=np.ones((16, 1), bool))
+    plain = jddp.DataParallel(_mean_loss, optax.sgd(0.1))
+    with pytest.raises(ValueError, match="weighted=True"):
+        plain.step(plain.init(params), batch, mask=np.ones(16, bool))
+    with pytest.raises(TypeError, match="per-example losses"):
+        wrong = jddp.DataParallel(_mean_loss, optax.sgd(0.1), weighted=True)
+        wrong.step(wrong.init(params), batch)
+    with pytest.raises(ValueError, match="jddp.pad_batch"):
+        plain.step(plain.init(params), _data(13))

@@ -16,8 +16,10 @@ and the backward dots of earlier layers are scheduled after it (overlap is read 
 since the text shows no start/done pairs). No XLA flag is needed (no size split either: a 39.5 MiB
 bucket stayed one all-reduce on v5e:2x4).
 
-Gradient accumulation (``accumulate_steps`` / ``microbatches``, from the ``accum`` branch) is
-tested at the end; those tests skip when the installed jddp has no such options.
+Gradient accumulation (``accumulate_steps`` / ``microbatches``) is tested at the end: the no-sync
+step has no all-reduce, the syncing and the fused micro-batch steps one per bucket, the latter
+after the micro-batch loop (none in the while body). Those tests skip on a jddp without the
+options.
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ def test_without_chain_the_tpu_combiner_merges_buckets():
 _HAS_ACCUM = "accumulate_steps" in inspect.signature(jddp.DataParallel).parameters
 needs_accum = pytest.mark.skipif(
     not _HAS_ACCUM,
-    reason="DataParallel(accumulate_steps=..., microbatches=...) not in this jddp (branch accum)",
+    reason="DataParallel(accumulate_steps=..., microbatches=...) not in this jddp",
 )
 
 

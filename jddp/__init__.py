@@ -1,6 +1,6 @@
 """jddp: distributed data-parallel training for JAX, built like PyTorch DDP."""
 
-from jddp import distributed, nnx
+from jddp import distributed, nnx, xla_flags
 from jddp.accumulate import AccumState, accum_dtype_for
 from jddp.buckets import Bucket, BucketPlan, plan_buckets
 from jddp.costmodel import ClusterSpec, Link, ModelProfile, suggest_bucket_cap
@@ -76,4 +76,5 @@ __all__ = [
     "sync_from_process0",
     "value_and_grad",
     "verify_replicas",
+    "xla_flags",
 ]

@@ -1,0 +1,113 @@
+"""XLA options that keep jddp's bucket plan intact in the compiled step, per backend.
+
+jddp keeps its buckets apart with a data dependency between consecutive buckets (the chain, see
+:func:`jddp.reduce.resolve_chain`), so XLA's all-reduce combiners cannot merge two buckets on any
+backend. One thing the chain cannot stop: XLA's GPU combiner (``gpu-all-reduce-combiner``) builds
+each bucket's all-reduce out of the bucket's per-leaf all-reduces, and it only combines up to
+``--xla_gpu_all_reduce_combine_threshold_bytes``, 30 MiB by default (measured with jax 0.10.2 on a
+compile-only H100 mesh: a bucket of 30.0 MiB stayed one all-reduce, one of 30.5 MiB was compiled as
+30.0 + 0.5 MiB, one of 39.5 MiB as 30.0 + 9.5 MiB). A bucket larger than the threshold is thus
+split into several all-reduces. They are still reduced in order and still overlap backward work,
+but the plan no longer says what runs. Raising the threshold keeps every bucket whole; because
+of the chain, it does not merge buckets with each other.
+
+On TPU no split was seen (a 39.5 MiB bucket stayed one all-reduce on v5e:2x4) and on CPU the
+chain alone keeps one all-reduce per bucket, so nothing is recommended there.
+
+Use::
+
+    rec = jddp.xla_flags.recommended("gpu", bucket_cap_mb=50)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + rec.xla_flags).strip()
+    # before JAX initialises its backend; or, per compile:
+    ddp.lower(params, batch).compile(compiler_options=rec.compiler_options)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from jddp import buckets as buckets_lib
+
+__all__ = ["GPU_COMBINE_THRESHOLD_BYTES", "Recommendation", "recommended"]
+
+#: XLA's default ``xla_gpu_all_reduce_combine_threshold_bytes`` (measured, see module docstring).
+GPU_COMBINE_THRESHOLD_BYTES = 30 * 1024 * 1024
+
+# Headroom above the cap: the last bucket also carries the loss and metrics (a few float32
+# scalars), and rounding the threshold up to whole MiB keeps the flag readable.
+_HEADROOM_BYTES = 1024 * 1024
+
+_GPU = ("gpu", "cuda", "rocm")
+_OTHER = ("tpu", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    """XLA options for one backend and bucket cap.
+
+    Attributes:
+        compiler_options: options for ``Lowered.compile(compiler_options=...)`` or
+            ``jax.jit(..., compiler_options=...)``; names without the leading ``--``.
+        xla_flags: the same as text for the ``XLA_FLAGS`` environment variable (read once per
+            process, before JAX initialises its backend); empty when nothing is needed.
+        reasons: one sentence per option, saying why it is set (or why nothing is).
+    """
+
+    compiler_options: Mapping[str, Any]
+    xla_flags: str
+    reasons: tuple[str, ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.compiler_options)
+
+
+def recommended(backend: str, bucket_cap_mb: float = 25.0) -> Recommendation:
+    """The XLA options jddp recommends for ``backend`` and ``bucket_cap_mb``.
+
+    Args:
+        backend: ``"gpu"`` (also ``"cuda"``, ``"rocm"``), ``"tpu"`` or ``"cpu"``, e.g.
+            ``jax.default_backend()``.
+        bucket_cap_mb: the ``bucket_cap_mb`` given to :class:`jddp.DataParallel` (MiB).
+
+    Returns:
+        A :class:`Recommendation`. On GPU with buckets that can exceed XLA's combine threshold
+        (caps above about 29 MiB), it raises ``xla_gpu_all_reduce_combine_threshold_bytes`` to the
+        cap plus 1 MiB, rounded up to whole MiB; otherwise it is empty (no flags needed).
+
+    Raises:
+        ValueError: for an unknown backend or an invalid cap.
+    """
+    cap = buckets_lib.cap_to_bytes(bucket_cap_mb, "bucket_cap_mb")
+    name = backend.lower()
+    if name in _GPU:
+        needed = cap + _HEADROOM_BYTES
+        if needed <= GPU_COMBINE_THRESHOLD_BYTES:
+            return Recommendation(
+                {},
+                "",
+                (
+                    f"GPU: {bucket_cap_mb:g} MiB buckets fit XLA's default all-reduce combine "
+                    "threshold (30 MiB); no flags needed.",
+                ),
+            )
+        mib = -(-needed // (1024 * 1024))
+        threshold = mib * 1024 * 1024
+        return Recommendation(
+            {"xla_gpu_all_reduce_combine_threshold_bytes": threshold},
+            f"--xla_gpu_all_reduce_combine_threshold_bytes={threshold}",
+            (
+                f"GPU: buckets of up to {bucket_cap_mb:g} MiB exceed XLA's default all-reduce "
+                f"combine threshold (30 MiB) and would each be split into several all-reduces; "
+                f"a threshold of {mib} MiB keeps each bucket one all-reduce (jddp's chain still "
+                "keeps buckets apart).",
+            ),
+        )
+    if name in _OTHER:
+        return Recommendation(
+            {},
+            "",
+            (f"{name.upper()}: jddp's chain keeps one all-reduce per bucket; no flags needed.",),
+        )
+    raise ValueError(f"backend must be one of {_GPU + _OTHER}, got {backend!r}.")

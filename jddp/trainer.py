@@ -116,6 +116,9 @@ class DataParallel:
       skip_nonfinite: skip the update (params, optimizer, model and hook state, ``state.step``)
         when the reduced gradient has a NaN or Inf; ``metrics["skipped"]`` is 1.0 for a skipped
         step, else 0.0.
+      compiler_options: XLA options for compiling the step (``jax.jit(compiler_options=...)``),
+        e.g. ``jddp.xla_flags.recommended("gpu", cap).compiler_options`` for GPU bucket caps above
+        about 29 MiB, where XLA's GPU combiner would otherwise split a bucket.
       accumulate_steps: ``k > 1`` accumulates local gradients over ``k`` calls of ``step`` and
         reduces once, on the ``k``-th (DDP's ``no_sync``); ``step(state, batch, sync=...)``
         chooses explicitly. See :mod:`jddp.accumulate`.
@@ -142,6 +145,7 @@ class DataParallel:
         weighted: bool = False,
         keep_unused: bool = False,
         skip_nonfinite: bool = False,
+        compiler_options: dict[str, Any] | None = None,
         accumulate_steps: int = 1,
         microbatches: int = 1,
         accum_dtype: Any = None,
@@ -189,8 +193,12 @@ class DataParallel:
             )
         # ``sync`` (accumulation, see jddp.accumulate) and ``phase`` (hooks whose collectives change
         # with the step, see jddp.hooks) are static: each value is its own compiled variant.
+        self.compiler_options = dict(compiler_options or {})
         self._jit_step = jax.jit(
-            self._step, donate_argnums=(0,) if donate else (), static_argnames=("sync", "phase")
+            self._step,
+            donate_argnums=(0,) if donate else (),
+            static_argnames=("sync", "phase"),
+            compiler_options=self.compiler_options or None,
         )
         # With the default hook, ``step`` is the jitted function itself.
         self.step = (

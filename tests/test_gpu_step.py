@@ -193,3 +193,13 @@ def test_barrier_chain_overlaps_at_least_as_many_gemms_as_add(cap):
 def test_auto_chain_is_barrier_on_gpu():
     assert signature(compiled(25.0, "auto")[1]) == signature(compiled(25.0, "barrier")[1])
     assert signature(compiled(25.0, "auto")[1]) != signature(compiled(25.0, "add")[1])
+
+
+def test_data_parallel_compiler_options_keep_large_buckets_whole():
+    """``DataParallel(compiler_options=...)`` reaches XLA: with the recommended combine threshold
+    a 50 MiB-cap plan survives as planned through ``ddp.lower(...).compile()``."""
+    rec = xla_flags.recommended("gpu", 50.0)
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(), bucket_cap_mb=50.0,
+                            compiler_options=dict(rec.compiler_options))
+    text = ddp.lower(params_like(), batch_like()).compile().as_text()
+    check_buckets(ddp.bucket_plan, schedule.read_schedule(text))

@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
         return jnp.mean(jnp.argmax(logits, -1) == labels)
 
     is_main = jax.process_index() == 0
-    log = print if is_main else (lambda *a, **k: None)
+    # tqdm.write keeps log lines and the progress bar apart; other processes stay quiet.
+    log = tqdm.write if is_main else (lambda *a, **k: None)
     log(f"jddp digits: {len(x_train)} train / {len(x_test)} test images, {n_params:,} params, "
         f"{n_dev} devices ({jax.process_count()} process(es)), global batch {args.batch_size}")
 

@@ -176,3 +176,14 @@ def test_lower_from_shape_structs_matches_step():
     )
     state_like = ddp.abstract_state(params_like)
     assert state_like.params["Dense_0"]["kernel"].sharding.is_fully_replicated
+
+
+def test_plan_before_the_first_step_matches_the_traced_plan():
+    params = mlp_params(3, SIZES)
+    batch = regression_batch(0, 16, SIZES[0], SIZES[-1])
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), bucket_cap_mb=0.002, first_bucket_mb=0.001)
+    assert ddp.bucket_plan is None
+    planned = ddp.plan(params, batch)
+    ddp.step(ddp.init(params), batch)
+    assert [b.paths for b in planned.buckets] == [b.paths for b in ddp.bucket_plan.buckets]
+    assert planned.num_buckets > 1

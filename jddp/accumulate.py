@@ -60,6 +60,25 @@ loss. With an accumulator every variant returns the same keys (so the ``lax.cond
 Without an accumulator (``microbatches`` only) the metrics are the usual ``{"loss", *aux}``, means
 over all micro-batches and devices.
 
+**Model state.** Each device threads its model state through its micro-batches in order, locally:
+the ``m`` micro-batches of a call in the scan carry, and across no-sync calls in
+``state.accum.model_state`` (per device, no collective). ``TrainState.model_state`` changes on
+synchronising calls only: the state after the window's last micro-batch is synchronised with
+``model_state_sync`` on the last bucket's all-reduce, as in a plain step. So a window of ``k``
+calls updates model state like ``k * m`` sequential single-device steps per replica, then syncs
+once (PyTorch DDP with ``no_sync`` likewise runs its buffers locally and broadcasts on the next
+synchronised forward).
+
+**Non-finite gradients.** With ``skip_nonfinite=True`` the synchronising call decides on the
+window's reduced gradient (identical on every replica), as a plain step does: a NaN/Inf anywhere in
+the window skips the update (params, optimizer, model and hook state, ``state.step``), and the
+window is consumed anyway (``state.accum.count`` resets to 0, the next window starts clean).
+No-sync calls report ``"skipped"`` 0.0.
+
+**Not supported.** ``weighted=True`` (the weighted mean needs the real-example count of the whole
+window, which a no-sync call cannot know without a collective) raises ``ValueError`` at
+construction.
+
 **Accumulator dtype.** Local sums are kept in ``float32`` (or the parameter dtype if wider), even
 for ``bfloat16`` parameters; ``accum_dtype`` overrides it (e.g. ``jnp.bfloat16`` to halve the
 memory).
@@ -68,18 +87,15 @@ memory).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jddp import hooks as hooks_lib
 from jddp import reduce as reduce_lib
 from jddp import vma
 
@@ -95,15 +111,21 @@ class AccumState:
       grads: a tree like params of each device's local gradient sum, with a leading device
         dimension (sharded over the data axis).
       loss: ``float32[num_devices]``: each device's sum of its micro-batch losses in the window.
+      model_state: each device's model state after its last no-sync call (leading device
+        dimension), or ``None`` for models without model state. No-sync calls update model state
+        locally (without a collective); the window's synchronising call continues from it and
+        synchronises the result into ``TrainState.model_state``.
 
-    ``grads`` and ``loss`` hold the window's sums only while ``count > 0``: a synchronising step
-    resets just the counter and leaves stale values in the buffers (rewriting them would cost a
-    copy of the accumulator), which the next step ignores.
+    ``grads``, ``loss`` and ``model_state`` hold the window's values only while ``count > 0``: a
+    synchronising step resets just the counter and leaves stale values in the buffers (rewriting
+    them would cost a copy of the accumulator), which the next step ignores (the window then starts
+    from ``TrainState.model_state``).
     """
 
     count: jax.Array
     grads: Any
     loss: jax.Array
+    model_state: Any = None
 
 
 # ------------------------------------------------------------------------------------ options
@@ -143,25 +165,41 @@ def accum_dtype_for(param_dtype: Any, accum_dtype: Any = None) -> np.dtype:
     return np.dtype(jnp.promote_types(param_dtype, jnp.float32))
 
 
-def init_accum(params: Any, num_devices: int, accum_dtype: Any = None) -> AccumState:
-    """An empty accumulator for ``params`` on ``num_devices`` devices (leading device dimension)."""
+def init_accum(
+    params: Any, num_devices: int, accum_dtype: Any = None, model_state: Any = None
+) -> AccumState:
+    """An empty accumulator for ``params`` on ``num_devices`` devices (leading device dimension).
+
+    Args:
+      params: the parameters (one local gradient sum per leaf and device).
+      num_devices: the size of the data axis.
+      accum_dtype: the dtype of the sums (default: see :func:`accum_dtype_for`).
+      model_state: the model state, one copy of it, if the model has one (its per-device slot
+        between no-sync calls).
+    """
     grads = jax.tree.map(
         lambda p: jnp.zeros(
             (num_devices, *jnp.shape(p)), accum_dtype_for(jnp.result_type(p), accum_dtype)
         ),
         params,
     )
+    per_device_ms = jax.tree.map(
+        lambda x: jnp.broadcast_to(x, (num_devices, *jnp.shape(x))), model_state
+    )
     return AccumState(
-        count=jnp.zeros((), jnp.int32), grads=grads, loss=jnp.zeros((num_devices,), jnp.float32)
+        count=jnp.zeros((), jnp.int32), grads=grads, loss=jnp.zeros((num_devices,), jnp.float32),
+        model_state=per_device_ms,
     )
 
 
 def accum_specs(accum: AccumState | None, axis: str) -> AccumState | None:
-    """Partition specs: the counter is replicated, the local sums are per device."""
+    """Partition specs: the counter is replicated, the local sums and model state are per device."""
     if accum is None:
         return None
+    per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
     return AccumState(  # a tree of specs shaped like the state
-        count=P(), grads=jax.tree.map(lambda _: P(axis), accum.grads), loss=P(axis)  # type: ignore[arg-type]
+        count=P(), grads=per_device(accum.grads), loss=P(axis),  # type: ignore[arg-type]
+        model_state=per_device(accum.model_state),
     )
 
 
@@ -184,6 +222,11 @@ def check_call(
             raise ValueError(
                 "state.accum.grads does not have the structure of state.params; build the state "
                 "with this DataParallel's init()."
+            )
+        if jax.tree.structure(state.accum.model_state) != jax.tree.structure(state.model_state):  # type: ignore[operator]
+            raise ValueError(
+                "state.accum.model_state does not have the structure of state.model_state; build "
+                "the state (params and model state) with this DataParallel's init()."
             )
         for (path, p), a in zip(
             jax.tree_util.tree_flatten_with_path(state.params)[0],
@@ -266,52 +309,81 @@ def _live(acc: AccumState) -> tuple[Any, jax.Array]:
     return grads, jnp.where(fresh, 0.0, acc.loss)
 
 
+def _f32_metrics(aux: dict) -> dict:
+    return {k: jnp.asarray(v, jnp.float32) for k, v in aux["metrics"].items()}
+
+
 class _Ctx:
     """What the local step needs from ``DataParallel``, gathered once per trace."""
 
-    def __init__(self, ddp: Any, metrics_fn: Callable[[Any, Any], dict]) -> None:
+    def __init__(self, ddp: Any, obj: Any) -> None:
         self.ddp = ddp
+        self.obj = obj  # the jddp.objective.Objective that the plain step differentiates too
         self.axis = ddp.axis_name
         self.m = ddp.microbatches
-        self.metrics_fn = metrics_fn
 
-    def loss_and_metrics(self, params: Any, batch: Any) -> tuple[jax.Array, dict]:
-        loss, aux = self.ddp._loss_with_aux(params, batch)
-        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in self.metrics_fn(loss, aux).items()}
-        return loss, metrics
+    def loss_and_aux(self, params: Any, model_state: Any, batch: Any) -> tuple[jax.Array, dict]:
+        """``Objective.fun`` on one micro-batch (``weighted`` is rejected with accumulation)."""
+        return self.obj.fun(params, model_state, batch, None)
 
-    def local_sums(self, params_v: Any, micro: Any, grads0: Any, metrics0: Any) -> tuple[Any, dict]:
+    def local_model_state(self, state: Any) -> Any:
+        """The model state this device's micro-batches start from, typed as varying (it becomes
+        per-device as soon as a micro-batch updates it, and scan carries must keep one type).
+
+        That is the synchronised ``state.model_state`` at the start of a window and the device's
+        own state of the previous no-sync call inside one (``state.accum.model_state``).
+        """
+        ms = state.model_state
+        if ms is not None and self.ddp._per_device_ms:
+            ms = jax.tree.map(lambda x: x[0], ms)
+        ms = _varying(ms, self.axis)
+        acc = state.accum
+        if ms is None or acc is None:
+            return ms
+        # A select, not a reset on sync: see _live (the stale slot is never rewritten).
+        fresh = acc.count == 0
+        return jax.tree.map(lambda s, a: jnp.where(fresh, s, a[0]), ms, acc.model_state)
+
+    def local_sums(
+        self, params_v: Any, micro: Any, grads0: Any, metrics0: Any, ms0: Any
+    ) -> tuple[Any, dict, Any]:
         """Adds every micro-batch's local gradient and metrics to ``(grads0, metrics0)``.
 
         ``params_v`` are already varying, so each gradient is local: no collective here, and none
-        inside the loop when there is more than one micro-batch.
+        inside the loop when there is more than one micro-batch. Model state is threaded through
+        the micro-batches in order, locally (it is synchronised on the reduction only).
         """
-        grad_fn = jax.value_and_grad(self.loss_and_metrics, has_aux=True)
+        grad_fn = jax.grad(self.loss_and_aux, has_aux=True)
 
         def body(carry, mb):
-            grads, metrics = carry
-            (_, met), g = grad_fn(params_v, mb)
-            return (_add(grads, g), _add(metrics, met)), None
+            grads, metrics, ms = carry
+            g, aux = grad_fn(params_v, ms, mb)
+            return (_add(grads, g), _add(metrics, _f32_metrics(aux)), aux["state"]), None
 
         n = jax.tree.leaves(micro)[0].shape[0]
         if n == 1:
-            carry, _ = body((grads0, metrics0), jax.tree.map(lambda x: x[0], micro))
+            carry, _ = body((grads0, metrics0, ms0), jax.tree.map(lambda x: x[0], micro))
             return carry
-        carry, _ = lax.scan(body, (grads0, metrics0), micro)
+        carry, _ = lax.scan(body, (grads0, metrics0, ms0), micro)
         return carry
 
-    def metric_shapes(self, params: Any, micro: Any) -> dict:
+    def metric_shapes(self, params: Any, model_state: Any, micro: Any) -> dict:
         one = jax.tree.map(lambda x: x[0], micro)
-        return jax.eval_shape(lambda p, b: self.loss_and_metrics(p, b)[1], params, one)
+        return jax.eval_shape(
+            lambda p, ms, b: _f32_metrics(self.loss_and_aux(p, ms, b)[1]), params, model_state, one
+        )
 
 
 def _sync(ctx: _Ctx, state: Any, micro: Any) -> tuple[Any, dict, dict]:
-    """Reduces the window (accumulator + this call's micro-batches) once and applies the update."""
-    ddp, axis, m = ctx.ddp, ctx.axis, ctx.m
+    """Reduces the window (accumulator + this call's micro-batches) once and applies the update
+    through ``DataParallel._apply``, the update path of the plain step."""
+    ddp, obj, axis, m = ctx.ddp, ctx.obj, ctx.axis, ctx.m
+    n = reduce_lib.axis_size(axis)
     params, acc = state.params, state.accum
     head = jax.tree.map(lambda x: x[: m - 1], micro)
     last = jax.tree.map(lambda x: x[m - 1], micro)
-    metric_zeros = _varying_zeros(ctx.metric_shapes(params, micro), axis)
+    ms0 = ctx.local_model_state(state)
+    metric_zeros = _varying_zeros(ctx.metric_shapes(params, ms0, micro), axis)
 
     # The offset: accumulated local gradients of earlier calls plus this call's first m - 1.
     if acc is not None:
@@ -326,15 +398,17 @@ def _sync(ctx: _Ctx, state: Any, micro: Any) -> tuple[Any, dict, dict]:
     else:
         grads0 = None
     if m > 1:
-        offset, head_metrics = ctx.local_sums(_varying(params, axis), head, grads0, metric_zeros)
+        offset, head_metrics, ms_last = ctx.local_sums(
+            _varying(params, axis), head, grads0, metric_zeros, ms0
+        )
     else:
-        offset, head_metrics = grads0, metric_zeros
+        offset, head_metrics, ms_last = grads0, metric_zeros, ms0
 
     if acc is None:
         # Static divisor: the scaling happens in each bucket's hook, after the offset is added.
         count_micro = m
         pre_scale = 1.0 / m if m > 1 else None
-        fun = ctx.loss_and_metrics
+        fun = obj.fun
         window_loss0: Any = 0.0
     else:
         # The divisor comes from the state (an early sync=True still averages correctly), so it is
@@ -344,69 +418,75 @@ def _sync(ctx: _Ctx, state: Any, micro: Any) -> tuple[Any, dict, dict]:
         pre_scale = None
         offset = jax.tree.map(lambda o: o * inv.astype(o.dtype), offset)
 
-        def fun(p, b):
-            loss, metrics = ctx.loss_and_metrics(p, b)
-            return loss * inv.astype(loss.dtype), metrics
+        def fun(p, ms, b, w):
+            loss, aux = obj.fun(p, ms, b, w)
+            return loss * inv.astype(loss.dtype), aux
 
         window_loss0 = live_loss[0]
 
-    def extras_fn(_scaled_loss, metrics):
-        # Averaged over devices inside the last bucket's all-reduce: no extra collective.
-        out = {k: (head_metrics[k] + v) / m for k, v in metrics.items()}
-        out["loss"] = (window_loss0 + head_metrics["loss"] + metrics["loss"]) / count_micro
-        return out
+    obj_extras = obj.extras_fn(axis, n)
 
-    plan = ddp._plan_inside(params, lambda p, b: ctx.loss_and_metrics(p, b)[0], (last,))
+    def extras_fn(scaled_loss, aux):
+        # Averaged over devices inside the last bucket's all-reduce (with the model-state payload
+        # of Objective.extras_fn): no extra collective.
+        out = obj_extras(scaled_loss, aux)
+        this = out["metrics"]
+        metrics = {k: (head_metrics[k] + v) / m for k, v in this.items()}
+        metrics["loss"] = (window_loss0 + head_metrics["loss"] + this["loss"]) / count_micro
+        return {**out, "metrics": metrics}
+
+    args = (ms_last, last, None)
+    plan = ddp._plan_inside(params, obj.plan_fun, args)
     hook_state = jax.tree.map(lambda x: x[0], state.hook_state)
-    (_, this_metrics), grads, new_hook_state, mean_metrics = reduce_lib.bucketed_value_and_grad(
-        fun, params, (last,), axis_name=axis, plan=plan, hook=ddp.hook, hook_state=hook_state,
+    (_, aux), grads, new_hook_state, extras = reduce_lib.bucketed_value_and_grad(
+        fun, params, args, axis_name=axis, plan=plan, hook=ddp.hook, hook_state=hook_state,
         grad_offset=offset, pre_scale=pre_scale, step=state.step, has_aux=True,
         extras_fn=extras_fn, chain=ddp.chain,
     )
-    updates, opt_state = ddp.optimizer.update(grads, state.opt_state, params)
-    new_state = state.replace(
-        step=state.step + 1,
-        params=optax.apply_updates(params, updates),
-        opt_state=opt_state,
-        hook_state=jax.tree.map(lambda x: x[None], new_hook_state),
+    grads, metrics, new_model_state = obj.finish(grads, extras, aux, n, 0)
+    new_state, metrics = ddp._apply(
+        state, grads, metrics, plan=plan, hook_state=new_hook_state, model_state=new_model_state
     )
-    comm = hooks_lib.plan_bytes_sent(ddp.hook, plan, reduce_lib.axis_size(axis), state.step)
-    mean_metrics = {**mean_metrics, "comm_bytes": comm}
     if acc is None:
-        return new_state, dict(mean_metrics), {}
-    # Only the counter is reset; the stale sums are masked by _live (no write, no copy).
+        return new_state, metrics, {}
+    # Only the counter is reset, also when skip_nonfinite skipped the update (the window is
+    # consumed either way); the stale sums are masked by _live (no write, no copy).
     new_state = new_state.replace(accum=acc.replace(count=jnp.zeros((), jnp.int32)))
-    local_loss = (head_metrics["loss"] + this_metrics["loss"]) / m
-    return (
-        new_state,
-        {**mean_metrics, "synced": jnp.asarray(True)},
-        {"local_loss": local_loss[None]},
-    )
+    local_loss = (head_metrics["loss"] + _f32_metrics(aux)["loss"]) / m
+    return new_state, {**metrics, "synced": jnp.asarray(True)}, {"local_loss": local_loss[None]}
 
 
 def _accumulate(ctx: _Ctx, state: Any, micro: Any) -> tuple[Any, dict, dict]:
     """Adds this call's local gradients to the accumulator: no collective at all."""
     axis, acc = ctx.axis, state.accum
-    shapes = ctx.metric_shapes(state.params, micro)
+    ms0 = ctx.local_model_state(state)
+    shapes = ctx.metric_shapes(state.params, ms0, micro)
     live_grads, live_loss = _live(acc)
-    grads, metrics = ctx.local_sums(
-        _varying(state.params, axis), micro, live_grads, _varying_zeros(shapes, axis)
+    grads, metrics, ms = ctx.local_sums(
+        _varying(state.params, axis), micro, live_grads, _varying_zeros(shapes, axis), ms0
     )
+    # Model state advances locally; TrainState.model_state stays the synchronised one until the
+    # window's sync call.
     new_state = state.replace(accum=AccumState(
-        count=acc.count + 1, grads=grads, loss=live_loss + metrics["loss"][None]
+        count=acc.count + 1, grads=grads, loss=live_loss + metrics["loss"][None],
+        model_state=jax.tree.map(lambda x: x[None], ms),
     ))
     # The global metrics need a collective; report "not computed" (see the module docstring).
     placeholders = {k: jnp.full((), jnp.nan, jnp.float32) for k in shapes}
+    # Nothing is sent on a no-sync step.
+    placeholders["comm_bytes"] = jnp.zeros((), jnp.float32)
+    if ctx.ddp.skip_nonfinite:
+        # Nothing is applied, so nothing is skipped; the sync call decides for the whole window.
+        placeholders["skipped"] = jnp.zeros((), jnp.float32)
     return (
         new_state,
-        # Nothing is sent on a no-sync step.
-        {**placeholders, "comm_bytes": jnp.zeros((), jnp.float32), "synced": jnp.asarray(False)},
+        {**placeholders, "synced": jnp.asarray(False)},
         {"local_loss": (metrics["loss"] / ctx.m)[None]},
     )
 
 
 def local_step(
-    ddp: Any, metrics_fn: Callable[[Any, Any], dict], state: Any, batch: Any, sync: bool | None
+    ddp: Any, obj: Any, state: Any, batch: Any, sync: bool | None
 ) -> tuple[Any, dict, dict]:
     """The per-device step (inside ``shard_map``) with accumulation and/or micro-batches.
 
@@ -414,7 +494,7 @@ def local_step(
       ``(new_state, replicated_metrics, per_device_metrics)``; per-device metrics have a leading
       dimension of 1 (``P(axis)`` out-spec).
     """
-    ctx = _Ctx(ddp, metrics_fn)
+    ctx = _Ctx(ddp, obj)
     micro = split_microbatches(batch, ctx.m)
     if state.accum is None:
         return _sync(ctx, state, micro)

@@ -42,7 +42,8 @@ class TrainState:
         dimension, like ``hook_state``).
       hook_state: per-device communication-hook state, one entry per parameter leaf, each leaf with
         a leading device dimension (sharded over the data axis).
-      accum: local gradient accumulation state, or ``None`` when not accumulating.
+      accum: local gradient accumulation state (and each device's model state inside a window),
+        or ``None`` when not accumulating.
     """
 
     step: jax.Array
@@ -115,13 +116,17 @@ class DataParallel:
         default they are left out, with a one-time warning naming them, and get zero gradients).
       skip_nonfinite: skip the update (params, optimizer, model and hook state, ``state.step``)
         when the reduced gradient has a NaN or Inf; ``metrics["skipped"]`` is 1.0 for a skipped
-        step, else 0.0.
+        step, else 0.0. With accumulation the decision is taken on the synchronising call, on the
+        whole window's reduced gradient; a skipped window is still consumed (the accumulator
+        restarts empty) and no-sync calls report 0.0.
       compiler_options: XLA options for compiling the step (``jax.jit(compiler_options=...)``),
         e.g. ``jddp.xla_flags.recommended("gpu", cap).compiler_options`` for GPU bucket caps above
         about 29 MiB, where XLA's GPU combiner would otherwise split a bucket.
       accumulate_steps: ``k > 1`` accumulates local gradients over ``k`` calls of ``step`` and
         reduces once, on the ``k``-th (DDP's ``no_sync``); ``step(state, batch, sync=...)``
-        chooses explicitly. See :mod:`jddp.accumulate`.
+        chooses explicitly. Combines with model state (updated locally per micro-batch, synchronised
+        on the synchronising call) and ``skip_nonfinite``, not with ``weighted``. See
+        :mod:`jddp.accumulate`.
       microbatches: ``m > 1`` splits each device's batch into ``m`` micro-batches scanned inside
         one step, with one reduction per bucket after the loop.
       accum_dtype: dtype of the local gradient sums (default float32, or the parameter dtype if
@@ -186,10 +191,12 @@ class DataParallel:
         self.accumulate_steps, self.microbatches, self.accum_dtype = accum_lib.check_options(
             accumulate_steps, microbatches, accum_dtype
         )
-        if self._accumulating and (self.weighted or self.skip_nonfinite):
+        if self._accumulating and self.weighted:
+            # The weighted mean needs the real-example count of the whole window, which a no-sync
+            # call cannot know without a collective.
             raise ValueError(
-                "accumulate_steps/microbatches cannot be combined with weighted=True or "
-                "skip_nonfinite=True yet; use one or the other."
+                "accumulate_steps/microbatches cannot be combined with weighted=True yet; use one "
+                "or the other."
             )
         # ``sync`` (accumulation, see jddp.accumulate) and ``phase`` (hooks whose collectives change
         # with the step, see jddp.hooks) are static: each value is its own compiled variant.
@@ -253,7 +260,7 @@ class DataParallel:
             # With model_state_sync="none" each replica keeps its own copy.
             model_state=to_devices(model_state) if self._per_device_ms else model_state,
             hook_state=to_devices(hook_state),
-            accum=accum_lib.init_accum(params, n, self.accum_dtype)
+            accum=accum_lib.init_accum(params, n, self.accum_dtype, model_state)
             if self.accumulate_steps > 1
             else None,
         )
@@ -370,13 +377,11 @@ class DataParallel:
         )
         specs = _state_specs(state, self.axis_name, self._per_device_ms)
         if self._accumulating:
-            if state.model_state is not None:
-                raise ValueError(
-                    "accumulate_steps/microbatches do not support model state yet; train models "
-                    "with model state (e.g. BatchNorm) without accumulation."
-                )
             accumulating = jax.shard_map(
-                functools.partial(accum_lib.local_step, self, _metrics_of, sync=sync),
+                functools.partial(
+                    accum_lib.local_step, self, self._objective(state.model_state is not None),
+                    sync=sync,
+                ),
                 mesh=self.mesh,
                 in_specs=(specs, P(self.axis_name)),
                 out_specs=(specs, P(), P(self.axis_name)),
@@ -421,23 +426,62 @@ class DataParallel:
         )
         local = mask.shape[0] if mask is not None else 0
         grads, metrics, new_model_state = obj.finish(grads, extras, aux, n, local)
+        return self._apply(
+            state, grads, metrics, plan=plan, hook_state=new_hook_state, model_state=new_model_state
+        )
+
+    def _apply(
+        self,
+        state: TrainState,
+        grads: Any,
+        metrics: dict[str, jax.Array],
+        *,
+        plan: buckets_lib.BucketPlan,
+        hook_state: Any,
+        model_state: Any,
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """Applies reduced gradients: the one update path of every synchronising step.
+
+        Used by the plain step and by the synchronising call of accumulation
+        (:func:`jddp.accumulate.local_step`), so optimizer, model state, ``skip_nonfinite`` and
+        ``comm_bytes`` behave identically in both.
+
+        Args:
+          state: the state the step started from (inside ``shard_map``: per-device leaves carry
+            their local leading dimension of 1).
+          grads: the reduced gradients (identical on every replica).
+          metrics: the reduced metrics (from :meth:`jddp.objective.Objective.finish`).
+          plan: the bucket plan the gradients were reduced with (for ``comm_bytes``).
+          hook_state: the hook's new local state, without the device dimension.
+          model_state: the synchronised new model state (local, without a device dimension), or
+            ``None``.
+
+        Returns:
+          ``(new_state, metrics)``. ``state.accum`` is passed through unchanged: resetting it is
+          the accumulation step's business, and a skipped window must reset it too.
+        """
+        metrics = dict(metrics)
         # Static accounting (no collective): bytes each device sends for this step's gradients.
-        metrics["comm_bytes"] = hooks_lib.plan_bytes_sent(self.hook, plan, n, state.step)
-        if per_device_ms:
-            new_model_state = jax.tree.map(lambda x: x[None], new_model_state)
+        metrics["comm_bytes"] = hooks_lib.plan_bytes_sent(
+            self.hook, plan, self.num_devices, state.step
+        )
+        if state.model_state is not None and self._per_device_ms:
+            model_state = jax.tree.map(lambda x: x[None], model_state)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
         new_state = state.replace(
             step=state.step + 1,
-            params=params,
+            params=optax.apply_updates(state.params, updates),
             opt_state=opt_state,
-            model_state=new_model_state,
-            hook_state=jax.tree.map(lambda x: x[None], new_hook_state),
+            model_state=model_state,
+            hook_state=jax.tree.map(lambda x: x[None], hook_state),
         )
         if self.skip_nonfinite:
-            # Reduced gradients are identical on every replica: so is this decision.
+            # Reduced gradients are identical on every replica: so is this decision. The
+            # accumulator is left out of the selection (selecting it would copy the donated sums).
             finite = nonfinite_lib.all_finite(grads)
-            new_state = nonfinite_lib.select_tree(finite, new_state, state)
+            new_state = nonfinite_lib.select_tree(
+                finite, new_state.replace(accum=None), state.replace(accum=None)
+            ).replace(accum=state.accum)
             metrics["skipped"] = jnp.where(finite, 0.0, 1.0).astype(jnp.float32)
         return new_state, metrics
 
@@ -556,7 +600,8 @@ class _PhasedStep:
 
 
 def _metrics_of(loss: jax.Array, aux: Any) -> dict[str, jax.Array]:
-    """The metrics dict of a scalar-loss step (used by jddp.nnx; the core step uses Objective)."""
+    """The metrics dict of a scalar-loss step (used by jddp.nnx; the core step, with or without
+    accumulation, uses Objective)."""
     metrics = {"loss": loss}
     if isinstance(aux, dict):
         for k, v in aux.items():

@@ -293,12 +293,160 @@ def test_bad_calls():
         fused.step(fused.init(params), mb)
 
 
-def test_accumulation_rejects_features_it_does_not_combine_with():
-    for kwargs in ({"weighted": True}, {"skip_nonfinite": True}):
-        with pytest.raises(ValueError, match="cannot be combined"):
-            jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2, **kwargs)
-    ddp = jddp.DataParallel(lambda p, ms, b: (mlp_loss(p, b), ms), optax.sgd(0.1),
-                            accumulate_steps=2)
-    state = ddp.init(mlp_params(0, [4, 8, 2]), model_state={"count": jnp.zeros(())})
-    with pytest.raises(ValueError, match="do not support model state"):
-        ddp.step(state, regression_batch(0, 16, 4, 2), sync=False)
+def test_accumulation_rejects_weighted():
+    """weighted=True needs the real-example count of the whole window, which a no-sync call cannot
+    know without a collective: rejected with a clear error."""
+    for kwargs in ({"accumulate_steps": 2}, {"microbatches": 2}):
+        with pytest.raises(ValueError, match="cannot be combined with weighted=True"):
+            jddp.DataParallel(mlp_loss, optax.sgd(0.1), weighted=True, **kwargs)
+
+
+def _with_nan(batch, row):
+    bad = {k: v.copy() for k, v in batch.items()}
+    bad["x"][row, 0] = np.nan
+    return bad
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+@pytest.mark.parametrize("sync_mode", ["explicit", "auto"])
+def test_skip_nonfinite_skips_whole_window_and_resets_count(sync_mode):
+    """A NaN in any micro-batch of a window poisons the window's reduced gradient: the sync call
+    skips the update (params, optimizer, hook state, step unchanged) but still consumes the window
+    (count reset to 0), so the next window is an ordinary one."""
+    k, optimizer = 2, optax.adam(1e-2)
+    params = mlp_params(11, SIZES)
+    wins = windows(k, seed=11)
+    ref_params, ref_losses = reference(params, [concat(wins[1])], optimizer)
+    ddp = jddp.DataParallel(mlp_loss, optimizer, accumulate_steps=k, skip_nonfinite=True, **CAPS)
+    state = ddp.init(params)
+    before = _host((state.step, state.params, state.opt_state))
+
+    def sync(i):
+        return None if sync_mode == "auto" else i == k - 1
+
+    # Window 0: replica 3's shard of the first micro-batch has a NaN.
+    state, m0 = ddp.step(state, _with_nan(wins[0][0], 7), sync=sync(0))
+    assert not bool(m0["synced"]) and float(m0["skipped"]) == 0.0
+    state, m1 = ddp.step(state, wins[0][1], sync=sync(1))
+    assert bool(m1["synced"]) and float(m1["skipped"]) == 1.0
+    assert np.isnan(float(m1["loss"]))
+    assert int(state.accum.count) == 0
+    jax.tree.map(np.testing.assert_array_equal,
+                 _host((state.step, state.params, state.opt_state)), before)
+    ddp.verify(state)
+    # Window 1: the stale NaN sums are ignored, the update equals the large-batch step.
+    for i, mb in enumerate(wins[1]):
+        state, metrics = ddp.step(state, mb, sync=sync(i))
+    assert float(metrics["skipped"]) == 0.0 and int(state.step) == 1
+    np.testing.assert_allclose(float(metrics["loss"]), ref_losses[0], rtol=1e-5)
+    assert max_abs_diff(state.params, ref_params) < 5e-5
+    if sync_mode == "explicit":
+        # The skip selection leaves the accumulator alone: still one all-reduce per bucket and
+        # none on no-sync calls, and no copy of the donated sums.
+        no_sync = _lower_text(ddp, state, wins[0][0], sync=False)
+        synced = _lower_text(ddp, state, wins[0][0], sync=True)
+        assert count_all_reduces(no_sync) == 0
+        assert count_all_reduces(synced) == ddp.bucket_plan.num_buckets
+        for text in (no_sync, synced):
+            assert not re.search(r"= f32\[1,16,16\]\S* copy\(", text)
+
+
+def test_skip_nonfinite_with_microbatches():
+    optimizer = optax.sgd(0.1)
+    params = mlp_params(12, SIZES)
+    big = concat(windows(2, seed=12)[0])
+    ddp = jddp.DataParallel(mlp_loss, optimizer, microbatches=2, skip_nonfinite=True, **CAPS)
+    state = ddp.init(params)
+    before = _host(state.params)
+    state, metrics = ddp.step(state, _with_nan(big, 0))  # device 0's first micro-batch
+    assert float(metrics["skipped"]) == 1.0 and int(state.step) == 0
+    jax.tree.map(np.testing.assert_array_equal, _host(state.params), before)
+    state, metrics = ddp.step(state, big)
+    ref_params, _ = reference(params, [big], optimizer)
+    assert float(metrics["skipped"]) == 0.0 and int(state.step) == 1
+    assert max_abs_diff(state.params, ref_params) < 1e-5
+
+
+def _stateful_loss(params, ms, batch):
+    """MSE plus a running sum of the inputs and a count of micro-batches seen (float and int)."""
+    new = {"n": ms["n"] + 1, "s": ms["s"] + jnp.sum(batch["x"], axis=0)}
+    return mlp_loss(params, batch), new
+
+
+@pytest.mark.parametrize("k,m", [(1, 2), (2, 1), (2, 2)])
+@pytest.mark.parametrize("mode", ["broadcast", "mean", "none"])
+def test_model_state_with_accumulation(mode, k, m):
+    """Model state is threaded through a device's micro-batches in order, locally (across no-sync
+    calls in state.accum.model_state), and synchronised once per window, on the last bucket's
+    all-reduce; TrainState.model_state changes on sync calls only. Gradients as without state."""
+    n = 8
+    params = mlp_params(13, SIZES)
+    wins = windows(k * m, seed=13)[:2]
+    calls = [[concat(w[i * m:(i + 1) * m]) for i in range(k)] for w in wins]
+    ms0 = {"n": jnp.zeros((), jnp.int32), "s": jnp.zeros((SIZES[0],), jnp.float32)}
+    ddp = jddp.DataParallel(_stateful_loss, optax.sgd(0.1), accumulate_steps=k, microbatches=m,
+                            model_state_sync=mode, donate=False, **CAPS)
+    state = ddp.init(params, model_state=ms0)
+    first = state
+    for window in calls:
+        start_ms = _host(state.model_state)
+        for i, batch in enumerate(window):
+            state, metrics = ddp.step(state, batch)
+            if i < k - 1:  # no-sync: the synchronised model state is untouched
+                jax.tree.map(np.testing.assert_array_equal, _host(state.model_state), start_ms)
+    ref_params, ref_losses = reference(params, [concat(w) for w in wins], optax.sgd(0.1))
+    assert max_abs_diff(state.params, ref_params) < 1e-5
+    np.testing.assert_allclose(float(metrics["loss"]), ref_losses[-1], rtol=1e-5)
+    # Every device's sum of its own examples over all calls (call batches are split per device).
+    totals = sum(b["x"].reshape(n, -1, SIZES[0]).sum(axis=1) for w in calls for b in w)
+    if mode == "none":
+        np.testing.assert_array_equal(np.asarray(state.model_state["n"]), np.full(n, 2 * k * m))
+        np.testing.assert_allclose(np.asarray(state.model_state["s"]), totals, rtol=1e-5,
+                                   atol=1e-5)
+    else:
+        # broadcast: replica 0's state each window; mean: the mean of each window's increments.
+        assert int(state.model_state["n"]) == 2 * k * m
+        want = totals[0] if mode == "broadcast" else totals.mean(axis=0)
+        np.testing.assert_allclose(np.asarray(state.model_state["s"]), want, rtol=1e-5, atol=1e-5)
+        ddp.verify(state)
+    sync = None if k == 1 else True
+    text = ddp.step.lower(first, calls[0][0], sync=sync).compile().as_text()
+    assert count_all_reduces(text) == ddp.bucket_plan.num_buckets
+    assert count_all_reduces_in_loops(text) == 0
+    if k > 1:
+        no_sync = ddp.step.lower(first, calls[0][0], sync=False).compile().as_text()
+        assert count_all_reduces(no_sync) == 0
+
+
+def test_skipped_window_keeps_model_state():
+    """skip_nonfinite with model state: a skipped window leaves TrainState.model_state as it was
+    and the next window starts from it (not from the discarded window's local state)."""
+    ms0 = {"n": jnp.zeros((), jnp.int32), "s": jnp.zeros((SIZES[0],), jnp.float32)}
+    ddp = jddp.DataParallel(_stateful_loss, optax.sgd(0.1), accumulate_steps=2,
+                            skip_nonfinite=True, **CAPS)
+    state = ddp.init(mlp_params(14, SIZES), model_state=ms0)
+    a, b = windows(2, seed=14)[0]
+    state, _ = ddp.step(state, _with_nan(a, 0), sync=False)
+    state, metrics = ddp.step(state, b, sync=True)
+    assert float(metrics["skipped"]) == 1.0 and int(state.accum.count) == 0
+    assert int(state.model_state["n"]) == 0
+    np.testing.assert_array_equal(np.asarray(state.model_state["s"]), np.zeros(SIZES[0]))
+    state, _ = ddp.step(state, a, sync=False)
+    state, metrics = ddp.step(state, b, sync=True)
+    assert float(metrics["skipped"]) == 0.0 and int(state.model_state["n"]) == 2
+    want = sum(x["x"].reshape(8, -1, SIZES[0]).sum(axis=1) for x in (a, b))[0]
+    np.testing.assert_allclose(np.asarray(state.model_state["s"]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_accumulator_model_state_must_match():
+    ms0 = {"n": jnp.zeros((), jnp.int32), "s": jnp.zeros((SIZES[0],), jnp.float32)}
+    ddp = jddp.DataParallel(_stateful_loss, optax.sgd(0.1), accumulate_steps=2, **CAPS)
+    state = ddp.init(mlp_params(15, SIZES), model_state=ms0)
+    assert state.accum.model_state["s"].shape == (8, SIZES[0])
+    assert state.accum.model_state["s"].sharding.spec == P("data")
+    broken = state.replace(accum=state.accum.replace(model_state=None))
+    with pytest.raises(ValueError, match="state.accum.model_state does not have the structure"):
+        ddp.step(broken, regression_batch(0, MICRO, SIZES[0], SIZES[-1]), sync=False)

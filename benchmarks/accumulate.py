@@ -57,27 +57,14 @@ def main():
     from jax.sharding import PartitionSpec as P
 
     import jddp
+    from benchmarks._mlp import mlp_loss, mlp_params
     from tests._hlo import count_all_reduces, count_all_reduces_in_loops
 
     k = args.micro
     rng = np.random.default_rng(0)
-    sizes = [args.width] * (args.depth + 1)
-    params = {
-        f"Dense_{i}": {
-            "kernel": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32),
-            "bias": np.zeros((b,), np.float32),
-        }
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True))
-    }
+    params = mlp_params(args.width, args.depth)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-
-    def loss_fn(p, batch):
-        x = batch["x"]
-        for i in range(len(p)):
-            x = x @ p[f"Dense_{i}"]["kernel"] + p[f"Dense_{i}"]["bias"]
-            if i < len(p) - 1:
-                x = jnp.tanh(x)
-        return jnp.mean((x - batch["y"]) ** 2)
+    loss_fn = mlp_loss
 
     mesh = jddp.data_mesh()
     rep = jddp.replicated(mesh)

@@ -39,32 +39,17 @@ def main():
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.devices)
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax.sharding import PartitionSpec as P
 
     import jddp
+    from benchmarks._mlp import mlp_loss, mlp_params
 
     rng = np.random.default_rng(0)
-    sizes = [args.width] * (args.depth + 1)
-    params = {
-        f"Dense_{i}": {
-            # Host arrays: each variant places (and donates) its own copy.
-            "kernel": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32),
-            "bias": np.zeros((b,), np.float32),
-        }
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True))
-    }
+    params = mlp_params(args.width, args.depth)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-
-    def loss_fn(p, batch):
-        x = batch["x"]
-        for i in range(len(p)):
-            x = x @ p[f"Dense_{i}"]["kernel"] + p[f"Dense_{i}"]["bias"]
-            if i < len(p) - 1:
-                x = jnp.tanh(x)
-        return jnp.mean((x - batch["y"]) ** 2)
+    loss_fn = mlp_loss
 
     mesh = jddp.data_mesh()
     batch = {

@@ -316,9 +316,10 @@ def _f32_metrics(aux: dict) -> dict:
 class _Ctx:
     """What the local step needs from ``DataParallel``, gathered once per trace."""
 
-    def __init__(self, ddp: Any, obj: Any) -> None:
+    def __init__(self, ddp: Any, obj: Any, phase: Any = None) -> None:
         self.ddp = ddp
         self.obj = obj  # the jddp.objective.Objective that the plain step differentiates too
+        self.phase = phase
         self.axis = ddp.axis_name
         self.m = ddp.microbatches
 
@@ -441,7 +442,7 @@ def _sync(ctx: _Ctx, state: Any, micro: Any) -> tuple[Any, dict, dict]:
     (_, aux), grads, new_hook_state, extras = reduce_lib.bucketed_value_and_grad(
         fun, params, args, axis_name=axis, plan=plan, hook=ddp.hook, hook_state=hook_state,
         grad_offset=offset, pre_scale=pre_scale, step=state.step, has_aux=True,
-        extras_fn=extras_fn, chain=ddp.chain,
+        extras_fn=extras_fn, chain=ddp.chain, phase=ctx.phase,
     )
     grads, metrics, new_model_state = obj.finish(grads, extras, aux, n, 0)
     new_state, metrics = ddp._apply(
@@ -486,15 +487,18 @@ def _accumulate(ctx: _Ctx, state: Any, micro: Any) -> tuple[Any, dict, dict]:
 
 
 def local_step(
-    ddp: Any, obj: Any, state: Any, batch: Any, sync: bool | None
+    ddp: Any, obj: Any, state: Any, batch: Any, sync: bool | None, phase: Any = None
 ) -> tuple[Any, dict, dict]:
     """The per-device step (inside ``shard_map``) with accumulation and/or micro-batches.
+
+    ``phase`` is the hook's static phase for this step (``hook.phase(step)``, e.g. PowerSGD
+    before or after ``start_iter``), as in the plain step.
 
     Returns:
       ``(new_state, replicated_metrics, per_device_metrics)``; per-device metrics have a leading
       dimension of 1 (``P(axis)`` out-spec).
     """
-    ctx = _Ctx(ddp, obj)
+    ctx = _Ctx(ddp, obj, phase)
     micro = split_microbatches(batch, ctx.m)
     if state.accum is None:
         return _sync(ctx, state, micro)

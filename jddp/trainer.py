@@ -380,7 +380,7 @@ class DataParallel:
             accumulating = jax.shard_map(
                 functools.partial(
                     accum_lib.local_step, self, self._objective(state.model_state is not None),
-                    sync=sync,
+                    sync=sync, phase=phase,
                 ),
                 mesh=self.mesh,
                 in_specs=(specs, P(self.axis_name)),

@@ -236,6 +236,17 @@ def test_powersgd_compiles_one_step_per_phase_without_conditionals():
     assert hlo.count("conditional(") == 1 and hlo.count("all-reduce(") >= 3
 
 
+def test_powersgd_phase_reaches_the_accumulation_sync_step():
+    """With accumulation, the sync program is specialised on PowerSGD's phase too (no cond)."""
+    params, batch = _mlp()
+    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=jddp.powersgd(start_iter=10),
+                            accumulate_steps=2)
+    before = ddp.lower(params, batch, sync=True).compile().as_text()
+    after = ddp.lower(params, batch, sync=True, step=10).compile().as_text()
+    assert "conditional(" not in before and "conditional(" not in after
+    assert before.count("all-reduce(") == 1 and 2 <= after.count("all-reduce(") <= 4
+
+
 # ------------------------------------------------------------------------------ digits
 
 

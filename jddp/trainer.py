@@ -599,28 +599,6 @@ class _PhasedStep:
         )
 
 
-def _metrics_of(loss: jax.Array, aux: Any) -> dict[str, jax.Array]:
-    """The metrics dict of a scalar-loss step (used by jddp.nnx; the core step, with or without
-    accumulation, uses Objective)."""
-    metrics = {"loss": loss}
-    if isinstance(aux, dict):
-        for k, v in aux.items():
-            if k == "loss":
-                raise ValueError("loss_fn's aux metrics must not use the key 'loss'.")
-            if jnp.shape(v) != ():
-                raise ValueError(
-                    f"aux metric {k!r} has shape {jnp.shape(v)}; metrics must be scalars (they "
-                    "are averaged over devices)."
-                )
-            metrics[k] = v
-    elif aux is not None and jax.tree.leaves(aux):
-        raise TypeError(
-            "With has_aux=True, the aux value of loss_fn must be a dict of scalar metrics, got "
-            f"{type(aux).__name__}."
-        )
-    return metrics
-
-
 def _local_batch_shape(batch: Any, n: int) -> Any:
     def local(x):
         shape = jnp.shape(x)

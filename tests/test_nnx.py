@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import jddp
+from tests._hlo import count_all_reduces
 
 STEPS = 5
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -158,6 +159,69 @@ def test_model_state_batchnorm_and_rng_are_synchronised():
     trained = ddp.merge(state)
     trained.eval()
     assert trained(data[0]["x"]).shape == (8 * n, 3)
+
+
+@pytest.mark.parametrize("net", [MLP, BNNet], ids=["mlp", "bn"])
+def test_one_all_reduce_per_bucket(net):
+    """Model state and metrics ride on the last bucket's all-reduce: no collective of their own."""
+    ddp = jddp.nnx.DataParallel(
+        net(nnx.Rngs(0)), optax.sgd(0.1), loss_fn=mse, bucket_cap_mb=0.0005, first_bucket_mb=0.0002
+    )
+    state = ddp.init()
+    hlo = ddp.lower(state, batches(n=1)[0]).compile().as_text()
+    assert ddp.bucket_plan.num_buckets > 1
+    assert count_all_reduces(hlo) == ddp.bucket_plan.num_buckets
+
+
+@pytest.mark.parametrize("tx", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
+def test_accumulate_steps_matches_large_batch_nnx(tx):
+    """accumulate_steps=2 over two halves of each batch equals one NNX step on the whole batch."""
+    data = batches()
+    ref_params, ref_losses = single_device(MLP(nnx.Rngs(0)), tx, data)
+
+    model = MLP(nnx.Rngs(0))
+    ddp = jddp.nnx.DataParallel(
+        model, tx, loss_fn=mse, accumulate_steps=2, bucket_cap_mb=0.002, first_bucket_mb=0.001
+    )
+    state = ddp.init()
+    losses = []
+    for b in data:
+        for half in range(2):
+            micro = jax.tree.map(lambda x, h=half: x[h * 16:(h + 1) * 16], b)
+            state, metrics = ddp.step(state, micro)
+        losses.append(float(metrics["loss"]))
+    assert int(state.step) == STEPS
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    chex_tree_close(state.params, ref_params)
+    ddp.update(model, state)
+    chex_tree_close(nnx.state(model, nnx.Param), ref_params)
+
+
+def test_core_features_with_model_state():
+    """Accumulation with BatchNorm and RNG state, skip_nonfinite and comm_bytes."""
+    n = jax.device_count()
+    data = batches(n=2, size=4 * n)
+    ddp = jddp.nnx.DataParallel(
+        BNNet(nnx.Rngs(0)), optax.sgd(0.1), loss_fn=mse, accumulate_steps=2, skip_nonfinite=True
+    )
+    state = ddp.init()
+    count0 = int(state.model_state["drop"]["rngs"]["count"].get_value())
+    for b in data:
+        state, metrics = ddp.step(state, b)
+    assert int(state.step) == 1
+    assert float(metrics["skipped"]) == 0.0 and float(metrics["comm_bytes"]) > 0
+    # Each micro-batch advanced the (replicated) RNG count once.
+    assert int(state.model_state["drop"]["rngs"]["count"].get_value()) == count0 + 2
+    ddp.core.verify(state)
+
+    bad = {"x": np.full_like(data[0]["x"], np.nan), "y": data[0]["y"]}
+    params = jax.tree.map(np.asarray, state.params)
+    bn_mean = np.asarray(state.model_state["bn"]["mean"].get_value())
+    for _ in range(2):
+        state, metrics = ddp.step(state, bad)
+    assert float(metrics["skipped"]) == 1.0 and int(state.step) == 1
+    chex_tree_close(state.params, params)
+    np.testing.assert_array_equal(state.model_state["bn"]["mean"].get_value(), bn_mean)
 
 
 def test_rejects_non_nnx_model():

@@ -27,3 +27,34 @@ def mlp_loss(p: dict, batch: dict):
         if i < len(p) - 1:
             x = jnp.tanh(x)
     return jnp.mean((x - batch["y"]) ** 2)
+
+
+def time_alternated(variants: dict, warmup: int, iters: int) -> tuple[dict, dict]:
+    """Runs every variant once (timed: compile + first call), warms up, then times them in turn.
+
+    Alternating puts the machine's noise on every variant alike.
+
+    Args:
+      variants: name -> a function that runs one step and returns something to block on.
+
+    Returns:
+      ``(first_call_s, times_s)``: per name, the first call's seconds and the list of timings.
+    """
+    import time
+
+    import jax
+
+    first_call = {}
+    for name, run in variants.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(run())
+        first_call[name] = time.perf_counter() - t0
+        for _ in range(warmup - 1):
+            jax.block_until_ready(run())
+    times: dict = {name: [] for name in variants}
+    for _ in range(iters):
+        for name, run in variants.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            times[name].append(time.perf_counter() - t0)
+    return first_call, times

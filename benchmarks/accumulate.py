@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -57,7 +56,7 @@ def main():
     from jax.sharding import PartitionSpec as P
 
     import jddp
-    from benchmarks._mlp import mlp_loss, mlp_params
+    from benchmarks._mlp import mlp_loss, mlp_params, time_alternated
     from tests._hlo import count_all_reduces, count_all_reduces_in_loops
 
     k = args.micro
@@ -178,20 +177,7 @@ def main():
         counts[name] = {"static": static, "in_loops": in_loops, "per_step": executed,
                         "programs": len(texts)}
 
-    first_call = {}
-    for name, run in variants.items():
-        t0 = time.perf_counter()
-        jax.block_until_ready(run())
-        first_call[name] = time.perf_counter() - t0
-        for _ in range(args.warmup - 1):
-            jax.block_until_ready(run())
-
-    times = {name: [] for name in variants}
-    for _ in range(args.iters):
-        for name, run in variants.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(run())
-            times[name].append(time.perf_counter() - t0)
+    first_call, times = time_alternated(variants, args.warmup, args.iters)
 
     med = {n: statistics.median(v) for n, v in times.items()}
     native = med["native scan"]

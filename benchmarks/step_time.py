@@ -14,7 +14,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -44,7 +43,7 @@ def main():
     from jax.sharding import PartitionSpec as P
 
     import jddp
-    from benchmarks._mlp import mlp_loss, mlp_params
+    from benchmarks._mlp import mlp_loss, mlp_params, time_alternated
 
     rng = np.random.default_rng(0)
     params = mlp_params(args.width, args.depth)
@@ -105,20 +104,7 @@ def main():
     for cap in caps:
         variants[f"jddp cap {cap:g} MB"] = make_jddp(cap, 1.0)
 
-    compile_s = {}
-    for name, run in variants.items():
-        t0 = time.perf_counter()
-        jax.block_until_ready(run())
-        compile_s[name] = time.perf_counter() - t0
-        for _ in range(args.warmup - 1):
-            jax.block_until_ready(run())
-
-    times = {name: [] for name in variants}
-    for _ in range(args.iters):
-        for name, run in variants.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(run())
-            times[name].append(time.perf_counter() - t0)
+    compile_s, times = time_alternated(variants, args.warmup, args.iters)
 
     med = {k: statistics.median(v) for k, v in times.items()}
     native, local = med["native"], med["local (no comm)"]

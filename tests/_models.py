@@ -44,3 +44,22 @@ def max_abs_diff(a, b) -> float:
         float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     )
+
+
+def layer_list_loss(params: list, batch: dict) -> jax.Array:
+    """A tanh MLP over a list of ``{"w", "b"}`` layers (the compile-only GPU/TPU tests' model)."""
+    h = batch["x"]
+    for p in params:
+        h = jnp.tanh(h @ p["w"] + p["b"])
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def layer_list_like(layers: int, width: int) -> list:
+    """Shape structs of ``layers`` square layers of ``width`` for :func:`layer_list_loss`."""
+    return [
+        {
+            "b": jax.ShapeDtypeStruct((width,), jnp.float32),
+            "w": jax.ShapeDtypeStruct((width, width), jnp.float32),
+        }
+        for _ in range(layers)
+    ]

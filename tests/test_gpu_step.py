@@ -37,6 +37,7 @@ import pytest
 
 import jddp
 from jddp import schedule, testing, xla_flags
+from tests._models import layer_list_like, layer_list_loss
 
 pytestmark = [
     pytest.mark.slow,
@@ -53,21 +54,11 @@ LOSS_BYTES = 4  # the f32 loss rides on the last bucket's all-reduce
 CAPS = [1.0, 10.0, 25.0]
 
 
-def loss_fn(params: list[dict[str, jax.Array]], batch: dict[str, jax.Array]) -> jax.Array:
-    h = batch["x"]
-    for p in params:
-        h = jnp.tanh(h @ p["w"] + p["b"])
-    return jnp.mean((h - batch["y"]) ** 2)
+loss_fn = layer_list_loss
 
 
 def params_like() -> list[dict[str, jax.ShapeDtypeStruct]]:
-    return [
-        {
-            "b": jax.ShapeDtypeStruct((WIDTH,), jnp.float32),
-            "w": jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32),
-        }
-        for _ in range(LAYERS)
-    ]
+    return layer_list_like(LAYERS, WIDTH)
 
 
 def batch_like() -> dict[str, jax.ShapeDtypeStruct]:

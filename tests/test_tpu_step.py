@@ -35,6 +35,7 @@ import pytest
 
 import jddp
 from jddp import schedule, testing
+from tests._models import layer_list_like, layer_list_loss
 
 pytestmark = [
     pytest.mark.slow,
@@ -50,21 +51,11 @@ TOPOLOGIES = {"v5e:2x4": (8, 2), "v5e:4x4": (16, 4)}  # chips, hosts
 CAPS = [1.0, 2.0, 5.0]  # 16, 9 and 3 buckets
 
 
-def loss_fn(params: list[dict[str, jax.Array]], batch: dict[str, jax.Array]) -> jax.Array:
-    h = batch["x"]
-    for p in params:
-        h = jnp.tanh(h @ p["w"] + p["b"])
-    return jnp.mean((h - batch["y"]) ** 2)
+loss_fn = layer_list_loss
 
 
 def params_like() -> list[dict[str, jax.ShapeDtypeStruct]]:
-    return [
-        {
-            "b": jax.ShapeDtypeStruct((WIDTH,), jnp.float32),
-            "w": jax.ShapeDtypeStruct((WIDTH, WIDTH), jnp.float32),
-        }
-        for _ in range(LAYERS)
-    ]
+    return layer_list_like(LAYERS, WIDTH)
 
 
 def batch_like(n: int) -> dict[str, jax.ShapeDtypeStruct]:

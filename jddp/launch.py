@@ -33,6 +33,7 @@ from jddp.distributed import (
 
 __all__ = ["build_rank_env", "exit_status", "free_port", "launch", "main"]
 
+_DRAIN_S = 15.0  # longest wait for the ranks' last output after they end
 _POLL_S = 0.05
 
 
@@ -199,8 +200,11 @@ def launch(
         live = [p for p in procs if p.poll() is None]
         if live:
             _terminate(live, grace_s)
+        # Every rank's process group is gone, so each pipe reaches EOF once drained; wait for that
+        # (a loaded machine can take seconds), bounded in case something else holds a pipe open.
+        drain_deadline = time.monotonic() + _DRAIN_S
         for t in pumps:
-            t.join(timeout=2.0)
+            t.join(timeout=max(0.0, drain_deadline - time.monotonic()))
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
 

@@ -66,7 +66,7 @@ def main():
     loss_fn = mlp_loss
 
     mesh = jddp.data_mesh()
-    rep = jddp.replicated(mesh)
+    rep = jddp.mesh.replicated(mesh)
 
     def make_batch(n):
         return {

@@ -78,7 +78,7 @@ def _measure(width: int, depth: int, batch: int, steps: int, rounds: int, hooks:
     local = batch // jax.process_count()
     host = {"x": rng.normal(size=(local, width)).astype(np.float32),
             "y": rng.normal(size=(local, width)).astype(np.float32)}
-    sharding = jddp.batch_sharding(mesh)
+    sharding = jddp.mesh.batch_sharding(mesh)
     data = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), host)
 
     runs = {}

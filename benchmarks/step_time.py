@@ -73,7 +73,7 @@ def main():
         return jax.jit(fn, donate_argnums=(0, 1))
 
     variants = {}
-    rep = jddp.replicated(mesh)
+    rep = jddp.mesh.replicated(mesh)
 
     def make_plain(reduce):
         step = plain_step(reduce)

@@ -1,80 +1,48 @@
-"""jddp: distributed data-parallel training for JAX, built like PyTorch DDP."""
+"""jddp: distributed data-parallel training for JAX, built like PyTorch DDP.
 
-from jddp import distributed, nnx, xla_flags
-from jddp.accumulate import AccumState, accum_dtype_for
-from jddp.buckets import Bucket, BucketPlan, plan_buckets
-from jddp.costmodel import ClusterSpec, Link, ModelProfile, suggest_bucket_cap
+What a training script uses is here; the rest is reachable from its module (``jddp.hooks``,
+``jddp.buckets``, ``jddp.mesh``, ``jddp.verify``, ``jddp.trainer``, ``jddp.distributed``,
+``jddp.checkpoint``, ``jddp.nnx``, and the performance tooling in ``jddp.perf``).
+"""
+
+from jddp import buckets, distributed, hooks, mesh, nnx, trainer, verify  # noqa: F401
+from jddp._src.hooks import CommHook, HookContext, bf16_compress, fp16_compress, powersgd
+from jddp._src.mesh import data_mesh, replicate, shard_batch
+from jddp._src.planner import BucketPlan, plan_buckets
+from jddp._src.reduction import value_and_grad
+from jddp._src.state import TrainState
+from jddp._src.trainer import DataParallel
+from jddp._src.uneven import pad_batch
+from jddp._src.verify import ReplicaDivergenceError, verify_replicas
 from jddp.distributed import (
     global_batch_from_local,
     initialize,
     is_main_process,
-    local_slice,
     shard_global_batch,
-)
-from jddp.hooks import (
-    CommHook,
-    HookContext,
-    allreduce_mean,
-    bf16_compress,
-    fp16_compress,
-    plan_bytes_sent,
-    powersgd,
-)
-from jddp.mesh import batch_sharding, data_mesh, replicate, replicated, shard_batch
-from jddp.reduce import bucketed_value_and_grad, init_hook_state, value_and_grad
-from jddp.trainer import DataParallel, TrainState
-from jddp.uneven import pad_batch
-from jddp.unused import grad_reachable
-from jddp.verify import (
-    Divergence,
-    ReplicaDivergenceError,
-    check_same_structure,
-    describe,
-    sync_from_process0,
-    verify_replicas,
 )
 
 __all__ = [
-    "AccumState",
-    "Bucket",
     "BucketPlan",
-    "ClusterSpec",
     "CommHook",
     "DataParallel",
-    "Divergence",
     "HookContext",
-    "Link",
-    "ModelProfile",
     "ReplicaDivergenceError",
     "TrainState",
-    "accum_dtype_for",
-    "allreduce_mean",
-    "batch_sharding",
     "bf16_compress",
-    "bucketed_value_and_grad",
-    "check_same_structure",
     "data_mesh",
-    "describe",
     "distributed",
     "fp16_compress",
     "global_batch_from_local",
-    "grad_reachable",
-    "init_hook_state",
+    "hooks",
     "initialize",
     "is_main_process",
-    "local_slice",
     "nnx",
     "pad_batch",
     "plan_buckets",
-    "plan_bytes_sent",
     "powersgd",
     "replicate",
-    "replicated",
     "shard_batch",
     "shard_global_batch",
-    "suggest_bucket_cap",
-    "sync_from_process0",
     "value_and_grad",
     "verify_replicas",
-    "xla_flags",
 ]

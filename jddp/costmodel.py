@@ -36,7 +36,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jddp.buckets import MiB, assign_buckets
+from jddp._src.tree import MiB
+from jddp.buckets import assign_buckets
 
 __all__ = [
     "BucketTiming",

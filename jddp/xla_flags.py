@@ -28,7 +28,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jddp import buckets as buckets_lib
+from jddp._src import options
 
 __all__ = ["GPU_COMBINE_THRESHOLD_BYTES", "Recommendation", "recommended"]
 
@@ -79,7 +79,7 @@ def recommended(backend: str, bucket_cap_mb: float = 25.0) -> Recommendation:
     Raises:
         ValueError: for an unknown backend or an invalid cap.
     """
-    cap = buckets_lib.cap_to_bytes(bucket_cap_mb, "bucket_cap_mb")
+    cap = options.cap_bytes(bucket_cap_mb, "bucket_cap_mb")
     name = backend.lower()
     if name in _GPU:
         needed = cap + _HEADROOM_BYTES

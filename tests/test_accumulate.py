@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jddp
+from jddp._src.accumulation import accumulator_dtype
 from tests._hlo import count_all_reduces, count_all_reduces_in_loops
 from tests._models import max_abs_diff, mlp_loss, mlp_params, regression_batch
 
@@ -134,7 +135,7 @@ def test_explicit_sync_two_variants_no_retrace():
             state, metrics = ddp.step(state, mb, sync=i == k - 1)
         if s == 0:
             traced_after_first_window = len(traces)
-    assert ddp.step._cache_size() == 2
+    assert ddp.step.cache_size() == 2
     assert len(traces) == traced_after_first_window
     assert max_abs_diff(state.params, ref_params) < 1e-5
 
@@ -240,7 +241,7 @@ def test_state_round_trips_with_donation():
         assert jax.tree.structure(state) == treedef
         assert int(state.accum.count) == (i + 1) % 2
     assert int(state.step) == 2
-    assert ddp.step._cache_size() == 1
+    assert ddp.step.cache_size() == 1
 
 
 def test_accumulator_dtype():
@@ -255,10 +256,11 @@ def test_accumulator_dtype():
     assert np.isfinite(float(metrics["loss"]))
 
     low = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2,
-                            accum_dtype=jnp.bfloat16, **CAPS)
+                            accumulator_dtype=jnp.bfloat16, **CAPS)
     st = low.init(mlp_params(9, SIZES))
     assert {x.dtype for x in jax.tree.leaves(st.accum.grads)} == {jnp.dtype(jnp.bfloat16)}
-    assert jddp.accum_dtype_for(jnp.float64) == np.float64
+    assert accumulator_dtype(jnp.float64) == np.float64
+    assert accumulator_dtype(jnp.bfloat16) == np.float32
 
 
 def test_bad_options():
@@ -269,7 +271,7 @@ def test_bad_options():
         with pytest.raises(TypeError, match="positive int"):
             jddp.DataParallel(mlp_loss, optax.sgd(0.1), **kw)
     with pytest.raises(TypeError, match="floating dtype"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2, accum_dtype=jnp.int32)
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2, accumulator_dtype=jnp.int32)
 
 
 def test_bad_calls():
@@ -293,12 +295,81 @@ def test_bad_calls():
         fused.step(fused.init(params), mb)
 
 
-def test_accumulation_rejects_weighted():
-    """weighted=True needs the real-example count of the whole window, which a no-sync call cannot
-    know without a collective: rejected with a clear error."""
-    for kwargs in ({"accumulate_steps": 2}, {"microbatches": 2}):
-        with pytest.raises(ValueError, match="cannot be combined with weighted=True"):
-            jddp.DataParallel(mlp_loss, optax.sgd(0.1), weighted=True, **kwargs)
+def _per_example(params, batch):
+    """The MLP's squared error per example (weighted=True wants the unreduced losses)."""
+    x = batch["x"]
+    n = len(params)
+    for i in range(n):
+        x = x @ params[f"Dense_{i}"]["kernel"] + params[f"Dense_{i}"]["bias"]
+        if i < n - 1:
+            x = jnp.tanh(x)
+    return jnp.mean((x - batch["y"]) ** 2, axis=-1)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("name,optimizer,tol", OPTIMIZERS)
+def test_weighted_accumulation_equals_step_on_real_examples(m, name, optimizer, tol):
+    """DDP's join() with no_sync: masked (padded) micro-batches accumulated over a window equal one
+    single-device step on the window's real examples only, whatever device and micro-batch the
+    padding lands on (the window's real count rides on the last bucket's all-reduce)."""
+    k = 2
+    params = mlp_params(21, SIZES)
+    rng = np.random.default_rng(21)
+    wins, masks = windows(k, seed=21), []
+    for w in wins:
+        masks.append([rng.random(MICRO) < 0.6 for _ in w])
+        masks[-1][0][:] = False  # one whole call of padding: the mean must not count it
+    real = [concat([{key: v[msk] for key, v in mb.items()} for mb, msk in zip(w, ms, strict=True)])
+            for w, ms in zip(wins, masks, strict=True)]
+    ref_params, ref_losses = reference(params, real, optimizer)
+
+    ddp = jddp.DataParallel(_per_example, optimizer, weighted=True, accumulate_steps=k,
+                            microbatches=m, **CAPS)
+    state = ddp.init(params)
+    losses = []
+    for w, ms in zip(wins, masks, strict=True):
+        for mb, msk in zip(w, ms, strict=True):
+            state, metrics = ddp.step(state, mb, mask=msk)
+        losses.append(float(metrics["loss"]))
+        assert bool(metrics["synced"]) and float(metrics["skipped"]) == 0.0
+    assert int(state.step) == STEPS
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert max_abs_diff(state.params, ref_params) < tol
+
+
+def test_weighted_micro_batches_equal_step_on_real_examples():
+    """microbatches=2: one call's masked batch, split in two micro-batches per device, equals one
+    single-device step on its real examples."""
+    params = mlp_params(22, SIZES)
+    rng = np.random.default_rng(22)
+    batches = [regression_batch(220 + s, 2 * MICRO, SIZES[0], SIZES[-1]) for s in range(STEPS)]
+    masks = [rng.random(2 * MICRO) < 0.5 for _ in batches]
+    masks[0][: 2 * MICRO // 8] = False  # device 0 holds no real example in step 0
+    real = [{key: v[msk] for key, v in b.items()} for b, msk in zip(batches, masks, strict=True)]
+    ref_params, ref_losses = reference(params, real, optax.adam(1e-2))
+    ddp = jddp.DataParallel(_per_example, optax.adam(1e-2), weighted=True, microbatches=2, **CAPS)
+    state = ddp.init(params)
+    losses = []
+    for b, msk in zip(batches, masks, strict=True):
+        state, metrics = ddp.step(state, b, mask=msk)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert max_abs_diff(state.params, ref_params) < 5e-5
+
+
+def test_weighted_window_without_real_examples_is_skipped():
+    """A window whose masks are all False is no update: skipped, like a non-finite one."""
+    params = mlp_params(23, SIZES)
+    ddp = jddp.DataParallel(_per_example, optax.adam(1e-2), weighted=True, accumulate_steps=2,
+                            **CAPS)
+    state = ddp.init(params)
+    before = _host((state.params, state.opt_state))
+    none = np.zeros(MICRO, bool)
+    for mb in windows(2, seed=23)[0]:
+        state, metrics = ddp.step(state, mb, mask=none)
+    assert bool(metrics["synced"]) and float(metrics["skipped"]) == 1.0
+    assert int(state.step) == 0 and int(state.accum.count) == 0
+    assert max_abs_diff((state.params, state.opt_state), before) == 0.0
 
 
 def _with_nan(batch, row):
@@ -320,7 +391,7 @@ def test_skip_nonfinite_skips_whole_window_and_resets_count(sync_mode):
     params = mlp_params(11, SIZES)
     wins = windows(k, seed=11)
     ref_params, ref_losses = reference(params, [concat(wins[1])], optimizer)
-    ddp = jddp.DataParallel(mlp_loss, optimizer, accumulate_steps=k, skip_nonfinite=True, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optimizer, accumulate_steps=k, skip_not_finite=True, **CAPS)
     state = ddp.init(params)
     before = _host((state.step, state.params, state.opt_state))
 
@@ -358,7 +429,7 @@ def test_skip_nonfinite_with_microbatches():
     optimizer = optax.sgd(0.1)
     params = mlp_params(12, SIZES)
     big = concat(windows(2, seed=12)[0])
-    ddp = jddp.DataParallel(mlp_loss, optimizer, microbatches=2, skip_nonfinite=True, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optimizer, microbatches=2, skip_not_finite=True, **CAPS)
     state = ddp.init(params)
     before = _host(state.params)
     state, metrics = ddp.step(state, _with_nan(big, 0))  # device 0's first micro-batch
@@ -426,7 +497,7 @@ def test_skipped_window_keeps_model_state():
     and the next window starts from it (not from the discarded window's local state)."""
     ms0 = {"n": jnp.zeros((), jnp.int32), "s": jnp.zeros((SIZES[0],), jnp.float32)}
     ddp = jddp.DataParallel(_stateful_loss, optax.sgd(0.1), accumulate_steps=2,
-                            skip_nonfinite=True, **CAPS)
+                            skip_not_finite=True, **CAPS)
     state = ddp.init(mlp_params(14, SIZES), model_state=ms0)
     a, b = windows(2, seed=14)[0]
     state, _ = ddp.step(state, _with_nan(a, 0), sync=False)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jddp
-from jddp.buckets import MiB, assign_buckets, make_plan
+from jddp.buckets import assign_buckets, make_plan
 from tests._models import mlp_loss, mlp_params, regression_batch
 
 
@@ -25,6 +25,27 @@ def _random_case(seed):
     return nbytes, dtypes, cap, first
 
 
+MiB = 1024 * 1024
+
+
+def _ddp_reference(nbytes, dtypes, cap, first):
+    """PyTorch's ``compute_bucket_assignment_by_size`` (reducer.cpp), written out independently:
+    limits ``[first, cap]`` per (dtype, device) key; a tensor is appended to its key's bucket,
+    which is emitted once its size reaches the current limit; open buckets are emitted last."""
+    limits = [first, cap]
+    open_b: dict = {}
+    result = []
+    for i, (size, d) in enumerate(zip(nbytes, dtypes, strict=True)):
+        b = open_b.setdefault(d, {"indices": [], "size": 0, "limit": 0})
+        b["indices"].append(i)
+        b["size"] += size
+        if b["size"] >= limits[b["limit"]]:
+            result.append(b["indices"])
+            open_b[d] = {"indices": [], "size": 0, "limit": min(b["limit"] + 1, 1)}
+    result.extend(b["indices"] for b in open_b.values() if b["indices"])
+    return result
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_assign_buckets_properties(seed):
     nbytes, dtypes, cap, first = _random_case(seed)
@@ -32,19 +53,22 @@ def test_assign_buckets_properties(seed):
     flat = [i for b in buckets for i in b]
     # Every leaf in exactly one bucket.
     assert sorted(flat) == list(range(len(nbytes)))
-    seen_per_dtype: dict = {}
+    # The same buckets as PyTorch DDP's rule (jddp orders them by completion).
+    assert sorted(map(tuple, buckets)) == sorted(map(tuple, _ddp_reference(nbytes, dtypes, cap, first)))
+    closed_per_dtype: dict = {}
     for b in buckets:
         # Never mixes dtypes; order inside a bucket is the backward order.
         assert len({dtypes[i] for i in b}) == 1
         assert b == sorted(b)
         d = dtypes[b[0]]
         size = sum(nbytes[i] for i in b)
-        limit = first if seen_per_dtype.get(d, 0) == 0 else cap
-        # Within the cap, except a single leaf that is larger than the cap on its own.
-        assert size <= max(limit, cap if len(b) == 1 else limit) or len(b) == 1
-        if len(b) > 1:
-            assert size <= limit
-        seen_per_dtype[d] = seen_per_dtype.get(d, 0) + 1
+        limit = first if closed_per_dtype.get(d, 0) == 0 else cap
+        # Below its limit until its last leaf: a bucket overflows by less than that leaf.
+        assert size - nbytes[b[-1]] < limit
+        last_of_dtype = b is [c for c in buckets if dtypes[c[0]] == d][-1]
+        if not last_of_dtype:  # every bucket but a dtype's last was closed by reaching its limit
+            assert size >= limit
+        closed_per_dtype[d] = closed_per_dtype.get(d, 0) + 1
     # Buckets of one dtype follow the backward order, and buckets are ordered by completion.
     for d in set(dtypes):
         of_d = [b for b in buckets if dtypes[b[0]] == d]
@@ -52,22 +76,30 @@ def test_assign_buckets_properties(seed):
     assert [max(b) for b in buckets] == sorted(max(b) for b in buckets)
 
 
-def test_oversize_leaf_gets_its_own_bucket():
+def test_oversize_leaf_closes_its_bucket():
+    """DDP adds the leaf, then closes the bucket: an oversize leaf ends the bucket it lands in."""
     buckets = assign_buckets([10, 10, 500, 10], [np.float32] * 4, cap_bytes=100, first_bytes=100)
-    assert buckets == [[0, 1], [2], [3]]
+    assert buckets == [[0, 1, 2], [3]]
+    buckets = assign_buckets([500, 10, 10], [np.float32] * 3, cap_bytes=100, first_bytes=100)
+    assert buckets == [[0], [1, 2]]
 
 
-def test_first_bucket_is_small():
+def test_first_bucket_holds_the_leaf_that_fills_it():
+    """A 1 MiB first bucket is not left with only a small bias (ResNet's classifier: the kernel
+    joins the bias in the first bucket, as in DDP)."""
+    bias, kernel = 4 * 1000, 4 * 2048 * 1000
+    buckets = assign_buckets([bias, kernel, kernel], [np.float32] * 3, 25 * MiB, MiB)
+    assert buckets == [[0, 1], [2]]
     buckets = assign_buckets([40] * 10, [np.float32] * 10, cap_bytes=200, first_bytes=50)
-    assert buckets[0] == [0]
-    assert all(len(b) == 5 for b in buckets[1:-1])
+    assert buckets == [[0, 1], [2, 3, 4, 5, 6], [7, 8, 9]]
 
 
 def test_plan_follows_use_order_not_key_order():
     """Dense_10 sorts before Dense_2, but backward produces Dense_10's gradients first."""
     params = mlp_params(0, [4] + [8] * 10 + [2])
     paths = [
-        jddp.buckets.key_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+        jax.tree_util.keystr(p, simple=True, separator=".")
+        for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
     ]
     assert paths[:6:2] == ["Dense_0.bias", "Dense_1.bias", "Dense_10.bias"]
     batch = regression_batch(0, 4, 4, 2)

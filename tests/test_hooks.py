@@ -108,7 +108,7 @@ def _sum_hook():
         return {"sum": jnp.zeros(leaf.shape, jnp.float32)}
 
     def reduce(grads, states, ctx):
-        out, _ = hooks_lib._allreduce_mean(grads, (), ctx)
+        out, _ = jddp.hooks.allreduce_mean().reduce(grads, (), ctx)
         new = tuple({"sum": s["sum"] + g} for g, s in zip(grads, states, strict=True))
         return out, new
 
@@ -188,7 +188,7 @@ def test_hook_changing_dtype_or_shape_is_a_clear_error():
         return tuple(lax_mean(g, ctx).reshape(-1) for g in grads), states
 
     for fn, what in [(bad_dtype, "bfloat16"), (bad_shape, "changed leaf")]:
-        hook = jddp.CommHook(hooks_lib._no_state, fn, "bad")
+        hook = jddp.CommHook(lambda leaf: (), fn, "bad")
         ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=hook)
         with pytest.raises(ValueError, match="Communication hook 'bad' changed leaf") as e:
             ddp.step(ddp.init(params), batch)
@@ -202,7 +202,7 @@ def lax_mean(g, ctx):
 def test_hook_with_integer_state_is_a_clear_error():
     params, _ = _mlp()
     int_state = lambda leaf: jnp.zeros((), jnp.int32)
-    hook = jddp.CommHook(int_state, hooks_lib._allreduce_mean, "counter")
+    hook = jddp.CommHook(int_state, jddp.hooks.allreduce_mean().reduce, "counter")
     with pytest.raises(TypeError, match="'counter' made a int32 state leaf .* must be floating"):
         jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=hook).init(params)
 
@@ -211,7 +211,7 @@ def test_hook_changing_state_dtype_is_a_clear_error():
     params, batch = _mlp()
 
     def reduce(grads, states, ctx):
-        out, _ = hooks_lib._allreduce_mean(grads, (), ctx)
+        out, _ = jddp.hooks.allreduce_mean().reduce(grads, (), ctx)
         return out, tuple(jax.tree.map(lambda s: s.astype(jnp.float16), s) for s in states)
 
     hook = jddp.CommHook(lambda leaf: jnp.zeros(3, jnp.float32), reduce, "drift")

@@ -201,7 +201,7 @@ def test_sync_adds_no_collective(sync, weighted):
                                          mutable=["batch_stats"])
             return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), updates
     ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), model_state_sync=sync, weighted=weighted,
-                            first_bucket_mb=0.0005)
+                            first_bucket_mb=0.0002, bucket_cap_mb=0.002)
     text = ddp.lower(params, batch, ms).compile().as_text()
     assert ddp.bucket_plan.num_buckets >= 2
     assert _hlo.count_all_reduces(text) == ddp.bucket_plan.num_buckets

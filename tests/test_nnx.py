@@ -202,7 +202,7 @@ def test_core_features_with_model_state():
     n = jax.device_count()
     data = batches(n=2, size=4 * n)
     ddp = jddp.nnx.DataParallel(
-        BNNet(nnx.Rngs(0)), optax.sgd(0.1), loss_fn=mse, accumulate_steps=2, skip_nonfinite=True
+        BNNet(nnx.Rngs(0)), optax.sgd(0.1), loss_fn=mse, accumulate_steps=2, skip_not_finite=True
     )
     state = ddp.init()
     count0 = int(state.model_state["drop"]["rngs"]["count"].get_value())

@@ -68,9 +68,9 @@ def test_one_all_reduce_per_bucket_in_order_and_interleaved(sizes, cap, first, w
         assert got == expected, f"all-reduce {i} has {got}, bucket {i} is {expected}"
         extra = 4 if i == plan.num_buckets - 1 else 0
         assert ar.nbytes == bucket.nbytes + extra
-        if len(bucket.indices) > 1:
-            limit = plan.first_bytes if i == 0 else plan.cap_bytes
-            assert bucket.nbytes <= limit
+        # DDP's rule: a bucket stays below its limit until its last leaf.
+        limit = plan.first_bytes if i == 0 else plan.cap_bytes
+        assert bucket.nbytes - 4 * int(np.prod(plan.shapes[bucket.indices[-1]])) < limit
     if not whole_layers:
         # A bucket that splits a layer may wait for that layer's bias gradient, and the CPU
         # scheduler is then free to run the layer's own weight-gradient matmul first.
@@ -79,13 +79,18 @@ def test_one_all_reduce_per_bucket_in_order_and_interleaved(sizes, cap, first, w
     # backward matmuls of earlier layers come after it.
     pos = {op.name: k for k, op in enumerate(ops)}
     compute = [k for k, op in enumerate(ops) if op.kind == "compute"]
-    for ar in ars[:-1]:
+    first_layer_only = {p.split(".")[0] for p in plan.buckets[-1].paths} == {"Dense_0"}
+    for i, ar in enumerate(ars[:-1]):
+        if i == len(ars) - 2 and first_layer_only:
+            # What is left after it is the first layer's weight gradient, which needs no further
+            # backpropagation: it is ready as early as this bucket, and XLA may run it first.
+            continue
         assert any(k > pos[ar.name] for k in compute), f"{ar.name} comes after all backward work"
 
 
 def test_buckets_interleave_with_backward_matmuls():
     """With one bucket per layer, backward matmuls sit between consecutive all-reduces."""
-    plan, text = _compiled_step([8] + [32] * 8 + [4], 0.0045, 0.0001)
+    plan, text = _compiled_step([8] + [32] * 8 + [4], 0.004, 0.0001)
     ops = _hlo.entry_ops(text)
     kinds = [op.kind for op in ops if op.kind != "other"]
     first_ar = kinds.index("all-reduce")

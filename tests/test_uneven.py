@@ -131,9 +131,10 @@ def test_mask_errors():
     params, batch = _init(), _data(16)
     ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), weighted=True)
     state = ddp.init(params)
-    with pytest.raises(ValueError, match=r"mask has shape \(8,\).*shape \(16,\)"):
+    with pytest.raises(ValueError, match=r"mask has shape \(8,\) but the batch has 16 examples"):
         ddp.step(state, batch, mask=np.ones(8, bool))
-    with pytest.raises(ValueError, match=r"mask has shape \(16, 1\)"):
+    # A per-token mask must be shaped like the unreduced loss (here per example: (16,)).
+    with pytest.raises(TypeError, match=r"shaped like the mask.*shape \(2, 1\).*float32\[2\]"):
         ddp.step(state, batch, mask=np.ones((16, 1), bool))
     plain = jddp.DataParallel(_mean_loss, optax.sgd(0.1))
     with pytest.raises(ValueError, match="weighted=True"):

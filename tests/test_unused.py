@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jddp
+from jddp._src.jaxpr import grad_reachable
 from tests import _hlo
 
 
@@ -56,7 +57,7 @@ def _loss(params, x):
 def test_grad_reachable_matches_autodiff():
     params, x = _params(), jnp.arange(4.0) + 1
     closed = jax.make_jaxpr(_loss)(params, x)
-    reach = jddp.grad_reachable(closed.jaxpr, len(jax.tree.leaves(params)))
+    reach = grad_reachable(closed.jaxpr, len(jax.tree.leaves(params)))
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     unused = {n for n, r in zip(names, reach, strict=True) if not r}
     assert unused == {"['int_path']", "['stopped']", "['never']", "['aux_only']"}

@@ -18,10 +18,10 @@ def _tree(hidden=8, dtype=jnp.float32):
 
 
 def test_check_same_structure_accepts_equal_trees():
-    desc = jddp.describe(_tree())
-    jddp.check_same_structure(desc, [desc, desc, desc], process_index=0)
+    desc = jddp.verify.describe(_tree())
+    jddp.verify.check_same_structure(desc, [desc, desc, desc], process_index=0)
     prints = verify_lib.fingerprint(desc)
-    jddp.check_same_structure(desc, [prints, prints], process_index=1)
+    jddp.verify.check_same_structure(desc, [prints, prints], process_index=1)
     # The fingerprint is stable (no per-process hash salt).
     assert verify_lib.fingerprint(desc).tolist() == prints.tolist()
 
@@ -35,20 +35,20 @@ def test_check_same_structure_accepts_equal_trees():
     ],
 )
 def test_check_same_structure_names_the_first_mismatch(other, leaf):
-    mine, theirs = jddp.describe(_tree()), jddp.describe(other)
+    mine, theirs = jddp.verify.describe(_tree()), jddp.verify.describe(other)
     with pytest.raises(ValueError, match="process 1 does not match process 0") as err:
-        jddp.check_same_structure(theirs, [mine, theirs], process_index=1)
+        jddp.verify.check_same_structure(theirs, [mine, theirs], process_index=1)
     assert leaf in str(err.value)
     # With fingerprints only (what a multi-process gather carries), the local path is still named.
     with pytest.raises(ValueError, match="first difference at leaf"):
-        jddp.check_same_structure(
+        jddp.verify.check_same_structure(
             theirs, [verify_lib.fingerprint(mine), verify_lib.fingerprint(theirs)], "params", 1
         )
 
 
 def test_sync_from_process0_is_free_with_one_process():
     tree = _tree()
-    assert jddp.sync_from_process0(tree) is tree
+    assert jddp.verify.sync_from_process0(tree) is tree
 
 
 def _diverged(mesh, base, replica, delta):

@@ -15,15 +15,7 @@ MiB = 1024 * 1024
 
 def key_path_str(path: Sequence[Any]) -> str:
     """A readable dotted path for a pytree key path, e.g. ``params.Dense_0.kernel``."""
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return ".".join(parts) or "<root>"
+    return jax.tree_util.keystr(tuple(path), simple=True, separator=".") or "<root>"
 
 
 def dtype_of(x: Any) -> np.dtype:

@@ -17,9 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["all_finite", "select_tree"]
-
-
 def all_finite(tree: Any) -> jax.Array:
     """A bool scalar: every floating-point element of ``tree`` is finite (True for no leaves)."""
     flags = [

@@ -31,35 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jddp.buckets import key_path_str
-
-__all__ = [
-    "SYNC_MODES",
-    "check_sync_mode",
-    "check_model_state",
-    "check_same_state",
-    "encode_state",
-    "decode_state",
-]
-
-SYNC_MODES = ("broadcast", "mean", "none")
+from jddp._src.tree import dtype_of, key_path_str
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def check_sync_mode(mode: Any) -> str:
-    """Returns ``mode`` if it is one of :data:`SYNC_MODES`, else raises ValueError."""
-    if mode not in SYNC_MODES:
-        raise ValueError(
-            f"model_state_sync must be one of {SYNC_MODES}, got {mode!r}. 'broadcast' takes "
-            "replica 0's state (DDP's broadcast_buffers), 'mean' averages it (SyncBatchNorm-like "
-            "statistics), 'none' keeps one state per replica."
-        )
-    return mode
-
-
-def _dtype(x: Any) -> np.dtype:
-    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
 
 
 def _any_dtype(x: Any) -> Any:
@@ -77,7 +51,7 @@ def check_model_state(model_state: Any, mode: str) -> None:
         if _is_key(leaf):
             continue  # sent as its key data
         try:
-            dtype = _dtype(leaf)
+            dtype = dtype_of(leaf)
         except TypeError:
             dtype = None
         ok = dtype is not None and (dtype == np.bool_ or dtype.itemsize in _UINT) and not (
@@ -160,6 +134,11 @@ def _encode_bits(x: jax.Array, n: int, axis_name: Any) -> jax.Array:
     return jnp.where(lax.axis_index(axis_name) == 0, stacked, jnp.zeros_like(stacked))
 
 
+def _num_chunks(itemsize: int, n: int) -> int:
+    width = 8 * itemsize
+    return width // min(_chunk_bits(n), width)
+
+
 def _decode_bits(mean: jax.Array, dtype: np.dtype, n: int) -> jax.Array:
     """Inverts :func:`_encode_bits` on the mean over replicas (which is each chunk, exactly)."""
     itemsize = 1 if dtype == np.bool_ else np.dtype(dtype).itemsize
@@ -194,6 +173,26 @@ def encode_state(new_state: Any, mode: str, axis_name: Any, n: int) -> Any:
     return jax.tree.map(enc, new_state)
 
 
+def payload_shape(state: Any, mode: str, n: int) -> Any:
+    """Shape structs of :func:`encode_state`'s payload for ``state`` (arrays or shape structs)."""
+    if mode == "none":
+        return ()
+
+    def shape(x):
+        if _is_key(x):
+            data = jax.eval_shape(jax.random.key_data, x)
+            return jax.ShapeDtypeStruct(
+                (_num_chunks(np.dtype(data.dtype).itemsize, n), *data.shape), jnp.float32
+            )
+        dtype = dtype_of(x)
+        if mode == "mean" and np.issubdtype(dtype, np.floating):
+            return jax.ShapeDtypeStruct(np.shape(x), jnp.float32)
+        itemsize = 1 if dtype == np.bool_ else dtype.itemsize
+        return jax.ShapeDtypeStruct((_num_chunks(itemsize, n), *np.shape(x)), jnp.float32)
+
+    return jax.tree.map(shape, state)
+
+
 def decode_state(mean_payload: Any, like: Any, mode: str, n: int) -> Any:
     """The synchronised state from the mean of :func:`encode_state`'s payload over replicas.
 
@@ -208,7 +207,7 @@ def decode_state(mean_payload: Any, like: Any, mode: str, n: int) -> Any:
         if _is_key(x):
             data = _decode_bits(m, np.dtype(jax.random.key_data(x).dtype), n)
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        dtype = _dtype(x)
+        dtype = dtype_of(x)
         if mode == "mean" and np.issubdtype(dtype, np.floating):
             return m.astype(dtype)
         return _decode_bits(m, dtype, n)

@@ -23,9 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jddp.mesh import batch_size
-
-__all__ = ["pad_batch", "check_mask", "batch_size"]
+from jddp._src.checks import batch_size
 
 
 def pad_batch(batch: Any, num_devices: int, *, size: int | None = None) -> tuple[Any, np.ndarray]:
@@ -68,24 +66,3 @@ def pad_batch(batch: Any, num_devices: int, *, size: int | None = None) -> tuple
 
     mask = np.arange(size) < n
     return jax.tree.map(pad_leaf, batch), mask
-
-
-def check_mask(mask: Any, global_size: int) -> jax.Array:
-    """Validates a mask or per-example weights for a batch of ``global_size``; returns float32.
-
-    Raises:
-      ValueError: the mask is not a vector of ``global_size`` entries.
-      TypeError: the mask is not boolean or real.
-    """
-    shape = np.shape(mask)
-    if shape != (global_size,):
-        raise ValueError(
-            f"The mask has shape {tuple(shape)} but the batch has {global_size} examples; it must "
-            f"be a vector of shape ({global_size},), one entry per example of the global batch "
-            "(True/1 for real examples, False/0 for padding). jddp.pad_batch returns one."
-        )
-    dtype = np.dtype(mask.dtype) if hasattr(mask, "dtype") else np.result_type(mask)
-    if not (dtype == np.bool_ or np.issubdtype(dtype, np.integer)
-            or np.issubdtype(dtype, np.floating)):
-        raise TypeError(f"The mask must be boolean or real (per-example weights), got {dtype}.")
-    return jnp.asarray(mask).astype(jnp.float32)

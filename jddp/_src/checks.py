@@ -1,0 +1,114 @@
+"""Checks of what a user passes in (params, losses, batches, masks), each written once, with
+messages that name the problem and the fix. Trace-time only: nothing here costs a step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jddp._src.tree import dtype_of, key_path_str
+
+
+def check_float_params(params: Any) -> None:
+    """Raises unless ``params`` has at least one leaf and every leaf is floating point."""
+    path_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not path_leaves:
+        raise ValueError(
+            "params has no array leaves: there is nothing to train (PyTorch's DDP refuses a "
+            "module without parameters too). Pass the model's parameters, e.g. "
+            "model.init(rng, x)['params']."
+        )
+    for path, leaf in path_leaves:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"Parameter {key_path_str(path)} has dtype {dtype}; every parameter leaf must be "
+                "floating point to be differentiated. Move integer or boolean leaves (step "
+                "counters, masks, RNG keys) out of params, e.g. into the batch or model state."
+            )
+
+
+def check_scalar_loss(loss: Any) -> None:
+    """Raises TypeError unless ``loss`` (an array or shape struct) is a floating-point scalar."""
+    if (
+        not hasattr(loss, "shape")
+        or jnp.shape(loss) != ()
+        or not jnp.issubdtype(jnp.result_type(loss), jnp.floating)
+    ):
+        raise TypeError(
+            "loss_fn must return a scalar floating-point loss (the mean over its shard of the "
+            f"batch), got {jnp.result_type(loss) if hasattr(loss, 'dtype') else type(loss).__name__}"
+            f"{list(jnp.shape(loss)) if hasattr(loss, 'shape') else ''}. Reduce it with .mean(), or "
+            "return (loss, aux) and pass has_aux=True."
+        )
+
+
+def batch_size(batch: Any) -> int:
+    """The common leading dimension of every leaf of ``batch`` (clear errors if there is none)."""
+    path_leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not path_leaves:
+        raise ValueError("The batch is empty: it must be a pytree with at least one array leaf.")
+    sizes: dict[int, str] = {}
+    for path, leaf in path_leaves:
+        shape = np.shape(leaf)
+        if len(shape) == 0:
+            raise ValueError(
+                f"Batch leaf {key_path_str(path)} is a scalar; every batch leaf needs a leading "
+                "batch dimension. Pass constants through the loss function instead."
+            )
+        sizes.setdefault(shape[0], key_path_str(path))
+    if len(sizes) > 1:
+        desc = ", ".join(f"{p}: {n}" for n, p in sizes.items())
+        raise ValueError(
+            f"Batch leaves have different leading dimensions ({desc}); every leaf must have the "
+            "same batch size as its first dimension."
+        )
+    (size,) = sizes
+    return size
+
+
+def check_batch(batch: Any, num_devices: int) -> int:
+    """Checks that the batch is non-empty with one leading dimension divisible by ``num_devices``.
+
+    Returns:
+      The global batch size.
+    """
+    size = batch_size(batch)
+    if size == 0:
+        raise ValueError(
+            "The global batch has 0 examples: a step on no data would still advance the optimizer "
+            "(Adam moves the params) with a NaN loss. Skip empty batches in the input pipeline."
+        )
+    if size % num_devices:
+        lo = size - size % num_devices
+        raise ValueError(
+            f"The global batch size {size} is not divisible by the {num_devices} devices of the "
+            f"data mesh. Use a multiple of {num_devices} (e.g. {lo or num_devices} or "
+            f"{lo + num_devices}), drop the remainder, or pad and mask the last batch "
+            "(jddp.pad_batch)."
+        )
+    return size
+
+
+def check_mask(mask: Any, global_size: int) -> jax.Array:
+    """A mask or weights for a batch of ``global_size`` examples, as float32.
+
+    The mask is per example (shape ``(global_size,)``) or per token (any shape with that leading
+    dimension, shaped like the loss of the whole batch).
+    """
+    shape = tuple(np.shape(mask))
+    if not shape or shape[0] != global_size:
+        raise ValueError(
+            f"The mask has shape {shape} but the batch has {global_size} examples; it must have "
+            f"the batch as its leading dimension: ({global_size},) for one entry per example "
+            "(True/1 real, False/0 padding; jddp.pad_batch returns one), or the shape of the "
+            "unreduced loss for per-token weights."
+        )
+    dtype = dtype_of(mask)
+    if not (dtype == np.bool_ or np.issubdtype(dtype, np.integer)
+            or np.issubdtype(dtype, np.floating)):
+        raise TypeError(f"The mask must be boolean or real (per-example weights), got {dtype}.")
+    return jnp.asarray(mask).astype(jnp.float32)

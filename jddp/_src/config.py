@@ -1,0 +1,75 @@
+"""The step's configuration: every option, validated once, frozen and hashable."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from jddp._src import options
+from jddp._src.hooks import CommHook, allreduce_mean
+from jddp._src.planner import BucketPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What a training step is: fixed at construction, hashable, read by pure step functions.
+
+    Attributes:
+      loss_fn: the user's loss (see :mod:`jddp._src.objective` for its four forms).
+      optimizer: the optax transformation applied to the reduced gradients.
+      mesh: the data mesh; every axis of it is a data axis.
+      has_aux: ``loss_fn`` also returns metrics.
+      hook: the communication hook of every bucket.
+      chain: how buckets are kept apart in the compiled step.
+      cap_bytes: the bucket cap.
+      first_bytes: the first bucket's cap.
+      fixed_plan: a bucket plan to use instead of planning from the traced loss.
+      keep_unused: keep parameters without a gradient path in the buckets.
+      model_state_sync: how new model state is made consistent across replicas.
+      weighted: ``loss_fn`` returns unreduced losses, weighted by the step's mask.
+      skip_not_finite: skip updates whose reduced gradient has a NaN or Inf.
+      accumulate_steps: calls per optimizer step (local accumulation in between).
+      microbatches: micro-batches scanned inside each call.
+      accumulator_dtype: dtype of the local gradient sums (``None``: at least float32).
+    """
+
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    mesh: Mesh
+    has_aux: bool = False
+    hook: CommHook = dataclasses.field(default_factory=allreduce_mean)
+    chain: options.Chain = "auto"
+    cap_bytes: int = int(options.DEFAULT_BUCKET_CAP_MB * 2**20)
+    first_bytes: int = int(options.DEFAULT_FIRST_BUCKET_MB * 2**20)
+    fixed_plan: BucketPlan | None = None
+    keep_unused: bool = False
+    model_state_sync: options.ModelStateSync = "broadcast"
+    weighted: bool = False
+    skip_not_finite: bool = False
+    accumulate_steps: int = 1
+    microbatches: int = 1
+    accumulator_dtype: np.dtype | None = None
+
+    @property
+    def axis_name(self) -> Any:
+        """The data axis: the mesh's one axis name, or the tuple of its names for a 2-D mesh."""
+        names = tuple(self.mesh.axis_names)
+        return names[0] if len(names) == 1 else names
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.mesh.size)
+
+    @property
+    def per_device_model_state(self) -> bool:
+        return self.model_state_sync == "none"
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the state carries an accumulator across calls."""
+        return self.accumulate_steps > 1

@@ -1,0 +1,445 @@
+"""Communication hooks: how one bucket of gradients is reduced across the data axis.
+
+The equivalent of DDP's ``register_comm_hook``. A hook is a pair of pure functions, like an optax
+``GradientTransformation``:
+
+- ``init(leaf)`` builds the hook's state for one parameter leaf from its shape and dtype (a
+  ``jax.ShapeDtypeStruct``); the state must be a pytree of floating-point arrays. It is kept per
+  device in ``TrainState.hook_state`` (error-feedback residuals differ between replicas).
+- ``reduce(grads, states, ctx)`` takes a bucket's local gradients (a tuple of arrays), the tuple of
+  their states and a :class:`HookContext`, and returns the mean over the axis (same shapes and
+  dtypes) and the tuple of new states.
+
+``fuses_extras`` marks hooks that reduce any float32 tuple by a plain mean; the trainer then lets
+its scalar metrics (the loss) ride on the last bucket's all-reduce instead of a collective of their
+own, so the step has exactly one all-reduce per bucket.
+
+``bytes_sent(leaves, axis_size, step)`` (optional) says how many bytes one device sends to reduce a
+bucket whose gradients have the shapes and dtypes ``leaves``; it is static arithmetic (``step`` may
+be traced, for hooks that switch formulation), so the trainer reports it without a collective.
+Without it, a ring all-reduce of the gradients at their own dtype is assumed.
+
+The reduction runs inside the backward pass, so a hook sees the gradients as soon as its bucket is
+ready.
+
+Built-ins: :func:`allreduce_mean` (the default), :func:`fp16_compress`, :func:`bf16_compress` and
+:func:`powersgd` (DDP's ``powerSGD_hook``: rank-r factors with error feedback and warm start).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jddp._src import vma
+from jddp._src.tree import key_path_str, nbytes
+
+try:  # The gathered value is the same on every replica; typed so under shard_map's check_vma.
+    from jax._src.lax.parallel import all_gather_invariant as _all_gather
+except ImportError:  # pragma: no cover - older/newer JAX without it
+    _all_gather = lax.all_gather
+
+
+class HookContext(NamedTuple):
+    """What a hook knows about where it runs.
+
+    Attributes:
+      axis_name: the mesh axis to reduce over.
+      axis_size: number of replicas along it.
+      step: the optimizer step being computed (a traced int32 scalar).
+      bucket_index: which bucket of the plan this is.
+      phase: the hook's static phase for this step (``hook.phase(step)``), when the caller knows
+        the step on the host (:class:`jddp.DataParallel` does); ``None`` otherwise.
+    """
+
+    axis_name: Any
+    axis_size: int
+    step: jax.Array
+    bucket_index: int
+    phase: Hashable | None = None
+
+
+class CommHook(NamedTuple):
+    """A communication hook: ``init(leaf) -> state`` and ``reduce(grads, states, ctx)``.
+
+    Attributes:
+      init: ``init(jax.ShapeDtypeStruct) -> state`` for one parameter leaf (floating-point pytree).
+      reduce: ``reduce(grads, states, ctx) -> (mean_grads, new_states)`` for one bucket.
+      name: shown in errors and benchmarks.
+      fuses_extras: ``reduce`` averages any extra float32 scalars appended to ``grads`` (with state
+        ``()``) exactly, so the step's metrics can ride on the last bucket's collective.
+      bytes_sent: ``bytes_sent(leaves, axis_size, step) -> bytes`` one device sends for a bucket
+        with gradient structs ``leaves``; ``None`` means a ring all-reduce at the leaves' dtype.
+      phase: ``phase(step: int) -> hashable``, for hooks whose collectives change with the step
+        (PowerSGD's start). :class:`jddp.DataParallel` compiles one step per phase and passes it
+        as ``HookContext.phase``, so no collective sits inside a ``lax.cond``.
+    """
+
+    init: Callable[[jax.ShapeDtypeStruct], Any]
+    reduce: Callable[
+        [tuple[jax.Array, ...], tuple, HookContext], tuple[tuple[jax.Array, ...], tuple]
+    ]
+    name: str = "hook"
+    fuses_extras: bool = False
+    bytes_sent: Callable[[Sequence[jax.ShapeDtypeStruct], int, Any], Any] | None = None
+    phase: Callable[[int], Hashable] | None = None
+
+
+def _no_state(leaf: jax.ShapeDtypeStruct) -> tuple:
+    del leaf
+    return ()
+
+
+def _allreduce_mean(grads, state, ctx: HookContext):
+    # Divide before the sum, so the hook's outputs are the all-reduce's own outputs: the
+    # "barrier" chain between buckets only keeps XLA's GPU/TPU combiners apart when it ties the
+    # next bucket to the all-reduce results themselves, not to values computed from them.
+    scale = 1.0 / ctx.axis_size
+    return lax.psum(tuple(g * jnp.asarray(scale, g.dtype) for g in grads), ctx.axis_name), state
+
+
+def allreduce_mean() -> CommHook:
+    """The default hook: one all-reduce (sum) of the bucket's leaves, divided by the replica count.
+    """
+    return CommHook(_no_state, _allreduce_mean, "allreduce_mean", fuses_extras=True)
+
+
+# ------------------------------------------------------------------------------------ accounting
+
+
+def ring_allreduce_bytes(nbytes: float, axis_size: int) -> float:
+    """Bytes one device sends in a ring all-reduce of ``nbytes``: ``2 (N-1)/N x nbytes``."""
+    return 2.0 * (axis_size - 1) / axis_size * nbytes if axis_size > 1 else 0.0
+
+
+def ring_allgather_bytes(nbytes: float, axis_size: int) -> float:
+    """Bytes one device sends in a ring all-gather of its ``nbytes``: ``(N-1) x nbytes``."""
+    return float(axis_size - 1) * nbytes
+
+
+def bucket_bytes_sent(hook: CommHook, leaves: Sequence[Any], axis_size: int, step: Any) -> Any:
+    """Bytes one device sends to reduce one bucket with ``hook`` (its ``bytes_sent``, or a ring)."""
+    fn = getattr(hook, "bytes_sent", None)
+    if fn is None:
+        return ring_allreduce_bytes(sum(nbytes(x) for x in leaves), axis_size)
+    return fn(tuple(leaves), axis_size, step)
+
+
+def plan_bytes_sent(hook: CommHook, plan: Any, axis_size: int, step: Any = 0) -> jax.Array:
+    """Bytes one device sends for one step's gradient synchronisation under ``plan`` and ``hook``.
+
+    A model, not a measurement: ring collectives, gradients only (the step's scalar metrics are not
+    counted). Static except for the choice a hook makes on ``step`` (e.g. PowerSGD's start).
+
+    Args:
+      hook: the communication hook.
+      plan: a :class:`jddp.BucketPlan`.
+      axis_size: the number of replicas.
+      step: the optimizer step (an int or a traced scalar).
+
+    Returns:
+      A float32 scalar.
+    """
+    total = jnp.zeros((), jnp.float32)
+    for b in range(plan.num_buckets):
+        leaves = plan.leaf_structs(b)
+        total = total + jnp.asarray(bucket_bytes_sent(hook, leaves, axis_size, step), jnp.float32)
+    return total
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+_HOOK_FACTORIES = ("allreduce_mean", "fp16_compress", "bf16_compress", "powersgd")
+
+
+def check_hook(hook: Any) -> CommHook:
+    """``hook`` if it is a :class:`CommHook` (or quacks like one); a TypeError naming the fix if not.
+
+    PyTorch registers a hook *function*; here a hook is the value a factory returns, so the most
+    common mistake is passing the factory itself (``hook=jddp.bf16_compress``).
+    """
+    if isinstance(hook, CommHook):
+        return hook
+    name = getattr(hook, "__name__", None)
+    if callable(hook) and not hasattr(hook, "reduce"):
+        call = f"jddp.{name}()" if name in _HOOK_FACTORIES else f"{name or 'the factory'}(...)"
+        raise TypeError(
+            f"hook={name or hook!r} is a function, not a communication hook: call it, e.g. "
+            f"hook={call}. A hook is a jddp.CommHook(init, reduce), where init(leaf_struct) -> "
+            "state and reduce(grads, states, ctx) -> (mean_grads, new_states)."
+        )
+    if not (callable(getattr(hook, "init", None)) and callable(getattr(hook, "reduce", None))):
+        raise TypeError(
+            f"hook must be a jddp.CommHook(init, reduce) (e.g. jddp.fp16_compress()), got "
+            f"{type(hook).__name__} {hook!r}. init(leaf_struct) -> state; reduce(grads, states, "
+            "ctx) -> (mean_grads, new_states)."
+        )
+    return hook
+
+
+def init_hook_state(hook: CommHook, params: Any) -> tuple:
+    """The initial hook state: one entry per leaf of ``params``, in ``jax.tree.leaves`` order."""
+    hook = check_hook(hook)
+    states = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        state = hook.init(jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf)))
+        for x in jax.tree.leaves(state):
+            if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+                raise TypeError(
+                    f"Communication hook {hook_name(hook)!r} made a {jnp.result_type(x)} state "
+                    f"leaf for {key_path_str(path)}; hook state must be floating point (it leaves "
+                    "the backward pass as a cotangent). Keep counters as float32, or use "
+                    "HookContext.step."
+                )
+        states.append(state)
+    return tuple(states)
+
+
+def hook_name(hook: Any) -> str:
+    """The name a hook is shown under in messages."""
+    return str(getattr(hook, "name", "hook"))
+
+
+# ----------------------------------------------------------------------------- fp16 / bf16 hooks
+
+
+def _check_method(method: str) -> None:
+    if method not in ("psum", "all_gather"):
+        raise ValueError(f"method must be 'psum' or 'all_gather', got {method!r}.")
+
+
+def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
+    _check_method(method)
+    dtype = jnp.dtype(dtype)
+
+    def reduce(grads, states, ctx: HookContext):
+        n = ctx.axis_size
+        # Divide before the cast: the sum of N values of at most max(fp16)/N cannot overflow.
+        low = tuple((g / jnp.asarray(n, g.dtype)).astype(dtype) for g in grads)
+        if method == "psum":
+            summed = lax.psum(low, ctx.axis_name)
+            out = tuple(r.astype(g.dtype) for r, g in zip(summed, grads, strict=True))
+        else:
+            # Gather the compressed shards and sum them locally in float32: the wire carries half
+            # the bytes, and the addition is not done by the backend in half precision.
+            gathered = _all_gather(low, ctx.axis_name)
+            out = tuple(
+                x.astype(jnp.float32).sum(0).astype(g.dtype)
+                for x, g in zip(gathered, grads, strict=True)
+            )
+        return out, states
+
+    def bytes_sent(leaves, axis_size, step):
+        del step
+        size = sum(math.prod(x.shape) for x in leaves) * dtype.itemsize
+        if method == "psum":
+            return ring_allreduce_bytes(size, axis_size)
+        return ring_allgather_bytes(size, axis_size)
+
+    return CommHook(_no_state, reduce, name, fuses_extras=False, bytes_sent=bytes_sent)
+
+
+def fp16_compress(method: str = "psum") -> CommHook:
+    """DDP's ``fp16_compress_hook``: gradients are divided by N, cast to float16, summed, cast back.
+
+    Args:
+      method: ``"psum"`` (an all-reduce in float16) or ``"all_gather"`` (gather the float16 shards
+        and sum them locally in float32; ``(N-1)x`` the local bytes on the wire, so it only sends
+        fewer bytes than a float32 all-reduce when N < 4; see ``docs/hooks.md`` for measurements).
+    """
+    suffix = "" if method == "psum" else f"[{method}]"
+    return _cast_hook(jnp.float16, f"fp16_compress{suffix}", method)
+
+
+def bf16_compress(method: str = "psum") -> CommHook:
+    """DDP's ``bf16_compress_hook``: like :func:`fp16_compress` with bfloat16 (float32's range).
+
+    Args:
+      method: ``"psum"`` or ``"all_gather"`` (see :func:`fp16_compress`).
+    """
+    suffix = "" if method == "psum" else f"[{method}]"
+    return _cast_hook(jnp.bfloat16, f"bf16_compress{suffix}", method)
+
+
+# ----------------------------------------------------------------------------------- PowerSGD
+
+
+def _matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    # DDP views an N-D gradient as (shape[0], prod(shape[1:])). Flax kernels are (in, ..., out), so
+    # the same rule applies: which side is rows does not change the factor sizes much.
+    return int(shape[0]), int(math.prod(shape[1:]))
+
+
+def _compressed_rank(shape: Sequence[int], rank: int, min_rate: float) -> int:
+    """The rank PowerSGD uses for a leaf of ``shape``, or 0 to all-reduce it uncompressed."""
+    if len(shape) < 2:
+        return 0
+    n, m = _matrix_shape(shape)
+    r = min(rank, n, m)
+    # DDP's _should_compress: compress only if the factors are min_rate times smaller.
+    return r if (n + m) * r * min_rate < n * m else 0
+
+
+def _orthogonalize(p: jax.Array, eps: float = 1e-8) -> jax.Array:
+    """Gram-Schmidt on the (few) columns of ``p``; identical inputs give identical outputs."""
+    cols: list[jax.Array] = []
+    for j in range(p.shape[1]):
+        c = p[:, j]
+        for q in cols:
+            c = c - jnp.dot(q, c) * q
+        cols.append(c / (jnp.linalg.norm(c) + eps))
+    return jnp.stack(cols, axis=1)
+
+
+def _q_init(n: int, m: int, r: int, seed: int, step: Any = None) -> jax.Array:
+    # The same on every replica (P = M Q is summed over them): a key from the seed and the shape.
+    salt = zlib.crc32(repr((n, m, r)).encode()) & 0x7FFFFFFF
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), salt)
+    if step is not None:
+        key = jax.random.fold_in(key, step)
+    return _orthogonalize(jax.random.normal(key, (m, r), jnp.float32))
+
+
+def powersgd(
+    rank: int = 1,
+    start_iter: int = 1000,
+    min_compression_rate: float = 2.0,
+    error_feedback: bool = True,
+    warm_start: bool = True,
+    seed: int = 0,
+) -> CommHook:
+    """DDP's ``powerSGD_hook``: rank-``rank`` approximation of matrix gradients (Vogels et al.).
+
+    For each gradient with 2+ dimensions, viewed as a matrix ``M`` of shape
+    ``(shape[0], prod(shape[1:]))`` whose factors are at least ``min_compression_rate`` times
+    smaller than it: ``M += residual`` (error feedback), ``P = M Q``, all-reduce ``P``,
+    orthogonalize ``P``, ``Q = M^T P``, all-reduce ``Q``, gradient ``= P Q^T / N``, residual ``= M -
+    P Q^T / N`` (kept per device), and ``Q`` is kept for the next step (warm start). Vectors,
+    scalars, small matrices, and every leaf before ``start_iter`` are averaged by a plain
+    all-reduce, which also carries ``P`` (two all-reduces per bucket once compression starts).
+
+    The ``start_iter`` switch is static: :class:`jddp.DataParallel` compiles the step once per
+    phase (plain, compressed) via ``CommHook.phase``. Callers that pass no phase get a ``lax.cond``
+    on the traced step, which compiles both branches' collectives (only one runs).
+
+    Args:
+      rank: the approximation rank (DDP's ``matrix_approximation_rank``).
+      start_iter: steps of plain all-reduce before compression starts (DDP's default 1000); the
+        error-feedback residual starts at zero then.
+      min_compression_rate: compress a matrix only if ``n m > rate (n + m) rank``.
+      error_feedback: carry the per-device residual ``M - approximation`` to the next step (a
+        float32 array the size of each compressed gradient, per device).
+      warm_start: start each step's power iteration from the previous ``Q`` (otherwise a fresh
+        random ``Q`` is drawn each step, identically on every replica).
+      seed: seeds the initial ``Q``.
+
+    Returns:
+      A stateful :class:`CommHook`; use it with :class:`jddp.DataParallel`, which carries the
+      state.
+    """
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be a positive int, got {rank!r}.")
+    if min_compression_rate < 1:
+        raise ValueError(f"min_compression_rate must be >= 1, got {min_compression_rate}.")
+    start_iter = int(start_iter)
+
+    def ranks(leaves):
+        return [_compressed_rank(jnp.shape(x), rank, min_compression_rate) for x in leaves]
+
+    def init(leaf: jax.ShapeDtypeStruct):
+        r = _compressed_rank(leaf.shape, rank, min_compression_rate)
+        if not r:
+            return ()
+        n, m = _matrix_shape(leaf.shape)
+        state = {}
+        if warm_start:
+            state["q"] = _q_init(n, m, r, seed)
+        if error_feedback:
+            state["residual"] = jnp.zeros(leaf.shape, jnp.float32)
+        return state
+
+    def plain(grads, states, ctx):
+        summed = lax.psum(tuple(grads), ctx.axis_name)
+        return tuple(s / ctx.axis_size for s in summed), tuple(states)
+
+    def compressed(grads, states, ctx):
+        rs = ranks(grads)
+        n_dev = ctx.axis_size
+        mats, qs = {}, {}
+        for i, (g, r) in enumerate(zip(grads, rs, strict=True)):
+            if not r:
+                continue
+            m = g.astype(jnp.float32)
+            if error_feedback:
+                m = m + states[i]["residual"]
+            mats[i] = m.reshape(_matrix_shape(g.shape))
+            qs[i] = states[i]["q"] if warm_start else _q_init(*mats[i].shape, r, seed, ctx.step)
+        # One all-reduce for the uncompressed leaves and every P; one more for every Q.
+        plain_idx = [i for i, r in enumerate(rs) if not r]
+        ps = {i: mats[i] @ qs[i] for i in mats}
+        summed = lax.psum((tuple(grads[i] for i in plain_idx), tuple(ps.values())), ctx.axis_name)
+        out: list[Any] = [None] * len(grads)
+        for i, s in zip(plain_idx, summed[0], strict=True):
+            out[i] = s / n_dev
+        ps = {i: _orthogonalize(p) for i, p in zip(ps, summed[1], strict=True)}
+        q_sum = lax.psum(tuple(mats[i].T @ ps[i] for i in ps), ctx.axis_name)
+        new_states = list(states)
+        for i, q in zip(ps, q_sum, strict=True):
+            q = q / n_dev
+            approx = ps[i] @ q.T
+            out[i] = approx.reshape(grads[i].shape).astype(grads[i].dtype)
+            st = {}
+            if warm_start:
+                st["q"] = vma.like(q, states[i]["q"], ctx.axis_name)
+            if error_feedback:
+                st["residual"] = vma.like(
+                    (mats[i] - approx).reshape(grads[i].shape), states[i]["residual"], ctx.axis_name
+                )
+            new_states[i] = st
+        return tuple(out), tuple(new_states)
+
+    def reduce(grads, states, ctx: HookContext):
+        if not any(ranks(grads)):
+            return plain(grads, states, ctx)
+        # The residual depends on local gradients: make the state vary like them in both branches.
+        states = jax.tree.map(lambda s: vma.like(s, grads[0], ctx.axis_name), tuple(states))
+        if start_iter <= 0 or ctx.phase == "compressed":
+            return compressed(grads, states, ctx)
+        if ctx.phase == "plain":
+            return plain(grads, states, ctx)
+        # No static phase (a caller that does not track the step on the host): switch in the
+        # graph. Both branches' collectives are compiled in; only one runs. XLA:CPU was seen to
+        # deadlock on collectives inside a conditional with many steps in flight, hence the phase.
+        return lax.cond(
+            ctx.step < start_iter,
+            lambda g, s: plain(g, s, ctx),
+            lambda g, s: compressed(g, s, ctx),
+            tuple(grads), tuple(states),
+        )
+
+    def bytes_sent(leaves, axis_size, step):
+        full = sum(nbytes(x) for x in leaves)
+        rs = ranks(leaves)
+        plain_b = sum(nbytes(x) for x, r in zip(leaves, rs, strict=True) if not r)
+        p_b = sum(4 * _matrix_shape(x.shape)[0] * r for x, r in zip(leaves, rs, strict=True) if r)
+        q_b = sum(4 * _matrix_shape(x.shape)[1] * r for x, r in zip(leaves, rs, strict=True) if r)
+        before = ring_allreduce_bytes(full, axis_size)
+        after = ring_allreduce_bytes(plain_b + p_b, axis_size) + (
+            ring_allreduce_bytes(q_b, axis_size) if q_b else 0.0
+        )
+        if not any(rs):
+            return before
+        return jnp.where(jnp.asarray(step) < start_iter, before, after)
+
+    name = f"powersgd(rank={rank}, start_iter={start_iter})"
+    def phase(step: int) -> str:
+        return "plain" if step < start_iter else "compressed"
+
+    return CommHook(init, reduce, name, fuses_extras=True, bytes_sent=bytes_sent, phase=phase)

@@ -1,0 +1,268 @@
+"""Walks over the traced loss: first use of each parameter, gradient reachability, re-evaluation.
+
+The user's loss is traced to a jaxpr once per compiled step (:func:`trace`); everything else reads
+that one jaxpr:
+
+- :func:`first_use_order` gives the forward order of the parameters, whose reverse is the order in
+  which backward produces their gradients (the bucket planner's input).
+- :func:`grad_reachable` finds parameters with no gradient path to the loss (DDP's unused
+  parameters), statically and conservatively.
+- :func:`eval_with_hooks` evaluates the jaxpr again, calling back the first time each parameter is
+  read, which is where the reduction inserts each bucket's backward hook.
+
+All three walk into plain calls (``jit``/``pjit``), and the first two also into loops, branches and
+custom derivatives, so a model wrapped in one ``jit`` still has a per-layer order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax._src import source_info_util  # only to keep user tracebacks in re-traced equations
+from jax.extend import core as jex_core
+
+from jddp._src import vma
+
+# Primitives whose sub-jaxpr is walked (and, when evaluating, inlined) as if it were written out in
+# place: plain calls whose inputs map one-to-one on the callee's inputs.
+INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+
+# Primitives through which no gradient flows, whatever their operand types.
+_NO_GRADIENT = frozenset({"stop_gradient"})
+
+
+class Traced(NamedTuple):
+    """A function traced once: its jaxpr and how its inputs and outputs are structured.
+
+    Attributes:
+      jaxpr: the closed jaxpr; its first ``num_params`` inputs are the parameter leaves.
+      num_params: how many leading inputs are parameter leaves.
+      out_tree: the structure of the function's output.
+      out_shapes: the output as ``jax.ShapeDtypeStruct``s (with the output's structure).
+    """
+
+    jaxpr: Any
+    num_params: int
+    out_tree: Any
+    out_shapes: Any
+
+
+def trace(fun: Callable[..., Any], params: Any, *args: Any) -> Traced:
+    """Traces ``fun(params, *args)`` (the only place jddp calls the user's loss to trace it)."""
+    closed, out_shapes = jax.make_jaxpr(fun, return_shape=True)(params, *args)
+    return Traced(closed, len(jax.tree.leaves(params)), jax.tree.structure(out_shapes), out_shapes)
+
+
+def is_literal(v: Any) -> bool:
+    """Whether a jaxpr operand is a literal constant (not a variable)."""
+    return isinstance(v, jex_core.Literal)
+
+
+def _sub_jaxprs(eqn: Any) -> list[tuple[Any, list[Any]]]:
+    """The sub-jaxprs of an equation, each with the outer variables bound to its inputs."""
+    params = eqn.params
+    name = eqn.primitive.name
+    out = []
+    if name == "cond":
+        for branch in params["branches"]:
+            out.append((branch.jaxpr, list(eqn.invars[1:])))
+        return out
+    if name == "while":
+        nc, nb = params["cond_nconsts"], params["body_nconsts"]
+        carry = list(eqn.invars[nc + nb :])
+        out.append((params["cond_jaxpr"].jaxpr, list(eqn.invars[:nc]) + carry))
+        out.append((params["body_jaxpr"].jaxpr, list(eqn.invars[nc : nc + nb]) + carry))
+        return out
+    for value in params.values():
+        for sub in value if isinstance(value, tuple | list) else (value,):
+            jaxpr: Any = getattr(sub, "jaxpr", sub)
+            if hasattr(jaxpr, "eqns") and hasattr(jaxpr, "invars"):
+                if len(jaxpr.invars) == len(eqn.invars):
+                    out.append((jaxpr, list(eqn.invars)))
+                else:
+                    # Unknown binding convention: count every input as used right here.
+                    out.append((None, list(eqn.invars)))
+    return out
+
+
+def first_use_order(jaxpr: Any, num_params: int) -> list[int | None]:
+    """The time of first use of each of the first ``num_params`` inputs of ``jaxpr``.
+
+    Times count equations in evaluation order, walking into sub-jaxprs (calls, loops, branches,
+    custom derivatives). ``None`` marks an input that no equation and no output uses.
+    """
+    first: dict[Any, int] = {}
+    clock = [0]
+
+    def walk(jx: Any, binding: dict[Any, int]) -> None:
+        for eqn in jx.eqns:
+            clock[0] += 1
+            subs = _sub_jaxprs(eqn)
+            used_here = [v for v in eqn.invars if not is_literal(v) and v in binding]
+            if not subs:
+                for v in used_here:
+                    first.setdefault(binding[v], clock[0])
+                continue
+            for sub, outer in subs:
+                inner = {}
+                for ov, iv in zip(outer, sub.invars if sub is not None else outer, strict=True):
+                    if not is_literal(ov) and ov in binding:
+                        inner[iv] = binding[ov]
+                if sub is None:
+                    for idx in inner.values():
+                        first.setdefault(idx, clock[0])
+                else:
+                    walk(sub, inner)
+        for v in jx.outvars:
+            if not is_literal(v) and v in binding:
+                clock[0] += 1
+                first.setdefault(binding[v], clock[0])
+
+    walk(jaxpr, {v: i for i, v in enumerate(jaxpr.invars[:num_params])})
+    return [first.get(i) for i in range(num_params)]
+
+
+def _inexact(v: Any) -> bool:
+    """Whether a jaxpr variable carries a floating-point (differentiable) value."""
+    dtype = getattr(getattr(v, "aval", None), "dtype", None)
+    if dtype is None:
+        return False
+    # jnp.issubdtype, not np: bfloat16 and the float8 types are not np.inexact subtypes, and
+    # extended dtypes (PRNG keys, which carry no gradient) are not NumPy dtypes at all.
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
+
+
+def _reaching_inputs(jaxpr: Any, live_outputs: Sequence[bool]) -> list[bool]:
+    """For each input of ``jaxpr``: can it reach a ``live_outputs`` output through float values?"""
+    live: set[Any] = {
+        v for v, on in zip(jaxpr.outvars, live_outputs, strict=True)
+        if on and not is_literal(v) and _inexact(v)
+    }
+    for eqn in reversed(jaxpr.eqns):
+        outs = [v in live for v in eqn.outvars]
+        if not any(outs) or eqn.primitive.name in _NO_GRADIENT:
+            continue
+        name = eqn.primitive.name
+        inner = eqn.params.get("jaxpr") if name in INLINE_CALLS else None
+        inner = getattr(inner, "jaxpr", inner)
+        if inner is not None and len(inner.invars) == len(eqn.invars):
+            # A plain call: look inside, so that a model under one jit is not all-or-nothing.
+            reach = _reaching_inputs(inner, outs)
+        else:
+            # Loops, branches, custom rules: assume every input reaches every output.
+            reach = [True] * len(eqn.invars)
+        for v, r in zip(eqn.invars, reach, strict=True):
+            if r and not is_literal(v) and _inexact(v):
+                live.add(v)
+    return [v in live for v in jaxpr.invars]
+
+
+def grad_reachable(
+    jaxpr: Any, num_params: int, live_outputs: Sequence[bool] | None = None
+) -> list[bool]:
+    """Which of the first ``num_params`` inputs of ``jaxpr`` can have a nonzero gradient.
+
+    An input is reachable when a chain of equations links it to a live output through
+    floating-point values only (integer and boolean intermediates carry no gradient, nor does
+    ``stop_gradient``). The walk is conservative: where it cannot see inside an equation it
+    assumes every input reaches every output, so it may call a parameter used that in fact gets
+    no gradient (costing bytes), never the reverse (which would drop a real gradient).
+
+    Args:
+      jaxpr: the traced loss.
+      num_params: how many leading inputs are parameters.
+      live_outputs: which outputs count as loss (default: all).
+
+    Returns:
+      One bool per parameter leaf, in ``jax.tree.leaves`` order.
+    """
+    if live_outputs is None:
+        live_outputs = [True] * len(jaxpr.outvars)
+    return _reaching_inputs(jaxpr, live_outputs)[:num_params]
+
+
+def eval_with_hooks(
+    traced: Traced, param_leaves: Sequence[Any], args: Sequence[Any], hooked: Callable[[int], Any]
+) -> Any:
+    """Evaluates ``traced`` on new inputs; parameter leaf ``i`` is read as ``hooked(i)``.
+
+    ``hooked(i)`` is called at the first equation that reads leaf ``i`` (walking into plain calls)
+    and must return the value to use from then on (it is called again for later reads, so it
+    should memoise). With ``hooked = param_leaves.__getitem__`` this is plain evaluation.
+
+    Args:
+      param_leaves: the parameter leaves (their values are what ``hooked`` is expected to wrap).
+      args: the other arguments, as the traced function took them (a pytree each).
+
+    Returns:
+      The output, with the traced function's structure.
+    """
+    del param_leaves  # read through ``hooked``
+    closed = traced.jaxpr
+    param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars[: traced.num_params])}
+    outs = _eval(closed.jaxpr, closed.consts, [None] * traced.num_params + jax.tree.leaves(args),
+                 param_vars, hooked)
+    return jax.tree.unflatten(traced.out_tree, outs)
+
+
+def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], param_vars: dict[Any, int],
+          hooked: Callable[[int], Any]) -> list[Any]:
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        if is_literal(v):
+            return v.val
+        if v in param_vars:
+            return hooked(param_vars[v])
+        return env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        if v not in param_vars:
+            env[v] = x
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in INLINE_CALLS and "jaxpr" in eqn.params:
+            # Inline plain calls so that hooks land at the first use inside them.
+            inner = eqn.params["jaxpr"]
+            sub_vars = {
+                iv: param_vars[ov]
+                for ov, iv in zip(eqn.invars, inner.jaxpr.invars, strict=True)
+                if not is_literal(ov) and ov in param_vars
+            }
+            inner_args = [
+                None if iv in sub_vars else read(ov)
+                for ov, iv in zip(eqn.invars, inner.jaxpr.invars, strict=True)
+            ]
+            outs = _eval(inner.jaxpr, inner.consts, inner_args, sub_vars, hooked)
+        elif name == "pvary" and all(
+            all(a in vma.varying_axes(x) for a in vma.axis_names(eqn.params["axes"]))
+            for x in (read(v) for v in eqn.invars)
+        ):
+            # The traced value was replicated where the evaluated one already varies.
+            outs = [read(v) for v in eqn.invars]
+        else:
+            invals = [read(v) for v in eqn.invars]
+            # As jax.core.eval_jaxpr does: re-bind each primitive on the new values.
+            bind_params = eqn.primitive.get_bind_params(eqn.params)
+            with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
+                outs = eqn.primitive.bind(*invals, **bind_params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def as_function(traced: Traced) -> Callable[..., Any]:
+    """``traced`` as a function of ``(params, *args)`` again (evaluating its jaxpr, not the
+    user's Python: differentiating or scanning it does not trace the loss a second time)."""
+
+    def fun(params: Any, *args: Any) -> Any:
+        leaves = jax.tree.leaves(params)
+        return eval_with_hooks(traced, leaves, args, leaves.__getitem__)
+
+    return fun

@@ -1,0 +1,238 @@
+"""Flax NNX support: data-parallel training of an ``nnx.Module``.
+
+NNX models are objects; jddp's core works on pure functions of pytrees. The bridge is NNX's own
+functional API: ``nnx.split(model, nnx.Param, ...)`` gives a static ``graphdef``, the ``Param``
+state (what is differentiated, reduced and optimised) and the rest (batch statistics, RNG keys and
+counts); ``nnx.merge`` rebuilds the model from them inside the step.
+
+Two entry points:
+
+- :class:`DataParallel` -- the NNX counterpart of :class:`jddp.DataParallel`, for a
+  ``loss_fn(model, batch)``. Non-``Param`` state that the forward pass changes (BatchNorm
+  statistics, RNG counts) is carried in ``TrainState.model_state``, identical on every device.
+- :func:`wrap` -- turns a model and a ``loss_fn(model, batch)`` into a pure
+  ``loss(params, batch)`` plus the ``Param`` state, for :class:`jddp.DataParallel`,
+  :func:`jddp.value_and_grad` or your own ``shard_map``. The non-``Param`` state is frozen into the
+  function, so it suits models whose forward pass changes no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from flax import nnx
+
+from jddp._src.objective import unpack_loss_output
+from jddp._src.planner import BucketPlan
+from jddp._src.state import TrainState
+from jddp._src.trainer import DataParallel as CoreDataParallel
+
+
+def _split(model: nnx.Module, wrt: Any) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """``(graphdef, wrt_state, rest)``: ``nnx.split`` with exactly two filters."""
+    graphdef, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]
+    return graphdef, params, rest
+
+
+def wrap(
+    model: nnx.Module,
+    loss_fn: Callable[..., Any],
+    *,
+    wrt: Any = nnx.Param,
+) -> tuple[Callable[..., Any], nnx.State, nnx.State]:
+    """A pure loss over the ``wrt`` state of an NNX model, for the functional jddp API.
+
+    Example::
+
+        loss, params, _ = jddp.nnx.wrap(model, lambda m, b: ((m(b["x"]) - b["y"]) ** 2).mean())
+        ddp = jddp.DataParallel(loss, optax.adam(1e-3))
+        state = ddp.init(params)
+        ...
+        nnx.update(model, state.params)    # write the trained parameters back into the model
+
+    Args:
+      model: the NNX module.
+      loss_fn: ``loss_fn(model, *args)`` returning the loss (or ``(loss, aux)``); the returned
+        function passes its extra arguments through, so ``has_aux`` is up to the caller.
+      wrt: the NNX filter of the differentiated state (default ``nnx.Param``).
+
+    Returns:
+      ``(loss_over_params, params, rest)``: ``loss_over_params(params, *args)`` merges the model
+      from ``params`` and the ``rest`` state captured now, and calls ``loss_fn``. Changes that the
+      forward pass makes to the non-``wrt`` state are discarded; use :class:`DataParallel` for
+      models with BatchNorm statistics or dropout RNG streams.
+    """
+    graphdef, params, rest = _split(model, wrt)
+
+    def loss_over_params(params: nnx.State, *args: Any) -> Any:
+        return loss_fn(nnx.merge(graphdef, params, rest), *args)
+
+    return loss_over_params, params, rest
+
+
+class _ModelLoss(NamedTuple):
+    """The core trainer's ``loss_fn(params, model_state, batch)`` for an NNX ``loss_fn(model,
+    batch)``: merges the model, calls the loss, splits the updated rest back out."""
+
+    graphdef: Any
+    wrt: Any
+    loss_fn: Callable[..., Any]
+    has_aux: bool
+
+    def __call__(self, params: nnx.State, rest: nnx.State, batch: Any) -> Any:
+        # copy=True: fresh Variables in the current trace. The states may come from an outer trace
+        # (jax.grad passes non-differentiated arguments through as they are, as the accumulating
+        # step does), where NNX refuses the forward pass's writes, and must not be mutated anyway.
+        model = nnx.merge(self.graphdef, params, rest, copy=True)
+        out = unpack_loss_output(self.loss_fn(model, batch), has_aux=self.has_aux, stateful=False)
+        _, _, new_rest = _split(model, self.wrt)
+        return (out.loss, (new_rest, out.metrics)) if self.has_aux else (out.loss, new_rest)
+
+
+class DataParallel:
+    """Data-parallel training of an NNX model: ``loss_fn(model, batch)`` with an optax optimizer.
+
+    A front end over :class:`jddp.DataParallel`: the model is split into its ``graphdef``, the
+    ``wrt`` state (``nnx.Param`` by default; differentiated, reduced and optimised) and the rest
+    (BatchNorm statistics, RNG keys and counts; carried as ``TrainState.model_state``). The core
+    trainer's loss merges the model from the two states, calls ``loss_fn(model, batch)`` and splits
+    the updated rest back out, so every option of :class:`jddp.DataParallel` applies: buckets reduced
+    from inside the backward pass, communication hooks, ``accumulate_steps``/``microbatches``,
+    ``skip_nonfinite``, ``weighted`` masks, ``metrics["comm_bytes"]``. A step on N devices equals a
+    single-device ``nnx.Optimizer`` step on the whole batch for models whose forward pass is
+    per-example (no BatchNorm in training mode).
+
+    The rest is synchronised by ``model_state_sync`` on the last bucket's all-reduce (no collective
+    of its own), with the core trainer's default ``"broadcast"`` (replica 0's state, DDP's
+    ``broadcast_buffers``); ``"mean"`` averages floating-point leaves over devices (BatchNorm
+    running statistics) and still takes replica 0's integer, boolean and PRNG key leaves, which
+    every replica computes identically from replicated values (RNG keys and counts). Dropout masks
+    therefore repeat across devices, as in a DDP job whose ranks share one seed.
+
+    Example::
+
+        model = MLP(rngs=nnx.Rngs(0))
+        ddp = jddp.nnx.DataParallel(model, optax.adam(1e-3),
+                                    loss_fn=lambda m, b: ((m(b["x"]) - b["y"]) ** 2).mean())
+        state = ddp.init()
+        for batch in batches:
+            state, metrics = ddp.step(state, batch)
+        ddp.update(model, state)          # or: trained = ddp.merge(state)
+
+    Args:
+      model: the NNX module; only its structure (``graphdef``) is kept, its values are read by
+        :meth:`init`.
+      optimizer: an optax ``GradientTransformation`` over the ``wrt`` state.
+      loss_fn: ``loss_fn(model, batch) -> loss``, the mean loss over the batch shard; with
+        ``has_aux``, ``(loss, metrics)`` with a dict of float scalar metrics; with ``weighted``,
+        the per-example losses of the shard.
+      wrt: the NNX filter of the trained state (default ``nnx.Param``).
+      has_aux: whether ``loss_fn`` returns ``(loss, metrics)``.
+      **options: every other keyword argument of :class:`jddp.DataParallel` (``mesh``,
+        ``bucket_cap_mb``, ``hook``, ``model_state_sync``, ``accumulate_steps``, ...), with its
+        defaults. With ``model_state_sync="none"``, :meth:`merge` and :meth:`update` use replica
+        0's state.
+
+    Attributes:
+      step: the core trainer's step, ``step(state, batch, mask=None, *, sync=None) -> (state,
+        metrics)``; ``batch`` has the global batch as leading dimension, ``metrics["loss"]`` is the
+        loss averaged over devices. It consumes its input state.
+      graphdef: the model's static structure (``nnx.graphdef(model)``).
+      core: the :class:`jddp.DataParallel` that runs the step.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        optimizer: optax.GradientTransformation,
+        loss_fn: Callable[..., Any],
+        *,
+        wrt: Any = nnx.Param,
+        has_aux: bool = False,
+        **options: Any,
+    ) -> None:
+        if not isinstance(model, nnx.Module):
+            raise TypeError(
+                f"model must be a flax.nnx.Module, got {type(model).__name__}. For Linen or plain "
+                "pytrees of parameters use jddp.DataParallel."
+            )
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+        graphdef = nnx.graphdef(model)
+        core = CoreDataParallel(
+            _ModelLoss(graphdef, wrt, loss_fn, bool(has_aux)), optimizer, has_aux=has_aux,
+            **options,
+        )
+        for name, value in (("graphdef", graphdef), ("wrt", wrt), ("_model", model),
+                            ("core", core), ("step", core.step)):
+            object.__setattr__(self, name, value)
+
+    graphdef: Any
+    wrt: Any
+    core: CoreDataParallel
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"jddp.nnx.DataParallel options are fixed at construction (the step is compiled from "
+            f"them): cannot set {name!r}. Build a new one with the option you want."
+        )
+
+    @property
+    def loss_fn(self) -> Callable[..., Any]:
+        return self.core.loss_fn.loss_fn
+
+    @property
+    def num_devices(self) -> int:
+        """The number of devices of the data mesh (replicas)."""
+        return self.core.num_devices
+
+    @property
+    def model_state_sync(self) -> str:
+        return self.core.model_state_sync
+
+    @property
+    def bucket_plan(self) -> BucketPlan | None:
+        """The bucket plan of the most recently traced step (``None`` before the first step)."""
+        return self.core.bucket_plan
+
+    def split(self, model: nnx.Module | None = None) -> tuple[nnx.State, nnx.State]:
+        """``(params, rest)`` of ``model`` (default: the model given at construction)."""
+        model = self._model if model is None else model
+        graphdef, params, rest = _split(model, self.wrt)
+        if graphdef != self.graphdef:
+            raise ValueError("model does not have the structure of the model this was built with.")
+        return params, rest
+
+    def init(self, model: nnx.Module | None = None) -> TrainState:
+        """The replicated initial state from ``model``'s current values (default: the model given
+        at construction): ``params`` is its ``wrt`` state, ``model_state`` the rest."""
+        params, rest = self.split(model)
+        return self.core.init(params, model_state=rest)
+
+    def _model_state(self, state: TrainState) -> Any:
+        if self.model_state_sync == "none":  # one copy per replica: take replica 0's
+            return jax.tree.map(lambda x: x[0], state.model_state)
+        return state.model_state
+
+    def merge(self, state: TrainState) -> nnx.Module:
+        """A new model with the parameters and model state of ``state``."""
+        return nnx.merge(self.graphdef, state.params, self._model_state(state))
+
+    def update(self, model: nnx.Module, state: TrainState) -> None:
+        """Writes the parameters and model state of ``state`` into ``model`` in place."""
+        nnx.update(model, state.params, self._model_state(state))
+
+    def abstract_state(self, model: nnx.Module | None = None) -> TrainState:
+        """The TrainState :meth:`init` would build, as shape structs with shardings."""
+        params, rest = self.split(model)
+        return self.core.abstract_state(params, rest)
+
+    def lower(self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
+              step: int | None = None) -> jax.stages.Lowered:
+        """Lowers the step for ``state`` (a TrainState or :meth:`abstract_state`) and ``batch``
+        (arrays or ``jax.ShapeDtypeStruct``s): ``self.step.lower``. ``.compile().as_text()`` is
+        the compiled HLO."""
+        return self.step.lower(state, batch, mask, sync=sync, step=step)

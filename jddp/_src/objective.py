@@ -1,0 +1,267 @@
+"""The user's loss function, as the step differentiates and reduces it.
+
+``DataParallel`` accepts four shapes of ``loss_fn`` (``model_state`` present when ``init`` was given
+one):
+
+================================  ============================================================
+call                              returns
+================================  ============================================================
+``loss_fn(params, batch)``        ``loss`` or, with ``has_aux``, ``(loss, metrics)``
+``loss_fn(params, ms, batch)``    ``(loss, new_ms)`` or, with ``has_aux``,
+                                  ``(loss, (new_ms, metrics))``
+================================  ============================================================
+
+:func:`unpack_loss_output` is the one reader of that convention. ``loss`` is the scalar mean over
+the device's shard, or with ``weighted=True`` the unreduced losses of the shard (per example, or
+any shape the weights have, e.g. per token). ``metrics`` is a dict of scalars (averaged over
+devices), and with ``weighted=True`` may also hold arrays shaped like the loss (averaged over the
+real examples).
+
+:class:`Objective` turns any of them into one function ``(params, model_state, batch, weights) ->
+(scalar, LocalAux)``, the function the step traces once and differentiates. Every mean the step
+reports is a ratio of sums over devices and micro-batches (:class:`LocalAux`): the numerator is the
+loss (``weighted``: the weighted loss sum), the denominator the weight (1 per micro-batch;
+``weighted``: the real-example weight). Both ride on the last bucket's all-reduce
+(:class:`Extras`), and the gradient is divided by the same denominator after the reduction
+(division is linear, so it can follow the reduction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jddp._src import model_state as ms_lib
+from jddp._src.checks import check_scalar_loss
+
+_RESERVED_METRICS = ("loss", "comm_bytes", "skipped", "synced")
+
+
+class LossOutput(NamedTuple):
+    """What a ``loss_fn`` returned, in one form."""
+
+    loss: Any
+    model_state: Any
+    metrics: dict
+
+
+def unpack_loss_output(out: Any, *, has_aux: bool, stateful: bool) -> LossOutput:
+    """Reads ``loss_fn``'s output under the convention in the module docstring."""
+    if not stateful:
+        if not has_aux:
+            return LossOutput(out, None, {})
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise TypeError(
+                f"With has_aux=True, loss_fn must return (loss, metrics), got {type(out).__name__}."
+            )
+        return LossOutput(out[0], None, out[1])
+    form = "(loss, (new_model_state, metrics))" if has_aux else "(loss, new_model_state)"
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError(
+            "With model state (init(params, model_state=...)), loss_fn(params, model_state, "
+            f"batch) must return {form}, got {type(out).__name__}."
+        )
+    if not has_aux:
+        return LossOutput(out[0], out[1], {})
+    if not isinstance(out[1], tuple) or len(out[1]) != 2:
+        raise TypeError(
+            f"With model state and has_aux=True, loss_fn must return {form}; the second "
+            f"element is {type(out[1]).__name__}, not a (new_model_state, metrics) pair."
+        )
+    return LossOutput(out[0], out[1][0], out[1][1])
+
+
+class LocalAux(NamedTuple):
+    """One device's values for one micro-batch, besides the differentiated scalar.
+
+    Attributes:
+      model_state: the new model state (or ``None``).
+      metrics: scalar metrics (float32), averaged over devices and micro-batches.
+      sums: numerators of ratio metrics: ``"loss"`` and, with ``weighted``, metrics shaped like
+        the loss (float32 scalars).
+      weight: the denominator of every ratio (float32 scalar): 1, or with ``weighted`` the real
+        examples' weight (normalised by the shard size, like the loss).
+    """
+
+    model_state: Any
+    metrics: dict
+    sums: dict
+    weight: Any
+
+
+class Extras(NamedTuple):
+    """What rides on the last bucket's all-reduce (local values in, means over devices out).
+
+    Fields that are the same on every device are not sent (``None``): without ``weighted`` every
+    micro-batch weighs 1, so the window's weight is a count the host knows.
+
+    Attributes:
+      metrics: this call's scalar metrics, summed over its micro-batches.
+      sums: this call's ratio numerators other than the loss (``weighted`` only).
+      weight: this call's ratio denominator (``weighted`` only).
+      window_loss: the window's loss numerator (earlier calls of an accumulation window included).
+      window_weight: the window's denominator, which also divides the gradient (``weighted`` only).
+      state: the model-state payload (see :func:`jddp._src.model_state.encode_state`).
+    """
+
+    metrics: dict
+    sums: dict
+    weight: Any
+    window_loss: Any
+    window_weight: Any
+    state: Any
+
+
+def _f32(x: Any) -> jax.Array:
+    return jnp.asarray(x, jnp.float32)
+
+
+class Objective(NamedTuple):
+    """A user ``loss_fn`` as the step differentiates it (see the module docstring).
+
+    Attributes:
+      loss_fn: the user's loss function.
+      has_aux: whether it returns metrics.
+      stateful: whether it takes and returns model state.
+      weighted: whether it returns unreduced losses, to be weighted by the step's ``mask``.
+      model_state_sync: how new model state is made consistent across replicas.
+    """
+
+    loss_fn: Callable[..., Any]
+    has_aux: bool
+    stateful: bool
+    weighted: bool
+    model_state_sync: str
+
+    def __call__(self, params: Any, model_state: Any, batch: Any, weights: Any) -> tuple:
+        """``(scalar, LocalAux)``: the differentiated scalar and everything else, locally.
+
+        With ``weighted``, the scalar is ``sum(weights * losses) / weights.size`` (the gradient is
+        divided by the reduced weight later), so local gradients have the magnitude of a mean loss
+        while they are reduced, as hooks expect.
+        """
+        out = self.loss_fn(params, model_state, batch) if self.stateful else self.loss_fn(
+            params, batch
+        )
+        loss, new_state, metrics = unpack_loss_output(
+            out, has_aux=self.has_aux, stateful=self.stateful
+        )
+        if self.stateful:
+            ms_lib.check_same_state(model_state, new_state)
+        metrics = _check_metrics(metrics)
+        if not self.weighted:
+            check_scalar_loss(loss)
+            for k, v in metrics.items():
+                if jnp.shape(v) != ():
+                    raise ValueError(
+                        f"aux metric {k!r} has shape {jnp.shape(v)}; metrics must be scalars "
+                        "(they are averaged over devices)."
+                    )
+            aux = LocalAux(new_state, {k: _f32(v) for k, v in metrics.items()},
+                           {"loss": _f32(loss)}, jnp.ones((), jnp.float32))
+            return loss, aux
+        shape = jnp.shape(weights)
+        if jnp.shape(loss) != shape or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+            raise TypeError(
+                "With weighted=True, loss_fn must return the unreduced losses, shaped like the "
+                f"mask: a float array of shape {tuple(shape)} for a device's shard, got "
+                f"{jnp.result_type(loss)}{list(jnp.shape(loss))}. Return the per-example (or "
+                "per-token) losses; the step averages them over the real (mask != 0) entries."
+            )
+        size = max(1, int(jnp.size(weights)))
+        w = weights.astype(loss.dtype)
+        # where(): a padded example's loss is dropped even if it is Inf/NaN (0 * Inf is NaN).
+        total = jnp.sum(jnp.where(w != 0, w * loss, 0))
+        sums = {"loss": _f32(total) / size}
+        scalars = {}
+        for k, v in metrics.items():
+            if jnp.shape(v) == shape:
+                wv = w.astype(jnp.float32) * _f32(v)
+                sums[k] = jnp.sum(jnp.where(w != 0, wv, 0)) / size
+            elif jnp.shape(v) == ():
+                scalars[k] = _f32(v)
+            else:
+                raise ValueError(
+                    f"aux metric {k!r} has shape {jnp.shape(v)}; with weighted=True metrics must "
+                    f"be scalars or arrays shaped like the loss {tuple(shape)}."
+                )
+        weight = jnp.sum(weights.astype(jnp.float32)) / size
+        return total / size, LocalAux(new_state, scalars, sums, weight)
+
+    def extras(self, aux: LocalAux, window_loss: Any, window_weight: Any, axis_name: Any,
+               n: int) -> Extras:
+        """The local values to average on the last bucket's all-reduce.
+
+        Args:
+          aux: this call's sums over its micro-batches.
+          window_loss: the window's loss numerator.
+          window_weight: the window's denominator.
+        """
+        state = ()
+        if self.stateful:
+            state = ms_lib.encode_state(aux.model_state, self.model_state_sync, axis_name, n)
+        if not self.weighted:
+            return Extras(aux.metrics, {}, None, window_loss, None, state)
+        sums = {k: v for k, v in aux.sums.items() if k != "loss"}
+        return Extras(aux.metrics, sums, aux.weight, window_loss, window_weight, state)
+
+    def extras_shape(self, aux_shape: LocalAux, n: int) -> Extras:
+        """Shape structs of :meth:`extras` for a :class:`LocalAux` of shape structs ``aux_shape``."""
+        scalar = jax.ShapeDtypeStruct((), jnp.float32)
+        state = ()
+        if self.stateful:
+            state = ms_lib.payload_shape(aux_shape.model_state, self.model_state_sync, n)
+        metrics = {k: scalar for k in aux_shape.metrics}
+        if not self.weighted:
+            return Extras(metrics, {}, None, scalar, None, state)
+        sums = {k: scalar for k in aux_shape.sums if k != "loss"}
+        return Extras(metrics, sums, scalar, scalar, scalar, state)
+
+    def decode_state(self, mean: Extras, local_state: Any, n: int) -> Any:
+        """The synchronised new model state from the averaged payload."""
+        if not self.stateful:
+            return None
+        return ms_lib.decode_state(mean.state, local_state, self.model_state_sync, n)
+
+
+def _check_metrics(metrics: Any) -> dict:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise TypeError(
+            "The metrics returned by loss_fn (has_aux=True) must be a dict of scalars, got "
+            f"{type(metrics).__name__}."
+        )
+    for key in _RESERVED_METRICS:  # the step sets them
+        if key in metrics:
+            raise ValueError(f"loss_fn's aux metrics must not use the key {key!r}.")
+    return metrics
+
+
+def _ratio(num: Any, den: Any) -> Any:
+    """``num / den``, and 0 where ``den`` is 0 (a window without real examples)."""
+    nonzero = den > 0
+    return jnp.where(nonzero, num / jnp.where(nonzero, den, 1.0), 0.0)
+
+
+def mean_metrics(mean: Extras, micro_per_call: int, window_count: Any) -> dict:
+    """The step's reported metrics from the averaged extras.
+
+    ``"loss"`` is the window's mean; ratio metrics are this call's means over real examples;
+    scalar metrics are this call's means over micro-batches and devices.
+
+    Args:
+      micro_per_call: micro-batches per call.
+      window_count: micro-batches in the window (the denominator without ``weighted``).
+    """
+    out = {k: v / micro_per_call for k, v in mean.metrics.items()}
+    if mean.window_weight is None:
+        out["loss"] = mean.window_loss / window_count
+        return out
+    for k, v in mean.sums.items():
+        out[k] = _ratio(v, mean.weight)
+    out["loss"] = _ratio(mean.window_loss, mean.window_weight)
+    return out

@@ -1,0 +1,101 @@
+"""The trainer's options: their types, and the one validator of each (clear errors, early)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, get_args
+
+import jax.numpy as jnp
+import numpy as np
+
+from jddp._src.tree import MiB
+
+Chain = Literal["auto", "add", "barrier", "none"]
+ModelStateSync = Literal["broadcast", "mean", "none"]
+
+CHAIN_MODES: tuple[str, ...] = get_args(Chain)
+SYNC_MODES: tuple[str, ...] = get_args(ModelStateSync)
+
+DEFAULT_BUCKET_CAP_MB = 25.0  # PyTorch DDP's bucket_cap_mb
+DEFAULT_FIRST_BUCKET_MB = 1.0  # PyTorch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def cap_bytes(mb: Any, name: str) -> int:
+    """A cap in MiB as bytes; raises for a cap that is not a positive, finite number."""
+    if isinstance(mb, bool):
+        raise TypeError(f"{name} must be a number of MiB, got {mb!r}.")
+    try:
+        value = float(mb)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number of MiB, got {mb!r}.") from None
+    if math.isnan(value) or math.isinf(value) or value <= 0:
+        raise ValueError(
+            f"{name} must be a positive, finite number of MiB, got {mb!r}. "
+            f"DDP's defaults are bucket_cap_mb={DEFAULT_BUCKET_CAP_MB} and "
+            f"first_bucket_mb={DEFAULT_FIRST_BUCKET_MB}."
+        )
+    return max(1, int(value * MiB))
+
+
+def bucket_caps(bucket_cap_mb: Any, first_bucket_mb: Any) -> tuple[int, int]:
+    """``(cap, first)`` in bytes: both valid, and the first bucket no larger than the cap."""
+    cap = cap_bytes(bucket_cap_mb, "bucket_cap_mb")
+    first = cap_bytes(first_bucket_mb, "first_bucket_mb")
+    if first > cap:
+        raise ValueError(
+            f"first_bucket_mb ({first_bucket_mb}) is larger than bucket_cap_mb ({bucket_cap_mb}); "
+            "the first bucket is meant to be small. Lower first_bucket_mb or raise bucket_cap_mb."
+        )
+    return cap, first
+
+
+def chain(mode: Any) -> Chain:
+    """``mode`` if it is one of :data:`CHAIN_MODES`."""
+    if mode not in CHAIN_MODES:
+        raise ValueError(
+            f"chain must be one of {CHAIN_MODES}, got {mode!r}. 'auto' picks 'barrier' on GPU and "
+            "'add' on CPU and TPU; 'none' lets XLA combine the buckets' collectives as it likes."
+        )
+    return mode
+
+
+def model_state_sync(mode: Any) -> ModelStateSync:
+    """``mode`` if it is one of :data:`SYNC_MODES`."""
+    if mode not in SYNC_MODES:
+        raise ValueError(
+            f"model_state_sync must be one of {SYNC_MODES}, got {mode!r}. 'broadcast' takes "
+            "replica 0's state (DDP's broadcast_buffers), 'mean' averages it (SyncBatchNorm-like "
+            "statistics), 'none' keeps one state per replica."
+        )
+    return mode
+
+
+def count(value: Any, name: str) -> int:
+    """A positive int option (``accumulate_steps``, ``microbatches``)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}.")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1 (1 means no accumulation), got {value}.")
+    return int(value)
+
+
+def float_dtype(dtype: Any, name: str) -> np.dtype | None:
+    """``None``, or ``dtype`` as a floating NumPy dtype."""
+    if dtype is None:
+        return None
+    try:
+        out = np.dtype(jnp.dtype(dtype))
+    except TypeError as e:
+        raise TypeError(f"{name} must be a floating dtype, got {dtype!r}.") from e
+    if not jnp.issubdtype(out, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype, got {out}.")
+    return out
+
+
+def step_sync(sync: Any) -> bool | None:
+    """The ``sync`` argument of a step: ``None``, ``True`` or ``False`` (static)."""
+    if sync is not None and not isinstance(sync, bool | np.bool_):
+        raise TypeError(
+            f"sync must be None, True or False (a static Python bool), got {type(sync).__name__}."
+        )
+    return None if sync is None else bool(sync)

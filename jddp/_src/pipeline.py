@@ -1,0 +1,474 @@
+"""The training step, written once, as pure functions of a :class:`StepConfig`.
+
+The data path of one ``ddp.step(state, batch)`` (every front end and mode goes through it):
+
+1. :func:`train_step` (the jitted function, global view): trace-time checks of the state, batch and
+   mask; then the per-device part under ``jax.shard_map``; then :func:`_apply_update`.
+2. :func:`_local_step` (per device):
+
+   a. the loss is traced **once**, on this call's last micro-batch (:func:`jddp._src.jaxpr.trace`);
+   b. the bucket plan is read from that jaxpr (:func:`jddp._src.planner.plan_traced`), or the
+      fixed plan is checked against the parameters;
+   c. a *synchronising* call (every plain step) sums the local gradients of the window so far (the
+      accumulator, and this call's first ``m - 1`` micro-batches, scanned over the same jaxpr), then
+      evaluates the jaxpr on the last micro-batch with one reducing backward hook per bucket
+      (:func:`jddp._src.reduction.bucketed_vjp`); metrics, the window's weight and the model-state
+      payload ride on the last bucket's all-reduce;
+   d. a call that does not synchronise adds its micro-batches' local gradients to the accumulator
+      and runs no collective.
+
+3. :func:`_apply_update` (global view): the optimizer on the reduced gradients, the skip decision
+   (non-finite gradients, an empty weighted window), and the new :class:`TrainState`.
+
+Where to add a feature: a new reduction (reduce-scatter, hierarchical) is a hook or a change to
+:func:`jddp._src.reduction.bucketed_vjp`; a new state layout goes into :func:`state_specs` and
+:func:`build_state`; a new per-call quantity goes into :class:`jddp._src.objective.LocalAux` and
+:class:`jddp._src.objective.Extras`, which carry it to the last bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jddp._src import accumulation as acc_lib
+from jddp._src import jaxpr as jaxpr_lib
+from jddp._src import vma
+from jddp._src.checks import check_batch, check_float_params, check_mask
+from jddp._src.config import StepConfig
+from jddp._src.hooks import init_hook_state, plan_bytes_sent
+from jddp._src.nonfinite import all_finite, select_tree
+from jddp._src.objective import LocalAux, Objective, mean_metrics
+from jddp._src.planner import BucketPlan, plan_traced
+from jddp._src.reduction import bucketed_vjp
+from jddp._src.state import AccumState, TrainState
+from jddp._src.tree import add_device_dim, broadcast_to_devices, strip_device_dim
+
+PlanObserver = Callable[[BucketPlan], None]
+
+
+def objective(cfg: StepConfig, stateful: bool) -> Objective:
+    """The user's loss as the step differentiates it."""
+    return Objective(cfg.loss_fn, cfg.has_aux, stateful, cfg.weighted, cfg.model_state_sync)
+
+
+# ------------------------------------------------------------------------------------ state
+
+
+def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainState:
+    """The initial :class:`TrainState` (pure; :func:`state_shardings` places it)."""
+    n = cfg.num_devices
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=cfg.optimizer.init(params),
+        # With model_state_sync="none" each replica keeps its own copy.
+        model_state=broadcast_to_devices(model_state, n) if cfg.per_device_model_state
+        else model_state,
+        hook_state=broadcast_to_devices(init_hook_state(cfg.hook, params), n),
+        accum=acc_lib.init_accum(params, n, cfg.accumulator_dtype, model_state)
+        if cfg.accumulates else None,
+    )
+
+
+def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
+    """Partition specs of a state: replicated, except the per-device hook and accumulator state
+    (and model state with ``model_state_sync="none"``), sharded on their leading device axis."""
+    axis = cfg.axis_name
+    rep = lambda tree: jax.tree.map(lambda _: P(), tree)
+    per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
+    return TrainState(
+        step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
+        params=rep(state.params),
+        opt_state=rep(state.opt_state),
+        model_state=(per_device if cfg.per_device_model_state else rep)(state.model_state),
+        hook_state=per_device(state.hook_state),
+        accum=acc_lib.accum_specs(state.accum, axis),
+    )
+
+
+def state_shardings(cfg: StepConfig, state: TrainState) -> TrainState:
+    """``NamedSharding``s of a state (or of its shape structs) on the data mesh."""
+    return jax.tree.map(
+        lambda s: NamedSharding(cfg.mesh, s), state_specs(cfg, state),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def abstract_state(cfg: StepConfig, params_like: Any, model_state_like: Any = None) -> TrainState:
+    """The state :func:`build_state` would give, as shape structs with shardings."""
+    abstract = jax.eval_shape(functools.partial(build_state, cfg), params_like, model_state_like)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract, state_shardings(cfg, abstract),
+    )
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def check_step_inputs(
+    cfg: StepConfig, state: Any, batch: Any, mask: Any, sync: bool | None
+) -> Any:
+    """Trace-time checks of one step call; returns the mask as float32 weights (or ``None``)."""
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"step expects the TrainState returned by init (or a previous step), got "
+            f"{type(state).__name__}."
+        )
+    check_float_params(state.params)
+    expected = jax.eval_shape(cfg.optimizer.init, state.params)
+    if jax.tree.structure(expected) != jax.tree.structure(state.opt_state):  # type: ignore[operator]
+        raise ValueError(
+            "state.opt_state does not match this DataParallel's optimizer: it was built for "
+            f"another optimizer or other params.\n  expected: {jax.tree.structure(expected)}\n"
+            f"  got:      {jax.tree.structure(state.opt_state)}\nBuild the state with this "
+            "DataParallel's init(), or restore a checkpoint saved with the same optimizer."
+        )
+    n = cfg.num_devices
+    size = check_batch(batch, n)
+    acc_lib.check_accum(state, cfg.accumulate_steps, n)
+    if sync is False and not cfg.accumulates:
+        raise ValueError(
+            "step(..., sync=False) accumulates gradients, which needs an accumulator: create "
+            "the DataParallel with accumulate_steps=k (k > 1; the k-th call of step(state, "
+            "batch) synchronises, or choose with sync=True/False)."
+        )
+    if cfg.microbatches > 1:
+        acc_lib.check_microbatches(size // n, cfg.microbatches, n)
+    if not cfg.weighted:
+        if mask is not None:
+            raise ValueError(
+                "step got a mask, but this DataParallel averages per-shard mean losses. "
+                "Construct it with weighted=True and make loss_fn return per-example losses."
+            )
+        return None
+    if mask is None:
+        return jnp.ones((size,), jnp.float32)
+    return check_mask(mask, size)
+
+
+# ------------------------------------------------------------------------------------ the step
+
+
+class LocalResult(NamedTuple):
+    """What the per-device part of a step returns (see :func:`result_specs`).
+
+    Attributes:
+      grads: the reduced gradients (zeros on a call that did not synchronise).
+      metrics: replicated metrics.
+      local_metrics: per-device metrics (leading device dimension).
+      model_state: the new synchronised model state (per device with ``"none"``).
+      hook_state: the hook's new per-device state.
+      accum: the new accumulator (or ``None``).
+      synced: whether this call reduced (a bool scalar).
+      nonempty: whether the window had real examples (always true unless ``weighted``).
+    """
+
+    grads: Any
+    metrics: dict
+    local_metrics: dict
+    model_state: Any
+    hook_state: Any
+    accum: AccumState | None
+    synced: Any
+    nonempty: Any
+
+
+def _result_specs(cfg: StepConfig, state: TrainState) -> LocalResult:
+    axis = cfg.axis_name
+    return LocalResult(
+        grads=P(), metrics=P(), local_metrics=P(axis),  # type: ignore[arg-type]
+        model_state=P(axis) if cfg.per_device_model_state else P(),
+        hook_state=P(axis), accum=acc_lib.accum_specs(state.accum, axis),
+        synced=P(), nonempty=P(),
+    )
+
+
+def _varying(tree: Any, axis: Any) -> Any:
+    return jax.tree.map(lambda x: vma.to_varying(x, axis), tree)
+
+
+def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
+    """The model state this device's micro-batches start from, typed as varying (it becomes
+    per-device as soon as a micro-batch updates it, and scan carries keep one type).
+
+    That is the synchronised ``state.model_state`` at the start of a window and the device's own
+    state of the previous no-sync call inside one (``state.accum.model_state``).
+    """
+    ms = state.model_state
+    if ms is None:
+        return None
+    if cfg.per_device_model_state:
+        ms = strip_device_dim(ms)
+    ms = _varying(ms, cfg.axis_name)
+    acc = state.accum
+    if acc is None:
+        return ms
+    # A select, not a reset on sync: see accumulation.live (the stale slot is never rewritten).
+    fresh = acc.count == 0
+    return jax.tree.map(lambda s, a: jnp.where(fresh, s, a[0]), ms, acc.model_state)
+
+
+def _plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any,
+          observer: PlanObserver | None) -> BucketPlan:
+    if cfg.fixed_plan is not None:
+        cfg.fixed_plan.check_tree(params)
+        plan = cfg.fixed_plan
+    else:
+        plan = plan_traced(
+            traced, params, cap_bytes=cfg.cap_bytes, first_bytes=cfg.first_bytes,
+            keep_unused=cfg.keep_unused, loss_outputs=1,
+        )
+    if observer is not None:
+        observer(plan)
+    return plan
+
+
+def _aux_zeros(aux_shape: LocalAux, axis: Any) -> acc_lib.Sums:
+    """Per-device zeros for the aux sums of :class:`jddp._src.accumulation.Sums`."""
+    return acc_lib.Sums(
+        grads=None,
+        metrics=acc_lib.varying_zeros(aux_shape.metrics, axis),
+        sums=acc_lib.varying_zeros(aux_shape.sums, axis),
+        weight=vma.to_varying(jnp.zeros((), jnp.float32), axis),
+        model_state=None,
+    )
+
+
+def _metric_keys(aux_shape: LocalAux) -> list[str]:
+    return [*aux_shape.metrics, *(k for k in aux_shape.sums if k != "loss"), "loss"]
+
+
+def _skips(cfg: StepConfig) -> bool:
+    """Whether a synchronising call can skip its update (and reports ``"skipped"``)."""
+    return cfg.skip_not_finite or cfg.weighted
+
+
+def _local_step(
+    cfg: StepConfig,
+    obj: Objective,
+    observer: PlanObserver | None,
+    sync: bool | None,
+    phase: Any,
+    state: TrainState,
+    batch: Any,
+    weights: Any,
+) -> LocalResult:
+    """The per-device step (inside ``shard_map``); see the module docstring."""
+    axis, n, m = cfg.axis_name, cfg.num_devices, cfg.microbatches
+    acc = state.accum
+    params_v = _varying(state.params, axis)
+    ms0 = _start_model_state(cfg, state)
+    if m > 1:
+        micro = acc_lib.split_microbatches(batch, m)
+        wmicro = None if weights is None else acc_lib.split_microbatches(weights, m)
+        last, w_last = jax.tree.map(lambda x: x[m - 1], (micro, wmicro))
+    else:
+        micro, wmicro = jax.tree.map(lambda x: x[None], (batch, weights))
+        last, w_last = batch, weights
+    # The one trace of the user's loss in this program: planning, the scanned micro-batches, the
+    # accumulating branch and the reducing evaluation all read this jaxpr.
+    traced = jaxpr_lib.trace(obj, params_v, ms0, last, w_last)
+    plan = _plan(cfg, traced, state.params, observer)
+    aux_shape: LocalAux = traced.out_shapes[1]
+    grad_fn = jax.grad(jaxpr_lib.as_function(traced), has_aux=True)
+    hook_state = strip_device_dim(state.hook_state)
+
+    def synchronise(state: TrainState) -> LocalResult:
+        acc = state.accum
+        call = _aux_zeros(aux_shape, axis)
+        if acc is not None:
+            live_grads, live_loss, live_weight = acc_lib.live(acc)
+            offset = strip_device_dim(live_grads)
+            window_loss0, window_weight0 = live_loss[0], live_weight[0]
+        else:
+            offset = None
+            window_loss0 = window_weight0 = jnp.zeros((), jnp.float32)
+        ms_last = ms0
+        if m > 1:
+            if offset is None:
+                offset = acc_lib.varying_zeros(
+                    jax.tree.map(lambda p: jax.ShapeDtypeStruct(
+                        jnp.shape(p), acc_lib.accumulator_dtype(jnp.result_type(p),
+                                                                cfg.accumulator_dtype)),
+                                 state.params), axis)
+            head = jax.tree.map(lambda x: x[: m - 1], (micro, wmicro))
+            call = acc_lib.local_sums(grad_fn, params_v, *head, call._replace(
+                grads=offset, model_state=ms0))
+            offset, ms_last = call.grads, call.model_state
+        # The mean over the window's micro-batches: a static count, or one read from the state
+        # (a window cut short by an early sync=True still averages correctly).
+        count = float(m) if acc is None else (acc.count + 1).astype(jnp.float32) * m
+        seed = None if acc is None and m == 1 else 1.0 / count
+        offset_leaves = None
+        if offset is not None:
+            offset_leaves = [o * jnp.asarray(seed, o.dtype) for o in jax.tree.leaves(offset)]
+
+        def extras(out: Any) -> Any:
+            aux: LocalAux = out[1]
+            metrics = acc_lib.add(call.metrics, aux.metrics)
+            sums = acc_lib.add(call.sums, aux.sums)
+            weight = call.weight + aux.weight
+            totals = LocalAux(aux.model_state, metrics, sums, weight)
+            return obj.extras(totals, window_loss0 + sums["loss"], window_weight0 + weight,
+                              axis, n)
+
+        red = bucketed_vjp(
+            traced, jax.tree.leaves(state.params), (ms_last, last, w_last), plan=plan,
+            axis_name=axis, hook=cfg.hook, hook_state=hook_state, step=state.step, phase=phase, chain=cfg.chain, seed=seed,
+            offset=offset_leaves, extras_fn=extras, extras_shape=obj.extras_shape(aux_shape, n),
+        )
+        mean = red.extras
+        grads = jax.tree.unflatten(jax.tree.structure(state.params), red.grads)
+        nonempty = jnp.asarray(True)
+        if cfg.weighted:
+            # grads = mean_dev(sum of local gradients) / count; the wanted mean divides the sum
+            # over devices by the window's real weight, which rode on the last bucket.
+            nonempty = mean.window_weight > 0
+            scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
+            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        metrics = mean_metrics(mean, m, count)
+        metrics["comm_bytes"] = plan_bytes_sent(cfg.hook, plan, n, state.step)
+        local: dict = {}
+        new_accum = None
+        if acc is not None:
+            metrics["synced"] = jnp.asarray(True)
+            aux_last: LocalAux = red.out[1]
+            call_loss = call.sums["loss"] + aux_last.sums["loss"]
+            call_weight = call.weight + aux_last.weight
+            local["local_loss"] = jnp.where(call_weight > 0, call_loss / call_weight, 0.0)[None]
+            # Only the counter is reset, also when the update is skipped (the window is consumed
+            # either way); the stale sums are masked by accumulation.live (no write, no copy).
+            new_accum = acc.replace(count=jnp.zeros((), jnp.int32))
+        new_ms = obj.decode_state(mean, red.out[1].model_state, n)
+        if new_ms is not None and cfg.per_device_model_state:
+            new_ms = add_device_dim(new_ms)
+        return LocalResult(
+            grads, metrics, local, new_ms, add_device_dim(red.hook_state), new_accum,
+            jnp.asarray(True), nonempty,
+        )
+
+    def accumulate(state: TrainState) -> LocalResult:
+        acc = state.accum
+        assert acc is not None
+        live_grads, live_loss, live_weight = acc_lib.live(acc)
+        call = acc_lib.local_sums(grad_fn, params_v, micro, wmicro, _aux_zeros(aux_shape, axis)
+                                  ._replace(grads=live_grads, model_state=ms0))
+        # Model state advances locally; TrainState.model_state stays the synchronised one until
+        # the window's sync call.
+        new_accum = AccumState(
+            count=acc.count + 1, grads=call.grads, loss=live_loss + call.sums["loss"][None],
+            weight=live_weight + call.weight[None], model_state=add_device_dim(call.model_state),
+        )
+        # The global metrics need a collective: "not computed" (see docs/accumulate.md).
+        metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(aux_shape)}
+        metrics["comm_bytes"] = jnp.zeros((), jnp.float32)  # nothing is sent
+        metrics["synced"] = jnp.asarray(False)
+        loss = jnp.where(call.weight > 0, call.sums["loss"] / call.weight, 0.0)
+        return LocalResult(
+            jax.tree.map(jnp.zeros_like, state.params), metrics, {"local_loss": loss[None]},
+            state.model_state, state.hook_state, new_accum, jnp.asarray(False), jnp.asarray(True),
+        )
+
+    if acc is None or sync is True:
+        return synchronise(state)
+    if sync is False:
+        return accumulate(state)
+    # optax.MultiSteps semantics: the replicated counter picks the branch, in one program.
+    return lax.cond(acc.count + 1 >= cfg.accumulate_steps, synchronise, accumulate, state)
+
+
+def _apply_update(
+    cfg: StepConfig, state: TrainState, res: LocalResult, sync: bool | None
+) -> tuple[TrainState, dict]:
+    """The optimizer on the reduced gradients and the new state (global view)."""
+    metrics = {**res.metrics, **res.local_metrics}
+    if state.accum is not None and sync is False:
+        if _skips(cfg):
+            metrics["skipped"] = jnp.zeros((), jnp.float32)  # nothing applied, nothing skipped
+        return state.replace(accum=res.accum), metrics
+
+    def update() -> TrainState:
+        updates, opt_state = cfg.optimizer.update(res.grads, state.opt_state, state.params)
+        return state.replace(
+            step=state.step + 1, params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state, model_state=res.model_state, hook_state=res.hook_state,
+            accum=None,
+        )
+
+    kept = state.replace(accum=None)
+    checks = []
+    if cfg.skip_not_finite:
+        # Reduced gradients are identical on every replica: so is this decision.
+        checks.append(all_finite(res.grads))
+    if cfg.weighted:
+        checks.append(res.nonempty)
+
+    def guarded() -> TrainState:
+        new = update()
+        if not checks:
+            return new
+        return select_tree(functools.reduce(jnp.logical_and, checks), new, kept)
+
+    if state.accum is not None and sync is None:
+        # Only the synchronising calls run the optimizer.
+        new_state = lax.cond(res.synced, guarded, lambda: kept)
+    else:
+        new_state = guarded()
+    if checks:
+        ok = functools.reduce(jnp.logical_and, checks)
+        metrics["skipped"] = jnp.where(
+            jnp.logical_and(res.synced, jnp.logical_not(ok)), 1.0, 0.0
+        ).astype(jnp.float32)
+    # The accumulator is left out of the selections above: selecting it would copy the donated
+    # sums.
+    return new_state.replace(accum=res.accum), metrics
+
+
+def train_step(
+    cfg: StepConfig,
+    observer: PlanObserver | None,
+    state: TrainState,
+    batch: Any,
+    mask: Any = None,
+    *,
+    sync: bool | None = None,
+    phase: Any = None,
+) -> tuple[TrainState, dict]:
+    """One training step (the function ``ddp.step`` jits); see the module docstring.
+
+    Args:
+      observer: called with the bucket plan at trace time (the trainer reports it and warns
+        about unused parameters once); ``None`` for nothing.
+      sync: with accumulation, whether this call synchronises (static; ``None``: the state's
+        counter decides).
+      phase: the hook's static phase for this step (``hook.phase(step)``).
+    """
+    weights = check_step_inputs(cfg, state, batch, mask, sync)
+    obj = objective(cfg, state.model_state is not None)
+    data = P(cfg.axis_name)
+    local = jax.shard_map(
+        functools.partial(_local_step, cfg, obj, observer, sync, phase),
+        mesh=cfg.mesh,
+        in_specs=(state_specs(cfg, state), data, data),
+        out_specs=_result_specs(cfg, state),
+        check_vma=True,
+    )
+    return _apply_update(cfg, state, local(state, batch, weights), sync)
+
+
+def plan(cfg: StepConfig, state_like: Any, batch_like: Any, mask_like: Any = None) -> BucketPlan:
+    """The bucket plan the step uses for these inputs (traced, not compiled or run)."""
+    found: list[BucketPlan] = []
+    jax.eval_shape(functools.partial(train_step, cfg, found.append), state_like, batch_like,
+                   mask_like)
+    return found[-1]

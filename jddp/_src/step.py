@@ -1,0 +1,162 @@
+"""``ddp.step``: the compiled training step, and what happens on the host around each call."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jddp._src import options, pipeline
+from jddp._src.config import StepConfig
+from jddp._src.planner import BucketPlan, unused_message
+from jddp._src.state import TrainState
+
+
+class PlanLog:
+    """The plans a step was traced with: the latest one, and the unused-parameter warning once.
+
+    DDP searches for unused parameters on every iteration (``find_unused_parameters``); here the
+    question is answered once per compile, from the traced loss, and reported once per trainer.
+    """
+
+    def __init__(self) -> None:
+        self.latest: BucketPlan | None = None
+        self._warned = False
+
+    def __call__(self, plan: BucketPlan) -> None:
+        self.latest = plan
+        if plan.unused and not self._warned:
+            self._warned = True
+            warnings.warn(unused_message([plan.paths[i] for i in plan.unused]), stacklevel=2)
+
+
+def _check_live(state: Any) -> None:
+    """A clear error, before dispatch, for a state whose buffers a previous step consumed.
+
+    With donation (the default) a step's input state is deleted. Passing it again would make JAX
+    raise deep inside dispatch on one device and crash the process on several (a donated,
+    replicated array segfaults XLA:CPU), so the check runs before every call. Every leaf of a
+    donated state is deleted together, so the step counter stands for all of them; a state mixing
+    consumed and live leaves is also caught, at the cost of one flatten of the params.
+    """
+    step = getattr(state, "step", None)
+    dead = isinstance(step, jax.Array) and step.is_deleted()
+    if not dead:
+        params = getattr(state, "params", None)
+        dead = any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(params))
+    if dead:
+        raise ValueError(
+            "This TrainState was consumed by an earlier step: step() donates its input state's "
+            "buffers to the new state (like an in-place update), so the old one cannot be used "
+            "again. Use the state that step returned (state, metrics = ddp.step(state, batch)), "
+            "or build the DataParallel with donate=False to keep inputs alive."
+        )
+
+
+class Step:
+    """``ddp.step(state, batch, mask=None, *, sync=None) -> (state, metrics)``, compiled.
+
+    One object for every configuration: hooks whose collectives change with the step
+    (``CommHook.phase``, e.g. PowerSGD's start) get one compiled program per phase, chosen on the
+    host from the step counter, which is remembered for states this object returned, so a training
+    loop does not wait on the device. ``lower`` gives the program a call would run.
+
+    Args:
+      cfg: the step's configuration.
+      donate: donate the input state's buffers to the output (the input is consumed).
+      compiler_options: XLA options for ``jax.jit``.
+      observer: called with the bucket plan whenever the step is traced.
+    """
+
+    def __init__(
+        self,
+        cfg: StepConfig,
+        *,
+        donate: bool = True,
+        compiler_options: dict[str, Any] | None = None,
+        observer: pipeline.PlanObserver | None = None,
+    ) -> None:
+        self._cfg = cfg
+        self._donate = donate
+        self._jit = jax.jit(
+            functools.partial(pipeline.train_step, cfg, observer),
+            donate_argnums=(0,) if donate else (),
+            static_argnames=("sync", "phase"),
+            compiler_options=compiler_options or None,
+        )
+        self._phase_fn = cfg.hook.phase
+        self._known: tuple[Any, int] | None = None  # (weakref to a returned step array, its value)
+        self._last_phase: Any = None
+
+    def _host_step(self, state: Any) -> int:
+        step = getattr(state, "step", None)
+        if self._known is not None and self._known[0]() is step:
+            return self._known[1]
+        if isinstance(step, jax.ShapeDtypeStruct):
+            return 0
+        return int(jax.device_get(step))
+
+    def __call__(
+        self, state: TrainState, batch: Any, mask: Any = None, *, sync: bool | None = None
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        if self._donate:
+            _check_live(state)
+        sync = options.step_sync(sync)
+        if self._phase_fn is None:
+            return self._jit(state, batch, mask, sync=sync)
+        step = self._host_step(state)
+        phase = self._phase_fn(step)
+        if phase != self._last_phase:
+            # Switching executables: let the previous step finish first. With simulated CPU
+            # devices, two executables with collectives in flight at once were seen to deadlock.
+            jax.block_until_ready(state)
+            self._last_phase = phase
+        new_state, metrics = self._jit(state, batch, mask, sync=sync, phase=phase)
+        cfg = self._cfg
+        following: int | None = step + 1
+        if sync is False:
+            following = step
+        elif (cfg.accumulates and sync is None) or cfg.skip_not_finite or cfg.weighted:
+            following = None  # decided on the device; read it back next time
+        self._known = None if following is None else (weakref.ref(new_state.step), following)
+        return new_state, metrics
+
+    def cache_size(self) -> int:
+        """How many programs this step has compiled: one per input shape and static variant
+        (``sync``, hook phase); a training loop should see it stay constant."""
+        return int(self._jit._cache_size())
+
+    def lower(
+        self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
+        step: int | None = None,
+    ) -> jax.stages.Lowered:
+        """Lowers the program ``self(state, batch, mask, sync=sync)`` would run.
+
+        Args:
+          state: a TrainState, or its shape structs (``ddp.abstract_state``).
+          batch: a global batch, or shape structs of one (placed on the data axes if they carry no
+            sharding).
+          step: the step whose program to lower, for hooks whose program changes with it
+            (default: ``state.step``, or 0 for an abstract state).
+        """
+        sync = options.step_sync(sync)
+        phase = None
+        if self._phase_fn is not None:
+            phase = self._phase_fn(self._host_step(state) if step is None else int(step))
+        sharding = NamedSharding(self._cfg.mesh, P(self._cfg.axis_name))
+
+        def place(x: Any) -> Any:
+            if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+            if isinstance(x, jax.ShapeDtypeStruct | jax.Array):
+                return x
+            return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding)
+
+        batch, mask = jax.tree.map(place, (batch, mask))
+        return self._jit.lower(state, batch, mask, sync=sync, phase=phase)

@@ -1,0 +1,258 @@
+"""``DataParallel``: builds the step's configuration and hands out the step; owns no step logic."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from jddp._src import checks, options, pipeline
+from jddp._src import mesh as mesh_lib
+from jddp._src import model_state as ms_lib
+from jddp._src import verify as verify_lib
+from jddp._src.config import StepConfig
+from jddp._src.hooks import CommHook, allreduce_mean, check_hook
+from jddp._src.planner import BucketPlan
+from jddp._src.state import TrainState
+from jddp._src.step import PlanLog, Step
+
+_RENAMED = {"skip_nonfinite": "skip_not_finite", "accum_dtype": "accumulator_dtype"}
+
+
+def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
+    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+        hint = " (call the factory, e.g. optax.adam(1e-3))" if callable(optimizer) else ""
+        raise TypeError(
+            "optimizer must be an optax GradientTransformation (with init and update), got "
+            f"{type(optimizer).__name__}{hint}."
+        )
+    return optimizer
+
+
+class DataParallel:
+    """Data-parallel training of ``loss_fn`` with ``optimizer`` over a data mesh.
+
+    Parameters are replicated on every device, the global batch is split on its leading dimension,
+    each device computes gradients of its shard, and the gradients are averaged across devices in
+    size-capped buckets reduced from inside the backward pass (like PyTorch DDP). A step on N
+    devices equals a single-device step of ``loss_fn`` on the whole batch.
+
+    Example::
+
+        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=jddp.data_mesh())
+        state = ddp.init(params)
+        state, metrics = ddp.step(state, batch)   # batch: leading dim = global batch
+
+    ``step`` consumes (donates) its input state: keep using the state it returns.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss over its shard of the batch; with
+        ``has_aux``, ``(loss, metrics)`` where ``metrics`` is a dict of float scalars (averaged over
+        devices and returned with the loss). When ``init`` is given ``model_state``:
+        ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``, or with ``has_aux``
+        ``(loss, (new_model_state, metrics))``. With ``weighted``, ``loss`` is the unreduced
+        losses of the shard (per example, or per token). See docs/model_state.md.
+      optimizer: an optax ``GradientTransformation``; it sees the averaged gradients, so
+        transforms such as ``clip_by_global_norm`` act on the global gradient.
+      mesh: the data mesh (default: ``jddp.data_mesh()``, every device).
+      bucket_cap_mb: bucket cap in MiB (DDP's default 25).
+      first_bucket_mb: cap of the first bucket in MiB (DDP's default 1).
+      has_aux: ``loss_fn`` also returns a dict of metrics.
+      hook: communication hook for each bucket (default: mean all-reduce), e.g.
+        ``jddp.fp16_compress()`` or ``jddp.powersgd(rank=1)``.
+      bucket_plan: a fixed plan to use instead of planning from the traced use order.
+      chain: how buckets are kept apart in the compiled step: ``"auto"`` (``"barrier"`` on GPU,
+        ``"add"`` on CPU and TPU), ``"add"``, ``"barrier"``, or ``"none"`` to let XLA's combiner
+        merge all-reduces as it likes.
+      donate: donate the old state's buffers to the new one (default True).
+      model_state_sync: how new model state is made consistent across replicas: ``"broadcast"``
+        (replica 0's, bit-exact; DDP's ``broadcast_buffers``), ``"mean"`` (averaged; integer leaves
+        broadcast) or ``"none"`` (one state per replica). No extra collective: it rides on the last
+        bucket's all-reduce.
+      weighted: ``loss_fn`` returns unreduced losses and ``step`` takes an optional ``mask`` (or
+        weights) of their shape; the step averages over real entries only, across devices and
+        accumulated micro-batches (uneven final batches, padding tokens; see ``jddp.pad_batch``).
+        A step whose mask has no real entry is skipped (``metrics["skipped"]``).
+      keep_unused: keep parameters without a gradient path to the loss in the buckets (by
+        default they are left out, with a one-time warning naming them, and get zero gradients).
+      skip_not_finite: skip the update (params, optimizer, model and hook state, ``state.step``)
+        when the reduced gradient has a NaN or Inf; ``metrics["skipped"]`` is 1.0 for a skipped
+        step, else 0.0. With accumulation the decision is taken on the synchronising call, on the
+        whole window's reduced gradient; a skipped window is still consumed.
+      compiler_options: XLA options for compiling the step (``jax.jit(compiler_options=...)``),
+        e.g. ``jddp.perf.xla_flags.recommended("gpu", cap).compiler_options``.
+      accumulate_steps: ``k > 1`` accumulates local gradients over ``k`` calls of ``step`` and
+        reduces once, on the ``k``-th (DDP's ``no_sync``); ``step(state, batch, sync=...)``
+        chooses explicitly. See docs/accumulate.md.
+      microbatches: ``m > 1`` splits each device's batch into ``m`` micro-batches scanned inside
+        one step, with one reduction per bucket after the loop.
+      accumulator_dtype: dtype of the local gradient sums (default float32, or the parameter dtype
+        if wider).
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        optimizer: optax.GradientTransformation,
+        *,
+        mesh: Mesh | None = None,
+        bucket_cap_mb: float = options.DEFAULT_BUCKET_CAP_MB,
+        first_bucket_mb: float = options.DEFAULT_FIRST_BUCKET_MB,
+        has_aux: bool = False,
+        hook: CommHook | None = None,
+        bucket_plan: BucketPlan | None = None,
+        chain: options.Chain = "auto",
+        donate: bool = True,
+        model_state_sync: options.ModelStateSync = "broadcast",
+        weighted: bool = False,
+        keep_unused: bool = False,
+        skip_not_finite: bool = False,
+        compiler_options: dict[str, Any] | None = None,
+        accumulate_steps: int = 1,
+        microbatches: int = 1,
+        accumulator_dtype: Any = None,
+        **renamed: Any,
+    ) -> None:
+        for old, value in renamed.items():
+            if old not in _RENAMED:
+                raise TypeError(f"DataParallel() got an unexpected keyword argument {old!r}.")
+            new = _RENAMED[old]
+            warnings.warn(f"DataParallel({old}=...) is now {new}= (optax's name).",
+                          DeprecationWarning, stacklevel=2)
+            if new == "skip_not_finite":
+                skip_not_finite = value
+            else:
+                accumulator_dtype = value
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+        cap, first = options.bucket_caps(bucket_cap_mb, first_bucket_mb)
+        config = StepConfig(
+            loss_fn=loss_fn,
+            optimizer=check_optimizer(optimizer),
+            mesh=mesh_lib.check_mesh(mesh_lib.data_mesh() if mesh is None else mesh),
+            has_aux=bool(has_aux),
+            hook=allreduce_mean() if hook is None else check_hook(hook),
+            chain=options.chain(chain),
+            cap_bytes=cap,
+            first_bytes=first,
+            fixed_plan=bucket_plan,
+            keep_unused=bool(keep_unused),
+            model_state_sync=options.model_state_sync(model_state_sync),
+            weighted=bool(weighted),
+            skip_not_finite=bool(skip_not_finite),
+            accumulate_steps=options.count(accumulate_steps, "accumulate_steps"),
+            microbatches=options.count(microbatches, "microbatches"),
+            accumulator_dtype=options.float_dtype(accumulator_dtype, "accumulator_dtype"),
+        )
+        plans = PlanLog()
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "_plans", plans)
+        object.__setattr__(self, "step", Step(
+            config, donate=donate, compiler_options=compiler_options, observer=plans,
+        ))
+
+    config: StepConfig
+    step: Step
+    """The compiled step: ``step(state, batch, mask=None, *, sync=None) -> (state, metrics)``;
+    ``step.lower(...)`` gives its program."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"DataParallel options are fixed at construction (the step is compiled from them): "
+            f"cannot set {name!r}. Build a new jddp.DataParallel(...) with the option you want."
+        )
+
+    # Read-only views of the configuration.
+    loss_fn = property(lambda self: self.config.loss_fn)
+    optimizer = property(lambda self: self.config.optimizer)
+    mesh = property(lambda self: self.config.mesh)
+    axis_name = property(lambda self: self.config.axis_name)
+    hook = property(lambda self: self.config.hook)
+    model_state_sync = property(lambda self: self.config.model_state_sync)
+
+    @property
+    def num_devices(self) -> int:
+        """The number of devices of the data mesh (replicas)."""
+        return self.config.num_devices
+
+    @property
+    def bucket_plan(self) -> BucketPlan | None:
+        """The bucket plan of the most recently traced step (``None`` before the first step)."""
+        return self._plans.latest
+
+    def init(self, params: Any, model_state: Any = None) -> TrainState:
+        """Builds the replicated initial state: params, optimizer state, hook state, step 0.
+
+        In a multi-process job every process must pass a tree of the same structure, shapes and
+        dtypes (checked), and all start from process 0's values (DDP's initial broadcast).
+
+        Args:
+          params: the initial parameters (floating-point leaves).
+          model_state: optional non-differentiated model state (e.g. Flax ``batch_stats``).
+        """
+        checks.check_float_params(params)
+        if self.config.fixed_plan is not None:
+            self.config.fixed_plan.check_tree(params)
+        ms_lib.check_model_state(model_state, self.config.model_state_sync)
+        params, model_state = verify_lib.sync_from_process0((params, model_state), "params")
+        shardings = pipeline.state_shardings(
+            self.config, jax.eval_shape(self._build, params, model_state)
+        )
+        return jax.jit(self._build, out_shardings=shardings)(params, model_state)
+
+    def _build(self, params: Any, model_state: Any) -> TrainState:
+        return pipeline.build_state(self.config, params, model_state)
+
+    def abstract_state(self, params_like: Any, model_state_like: Any = None) -> TrainState:
+        """The TrainState ``init`` would build, as ``jax.ShapeDtypeStruct``s with shardings.
+
+        Nothing is allocated or computed, so this works on meshes of compile-only devices.
+        """
+        return pipeline.abstract_state(self.config, params_like, model_state_like)
+
+    def plan(self, params: Any, batch: Any, model_state: Any = None, mask: Any = None) -> BucketPlan:
+        """The bucket plan the step uses for ``params`` and a global ``batch``, before any step.
+
+        The same planning code as the step's (it traces the step, without compiling it), so it
+        works for models that communicate in their forward pass too (cross-replica BatchNorm).
+        ``params``, ``batch`` and ``mask`` may be arrays or ``jax.ShapeDtypeStruct``s.
+        """
+        return pipeline.plan(
+            self.config, self.abstract_state(params, model_state), batch, mask
+        )
+
+    def lower(
+        self,
+        params_like: Any,
+        batch_like: Any,
+        model_state_like: Any = None,
+        *,
+        sync: bool | None = None,
+        step: int | None = None,
+    ) -> jax.stages.Lowered:
+        """Lowers the step from abstract (or concrete) params and batch: ``step.lower`` on
+        :meth:`abstract_state`. ``.compile().as_text()`` is the compiled HLO; with a mesh of
+        compile-only devices (``jddp.perf``) it is the program a GPU or TPU cluster would run.
+
+        Args:
+          sync: the accumulation variant (see docs/accumulate.md).
+          step: the step whose program to lower, for hooks that change with it (PowerSGD's
+            ``start_iter``; default: step 0).
+        """
+        state = self.abstract_state(params_like, model_state_like)
+        return self.step.lower(state, batch_like, sync=sync, step=step)
+
+    def verify(self, state: TrainState, *, atol: float = 0.0) -> None:
+        """Raises :class:`jddp.ReplicaDivergenceError` if replicas of ``state`` differ.
+
+        Checks ``step``, ``params``, ``opt_state`` and (unless per-device) ``model_state``; the
+        per-device hook and accumulator state are meant to differ.
+        """
+        tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+        if self.config.model_state_sync != "none":
+            tree["model_state"] = state.model_state
+        verify_lib.verify_replicas(tree, self.config.mesh, atol=atol)

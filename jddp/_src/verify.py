@@ -1,0 +1,238 @@
+"""Consistent replicas: the same start on every process, and a check that replicas stayed equal.
+
+- :func:`sync_from_process0` is DDP's construction-time broadcast: every process must hold a tree of
+  the same structure, shapes and dtypes (compared through a fingerprint, with an error naming the
+  first mismatching leaf), and then takes process 0's values. With one process it returns the tree
+  unchanged and costs nothing. :func:`check_same_structure` is the pure check behind it.
+- :func:`verify_replicas` compares every device's copy of replicated arrays with replica 0's and
+  names the leaves (and replicas) that diverged, e.g. after a non-deterministic op or a bug in a
+  custom communication hook.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jddp._src import mesh as mesh_lib
+from jddp._src.tree import key_path_str
+
+
+# ----------------------------------------------------------------------------- consistent start
+
+
+class LeafDesc(NamedTuple):
+    """What must agree across processes for one leaf: its path, shape and dtype."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.dtype}{list(self.shape)}"
+
+
+def describe(tree: Any) -> tuple[LeafDesc, ...]:
+    """The :class:`LeafDesc` of every leaf of ``tree``, in ``jax.tree.leaves`` order."""
+    return tuple(
+        LeafDesc(key_path_str(path), tuple(int(d) for d in np.shape(leaf)),
+                 str(leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    )
+
+
+def fingerprint(desc: Sequence[LeafDesc]) -> np.ndarray:
+    """One int32 per leaf (a CRC-32 of its description), stable across processes.
+
+    Python's ``hash`` is salted per process, so it cannot be compared between processes.
+    """
+    return np.array(
+        [zlib.crc32(repr(tuple(d)).encode()) for d in desc], dtype=np.uint32
+    ).view(np.int32)
+
+
+def check_same_structure(
+    local_desc: Sequence[LeafDesc],
+    all_descs: Sequence[Sequence[LeafDesc | int]],
+    what: str = "params",
+    process_index: int | None = None,
+) -> None:
+    """Raises ValueError unless every process's tree matches process 0's.
+
+    Args:
+      local_desc: this process's :func:`describe` of the tree.
+      all_descs: for every process (index = process id), its descriptions or its
+        :func:`fingerprint` (what a multi-process gather can carry).
+      what: the tree's name, for the message.
+      process_index: this process (default: ``jax.process_index()``).
+    """
+    if process_index is None:
+        process_index = jax.process_index()
+    prints: list[list[int]] = []
+    for d in all_descs:
+        if len(d) and isinstance(d[0], tuple):
+            prints.append(fingerprint([LeafDesc(*x) for x in d]).tolist())  # type: ignore[misc]
+        else:
+            prints.append([int(x) for x in d])  # type: ignore[arg-type]
+    ref = prints[0]
+    for p, other in enumerate(prints[1:], start=1):
+        if other == ref:
+            continue
+        first = next(
+            (i for i, (a, b) in enumerate(zip(ref, other, strict=False)) if a != b),
+            min(len(ref), len(other)),
+        )
+        mine = str(local_desc[first]) if first < len(local_desc) else "<no such leaf>"
+        theirs = ""
+        if isinstance(all_descs[p], Sequence) and first < len(all_descs[p]) and isinstance(
+            all_descs[p][first], tuple
+        ):
+            zero = all_descs[0][first] if first < len(all_descs[0]) else "<no such leaf>"
+            theirs = f" Process 0 has {zero}; process {p} has {all_descs[p][first]}."
+        raise ValueError(
+            f"The {what} differ between processes: process {p} does not match process 0 "
+            f"({len(other)} vs {len(ref)} leaves); first difference at leaf {first}, which on this "
+            f"process (#{process_index}) is {mine}.{theirs} Every process must build the same "
+            "model (same code, config and dtypes) before init."
+        )
+
+
+def sync_from_process0(tree: Any, what: str = "params") -> Any:
+    """Checks that every process holds a tree like this one, then returns process 0's values.
+
+    Single-process: returns ``tree`` itself, with no check and no copy.
+    """
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    desc = describe(tree)
+    prints = fingerprint(desc)
+    lengths = np.asarray(multihost_utils.process_allgather(np.array([len(prints)], np.int32)))
+    width = int(lengths.max())
+    padded = np.full((width + 1,), -1, np.int32)
+    padded[0] = len(prints)
+    padded[1:len(prints) + 1] = prints
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, width + 1)
+    all_prints = [row[1:row[0] + 1].tolist() for row in gathered]
+    check_same_structure(desc, all_prints, what)
+    return multihost_utils.broadcast_one_to_all(tree)
+
+
+# ----------------------------------------------------------------------------- replica check
+
+
+class Divergence(NamedTuple):
+    """A leaf whose copies differ between replicas.
+
+    Attributes:
+      path: the leaf's path.
+      max_abs_diff: the largest ``|x_replica - x_replica0|`` over replicas (``inf`` for NaN/Inf
+        mismatches and for differing integer leaves).
+      replicas: the replicas (positions on the mesh) that differ from replica 0 by more than the
+        tolerance.
+    """
+
+    path: str
+    max_abs_diff: float
+    replicas: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return (f"{self.path}: max |x - x_replica0| = {self.max_abs_diff:.3g} on replicas "
+                f"{list(self.replicas)}")
+
+
+class ReplicaDivergenceError(ValueError):
+    """Raised when replicated values differ between devices."""
+
+    def __init__(self, divergences: Sequence[Divergence], atol: float) -> None:
+        self.divergences = tuple(divergences)
+        lines = "\n  ".join(str(d) for d in self.divergences[:20])
+        extra = len(self.divergences) - 20
+        more = f"\n  ... and {extra} more" if extra > 0 else ""
+        super().__init__(
+            f"{len(self.divergences)} replicated leaves differ between replicas (atol={atol}):\n"
+            f"  {lines}{more}"
+        )
+
+
+def _local_diff(x: jax.Array, axis: str) -> jax.Array:
+    """Inside shard_map: max |x - replica 0's x| for this device's copy, as float32."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    # Replica 0's copy, exactly: every other term of the sum is zero.
+    x0 = lax.psum(jnp.where(lax.axis_index(axis) == 0, x, jnp.zeros_like(x)), axis)
+    if x.size == 0:
+        return jnp.float32(0)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        nan, nan0 = jnp.isnan(x), jnp.isnan(x0)
+        same = (x == x0) | (nan & nan0)
+        diff = jnp.abs(x - x0).astype(jnp.float32)
+        d = jnp.where(same, 0.0, jnp.where(nan | nan0, jnp.inf, diff))
+        return jnp.max(d).astype(jnp.float32)
+    return jnp.where(jnp.any(x != x0), jnp.float32(jnp.inf), jnp.float32(0))
+
+
+@functools.lru_cache(maxsize=16)
+def _diff_fn(mesh: Mesh, axis: str):
+    def local(leaves):
+        d = jnp.stack([_local_diff(x, axis) for x in leaves]) if leaves else jnp.zeros((0,))
+        return lax.all_gather(d, axis)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+
+
+def verify_replicas(
+    tree: Any,
+    mesh: Mesh | None = None,
+    *,
+    atol: float = 0.0,
+    raise_error: bool = True,
+) -> list[Divergence]:
+    """Compares every device's copy of each replicated leaf of ``tree`` with replica 0's.
+
+    Runs one small jitted ``shard_map`` (a masked ``psum`` per leaf to fetch replica 0's copy, and
+    an ``all_gather`` of one float per leaf and device); only that table comes back to the host.
+
+    Args:
+      tree: a pytree of replicated ``jax.Array``s on ``mesh`` (e.g. ``state.params``).
+      mesh: the data mesh (default: ``jddp.data_mesh()``).
+      atol: the largest absolute difference tolerated (0: values must be equal; NaN equals NaN).
+      raise_error: raise :class:`ReplicaDivergenceError` if any leaf diverged.
+
+    Returns:
+      The diverged leaves (empty when the replicas agree).
+    """
+    mesh = mesh if mesh is not None else mesh_lib.data_mesh()
+    axis = mesh_lib.mesh_axis(mesh)
+    path_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for path, leaf in path_leaves:
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None or not sharding.is_fully_replicated:
+            raise TypeError(
+                f"Leaf {key_path_str(path)} is not a replicated jax.Array (sharding: {sharding}); "
+                "verify_replicas compares the copies of replicated values only."
+            )
+    if not path_leaves:
+        return []
+    table = _diff_fn(mesh, axis)(tuple(leaf for _, leaf in path_leaves))
+    table = np.asarray(table.addressable_data(0))  # [replica, leaf]
+    out = []
+    for j, (path, _) in enumerate(path_leaves):
+        bad = tuple(int(r) for r in np.nonzero(table[:, j] > atol)[0])
+        if bad:
+            out.append(Divergence(key_path_str(path), float(table[:, j].max()), bad))
+    if out and raise_error:
+        raise ReplicaDivergenceError(out, atol)
+    return out

@@ -1,9 +1,8 @@
 """jddp: distributed data-parallel training for JAX, built like PyTorch DDP."""
 
-from jddp import distributed, nnx, xla_flags
+from jddp import distributed, nnx
 from jddp.accumulate import AccumState, accum_dtype_for
 from jddp.buckets import Bucket, BucketPlan, plan_buckets
-from jddp.costmodel import ClusterSpec, Link, ModelProfile, suggest_bucket_cap
 from jddp.distributed import (
     global_batch_from_local,
     initialize,
@@ -38,13 +37,10 @@ __all__ = [
     "AccumState",
     "Bucket",
     "BucketPlan",
-    "ClusterSpec",
     "CommHook",
     "DataParallel",
     "Divergence",
     "HookContext",
-    "Link",
-    "ModelProfile",
     "ReplicaDivergenceError",
     "TrainState",
     "accum_dtype_for",
@@ -72,9 +68,7 @@ __all__ = [
     "replicated",
     "shard_batch",
     "shard_global_batch",
-    "suggest_bucket_cap",
     "sync_from_process0",
     "value_and_grad",
     "verify_replicas",
-    "xla_flags",
 ]

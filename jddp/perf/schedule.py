@@ -16,8 +16,9 @@ data-parallel library cares about:
 
 This module is jddp's only reader of HLO text. Three levels, each built on the one below:
 
-* :func:`read_module` splits the text into computations of :class:`Instruction`\\ s (name,
-  opcode, result arrays, operand names, called computations, attributes);
+* :func:`read_module` splits the text into computations, lists of instructions
+  (:class:`Instruction`: name, opcode, result arrays, operand names, called computations,
+  attributes);
 * :func:`collectives` lists every collective of the module as a :class:`Collective` (kind, operand
   bytes, replica groups, position, in a loop or branch or not);
 * :func:`read_schedule` reads one computation (ENTRY by default) as a :class:`Schedule`: its ops in
@@ -597,7 +598,7 @@ def compiled_text(
 
 
 def parse_arrays(text: str) -> tuple[Array, ...]:
-    """The arrays of an HLO type, e.g. ``"(f32[8,8]{1,0}, bf16[3]{0})"`` -> two :class:`Array`\\ s.
+    """The arrays (:class:`Array`) of an HLO type, e.g. two for ``"(f32[8,8]{1,0}, bf16[3]{0})"``.
 
     Layouts, tiling and ``/*index=N*/`` comments are ignored; dynamic dimensions (``<=8``) count
     at their bound.

@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp.buckets import key_path_str
+from jddp._src.tree import key_path_str
 
 
 def data_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = "data") -> Mesh:

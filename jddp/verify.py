@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jddp import mesh as mesh_lib
-from jddp.buckets import key_path_str
+from jddp._src.tree import key_path_str
 
 __all__ = [
     "LeafDesc",

@@ -57,7 +57,13 @@ def main():
 
     import jddp
     from benchmarks._mlp import mlp_loss, mlp_params, time_alternated
-    from tests._hlo import count_all_reduces, count_all_reduces_in_loops
+    from jddp.perf import schedule
+
+    def count_all_reduces(text: str) -> int:
+        return len(schedule.collectives(text, "all-reduce"))
+
+    def count_all_reduces_in_loops(text: str) -> int:
+        return sum(c.in_loop for c in schedule.collectives(text, "all-reduce"))
 
     k = args.micro
     rng = np.random.default_rng(0)

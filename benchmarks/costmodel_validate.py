@@ -9,17 +9,17 @@ What it does, on 8 simulated CPU devices:
 
 1. Fits the all-reduce cost: psum of 32 KiB..32 MiB per device (chained, minus one psum, so the
    jitted call's dispatch is not counted), fitted to alpha + bytes * beta
-   (:func:`jddp.calibrate.measure_allreduce`). The measured points are also kept as a table, a
+   (:func:`jddp.perf.calibrate.measure_allreduce`). The measured points are also kept as a table, a
    second comm model that follows the non-linear (cache) part of the curve.
 2. For each model, profiles the step's compute with no communication
-   (:func:`jddp.calibrate.profile_step`), then times ``jddp.DataParallel.step`` for several bucket
+   (:func:`jddp.perf.calibrate.profile_step`), then times ``jddp.DataParallel.step`` for several bucket
    caps and the no-communication local step, alternated in one process after warm-up (medians).
-3. Predicts each step with :func:`jddp.costmodel.simulate_iteration` **without overlap**: XLA:CPU
+3. Predicts each step with :func:`jddp.perf.costmodel.simulate_iteration` **without overlap**: XLA:CPU
    has no asynchronous collectives, so every all-reduce blocks the step
    (``ClusterSpec(async_collectives=False)``). The prediction is the measured no-communication
    step plus the modelled all-reduce of every bucket; the error is prediction / measured - 1.
-4. Asks :func:`jddp.suggest_bucket_cap` for a cap among the same candidates and compares it with the
-   measured sweep.
+4. Asks :func:`jddp.perf.costmodel.advise_bucket_cap` for a cap among the same candidates and
+   compares it with the measured sweep.
 
 Nothing here says anything about overlap: that needs a backend with asynchronous collectives.
 """
@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jddp  # noqa: E402
-from jddp import calibrate, costmodel  # noqa: E402
+from jddp.perf import calibrate, costmodel  # noqa: E402
 
 CAPS_MB = (0.25, 1.0, 4.0, 16.0, 1024.0)  # 1024 MiB: every gradient in one bucket
 MODELS = {

@@ -7,14 +7,14 @@
 # What it does, in under 5 minutes, installing nothing (assumes jax[cuda] and jddp importable,
 # e.g. `pip install -e .` in an environment with jax[cuda12] or jax[cuda13]):
 #   1. prints the JAX/GPU environment and the XLA flags jddp recommends
-#      (jddp.xla_flags.recommended("gpu", 25)), and uses them for everything below;
+#      (jddp.perf.xla_flags.recommended("gpu", 25)), and uses them for everything below;
 #   2. runs benchmarks/step_time.py on the local GPUs (devices = all local GPUs, at least 1; on
 #      one GPU there is no real all-reduce: XLA removes a psum over one device);
 #   3. compiles jddp's training step (8-layer MLP, width 1024) for 8 GPUs and dumps the scheduled
 #      HLO: on the local GPUs themselves when there are 8 or more, otherwise on 8 compile-only
 #      GPUs of the local GPU model (falling back to jddp's packaged H100 description), plus the
 #      no-overlap control (--xla_gpu_disable_async_collectives=ALLREDUCE);
-#   4. reports, via jddp.schedule, whether each bucket's all-reduce is asynchronous
+#   4. reports, via jddp.perf.schedule, whether each bucket's all-reduce is asynchronous
 #      (all-reduce-start/done, not is_sync) and has backward GEMMs scheduled between start and done.
 #
 # Outputs go to $OUT (default benchmarks/out/gpu_check/): step_time.json, *.hlo.txt, report.txt.
@@ -40,7 +40,7 @@ if not gpus:
 print(len(gpus), "x", gpus[0].device_kind)
 EOF
 fi
-FLAGS=$("$PY" -c "from jddp import xla_flags; print(xla_flags.recommended('gpu', 25.0).xla_flags)")
+FLAGS=$("$PY" -c "from jddp.perf import xla_flags; print(xla_flags.recommended('gpu', 25.0).xla_flags)")
 echo "jddp-recommended XLA flags for 25 MiB buckets: '${FLAGS}' (empty = XLA defaults)"
 # (XLA reads a non-flag XLA_FLAGS value as a file name: set it only when there is a flag.)
 if [[ -n "$FLAGS" ]]; then export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$FLAGS"; fi
@@ -64,7 +64,8 @@ import optax
 from jax.sharding import Mesh
 
 import jddp
-from jddp import schedule, testing
+from jddp.perf import schedule
+from jddp.perf.topologies import gpu_mesh
 
 out = Path(sys.argv[1])
 dry = os.environ.get("GPU_CHECK_DRY_RUN") == "1"
@@ -96,7 +97,7 @@ else:
         except Exception as e:  # noqa: BLE001 - any failure: fall back to the packaged H100
             print("compile-only topology of the local GPU failed:", type(e).__name__, e)
     if mesh is None:
-        mesh, where = testing.gpu_mesh(8), "8 compile-only H100 SXM (jddp's packaged description)"
+        mesh, where = gpu_mesh(8), "8 compile-only H100 SXM (jddp's packaged description)"
 print("compiled for:", where)
 
 lines, ok = [f"compiled for: {where}"], True

@@ -4,7 +4,7 @@ Compiles (does not run: no GPU needed) the data-parallel training step for 8 com
 GPUs, for two gradient profiles, and reads XLA's schedule of the compiled program:
 
 - ``resnet50``: a ResNet-50 (v1.5 layout, 224x224 images, 25,557,032 parameters in 161 tensors,
-  the shapes of ``jddp.reference_profiles.resnet50_leaves``) written in plain JAX with
+  the shapes of ``jddp.perf.profiles.resnet50_leaves``) written in plain JAX with
   ``lax.conv_general_dilated``. Its norms normalise with the batch statistics of the device's
   shard and keep no running averages (same parameters and about the same compute as BatchNorm in
   training; no model state to carry).
@@ -14,7 +14,7 @@ GPUs, for two gradient profiles, and reads XLA's schedule of the compiled progra
 
 For each model it compiles jddp's step (``jddp.DataParallel``, default ``chain="auto"``, i.e. the
 optimization-barrier chain on GPU) at each bucket cap, with the XLA options
-``jddp.xla_flags.recommended("gpu", cap)`` gives (caps above ~29 MiB raise
+``jddp.perf.xla_flags.recommended("gpu", cap)`` gives (caps above ~29 MiB raise
 ``xla_gpu_all_reduce_combine_threshold_bytes``; below, default flags), and the JAX-native step a
 user writes without jddp: params ``P()``, batch ``P('data')``, ``jax.value_and_grad`` inside
 ``shard_map`` (gradients come back summed over the axis; divided by N), the loss ``pmean``-ed,
@@ -198,24 +198,20 @@ def bert_large(batch_per_device: int, layers: int = 24, seq: int = 128) -> tuple
 _SKIP = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "all-reduce-start",
          "all-reduce-done", "async-start", "async-done", "opt-barrier", "partition-id",
          "replica-id", "after-all", "copy-start", "copy-done"}
-_WINDOW_RE = re.compile(r"window=\{size=([\dx]+)")
-_LABELS_RE = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
-_LHS_CONTRACT_RE = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_LHS_CONTRACT_RE = re.compile(r"\{([\d,]*)\}")
 _CUBLAS_CONTRACT_RE = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
-_TARGET_RE = re.compile(r'custom_call_target="([^"]*)"')
-_OP_NAME_RE = re.compile(r'^\s+(?:ROOT )?%?([^\s=]+) = .*?op_name="([^"]*)"', re.M)
 
 
 def _arrays(shape: str) -> list[tuple[int, ...]]:
-    from jddp import schedule
+    from jddp.perf import schedule
 
-    return [op.shape for op in schedule._arrays(shape)]  # the reader's own shape parser
+    return [a.shape for a in schedule.parse_arrays(shape)]
 
 
 def _nbytes(shape: str) -> int:
-    from jddp import schedule
+    from jddp.perf import schedule
 
-    return sum(op.nbytes for op in schedule._arrays(shape))
+    return sum(a.nbytes for a in schedule.parse_arrays(shape))
 
 
 def _flops(ins: Any, by_name: dict, comps: dict) -> float:
@@ -223,12 +219,12 @@ def _flops(ins: Any, by_name: dict, comps: dict) -> float:
     prod = math.prod
     if ins.opcode == "dot":
         lhs = _arrays(by_name[ins.operands[0]].shape)[0]
-        contract = [int(c) for c in _LHS_CONTRACT_RE.search(ins.attrs).group(1).split(",") if c]
+        dims = _LHS_CONTRACT_RE.search(ins.attributes["lhs_contracting_dims"]).group(1)
+        contract = [int(c) for c in dims.split(",") if c]
         return 2.0 * prod(_arrays(ins.shape)[0]) * prod(lhs[c] for c in contract)
-    target = _TARGET_RE.search(ins.attrs)
-    target = target.group(1) if target else ""
+    target = ins.attributes.get("custom_call_target", "").strip('"')
     if ins.opcode == "convolution" or (ins.opcode == "custom-call" and "conv" in target.lower()):
-        labels = _LABELS_RE.search(ins.attrs)
+        labels = ins.attributes.get("dim_labels")
         shapes = [_arrays(by_name[o].shape)[0] for o in ins.operands[:2]]
         result = _arrays(ins.shape)[0]
         # cuDNN calls keep the forward convolution's window and dim_labels; find its filter and
@@ -239,7 +235,8 @@ def _flops(ins: Any, by_name: dict, comps: dict) -> float:
             filt, fwd_out = shapes[1], shapes[0]
         else:
             filt, fwd_out = shapes[1], result
-        out_f = labels.group(3).index("f") if labels else len(fwd_out) - 1
+        # dim_labels=b01f_01io->b01f: the output's feature dimension is the "f" after "->".
+        out_f = labels.split("->")[1].index("f") if labels else len(fwd_out) - 1
         return 2.0 * prod(filt) * prod(fwd_out) / fwd_out[out_f]
     if ins.opcode == "custom-call" and re.search("gemm|matmul", target, re.I):
         lhs = _arrays(by_name[ins.operands[0]].shape)[0]
@@ -267,10 +264,11 @@ def _is_slicing(ins: Any, comps: dict) -> bool:
 
 def op_times(text: str, gemm_tflops: float, hbm_gbs: float) -> dict[str, float]:
     """Estimated seconds of every ENTRY op: roofline of its FLOPs and the bytes it touches."""
-    from jddp import schedule
+    from jddp.perf import schedule
 
-    comps, entry = schedule._parse_module(text)
-    body = comps[entry]
+    module = schedule.read_module(text)
+    comps = module.computations
+    body = module.computation()
     by_name = {i.name: i for i in body}
     out = {}
     for ins in body:
@@ -290,12 +288,12 @@ def op_times(text: str, gemm_tflops: float, hbm_gbs: float) -> dict[str, float]:
 
 def overlap_metrics(text: str, hw: dict[str, float]) -> dict[str, Any]:
     """The metrics of the module docstring for one compiled step."""
-    from jddp import schedule
+    from jddp.perf import schedule
 
     sched = schedule.read_schedule(text)
     times = op_times(text, hw["gemm_tflops"], hw["hbm_gbs"])
     # Backward ops are the transposed (VJP) part of the program; JAX names them transpose(...).
-    backward = {m.group(1) for m in _OP_NAME_RE.finditer(text) if "transpose(" in m.group(2)}
+    backward = {op.name for op in sched.ops if "transpose(" in op.op_name}
     n = N_GPUS
     rows = []
     for a in sched.all_reduces:
@@ -333,9 +331,9 @@ _MESH = None
 def _mesh():
     global _MESH
     if _MESH is None:
-        from jddp import testing
+        from jddp.perf import topologies
 
-        _MESH = testing.gpu_mesh(N_GPUS)
+        _MESH = topologies.gpu_mesh(N_GPUS)
     return _MESH
 
 
@@ -370,7 +368,7 @@ def run_task(task: tuple[str, str, float | None, dict[str, Any]]) -> dict[str, A
     from jax.sharding import PartitionSpec as P
 
     import jddp
-    from jddp import xla_flags
+    from jddp.perf import xla_flags
 
     model, variant, cap, opts = task
     mesh = _mesh()

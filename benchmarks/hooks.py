@@ -125,7 +125,8 @@ def _worker(args) -> None:
                 json.dump(out, f)
     finally:
         sys.stdout.flush()
-        # A hung peer must not keep this process alive at exit (see shared/README §2).
+        # A hung peer must not keep this process alive at exit: after jax.distributed.initialize,
+        # JAX's shutdown waits for every other process (and then ignores SIGTERM).
         os._exit(0)
 
 

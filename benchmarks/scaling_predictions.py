@@ -5,8 +5,8 @@ Run from the repository root (a few seconds)::
     python benchmarks/scaling_predictions.py --json benchmarks/out/scaling_predictions.json \\
         --png benchmarks/out/scaling_predictions.png
 
-Everything here is a *prediction* of :mod:`jddp.costmodel` from stated assumptions (the scenario
-table printed first); nothing is measured. Profiles come from :mod:`jddp.reference_profiles`.
+Everything here is a *prediction* of :mod:`jddp.perf.costmodel` from stated assumptions (the scenario
+table printed first); nothing is measured. Profiles come from :mod:`jddp.perf.profiles`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jddp import costmodel as cm  # noqa: E402
-from jddp import reference_profiles as rp  # noqa: E402
+from jddp.perf import costmodel as cm  # noqa: E402
+from jddp.perf import profiles as rp  # noqa: E402
 
 DEVICES = (8, 16, 32, 64, 128, 256)
 CAPS_MB = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, math.inf)

@@ -6,9 +6,11 @@ Usage::
     python docs/gen_api.py --check    # exits 1 if docs/api.md is out of date
 
 Public names are documented in ``__all__`` order; a public submodule (``jddp.nnx``) gets a section
-of its own with its ``__all__``. Classes list their constructor signature, public methods and
-properties. Google-style docstring sections become bold headings with bullet lists, and ``::``
-literal blocks become fenced code. The output is deterministic (no addresses, no dates), so a test
+of its own with its ``__all__``. The subpackages in ``SUBPACKAGES`` (the performance tooling,
+``jddp.perf``) follow, one section per module (by name), each with its ``__all__``. Classes list
+their constructor signature, public methods and properties. Google-style docstring sections become
+bold headings (Args, Attributes and Raises entries as bullets, whatever their indentation), and
+``::`` literal blocks become fenced code. The output is deterministic (no addresses, no dates), so a test
 can regenerate it and compare.
 """
 
@@ -18,6 +20,7 @@ import argparse
 import importlib
 import inspect
 import pathlib
+import pkgutil
 import re
 import sys
 import types
@@ -26,8 +29,14 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "api.md"
+#: Subpackages documented after the package's own names: every public module of each.
+SUBPACKAGES = ("jddp.perf",)
 SECTIONS = {"Args", "Arguments", "Returns", "Raises", "Attributes", "Yields", "Example", "Examples",
             "Note", "Notes"}
+# Sections whose entries (``name: text`` at the section's first indentation) become bullets; the
+# others (Returns, Yields) are paragraphs.
+LIST_SECTIONS = {"Args", "Arguments", "Raises", "Attributes"}
+_ENTRY = re.compile(r"^[\w.*]+(\s*\([^)]*\))?:(\s|$)")
 _ADDR = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -75,6 +84,8 @@ def _docstring_md(doc: str | None) -> str:
     out: list[str] = []
     i = 0
     in_section = False
+    section: str | None = None
+    entry_indent: int | None = None  # indentation of the current section's entries (2 or 4)
     while i < len(lines):
         line = lines[i]
         stripped = line.strip()
@@ -82,6 +93,7 @@ def _docstring_md(doc: str | None) -> str:
         if head in SECTIONS and not line.startswith(" "):
             out += ["", f"**{head}:**", ""]
             in_section = head not in {"Example", "Examples", "Note", "Notes"}
+            section, entry_indent = head, None
             i += 1
             continue
         if stripped.endswith("::"):
@@ -101,10 +113,12 @@ def _docstring_md(doc: str | None) -> str:
             indent = min((len(b) - len(b.lstrip()) for b in block if b.strip()), default=0)
             out += ["", "```python", *[b[indent:] for b in block], "```", ""]
             continue
-        if in_section and line.startswith("  ") and not line.startswith("    "):
-            out.append(f"- {stripped}")
-        elif in_section and line.startswith("    "):
-            out.append(f"  {stripped}")
+        indent = len(line) - len(line.lstrip())
+        if in_section and stripped and indent:
+            if entry_indent is None:
+                entry_indent = indent
+            entry = indent <= entry_indent and section in LIST_SECTIONS and _ENTRY.match(stripped)
+            out.append(f"- {stripped}" if entry else f"  {stripped}")
         else:
             if not line.startswith(" "):
                 in_section = in_section and bool(stripped)
@@ -154,8 +168,16 @@ def _first_paragraph(doc: str | None) -> str:
     return inspect.cleandoc(doc or "").split("\n\n")[0].replace("\n", " ")
 
 
-def render(package: str = "jddp") -> str:
-    """The markdown API reference of ``package`` (``package.__all__``, submodules included)."""
+def subpackage_modules(subpackage: str) -> list[types.ModuleType]:
+    """The public modules of ``subpackage`` (names without a leading ``_``), sorted by name."""
+    pkg = importlib.import_module(subpackage)
+    names = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+    return [importlib.import_module(f"{subpackage}.{n}") for n in names]
+
+
+def render(package: str = "jddp", subpackages: tuple[str, ...] = SUBPACKAGES) -> str:
+    """The markdown API reference of ``package`` (``package.__all__``, submodules included) and
+    of every public module of ``subpackages``."""
     mod = importlib.import_module(package)
     names = list(mod.__all__)
     out = [
@@ -175,6 +197,9 @@ def render(package: str = "jddp") -> str:
     for m in modules:
         sub = getattr(mod, m)
         out += [f"- `{package}.{m}`: " + ", ".join(f"`{s}`" for s in sub.__all__)]
+    extra = [m for sp in subpackages for m in subpackage_modules(sp)]
+    for sub in extra:
+        out += [f"- `{sub.__name__}`: " + ", ".join(f"`{s}`" for s in sub.__all__)]
     out += ["", f"## `{package}`", ""]
     for n in objects:
         out += _render_object(f"{package}.{n}", getattr(mod, n))
@@ -183,6 +208,12 @@ def render(package: str = "jddp") -> str:
         out += [f"## `{package}.{m}`", "", _docstring_md(sub.__doc__)]
         for n in sub.__all__:
             out += _render_object(f"{package}.{m}.{n}", getattr(sub, n))
+    for sp in subpackages:
+        out += [f"## `{sp}`", "", _docstring_md(importlib.import_module(sp).__doc__)]
+        for sub in subpackage_modules(sp):
+            out += [f"## `{sub.__name__}`", "", _docstring_md(sub.__doc__)]
+            for n in sub.__all__:
+                out += _render_object(f"{sub.__name__}.{n}", getattr(sub, n))
     text = "\n".join(out)
     return re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n"
 

@@ -30,11 +30,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from jddp import schedule, testing  # noqa: E402
+from jddp.perf import schedule, topologies  # noqa: E402
+from tests._steps import mlp_dp_step  # noqa: E402
 
 LAYERS, WIDTH, BATCH = 8, 1024, 512
 
-# (name, mlp_dp_step kwargs, compiler_options)
+# (name, mlp_dp_step kwargs, compiler_options); the step is tests/_steps.py's hand-written one.
 COMMON = [
     ("buckets of 2 layers, chained", dict(layers_per_bucket=2, chain="add"), {}),
     ("buckets of 2 layers, not chained", dict(layers_per_bucket=2, chain=None), {}),
@@ -117,14 +118,14 @@ CPU = COMMON + [
 
 def probe(backend: str) -> list[dict]:
     if backend == "gpu":
-        mesh, variants = testing.gpu_mesh(8), GPU
+        mesh, variants = topologies.gpu_mesh(8), GPU
     elif backend == "cpu":
         mesh, variants = Mesh(np.array(jax.devices()[:8]), ("data",)), CPU
     else:
-        mesh, variants = testing.tpu_mesh(backend), TPU
+        mesh, variants = topologies.tpu_mesh(backend), TPU
     rows = []
     for name, kwargs, options in variants:
-        step, params, batch = testing.mlp_dp_step(
+        step, params, batch = mlp_dp_step(
             mesh, **{"layers": LAYERS, "width": WIDTH, "batch": BATCH, **kwargs}
         )
         t0 = time.perf_counter()

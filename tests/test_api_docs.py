@@ -27,6 +27,11 @@ def test_every_public_name_is_documented():
         assert f"jddp.{name}" in text
     for name in jddp.nnx.__all__:
         assert f"jddp.nnx.{name}" in text
+    modules = _gen_api().subpackage_modules("jddp.perf")
+    assert {m.__name__ for m in modules} >= {"jddp.perf.costmodel", "jddp.perf.schedule"}
+    for module in modules:
+        for name in module.__all__:
+            assert f"{module.__name__}.{name}" in text
 
 
 def test_package_is_typed():

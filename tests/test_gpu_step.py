@@ -1,7 +1,7 @@
 """jddp's own training step, compiled for 8 compile-only H100 GPUs: one async all-reduce per bucket.
 
 These tests compile ``DataParallel.step`` itself (through ``DataParallel.lower``), not a hand-written
-step, and read XLA's GPU schedule with :mod:`jddp.schedule`. Model: an 8-layer tanh MLP of width
+step, and read XLA's GPU schedule with :mod:`jddp.perf.schedule`. Model: an 8-layer tanh MLP of width
 1024 (16 gradient leaves: 4 MiB weights, 4 KiB biases), global batch 64, SGD. Each compile takes
 about 1-3 s on 2 cores.
 
@@ -15,9 +15,9 @@ What the schedule shows (jax/jaxlib 0.10.2, jax-cuda13-plugin 0.10.2, default XL
   that layer's weight gradient (which feeds the last bucket), XLA's latency-hiding scheduler
   places that GEMM after the all-reduce and marks the pair ``is_sync`` (seen at a 5 MiB cap here,
   and at 2 MiB with width 512). :func:`test_second_to_last_bucket_exception` pins down that case;
-* with :data:`jddp.schedule.GPU_NO_OVERLAP` the same pairs, all synchronous, nothing in between;
+* with :data:`jddp.perf.schedule.GPU_NO_OVERLAP` the same pairs, all synchronous, nothing in between;
 * XLA's GPU combiner threshold (30 MiB by default) splits buckets larger than it; caps up to 25 MiB
-  survive as planned, larger caps need :func:`jddp.xla_flags.recommended`;
+  survive as planned, larger caps need :func:`jddp.perf.xla_flags.recommended`;
 * the optimization-barrier chain (``"auto"`` on GPU) overlaps at least as many GEMMs as the
   always-zero add chain, which XLA fuses into the weight-gradient GEMMs.
 
@@ -28,7 +28,6 @@ The schedule comes from XLA's cost model without autotuning; a real GPU may sche
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +35,13 @@ import optax
 import pytest
 
 import jddp
-from jddp import schedule, testing, xla_flags
+from jddp.perf import schedule, topologies, xla_flags
 from tests._models import layer_list_like, layer_list_loss
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        not testing.has_gpu_compiler(),
+        not topologies.has_gpu_compiler(),
         reason='CUDA compiler plugin not installed (pip install "jax[cuda13-local]==<jax version>")',
     ),
 ]
@@ -67,7 +66,7 @@ def batch_like() -> dict[str, jax.ShapeDtypeStruct]:
 
 @functools.cache
 def mesh():
-    return testing.gpu_mesh(8)
+    return topologies.gpu_mesh(8)
 
 
 @functools.cache
@@ -80,14 +79,6 @@ def compiled(cap: float, chain: str = "auto", options: tuple = ()) -> tuple:
     lowered = ddp.lower(params_like(), batch_like())
     text = lowered.compile(compiler_options=dict(options) or None).as_text()
     return ddp.bucket_plan, text
-
-
-def op_names(text: str) -> dict[str, str]:
-    """Instruction name -> its ``op_name`` metadata (the JAX operation it came from)."""
-    out = {}
-    for m in re.finditer(r'^\s+(?:ROOT )?%?([^\s=]+) = .*?op_name="([^"]*)"', text, re.M):
-        out[m.group(1)] = m.group(2)
-    return out
 
 
 def check_buckets(plan, sched: schedule.Schedule) -> None:
@@ -112,13 +103,12 @@ def test_one_async_all_reduce_per_bucket_overlapping_backward(cap):
     sched = schedule.read_schedule(text)
     assert plan.num_buckets >= 3
     check_buckets(plan, sched)
-    names = op_names(text)
     ars = sched.all_reduces
     for a in ars[:-1]:
         assert a.overlapped, sched.table()
         # What runs in flight is backward work: GEMMs of the transposed (backward) pass.
         gemms = [op for op in a.between if op.is_dot]
-        assert all("transpose(" in names.get(op.name, "") for op in gemms), gemms
+        assert all("transpose(" in op.op_name for op in gemms), gemms
     # Nothing is left to overlap the last bucket with except the optimizer update.
     assert ars[-1].dots_between == 0 and not ars[-1].dots_after
 
@@ -149,7 +139,7 @@ def test_no_overlap_control():
 
 def test_default_combiner_threshold_splits_large_buckets():
     """Caps <= 25 MiB survive XLA's GPU combiner as planned; a 50 MiB bucket does not, unless
-    ``xla_gpu_all_reduce_combine_threshold_bytes`` is raised as jddp.xla_flags recommends."""
+    ``xla_gpu_all_reduce_combine_threshold_bytes`` is raised as jddp.perf.xla_flags recommends."""
     assert not xla_flags.recommended("gpu", 25.0)
     plan, text = compiled(50.0)
     sched = schedule.read_schedule(text)

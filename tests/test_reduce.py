@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jddp
-from tests import _hlo
+from jddp.perf import schedule
 from tests._models import max_abs_diff, mlp_loss, mlp_params, regression_batch
 
 
@@ -54,15 +54,14 @@ def _random_cases(n):
 )
 def test_one_all_reduce_per_bucket_in_order_and_interleaved(sizes, cap, first, whole_layers):
     plan, text = _compiled_step(sizes, cap, first)
-    ops = _hlo.entry_ops(text)
-    ars = [op for op in ops if op.kind == "all-reduce"]
+    ars = schedule.read_schedule(text).all_reduces
     # Exactly one all-reduce per bucket (the loss rides on the last one): XLA's combiner did not
     # merge them, and nothing else communicates.
-    assert len(ars) == plan.num_buckets == _hlo.count_all_reduces(text)
+    assert len(ars) == plan.num_buckets == len(schedule.collectives(text, "all-reduce"))
     for i, (ar, bucket) in enumerate(zip(ars, plan.buckets, strict=True)):
         # In bucket order, with the bucket's shapes (the last one also carries the f32 loss).
         expected = sorted(plan.shapes[j] for j in bucket.indices)
-        got = sorted(dims for _, dims in ar.shapes)
+        got = sorted(ar.shapes)
         if i == plan.num_buckets - 1:
             got.remove(())
         assert got == expected, f"all-reduce {i} has {got}, bucket {i} is {expected}"
@@ -77,22 +76,25 @@ def test_one_all_reduce_per_bucket_in_order_and_interleaved(sizes, cap, first, w
         return
     # Every bucket's all-reduce but the last is scheduled before the backward has finished:
     # backward matmuls of earlier layers come after it.
-    pos = {op.name: k for k, op in enumerate(ops)}
-    compute = [k for k, op in enumerate(ops) if op.kind == "compute"]
     first_layer_only = {p.split(".")[0] for p in plan.buckets[-1].paths} == {"Dense_0"}
     for i, ar in enumerate(ars[:-1]):
         if i == len(ars) - 2 and first_layer_only:
             # What is left after it is the first layer's weight gradient, which needs no further
             # backpropagation: it is ready as early as this bucket, and XLA may run it first.
             continue
-        assert any(k > pos[ar.name] for k in compute), f"{ar.name} comes after all backward work"
+        assert ar.dots_after, f"{ar.name} comes after all backward work"
 
 
 def test_buckets_interleave_with_backward_matmuls():
     """With one bucket per layer, backward matmuls sit between consecutive all-reduces."""
     plan, text = _compiled_step([8] + [32] * 8 + [4], 0.004, 0.0001)
-    ops = _hlo.entry_ops(text)
-    kinds = [op.kind for op in ops if op.kind != "other"]
+    sched = schedule.read_schedule(text)
+    starts = {ar.index for ar in sched.all_reduces}
+    kinds = [
+        "all-reduce" if op.index in starts else "compute"
+        for op in sched.ops
+        if op.index in starts or op.is_dot
+    ]
     first_ar = kinds.index("all-reduce")
     after = "".join("A" if k == "all-reduce" else "c" for k in kinds[first_ar:])
     # At least half of the gaps between consecutive all-reduces contain backward compute.

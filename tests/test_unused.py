@@ -10,7 +10,7 @@ import pytest
 
 import jddp
 from jddp._src.jaxpr import grad_reachable
-from tests import _hlo
+from jddp.perf import schedule
 
 
 @jax.custom_jvp
@@ -99,9 +99,9 @@ def test_unused_are_reported_once_and_not_sent():
         np.testing.assert_array_equal(new.params[name], _params()[name])
     # No bytes for them: no all-reduce in the compiled step carries the f32[7,5] leaf.
     hlo = ddp.lower(_params(), _batch()).compile().as_text()
-    reduces = _hlo.all_reduces(hlo)
-    assert len(reduces) == plan.num_buckets == _hlo.count_all_reduces(hlo)
-    assert not any(("f32", (7, 5)) in op.shapes for op in reduces)
+    reduces = schedule.read_schedule(hlo).all_reduces
+    assert len(reduces) == plan.num_buckets == len(schedule.collectives(hlo, "all-reduce"))
+    assert not any(("f32", (7, 5)) in [(a.dtype, a.shape) for a in ar.operands] for ar in reduces)
 
 
 def test_keep_unused_reduces_them_without_warning():

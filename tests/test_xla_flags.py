@@ -1,8 +1,8 @@
-"""Tests for jddp.xla_flags.recommended (no compiler needed; the GPU effect is in test_gpu_step)."""
+"""Tests for jddp.perf.xla_flags.recommended (no compiler needed; the GPU effect is in test_gpu_step)."""
 
 import pytest
 
-from jddp import xla_flags
+from jddp.perf import xla_flags
 
 
 @pytest.mark.parametrize("backend", ["gpu", "cuda", "GPU"])

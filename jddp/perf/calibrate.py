@@ -1,15 +1,16 @@
 """Measuring the inputs of the cost model on the current machine.
 
-:mod:`jddp.costmodel` is pure; this module runs things. It times
+:mod:`jddp.perf.costmodel` is pure; this module runs things. It times
 
 - one device's compute of a :class:`jddp.DataParallel` step with no communication at all (forward,
   forward + backward, full local step with the optimizer), giving a
-  :class:`~jddp.costmodel.ModelProfile` in the step's real bucket (backward) order;
+  :class:`~jddp.perf.costmodel.ModelProfile` in the step's real bucket (backward) order;
 - all-reduces of several sizes on a mesh, fitted to the alpha-beta model as a
-  :class:`~jddp.costmodel.Link`.
+  :class:`~jddp.perf.costmodel.Link`.
 
-Timings follow ../shared/README.md §4: compiled once, warmed up, variants alternated in the same
-process, medians of ``jax.block_until_ready`` wall times.
+Timing method: each program is compiled once and warmed up, the variants are alternated
+round-robin in the same process (so drift and load hit all alike), and the median of
+``jax.block_until_ready`` wall times is reported.
 
 On simulated CPU devices (``--xla_force_host_platform_device_count``) the collective is an
 in-process reduction over threads that share the host's cores and memory, not a ring over links:
@@ -32,12 +33,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jddp import mesh as mesh_lib
-from jddp.costmodel import Link, ModelProfile
+from jddp.perf.costmodel import Link, ModelProfile
 
 __all__ = [
     "AllReduceFit",
     "alternate_medians",
     "alternate_samples",
+    "fit_link",
     "measure_allreduce",
     "profile_step",
 ]
@@ -96,7 +98,18 @@ class AllReduceFit(NamedTuple):
         return self.intercept_s + nbytes * self.slope_s_per_byte
 
 
-def _fit_link(sizes: Sequence[int], times: Sequence[float], n: int) -> AllReduceFit:
+def fit_link(sizes: Sequence[int], times: Sequence[float], n: int) -> AllReduceFit:
+    """Fits measured all-reduce times to the alpha-beta model of a ring all-reduce.
+
+    Args:
+      sizes: bytes per device of each all-reduce.
+      times: seconds of each all-reduce.
+      n: devices in the all-reduce.
+
+    Returns:
+      The fit: its link reproduces ``intercept + bytes * slope``, a least-squares line weighted
+      by ``1/time`` (clipped to a non-negative intercept and a positive slope).
+    """
     x = np.asarray(sizes, float)
     y = np.asarray(times, float)
     # Relative (1/t-weighted) least squares: small all-reduces matter as much as large ones, so the
@@ -165,7 +178,32 @@ def measure_allreduce(
         # Median of the per-round differences: both programs of a round saw the same load.
         diff = float(np.median(np.subtract(smp["long"], smp["short"]))) / chain
         times.append(max(diff, 1e-7))
-    return _fit_link(sizes_bytes, times, n)
+    return fit_link(sizes_bytes, times, n)
+
+
+def _scalar_loss(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+    """``loss_fn(params, batch)`` reduced to its loss, dropping the metrics of a ``has_aux`` loss.
+
+    Args:
+      loss_fn: a stateless loss as :class:`jddp.DataParallel` takes it, ``loss_fn(params, batch)
+        -> loss``, or ``-> (loss, metrics)`` with ``has_aux``.
+      has_aux: whether ``loss_fn`` returns ``(loss, metrics)``.
+
+    Returns:
+      ``f(params, batch) -> loss``.
+    """
+    if not has_aux:
+        return loss_fn
+
+    def loss(params: Any, batch: Any) -> Any:
+        out = loss_fn(params, batch)
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise TypeError(
+                f"With has_aux=True, loss_fn must return (loss, metrics), got {type(out).__name__}."
+            )
+        return out[0]
+
+    return loss
 
 
 def profile_step(
@@ -187,7 +225,8 @@ def profile_step(
     the backward produces gradients).
 
     Args:
-      ddp: the DataParallel trainer (its loss, optimizer and mesh are used).
+      ddp: the DataParallel trainer (its public ``loss_fn``, ``has_aux``, ``optimizer`` and
+        ``mesh`` are used); its loss must be stateless, ``loss_fn(params, batch)``.
       state: a TrainState from ``ddp.init``.
       batch: a global batch.
       repeats: alternated repetitions per program.
@@ -201,7 +240,7 @@ def profile_step(
     axis = ddp.axis_name
     params = state.params
     plan = ddp.plan(params, batch)
-    loss = lambda p, b: ddp._loss_with_aux(p, b)[0]
+    loss = _scalar_loss(ddp.loss_fn, has_aux=ddp.has_aux)
 
     def fwd(p, b):
         return loss(p, b)

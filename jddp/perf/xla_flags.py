@@ -16,7 +16,9 @@ chain alone keeps one all-reduce per bucket, so nothing is recommended there.
 
 Use::
 
-    rec = jddp.xla_flags.recommended("gpu", bucket_cap_mb=50)
+    from jddp.perf import xla_flags
+
+    rec = xla_flags.recommended("gpu", bucket_cap_mb=50)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + rec.xla_flags).strip()
     # before JAX initialises its backend; or, per compile:
     ddp.lower(params, batch).compile(compiler_options=rec.compiler_options)

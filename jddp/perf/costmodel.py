@@ -16,7 +16,7 @@ The model follows the structure of PyTorch DDP (Li et al., VLDB 2020) and of jdd
 
 Everything here is a pure function of small immutable values, so predictions are reproducible and
 cheap (a 256-device sweep over ten caps takes milliseconds). Measuring a real step on the current
-machine to feed the model lives in :mod:`jddp.calibrate`.
+machine to feed the model lives in :mod:`jddp.perf.calibrate`.
 
 Known simplifications (each makes predictions optimistic, none is modelled):
 
@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jddp._src.tree import MiB
-from jddp.buckets import assign_buckets
+from jddp.buckets import BucketPlan, assign_buckets
 
 __all__ = [
     "BucketTiming",
@@ -573,7 +573,6 @@ def _as_profile(
     """Builds a profile from a ModelProfile, a BucketPlan, a params pytree or leaf byte sizes."""
     if isinstance(model, ModelProfile):
         return model
-    from jddp.buckets import BucketPlan  # local: keep the pure model importable on its own
 
     if isinstance(model, BucketPlan):
         order = [i for b in model.buckets for i in b.indices]
@@ -598,7 +597,7 @@ def _as_profile(
         raise ValueError(
             "The cost model needs compute times to weigh overlap against per-bucket latency: pass "
             "backward_s= (seconds of one device's backward pass), or a ModelProfile (see "
-            "jddp.calibrate.profile_step to measure one, or ModelProfile.from_flops)."
+            "jddp.perf.calibrate.profile_step to measure one, or ModelProfile.from_flops)."
         )
     return ModelProfile.from_sizes(
         nbytes, backward_s=backward_s, forward_s=forward_s, optimizer_s=optimizer_s,
@@ -661,9 +660,11 @@ def suggest_bucket_cap(
     A thin wrapper over :func:`advise_bucket_cap` (same arguments), which also returns every
     candidate's prediction so the choice can be explained::
 
-        cluster = jddp.ClusterSpec(64, inter=jddp.Link.gbit(100, 10))
-        cap = jddp.suggest_bucket_cap(profile, cluster)
-        print(jddp.costmodel.advise_bucket_cap(profile, cluster).table())
+        from jddp.perf import costmodel
+
+        cluster = costmodel.ClusterSpec(64, inter=costmodel.Link.gbit(100, 10))
+        cap = costmodel.suggest_bucket_cap(profile, cluster)
+        print(costmodel.advise_bucket_cap(profile, cluster).table())
 
     Returns:
       One of the candidate caps, in MiB (``math.inf`` means a single bucket).

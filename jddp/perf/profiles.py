@@ -3,7 +3,7 @@
 Both are built layer by layer from the architectures (not measured): parameter tensors in the
 order the forward pass first uses them, each with the forward FLOPs of the operation that owns it.
 :func:`resnet50_profile` and :func:`bert_large_profile` turn them into
-:class:`~jddp.costmodel.ModelProfile`\\ s at a given per-device batch and achieved FLOP/s.
+:class:`~jddp.perf.costmodel.ModelProfile`\\ s at a given per-device batch and achieved FLOP/s.
 
 - ResNet-50 (torchvision layout, 224x224 images): 161 tensors, 25,557,032 parameters
   (53 convolutions, 53 batch norms with scale and bias, the classifier's weight and bias), about
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from jddp.costmodel import ModelProfile
+from jddp.perf.costmodel import ModelProfile
 
 __all__ = [
     "Leaf",

@@ -1,0 +1,272 @@
+"""The package's dependency rules, checked on the source with ``ast`` (nothing is imported).
+
+1. No import cycle between jddp modules, counting module-level imports (those that run when the
+   module is imported: top-level statements, also inside top-level ``if``/``try`` blocks, but not
+   under ``if TYPE_CHECKING:`` and not inside functions).
+2. No module uses another jddp module's private (``_``-prefixed) names: neither
+   ``from jddp.x import _name`` nor ``x._name`` on an imported jddp module, wherever it appears.
+   Importing the modules of the private package ``jddp._src`` is fine; the rule is about names.
+
+``KNOWN_CORE_VIOLATIONS`` lists what the training core breaks today; it is being rewritten and
+the list is to be emptied. An entry that no longer occurs fails the test too, so the list stays
+exact. The performance tooling (``jddp.perf``) may have none.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections.abc import Iterator
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = "jddp"
+
+#: The training core being rewritten (issue #15): every allow-listed violation uses, or is a use
+#: of, a private name of one of these modules.
+CORE_MODULES = frozenset(
+    f"jddp.{m}"
+    for m in ("trainer", "reduce", "buckets", "accumulate", "objective", "hooks", "model_state",
+              "nnx")
+)
+
+#: Violations of the rules by the training core, as the test reports them. To be emptied.
+#: (``jddp.unused`` is not core, but what it uses are ``jddp.buckets``' private helpers, which
+#: only the core's rewrite can make public.)
+KNOWN_CORE_VIOLATIONS = frozenset(
+    {
+        "jddp.objective: from jddp.reduce import _check_scalar_loss",
+        "jddp.reduce: jddp.buckets._INLINE_CALLS",
+        "jddp.reduce: jddp.buckets._is_literal",
+        "jddp.trainer: jddp.reduce._check_float_params",
+        "jddp.unused: jddp.buckets._INLINE_CALLS",
+        "jddp.unused: jddp.buckets._is_literal",
+    }
+)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """Statements that run at import time (descending into top-level if/try blocks)."""
+    for node in body:
+        if isinstance(node, ast.If):
+            if not _is_type_checking(node):
+                yield from _module_level(node.body)
+                yield from _module_level(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody):
+                yield from _module_level(block)
+            for handler in node.handlers:
+                yield from _module_level(handler.body)
+        else:
+            yield node
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+class Package:
+    """The modules of the package ``name`` under ``root``, read with ``ast``."""
+
+    def __init__(self, root: pathlib.Path, name: str = PACKAGE) -> None:
+        self.name = name
+        self.files: dict[str, pathlib.Path] = {}
+        for path in sorted((root / name).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            self.files[".".join(parts)] = path
+        self.trees = {m: ast.parse(p.read_text(), str(p)) for m, p in self.files.items()}
+
+    def _resolve(self, importer: str, level: int, module: str | None) -> str:
+        """The absolute module name of a (possibly relative) ``from ... import`` source."""
+        if not level:
+            return module or ""
+        base = importer.split(".")
+        if self.files[importer].name != "__init__.py":
+            base.pop()
+        base = base[: len(base) - (level - 1)]
+        return ".".join(base + ([module] if module else []))
+
+    def imported(self, importer: str, node: ast.Import | ast.ImportFrom) -> list[tuple[str, str]]:
+        """(module imported, name imported from it, or "") for each package name of ``node``.
+
+        For ``from pkg import name`` the module is ``pkg.name`` if that is a module, else ``pkg``.
+        """
+        if isinstance(node, ast.Import):
+            return [(a.name, "") for a in node.names if a.name.split(".")[0] == self.name]
+        source = self._resolve(importer, node.level, node.module)
+        if source.split(".")[0] != self.name:
+            return []
+        out = []
+        for alias in node.names:
+            sub = f"{source}.{alias.name}"
+            out.append((sub, "") if sub in self.files else (source, alias.name))
+        return out
+
+    def import_graph(self) -> dict[str, set[str]]:
+        """Module -> the package's modules its module-level imports load."""
+        graph: dict[str, set[str]] = {}
+        for module, tree in self.trees.items():
+            edges = set()
+            for node in _module_level(tree.body):
+                if isinstance(node, ast.Import | ast.ImportFrom):
+                    edges.update(m for m, _ in self.imported(module, node) if m != module)
+            graph[module] = edges
+        return graph
+
+    def private_uses(self, module: str) -> list[str]:
+        """Uses of other modules' private names in ``module`` (anywhere in its source)."""
+        found = []
+        aliases: dict[str, str] = {}  # local name -> the module it is bound to
+        tree = self.trees[module]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == self.name:
+                        aliases[alias.asname or self.name] = alias.name if alias.asname else self.name
+            elif isinstance(node, ast.ImportFrom) and node.names[0].name != "*":
+                pairs = self.imported(module, node)
+                if not pairs:  # not from this package
+                    continue
+                for (source, name), alias in zip(pairs, node.names, strict=True):
+                    if name and _private(name) and source != module:
+                        found.append(f"{module}: from {source} import {name}")
+                    elif not name:
+                        aliases[alias.asname or alias.name] = source
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                target = self._module_of(node.value, aliases)
+                is_module = f"{target}.{node.attr}" in self.files  # e.g. jddp._src: allowed
+                if target is not None and target != module and not is_module:
+                    found.append(f"{module}: {target}.{node.attr}")
+        return sorted(set(found))
+
+    def _module_of(self, node: ast.expr, aliases: dict[str, str]) -> str | None:
+        """The module an expression such as ``buckets_lib`` or ``jddp.perf.schedule`` names."""
+        if isinstance(node, ast.Name):
+            return aliases.get(node.id)
+        if isinstance(node, ast.Attribute):
+            parent = self._module_of(node.value, aliases)
+            if parent is not None and f"{parent}.{node.attr}" in self.files:
+                return f"{parent}.{node.attr}"
+        return None
+
+    def violations(self, modules: list[str] | None = None) -> set[str]:
+        """Every private-name use and every import cycle (touching ``modules``, default all)."""
+        modules = list(self.files) if modules is None else modules
+        found = {v for m in modules for v in self.private_uses(m)}
+        for cycle in cycles(self.import_graph()):
+            if set(cycle) & set(modules):
+                found.add("cycle: " + " <-> ".join(cycle))
+        return found
+
+
+JDDP = Package(ROOT)
+
+
+# ------------------------------------------------------------------------------------- tests
+
+
+def test_the_checker_sees_the_package():
+    graph = JDDP.import_graph()
+    assert {"jddp", "jddp._src.tree", "jddp.perf", "jddp.perf.schedule"} <= set(graph)
+    assert "jddp.perf.costmodel" in graph["jddp.perf.calibrate"]
+    assert "jddp._src.tree" in graph["jddp.perf.schedule"]
+
+
+def test_checker_finds_cycles_and_private_uses(tmp_path):
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    pkg = tmp_path / PACKAGE
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from typing import TYPE_CHECKING\n"
+                                             "if TYPE_CHECKING:\n    from jddp import b\n")
+    (pkg / "a.py").write_text("from jddp import b as b_lib\nX = b_lib._hidden\n")
+    (pkg / "b.py").write_text("import jddp.a\nfrom . import a\n\ndef f():\n    return a._y\n")
+    (pkg / "c.py").write_text("def f():\n    from jddp import a\n")  # not at module level
+    (pkg / "sub" / "d.py").write_text(
+        "from ..a import _z\nfrom jddp.a import __doc__\nimport jddp.sub\nV = jddp.a._w\n"
+        "W = jddp._priv.x\nfrom jddp._priv import x\n"
+    )
+    (pkg / "_priv").mkdir()
+    (pkg / "_priv" / "__init__.py").write_text("")
+    (pkg / "_priv" / "x.py").write_text("")
+    fake = Package(tmp_path)
+    assert cycles(fake.import_graph()) == [["jddp.a", "jddp.b"]]
+    assert fake.import_graph()["jddp.sub"] == set() and fake.import_graph()["jddp.c"] == set()
+    assert fake.private_uses("jddp.a") == ["jddp.a: jddp.b._hidden"]
+    assert fake.private_uses("jddp.b") == ["jddp.b: jddp.a._y"]
+    assert fake.private_uses("jddp.sub.d") == [
+        "jddp.sub.d: from jddp.a import _z", "jddp.sub.d: jddp.a._w"
+    ]
+    assert "cycle: jddp.a <-> jddp.b" in fake.violations()
+
+
+def test_no_import_cycles_and_no_private_names_across_modules():
+    found = JDDP.violations()
+    new = sorted(found - KNOWN_CORE_VIOLATIONS)
+    stale = sorted(KNOWN_CORE_VIOLATIONS - found)
+    assert not new, "dependency rule violations:\n" + "\n".join(new)
+    assert not stale, "fixed, remove from KNOWN_CORE_VIOLATIONS:\n" + "\n".join(stale)
+
+
+def test_allow_list_is_only_for_the_core():
+    for entry in KNOWN_CORE_VIOLATIONS:
+        if entry.startswith("cycle: "):
+            assert set(entry.removeprefix("cycle: ").split(" <-> ")) <= CORE_MODULES, entry
+            continue
+        user, use = entry.split(": ")
+        if use.startswith("from "):
+            owner = use.removeprefix("from ").split(" import ")[0]
+        else:
+            owner = use.rsplit(".", 1)[0]
+        assert user in CORE_MODULES or owner in CORE_MODULES, entry
+
+
+def test_perf_tooling_has_no_violations():
+    perf = [m for m in JDDP.files if m == "jddp.perf" or m.startswith("jddp.perf.")]
+    assert "jddp.perf.schedule" in perf
+    assert JDDP.violations(perf) == set()

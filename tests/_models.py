@@ -40,8 +40,9 @@ def regression_batch(seed: int, n: int, d_in: int, d_out: int) -> dict:
 
 
 def max_abs_diff(a, b) -> float:
+    """The largest absolute difference between two trees of arrays (0 for empty leaves)."""
     return max(
-        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)), initial=0.0))
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     )
 

@@ -87,6 +87,10 @@ def test_mean_sync_averages_floats_and_broadcasts_integers():
     state, _ = ddp.step(state, batch)
     firsts = batch["s32"][:: batch["s32"].shape[0] // mesh.size]  # each shard's first row
     np.testing.assert_allclose(state.model_state["f32"], firsts.mean(0), rtol=1e-6, atol=1e-7)
+    # bfloat16 leaves are averaged too (in float32, then rounded), not sent as bits.
+    bf_firsts = batch["s16"][:: batch["s16"].shape[0] // mesh.size].astype(np.float32)
+    np.testing.assert_allclose(np.asarray(state.model_state["bf16"], np.float32),
+                               bf_firsts.mean(0), rtol=1e-2, atol=1e-2)
     np.testing.assert_array_equal(state.model_state["i32"], batch["i"][0])
     ddp.verify(state)
 

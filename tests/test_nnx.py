@@ -128,11 +128,12 @@ def test_wrap_with_core_data_parallel_and_value_and_grad():
 
 
 def test_model_state_batchnorm_and_rng_are_synchronised():
-    """Non-Param state: BatchNorm statistics are averaged over devices; RNG counts advance."""
+    """Non-Param state with model_state_sync="mean": BatchNorm statistics are averaged over
+    devices; RNG counts advance."""
     n = jax.device_count()
     data = batches(n=1, size=8 * n)
     model = BNNet(nnx.Rngs(0))
-    ddp = jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=mse)
+    ddp = jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=mse, model_state_sync="mean")
     state = ddp.init()
     count0 = int(state.model_state["drop"]["rngs"]["count"].get_value())
     state, metrics = ddp.step(state, data[0])

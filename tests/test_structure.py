@@ -7,9 +7,7 @@
    ``from jddp.x import _name`` nor ``x._name`` on an imported jddp module, wherever it appears.
    Importing the modules of the private package ``jddp._src`` is fine; the rule is about names.
 
-``KNOWN_CORE_VIOLATIONS`` lists what the training core breaks today; it is being rewritten and
-the list is to be emptied. An entry that no longer occurs fails the test too, so the list stays
-exact. The performance tooling (``jddp.perf``) may have none.
+There is no allow-list: every module of the package keeps both rules.
 """
 
 from __future__ import annotations
@@ -20,29 +18,6 @@ from collections.abc import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "jddp"
-
-#: The training core being rewritten (issue #15): every allow-listed violation uses, or is a use
-#: of, a private name of one of these modules.
-CORE_MODULES = frozenset(
-    f"jddp.{m}"
-    for m in ("trainer", "reduce", "buckets", "accumulate", "objective", "hooks", "model_state",
-              "nnx")
-)
-
-#: Violations of the rules by the training core, as the test reports them. To be emptied.
-#: (``jddp.unused`` is not core, but what it uses are ``jddp.buckets``' private helpers, which
-#: only the core's rewrite can make public.)
-KNOWN_CORE_VIOLATIONS = frozenset(
-    {
-        "jddp.objective: from jddp.reduce import _check_scalar_loss",
-        "jddp.reduce: jddp.buckets._INLINE_CALLS",
-        "jddp.reduce: jddp.buckets._is_literal",
-        "jddp.trainer: jddp.reduce._check_float_params",
-        "jddp.unused: jddp.buckets._INLINE_CALLS",
-        "jddp.unused: jddp.buckets._is_literal",
-    }
-)
-
 
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
@@ -246,27 +221,5 @@ def test_checker_finds_cycles_and_private_uses(tmp_path):
 
 
 def test_no_import_cycles_and_no_private_names_across_modules():
-    found = JDDP.violations()
-    new = sorted(found - KNOWN_CORE_VIOLATIONS)
-    stale = sorted(KNOWN_CORE_VIOLATIONS - found)
-    assert not new, "dependency rule violations:\n" + "\n".join(new)
-    assert not stale, "fixed, remove from KNOWN_CORE_VIOLATIONS:\n" + "\n".join(stale)
-
-
-def test_allow_list_is_only_for_the_core():
-    for entry in KNOWN_CORE_VIOLATIONS:
-        if entry.startswith("cycle: "):
-            assert set(entry.removeprefix("cycle: ").split(" <-> ")) <= CORE_MODULES, entry
-            continue
-        user, use = entry.split(": ")
-        if use.startswith("from "):
-            owner = use.removeprefix("from ").split(" import ")[0]
-        else:
-            owner = use.rsplit(".", 1)[0]
-        assert user in CORE_MODULES or owner in CORE_MODULES, entry
-
-
-def test_perf_tooling_has_no_violations():
-    perf = [m for m in JDDP.files if m == "jddp.perf" or m.startswith("jddp.perf.")]
-    assert "jddp.perf.schedule" in perf
-    assert JDDP.violations(perf) == set()
+    found = sorted(JDDP.violations())
+    assert not found, "dependency rule violations:\n" + "\n".join(found)

@@ -139,7 +139,7 @@ def test_mask_errors():
     plain = jddp.DataParallel(_mean_loss, optax.sgd(0.1))
     with pytest.raises(ValueError, match="weighted=True"):
         plain.step(plain.init(params), batch, mask=np.ones(16, bool))
-    with pytest.raises(TypeError, match="per-example losses"):
+    with pytest.raises(TypeError, match="must return the unreduced losses"):
         wrong = jddp.DataParallel(_mean_loss, optax.sgd(0.1), weighted=True)
         wrong.step(wrong.init(params), batch)
     with pytest.raises(ValueError, match="jddp.pad_batch"):

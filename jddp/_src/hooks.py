@@ -171,7 +171,7 @@ def check_hook(hook: Any) -> CommHook:
     if callable(hook) and not hasattr(hook, "reduce"):
         call = f"jddp.{name}()" if name in _HOOK_FACTORIES else f"{name or 'the factory'}(...)"
         raise TypeError(
-            f"hook={name or hook!r} is a function, not a communication hook: call it, e.g. "
+            f"hook={name or repr(hook)} is a function, not a communication hook: call it, e.g. "
             f"hook={call}. A hook is a jddp.CommHook(init, reduce), where init(leaf_struct) -> "
             "state and reduce(grads, states, ctx) -> (mean_grads, new_states)."
         )

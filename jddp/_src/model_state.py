@@ -185,7 +185,7 @@ def payload_shape(state: Any, mode: str, n: int) -> Any:
                 (_num_chunks(np.dtype(data.dtype).itemsize, n), *data.shape), jnp.float32
             )
         dtype = dtype_of(x)
-        if mode == "mean" and np.issubdtype(dtype, np.floating):
+        if mode == "mean" and jnp.issubdtype(dtype, jnp.floating):
             return jax.ShapeDtypeStruct(np.shape(x), jnp.float32)
         itemsize = 1 if dtype == np.bool_ else dtype.itemsize
         return jax.ShapeDtypeStruct((_num_chunks(itemsize, n), *np.shape(x)), jnp.float32)
@@ -208,7 +208,7 @@ def decode_state(mean_payload: Any, like: Any, mode: str, n: int) -> Any:
             data = _decode_bits(m, np.dtype(jax.random.key_data(x).dtype), n)
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         dtype = dtype_of(x)
-        if mode == "mean" and np.issubdtype(dtype, np.floating):
+        if mode == "mean" and jnp.issubdtype(dtype, jnp.floating):
             return m.astype(dtype)
         return _decode_bits(m, dtype, n)
 

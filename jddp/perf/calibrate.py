@@ -32,7 +32,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jddp import mesh as mesh_lib
+from jddp._src import mesh as mesh_lib
+from jddp._src import pipeline
 from jddp.perf.costmodel import Link, ModelProfile
 
 __all__ = [
@@ -181,31 +182,6 @@ def measure_allreduce(
     return fit_link(sizes_bytes, times, n)
 
 
-def _scalar_loss(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
-    """``loss_fn(params, batch)`` reduced to its loss, dropping the metrics of a ``has_aux`` loss.
-
-    Args:
-      loss_fn: a stateless loss as :class:`jddp.DataParallel` takes it, ``loss_fn(params, batch)
-        -> loss``, or ``-> (loss, metrics)`` with ``has_aux``.
-      has_aux: whether ``loss_fn`` returns ``(loss, metrics)``.
-
-    Returns:
-      ``f(params, batch) -> loss``.
-    """
-    if not has_aux:
-        return loss_fn
-
-    def loss(params: Any, batch: Any) -> Any:
-        out = loss_fn(params, batch)
-        if not isinstance(out, tuple) or len(out) != 2:
-            raise TypeError(
-                f"With has_aux=True, loss_fn must return (loss, metrics), got {type(out).__name__}."
-            )
-        return out[0]
-
-    return loss
-
-
 def profile_step(
     ddp: Any,
     state: Any,
@@ -240,7 +216,11 @@ def profile_step(
     axis = ddp.axis_name
     params = state.params
     plan = ddp.plan(params, batch)
-    loss = _scalar_loss(ddp.loss_fn, has_aux=ddp.has_aux)
+    # The loss exactly as the step differentiates it (the pipeline's objective), without metrics.
+    objective = pipeline.objective(ddp.config, stateful=False)
+
+    def loss(p, b):
+        return objective(p, None, b, None)[0]
 
     def fwd(p, b):
         return loss(p, b)

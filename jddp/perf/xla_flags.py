@@ -18,7 +18,7 @@ Use::
 
     from jddp.perf import xla_flags
 
-    rec = xla_flags.recommended("gpu", bucket_cap_mb=50)
+    rec = xla_flags.recommended("gpu", plan=ddp.plan(params, batch))   # or bucket_cap_mb=50
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + rec.xla_flags).strip()
     # before JAX initialises its backend; or, per compile:
     ddp.lower(params, batch).compile(compiler_options=rec.compiler_options)
@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jddp._src import options
+from jddp.buckets import BucketPlan
 
 __all__ = ["GPU_COMBINE_THRESHOLD_BYTES", "Recommendation", "recommended"]
 
@@ -65,23 +66,34 @@ class Recommendation:
         return bool(self.compiler_options)
 
 
-def recommended(backend: str, bucket_cap_mb: float = 25.0) -> Recommendation:
-    """The XLA options jddp recommends for ``backend`` and ``bucket_cap_mb``.
+def recommended(
+    backend: str, bucket_cap_mb: float = 25.0, *, plan: BucketPlan | None = None
+) -> Recommendation:
+    """The XLA options jddp recommends for ``backend`` and a bucket plan (or cap).
+
+    Like DDP, a bucket is closed by the leaf that reaches the cap, so it can exceed the cap by
+    less than its last leaf: pass the ``plan`` (``ddp.plan(params, batch)``) to size the options
+    to the largest bucket that will actually run; with only a cap they assume a bucket of the cap.
 
     Args:
         backend: ``"gpu"`` (also ``"cuda"``, ``"rocm"``), ``"tpu"`` or ``"cpu"``, e.g.
             ``jax.default_backend()``.
         bucket_cap_mb: the ``bucket_cap_mb`` given to :class:`jddp.DataParallel` (MiB).
+        plan: the bucket plan the step uses (overrides ``bucket_cap_mb``).
 
     Returns:
-        A :class:`Recommendation`. On GPU with buckets that can exceed XLA's combine threshold
-        (caps above about 29 MiB), it raises ``xla_gpu_all_reduce_combine_threshold_bytes`` to the
-        cap plus 1 MiB, rounded up to whole MiB; otherwise it is empty (no flags needed).
+        A :class:`Recommendation`. On GPU with buckets that exceed XLA's combine threshold
+        (above about 29 MiB), it raises ``xla_gpu_all_reduce_combine_threshold_bytes`` to the
+        largest bucket plus 1 MiB, rounded up to whole MiB; otherwise it is empty.
 
     Raises:
         ValueError: for an unknown backend or an invalid cap.
     """
-    cap = options.cap_bytes(bucket_cap_mb, "bucket_cap_mb")
+    if plan is not None:
+        cap = max((b.nbytes for b in plan.buckets), default=0)
+        bucket_cap_mb = cap / (1024 * 1024)
+    else:
+        cap = options.cap_bytes(bucket_cap_mb, "bucket_cap_mb")
     name = backend.lower()
     if name in _GPU:
         needed = cap + _HEADROOM_BYTES

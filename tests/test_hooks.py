@@ -10,7 +10,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jddp
-from jddp import hooks as hooks_lib
 
 N = 8
 

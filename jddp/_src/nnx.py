@@ -18,8 +18,9 @@ Two entry points:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import optax
@@ -28,6 +29,7 @@ from flax import nnx
 from jddp._src.objective import unpack_loss_output
 from jddp._src.planner import BucketPlan
 from jddp._src.state import TrainState
+from jddp._src.step import Step
 from jddp._src.trainer import DataParallel as CoreDataParallel
 
 
@@ -73,7 +75,8 @@ def wrap(
     return loss_over_params, params, rest
 
 
-class _ModelLoss(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _ModelLoss:
     """The core trainer's ``loss_fn(params, model_state, batch)`` for an NNX ``loss_fn(model,
     batch)``: merges the model, calls the loss, splits the updated rest back out."""
 
@@ -173,6 +176,8 @@ class DataParallel:
     graphdef: Any
     wrt: Any
     core: CoreDataParallel
+    step: Step
+    _model: nnx.Module
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(

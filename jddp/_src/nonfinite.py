@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+
 def all_finite(tree: Any) -> jax.Array:
     """A bool scalar: every floating-point element of ``tree`` is finite (True for no leaves)."""
     flags = [

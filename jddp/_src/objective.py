@@ -28,6 +28,7 @@ loss (``weighted``: the weighted loss sum), the denominator the weight (1 per mi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -119,7 +120,8 @@ def _f32(x: Any) -> jax.Array:
     return jnp.asarray(x, jnp.float32)
 
 
-class Objective(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Objective:
     """A user ``loss_fn`` as the step differentiates it (see the module docstring).
 
     Attributes:

@@ -301,9 +301,10 @@ def _local_step(
                         jnp.shape(p), acc_lib.accumulator_dtype(jnp.result_type(p),
                                                                 cfg.accumulator_dtype)),
                                  state.params), axis)
-            head = jax.tree.map(lambda x: x[: m - 1], (micro, wmicro))
-            call = acc_lib.local_sums(grad_fn, params_v, *head, call._replace(
-                grads=offset, model_state=ms0))
+            head, w_head = jax.tree.map(lambda x: x[: m - 1], (micro, wmicro))
+            call = acc_lib.local_sums(
+                grad_fn, params_v, head, w_head, call._replace(grads=offset, model_state=ms0)
+            )
             offset, ms_last = call.grads, call.model_state
         # The mean over the window's micro-batches: a static count, or one read from the state
         # (a window cut short by an early sync=True still averages correctly).
@@ -324,8 +325,9 @@ def _local_step(
 
         red = bucketed_vjp(
             traced, jax.tree.leaves(state.params), (ms_last, last, w_last), plan=plan,
-            axis_name=axis, hook=cfg.hook, hook_state=hook_state, step=state.step, phase=phase, chain=cfg.chain, seed=seed,
-            offset=offset_leaves, extras_fn=extras, extras_shape=obj.extras_shape(aux_shape, n),
+            axis_name=axis, hook=cfg.hook, hook_state=hook_state, step=state.step, phase=phase,
+            chain=cfg.chain, seed=seed, offset=offset_leaves, extras_fn=extras,
+            extras_shape=obj.extras_shape(aux_shape, n),
         )
         mean = red.extras
         grads = jax.tree.unflatten(jax.tree.structure(state.params), red.grads)

@@ -176,7 +176,7 @@ def _check_hook_state(hook: CommHook, old: Any, new: Any, index: int) -> None:
 class _BucketSpec(NamedTuple):
     """What the backward hook of one bucket needs to know, all static."""
 
-    index: int
+    bucket: int
     hook: CommHook
     axis_name: Any
     last: bool
@@ -220,7 +220,7 @@ def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
         grads = tuple(ct_leaves)
         if offset:
             grads = tuple(g + o.astype(g.dtype) for g, o in zip(grads, offset, strict=True))
-        ctx = HookContext(axis_name, axis_size(axis_name), step, spec.index, spec.phase)
+        ctx = HookContext(axis_name, axis_size(axis_name), step, spec.bucket, spec.phase)
         n = len(grads)
         extras_out = tuple(jnp.zeros_like(s) for s in sink)
         fuses = getattr(hook, "fuses_extras", False)
@@ -234,14 +234,14 @@ def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
         if fuses and spec.last and ct_extras:
             # The loss and metrics ride on the last bucket's all-reduce.
             out = hook.reduce(grads + tuple(ct_extras), states + ((),) * len(ct_extras), ctx)
-            both, new_states = _check_hook_output(hook, grads + tuple(ct_extras), out, spec.index)
+            both, new_states = _check_hook_output(hook, grads + tuple(ct_extras), out, spec.bucket)
             reduced, extras_out, new_states = both[:n], both[n:], new_states[:n]
         else:
             reduced, new_states = _check_hook_output(
-                hook, grads, hook.reduce(grads, states, ctx), spec.index
+                hook, grads, hook.reduce(grads, states, ctx), spec.bucket
             )
-        _check_reduced(hook, reduced, axis_name, spec.index)
-        _check_hook_state(hook, states, new_states, spec.index)
+        _check_reduced(hook, reduced, axis_name, spec.bucket)
+        _check_hook_state(hook, states, new_states, spec.bucket)
         # The dependency is taken before casting back to varying: the token is replicated.
         dep = _dependency(reduced, chain)
         reduced = tuple(vma.match_varying(r, v, axis_name) for r, v in zip(reduced, varying, strict=True))

@@ -130,7 +130,7 @@ class Step:
     def cache_size(self) -> int:
         """How many programs this step has compiled: one per input shape and static variant
         (``sync``, hook phase); a training loop should see it stay constant."""
-        return int(self._jit._cache_size())
+        return int(self._jit._cache_size())  # type: ignore[attr-defined]  # jax's own count
 
     def lower(
         self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,

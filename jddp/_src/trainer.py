@@ -156,6 +156,7 @@ class DataParallel:
         ))
 
     config: StepConfig
+    _plans: PlanLog
     step: Step
     """The compiled step: ``step(state, batch, mask=None, *, sync=None) -> (state, metrics)``;
     ``step.lower(...)`` gives its program."""

@@ -26,7 +26,6 @@ from jax.sharding import PartitionSpec as P
 from jddp._src import mesh as mesh_lib
 from jddp._src.tree import key_path_str
 
-
 # ----------------------------------------------------------------------------- consistent start
 
 

@@ -5,9 +5,12 @@ Usage::
     python docs/gen_api.py            # (re)writes docs/api.md
     python docs/gen_api.py --check    # exits 1 if docs/api.md is out of date
 
-Public names are documented in ``__all__`` order; a public submodule (``jddp.nnx``) gets a section
-of its own with its ``__all__``. The subpackages in ``SUBPACKAGES`` (the performance tooling,
-``jddp.perf``) follow, one section per module (by name), each with its ``__all__``. Classes list
+The names of ``jddp.__all__`` are documented first, in order. Every public module of the package
+(``jddp.hooks``, ``jddp.mesh``, ...: the top-level modules whose names do not start with ``_``)
+follows with its ``__all__``; a name it shares with ``jddp`` links to that entry instead of being
+repeated. The subpackages in ``SUBPACKAGES`` (the performance tooling, ``jddp.perf``) follow, one
+section per module (by name), each with its ``__all__``. ``python docs/gen_api.py`` also rewrites
+the module map of docs/design.md (:func:`module_map`). Classes list
 their constructor signature, public methods and properties. Google-style docstring sections become
 bold headings (Args, Attributes and Raises entries as bullets, whatever their indentation), and
 ``::`` literal blocks become fenced code. The output is deterministic (no addresses, no dates), so a test
@@ -17,6 +20,7 @@ can regenerate it and compare.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import inspect
 import pathlib
@@ -29,6 +33,8 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "api.md"
+DESIGN = ROOT / "docs" / "design.md"
+MAP_START, MAP_END = "<!-- module-map:start -->", "<!-- module-map:end -->"
 #: Subpackages documented after the package's own names: every public module of each.
 SUBPACKAGES = ("jddp.perf",)
 SECTIONS = {"Args", "Arguments", "Returns", "Raises", "Attributes", "Yields", "Example", "Examples",
@@ -168,6 +174,18 @@ def _first_paragraph(doc: str | None) -> str:
     return inspect.cleandoc(doc or "").split("\n\n")[0].replace("\n", " ")
 
 
+def _anchor(package: str, name: str) -> str:
+    return f"{package}{name}".lower()
+
+
+def public_modules(package: str = "jddp") -> list[types.ModuleType]:
+    """The package's public top-level modules (not subpackages, no leading ``_``), by name."""
+    pkg = importlib.import_module(package)
+    names = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)
+                   if not m.name.startswith("_") and not m.ispkg)
+    return [importlib.import_module(f"{package}.{n}") for n in names]
+
+
 def subpackage_modules(subpackage: str) -> list[types.ModuleType]:
     """The public modules of ``subpackage`` (names without a leading ``_``), sorted by name."""
     pkg = importlib.import_module(subpackage)
@@ -191,23 +209,27 @@ def render(package: str = "jddp", subpackages: tuple[str, ...] = SUBPACKAGES) ->
         "## Contents",
         "",
     ]
-    modules = [n for n in names if isinstance(getattr(mod, n), types.ModuleType)]
-    objects = [n for n in names if n not in modules]
-    out += [f"- [`{package}.{n}`](#{package}{n.lower()})" for n in objects]
-    for m in modules:
-        sub = getattr(mod, m)
-        out += [f"- `{package}.{m}`: " + ", ".join(f"`{s}`" for s in sub.__all__)]
+    objects = [n for n in names if not isinstance(getattr(mod, n), types.ModuleType)]
+    out += [f"- [`{package}.{n}`](#{_anchor(package, n)})" for n in objects]
+    modules = public_modules(package)
     extra = [m for sp in subpackages for m in subpackage_modules(sp)]
-    for sub in extra:
+    for sub in modules + extra:
         out += [f"- `{sub.__name__}`: " + ", ".join(f"`{s}`" for s in sub.__all__)]
     out += ["", f"## `{package}`", ""]
+    top = {id(getattr(mod, n)): n for n in objects}
     for n in objects:
         out += _render_object(f"{package}.{n}", getattr(mod, n))
-    for m in modules:
-        sub = getattr(mod, m)
-        out += [f"## `{package}.{m}`", "", _docstring_md(sub.__doc__)]
+    for sub in modules:
+        out += [f"## `{sub.__name__}`", "", _docstring_md(sub.__doc__)]
         for n in sub.__all__:
-            out += _render_object(f"{package}.{m}.{n}", getattr(sub, n))
+            obj = getattr(sub, n)
+            if id(obj) in top:
+                name = top[id(obj)]
+                out += [f"- `{sub.__name__}.{n}`: see [`{package}.{name}`]"
+                        f"(#{_anchor(package, name)})"]
+            else:
+                out += [""] + _render_object(f"{sub.__name__}.{n}", obj)
+        out.append("")
     for sp in subpackages:
         out += [f"## `{sp}`", "", _docstring_md(importlib.import_module(sp).__doc__)]
         for sub in subpackage_modules(sp):
@@ -218,19 +240,64 @@ def render(package: str = "jddp", subpackages: tuple[str, ...] = SUBPACKAGES) ->
     return re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n"
 
 
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def _imports(path: pathlib.Path, package: str) -> list[str]:
+    """The package modules a module imports at module level (from its source, not by importing)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == package:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if _is_module(sub) else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == package)
+    return sorted(found)
+
+
+def module_map(package: str = "jddp") -> str:
+    """The markdown table of every module of the package: what it is (its docstring's first
+    paragraph) and which of the package's modules it imports. docs/design.md embeds it."""
+    root = ROOT / package
+    rows = ["| module | what | imports |", "| --- | --- | --- |"]
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).parts):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        name = ".".join(parts)
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        what = inspect.cleandoc(doc).split("\n\n")[0].replace("\n", " ").replace("|", "\\|")
+        deps = ", ".join(f"`{d.removeprefix(package + '.')}`" for d in _imports(path, package)
+                         if d != name)
+        rows.append(f"| `{name}` | {what} | {deps} |")
+    return "\n".join(rows) + "\n"
+
+
+def render_design(current: str) -> str:
+    """docs/design.md with its module map regenerated between the markers."""
+    start, end = current.index(MAP_START) + len(MAP_START), current.index(MAP_END)
+    return current[:start] + "\n" + module_map() + current[end:]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Generate docs/api.md from jddp's docstrings.")
-    parser.add_argument("--check", action="store_true", help="fail if docs/api.md is out of date")
+    parser = argparse.ArgumentParser(
+        description="Generate docs/api.md and the module map of docs/design.md from the source."
+    )
+    parser.add_argument("--check", action="store_true", help="fail if either is out of date")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    text = render()
+    outputs = {OUT: render(), DESIGN: render_design(DESIGN.read_text())}
+    stale = [p for p, text in outputs.items() if not p.exists() or p.read_text() != text]
     if args.check:
-        current = OUT.read_text() if OUT.exists() else ""
-        if current != text:
-            print("docs/api.md is out of date: run python docs/gen_api.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
+        for p in stale:
+            print(f"{p.relative_to(ROOT)} is out of date: run python docs/gen_api.py",
+                  file=sys.stderr)
+        return 1 if stale else 0
+    for p in stale:
+        p.write_text(outputs[p])
     return 0
 
 

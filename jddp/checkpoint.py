@@ -24,6 +24,9 @@ except ImportError:  # pragma: no cover - exercised only without the extra
     ocp = None
 
 
+__all__ = ["manager", "restore", "save"]
+
+
 def _require_orbax() -> Any:
     if ocp is None:
         raise ModuleNotFoundError(

@@ -21,12 +21,27 @@ def test_api_md_is_up_to_date():
     assert current == expected, "docs/api.md is out of date: run python docs/gen_api.py"
 
 
+def test_design_module_map_is_up_to_date():
+    gen = _gen_api()
+    current = (ROOT / "docs" / "design.md").read_text()
+    assert current == gen.render_design(current), (
+        "the module map in docs/design.md is out of date: run python docs/gen_api.py"
+    )
+    for path in (ROOT / "jddp").rglob("*.py"):  # every module is in it
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        assert f"| `{name}` |" in current, name
+
+
 def test_every_public_name_is_documented():
     text = (ROOT / "docs" / "api.md").read_text()
     for name in jddp.__all__:
         assert f"jddp.{name}" in text
-    for name in jddp.nnx.__all__:
-        assert f"jddp.nnx.{name}" in text
+    public = _gen_api().public_modules("jddp")
+    assert {m.__name__ for m in public} >= {"jddp.hooks", "jddp.mesh", "jddp.nnx", "jddp.trainer"}
+    for module in public:
+        for name in module.__all__:
+            assert f"{module.__name__}.{name}" in text
     modules = _gen_api().subpackage_modules("jddp.perf")
     assert {m.__name__ for m in modules} >= {"jddp.perf.costmodel", "jddp.perf.schedule"}
     for module in modules:

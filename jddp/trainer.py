@@ -25,6 +25,7 @@ from jddp import reduce as reduce_lib
 from jddp import uneven as uneven_lib
 from jddp import unused as unused_lib
 from jddp import verify as verify_lib
+from jddp._src import watchdog as watchdog_lib
 from jddp.hooks import CommHook, allreduce_mean
 from jddp.objective import Objective
 
@@ -211,6 +212,9 @@ class DataParallel:
         self.step = (
             self._jit_step if getattr(self.hook, "phase", None) is None else _PhasedStep(self)
         )
+        # Issue #16, interim: report completed steps to jddp-run's watchdog (a no-op wrapper
+        # outside jddp-run). The new core's step object calls report_progress itself instead.
+        self.step = watchdog_lib.reporting(self.step)
 
     @property
     def _accumulating(self) -> bool:

@@ -209,9 +209,11 @@ def report_progress(step: int, token: jax.Array | None = None) -> None:
     donated to the next one (the loss). Without `token`, the step counts as completed now.
     Outside jddp-run it does nothing.
 
-    Cost per call, measured on the development machine (2 shared cores, CPython 3.11, median of
-    `timeit` over 10^6 calls): 40 ns outside jddp-run, 130 ns under it (a deque append; the
-    `is_ready` polling runs on a background thread every 50 ms).
+    Cost per call (2 shared CPU cores, CPython 3.11, best of 7 `timeit` runs of 200,000 calls,
+    loop overhead subtracted): about 0.1 us outside jddp-run (two global reads and a return);
+    about 0.6 us under it, in that tight loop, where the background thread drains the queue at
+    the same time. The call only appends to a deque; `is_ready` is polled on the thread, every
+    50 ms, so a training step (milliseconds at least) never waits for it.
 
     Args:
       step: the step number, increasing by one per call (`state.step` after the update).

@@ -348,9 +348,13 @@ def _early_exit(progress: Sequence[_RankProgress], exited_ok: set[int],
         if waiting:
             step = "before its first step" if last < 0 else f"after step {last}"
             who = ", ".join(f"rank {s} (in step {progress[s].dispatched})" for s in waiting)
-            verb = "exited" if r in exited_ok else "is exiting"
-            return (f"rank {r} {verb} normally {step} while {who} waits for it inside a step "
-                    "that needs every rank")
+            # An announced exit is the end of the script or sys.exit(n), whatever n: Python
+            # does not tell atexit handlers the status (jddp.distributed.hard_exit(n) does not
+            # announce, so its status reaches the launcher).
+            verb = ("exited with status 0" if r in exited_ok
+                    else "is exiting (end of script or sys.exit)")
+            return (f"rank {r} {verb} {step} while {who} waits for it inside a step that needs "
+                    "every rank")
     return None
 
 
@@ -454,11 +458,13 @@ def launch(
                 return EXIT_PORT_IN_USE
             coordinator = f"127.0.0.1:{port or free_port()}"
             outcome = _run_attempt(options, coordinator, attempt, guardian, signals, current)
-            if outcome.status == 0 or not outcome.restartable or attempt == max_restarts:
+            # Asked to stop (Ctrl-C, SIGTERM, SIGHUP): never start again, whatever the ranks did.
+            stop = bool(signals) or not outcome.restartable
+            if outcome.status == 0 or stop or attempt == max_restarts:
                 if outcome.status == EXIT_RESUME:
                     _note(f"{outcome.reason}; exiting with {_describe(EXIT_RESUME)}: run the same "
                           "command again to resume from the checkpoint")
-                elif outcome.status != 0 and outcome.restartable and max_restarts:
+                elif outcome.status != 0 and not stop and max_restarts:
                     _note(f"{outcome.reason}; no restarts left ({max_restarts} used)")
                 return outcome.status
             _note(f"{outcome.reason}; restarting the job ({attempt + 1} of {max_restarts} "

@@ -48,7 +48,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import BinaryIO, NamedTuple
 
-from jddp._src.watchdog import ENV_CONTROL_FD, ENV_RESTART_COUNT
+from jddp._src.watchdog import ENV_CONTROL_FD, ENV_LAUNCHER_PID, ENV_RESTART_COUNT
 from jddp.distributed import (
     ENV_COORDINATOR,
     ENV_LOCAL_DEVICE_COUNT,
@@ -80,7 +80,7 @@ _POLL_S = 0.05
 
 # The guardian: reads "+PGID" / "-PGID" lines from the launcher; at EOF (the launcher ended, or
 # died) it SIGKILLs every group still registered. A normal launcher unregisters all groups first.
-_GUARDIAN = r"""
+_GUARDIAN = r"""# jddp-run guardian
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 groups = set()
@@ -146,8 +146,10 @@ def build_rank_env(
         env.pop(ENV_LOCAL_DEVICE_COUNT, None)
     # A stale value (jddp-run inside a rank of another jddp-run) must not leak in.
     env.pop(ENV_CONTROL_FD, None)
+    env.pop(ENV_LAUNCHER_PID, None)
     if control_fd is not None:
         env[ENV_CONTROL_FD] = str(control_fd)
+        env[ENV_LAUNCHER_PID] = str(os.getpid())
     # JAX's coordinator binds every interface ([::]:port) by default; a local job needs loopback.
     env["JAX_COORDINATOR_BIND_ADDRESS"] = coordinator
     # Lines must reach the launcher as they are printed, not when a buffer fills.
@@ -199,7 +201,15 @@ def _note(message: str) -> None:
 
 
 class _Guardian:
-    """A process in its own session that SIGKILLs the ranks' process groups if the launcher dies."""
+    """A process in its own session that SIGKILLs the ranks' process groups if the launcher dies.
+
+    It reads the groups to kill from a pipe, and acts on EOF, which comes however the launcher
+    ends. Not `prctl(PR_SET_PDEATHSIG)`: that kills only the rank (its children, such as data
+    loader workers, would be orphaned: each rank leads its own process group), exists only on
+    Linux, and must be set in the child between fork and exec (a `preexec_fn`, unsafe while the
+    launcher's output threads run) or by the rank's Python (late, and never for a script that
+    does not import jddp). The rank side has a second line of its own (`jddp/_src/watchdog.py`).
+    """
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(

@@ -209,7 +209,8 @@ def test_agent_reports_completed_steps_not_dispatched_ones_and_obeys_abort(tmp_p
     ours, theirs = socket.socketpair()
     script = _script(tmp_path, "agent.py", AGENT_SCRIPT.format(load=LOAD_WATCHDOG))
     p = subprocess.Popen([sys.executable, str(script), str(tmp_path)],
-                         env=child_env(JDDP_CONTROL_FD=str(theirs.fileno())),
+                         env=child_env(JDDP_CONTROL_FD=str(theirs.fileno()),
+                                       JDDP_LAUNCHER_PID=str(os.getpid())),
                          pass_fds=(theirs.fileno(),), stdout=subprocess.PIPE, text=True,
                          start_new_session=True)
     theirs.close()
@@ -625,3 +626,36 @@ def test_killed_and_preempted_run_resumes_bit_identically(tmp_path):
     # The parameters did train (leaves in sorted key order: b1, b2, w1, w2).
     w1 = (np.random.default_rng(0).normal(size=(5, 16)) / 2).astype(np.float32)
     assert np.abs(_final(ref, 0)[3] - w1).max() > 1e-3
+
+
+# ----------------------------------------------------------------- the rank's environment
+
+
+def test_rank_env_carries_the_link_and_drops_stale_values():
+    from jddp.launch import build_rank_env
+
+    stale = {"JDDP_CONTROL_FD": "9", "JDDP_LAUNCHER_PID": "1", "JDDP_RESTART_COUNT": "5"}
+    env = build_rank_env(stale, 0, 2, "127.0.0.1:1")
+    assert "JDDP_CONTROL_FD" not in env and "JDDP_LAUNCHER_PID" not in env
+    assert env["JDDP_RESTART_COUNT"] == "0"
+    env = build_rank_env(stale, 1, 2, "127.0.0.1:1", control_fd=7, restart_count=2)
+    assert env["JDDP_CONTROL_FD"] == "7" and env["JDDP_LAUNCHER_PID"] == str(os.getpid())
+    assert env["JDDP_RESTART_COUNT"] == "2"
+
+
+def test_a_ranks_own_subprocess_does_not_take_the_link(tmp_path):
+    """A rank's subprocess inherits JDDP_* variables but not the socket: it must stay unlinked
+    (else an unrelated fd's EOF would make it kill its process group)."""
+    ours, theirs = socket.socketpair()
+    try:
+        code = LOAD_WATCHDOG + "print('LINKED', wd.start_from_env())"
+        # The fd is valid here, but the "launcher" named is not this process's parent.
+        p = subprocess.run([sys.executable, "-c", code], pass_fds=(theirs.fileno(),),
+                           env=child_env(JDDP_CONTROL_FD=str(theirs.fileno()),
+                                         JDDP_LAUNCHER_PID="1"),
+                           capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, p.stderr
+        assert "LINKED False" in p.stdout
+    finally:
+        ours.close()
+        theirs.close()

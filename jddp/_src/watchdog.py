@@ -21,6 +21,10 @@ Under `jddp-run` every rank gets one end of a Unix socket pair to the launcher (
 
 Outside jddp-run nothing starts and `report_progress` is a no-op.
 
+Why a socket of our own and not JAX's coordination service (its key-value store could carry
+progress): the launcher is not a JAX process and outlives the coordinator, which runs inside rank
+0 and dies with it; and an order to a stuck rank needs a channel that a thread of the rank reads.
+
 This is process-wide state on purpose, like `jax.distributed.global_state`: one launcher link per
 process, which the trainer's step and `jddp.distributed.initialize` reach without being handed it.
 """
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENV_CONTROL_FD",
+    "ENV_LAUNCHER_PID",
     "ENV_RESTART_COUNT",
     "POLL_S",
     "ReportingStep",
@@ -53,6 +58,7 @@ __all__ = [
 ]
 
 ENV_CONTROL_FD = "JDDP_CONTROL_FD"  # this rank's end of its socket pair with jddp-run
+ENV_LAUNCHER_PID = "JDDP_LAUNCHER_PID"  # the launcher: only its own children use the socket
 ENV_RESTART_COUNT = "JDDP_RESTART_COUNT"  # 0 on the first attempt, then 1, 2, ... (--max-restarts)
 POLL_S = 0.05  # how often the thread checks tokens and orders; reports are at most this stale
 
@@ -73,6 +79,7 @@ class _Agent:
         # Our thread and the atexit announcement both drain the queue and send.
         self._lock = threading.Lock()
         self._exited = False
+        self.pid = os.getpid()  # a forked child inherits this object, not the link
         self.thread = threading.Thread(target=self._run, name="jddp-watchdog", daemon=True)
 
     # ---- the training thread's side
@@ -129,6 +136,8 @@ class _Agent:
 
     def announce_exit(self) -> None:
         """Tells the launcher this rank is leaving normally, with its last steps."""
+        if os.getpid() != self.pid:
+            return  # a forked child (a data-loader worker) exiting is not the rank exiting
         with self._lock:
             try:
                 self._drain()
@@ -186,6 +195,10 @@ def start_from_env() -> bool:
         _env_checked = True
         value = os.environ.get(ENV_CONTROL_FD, "")
         if not value.isdigit():
+            return False
+        # Variables are inherited by the rank's own subprocesses, the socket is not: there the
+        # fd number may be anything, and its EOF must not be taken for the launcher's death.
+        if os.environ.get(ENV_LAUNCHER_PID) != str(os.getppid()):
             return False
         try:
             sock = socket.socket(fileno=int(value))

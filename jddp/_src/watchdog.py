@@ -261,8 +261,9 @@ class ReportingStep:
         self._next: int | None = None
 
     def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._next is None:
-            self._next = int(state.step) + 1  # one host read, on the first call only
+        if self._next is None:  # one host read, on the first call only
+            current = getattr(state, "step", None)
+            self._next = (0 if current is None else int(current)) + 1
         new_state, metrics = self._fn(state, *args, **kwargs)
         report_progress(self._next, metrics.get("loss") if isinstance(metrics, dict) else None)
         self._next += 1

@@ -29,7 +29,6 @@ from tests.launch_util import (
     is_alive,
     kill_leftovers,
     read_pids,
-    run_launcher,
     wait_all_dead,
 )
 
@@ -104,7 +103,8 @@ def _start_launcher(args: list[str]) -> subprocess.Popen:
 def _launch_here(capfd, script: Path, *args: str, n: int = 2,
                  **kwargs) -> tuple[int, str, str, float]:
     """Runs `jddp.launch.launch` in this process (no launcher start-up: its JAX import alone
-    takes seconds here); returns (status, stdout, stderr, seconds). The CLI is tested elsewhere."""
+    takes seconds here); returns (status, stdout, stderr, seconds). The command line is tested
+    by the tests that signal the launcher and by `test_command_line_flags_reach_launch`."""
     capfd.readouterr()
     start = time.monotonic()
     rc = launch([sys.executable, "-u", str(script), *args], n, env=child_env(), **kwargs)
@@ -472,7 +472,7 @@ batch = lambda: jddp.shard_global_batch({"x": np.ones((8, 3), np.float32)}, mesh
 
 
 @pytest.mark.slow
-def test_collective_hang_is_ended_by_the_watchdog(tmp_path):
+def test_collective_hang_is_ended_by_the_watchdog(tmp_path, capfd):
     # Rank 1's input pipeline hangs before step 6; rank 0 waits in step 6's all-reduce.
     script = _script(tmp_path, "hang.py", JAX_PREAMBLE, """
         for step in range(1, 1000):
@@ -483,10 +483,9 @@ def test_collective_hang_is_ended_by_the_watchdog(tmp_path):
             time.sleep(0.01)
     """)
     try:
-        rc, out, err, secs = run_launcher(
-            ["-n", "2", "--devices-per-process", "2", "--step-timeout", "2",
-             "--first-step-timeout", "60", "--timeout", "80", str(script), str(tmp_path)],
-            timeout=90)
+        rc, out, err, secs = _launch_here(capfd, script, str(tmp_path), devices_per_process=2,
+                                          step_timeout_s=2, first_step_timeout_s=60,
+                                          timeout_s=80)
         assert rc == EXIT_STUCK, (out[-2000:], err[-3000:])
         assert "[rank1] input pipeline hangs" in out
         assert "rank 0: last completed step 5, in step 6" in err
@@ -498,7 +497,7 @@ def test_collective_hang_is_ended_by_the_watchdog(tmp_path):
 
 
 @pytest.mark.slow
-def test_sys_exit_on_one_rank_ends_the_job_in_seconds(tmp_path):
+def test_sys_exit_on_one_rank_ends_the_job_in_seconds(tmp_path, capfd):
     # Before: ~37 s, status 134 and pages of C++ abort output (JAX's shutdown barrier times out).
     script = _script(tmp_path, "leave.py", JAX_PREAMBLE, """
         for step in range(1, 1000):
@@ -509,9 +508,8 @@ def test_sys_exit_on_one_rank_ends_the_job_in_seconds(tmp_path):
             time.sleep(0.01)
     """)
     try:
-        rc, out, err, secs = run_launcher(
-            ["-n", "2", "--devices-per-process", "2", "--timeout", "80", str(script),
-             str(tmp_path)], timeout=90)
+        rc, out, err, secs = _launch_here(capfd, script, str(tmp_path), devices_per_process=2,
+                                          timeout_s=80)
         end = time.time()
         assert rc == EXIT_EARLY, (out[-2000:], err[-3000:])
         assert re.search(r"rank 1 (is exiting \(end of script or sys.exit\)|exited with status 0) "
@@ -581,14 +579,13 @@ print("DONE", int(state.step), flush=True)
 """
 
 
-def _train(tmp_path: Path, name: str, mode: str) -> tuple[Path, str, str]:
+def _train(tmp_path: Path, capfd, name: str, mode: str) -> tuple[Path, str, str]:
     d = tmp_path / name
     d.mkdir()
     script = _script(tmp_path, "train.py", TRAIN_SCRIPT)
     try:
-        rc, out, err, secs = run_launcher(
-            ["-n", "2", "--devices-per-process", "2", "--max-restarts", "2", "--grace", "3",
-             "--timeout", "150", str(script), str(d), mode], timeout=160)
+        rc, out, err, secs = _launch_here(capfd, script, str(d), mode, devices_per_process=2,
+                                          max_restarts=2, grace_s=3, timeout_s=150)
         assert rc == 0, (out[-3000:], err[-4000:])
         assert wait_all_dead(read_pids(d)) == []
         print(f"{mode}: {secs:.1f} s")
@@ -603,10 +600,10 @@ def _final(d: Path, rank: int) -> list[np.ndarray]:
 
 
 @pytest.mark.slow
-def test_killed_and_preempted_run_resumes_bit_identically(tmp_path):
-    ref, out, _ = _train(tmp_path, "uninterrupted", "none")
+def test_killed_and_preempted_run_resumes_bit_identically(tmp_path, capfd):
+    ref, out, _ = _train(tmp_path, capfd, "uninterrupted", "none")
     assert "[rank0] START 0 0" in out and "START 1" not in out
-    got, out, err = _train(tmp_path, "faults", "faults")
+    got, out, err = _train(tmp_path, capfd, "faults", "faults")
     # Attempt 0: rank 1 killed at step 6 -> restart from the step-4 checkpoint.
     assert "rank 1 exited with status 137 (SIGKILL)" in err
     assert "restarting the job (1 of 2 restarts)" in err
@@ -659,3 +656,19 @@ def test_a_ranks_own_subprocess_does_not_take_the_link(tmp_path):
     finally:
         ours.close()
         theirs.close()
+
+
+def test_command_line_flags_reach_launch(monkeypatch):
+    import jddp.launch as launch_lib
+
+    seen = {}
+    monkeypatch.setattr(launch_lib, "launch",
+                        lambda command, n, **kw: seen.update(command=command, n=n, **kw) or 0)
+    assert launch_lib.main(["-n", "3", "--step-timeout", "7", "--first-step-timeout", "90",
+                            "--max-restarts", "4", "--preemption-grace", "12", "--grace", "2",
+                            "train.py", "--lr", "1"]) == 0
+    assert seen["n"] == 3 and seen["command"][-3:] == ["train.py", "--lr", "1"]
+    assert (seen["step_timeout_s"], seen["first_step_timeout_s"], seen["max_restarts"],
+            seen["preemption_grace_s"], seen["grace_s"]) == (7, 90, 4, 12, 2)
+    with pytest.raises(SystemExit):
+        launch_lib.main(["--max-restarts", "-1", "train.py"])

@@ -6,11 +6,19 @@ Runs on 8 simulated CPU devices by default::
 
 Each step splits the global batch over the devices of the data mesh, and jddp averages the
 gradients in buckets from inside the backward pass.
+
+With ``--checkpoint-dir`` it survives failures and preemption: it resumes from the latest
+checkpoint (the data order follows from the step), saves every ``--save-every`` steps, and on
+SIGTERM saves at the same step on every process and exits with status 75 ("resume me")::
+
+    jddp-run -n 2 --devices-per-process 4 --max-restarts 3 --step-timeout 60 \
+        examples/train_digits.py --checkpoint-dir ckpt --save-every 20
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -28,6 +36,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=str, default=None, help="write the metrics to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="resume from the latest checkpoint here, save to it (and on SIGTERM)")
+    p.add_argument("--save-every", type=int, default=50,
+                   help="steps between checkpoints with --checkpoint-dir (default 50)")
     return p.parse_args(argv)
 
 
@@ -87,7 +99,15 @@ def main(argv: list[str] | None = None) -> dict:
         loss_fn, optax.adam(args.lr), mesh=mesh, has_aux=True,
         bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
     )
-    state = ddp.init(params)
+    if args.checkpoint_dir:
+        import jddp.checkpoint as ckpt
+
+        mngr = ckpt.manager(args.checkpoint_dir, max_to_keep=2,
+                            save_interval_steps=args.save_every)
+        state = ckpt.restore_or_init(mngr, ddp, params)  # the latest checkpoint, or a fresh state
+    else:
+        mngr, state = None, ddp.init(params)
+    start_step = int(state.step)
     n_params = sum(x.size for x in jax.tree.leaves(params))
 
     @jax.jit
@@ -100,29 +120,37 @@ def main(argv: list[str] | None = None) -> dict:
     log = tqdm.write if is_main else (lambda *a, **k: None)
     log(f"jddp digits: {len(x_train)} train / {len(x_test)} test images, {n_params:,} params, "
         f"{n_dev} devices ({jax.process_count()} process(es)), global batch {args.batch_size}")
+    if start_step:
+        log(f"resumed from the checkpoint of step {start_step}")
 
     rng = np.random.default_rng(args.seed)
     steps_per_epoch = len(x_train) // args.batch_size
     history = []
     examples, train_time = 0, 0.0
     for epoch in range(1, args.epochs + 1):
+        # Drawn for every epoch, also those a resumed run skips: the same order as without a stop.
         order = rng.permutation(len(x_train))
+        first = max(0, start_step - (epoch - 1) * steps_per_epoch)
+        if first >= steps_per_epoch:
+            continue
         losses, accs = [], []
-        bar = tqdm(range(steps_per_epoch), desc=f"epoch {epoch:>2}/{args.epochs}", unit="step",
-                   disable=args.no_progress or not is_main, leave=False)
+        bar = tqdm(range(first, steps_per_epoch), desc=f"epoch {epoch:>2}/{args.epochs}",
+                   unit="step", disable=args.no_progress or not is_main, leave=False)
         t0 = time.perf_counter()
         for i in bar:
             idx = order[i * args.batch_size:(i + 1) * args.batch_size]
             # Each process places only its own rows (all of them when there is one process).
             batch = jddp.shard_global_batch({"image": x_train[idx], "label": y_train[idx]}, mesh)
             state, metrics = ddp.step(state, batch)
+            if mngr is not None:  # on the interval; after SIGTERM: save, then exit with 75
+                ckpt.save_if_due(mngr, state, step=(epoch - 1) * steps_per_epoch + i + 1)
             losses.append(metrics["loss"])
             accs.append(metrics["accuracy"])
             if i % 4 == 0:
                 bar.set_postfix(loss=f"{float(metrics['loss']):.4f}")
         jax.block_until_ready(state.params)
         dt = time.perf_counter() - t0
-        if epoch > 1:  # the first epoch includes compilation
+        if epoch > 1 and first == 0:  # the first epoch (or a resumed one) includes compilation
             train_time += dt
             examples += steps_per_epoch * args.batch_size
         test_acc = float(evaluate(state.params, x_test, y_test))
@@ -138,6 +166,14 @@ def main(argv: list[str] | None = None) -> dict:
             f"test acc {test_acc:.3f}  ({dt:.2f} s)")
 
     throughput = examples / train_time if train_time else float("nan")
+    # Identifies the final parameters bit for bit (each process holds a full replica).
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(state.params):
+        digest.update(np.asarray(leaf.addressable_data(0)).tobytes())
+    if not history:  # resumed after the last step: nothing left to train
+        test_acc = float(evaluate(state.params, x_test, y_test))
+        history.append({"epoch": args.epochs, "loss": float("nan"), "train_accuracy": float("nan"),
+                        "test_accuracy": test_acc, "seconds": 0.0})
     result = {
         "devices": n_dev,
         "processes": jax.process_count(),
@@ -149,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
         "final_test_accuracy": history[-1]["test_accuracy"],
         "final_loss": history[-1]["loss"],
         "examples_per_second": throughput,
+        "resumed_from_step": start_step,
+        "params_sha256": digest.hexdigest(),
         "history": history,
     }
     log(f"final test accuracy {result['final_test_accuracy']:.4f}, "

@@ -10,7 +10,14 @@ training job needs and JAX does not give by default:
 * fail-fast exit: after `jax.distributed.initialize`, a rank that dies with an uncaught exception
   waits at exit for the other ranks (JAX's shutdown barrier), so the job hangs. `initialize`
   installs an excepthook that prints the traceback and leaves with `os._exit(1)`;
-* bounded heartbeat and shutdown timeouts, so a dead peer is detected in seconds, not minutes.
+* bounded heartbeat and shutdown timeouts, so a dead peer is detected in seconds, not minutes;
+* a clear error when the coordinator's port is taken (JAX itself crashes with a segfault or
+  "Failed to add port to server");
+* under `jddp-run`, the link to the launcher: `report_progress` for its watchdog, orders to exit,
+  and the end of the rank when the launcher dies (`jddp/_src/watchdog.py`);
+* preemption: `reached_preemption_point(step)` is True on every process at the same step after a
+  SIGTERM (JAX's preemption sync point, or a signal flag in a single process), and
+  `exit_for_resume()` leaves with `EXIT_RESUME`, the status that means "resume me".
 
 Cross-process collectives on CPU use Gloo (`jax_cpu_collectives_implementation`, JAX's default).
 """
@@ -18,8 +25,10 @@ Cross-process collectives on CPU use Gloo (`jax_cpu_collectives_implementation`,
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
+import signal
 import socket
 import sys
 import threading
@@ -31,15 +40,22 @@ from typing import Any, NoReturn
 import jax
 import numpy as np
 from jax._src import distributed as _jax_distributed  # read-only: the coordinator address
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jddp._src import watchdog
+from jddp._src.watchdog import report_progress
 
 __all__ = [
     "ENV_COORDINATOR",
     "ENV_LOCAL_DEVICE_COUNT",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "EXIT_RESUME",
+    "CoordinatorPortInUseError",
     "CoordinatorTimeoutError",
     "ProcessInfo",
+    "exit_for_resume",
     "global_batch_from_local",
     "hard_exit",
     "initialize",
@@ -47,6 +63,8 @@ __all__ = [
     "local_slice",
     "process_count",
     "process_index",
+    "reached_preemption_point",
+    "report_progress",
     "shard_global_batch",
 ]
 
@@ -56,11 +74,20 @@ ENV_NUM_PROCESSES = "JDDP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JDDP_PROCESS_ID"
 ENV_LOCAL_DEVICE_COUNT = "JDDP_LOCAL_DEVICE_COUNT"  # simulated CPU devices in this process
 
+# "Preempted: a checkpoint was saved, run me again to resume". 75 is EX_TEMPFAIL in BSD's
+# sysexits.h ("temporary failure; the user is invited to retry"). jddp-run passes it on, and
+# restarts the job on it with --max-restarts.
+EXIT_RESUME = 75
+
 PyTree = Any
 
 
 class CoordinatorTimeoutError(TimeoutError):
     """The coordinator service could not be reached within the start-up timeout."""
+
+
+class CoordinatorPortInUseError(OSError):
+    """Process 0 cannot start the coordinator service: its port is taken on this host."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +146,35 @@ def _wait_for_coordinator(address: str, deadline: float, timeout_s: float) -> No
         except OSError as e:
             last_error = e
             time.sleep(min(0.2, max(remaining, 0.0)))
+
+
+def _check_port_free(coordinator_address: str) -> None:
+    """Raises `CoordinatorPortInUseError` if process 0 could not bind the coordinator's port.
+
+    JAX binds `JAX_COORDINATOR_BIND_ADDRESS`, default `[::]:PORT`. On a taken port it crashes the
+    process (segfault, status 139, after "Failed to add port to server" with jax 0.10.2) instead
+    of raising: probing first gives an error that names the port and the fix.
+    """
+    _, port = _split_address(coordinator_address)
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{port}"
+    host, bind_port = _split_address(bind)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            # Like the coordinator (gRPC): a port in TIME_WAIT from an ended job is free to bind.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, bind_port))
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            return  # e.g. no IPv6 on this host: nothing to say; let JAX try
+        raise CoordinatorPortInUseError(
+            errno.EADDRINUSE,
+            f"jddp: process 0 cannot start the coordinator: port {bind_port} is already in use on "
+            f"this host (bind address {bind}). Another job, or one still ending, holds it. Pick a "
+            "free port: jddp-run picks one itself when --port is not given; otherwise change "
+            f"the port in {ENV_COORDINATOR} or coordinator_address (check with `ss -ltnp | grep "
+            f":{bind_port}`).",
+        ) from None
 
 
 def _start_watchdog(seconds: float, message: str) -> threading.Timer:
@@ -211,12 +267,18 @@ def initialize(
       shutdown_timeout_s: how long a finishing process waits for the others at exit (JAX: 300 s).
       fail_fast: in a multi-process job, install an excepthook that prints an uncaught exception
         and calls `os._exit(1)`, because a normal exit blocks in JAX's shutdown barrier.
-      preemption_service: JAX's preemption service catches SIGTERM (to let jobs checkpoint at a
-        sync point), so SIGTERM no longer ends the process. None: off under jddp-run (its
-        SIGTERM must stop a rank), JAX's default otherwise.
+      preemption_service: JAX's preemption service catches SIGTERM as a preemption notice:
+        the process runs on until it reaches the sync point (`reached_preemption_point`), saves
+        and exits. None: JAX's default (on). Under jddp-run it stays on: the launcher ends a rank
+        that does not stop with an order over its socket or, failing that, SIGKILL after
+        `--grace`. False: SIGTERM ends the process at once, and no preemption checkpoint.
 
     Returns:
       The resulting `ProcessInfo`.
+
+    Raises:
+      CoordinatorTimeoutError: a process other than 0 could not reach the coordinator.
+      CoordinatorPortInUseError: process 0 cannot bind the coordinator's port.
     """
     if jax.distributed.is_initialized():
         state = _jax_distributed.global_state
@@ -248,19 +310,21 @@ def initialize(
         local_device_count = _env_int(ENV_LOCAL_DEVICE_COUNT)
     if local_device_count is not None:
         _set_local_device_count(local_device_count)
-    if preemption_service is None and os.environ.get(ENV_COORDINATOR) is not None:
-        preemption_service = False
     if preemption_service is not None:
         jax.config.update("jax_enable_preemption_service", preemption_service)
+    # The launcher link first: the watchdog's first-step limit runs from the start.
+    watchdog.start_from_env()
     if num_processes == 1:
         return ProcessInfo(0, 1, None, "single")
 
+    if source != "cluster" and process_id == 0 and coordinator_address is not None:
+        _check_port_free(coordinator_address)
     deadline = time.monotonic() + timeout_s
     if source != "cluster" and process_id != 0 and coordinator_address is not None:
         _wait_for_coordinator(coordinator_address, deadline, timeout_s)
     remaining = max(deadline - time.monotonic(), 1.0)
     where = coordinator_address or "the auto-detected coordinator"
-    watchdog = _start_watchdog(
+    join_timer = _start_watchdog(
         remaining + 1.0,
         f"jddp: process {process_id if process_id is not None else '?'} timed out after "
         f"{timeout_s:g} s joining the job at {where}: not every process connected. Check that "
@@ -273,7 +337,7 @@ def initialize(
             num_processes,
             process_id,
             local_device_ids=local_device_ids,
-            # JAX's own timeout only as a backstop behind the watchdog: it aborts without a
+            # JAX's own timeout only as a backstop behind the join timer: it aborts without a
             # useful message.
             initialization_timeout=math.ceil(remaining) + 5,
             heartbeat_timeout_seconds=int(heartbeat_timeout_s),
@@ -285,7 +349,7 @@ def initialize(
             return ProcessInfo(0, 1, None, "single")
         raise
     finally:
-        watchdog.cancel()
+        join_timer.cancel()
 
     # Read from the distributed state, not jax.process_count(): that would start the backend
     # (and its topology exchange with every process) here.
@@ -302,12 +366,60 @@ def hard_exit(status: int = 1) -> NoReturn:
     runs JAX's shutdown, which waits (up to the shutdown timeout) for every other process to
     finish too, and may turn the status into an abort (134) when they do not.
     """
+    if status == 0:
+        watchdog.announce_exit()  # as atexit would have: jddp-run's early-exit check needs it
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
     os._exit(status)
+
+
+def exit_for_resume() -> NoReturn:
+    """Ends this process with `EXIT_RESUME` (75): preempted, checkpoint saved, resume me.
+
+    Call it on every process once the preemption checkpoint is saved
+    (`jddp.checkpoint.save_if_due` does). It skips JAX's shutdown barrier like `hard_exit`.
+    """
+    hard_exit(EXIT_RESUME)
+
+
+_sigterm_seen = threading.Event()  # single-process preemption notice (see reached_preemption_point)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    _sigterm_seen.set()
+    # A second SIGTERM does what SIGTERM did before: end the process.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def reached_preemption_point(step: int) -> bool:
+    """True at the step where every process should save a checkpoint and exit, after SIGTERM.
+
+    Call it once per training step, with increasing `step`, on every process. In a multi-process
+    job (`jax.distributed` initialised, preemption service on) this is JAX's
+    `multihost_utils.reached_preemption_sync_point`: a SIGTERM to any process is a preemption
+    notice, and every process gets True at the same step, the one after the highest step any of
+    them had reached (about 1 s after the signal in our runs). In a single process the first call
+    installs a SIGTERM handler (main thread only, and only over the default action) and later
+    calls return True once a SIGTERM came; a second SIGTERM ends the process as usual.
+
+    Args:
+      step: the host-side step number (e.g. `state.step` after the update).
+    """
+    if _jax_distributed.global_state.client is not None:
+        try:
+            return bool(multihost_utils.reached_preemption_sync_point(step))
+        except RuntimeError:
+            return False  # the preemption service is off: SIGTERM simply ends the process
+    if _sigterm_seen.is_set():
+        return True
+    # Only over the default action: a handler of the program's own is left alone.
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    return False
 
 
 def process_index() -> int:

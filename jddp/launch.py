@@ -1,20 +1,44 @@
 """`jddp-run`: start N local processes of a training script as one multi-process JAX job.
 
     jddp-run -n 2 --devices-per-process 2 train.py --lr 0.1
+    jddp-run -n 2 --step-timeout 60 --max-restarts 3 train.py --checkpoint-dir ckpt
     python -m jddp.launch -n 2 -m mypackage.train --lr 0.1
 
 Each rank gets the `JDDP_*` variables that `jddp.distributed.initialize` reads (coordinator on
-127.0.0.1 and a free port, process count and id, simulated CPU devices). Output lines are prefixed
-with the rank. If a rank fails, the others are ended (SIGTERM to each rank's process group, SIGKILL
-after `--grace` seconds) and the launcher exits with the first failing rank's code. This matters
-with JAX: a rank whose peer died can block in a collective or in JAX's shutdown barrier, and JAX's
-preemption service makes ranks ignore SIGTERM, so waiting for exit codes alone can hang.
+127.0.0.1 and a free port, process count and id, simulated CPU devices, restart count) and one end
+of a Unix socket pair to the launcher (`JDDP_CONTROL_FD`, see `jddp/_src/watchdog.py`). Output
+lines are prefixed with the rank. What ends a job, and with which exit status (docs/faults.md has
+the whole table, with measured times):
+
+* a rank fails: the others are ended, status = that rank's status;
+* the watchdog (`--step-timeout`, `--first-step-timeout`): no rank completed a training step for
+  that long, status `EXIT_STUCK`, with each rank's last completed step;
+* a rank exits normally while another is inside a step that needs it: `EXIT_EARLY`;
+* preemption: SIGTERM to the launcher is passed to each rank, which finishes its step, saves a
+  checkpoint at the same step as the others and exits with `EXIT_RESUME`; so does the job;
+* `--timeout` (124); Ctrl-C, SIGHUP (128 + N).
+
+Ending ranks: an `abort` order over each rank's socket (its jddp thread calls `os._exit` even while
+the main thread is blocked in a collective), SIGTERM to each rank's process group, SIGKILL after
+`--grace` seconds. JAX's preemption service makes a rank ignore SIGTERM, so the escalation is what
+ends a stuck rank that runs no jddp thread.
+
+`--max-restarts N` runs the whole job again, on a fresh coordinator port, after a failure or a
+preemption, up to N times; the script resumes from its latest checkpoint
+(`jddp.checkpoint.restore_or_init`).
+
+A guardian process, in a session of its own, kills every rank's process group if the launcher
+dies, whatever kills it (SIGKILL included): each rank leads its own group (so that ending a rank
+reaches its children), so nothing sent to the launcher's group reaches the ranks by itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import errno
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -22,19 +46,56 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
+from jddp._src.watchdog import ENV_CONTROL_FD, ENV_LAUNCHER_PID, ENV_RESTART_COUNT
 from jddp.distributed import (
     ENV_COORDINATOR,
     ENV_LOCAL_DEVICE_COUNT,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    EXIT_RESUME,
 )
 
-__all__ = ["build_rank_env", "exit_status", "free_port", "launch", "main"]
+__all__ = [
+    "EXIT_EARLY",
+    "EXIT_PORT_IN_USE",
+    "EXIT_RESUME",
+    "EXIT_STUCK",
+    "EXIT_TIMEOUT",
+    "build_rank_env",
+    "exit_status",
+    "free_port",
+    "launch",
+    "main",
+]
+
+EXIT_STUCK = 117  # the watchdog ended the job: no rank completed a step within the timeout
+EXIT_EARLY = 118  # a rank exited normally while another waited for it inside a step
+EXIT_TIMEOUT = 124  # --timeout: the whole job (all restarts together) ran too long
+EXIT_PORT_IN_USE = 2  # --port names a port that something already listens on
 
 _DRAIN_S = 15.0  # longest wait for the ranks' last output after they end
 _POLL_S = 0.05
+
+# The guardian: reads "+PGID" / "-PGID" lines from the launcher; at EOF (the launcher ended, or
+# died) it SIGKILLs every group still registered. A normal launcher unregisters all groups first.
+_GUARDIAN = r"""# jddp-run guardian
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+groups = set()
+for line in sys.stdin.buffer:
+    try:
+        pgid = int(line[1:])
+    except ValueError:
+        continue
+    (groups.add if line[:1] == b"+" else groups.discard)(pgid)
+for pgid in groups:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -44,22 +105,51 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True if binding `host:port` fails because something holds it (as the coordinator would)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # The coordinator (gRPC) sets SO_REUSEADDR too: a port in TIME_WAIT is not "in use".
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
+
+
 def build_rank_env(
     base_env: Mapping[str, str],
     rank: int,
     num_processes: int,
     coordinator: str,
     devices_per_process: int | None = None,
+    *,
+    control_fd: int | None = None,
+    restart_count: int = 0,
 ) -> dict[str, str]:
-    """Returns the environment of rank `rank`: `base_env` plus the jddp and JAX variables."""
+    """Returns the environment of rank `rank`: `base_env` plus the jddp and JAX variables.
+
+    Args:
+      control_fd: the rank's end of its socket pair with the launcher (`JDDP_CONTROL_FD`).
+      restart_count: how many times the job was restarted before this attempt.
+    """
     env = dict(base_env)
     env[ENV_COORDINATOR] = coordinator
     env[ENV_NUM_PROCESSES] = str(num_processes)
     env[ENV_PROCESS_ID] = str(rank)
+    env[ENV_RESTART_COUNT] = str(restart_count)
     if devices_per_process is not None:
         env[ENV_LOCAL_DEVICE_COUNT] = str(devices_per_process)
     else:
         env.pop(ENV_LOCAL_DEVICE_COUNT, None)
+    # A stale value (jddp-run inside a rank of another jddp-run) must not leak in.
+    env.pop(ENV_CONTROL_FD, None)
+    env.pop(ENV_LAUNCHER_PID, None)
+    if control_fd is not None:
+        env[ENV_CONTROL_FD] = str(control_fd)
+        env[ENV_LAUNCHER_PID] = str(os.getpid())
     # JAX's coordinator binds every interface ([::]:port) by default; a local job needs loopback.
     env["JAX_COORDINATOR_BIND_ADDRESS"] = coordinator
     # Lines must reach the launcher as they are printed, not when a buffer fills.
@@ -70,6 +160,19 @@ def build_rank_env(
 def exit_status(returncode: int) -> int:
     """Maps a `Popen.returncode` to a shell exit status (killed by signal N -> 128 + N)."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(status: int) -> str:
+    """`status 137 (SIGKILL)`, `status 75 (resume)`, `status 1`."""
+    names = {EXIT_RESUME: "resume", EXIT_STUCK: "stuck", EXIT_EARLY: "left early"}
+    if status in names:
+        return f"status {status} ({names[status]})"
+    if 128 < status < 128 + signal.NSIG:
+        try:
+            return f"status {status} ({signal.Signals(status - 128).name})"
+        except ValueError:
+            pass
+    return f"status {status}"
 
 
 def _pump(stream: BinaryIO, out: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
@@ -97,6 +200,197 @@ def _note(message: str) -> None:
     sys.stderr.flush()
 
 
+class _Guardian:
+    """A process in its own session that SIGKILLs the ranks' process groups if the launcher dies.
+
+    It reads the groups to kill from a pipe, and acts on EOF, which comes however the launcher
+    ends. Not `prctl(PR_SET_PDEATHSIG)`: that kills only the rank (its children, such as data
+    loader workers, would be orphaned: each rank leads its own process group), exists only on
+    Linux, and must be set in the child between fork and exec (a `preexec_fn`, unsafe while the
+    launcher's output threads run) or by the rank's Python (late, and never for a script that
+    does not import jddp). The rank side has a second line of its own (`jddp/_src/watchdog.py`).
+    """
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-S", "-E", "-c", _GUARDIAN, "jddp-guardian", str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def _tell(self, line: bytes) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(line)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass  # the guardian is gone; each rank's own thread is the second line
+
+    def add(self, pgid: int) -> None:
+        self._tell(b"+%d\n" % pgid)
+
+    def remove(self, pgid: int) -> None:
+        self._tell(b"-%d\n" % pgid)
+
+    def close(self) -> None:
+        """Ends the guardian normally (every group must be removed first)."""
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclasses.dataclass
+class _RankProgress:
+    """What a rank told the launcher (written by the reader thread, read by the main loop)."""
+
+    completed: int = -1  # highest step completed (-1: none)
+    dispatched: int = -1  # highest step started
+    exiting: bool = False  # announced a normal exit
+
+
+class _Links:
+    """The launcher's ends of the ranks' sockets, and a thread that reads their reports."""
+
+    def __init__(self, socks: list[socket.socket], start: float) -> None:
+        self.socks = socks
+        self.lock = threading.Lock()
+        self.ranks = [_RankProgress() for _ in socks]
+        self.last_progress = start  # when any rank last completed a new step (or the start)
+        self.any_completed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="jddp-run-reports", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        buffers = {s.fileno(): b"" for s in self.socks}
+        rank_of = {s.fileno(): r for r, s in enumerate(self.socks)}
+        open_socks = list(self.socks)
+        while open_socks and not self._stop.is_set():
+            try:
+                readable, _, _ = select.select(open_socks, [], [], 0.1)
+            except (OSError, ValueError):
+                return
+            for s in readable:
+                try:
+                    data = s.recv(4096)
+                except OSError:
+                    data = b""
+                if not data:
+                    open_socks.remove(s)
+                    continue
+                fd = s.fileno()
+                *lines, buffers[fd] = (buffers[fd] + data).split(b"\n")
+                for line in lines:
+                    self._update(rank_of[fd], line)
+
+    def _update(self, rank: int, line: bytes) -> None:
+        parts = line.split()
+        if len(parts) != 3 or parts[0] not in (b"p", b"x"):
+            return
+        try:
+            completed, dispatched = int(parts[1]), int(parts[2])
+        except ValueError:
+            return
+        with self.lock:
+            r = self.ranks[rank]
+            if completed > r.completed:
+                r.completed = completed
+                self.last_progress = time.monotonic()
+                self.any_completed = True
+            r.dispatched = max(r.dispatched, dispatched)
+            r.exiting = r.exiting or parts[0] == b"x"
+
+    def snapshot(self) -> tuple[list[_RankProgress], float, bool]:
+        with self.lock:
+            return ([dataclasses.replace(r) for r in self.ranks], self.last_progress,
+                    self.any_completed)
+
+    def abort(self, ranks: Sequence[int], status: int) -> None:
+        """Orders `ranks` to exit now with `status` (ranks running jddp's thread obey at once)."""
+        for r in ranks:
+            try:
+                self.socks[r].send(b"abort %d\n" % status, socket.MSG_DONTWAIT)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+        for s in self.socks:
+            s.close()
+
+
+def _progress_lines(progress: Sequence[_RankProgress], ranks: Sequence[int]) -> str:
+    """One phrase per rank: its last completed step, the step it is in, and who the others wait for.
+
+    A rank that has not started the step the others are in holds them up (it is stuck outside
+    the training step: input pipeline, evaluation, ...); so does one that is behind.
+    """
+    parts = []
+    furthest = max((progress[r].dispatched for r in ranks), default=-1)
+    for r in ranks:
+        p = progress[r]
+        done = f"last completed step {p.completed}" if p.completed >= 0 else "no step completed"
+        if p.dispatched > p.completed:
+            where = f", in step {p.dispatched}"
+        else:
+            where = ", not inside a step"
+        mark = " <- the others wait for it" if p.dispatched < furthest else ""
+        parts.append(f"rank {r}: {done}{where}{mark}")
+    return "; ".join(parts)
+
+
+def _early_exit(progress: Sequence[_RankProgress], exited_ok: set[int],
+                running: set[int]) -> str | None:
+    """A message if a rank left normally while another is inside a step it never started."""
+    leavers = [r for r in sorted(exited_ok | {q for q in running if progress[q].exiting})]
+    for r in leavers:
+        last = progress[r].dispatched
+        waiting = [s for s in sorted(running) if not progress[s].exiting
+                   and progress[s].dispatched > last]
+        if waiting:
+            step = "before its first step" if last < 0 else f"after step {last}"
+            who = ", ".join(f"rank {s} (in step {progress[s].dispatched})" for s in waiting)
+            # An announced exit is the end of the script or sys.exit(n), whatever n: Python
+            # does not tell atexit handlers the status (jddp.distributed.hard_exit(n) does not
+            # announce, so its status reaches the launcher).
+            verb = ("exited with status 0" if r in exited_ok
+                    else "is exiting (end of script or sys.exit)")
+            return (f"rank {r} {verb} {step} while {who} waits for it inside a step that needs "
+                    "every rank")
+    return None
+
+
+class _Outcome(NamedTuple):
+    """How one attempt of the job ended."""
+
+    status: int
+    reason: str  # why, for the restart message ("" on success)
+    restartable: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    command: tuple[str, ...]
+    num_processes: int
+    devices_per_process: int | None
+    grace_s: float
+    preemption_grace_s: float
+    step_timeout_s: float | None
+    first_step_timeout_s: float | None
+    deadline: float | None  # monotonic time at which --timeout ends the job
+    timeout_s: float | None
+    base_env: Mapping[str, str]
+    prefix_output: bool
+
+
 def launch(
     command: Sequence[str],
     num_processes: int,
@@ -107,6 +401,10 @@ def launch(
     port: int | None = None,
     env: Mapping[str, str] | None = None,
     prefix_output: bool = True,
+    step_timeout_s: float | None = None,
+    first_step_timeout_s: float | None = None,
+    max_restarts: int = 0,
+    preemption_grace_s: float = 30.0,
 ) -> int:
     """Runs `command` as `num_processes` ranks of one JAX job and returns the job's exit status.
 
@@ -114,105 +412,246 @@ def launch(
       command: the program and its arguments, e.g. `[sys.executable, "-u", "train.py"]`.
       devices_per_process: simulated CPU devices per rank (`JDDP_LOCAL_DEVICE_COUNT`).
       grace_s: after SIGTERM, how long ranks get to exit before SIGKILL.
-      timeout_s: end the whole job after this long and return 124.
-      port: coordinator port on 127.0.0.1; default a free one.
+      timeout_s: end the whole job (restarts included) after this long and return 124.
+      port: coordinator port on 127.0.0.1; default a free one (a fresh one for each restart).
       env: base environment of the ranks; default `os.environ`.
+      step_timeout_s: the watchdog: end the job (`EXIT_STUCK`) when no rank has completed a
+        training step (`jddp.distributed.report_progress`) for this long. Default: off.
+      first_step_timeout_s: the same before the first completed step of an attempt (start-up and
+        compilation). Default: 10 x `step_timeout_s`, at least 60 s (off if both are None).
+      max_restarts: after a failure or a preemption, run the whole job again up to this many
+        times (not after Ctrl-C, SIGTERM/SIGHUP to the launcher, or `timeout_s`).
+      preemption_grace_s: after a preemption notice, how long the ranks get to finish their step,
+        save and exit with `EXIT_RESUME` before they are ended.
 
     Returns:
-      0 if every rank exited 0; else the status of the first rank that failed (128 + N for a
-      signal N), 124 on timeout, 128 + N when the launcher itself got signal N (Ctrl-C: 130).
+      0 if every rank exited 0; `EXIT_RESUME` (75) if the job was preempted and saved; else the
+      status of the first rank that failed (128 + N for a signal N), `EXIT_STUCK` (117),
+      `EXIT_EARLY` (118), 124 on timeout, `EXIT_PORT_IN_USE` (2), 128 + N when the launcher
+      itself got signal N (Ctrl-C: 130). After restarts: the last attempt's status.
     """
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
-    coordinator = f"127.0.0.1:{port or free_port()}"
-    base_env = os.environ if env is None else env
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    if first_step_timeout_s is None and step_timeout_s is not None:
+        first_step_timeout_s = max(10.0 * step_timeout_s, 60.0)
+    options = _Options(
+        command=tuple(command), num_processes=num_processes,
+        devices_per_process=devices_per_process, grace_s=grace_s,
+        preemption_grace_s=preemption_grace_s, step_timeout_s=step_timeout_s,
+        first_step_timeout_s=first_step_timeout_s,
+        deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+        timeout_s=timeout_s, base_env=os.environ if env is None else env,
+        prefix_output=prefix_output,
+    )
 
-    stop_signal: list[int] = []  # set from the signal handler, read by the loop below
+    signals: list[int] = []  # appended by the signal handler, read by the attempt's loop
+    current: list[subprocess.Popen] = []  # the running attempt's ranks (for a second signal)
 
     def on_signal(signum, frame):
-        if stop_signal:  # second Ctrl-C: no more grace
-            _signal_groups(procs, signal.SIGKILL)
-        stop_signal.append(signum)
+        if signals:  # a second signal: no more grace
+            _signal_groups(current, signal.SIGKILL)
+        signals.append(signum)
 
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    lock = threading.Lock()
-    in_main_thread = threading.current_thread() is threading.main_thread()
     old_handlers = {}
-    if in_main_thread:
+    if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             old_handlers[sig] = signal.signal(sig, on_signal)
-
-    first_failure: tuple[int, int] | None = None  # (rank, exit status)
-    status = 0
+    guardian = _Guardian()
     try:
-        for rank in range(num_processes):
-            p = subprocess.Popen(
-                list(command),
-                env=build_rank_env(base_env, rank, num_processes, coordinator,
-                                   devices_per_process),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE if prefix_output else None,
-                stderr=subprocess.PIPE if prefix_output else None,
-                start_new_session=True,
-            )
+        for attempt in range(max_restarts + 1):
+            if port is not None and port_in_use(port):
+                _note(f"coordinator port {port} on 127.0.0.1 is already in use (another job, or "
+                      "one still ending?). Leave out --port to get a free port, or pass a free "
+                      "one.")
+                return EXIT_PORT_IN_USE
+            coordinator = f"127.0.0.1:{port or free_port()}"
+            outcome = _run_attempt(options, coordinator, attempt, guardian, signals, current)
+            # Asked to stop (Ctrl-C, SIGTERM, SIGHUP): never start again, whatever the ranks did.
+            stop = bool(signals) or not outcome.restartable
+            if outcome.status == 0 or stop or attempt == max_restarts:
+                if outcome.status == EXIT_RESUME:
+                    _note(f"{outcome.reason}; exiting with {_describe(EXIT_RESUME)}: run the same "
+                          "command again to resume from the checkpoint")
+                elif outcome.status != 0 and not stop and max_restarts:
+                    _note(f"{outcome.reason}; no restarts left ({max_restarts} used)")
+                return outcome.status
+            _note(f"{outcome.reason}; restarting the job ({attempt + 1} of {max_restarts} "
+                  "restarts) on a fresh coordinator port" if port is None else
+                  f"{outcome.reason}; restarting the job ({attempt + 1} of {max_restarts} "
+                  "restarts)")
+        raise AssertionError("unreachable")
+    finally:
+        guardian.close()
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+
+
+def _run_attempt(
+    options: _Options,
+    coordinator: str,
+    attempt: int,
+    guardian: _Guardian,
+    signals: list[int],
+    procs: list[subprocess.Popen],
+) -> _Outcome:
+    """Runs the job once; returns how it ended, with every rank and its group gone."""
+    n = options.num_processes
+    procs.clear()
+    pumps: list[threading.Thread] = []
+    lock = threading.Lock()
+    launcher_ends: list[socket.socket] = []
+    start = time.monotonic()
+    links: _Links | None = None
+    try:
+        for rank in range(n):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            launcher_ends.append(ours)
+            try:
+                p = subprocess.Popen(
+                    list(options.command),
+                    env=build_rank_env(options.base_env, rank, n, coordinator,
+                                       options.devices_per_process, control_fd=theirs.fileno(),
+                                       restart_count=attempt),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE if options.prefix_output else None,
+                    stderr=subprocess.PIPE if options.prefix_output else None,
+                    start_new_session=True,
+                    pass_fds=(theirs.fileno(),),
+                )
+            finally:
+                theirs.close()  # the rank holds it now; our copy would hide the launcher's death
             procs.append(p)
-            if prefix_output:
+            guardian.add(p.pid)
+            if options.prefix_output:
                 prefix = f"[rank{rank}] ".encode()
                 for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
                     t = threading.Thread(target=_pump, args=(stream, out, prefix, lock),
                                          daemon=True)
                     t.start()
                     pumps.append(t)
-
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        running = set(range(num_processes))
-        while running:
-            for rank in sorted(running):
-                rc = procs[rank].poll()
-                if rc is None:
-                    continue
-                running.discard(rank)
-                # The rank is done: whatever it left behind in its group goes with it.
-                _signal_groups([procs[rank]], signal.SIGKILL)
-                if rc != 0 and first_failure is None:
-                    first_failure = (rank, exit_status(rc))
-            if not running:
-                break
-            reason = None
-            if first_failure is not None:
-                reason = (f"rank {first_failure[0]} exited with status {first_failure[1]}; "
-                          "ending the other ranks")
-            elif stop_signal:
-                reason = f"got {signal.Signals(stop_signal[0]).name}; ending all ranks"
-                status = 128 + stop_signal[0]
-            elif deadline is not None and time.monotonic() > deadline:
-                reason = f"timed out after {timeout_s:g} s; ending all ranks"
-                status = 124
-            if reason is not None:
-                _note(reason)
-                _terminate([procs[r] for r in running], grace_s)
-                break
-            time.sleep(_POLL_S)
+        links = _Links(launcher_ends, start)
+        return _watch(options, procs, links, guardian, signals)
     finally:
         # Also on an error in the launcher itself: never leave ranks behind.
-        # (Ranks that ended were already swept: their process groups got SIGKILL.)
         live = [p for p in procs if p.poll() is None]
         if live:
-            _terminate(live, grace_s)
+            if links is not None:
+                links.abort([procs.index(p) for p in live], 128 + signal.SIGTERM)
+            _terminate(live, options.grace_s)
+        for p in procs:
+            _signal_groups([p], signal.SIGKILL)
+            guardian.remove(p.pid)
         # Every rank's process group is gone, so each pipe reaches EOF once drained; wait for that
         # (a loaded machine can take seconds), bounded in case something else holds a pipe open.
         drain_deadline = time.monotonic() + _DRAIN_S
         for t in pumps:
             t.join(timeout=max(0.0, drain_deadline - time.monotonic()))
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
+        if links is not None:
+            links.close()
+        else:
+            for s in launcher_ends:
+                s.close()
 
-    if status == 0 and first_failure is not None:
-        status = first_failure[1]
-    elif status == 0 and stop_signal:
-        status = 128 + stop_signal[0]
-    return status
+
+def _watch(
+    options: _Options,
+    procs: Sequence[subprocess.Popen],
+    links: _Links,
+    guardian: _Guardian,
+    signals: list[int],
+) -> _Outcome:
+    """The attempt's loop: waits for the ranks, and decides when and how the job ends."""
+    running = set(range(len(procs)))
+    exited_ok: set[int] = set()  # exited with status 0
+    resumable: set[int] = set()  # exited with EXIT_RESUME
+    preempt_deadline: float | None = None  # set once a preemption is under way
+    launcher_preempted = False
+    handled_signals = 0
+
+    def end(status: int, reason: str, restartable: bool, sig_note: str = "") -> _Outcome:
+        _note(f"{reason}; ending the job ({_describe(status)}){sig_note}")
+        ranks = sorted(running)
+        links.abort(ranks, 128 + signal.SIGTERM)
+        _terminate([procs[r] for r in ranks], options.grace_s)
+        return _Outcome(status, reason, restartable)
+
+    while True:
+        now = time.monotonic()
+        for rank in sorted(running):
+            rc = procs[rank].poll()
+            if rc is None:
+                continue
+            running.discard(rank)
+            # The rank is done: whatever it left behind in its group goes with it.
+            _signal_groups([procs[rank]], signal.SIGKILL)
+            guardian.remove(procs[rank].pid)
+            status = exit_status(rc)
+            if status == 0:
+                exited_ok.add(rank)
+            elif status == EXIT_RESUME:
+                resumable.add(rank)
+                if preempt_deadline is None:
+                    _note(f"rank {rank} saved a checkpoint and asks to be resumed "
+                          f"({_describe(status)}); waiting up to "
+                          f"{options.preemption_grace_s:g} s for the others")
+                    preempt_deadline = now + options.preemption_grace_s
+            else:
+                return end(status, f"rank {rank} exited with {_describe(status)}", True)
+
+        if not running:
+            if resumable:
+                reason = (f"job preempted: rank(s) {', '.join(map(str, sorted(resumable)))} "
+                          f"saved a checkpoint and exited with {_describe(EXIT_RESUME)}")
+                return _Outcome(EXIT_RESUME, reason, not launcher_preempted)
+            return _Outcome(0, "", False)
+
+        while handled_signals < len(signals):
+            sig = signals[handled_signals]
+            handled_signals += 1
+            if sig == signal.SIGTERM and handled_signals == 1:
+                # Preemption: each rank finishes its step, saves, and exits with EXIT_RESUME.
+                # Only the rank itself gets it: its children (data loaders) must live to the end.
+                _note(f"got SIGTERM: passing it to every rank (preemption: save and exit with "
+                      f"{EXIT_RESUME}); waiting up to {options.preemption_grace_s:g} s")
+                for r in sorted(running):
+                    try:
+                        procs[r].send_signal(signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+                launcher_preempted = True
+                preempt_deadline = now + options.preemption_grace_s
+            else:
+                status = 128 + sig
+                return end(status, f"got {signal.Signals(sig).name}", False)
+
+        if options.deadline is not None and now > options.deadline:
+            return end(EXIT_TIMEOUT, f"timed out after {options.timeout_s:g} s", False)
+
+        if preempt_deadline is not None:
+            if now > preempt_deadline:
+                status = EXIT_RESUME if resumable else 128 + signal.SIGTERM
+                return end(status, f"rank(s) {', '.join(map(str, sorted(running)))} did not "
+                           f"exit within {options.preemption_grace_s:g} s of the preemption",
+                           not launcher_preempted)
+            time.sleep(_POLL_S)
+            continue  # ranks are saving: neither the watchdog nor the early-exit rule apply
+
+        progress, last_progress, any_completed = links.snapshot()
+        early = _early_exit(progress, exited_ok, running)
+        if early is not None:
+            return end(EXIT_EARLY, early, True)
+
+        limit = options.step_timeout_s if any_completed else options.first_step_timeout_s
+        finishing = bool(exited_ok) or any(progress[r].exiting for r in running)
+        if limit is not None and not finishing and now - last_progress > limit:
+            which = "--step-timeout" if any_completed else "--first-step-timeout"
+            what = "completed a step" if any_completed else "completed its first step"
+            ranks = list(range(len(procs)))
+            return end(EXIT_STUCK, f"watchdog: no rank {what} for {now - last_progress:.1f} s "
+                       f"({which} {limit:g}): {_progress_lines(progress, ranks)}", True)
+        time.sleep(_POLL_S)
 
 
 def _terminate(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
@@ -230,6 +669,10 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="jddp-run",
         description="Run a script as N local processes of one multi-process JAX job.",
+        epilog=f"Exit status: 0; the first failing rank's status; {EXIT_RESUME} preempted, "
+               f"resume from the checkpoint; {EXIT_STUCK} watchdog (stuck); {EXIT_EARLY} a rank "
+               f"left early; {EXIT_TIMEOUT} --timeout; {EXIT_PORT_IN_USE} --port in use; 128+N "
+               "signal N. See docs/faults.md.",
     )
     ap.add_argument("-n", "--nprocs", type=int, default=1, help="number of processes (ranks)")
     ap.add_argument("--devices-per-process", type=int, default=None,
@@ -237,7 +680,20 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--grace", type=float, default=5.0,
                     help="seconds between SIGTERM and SIGKILL when ending ranks (default 5)")
     ap.add_argument("--timeout", type=float, default=None,
-                    help="end the whole job after this many seconds (exit status 124)")
+                    help="end the whole job, restarts included, after this many seconds "
+                         f"(exit status {EXIT_TIMEOUT})")
+    ap.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
+                    help="watchdog: end the job when no rank completes a training step for this "
+                         f"long (exit status {EXIT_STUCK}; default: off)")
+    ap.add_argument("--first-step-timeout", type=float, default=None, metavar="SECONDS",
+                    help="the same limit until the first step completes (start-up, compilation; "
+                         "default 10 x --step-timeout, at least 60)")
+    ap.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                    help="run the whole job again after a failure or preemption, up to N times "
+                         "(default 0)")
+    ap.add_argument("--preemption-grace", type=float, default=30.0, metavar="SECONDS",
+                    help="after a preemption (SIGTERM), how long ranks get to save and exit "
+                         "(default 30)")
     ap.add_argument("--port", type=int, default=None,
                     help="coordinator port on 127.0.0.1 (default: a free port)")
     ap.add_argument("--no-prefix", action="store_true",
@@ -254,6 +710,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.nprocs < 1:
         _parser().error("-n must be >= 1")
+    if args.max_restarts < 0:
+        _parser().error("--max-restarts must be >= 0")
     command = [sys.executable, "-u"] + (["-m"] if args.module else []) + [args.script]
     return launch(
         command + list(args.args),
@@ -263,6 +721,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_s=args.timeout,
         port=args.port,
         prefix_output=not args.no_prefix,
+        step_timeout_s=args.step_timeout,
+        first_step_timeout_s=args.first_step_timeout,
+        max_restarts=args.max_restarts,
+        preemption_grace_s=args.preemption_grace,
     )
 
 

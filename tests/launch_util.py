@@ -84,3 +84,22 @@ def read_pids(directory: Path) -> list[int]:
     for f in sorted(directory.glob("pids.*")):
         pids += [int(x) for x in f.read_text().split()]
     return pids
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the running ranks that the jddp-run process `launcher_pid` started."""
+    ranks = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        for kv in env:
+            if kv.startswith(b"JDDP_PROCESS_ID="):
+                ranks[int(kv.split(b"=", 1)[1])] = int(entry.name)
+    return ranks

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -65,7 +67,12 @@ def manager(
     options = lib.CheckpointManagerOptions(
         max_to_keep=max_to_keep, save_interval_steps=save_interval_steps, create=True
     )
-    return lib.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options)
+    # The handler is registered up front so that item_metadata (the saved shapes, which restore
+    # compares before loading anything) is readable before the first save or restore.
+    return lib.CheckpointManager(
+        os.path.abspath(os.fspath(directory)), options=options,
+        item_handlers=lib.StandardCheckpointHandler(),
+    )
 
 
 def save(mngr: Any, state: Any, *, step: int | None = None, overwrite: bool = False) -> int:
@@ -92,13 +99,74 @@ def save(mngr: Any, state: Any, *, step: int | None = None, overwrite: bool = Fa
     return step
 
 
-def restore(mngr: Any, target: Any, *, step: int | None = None) -> Any:
+def _path(path: Any) -> str:
+    return jax.tree_util.keystr(tuple(path), simple=True, separator=".")
+
+
+# Parts of a TrainState stored per device (a leading device dimension): they depend on the device
+# count, so a checkpoint made on another count needs a decision for each (see restore()).
+_PER_DEVICE = ("hook_state", "accum", "model_state")
+
+
+def _per_device_changes(saved: Any, abstract: Any) -> list[tuple[str, tuple, tuple]]:
+    """``(path, saved_shape, new_shape)`` of per-device leaves whose device count changed.
+
+    Raises a clear error for any other difference (another model, another optimizer).
+    """
+    saved_shapes = {
+        _path(p): tuple(getattr(x, "shape", ()))
+        for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]
+    }
+    wanted = {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    missing = sorted(set(wanted) - set(saved_shapes))
+    extra = sorted(set(saved_shapes) - set(wanted))
+    if missing or extra:
+        raise ValueError(
+            "The checkpoint does not hold the state this trainer builds (another model, "
+            f"optimizer, hook or accumulation setting?): missing {missing[:5]}, unexpected "
+            f"{extra[:5]}. Restore with the DataParallel configuration it was saved with."
+        )
+    changed = []
+    for path, leaf in wanted.items():
+        old, new = saved_shapes[path], tuple(leaf.shape)
+        if old == new:
+            continue
+        spec = getattr(getattr(leaf, "sharding", None), "spec", ())
+        per_device = (path.split(".")[0] in _PER_DEVICE and len(old) == len(new) and old[1:] ==
+                      new[1:] and bool(spec) and spec[0] is not None)
+        if not per_device:
+            raise ValueError(
+                f"Checkpoint leaf {path} has shape {old}, but this trainer's state has {new}. "
+                "Restore with the model and optimizer the checkpoint was saved with."
+            )
+        changed.append((path, old, new))
+    return changed
+
+
+def restore(
+    mngr: Any,
+    target: Any,
+    *,
+    step: int | None = None,
+    init_fn: Callable[[], Any] | None = None,
+) -> Any:
     """Restores a TrainState saved by :func:`save` onto the shardings of ``target``.
+
+    The state may be restored on another number of devices: replicated leaves (and sharded ones)
+    are resharded by orbax. Per-device leaves, which have one row per device, are decided one by
+    one: the communication hook's state (PowerSGD's error feedback and warm start) restarts from
+    its initial value, with a warning; an accumulator restores only at a window boundary (its
+    counter 0) and restarts empty; a checkpoint saved mid-window, and per-device model state
+    (``model_state_sync="none"``), raise an error naming the leaf, both device counts and the way
+    out.
 
     Args:
       target: a TrainState like the one saved: concrete, or abstract with shardings (e.g.
         ``ddp.abstract_state(params_like)``), which places the restored arrays.
       step: which checkpoint (default: the latest).
+      init_fn: ``init_fn() -> TrainState`` on the new device count (e.g. ``lambda:
+        ddp.init(params)``), for per-device leaves that restart; called only when the device
+        count changed. Not needed when ``target`` is a concrete state.
     """
     lib = _require_orbax()
     if step is None:
@@ -116,7 +184,56 @@ def restore(mngr: Any, target: Any, *, step: int | None = None) -> Any:
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
 
     abstract = jax.tree.map(as_abstract, target)
-    return mngr.restore(step, args=lib.args.StandardRestore(abstract))
+    metadata = mngr.item_metadata(step)
+    if metadata is None:  # a manager not made by manager(): no shapes to compare; load strictly
+        return mngr.restore(step, args=lib.args.StandardRestore(abstract))
+    changed = _per_device_changes(metadata.tree, abstract)
+    if not changed:
+        return mngr.restore(step, args=lib.args.StandardRestore(abstract))
+    old_n, new_n = changed[0][1][0], changed[0][2][0]
+    where = f"saved on {old_n} devices, restored on {new_n}"
+    per_replica = [p for p, _, _ in changed if p.startswith("model_state")]
+    if per_replica:
+        raise ValueError(
+            f"Checkpoint of step {step} ({where}) holds one model state per device "
+            f"(model_state_sync='none'; e.g. {per_replica[0]}): there is no correct way to turn "
+            f"{old_n} replicas' states into {new_n}. Restore on {old_n} devices, or train with "
+            "model_state_sync='broadcast' or 'mean' (one state for all replicas)."
+        )
+    # Every other changed leaf restarts: load the rest exactly; the changed leaves' loaded values
+    # (padded or cut by strict=False) are replaced below.
+    state = mngr.restore(step, args=lib.args.StandardRestore(abstract, strict=False))
+    accum = [p for p, _, _ in changed if p.startswith("accum")]
+    if accum and int(np.asarray(jax.device_get(state.accum.count))) > 0:
+        raise ValueError(
+            f"Checkpoint of step {step} ({where}) was saved in the middle of a gradient "
+            f"accumulation window ({int(jax.device_get(state.accum.count))} calls accumulated, "
+            f"e.g. {accum[0]}): each device's partial sum cannot be split over {new_n} devices. "
+            f"Resume on {old_n} devices until the window's synchronising call and save there (a "
+            "checkpoint at a window boundary restores on any device count)."
+        )
+    if init_fn is not None:
+        fresh = init_fn()
+    elif not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(target)):
+        fresh = target
+    else:
+        raise ValueError(
+            f"Checkpoint of step {step} is {where}: its per-device state ({changed[0][0]}, ...) "
+            "restarts, which needs the trainer's initial values. Pass init_fn=lambda: "
+            "ddp.init(params), or use jddp.checkpoint.restore_or_init."
+        )
+    restart = {p for p, _, _ in changed}
+    hooks = sorted(p for p in restart if p.startswith("hook_state"))
+    if hooks:
+        warnings.warn(
+            f"Checkpoint of step {step} is {where}: the communication hook's per-device state "
+            f"restarts from its initial value ({', '.join(hooks[:4])}"
+            f"{', ...' if len(hooks) > 4 else ''}); PowerSGD's error feedback and warm start "
+            "begin anew.", stacklevel=2,
+        )
+    return jax.tree_util.tree_map_with_path(
+        lambda p, old, new: new if _path(p) in restart else old, state, fresh
+    )
 
 
 def _host_step(state: Any) -> int:
@@ -147,7 +264,8 @@ def restore_or_init(mngr: Any, ddp: Any, params: Any, model_state: Any = None) -
             )
     if step is None:
         return ddp.init(params, model_state)
-    return restore(mngr, ddp.abstract_state(params, model_state), step=step)
+    return restore(mngr, ddp.abstract_state(params, model_state), step=step,
+                   init_fn=lambda: ddp.init(params, model_state))
 
 
 def save_if_due(

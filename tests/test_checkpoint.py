@@ -146,3 +146,99 @@ print("FINISHED", int(state.step))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "FINISHED 10" in second.stdout
     assert ckpt.manager(tmp_path / "c").all_steps() == [1, 3]
+
+
+# ----------------------------------------------------------------- another number of devices
+
+
+def _on(n, **options):
+    mesh = jddp.data_mesh(jax.devices()[:n])
+    return jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=mesh, bucket_cap_mb=0.001,
+                             first_bucket_mb=0.0005, **options)
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+@pytest.mark.parametrize("old,new", [(8, 4), (4, 8)])
+def test_replicated_state_restores_on_another_device_count(tmp_path, old, new):
+    """Params and optimizer state are the same on every device: they reshard, and training goes
+    on exactly as it would have on the old device count (to float rounding of the reduction)."""
+    params, batches = mlp_params(1, SIZES), _batches(4)
+    a = _on(old)
+    state = _run(a, a.init(params), batches[:2])
+    mngr = ckpt.manager(tmp_path / "c")
+    ckpt.save(mngr, state)
+    ref = _run(a, state, batches[2:])
+    b = _on(new)
+    restored = ckpt.restore_or_init(mngr, b, params)
+    assert restored.params["Dense_0"]["kernel"].sharding.mesh.size == new
+    after = _run(b, restored, batches[2:])
+    for x, y in zip(jax.tree.leaves(_host(after.params)), jax.tree.leaves(_host(ref.params)),
+                    strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("old,new", [(8, 4), (4, 8)])
+def test_powersgd_state_restarts_with_a_warning(tmp_path, old, new):
+    hook = jddp.powersgd(rank=1, start_iter=0, min_compression_rate=1.0)
+    params = mlp_params(2, SIZES)
+    a = _on(old, hook=hook)
+    state = _run(a, a.init(params), _batches(2))
+    mngr = ckpt.manager(tmp_path / "c")
+    ckpt.save(mngr, state)
+    b = _on(new, hook=hook)
+    with pytest.warns(UserWarning, match=rf"saved on {old} devices, restored on {new}.*error "
+                                         "feedback"):
+        restored = ckpt.restore_or_init(mngr, b, params)
+    fresh = b.init(params)
+    _assert_identical(restored.hook_state, fresh.hook_state)
+    _assert_identical(restored.params, state.params)  # everything else is the checkpoint's
+    assert int(restored.step) == 2
+    _run(b, restored, _batches(1))  # and it trains
+
+
+def test_accumulator_restores_at_a_window_boundary_only(tmp_path):
+    params, batches = mlp_params(3, SIZES), _batches(3)
+    a = _on(8, accumulate_steps=2)
+    state = _run(a, a.init(params), batches[:2])  # one full window: count is 0 again
+    mngr = ckpt.manager(tmp_path / "c")
+    ckpt.save(mngr, state, step=100)
+    b = _on(4, accumulate_steps=2)
+    restored = ckpt.restore(mngr, b.abstract_state(params), init_fn=lambda: b.init(params))
+    assert int(restored.accum.count) == 0 and restored.accum.loss.shape == (4,)
+    _assert_identical(restored.params, state.params)
+
+    mid = _run(a, state, batches[2:3])  # count 1: mid-window
+    ckpt.save(mngr, mid, step=101)
+    with pytest.raises(ValueError, match=r"saved on 8 devices, restored on 4.*middle of a gradient "
+                                         r"accumulation window.*Resume on 8 devices"):
+        ckpt.restore(mngr, b.abstract_state(params), step=101, init_fn=lambda: b.init(params))
+
+
+def test_per_replica_model_state_does_not_restore_on_another_device_count(tmp_path):
+    import jax.numpy as jnp
+
+    def loss(p, ms, batch):
+        return mlp_loss(p, batch), {"n": ms["n"] + 1.0}
+
+    params = mlp_params(4, SIZES)
+    mesh8, mesh4 = jddp.data_mesh(jax.devices()[:8]), jddp.data_mesh(jax.devices()[:4])
+    a = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh8, model_state_sync="none")
+    mngr = ckpt.manager(tmp_path / "c")
+    ckpt.save(mngr, a.init(params, {"n": jnp.zeros(())}))
+    b = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh4, model_state_sync="none")
+    with pytest.raises(ValueError, match=r"one model state per device.*Restore on 8 devices"):
+        ckpt.restore_or_init(mngr, b, params, {"n": jnp.zeros(())})
+
+
+def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    a = _on(8)
+    mngr = ckpt.manager(tmp_path / "c")
+    ckpt.save(mngr, a.init(mlp_params(5, SIZES)))
+    other = mlp_params(5, [6, 16, 4, 3])
+    with pytest.raises(ValueError, match=r"Dense_1.bias has shape \(16,\), but this trainer's state has \(4,\)"):
+        ckpt.restore_or_init(mngr, a, other)
+    with pytest.raises(ValueError, match="does not hold the state this trainer builds"):
+        ckpt.restore_or_init(mngr, _on(8, accumulate_steps=2), mlp_params(5, SIZES))

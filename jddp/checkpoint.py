@@ -131,9 +131,10 @@ def _per_device_changes(saved: Any, abstract: Any) -> list[tuple[str, tuple, tup
         old, new = saved_shapes[path], tuple(leaf.shape)
         if old == new:
             continue
-        spec = getattr(getattr(leaf, "sharding", None), "spec", ())
-        per_device = (path.split(".")[0] in _PER_DEVICE and len(old) == len(new) and old[1:] ==
-                      new[1:] and bool(spec) and spec[0] is not None)
+        spec: tuple = tuple(getattr(getattr(leaf, "sharding", None), "spec", ()))
+        sharded_rows = bool(spec) and spec[0] is not None
+        per_device = (path.split(".")[0] in _PER_DEVICE and len(old) == len(new)
+                      and old[1:] == new[1:] and sharded_rows)
         if not per_device:
             raise ValueError(
                 f"Checkpoint leaf {path} has shape {old}, but this trainer's state has {new}. "

@@ -19,10 +19,15 @@ import textwrap
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import jddp
 from jddp.launch import EXIT_EARLY, EXIT_PORT_IN_USE, EXIT_RESUME, EXIT_STUCK, launch
+from tests._models import mlp_loss, mlp_params, regression_batch
 from tests.launch_util import (
     REPO,
     child_env,
@@ -672,3 +677,107 @@ def test_command_line_flags_reach_launch(monkeypatch):
             seen["preemption_grace_s"], seen["grace_s"]) == (7, 90, 4, 12, 2)
     with pytest.raises(SystemExit):
         launch_lib.main(["--max-restarts", "-1", "train.py"])
+
+
+# ----------------------------------------------------------- in-process errors (the trainer)
+# Each used to crash the process, hang, or train silently wrong (issue #16, items 1, 5, 7).
+
+SIZES = [6, 16, 16, 3]
+
+
+def test_state_of_another_optimizer_is_named():
+    params = mlp_params(0, SIZES)
+    state = jddp.DataParallel(mlp_loss, optax.sgd(0.1)).init(params)
+    adam = jddp.DataParallel(mlp_loss, optax.adam(1e-3))
+    with pytest.raises(ValueError, match="opt_state does not match this DataParallel's optimizer"):
+        adam.step(state, regression_batch(0, 16, 6, 3))
+
+
+def test_reusing_a_consumed_state_is_an_error_not_a_crash():
+    params = mlp_params(0, SIZES)
+    batch = regression_batch(0, 16, 6, 3)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1))
+    state = ddp.init(params)
+    new, _ = ddp.step(state, batch)
+    with pytest.raises(ValueError, match="consumed by an earlier step.*donate=False"):
+        ddp.step(state, batch)
+    new, _ = ddp.step(new, batch)  # the returned state still works
+    keep = jddp.DataParallel(mlp_loss, optax.sgd(0.1), donate=False)
+    state = keep.init(params)
+    keep.step(state, batch)
+    keep.step(state, batch)  # not donated: reusable
+
+
+def test_empty_global_batch_is_refused():
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3))
+    state = ddp.init(mlp_params(0, SIZES))
+    with pytest.raises(ValueError, match="global batch has 0 examples"):
+        ddp.step(state, regression_batch(0, 0, 6, 3))
+
+
+def test_mesh_must_be_a_mesh():
+    with pytest.raises(TypeError, match=r"mesh must be a jax\.sharding\.Mesh.*data_mesh\(axis_name='data'\)"):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), mesh="data")
+
+
+def _per_example(p, b):
+    return jnp.mean((jnp.tanh(b["x"] @ p["Dense_0"]["kernel"]) @ p["Dense_1"]["kernel"]
+                     - b["y"]) ** 2, axis=-1)
+
+
+def test_all_false_mask_skips_the_update():
+    """weighted=True with no real example used to count as an update (loss 0, Adam moved)."""
+    params = mlp_params(0, [6, 16, 3])
+    ddp = jddp.DataParallel(_per_example, optax.adam(1e-2), weighted=True)
+    state = ddp.init(params)
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    state, metrics = ddp.step(state, regression_batch(0, 16, 6, 3), mask=np.zeros(16, bool))
+    assert float(metrics["skipped"]) == 1.0 and int(state.step) == 0
+    after = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(a, b)
+    state, metrics = ddp.step(state, regression_batch(0, 16, 6, 3), mask=np.ones(16, bool))
+    assert float(metrics["skipped"]) == 0.0 and int(state.step) == 1
+
+
+def test_string_hook_and_optimizer_factory_are_named():
+    with pytest.raises(TypeError, match="hook must be a jddp.CommHook.*got str 'fp16'"):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), hook="fp16")
+    with pytest.raises(TypeError, match=r"optax GradientTransformation.*call the factory"):
+        jddp.DataParallel(mlp_loss, optax.adam)
+
+
+def test_explicit_mesh_accepts_host_batches():
+    """jax.make_mesh gives Explicit axes; a NumPy batch used to fail with a shard_map spec
+    mismatch. It now trains exactly like the Auto mesh of jddp.data_mesh()."""
+    params = mlp_params(1, SIZES)
+    batch = regression_batch(1, 16, 6, 3)
+    explicit = jax.make_mesh((jax.device_count(),), ("data",))
+    results = []
+    for mesh in (explicit, jddp.data_mesh()):
+        ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), mesh=mesh)
+        state, metrics = ddp.step(ddp.init(params), batch)
+        results.append((float(metrics["loss"]), jax.tree.map(np.asarray, state.params)))
+    assert results[0][0] == results[1][0]
+    for a, b in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_processes_with_different_batch_shapes_fail_at_the_first_step(tmp_path, capfd):
+    """Rank 0 builds 8 global rows, rank 1 builds 4: this used to finish with exit 0."""
+    script = _script(tmp_path, "shapes.py", JAX_PREAMBLE, """
+        rows = 8 if rank == 0 else 4
+        b = jddp.shard_global_batch({"x": np.ones((rows, 3), np.float32)}, mesh)
+        state, metrics = ddp.step(state, b)
+        print("TRAINED", flush=True)
+    """)
+    try:
+        rc, out, err, secs = _launch_here(capfd, script, str(tmp_path), devices_per_process=2,
+                                          timeout_s=80)
+        assert rc != 0 and "TRAINED" not in out, (out[-2000:], err[-3000:])
+        assert "The global batch shapes differ between processes" in err, err[-3000:]
+        assert "same per-process batch size everywhere" in err
+        assert wait_all_dead(read_pids(tmp_path)) == []
+    finally:
+        kill_leftovers(read_pids(tmp_path))

@@ -154,41 +154,6 @@ def test_empty_params_are_refused():
         ddp.init({})
 
 
-def test_state_of_another_optimizer_is_named():
-    params = mlp_params(0, SIZES)
-    state = jddp.DataParallel(mlp_loss, optax.sgd(0.1)).init(params)
-    adam = jddp.DataParallel(mlp_loss, optax.adam(1e-3))
-    with pytest.raises(ValueError, match="opt_state does not match this DataParallel's optimizer"):
-        adam.step(state, regression_batch(0, 16, 6, 3))
-
-
-def test_reusing_a_consumed_state_is_an_error_not_a_crash():
-    params = mlp_params(0, SIZES)
-    batch = regression_batch(0, 16, 6, 3)
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1))
-    state = ddp.init(params)
-    new, _ = ddp.step(state, batch)
-    with pytest.raises(ValueError, match="consumed by an earlier step.*donate=False"):
-        ddp.step(state, batch)
-    new, _ = ddp.step(new, batch)  # the returned state still works
-    keep = jddp.DataParallel(mlp_loss, optax.sgd(0.1), donate=False)
-    state = keep.init(params)
-    keep.step(state, batch)
-    keep.step(state, batch)  # not donated: reusable
-
-
-def test_empty_global_batch_is_refused():
-    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3))
-    state = ddp.init(mlp_params(0, SIZES))
-    with pytest.raises(ValueError, match="global batch has 0 examples"):
-        ddp.step(state, regression_batch(0, 0, 6, 3))
-
-
-def test_mesh_must_be_a_mesh():
-    with pytest.raises(TypeError, match=r"mesh must be a jax\.sharding\.Mesh.*data_mesh\(axis_name='data'\)"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), mesh="data")
-
-
 class _SyncBN(nn.Module):
     @nn.compact
     def __call__(self, x, train=True):

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp._src import accumulation as acc_lib
@@ -458,6 +458,12 @@ def train_step(
     weights = check_step_inputs(cfg, state, batch, mask, sync)
     obj = objective(cfg, state.model_state is not None)
     data = P(cfg.axis_name)
+    if any(t == AxisType.Explicit for t in cfg.mesh.axis_types):
+        # On a mesh with Explicit axes (jax.make_mesh's default) a host (NumPy) batch arrives
+        # replicated, and shard_map then refuses it: shard it as the step needs.
+        batch, weights = jax.tree.map(
+            lambda x: jax.sharding.reshard(x, NamedSharding(cfg.mesh, data)), (batch, weights)
+        )
     local = jax.shard_map(
         functools.partial(_local_step, cfg, obj, observer, sync, phase),
         mesh=cfg.mesh,

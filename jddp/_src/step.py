@@ -9,10 +9,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp._src import options, pipeline
+from jddp._src import verify as verify_lib
 from jddp._src.config import StepConfig
 from jddp._src.planner import BucketPlan, unused_message
 from jddp._src.state import TrainState
@@ -91,6 +93,8 @@ class Step:
             compiler_options=compiler_options or None,
         )
         self._phase_fn = cfg.hook.phase
+        # Input signatures already checked to agree across processes (multi-process runs only).
+        self._agreed: set[tuple] = set()
         self._known: tuple[Any, int] | None = None  # (weakref to a returned step array, its value)
         self._last_phase: Any = None
 
@@ -107,6 +111,8 @@ class Step:
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         if self._donate:
             _check_live(state)
+        if jax.process_count() > 1:
+            self._check_processes_agree(batch, mask)
         sync = options.step_sync(sync)
         if self._phase_fn is None:
             return self._jit(state, batch, mask, sync=sync)
@@ -126,6 +132,26 @@ class Step:
             following = None  # decided on the device; read it back next time
         self._known = None if following is None else (weakref.ref(new_state.step), following)
         return new_state, metrics
+
+    def _check_processes_agree(self, batch: Any, mask: Any) -> None:
+        """Every process must pass the same global batch shapes; checked once per signature.
+
+        Each process traces with its own view of the global shapes, so processes that disagree
+        (one builds 8 rows, another 4) would compile different programs and silently train on
+        wrong data or hang; the shapes are static, so one host all-gather per new signature
+        catches it.
+        """
+        signature = tuple((np.shape(x), str(np.result_type(x))) for x in
+                          jax.tree.leaves((batch, mask)))
+        if signature in self._agreed:
+            return
+        verify_lib.check_processes_agree(
+            {"batch": batch, "mask": mask}, "global batch shapes",
+            "Every process must pass the same global batch (same leaves, shapes and dtypes), e.g. "
+            "jddp.shard_global_batch or jddp.global_batch_from_local with the same per-process "
+            "batch size everywhere.",
+        )
+        self._agreed.add(signature)
 
     def cache_size(self) -> int:
         """How many programs this step has compiled: one per input shape and static variant

@@ -64,6 +64,7 @@ def check_same_structure(
     all_descs: Sequence[Sequence[LeafDesc | int]],
     what: str = "params",
     process_index: int | None = None,
+    fix: str = "Every process must build the same model (same code, config and dtypes) before init.",
 ) -> None:
     """Raises ValueError unless every process's tree matches process 0's.
 
@@ -73,6 +74,7 @@ def check_same_structure(
         :func:`fingerprint` (what a multi-process gather can carry).
       what: the tree's name, for the message.
       process_index: this process (default: ``jax.process_index()``).
+      fix: the last sentence of the message: what to do about it.
     """
     if process_index is None:
         process_index = jax.process_index()
@@ -100,18 +102,21 @@ def check_same_structure(
         raise ValueError(
             f"The {what} differ between processes: process {p} does not match process 0 "
             f"({len(other)} vs {len(ref)} leaves); first difference at leaf {first}, which on this "
-            f"process (#{process_index}) is {mine}.{theirs} Every process must build the same "
-            "model (same code, config and dtypes) before init."
+            f"process (#{process_index}) is {mine}.{theirs} {fix}"
         )
 
 
-def sync_from_process0(tree: Any, what: str = "params") -> Any:
-    """Checks that every process holds a tree like this one, then returns process 0's values.
+def check_processes_agree(tree: Any, what: str, fix: str) -> None:
+    """Raises ValueError unless every process holds a tree of this structure, shapes and dtypes.
 
-    Single-process: returns ``tree`` itself, with no check and no copy.
+    One small host all-gather of a fingerprint per leaf; nothing with one process.
+
+    Args:
+      what: the tree's name, for the message.
+      fix: what to do about a mismatch (the message's last sentence).
     """
     if jax.process_count() == 1:
-        return tree
+        return
     from jax.experimental import multihost_utils
 
     desc = describe(tree)
@@ -123,7 +128,22 @@ def sync_from_process0(tree: Any, what: str = "params") -> Any:
     padded[1:len(prints) + 1] = prints
     gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, width + 1)
     all_prints = [row[1:row[0] + 1].tolist() for row in gathered]
-    check_same_structure(desc, all_prints, what)
+    check_same_structure(desc, all_prints, what, fix=fix)
+
+
+def sync_from_process0(tree: Any, what: str = "params") -> Any:
+    """Checks that every process holds a tree like this one, then returns process 0's values.
+
+    Single-process: returns ``tree`` itself, with no check and no copy.
+    """
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    check_processes_agree(
+        tree, what, "Every process must build the same model (same code, config and dtypes) "
+        "before init."
+    )
     return multihost_utils.broadcast_one_to_all(tree)
 
 

@@ -36,6 +36,8 @@ class StepConfig:
       accumulate_steps: calls per optimizer step (local accumulation in between).
       microbatches: micro-batches scanned inside each call.
       accumulator_dtype: dtype of the local gradient sums (``None``: at least float32).
+      zero_stage: 0 (DDP: everything replicated), 1 (optimizer state sharded), 2 (gradients
+        too), 3 (parameters too); see :mod:`jddp._src.zero`.
     """
 
     loss_fn: Callable[..., Any]
@@ -54,6 +56,7 @@ class StepConfig:
     accumulate_steps: int = 1
     microbatches: int = 1
     accumulator_dtype: np.dtype | None = None
+    zero_stage: options.ZeroStage = 0
 
     @property
     def axis_name(self) -> Any:

@@ -79,6 +79,10 @@ class CommHook(NamedTuple):
       phase: ``phase(step: int) -> hashable``, for hooks whose collectives change with the step
         (PowerSGD's start). :class:`jddp.DataParallel` compiles one step per phase and passes it
         as ``HookContext.phase``, so no collective sits inside a ``lax.cond``.
+      scatter: ``scatter(rows, ctx) -> row``, the hook's reduce-scatter for the sharded stages
+        (``zero_stage`` 2 and 3): ``rows`` is a bucket as an ``(N, K)`` matrix, one row per
+        device; the result is the mean over devices of this device's row, shape ``(1, K)``.
+        ``None``: the hook cannot serve those stages.
     """
 
     init: Callable[[jax.ShapeDtypeStruct], Any]
@@ -89,6 +93,7 @@ class CommHook(NamedTuple):
     fuses_extras: bool = False
     bytes_sent: Callable[[Sequence[jax.ShapeDtypeStruct], int, Any], Any] | None = None
     phase: Callable[[int], Hashable] | None = None
+    scatter: Callable[[jax.Array, HookContext], jax.Array] | None = None
 
 
 def _no_state(leaf: jax.ShapeDtypeStruct) -> tuple:
@@ -104,10 +109,16 @@ def _allreduce_mean(grads, state, ctx: HookContext):
     return lax.psum(tuple(g * jnp.asarray(scale, g.dtype) for g in grads), ctx.axis_name), state
 
 
+def _mean_scatter(rows: jax.Array, ctx: HookContext) -> jax.Array:
+    scale = jnp.asarray(1.0 / ctx.axis_size, rows.dtype)
+    return lax.psum_scatter(rows * scale, ctx.axis_name, scatter_dimension=0, tiled=True)
+
+
 def allreduce_mean() -> CommHook:
-    """The default hook: one all-reduce (sum) of the bucket's leaves, divided by the replica count.
-    """
-    return CommHook(_no_state, _allreduce_mean, "allreduce_mean", fuses_extras=True)
+    """The default hook: one all-reduce (sum) of the bucket's leaves, divided by the replica count
+    (at the sharded stages: one reduce-scatter)."""
+    return CommHook(_no_state, _allreduce_mean, "allreduce_mean", fuses_extras=True,
+                    scatter=_mean_scatter)
 
 
 # ------------------------------------------------------------------------------------ accounting
@@ -243,7 +254,14 @@ def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
             return ring_allreduce_bytes(size, axis_size)
         return ring_allgather_bytes(size, axis_size)
 
-    return CommHook(_no_state, reduce, name, fuses_extras=False, bytes_sent=bytes_sent)
+    def scatter(rows, ctx: HookContext):
+        # As reduce: divide first, send in low precision, return in the bucket's dtype.
+        low = (rows / jnp.asarray(ctx.axis_size, rows.dtype)).astype(dtype)
+        out = lax.psum_scatter(low, ctx.axis_name, scatter_dimension=0, tiled=True)
+        return out.astype(rows.dtype)
+
+    return CommHook(_no_state, reduce, name, fuses_extras=False, bytes_sent=bytes_sent,
+                    scatter=scatter if method == "psum" else None)
 
 
 def fp16_compress(method: str = "psum") -> CommHook:

@@ -41,14 +41,14 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src import accumulation as acc_lib
 from jddp._src import jaxpr as jaxpr_lib
-from jddp._src import vma
+from jddp._src import vma, zero
 from jddp._src.checks import check_batch, check_float_params, check_mask
 from jddp._src.config import StepConfig
 from jddp._src.hooks import init_hook_state, plan_bytes_sent
 from jddp._src.nonfinite import all_finite, select_tree
 from jddp._src.objective import LocalAux, Objective, mean_metrics
 from jddp._src.planner import BucketPlan, plan_traced
-from jddp._src.reduction import bucketed_vjp
+from jddp._src.reduction import Sharded, bucketed_vjp, chain_dependency, resolve_chain
 from jddp._src.state import AccumState, TrainState
 from jddp._src.tree import add_device_dim, broadcast_to_devices, strip_device_dim
 
@@ -85,10 +85,14 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
     axis = cfg.axis_name
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)
     per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
+    # Sharded stages: a leaf is split on a dimension the device count divides (jddp._src.zero).
+    split = lambda tree: jax.tree.map(
+        lambda x: zero.leaf_spec(jnp.shape(x), cfg.num_devices, axis), tree
+    )
     return TrainState(
         step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
-        params=rep(state.params),
-        opt_state=rep(state.opt_state),
+        params=(split if cfg.zero_stage >= 3 else rep)(state.params),
+        opt_state=(split if cfg.zero_stage >= 1 else rep)(state.opt_state),
         model_state=(per_device if cfg.per_device_model_state else rep)(state.model_state),
         hook_state=per_device(state.hook_state),
         accum=acc_lib.accum_specs(state.accum, axis),
@@ -183,10 +187,11 @@ class LocalResult(NamedTuple):
     nonempty: Any
 
 
-def _result_specs(cfg: StepConfig, state: TrainState) -> LocalResult:
+def _result_specs(cfg: StepConfig, state: TrainState, layout: zero.Layout) -> LocalResult:
     axis = cfg.axis_name
     return LocalResult(
-        grads=P(), metrics=P(), local_metrics=P(axis),  # type: ignore[arg-type]
+        grads=layout.specs(state.params, axis) if cfg.zero_stage >= 2 else P(),
+        metrics=P(), local_metrics=P(axis),  # type: ignore[arg-type]
         model_state=P(axis) if cfg.per_device_model_state else P(),
         hook_state=P(axis), accum=acc_lib.accum_specs(state.accum, axis),
         synced=P(), nonempty=P(),
@@ -259,6 +264,7 @@ def _local_step(
     observer: PlanObserver | None,
     sync: bool | None,
     phase: Any,
+    layout: zero.Layout,
     state: TrainState,
     batch: Any,
     weights: Any,
@@ -266,7 +272,18 @@ def _local_step(
     """The per-device step (inside ``shard_map``); see the module docstring."""
     axis, n, m = cfg.axis_name, cfg.num_devices, cfg.microbatches
     acc = state.accum
+    full_params = jax.tree.unflatten(jax.tree.structure(state.params), [
+        jax.ShapeDtypeStruct(shape, jnp.result_type(x))
+        for shape, x in zip(layout.shapes, jax.tree.leaves(state.params), strict=True)
+    ])
     params_v = _varying(state.params, axis)
+    sharded = None
+    if cfg.zero_stage >= 2:
+        sharded = Sharded(cfg.zero_stage, layout)
+        if cfg.zero_stage >= 3:
+            # The parameters are pieces here; the loss is traced on whole ones (without vma
+            # types: the sharded stages run shard_map with check_vma=False).
+            params_v = full_params
     ms0 = _start_model_state(cfg, state)
     if m > 1:
         micro = acc_lib.split_microbatches(batch, m)
@@ -278,9 +295,15 @@ def _local_step(
     # The one trace of the user's loss in this program: planning, the scanned micro-batches, the
     # accumulating branch and the reducing evaluation all read this jaxpr.
     traced = jaxpr_lib.trace(obj, params_v, ms0, last, w_last)
-    plan = _plan(cfg, traced, state.params, observer)
+    plan = _plan(cfg, traced, full_params, observer)
     aux_shape: LocalAux = traced.out_shapes[1]
     grad_fn = jax.grad(jaxpr_lib.as_function(traced), has_aux=True)
+    if cfg.zero_stage >= 3 and (m > 1 or acc is not None):
+        # Local gradients without a reduction (earlier micro-batches, no-sync calls) need whole
+        # parameters: gather every bucket once for them (chained, in first-use order).
+        whole = zero.gather_buckets(jax.tree.leaves(state.params), layout,
+                                    _bucket_groups(plan)[::-1], axis, _gather_chain(cfg))
+        params_v = jax.tree.unflatten(jax.tree.structure(state.params), whole)
     hook_state = strip_device_dim(state.hook_state)
 
     def synchronise(state: TrainState) -> LocalResult:
@@ -300,7 +323,7 @@ def _local_step(
                     jax.tree.map(lambda p: jax.ShapeDtypeStruct(
                         jnp.shape(p), acc_lib.accumulator_dtype(jnp.result_type(p),
                                                                 cfg.accumulator_dtype)),
-                                 state.params), axis)
+                                 full_params), axis)
             head, w_head = jax.tree.map(lambda x: x[: m - 1], (micro, wmicro))
             call = acc_lib.local_sums(
                 grad_fn, params_v, head, w_head, call._replace(grads=offset, model_state=ms0)
@@ -327,7 +350,7 @@ def _local_step(
             traced, jax.tree.leaves(state.params), (ms_last, last, w_last), plan=plan,
             axis_name=axis, hook=cfg.hook, hook_state=hook_state, step=state.step, phase=phase,
             chain=cfg.chain, seed=seed, offset=offset_leaves, extras_fn=extras,
-            extras_shape=obj.extras_shape(aux_shape, n),
+            extras_shape=obj.extras_shape(aux_shape, n), sharded=sharded,
         )
         mean = red.extras
         grads = jax.tree.unflatten(jax.tree.structure(state.params), red.grads)
@@ -339,7 +362,10 @@ def _local_step(
             scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         metrics = mean_metrics(mean, m, count)
-        metrics["comm_bytes"] = plan_bytes_sent(cfg.hook, plan, n, state.step)
+        metrics["comm_bytes"] = (
+            plan_bytes_sent(cfg.hook, plan, n, state.step) if cfg.zero_stage == 0
+            else jnp.asarray(zero.bytes_sent(plan, layout, cfg.zero_stage), jnp.float32)
+        )
         local: dict = {}
         new_accum = None
         if acc is not None:
@@ -376,8 +402,14 @@ def _local_step(
         metrics["comm_bytes"] = jnp.zeros((), jnp.float32)  # nothing is sent
         metrics["synced"] = jnp.asarray(False)
         loss = jnp.where(call.weight > 0, call.sums["loss"] / call.weight, 0.0)
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        if cfg.zero_stage >= 2:  # the reduced gradient comes in pieces
+            zeros = jax.tree.unflatten(jax.tree.structure(state.params), [
+                jnp.zeros(zero.shard_shape(s, d, n), jnp.result_type(x)) for s, d, x in
+                zip(layout.shapes, layout.dims, jax.tree.leaves(state.params), strict=True)
+            ])
         return LocalResult(
-            jax.tree.map(jnp.zeros_like, state.params), metrics, {"local_loss": loss[None]},
+            zeros, metrics, {"local_loss": loss[None]},
             state.model_state, state.hook_state, new_accum, jnp.asarray(False), jnp.asarray(True),
         )
 
@@ -389,8 +421,75 @@ def _local_step(
     return lax.cond(acc.count + 1 >= cfg.accumulate_steps, synchronise, accumulate, state)
 
 
+def _constrain(cfg: StepConfig, tree: Any, specs: Any) -> Any:
+    return jax.tree.map(
+        lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(cfg.mesh, s)), tree, specs,
+        is_leaf=lambda x: x is None,
+    )
+
+
+def _optimizer_update(
+    cfg: StepConfig, state: TrainState, grads: Any, layout: zero.Layout, plan: BucketPlan
+) -> tuple[Any, Any]:
+    """``(new_params, new_opt_state)``; at the sharded stages each device updates its pieces.
+
+    The update runs in the global view on leaves of their true shapes, so any optax
+    transformation works unchanged (XLA adds the collectives a global norm or a factored moment
+    needs). Stages 1 and 2 then all-gather the updated pieces, one all-gather per bucket.
+    """
+    if cfg.zero_stage == 0:
+        updates, opt_state = cfg.optimizer.update(grads, state.opt_state, state.params)
+        return optax.apply_updates(state.params, updates), opt_state
+    axis = cfg.axis_name
+    specs = layout.specs(state.params, axis)
+    opt_specs = jax.tree.map(lambda x: zero.leaf_spec(jnp.shape(x), cfg.num_devices, axis),
+                             state.opt_state)
+    # Slicing a replicated array to this device's piece moves no data.
+    params = _constrain(cfg, state.params, specs)
+    grads = _constrain(cfg, grads, specs)
+    updates, opt_state = cfg.optimizer.update(grads, state.opt_state, params)
+    new = _constrain(cfg, optax.apply_updates(params, updates), specs)
+    opt_state = _constrain(cfg, opt_state, opt_specs)
+    if cfg.zero_stage < 3:
+        new = gather_params(cfg, new, layout, plan)
+    return new, opt_state
+
+
+def _bucket_groups(plan: BucketPlan) -> list[tuple[int, ...]]:
+    """The buckets' leaves, then the unused leaves (which are in no bucket)."""
+    return [b.indices for b in plan.buckets] + [tuple(plan.unused)]
+
+
+def _gather_chain(cfg: StepConfig) -> Any:
+    """How consecutive all-gathers are kept apart (the reduction's chain, applied to pieces)."""
+    mode = resolve_chain(cfg.chain)
+    if mode == "add":
+        def add(prev: list, pieces: list) -> list:
+            dep = chain_dependency(prev, "add")
+            return [p + dep.astype(p.dtype) for p in pieces]
+        return add
+    if mode == "barrier":
+        return lambda prev, pieces: lax.optimization_barrier((pieces, prev))[0]
+    return None
+
+
+def gather_params(cfg: StepConfig, params: Any, layout: zero.Layout, plan: BucketPlan) -> Any:
+    """Split parameters made whole on every device: one all-gather per bucket, in plan order,
+    each chained on the previous one (so XLA's all-gather combiners keep them apart)."""
+    leaves, treedef = jax.tree.flatten(params)
+    specs = jax.tree.leaves(layout.specs(params, cfg.axis_name),
+                            is_leaf=lambda x: isinstance(x, P))
+    gathered = jax.shard_map(
+        lambda xs: zero.gather_buckets(xs, layout, _bucket_groups(plan), cfg.axis_name,
+                                       _gather_chain(cfg)),
+        mesh=cfg.mesh, in_specs=(specs,), out_specs=P(), check_vma=False,
+    )(leaves)
+    return jax.tree.unflatten(treedef, gathered)
+
+
 def _apply_update(
-    cfg: StepConfig, state: TrainState, res: LocalResult, sync: bool | None
+    cfg: StepConfig, state: TrainState, res: LocalResult, sync: bool | None,
+    layout: zero.Layout, plan: BucketPlan,
 ) -> tuple[TrainState, dict]:
     """The optimizer on the reduced gradients and the new state (global view)."""
     metrics = {**res.metrics, **res.local_metrics}
@@ -400,11 +499,10 @@ def _apply_update(
         return state.replace(accum=res.accum), metrics
 
     def update() -> TrainState:
-        updates, opt_state = cfg.optimizer.update(res.grads, state.opt_state, state.params)
+        params, opt_state = _optimizer_update(cfg, state, res.grads, layout, plan)
         return state.replace(
-            step=state.step + 1, params=optax.apply_updates(state.params, updates),
-            opt_state=opt_state, model_state=res.model_state, hook_state=res.hook_state,
-            accum=None,
+            step=state.step + 1, params=params, opt_state=opt_state,
+            model_state=res.model_state, hook_state=res.hook_state, accum=None,
         )
 
     kept = state.replace(accum=None)
@@ -464,14 +562,26 @@ def train_step(
         batch, weights = jax.tree.map(
             lambda x: jax.sharding.reshard(x, NamedSharding(cfg.mesh, data)), (batch, weights)
         )
+    layout = zero.Layout.of(state.params, cfg.num_devices)
+    plans: list[BucketPlan] = []
+
+    def observe(plan: BucketPlan) -> None:
+        plans.append(plan)
+        if observer is not None:
+            observer(plan)
+
     local = jax.shard_map(
-        functools.partial(_local_step, cfg, obj, observer, sync, phase),
+        functools.partial(_local_step, cfg, obj, observe, sync, phase, layout),
         mesh=cfg.mesh,
         in_specs=(state_specs(cfg, state), data, data),
-        out_specs=_result_specs(cfg, state),
-        check_vma=True,
+        out_specs=_result_specs(cfg, state, layout),
+        # The sharded stages' reduce-scatter returns values that vma types cannot express as
+        # replicated (whole leaves and metrics riding on it): their shard_map is untyped, like
+        # pmap, which the bucket hooks support (they do the only reduction either way).
+        check_vma=cfg.zero_stage < 2,
     )
-    return _apply_update(cfg, state, local(state, batch, weights), sync)
+    result = local(state, batch, weights)
+    return _apply_update(cfg, state, result, sync, layout, plans[-1])
 
 
 def plan(cfg: StepConfig, state_like: Any, batch_like: Any, mask_like: Any = None) -> BucketPlan:

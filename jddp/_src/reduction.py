@@ -33,9 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jddp._src import jaxpr as jaxpr_lib
-from jddp._src import options, vma
+from jddp._src import options, vma, zero
 from jddp._src.checks import check_float_params, check_scalar_loss
 from jddp._src.hooks import (
     CommHook,
@@ -77,7 +78,7 @@ def resolve_chain(chain: options.Chain) -> str:
     return "barrier" if platform in ("gpu", "cuda", "rocm") else "add"
 
 
-def _dependency(reduced: Sequence[jax.Array], chain: str) -> Any:
+def chain_dependency(reduced: Sequence[jax.Array], chain: str) -> Any:
     """What the next bucket's gradients are made to depend on, so XLA cannot combine the two.
 
     For ``"add"``: a float32 scalar that depends on one element of every non-empty reduced leaf
@@ -243,7 +244,7 @@ def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
         _check_reduced(hook, reduced, axis_name, spec.bucket)
         _check_hook_state(hook, states, new_states, spec.bucket)
         # The dependency is taken before casting back to varying: the token is replicated.
-        dep = _dependency(reduced, chain)
+        dep = chain_dependency(reduced, chain)
         reduced = tuple(vma.match_varying(r, v, axis_name) for r, v in zip(reduced, varying, strict=True))
         new_states = jax.tree.map(
             lambda x, old: vma.match_varying(x, vma.varying_axes(old), axis_name),
@@ -253,7 +254,7 @@ def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
         if spec.last and ct_extras and not fuses:
             # The hook cannot carry the extras: one more (chained) mean all-reduce for them.
             summed = lax.psum(
-                tuple(e + _dependency(reduced, "add").astype(e.dtype) for e in ct_extras), axis_name
+                tuple(e + chain_dependency(reduced, "add").astype(e.dtype) for e in ct_extras), axis_name
             )
             extras_out = tuple(e / ctx.axis_size for e in summed)
         extras_out = tuple(
@@ -278,6 +279,108 @@ def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
             _float0_like(step),
             extras_out,
         )
+
+    ident.defvjp(fwd, bwd)
+    return ident
+
+
+_GATHERED = "jddp_gathered_bucket"
+
+
+class Sharded(NamedTuple):
+    """How a sharded stage reduces buckets (see :mod:`jddp._src.zero`).
+
+    Attributes:
+      stage: 2 (the bucket is reduce-scattered; parameters come in whole) or 3 (parameters come in
+        as this device's pieces: the forward pass all-gathers each bucket before its first use).
+      layout: how every parameter leaf is split.
+    """
+
+    stage: int
+    layout: zero.Layout
+
+
+class _ScatterSpec(NamedTuple):
+    bucket: int
+    hook: CommHook
+    axis_name: Any
+    last: bool
+    chain: str
+    prev_structs: tuple[jax.ShapeDtypeStruct, ...]
+    dims: tuple[int | None, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    stage: int
+    phase: Any
+
+
+def _scatter_hook(spec: _ScatterSpec) -> Callable[..., Any]:
+    """The bucket hook of a sharded stage: reduce-scatter in backward (stage 3: all-gather in
+    forward too). Same arguments as :func:`_bucket_hook`'s, with ``carry`` in place of the hook
+    states: stage 2's pieces of the reduced gradient leave the backward pass as its cotangent
+    (the full parameters' own cotangent is zero, never used, and removed by XLA)."""
+    axis_name, chain = spec.axis_name, spec.chain
+    split = [i for i, d in enumerate(spec.dims) if d is not None]
+
+    def gather(leaves):
+        if spec.stage < 3 or not split:
+            return tuple(leaves)
+        full = zero.all_gather([leaves[i] for i in split], [spec.dims[i] for i in split],
+                               [spec.shapes[i] for i in split], axis_name)
+        out = list(leaves)
+        for i, f in zip(split, full, strict=True):
+            out[i] = f
+        return tuple(out)
+
+    @jax.custom_vjp
+    def ident(token, leaves, carry, offset, step, sink):
+        del carry, offset, step, sink
+        token_out = (_dep_zeros(chain, spec.prev_structs, axis_name), token[1])
+        return token_out, gather(leaves)
+
+    def fwd(token, leaves, carry, offset, step, sink):
+        return ident(token, leaves, carry, offset, step, sink), (leaves, carry, offset, step, sink)
+
+    def bwd(res, cts):
+        leaves, carry, offset, step, sink = res
+        (ct_dep, ct_extras), ct_full = cts
+        grads = tuple(ct_full)
+        if offset:
+            grads = tuple(g + o.astype(g.dtype) for g, o in zip(grads, offset, strict=True))
+        if chain == "add":
+            grads = tuple(g + ct_dep.astype(g.dtype) for g in grads)
+        elif chain == "barrier" and ct_dep:
+            grads, _ = lax.optimization_barrier((grads, ct_dep))
+        n = axis_size(axis_name)
+        ctx = HookContext(axis_name, n, step, spec.bucket, spec.phase)
+        scatter = lambda rows: spec.hook.scatter(rows, ctx)
+        dims = spec.dims
+        extras = tuple(ct_extras) if spec.last else ()
+        fused = extras and grads and all(g.dtype == jnp.float32 for g in grads)
+        if fused:
+            # The metrics ride on the bucket's reduce-scatter as whole (replicated) leaves.
+            out = zero.reduce_scatter(grads + extras, dims + (None,) * len(extras), n, axis_name,
+                                      scatter)
+            pieces, extras_out = tuple(out[: len(grads)]), tuple(out[len(grads):])
+        else:
+            pieces = tuple(zero.reduce_scatter(grads, dims, n, axis_name, scatter))
+            extras_out = tuple(jnp.zeros_like(s) for s in sink)
+            if extras:
+                # Another dtype than the metrics' float32: one more (chained) reduce-scatter.
+                dep = chain_dependency(pieces, "add")
+                extras_out = tuple(zero.reduce_scatter(
+                    tuple(e + dep for e in extras), (None,) * len(extras), n, axis_name, scatter
+                ))
+        dep = chain_dependency(pieces, chain)
+        if spec.stage >= 3:
+            ct_leaves, ct_carry = pieces, carry
+        else:
+            ct_leaves, ct_carry = tuple(jnp.zeros_like(x) for x in leaves), pieces
+        ct_token = (
+            dep if chain == "barrier" else dep.astype(jnp.result_type(ct_dep)),
+            tuple(jnp.zeros_like(e) for e in ct_extras) if spec.last else tuple(ct_extras),
+        )
+        return (ct_token, ct_leaves, ct_carry, jax.tree.map(jnp.zeros_like, offset),
+                _float0_like(step), extras_out)
 
     ident.defvjp(fwd, bwd)
     return ident
@@ -316,6 +419,7 @@ def bucketed_vjp(
     offset: Sequence[Any] | None = None,
     extras_fn: Callable[[Any], Any] | None = None,
     extras_shape: Any = (),
+    sharded: Sharded | None = None,
 ) -> Reduced:
     """Differentiates the first output of ``traced`` with gradients reduced per bucket in backward.
 
@@ -338,8 +442,13 @@ def bucketed_vjp(
         to be averaged over the axis; with a hook that ``fuses_extras`` they ride on the last
         bucket's all-reduce. Called once, on the forward output.
       extras_shape: ``jax.ShapeDtypeStruct``s of what ``extras_fn`` returns.
+      sharded: a sharded stage's reduction (reduce-scatter, and the forward all-gather at stage
+        3); ``None`` for the hook's all-reduce. Stage 3 takes each split leaf's piece in
+        ``param_leaves`` and returns pieces of the gradient; stage 2 takes whole leaves and
+        returns pieces.
     """
-    plan.check_tree(jax.tree.unflatten(plan.treedef, list(param_leaves)))
+    if sharded is None or sharded.stage < 3:
+        plan.check_tree(jax.tree.unflatten(plan.treedef, list(param_leaves)))
     # Hook state is per device by definition (error-feedback residuals differ between replicas).
     hook_state = jax.tree.map(lambda x: vma.to_varying(x, axis_name), tuple(hook_state))
     if len(hook_state) != len(param_leaves):
@@ -350,11 +459,34 @@ def bucketed_vjp(
     owner = {i: b for b, bucket in enumerate(plan.buckets) for i in bucket.indices}
     last = plan.num_buckets - 1
     mode = resolve_chain(chain)
-    hooks = [
-        _bucket_hook(_BucketSpec(b, hook, axis_name, b == last, mode,
-                                 tuple(plan.leaf_structs(b - 1)), phase))
-        for b in range(plan.num_buckets)
-    ]
+    regather = sharded is not None and sharded.stage >= 3
+    structs: Callable[[int], list[jax.ShapeDtypeStruct]]
+    if sharded is None:
+        structs = plan.leaf_structs
+        hooks = [
+            _bucket_hook(_BucketSpec(b, hook, axis_name, b == last, mode, tuple(structs(b - 1)),
+                                     phase))
+            for b in range(plan.num_buckets)
+        ]
+    else:
+        lay = sharded.layout
+
+        def piece_structs(b: int) -> list[jax.ShapeDtypeStruct]:
+            # What bucket b's reduction returns: each leaf's piece (whole leaves whole).
+            return [jax.ShapeDtypeStruct(zero.shard_shape(plan.shapes[i], lay.dims[i], lay.n),
+                                         plan.dtypes[i])
+                    for i in (plan.buckets[b].indices if b >= 0 else ())]
+
+        structs = piece_structs
+
+        hooks = [
+            _scatter_hook(_ScatterSpec(
+                b, hook, axis_name, b == last, mode, tuple(structs(b - 1)),
+                tuple(lay.dims[i] for i in plan.buckets[b].indices),
+                tuple(plan.shapes[i] for i in plan.buckets[b].indices), sharded.stage, phase,
+            ))
+            for b in range(plan.num_buckets)
+        ]
     extras_leaves_shape = jax.tree.leaves(extras_shape)
     extras_zero = tuple(
         vma.to_varying(jnp.zeros(e.shape, jnp.float32), axis_name) for e in extras_leaves_shape
@@ -364,17 +496,30 @@ def bucketed_vjp(
         hooked: dict[int, Any] = {}
         token = [token0]
 
+        gathered: list = []  # stage 3: the last bucket gathered, which the next gather waits for
+
         def apply_bucket(b: int) -> None:
             idx = plan.buckets[b].indices
             off = tuple(offset[i] for i in idx) if offset is not None else ()
+            leaves_b = tuple(leaves_in[i] for i in idx)
+            if regather and gathered and mode != "none":
+                # Chain the forward all-gathers in first-use order, as the backward's
+                # reduce-scatters are chained: XLA's all-gather combiner cannot merge them, and
+                # each starts once the previous one is done (the prefetch order).
+                dep = lax.stop_gradient(chain_dependency(gathered, "add"))
+                leaves_b = tuple(x + dep.astype(x.dtype) for x in leaves_b)
             token[0], out = hooks[b](
                 token[0],
-                tuple(leaves_in[i] for i in idx),
+                leaves_b,
                 tuple(states[i] for i in idx),
                 off,
                 step,
                 sink if b == last else tuple(jnp.zeros_like(s) for s in sink),
             )
+            if regather:
+                gathered[:] = [o for o, i in zip(out, idx, strict=True)
+                               if sharded.layout.dims[i] is not None]  # type: ignore[union-attr]
+                out = tuple(checkpoint_name(o, _GATHERED) for o in out)
             hooked.update(zip(idx, out, strict=True))
 
         def read(i: int) -> Any:
@@ -386,7 +531,11 @@ def bucketed_vjp(
             # Unused leaves get a zero gradient, identical on every replica: nothing to reduce.
             # They may still be read (by aux outputs, integer paths): varying like the traced
             # params, and behind stop_gradient so that no implicit reduction is transposed.
-            hooked[i] = vma.to_varying(lax.stop_gradient(leaves_in[i]), axis_name)
+            leaf = lax.stop_gradient(leaves_in[i])
+            if sharded is not None and sharded.stage >= 3 and sharded.layout.dims[i] is not None:
+                d = sharded.layout.dims[i]
+                leaf = zero.all_gather([leaf], [d], [plan.shapes[i]], axis_name)[0]
+            hooked[i] = vma.to_varying(leaf, axis_name)
         out = jaxpr_lib.eval_with_hooks(traced, leaves_in, args, read)
         # Buckets whose parameters never reached an equation still reduce, exactly once.
         for b in range(plan.num_buckets):
@@ -395,10 +544,27 @@ def bucketed_vjp(
         loss = jax.tree.leaves(out)[0]
         return (loss, token[0]), out
 
-    token0 = (_dep_zeros(mode, plan.leaf_structs(last), axis_name), extras_zero)
+    token0 = (_dep_zeros(mode, structs(last), axis_name), extras_zero)
     sink0 = tuple(jnp.zeros(e.shape, jnp.float32) for e in extras_leaves_shape)
+    if sharded is not None:
+        # Stage 2: the reduced pieces leave the backward pass as the cotangent of these zeros;
+        # stage 3: as the parameters' own (they come in as pieces). No hook state either way.
+        lay = sharded.layout
+        carry = tuple(
+            jnp.zeros(zero.shard_shape(plan.shapes[i], lay.dims[i], lay.n), plan.dtypes[i])
+            if sharded.stage < 3 else ()
+            for i in range(len(param_leaves))
+        )
+    else:
+        carry = tuple(hook_state)
+    if regather:
+        # Stage 3: a gathered bucket is not kept from the forward pass to the backward one (it
+        # would keep every parameter whole at once); the backward pass gathers it again where it
+        # needs it, as FSDP does. Everything else is saved as usual.
+        run = jax.checkpoint(run, policy=jax.checkpoint_policies.save_anything_except_these_names(
+            _GATHERED))
     (loss, _), vjp_fn, out = jax.vjp(
-        run, tuple(param_leaves), tuple(hook_state), token0, sink0, has_aux=True
+        run, tuple(param_leaves), carry, token0, sink0, has_aux=True
     )
     extras: tuple = ()
     if extras_fn is not None:
@@ -413,6 +579,10 @@ def bucketed_vjp(
     seed = vma.match_varying(jnp.asarray(seed, loss.dtype), vma.varying_axes(loss), axis_name)
     ct_token = (_dep_zeros(mode, [], axis_name), extras if plan.num_buckets else extras_zero)
     grad_leaves, new_states, _, reduced = vjp_fn((seed, ct_token))
+    if sharded is not None:
+        if sharded.stage < 3:
+            grad_leaves = new_states
+        new_states = tuple(hook_state)
     if not plan.num_buckets:
         reduced = tuple(lax.pmean(extras, axis_name)) if extras else ()
     # plan.unused leaves have no gradient path to the loss: state the zero explicitly, so that it is

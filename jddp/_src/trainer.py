@@ -92,6 +92,13 @@ class DataParallel:
         one step, with one reduction per bucket after the loop.
       accumulator_dtype: dtype of the local gradient sums (default float32, or the parameter dtype
         if wider).
+      zero_stage: sharded data parallelism (ZeRO): 0 replicates parameters, gradients and
+        optimizer state on every device (DDP, the default); 1 shards the optimizer state over the
+        data axis (each device updates its piece of the parameters, then they are all-gathered);
+        2 also reduce-scatters each bucket's gradients from inside the backward pass; 3 also
+        keeps only a piece of each parameter, all-gathering each bucket right before its first
+        use. Training is the same at every stage, for any optax transformation. See
+        docs/sharded.md.
     """
 
     def __init__(
@@ -115,6 +122,7 @@ class DataParallel:
         accumulate_steps: int = 1,
         microbatches: int = 1,
         accumulator_dtype: Any = None,
+        zero_stage: options.ZeroStage = 0,
         **renamed: Any,
     ) -> None:
         for old, value in renamed.items():
@@ -130,12 +138,13 @@ class DataParallel:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
         cap, first = options.bucket_caps(bucket_cap_mb, first_bucket_mb)
+        hook = allreduce_mean() if hook is None else check_hook(hook)
         config = StepConfig(
             loss_fn=loss_fn,
             optimizer=check_optimizer(optimizer),
             mesh=mesh_lib.check_mesh(mesh_lib.data_mesh() if mesh is None else mesh),
             has_aux=bool(has_aux),
-            hook=allreduce_mean() if hook is None else check_hook(hook),
+            hook=hook,
             chain=options.chain(chain),
             cap_bytes=cap,
             first_bytes=first,
@@ -147,6 +156,7 @@ class DataParallel:
             accumulate_steps=options.count(accumulate_steps, "accumulate_steps"),
             microbatches=options.count(microbatches, "microbatches"),
             accumulator_dtype=options.float_dtype(accumulator_dtype, "accumulator_dtype"),
+            zero_stage=options.zero_stage(zero_stage, hook),
         )
         plans = PlanLog()
         object.__setattr__(self, "config", config)

@@ -1,0 +1,72 @@
+"""Host-side cost of what the step does before dispatch: the consumed-state check and the
+progress report, per call, against the time of a whole (tiny) step.
+
+    python benchmarks/host_overhead.py --json benchmarks/out/host_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import timeit
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jddp
+    from jddp._src import step as step_lib
+    from jddp._src import watchdog
+
+    rows = []
+    for leaves in (16, 160):
+        params = {f"l{i}": jnp.zeros((8,), jnp.float32) for i in range(leaves)}
+
+        def loss(p, b):
+            return sum(jnp.mean(b["x"] * v) for v in p.values())
+
+        ddp = jddp.DataParallel(loss, optax.sgd(0.1))
+        state = ddp.init(params)
+        batch = {"x": np.ones((args.devices, 8), np.float32)}
+        for _ in range(3):
+            state, _ = ddp.step(state, batch)
+        n = 2000
+        check = min(timeit.repeat(lambda: step_lib._check_live(state), number=n, repeat=5)) / n
+        report = min(timeit.repeat(lambda: watchdog.report_progress(1, None), number=n,
+                                   repeat=5)) / n
+
+        def one_step():
+            nonlocal state
+            state, m = ddp.step(state, batch)
+            return m["loss"]
+
+        jax.block_until_ready(one_step())
+        steps = 200
+        t = min(timeit.repeat(lambda: jax.block_until_ready([one_step() for _ in range(10)]),
+                              number=steps // 10, repeat=3)) / steps
+        rows.append({"param_leaves": leaves, "check_us": check * 1e6,
+                     "report_us": report * 1e6, "step_us": t * 1e6,
+                     "check_share": check / t})
+        print(f"{leaves:>4} leaves: consumed-state check {check * 1e6:6.2f} us, progress report "
+              f"{report * 1e6:5.2f} us, whole tiny step {t * 1e6:8.1f} us "
+              f"(check = {100 * check / t:.2f}% of it)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -95,7 +95,7 @@ def float_dtype(dtype: Any, name: str) -> np.dtype | None:
 
 def zero_stage(stage: Any, hook: Any) -> ZeroStage:
     """``stage`` if it is 0-3 and ``hook`` can serve it (stages 2-3 reduce-scatter buckets)."""
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+    if isinstance(stage, bool) or not isinstance(stage, int | np.integer) or stage not in range(4):
         raise ValueError(
             f"zero_stage must be 0, 1, 2 or 3, got {stage!r}: 0 replicates everything (DDP), 1 "
             "shards the optimizer state, 2 also the gradients, 3 also the parameters."
@@ -107,7 +107,7 @@ def zero_stage(stage: Any, hook: Any) -> ZeroStage:
             "reduce-scatter (CommHook.scatter). Use zero_stage <= 1 with it, or the default hook, "
             "jddp.fp16_compress() or jddp.bf16_compress()."
         )
-    return stage
+    return int(stage)  # type: ignore[return-value]
 
 
 def step_sync(sync: Any) -> bool | None:

@@ -15,7 +15,7 @@ SCRIPT = r'''
 import sys
 import numpy as np
 
-mode, ckdir, out = sys.argv[1:4]
+mode, ckdir, out, stage = sys.argv[1:5]
 import jax
 import jddp
 if mode == "single":
@@ -44,7 +44,7 @@ def loss_fn(p, b):
 mesh = jddp.data_mesh()
 assert mesh.size == 4
 ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh, bucket_cap_mb=0.001,
-                        first_bucket_mb=0.0005)
+                        first_bucket_mb=0.0005, zero_stage=int(stage))
 mngr = ckpt.manager(ckdir)
 if mode == "resume":
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -56,7 +56,9 @@ for b in todo:
     state, _ = ddp.step(state, jddp.shard_global_batch(b, mesh))
     if mode == "full" and int(state.step) == 3:
         ckpt.save(mngr, state)
-flat = {str(i): np.asarray(leaf.addressable_data(0))
+from jax.experimental import multihost_utils
+# Whole leaves on every process (at stage 3 each process holds pieces of them).
+flat = {str(i): np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
         for i, leaf in enumerate(jax.tree.leaves(state.params))}
 if jax.process_index() == 0:
     np.savez(out, step=int(state.step), **flat)
@@ -70,26 +72,28 @@ def _load(path):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process_and_resume_bit_identically(tmp_path):
+@pytest.mark.parametrize("stage", ["0", "3"])
+def test_two_processes_match_one_process_and_resume_bit_identically(tmp_path, stage):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     ck = tmp_path / "ckpt"
 
     single = subprocess.run(
         [sys.executable, str(script), "single", str(tmp_path / "ck_single"),
-         str(tmp_path / "single.npz")],
+         str(tmp_path / "single.npz"), stage],
         env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert single.returncode == 0, single.stderr[-3000:]
 
     launch = ["-n", "2", "--devices-per-process", "2", "--timeout", "100", str(script)]
-    rc, out, err, _ = run_launcher([*launch, "full", str(ck), str(tmp_path / "full.npz")],
+    rc, out, err, _ = run_launcher([*launch, "full", str(ck), str(tmp_path / "full.npz"), stage],
                                    timeout=110)
     assert rc == 0, (out[-2000:], err[-3000:])
     assert "[rank0] DONE 6 2" in out and "[rank1] DONE 6 2" in out
 
-    rc, out, err, _ = run_launcher([*launch, "resume", str(ck), str(tmp_path / "resume.npz")],
-                                   timeout=110)
+    rc, out, err, _ = run_launcher(
+        [*launch, "resume", str(ck), str(tmp_path / "resume.npz"), stage], timeout=110
+    )
     assert rc == 0, (out[-2000:], err[-3000:])
 
     step_s, single_p = _load(tmp_path / "single.npz")

@@ -451,7 +451,9 @@ def _optimizer_update(
     new = _constrain(cfg, optax.apply_updates(params, updates), specs)
     opt_state = _constrain(cfg, opt_state, opt_specs)
     if cfg.zero_stage < 3:
-        new = gather_params(cfg, new, layout, plan)
+        last = [jax.tree.leaves(grads)[i] for i in (plan.buckets[-1].indices
+                                                    if plan.buckets else ())]
+        new = gather_params(cfg, new, layout, plan, after=last)
     return new, opt_state
 
 
@@ -461,29 +463,50 @@ def _bucket_groups(plan: BucketPlan) -> list[tuple[int, ...]]:
 
 
 def _gather_chain(cfg: StepConfig) -> Any:
-    """How consecutive all-gathers are kept apart (the reduction's chain, applied to pieces)."""
+    """How consecutive all-gathers are kept apart: the reduction's chain applied to pieces, an
+    always-zero add (as for the sharded stages' reduce-scatters) unless ``chain="none"``."""
     mode = resolve_chain(cfg.chain)
-    if mode == "add":
+    if mode != "none":
         def add(prev: list, pieces: list) -> list:
             dep = chain_dependency(prev, "add")
             return [p + dep.astype(p.dtype) for p in pieces]
         return add
-    if mode == "barrier":
-        return lambda prev, pieces: lax.optimization_barrier((pieces, prev))[0]
     return None
 
 
-def gather_params(cfg: StepConfig, params: Any, layout: zero.Layout, plan: BucketPlan) -> Any:
+def gather_params(
+    cfg: StepConfig, params: Any, layout: zero.Layout, plan: BucketPlan, after: Any = None
+) -> Any:
     """Split parameters made whole on every device: one all-gather per bucket, in plan order,
-    each chained on the previous one (so XLA's all-gather combiners keep them apart)."""
+    each chained on the previous one (so XLA's all-gather combiners keep them apart).
+
+    Args:
+      after: arrays (in this device's pieces, like the gradients) that the first all-gather waits
+        for: the last bucket's reduced gradient, so that no all-gather competes with the
+        backward pass's reduce-scatters (on GPU they then overlapped no backward GEMM).
+    """
     leaves, treedef = jax.tree.flatten(params)
     specs = jax.tree.leaves(layout.specs(params, cfg.axis_name),
                             is_leaf=lambda x: isinstance(x, P))
+    chain = _gather_chain(cfg)
+    after_leaves = jax.tree.leaves(after)
+    after_specs = [zero.leaf_spec(s, cfg.num_devices, cfg.axis_name) for s in
+                   (jnp.shape(x) for x in after_leaves)]
+
+    def local(xs: list, wait: list) -> list:
+        if wait and chain is not None:
+            first = next((g for g in _bucket_groups(plan)
+                          if any(layout.dims[i] is not None for i in g)), ())
+            idx = [i for i in first if layout.dims[i] is not None]
+            waited = chain(wait, [xs[i] for i in idx])
+            xs = list(xs)
+            for i, x in zip(idx, waited, strict=True):
+                xs[i] = x
+        return zero.gather_buckets(xs, layout, _bucket_groups(plan), cfg.axis_name, chain)
+
     gathered = jax.shard_map(
-        lambda xs: zero.gather_buckets(xs, layout, _bucket_groups(plan), cfg.axis_name,
-                                       _gather_chain(cfg)),
-        mesh=cfg.mesh, in_specs=(specs,), out_specs=P(), check_vma=False,
-    )(leaves)
+        local, mesh=cfg.mesh, in_specs=(specs, after_specs), out_specs=P(), check_vma=False,
+    )(leaves, after_leaves)
     return jax.tree.unflatten(treedef, gathered)
 
 

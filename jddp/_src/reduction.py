@@ -459,6 +459,11 @@ def bucketed_vjp(
     owner = {i: b for b, bucket in enumerate(plan.buckets) for i in bucket.indices}
     last = plan.num_buckets - 1
     mode = resolve_chain(chain)
+    if sharded is not None and mode == "barrier":
+        # A sharded stage copies each bucket into one (N, K) matrix anyway: the always-zero add
+        # fuses into that copy, not into the GEMMs, and keeps the reduce-scatters in order on GPU,
+        # where the barrier did not (the last bucket's was scheduled second).
+        mode = "add"
     regather = sharded is not None and sharded.stage >= 3
     structs: Callable[[int], list[jax.ShapeDtypeStruct]]
     if sharded is None:

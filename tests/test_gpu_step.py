@@ -186,3 +186,36 @@ def test_data_parallel_compiler_options_keep_large_buckets_whole():
                             compiler_options=dict(rec.compiler_options))
     text = ddp.lower(params_like(), batch_like()).compile().as_text()
     check_buckets(ddp.bucket_plan, schedule.read_schedule(text))
+
+
+# ------------------------------------------------------------------------------ sharded stages
+
+
+@pytest.mark.parametrize("cap", [1.0, 10.0])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharded_stages_reduce_scatter_each_bucket_overlapping_backward(stage, cap):
+    """One async reduce-scatter per bucket, in bucket order, each carrying its bucket (the last
+    also the loss, one row per GPU), with backward GEMMs between start and done for every bucket
+    but the last; no all-reduce at all; one all-gather per bucket (stage 2: of the updated
+    parameters, after the backward pass; stage 3: in the forward pass, in first-use order)."""
+    ddp = jddp.DataParallel(
+        loss_fn, optax.sgd(0.1), mesh=mesh(), bucket_cap_mb=cap, first_bucket_mb=min(1.0, cap),
+        zero_stage=stage,
+    )
+    sched = schedule.read_schedule(ddp.lower(params_like(), batch_like()).compile())
+    plan = ddp.bucket_plan
+    scatters = sched.of_kind("reduce-scatter")
+    gathers = sched.of_kind("all-gather")
+    assert not sched.of_kind("all-reduce"), sched.table()
+    assert len(scatters) == len(gathers) == plan.num_buckets >= 2, sched.table()
+    want = [b.nbytes for b in plan.buckets]
+    want[-1] += LOSS_BYTES * 8
+    assert [c.nbytes for c in scatters] == want, sched.table()
+    assert all(c.asynchronous for c in scatters)
+    for c in scatters[:-1]:
+        assert c.dots_between > 0, sched.table()
+        assert all("transpose(" in op.op_name for op in c.between if op.is_dot)
+    if stage == 2:
+        assert min(g.index for g in gathers) > scatters[-1].done_index
+    else:
+        assert max(g.index for g in gathers) < scatters[0].index

@@ -155,3 +155,36 @@ def test_fused_microbatches_reduce_once_per_bucket_after_the_loop(topology):
     loops = [op.index for op in sched.ops if op.opcode == "while"]
     assert loops, "expected the micro-batch loop in the ENTRY computation"
     assert all(a.index > max(loops) for a in ars)
+
+
+# ------------------------------------------------------------------------------ sharded stages
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharded_stages_one_reduce_scatter_and_one_all_gather_per_bucket(stage):
+    """zero_stage 2 and 3 on v5e:2x4: one reduction per bucket, in plan order, over each
+    bucket's (chips, K) rows, and one all-gather per bucket (after the update at stage 2, before
+    each bucket's first use at stage 3), every collective over all 8 chips of both hosts.
+
+    XLA's TPU backend prints the bucket's reduce-scatter as an all-reduce of the ``(8, K)`` rows
+    followed by this chip's slice (the same bytes as a reduce-scatter of them on TPU's
+    interconnect); no other all-reduce is in the program.
+    """
+    topology = "v5e:2x4"
+    ddp = make_ddp(topology, 1.0, zero_stage=stage)
+    text = ddp.lower(params_like(), batch_like(8)).compile().as_text()
+    plan = ddp.bucket_plan
+    k = plan.num_buckets
+    reductions = sorted(schedule.collectives(text, "reduce-scatter")
+                        + schedule.collectives(text, "all-reduce"), key=lambda c: c.index)
+    gathers = sorted(schedule.collectives(text, "all-gather"), key=lambda c: c.index)
+    # TPU wraps an asynchronous all-gather in fusions that each list it: count the computations.
+    assert k >= 3 and len(reductions) == k and len({c.computation for c in gathers}) == k
+    want = [b.nbytes for b in plan.buckets]
+    want[-1] += LOSS_BYTES * 8  # the loss rides on the last one, one row per chip
+    assert [c.nbytes for c in reductions] == want
+    for c in reductions:
+        assert c.shapes[0][0] == 8  # one row per chip: each gets its own row's sum
+        assert [sorted(g) for g in c.groups] == [list(range(8))], c.replica_groups
+    if stage == 2:  # after the backward pass: every reduction comes first
+        assert gathers[0].index > reductions[-1].index

@@ -178,8 +178,15 @@ def test_sharded_stages_one_reduce_scatter_and_one_all_gather_per_bucket(stage):
     reductions = sorted(schedule.collectives(text, "reduce-scatter")
                         + schedule.collectives(text, "all-reduce"), key=lambda c: c.index)
     gathers = sorted(schedule.collectives(text, "all-gather"), key=lambda c: c.index)
-    # TPU wraps an asynchronous all-gather in fusions that each list it: count the computations.
-    assert k >= 3 and len(reductions) == k and len({c.computation for c in gathers}) == k
+    assert k >= 3 and len(reductions) == k
+    if stage == 2:  # plain all-gathers in the entry computation
+        assert len(gathers) == k
+    else:
+        # The forward gathers become TPU "async collective fusions", which list one all-gather
+        # in each of several fused computations: at least one per bucket, all of a bucket's size.
+        assert len({c.computation for c in gathers}) >= k
+        sizes = {c.nbytes * 8 for c in gathers}
+        assert sizes <= {b.nbytes for b in plan.buckets}, sizes
     want = [b.nbytes for b in plan.buckets]
     want[-1] += LOSS_BYTES * 8  # the loss rides on the last one, one row per chip
     assert [c.nbytes for c in reductions] == want

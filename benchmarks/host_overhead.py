@@ -31,8 +31,7 @@ def main():
     from jddp._src import step as step_lib
     from jddp._src import watchdog
 
-    rows = []
-    for leaves in (16, 160):
+    def measure(leaves: int) -> dict:
         params = {f"l{i}": jnp.zeros((8,), jnp.float32) for i in range(leaves)}
 
         def loss(p, b):
@@ -47,22 +46,23 @@ def main():
         check = min(timeit.repeat(lambda: step_lib._check_live(state), number=n, repeat=5)) / n
         report = min(timeit.repeat(lambda: watchdog.report_progress(1, None), number=n,
                                    repeat=5)) / n
+        holder = [state]
 
-        def one_step():
-            nonlocal state
-            state, m = ddp.step(state, batch)
-            return m["loss"]
+        def ten_steps():
+            for _ in range(10):
+                holder[0], m = ddp.step(holder[0], batch)
+            return jax.block_until_ready(m["loss"])
 
-        jax.block_until_ready(one_step())
+        ten_steps()
         steps = 200
-        t = min(timeit.repeat(lambda: jax.block_until_ready([one_step() for _ in range(10)]),
-                              number=steps // 10, repeat=3)) / steps
-        rows.append({"param_leaves": leaves, "check_us": check * 1e6,
-                     "report_us": report * 1e6, "step_us": t * 1e6,
-                     "check_share": check / t})
+        t = min(timeit.repeat(ten_steps, number=steps // 10, repeat=3)) / steps
         print(f"{leaves:>4} leaves: consumed-state check {check * 1e6:6.2f} us, progress report "
               f"{report * 1e6:5.2f} us, whole tiny step {t * 1e6:8.1f} us "
               f"(check = {100 * check / t:.2f}% of it)", flush=True)
+        return {"param_leaves": leaves, "check_us": check * 1e6, "report_us": report * 1e6,
+                "step_us": t * 1e6, "check_share": check / t}
+
+    rows = [measure(leaves) for leaves in (16, 160)]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

@@ -219,3 +219,9 @@ def test_sharded_stages_reduce_scatter_each_bucket_overlapping_backward(stage, c
         assert min(g.index for g in gathers) > scatters[-1].done_index
     else:
         assert max(g.index for g in gathers) < scatters[0].index
+        # Prefetch: every bucket's all-gather but the first (needed at once) runs while the
+        # previous layer's forward GEMM computes.
+        assert all(g.asynchronous for g in gathers)
+        for g in gathers[1:]:
+            assert g.dots_between > 0, sched.table()
+            assert all("transpose(" not in op.op_name for op in g.between if op.is_dot)

@@ -184,13 +184,18 @@ def grad_reachable(
 
 
 def eval_with_hooks(
-    traced: Traced, param_leaves: Sequence[Any], args: Sequence[Any], hooked: Callable[[int], Any]
+    traced: Traced,
+    param_leaves: Sequence[Any],
+    args: Sequence[Any],
+    hooked: Callable[[int, tuple], Any],
 ) -> Any:
-    """Evaluates ``traced`` on new inputs; parameter leaf ``i`` is read as ``hooked(i)``.
+    """Evaluates ``traced`` on new inputs; parameter leaf ``i`` is read as ``hooked(i, context)``.
 
-    ``hooked(i)`` is called at the first equation that reads leaf ``i`` (walking into plain calls)
-    and must return the value to use from then on (it is called again for later reads, so it
-    should memoise). With ``hooked = param_leaves.__getitem__`` this is plain evaluation.
+    ``hooked(i, context)`` is called at every equation that reads leaf ``i`` (walking into plain
+    calls), the first time at its first use, and must return the value to use (memoising it);
+    ``context`` holds the equation's other inputs (e.g. the activation a layer's weight meets),
+    so that work can be made to wait for them. With ``lambda i, _: param_leaves[i]`` this is
+    plain evaluation.
 
     Args:
       param_leaves: the parameter leaves (their values are what ``hooked`` is expected to wrap).
@@ -208,14 +213,14 @@ def eval_with_hooks(
 
 
 def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], param_vars: dict[Any, int],
-          hooked: Callable[[int], Any]) -> list[Any]:
+          hooked: Callable[[int, tuple], Any]) -> list[Any]:
     env: dict[Any, Any] = {}
 
-    def read(v):
+    def read(v, context: tuple = ()):
         if is_literal(v):
             return v.val
         if v in param_vars:
-            return hooked(param_vars[v])
+            return hooked(param_vars[v], context)
         return env[v]
 
     for v, x in zip(jaxpr.constvars, consts, strict=True):
@@ -245,7 +250,9 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], param_vars: di
             # The traced value was replicated where the evaluated one already varies.
             outs = [read(v) for v in eqn.invars]
         else:
-            invals = [read(v) for v in eqn.invars]
+            context = tuple(env[v] for v in eqn.invars
+                            if not is_literal(v) and v not in param_vars)
+            invals = [read(v, context) for v in eqn.invars]
             # As jax.core.eval_jaxpr does: re-bind each primitive on the new values.
             bind_params = eqn.primitive.get_bind_params(eqn.params)
             with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
@@ -263,6 +270,6 @@ def as_function(traced: Traced) -> Callable[..., Any]:
 
     def fun(params: Any, *args: Any) -> Any:
         leaves = jax.tree.leaves(params)
-        return eval_with_hooks(traced, leaves, args, leaves.__getitem__)
+        return eval_with_hooks(traced, leaves, args, lambda i, _: leaves[i])
 
     return fun

@@ -497,26 +497,29 @@ def bucketed_vjp(
         vma.to_varying(jnp.zeros(e.shape, jnp.float32), axis_name) for e in extras_leaves_shape
     )
 
-    def run(leaves_in, states, token0, sink):
+    def run(leaves_in, carry_in, token0, sink):
         hooked: dict[int, Any] = {}
         token = [token0]
 
         gathered: list = []  # stage 3: the last bucket gathered, which the next gather waits for
 
-        def apply_bucket(b: int) -> None:
+        def apply_bucket(b: int, context: tuple = ()) -> None:
             idx = plan.buckets[b].indices
             off = tuple(offset[i] for i in idx) if offset is not None else ()
             leaves_b = tuple(leaves_in[i] for i in idx)
-            if regather and gathered and mode != "none":
-                # Chain the forward all-gathers in first-use order, as the backward's
-                # reduce-scatters are chained: XLA's all-gather combiner cannot merge them, and
-                # each starts once the previous one is done (the prefetch order).
-                dep = lax.stop_gradient(chain_dependency(gathered, "add"))
-                leaves_b = tuple(x + dep.astype(x.dtype) for x in leaves_b)
+            if regather and mode != "none":
+                # Stage 3: each bucket's forward all-gather waits for the previous one (so XLA's
+                # all-gather combiner cannot merge them) and for the inputs of the layer before
+                # its first use (so it is a prefetch: it runs while that layer computes).
+                waits = [*gathered, *(c for c in context if hasattr(c, "dtype")
+                                      and jnp.issubdtype(c.dtype, jnp.inexact))]
+                if waits:
+                    dep = lax.stop_gradient(chain_dependency(waits, "add"))
+                    leaves_b = tuple(x + dep.astype(x.dtype) for x in leaves_b)
             token[0], out = hooks[b](
                 token[0],
                 leaves_b,
-                tuple(states[i] for i in idx),
+                tuple(carry_in[i] for i in idx),
                 off,
                 step,
                 sink if b == last else tuple(jnp.zeros_like(s) for s in sink),
@@ -527,9 +530,17 @@ def bucketed_vjp(
                 out = tuple(checkpoint_name(o, _GATHERED) for o in out)
             hooked.update(zip(idx, out, strict=True))
 
-        def read(i: int) -> Any:
+        used: set[int] = set()  # buckets whose parameters an equation has read
+
+        def read(i: int, context: tuple = ()) -> Any:
+            b = owner.get(i)
             if i not in hooked:
-                apply_bucket(owner[i])
+                apply_bucket(owner[i], context)
+            if regather and b is not None and b not in used:
+                used.add(b)
+                if b > 0 and plan.buckets[b - 1].indices[0] not in hooked:
+                    # Prefetch the bucket used next (buckets are in reverse first-use order).
+                    apply_bucket(b - 1, context)
             return hooked[i]
 
         for i in plan.unused:

@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from jddp._src import jaxpr as jaxpr_lib
 from jddp._src import options, vma, zero
@@ -284,9 +283,6 @@ def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
     return ident
 
 
-_GATHERED = "jddp_gathered_bucket"
-
-
 class Sharded(NamedTuple):
     """How a sharded stage reduces buckets (see :mod:`jddp._src.zero`).
 
@@ -464,7 +460,7 @@ def bucketed_vjp(
         # fuses into that copy, not into the GEMMs, and keeps the reduce-scatters in order on GPU,
         # where the barrier did not (the last bucket's was scheduled second).
         mode = "add"
-    regather = sharded is not None and sharded.stage >= 3
+    gathers = sharded is not None and sharded.stage >= 3  # stage 3: forward all-gathers
     structs: Callable[[int], list[jax.ShapeDtypeStruct]]
     if sharded is None:
         structs = plan.leaf_structs
@@ -507,7 +503,7 @@ def bucketed_vjp(
             idx = plan.buckets[b].indices
             off = tuple(offset[i] for i in idx) if offset is not None else ()
             leaves_b = tuple(leaves_in[i] for i in idx)
-            if regather and mode != "none":
+            if gathers and mode != "none":
                 # Stage 3: each bucket's forward all-gather waits for the previous one (so XLA's
                 # all-gather combiner cannot merge them) and for the inputs of the layer before
                 # its first use (so it is a prefetch: it runs while that layer computes).
@@ -524,10 +520,9 @@ def bucketed_vjp(
                 step,
                 sink if b == last else tuple(jnp.zeros_like(s) for s in sink),
             )
-            if regather:
+            if gathers:
                 gathered[:] = [o for o, i in zip(out, idx, strict=True)
                                if sharded.layout.dims[i] is not None]  # type: ignore[union-attr]
-                out = tuple(checkpoint_name(o, _GATHERED) for o in out)
             hooked.update(zip(idx, out, strict=True))
 
         used: set[int] = set()  # buckets whose parameters an equation has read
@@ -536,7 +531,7 @@ def bucketed_vjp(
             b = owner.get(i)
             if i not in hooked:
                 apply_bucket(owner[i], context)
-            if regather and b is not None and b not in used:
+            if gathers and b is not None and b not in used:
                 used.add(b)
                 if b > 0 and plan.buckets[b - 1].indices[0] not in hooked:
                     # Prefetch the bucket used next (buckets are in reverse first-use order).
@@ -573,12 +568,6 @@ def bucketed_vjp(
         )
     else:
         carry = tuple(hook_state)
-    if regather:
-        # Stage 3: a gathered bucket is not kept from the forward pass to the backward one (it
-        # would keep every parameter whole at once); the backward pass gathers it again where it
-        # needs it, as FSDP does. Everything else is saved as usual.
-        run = jax.checkpoint(run, policy=jax.checkpoint_policies.save_anything_except_these_names(
-            _GATHERED))
     (loss, _), vjp_fn, out = jax.vjp(
         run, tuple(param_leaves), carry, token0, sink0, has_aux=True
     )

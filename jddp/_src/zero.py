@@ -8,9 +8,10 @@ pieces live (``zero_stage=``):
 - 2: the gradients too: each bucket is reduce-scattered (not all-reduced) from inside the backward
   pass, so no device holds the whole reduced gradient.
 - 3: the parameters too: the state holds 1/N of each leaf; the forward pass all-gathers each
-  bucket right before its first use (the planner's first-use order is the prefetch order), the
-  backward pass gathers it again where needed (it is not kept alive between the two) and
-  reduce-scatters its gradient.
+  bucket before its first use (the planner's first-use order is the prefetch order: the next
+  bucket's gather runs while the current layer computes) and the backward pass reduce-scatters
+  its gradient. A gathered bucket stays whole until the backward pass is done with it (no second
+  gather for the backward pass).
 
 **Layout.** A leaf is split on one dimension that the device count divides (:func:`shard_dim`:
 dimension 0 if possible, which costs no transpose, else the largest such dimension); its pieces
@@ -201,8 +202,8 @@ def bytes_sent(plan: Any, layout: Layout, stage: int) -> float:
     A model, not a measurement (ring collectives): a reduce-scatter or an all-gather of ``B``
     bytes sends ``(N-1)/N B`` per device, an all-reduce twice that; whole leaves travel as ``N``
     rows. Stage 1: all-reduce of the gradients, all-gather of the parameters; stage 2:
-    reduce-scatter and all-gather; stage 3: all-gather in forward, again in backward, and
-    reduce-scatter (1.5x the volume of stage 2).
+    reduce-scatter and all-gather; stage 3: all-gather in forward and reduce-scatter (the volume
+    of stage 2).
     """
     n = layout.n
     if n == 1:
@@ -219,4 +220,4 @@ def bytes_sent(plan: Any, layout: Layout, stage: int) -> float:
     if stage == 1:
         return 2 * frac * (split + whole) + frac * split
     scatter = frac * split + (n - 1) * whole
-    return scatter + frac * split * (1 if stage == 2 else 2)
+    return scatter + frac * split

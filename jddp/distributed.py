@@ -368,12 +368,7 @@ def hard_exit(status: int = 1) -> NoReturn:
     """
     if status == 0:
         watchdog.announce_exit()  # as atexit would have: jddp-run's early-exit check needs it
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(status)
+    watchdog.flush_and_exit(status)
 
 
 def exit_for_resume() -> NoReturn:

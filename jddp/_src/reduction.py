@@ -297,16 +297,12 @@ class Sharded(NamedTuple):
 
 
 class _ScatterSpec(NamedTuple):
-    bucket: int
-    hook: CommHook
-    axis_name: Any
-    last: bool
-    chain: str
-    prev_structs: tuple[jax.ShapeDtypeStruct, ...]
+    """A sharded stage's bucket: the all-reduce bucket's spec, and how its leaves are split."""
+
+    base: _BucketSpec
     dims: tuple[int | None, ...]
     shapes: tuple[tuple[int, ...], ...]
     stage: int
-    phase: Any
 
 
 def _scatter_hook(spec: _ScatterSpec) -> Callable[..., Any]:
@@ -314,7 +310,8 @@ def _scatter_hook(spec: _ScatterSpec) -> Callable[..., Any]:
     forward too). Same arguments as :func:`_bucket_hook`'s, with ``carry`` in place of the hook
     states: stage 2's pieces of the reduced gradient leave the backward pass as its cotangent
     (the full parameters' own cotangent is zero, never used, and removed by XLA)."""
-    axis_name, chain = spec.axis_name, spec.chain
+    base = spec.base
+    axis_name, chain = base.axis_name, base.chain
     split = [i for i, d in enumerate(spec.dims) if d is not None]
 
     def gather(leaves):
@@ -330,7 +327,7 @@ def _scatter_hook(spec: _ScatterSpec) -> Callable[..., Any]:
     @jax.custom_vjp
     def ident(token, leaves, carry, offset, step, sink):
         del carry, offset, step, sink
-        token_out = (_dep_zeros(chain, spec.prev_structs, axis_name), token[1])
+        token_out = (_dep_zeros(chain, base.prev_structs, axis_name), token[1])
         return token_out, gather(leaves)
 
     def fwd(token, leaves, carry, offset, step, sink):
@@ -347,10 +344,10 @@ def _scatter_hook(spec: _ScatterSpec) -> Callable[..., Any]:
         elif chain == "barrier" and ct_dep:
             grads, _ = lax.optimization_barrier((grads, ct_dep))
         n = axis_size(axis_name)
-        ctx = HookContext(axis_name, n, step, spec.bucket, spec.phase)
-        scatter = lambda rows: spec.hook.scatter(rows, ctx)
+        ctx = HookContext(axis_name, n, step, base.bucket, base.phase)
+        scatter = lambda rows: base.hook.scatter(rows, ctx)
         dims = spec.dims
-        extras = tuple(ct_extras) if spec.last else ()
+        extras = tuple(ct_extras) if base.last else ()
         fused = extras and grads and all(g.dtype == jnp.float32 for g in grads)
         if fused:
             # The metrics ride on the bucket's reduce-scatter as whole (replicated) leaves.
@@ -373,7 +370,7 @@ def _scatter_hook(spec: _ScatterSpec) -> Callable[..., Any]:
             ct_leaves, ct_carry = tuple(jnp.zeros_like(x) for x in leaves), pieces
         ct_token = (
             dep if chain == "barrier" else dep.astype(jnp.result_type(ct_dep)),
-            tuple(jnp.zeros_like(e) for e in ct_extras) if spec.last else tuple(ct_extras),
+            tuple(jnp.zeros_like(e) for e in ct_extras) if base.last else tuple(ct_extras),
         )
         return (ct_token, ct_leaves, ct_carry, jax.tree.map(jnp.zeros_like, offset),
                 _float0_like(step), extras_out)
@@ -482,9 +479,9 @@ def bucketed_vjp(
 
         hooks = [
             _scatter_hook(_ScatterSpec(
-                b, hook, axis_name, b == last, mode, tuple(structs(b - 1)),
+                _BucketSpec(b, hook, axis_name, b == last, mode, tuple(structs(b - 1)), phase),
                 tuple(lay.dims[i] for i in plan.buckets[b].indices),
-                tuple(plan.shapes[i] for i in plan.buckets[b].indices), sharded.stage, phase,
+                tuple(plan.shapes[i] for i in plan.buckets[b].indices), sharded.stage,
             ))
             for b in range(plan.num_buckets)
         ]

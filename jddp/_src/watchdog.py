@@ -40,7 +40,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 if TYPE_CHECKING:
     import jax
@@ -157,10 +157,11 @@ def _is_ready(token: Any) -> bool:
 def _obey(line: bytes) -> None:
     parts = line.split()
     if len(parts) == 2 and parts[0] == b"abort" and parts[1].isdigit():
-        _hard_exit(int(parts[1]))
+        flush_and_exit(int(parts[1]))
 
 
-def _hard_exit(status: int) -> None:
+def flush_and_exit(status: int) -> NoReturn:
+    """Flushes stdout and stderr and ends the process now with ``status`` (``os._exit``)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

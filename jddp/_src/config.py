@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from jddp._src import options
 from jddp._src.hooks import CommHook, allreduce_mean
+from jddp._src.loss_scale import DynamicScale
 from jddp._src.planner import BucketPlan
 
 
@@ -36,6 +37,9 @@ class StepConfig:
       accumulate_steps: calls per optimizer step (local accumulation in between).
       microbatches: micro-batches scanned inside each call.
       accumulator_dtype: dtype of the local gradient sums (``None``: at least float32).
+      rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
+      sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
+      loss_scale: dynamic loss scaling (``None``: off).
     """
 
     loss_fn: Callable[..., Any]
@@ -54,6 +58,9 @@ class StepConfig:
     accumulate_steps: int = 1
     microbatches: int = 1
     accumulator_dtype: np.dtype | None = None
+    rng: bool = False
+    sum_metrics: tuple[str, ...] = ()
+    loss_scale: DynamicScale | None = None
 
     @property
     def axis_name(self) -> Any:

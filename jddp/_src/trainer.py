@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh
 
 from jddp._src import checks, options, pipeline, watchdog
+from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
 from jddp._src import model_state as ms_lib
 from jddp._src import verify as verify_lib
@@ -92,6 +93,23 @@ class DataParallel:
         one step, with one reduction per bucket after the loop.
       accumulator_dtype: dtype of the local gradient sums (default float32, or the parameter dtype
         if wider).
+      rng: ``loss_fn`` takes a last argument ``rng``, one PRNG key per example of its shard, and
+        ``step(state, batch, rng=key)`` takes the run's key; each example's key is derived from
+        the key, ``state.step`` and the example's position in the global batch, so dropout masks
+        differ across devices and steps and equal a single device's (``jddp.random``).
+      sum_metrics: names of aux metrics to sum over devices and micro-batches instead of
+        averaging (counts, token totals); with ``weighted``, arrays shaped like the loss are
+        summed over the real entries. No extra collective.
+      loss_scale: dynamic loss scaling for float16 training, ``jddp.precision.DynamicScale()``
+        (Flax's ``DynamicScale`` rule): the loss is scaled in the backward pass, the reduced
+        gradients unscaled; a step with a non-finite gradient is skipped on every replica and
+        the scale shrinks, it grows after ``growth_interval`` finite steps.
+        ``state.loss_scale`` holds the scale, ``metrics["loss_scale"]`` reports it.
+
+    Metrics: ``metrics["loss"]``, the aux metrics, ``"comm_bytes"``, ``"skipped"`` (with
+    ``skip_not_finite``, ``weighted`` or ``loss_scale``), and every scalar hyperparameter of an
+    ``optax.inject_hyperparams`` optimizer under its name (``"learning_rate"``), read from the
+    optimizer state after the update.
     """
 
     def __init__(
@@ -115,6 +133,9 @@ class DataParallel:
         accumulate_steps: int = 1,
         microbatches: int = 1,
         accumulator_dtype: Any = None,
+        rng: bool = False,
+        sum_metrics: tuple[str, ...] = (),
+        loss_scale: ls_lib.DynamicScale | None = None,
         **renamed: Any,
     ) -> None:
         for old, value in renamed.items():
@@ -130,6 +151,12 @@ class DataParallel:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
         cap, first = options.bucket_caps(bucket_cap_mb, first_bucket_mb)
+        summed = options.metric_names(sum_metrics, "sum_metrics")
+        if summed and not has_aux:
+            raise ValueError(
+                f"sum_metrics={summed} names aux metrics, but has_aux=False: return (loss, "
+                "metrics) from loss_fn and pass has_aux=True."
+            )
         config = StepConfig(
             loss_fn=loss_fn,
             optimizer=check_optimizer(optimizer),
@@ -147,6 +174,9 @@ class DataParallel:
             accumulate_steps=options.count(accumulate_steps, "accumulate_steps"),
             microbatches=options.count(microbatches, "microbatches"),
             accumulator_dtype=options.float_dtype(accumulator_dtype, "accumulator_dtype"),
+            rng=options.flag(rng, "rng", " Pass the key itself to step(state, batch, rng=key)."),
+            sum_metrics=summed,
+            loss_scale=ls_lib.check_loss_scale(loss_scale),
         )
         plans = PlanLog()
         object.__setattr__(self, "config", config)
@@ -159,8 +189,8 @@ class DataParallel:
     config: StepConfig
     _plans: PlanLog
     step: Step
-    """The compiled step: ``step(state, batch, mask=None, *, sync=None) -> (state, metrics)``;
-    ``step.lower(...)`` gives its program."""
+    """The compiled step: ``step(state, batch, mask=None, *, sync=None, rng=None) -> (state,
+    metrics)``; ``step.lower(...)`` gives its program."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(
@@ -254,7 +284,8 @@ class DataParallel:
         Checks ``step``, ``params``, ``opt_state`` and (unless per-device) ``model_state``; the
         per-device hook and accumulator state are meant to differ.
         """
-        tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+        tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state,
+                "loss_scale": state.loss_scale}
         if self.config.model_state_sync != "none":
             tree["model_state"] = state.model_state
         verify_lib.verify_replicas(tree, self.config.mesh, atol=atol)

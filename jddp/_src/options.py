@@ -104,7 +104,8 @@ def step_sync(sync: Any) -> bool | None:
 def flag(value: Any, name: str, hint: str = "") -> bool:
     """A bool option (``rng``, ``weighted``, ...); anything else is a clear error."""
     if not isinstance(value, bool | np.bool_):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}.{hint}")
+        shown = f" {value!r}" if isinstance(value, int | float | str | None) else ""
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}{shown}.{hint}")
     return bool(value)
 
 

@@ -489,7 +489,7 @@ def _apply_update(
         metrics["skipped"] = jnp.where(
             jnp.logical_and(res.synced, jnp.logical_not(ok)), 1.0, 0.0
         ).astype(jnp.float32)
-    if cfg.loss_scale is not None and finite is not None:
+    if cfg.loss_scale is not None and state.loss_scale is not None and finite is not None:
         # Outside the selection above: a skipped step is exactly when the scale must shrink.
         new_scale = cfg.loss_scale.update(state.loss_scale, finite)
         if state.accum is not None and sync is None:

@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> dict:
     train_set, eval_set = load_sequences(args.seq_len, int(args.train_mb * 1e6),
                                          args.eval_sequences)
     model = TransformerLM(args.width, args.layers, args.heads, args.dropout, args.seq_len)
-    params = model.init(jax.random.key(args.seed), train_set["inputs"][:1], train=False)["params"]
+    # One compiled init (an eager one compiles every initializer on its own: seconds).
+    init = jax.jit(lambda key, x: model.init(key, x, train=False)["params"])
+    params = init(jax.random.key(args.seed), train_set["inputs"][:1])
 
     mesh = jddp.data_mesh()
     n_dev = mesh.size
@@ -226,7 +228,6 @@ def main(argv: list[str] | None = None) -> dict:
     bar = tqdm(range(start_step, args.steps), desc="train", unit="step",
                disable=args.no_progress or not is_main)
     pending = []
-    t0 = time.perf_counter()
     for step in bar:
         batch, weights = batch_for(step)
         batch = jddp.shard_global_batch(batch, mesh)

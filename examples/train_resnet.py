@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.half_precision:
         dtype = jnp.float16 if platform == "gpu" else jnp.bfloat16
     model = ResNet(tuple(int(w) for w in args.widths.split(",")), dtype=dtype)
-    variables = model.init(jax.random.key(args.seed), x_train[:2], train=False)
+    # One compiled init (an eager one compiles every initializer on its own: seconds).
+    variables = jax.jit(lambda key, x: model.init(key, x, train=False))(
+        jax.random.key(args.seed), x_train[:2])
     params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
 
     mesh = jddp.data_mesh(axis_name="batch")  # the axis name the model's BatchNorm averages over
@@ -131,8 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit(f"--batch-size {args.batch_size} must be a multiple of the {n_dev} devices.")
     steps_per_epoch = len(x_train) // args.batch_size
     total_steps = args.epochs * steps_per_epoch
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, int(args.warmup_epochs * steps_per_epoch), max(total_steps, 1))
+    warmup = int(args.warmup_epochs * steps_per_epoch)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(total_steps, warmup + 1))
     tx = optax.chain(
         optax.add_decayed_weights(args.weight_decay),
         optax.inject_hyperparams(optax.sgd)(learning_rate=schedule, momentum=0.9, nesterov=True),

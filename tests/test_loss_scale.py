@@ -171,3 +171,15 @@ def test_loss_scale_state_and_errors():
         DynamicScale(backoff_factor=2.0)
     with pytest.raises(ValueError, match="growth_interval"):
         DynamicScale(growth_interval=0)
+
+
+def test_loss_scaling_adds_no_collective():
+    """The skip decision and the scale update use the reduced gradients, identical on every
+    replica: the step keeps one all-reduce per bucket."""
+    from jddp.perf import schedule
+
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), loss_scale=DynamicScale(),
+                            bucket_cap_mb=0.0002, first_bucket_mb=0.0001)
+    text = ddp.step.lower(ddp.init(mlp_params(0, SIZES)), _batches(1)[0]).compile().as_text()
+    assert ddp.bucket_plan.num_buckets >= 2
+    assert len(schedule.collectives(text, "all-reduce")) == ddp.bucket_plan.num_buckets

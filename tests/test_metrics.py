@@ -109,3 +109,18 @@ def test_metric_errors_are_clear():
                             has_aux=True)
     with pytest.raises(ValueError, match=r"\['learning_rate'\] come both from loss_fn"):
         ddp.step(ddp.init(params), _batch(16))
+
+
+def test_sum_metrics_and_optimizer_metrics_add_no_collective():
+    """Sums ride on the last bucket's all-reduce like the means; hyperparameters are read from
+    the replicated optimizer state: one all-reduce per bucket, as without them."""
+    from jddp.perf import schedule
+
+    params = mlp_params(0, SIZES)
+    batch = _batch(32)
+    caps = dict(bucket_cap_mb=0.0005, first_bucket_mb=0.0002)
+    ddp = jddp.DataParallel(_loss, optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                            has_aux=True, sum_metrics=("correct", "examples"), **caps)
+    text = ddp.step.lower(ddp.init(params), batch).compile().as_text()
+    assert ddp.bucket_plan.num_buckets >= 2
+    assert len(schedule.collectives(text, "all-reduce")) == ddp.bucket_plan.num_buckets

@@ -210,3 +210,22 @@ def test_example_keys_do_not_depend_on_the_split():
     parts = [jax.random.key_data(jddp.random.example_keys(key, 4, 3, start=s)) for s in (0, 3, 6, 9)]
     np.testing.assert_array_equal(whole, np.concatenate(parts))
     assert len({bytes(np.asarray(k)) for k in whole}) == 12
+
+
+def test_nnx_front_end_refuses_rng_with_the_reason():
+    from flax import nnx
+
+    with pytest.raises(ValueError, match="nnx.Rngs streams"):
+        jddp.nnx.DataParallel(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+                              loss_fn=lambda m, b: jnp.mean(m(b["x"]) ** 2), rng=True)
+
+
+def test_per_example_keys_add_no_collective():
+    from jddp.perf import schedule
+
+    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), rng=True, bucket_cap_mb=0.0002, first_bucket_mb=0.0001)
+    lowered = ddp.step.lower(ddp.init(mlp_params(0, SIZES)), _batches(1, 32)[0],
+                             rng=jax.random.key(0))
+    text = lowered.compile().as_text()
+    assert ddp.bucket_plan.num_buckets >= 2
+    assert len(schedule.collectives(text, "all-reduce")) == ddp.bucket_plan.num_buckets

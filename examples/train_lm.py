@@ -6,7 +6,7 @@ the standard library, read as bytes (a 256-symbol vocabulary; byte 0 never occur
 the padding). Runs on 8 simulated CPU devices by default, unchanged on a GPU/TPU host or under
 ``jddp-run``::
 
-    python examples/train_lm.py --steps 300 --json out/lm.json --png out/lm.png
+    python examples/train_lm.py --json out/lm.json --png out/lm.png
     jddp-run -n 2 --devices-per-process 4 examples/train_lm.py --checkpoint-dir ckpt
 
 What the port uses from jddp:
@@ -36,14 +36,14 @@ import time
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--width", type=int, default=96, help="model width")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--lr", type=float, default=6e-3, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--train-mb", type=float, default=2.0, help="MB of source text to train on")

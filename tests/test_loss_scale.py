@@ -183,3 +183,19 @@ def test_loss_scaling_adds_no_collective():
     text = ddp.step.lower(ddp.init(mlp_params(0, SIZES)), _batches(1)[0]).compile().as_text()
     assert ddp.bucket_plan.num_buckets >= 2
     assert len(schedule.collectives(text, "all-reduce")) == ddp.bucket_plan.num_buckets
+
+
+def test_loss_scale_state_is_checkpointed(tmp_path):
+    import jddp.checkpoint as ckpt
+
+    params = mlp_params(0, SIZES)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), loss_scale=DynamicScale(
+        init_scale=2.0**10, growth_interval=2), **CAPS)
+    state = ddp.init(params)
+    for b in _batches(3):  # step 1 is non-finite: scale 2**9
+        state, _ = ddp.step(state, b)
+    mngr = ckpt.manager(tmp_path / "ckpt")
+    ckpt.save(mngr, state)
+    restored = ckpt.restore(mngr, ddp.abstract_state(params))
+    assert float(restored.loss_scale.scale) == float(state.loss_scale.scale) == 2.0**9
+    assert int(restored.loss_scale.fin_steps) == int(state.loss_scale.fin_steps) == 1

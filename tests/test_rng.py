@@ -229,3 +229,12 @@ def test_per_example_keys_add_no_collective():
     text = lowered.compile().as_text()
     assert ddp.bucket_plan.num_buckets >= 2
     assert len(schedule.collectives(text, "all-reduce")) == ddp.bucket_plan.num_buckets
+
+
+def test_keys_in_the_batch_point_to_rng_true():
+    ddp = jddp.DataParallel(lambda p, b: jnp.mean(b["x"] @ p["w"]), optax.sgd(0.1))
+    state = ddp.init({"w": jnp.ones((6, 1))})
+    batch = {"x": np.ones((16, 6), np.float32),
+             "dropout_rng": np.asarray(jax.random.split(jax.random.PRNGKey(0), 8))}
+    with pytest.raises(ValueError, match=r"different leading dimensions.*rng=True.*rng=key"):
+        ddp.step(state, batch)

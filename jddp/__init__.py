@@ -2,10 +2,23 @@
 
 What a training script uses is here; the rest is reachable from its module (``jddp.hooks``,
 ``jddp.buckets``, ``jddp.mesh``, ``jddp.verify``, ``jddp.trainer``, ``jddp.distributed``,
-``jddp.checkpoint``, ``jddp.nnx``, and the performance tooling in ``jddp.perf``).
+``jddp.checkpoint``, ``jddp.nnx``, ``jddp.random``, ``jddp.precision``, ``jddp.evaluation``,
+and the performance tooling in ``jddp.perf``).
 """
 
-from jddp import buckets, distributed, hooks, mesh, nnx, trainer, verify  # noqa: F401
+from jddp import (  # noqa: F401
+    buckets,
+    distributed,
+    evaluation,
+    hooks,
+    mesh,
+    nnx,
+    precision,
+    random,
+    trainer,
+    verify,
+)
+from jddp._src.evaluation import Evaluator
 from jddp._src.hooks import CommHook, HookContext, bf16_compress, fp16_compress, powersgd
 from jddp._src.mesh import data_mesh, replicate, shard_batch
 from jddp._src.planner import BucketPlan, plan_buckets
@@ -25,6 +38,7 @@ __all__ = [
     "BucketPlan",
     "CommHook",
     "DataParallel",
+    "Evaluator",
     "HookContext",
     "ReplicaDivergenceError",
     "TrainState",
@@ -40,6 +54,7 @@ __all__ = [
     "pad_batch",
     "plan_buckets",
     "powersgd",
+    "random",
     "replicate",
     "shard_batch",
     "shard_global_batch",

@@ -450,13 +450,21 @@ def _local_rows(mesh: Mesh, axis: str, global_rows: int) -> list[tuple[int, int]
     return sorted(ranges)
 
 
-def local_slice(global_batch: PyTree, mesh: Mesh, axis: str = "data") -> PyTree:
+def _axis(mesh: Mesh, axis: str | None) -> str:
+    """`axis`, or the mesh's only axis (a SyncBN mesh may call it "batch")."""
+    return str(mesh.axis_names[0]) if axis is None and len(mesh.axis_names) == 1 else (
+        axis or "data")
+
+
+def local_slice(global_batch: PyTree, mesh: Mesh, axis: str | None = None) -> PyTree:
     """Returns the rows of a global host batch that this process's devices hold.
 
     Every leaf's leading dimension is the global batch, split over mesh axis `axis`. The result is
     what `global_batch_from_local` expects, so `global_batch_from_local(local_slice(b, mesh),
     mesh)` places `b` across all processes. In a single-process run it is the whole batch.
+    `axis` defaults to the mesh's axis.
     """
+    axis = _axis(mesh, axis)
     leaves = jax.tree.leaves(global_batch)
     if not leaves:
         return global_batch
@@ -478,13 +486,14 @@ def local_slice(global_batch: PyTree, mesh: Mesh, axis: str = "data") -> PyTree:
     return jax.tree.map(take, global_batch)
 
 
-def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: str = "data") -> PyTree:
+def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: str | None = None) -> PyTree:
     """Assembles a global `jax.Array` batch from each process's local part.
 
     Every process calls it with its own rows (its local batch); the leading dimension of the
     result is the global batch (local rows x processes along `axis`), sharded over `axis`.
-    Wraps `jax.make_array_from_process_local_data`.
+    Wraps `jax.make_array_from_process_local_data`. `axis` defaults to the mesh's axis.
     """
+    axis = _axis(mesh, axis)
 
     def make(x):
         x = np.asarray(x)
@@ -493,7 +502,7 @@ def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: str = "data")
     return jax.tree.map(make, local_batch)
 
 
-def shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: str = "data") -> PyTree:
+def shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: str | None = None) -> PyTree:
     """Places a global host batch, present on every process, as a batch sharded over `axis`.
 
     For data sets small enough that every process holds (or generates) all of it; each process

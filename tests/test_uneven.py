@@ -144,3 +144,74 @@ def test_mask_errors():
         wrong.step(wrong.init(params), batch)
     with pytest.raises(ValueError, match="jddp.pad_batch"):
         plain.step(plain.init(params), _data(13))
+
+
+# ------------------------------------------------------------------------ per-token weights
+
+
+class _TinyLM:
+    """A token-level LM small enough to run everywhere: embedding, one tanh layer, logits."""
+
+    vocab, dim = 11, 8
+
+    @staticmethod
+    def init(seed=0):
+        k = jax.random.split(jax.random.key(seed), 3)
+        return {
+            "embed": jax.random.normal(k[0], (_TinyLM.vocab, _TinyLM.dim)) * 0.5,
+            "w": jax.random.normal(k[1], (_TinyLM.dim, _TinyLM.dim)) * 0.3,
+            "out": jax.random.normal(k[2], (_TinyLM.dim, _TinyLM.vocab)) * 0.3,
+        }
+
+    @staticmethod
+    def per_token(params, batch):
+        """(batch, seq) next-token losses (the target of position t is token t + 1)."""
+        h = jnp.tanh(params["embed"][batch["inputs"]] @ params["w"])
+        logits = h @ params["out"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+
+
+def _lm_data(seed):
+    """16 sequences of 9 tokens with padding (token 0) after a random length: the real-token
+    count differs from device to device, and device 1 (sequences 2, 3) has none at all."""
+    rng = np.random.default_rng(seed)
+    seqs = rng.integers(1, _TinyLM.vocab, size=(16, 9)).astype(np.int32)
+    lengths = rng.integers(2, 10, size=16)
+    lengths[2:4] = 0
+    for i, n in enumerate(lengths):
+        seqs[i, n:] = 0
+    batch = {"inputs": seqs[:, :-1], "targets": seqs[:, 1:]}
+    weights = (batch["targets"] != 0).astype(np.float32)  # padding targets weigh nothing
+    return batch, weights
+
+
+@pytest.mark.parametrize("opt", [optax.sgd(0.5), optax.adamw(1e-2)], ids=["sgd", "adamw"])
+def test_per_token_weighted_lm_on_8_devices_equals_single_device_on_real_tokens(opt):
+    """weighted=True with a (batch, seq) mask: the step's gradient is the mean over the global
+    batch's real tokens (not a mean of per-device means), as on one device."""
+    params = _TinyLM.init()
+    ddp = jddp.DataParallel(_TinyLM.per_token, opt, weighted=True,
+                            bucket_cap_mb=0.0005, first_bucket_mb=0.0002)
+    state = ddp.init(params)
+
+    def ref_loss(p, batch, weights):
+        return jnp.sum(_TinyLM.per_token(p, batch) * weights) / jnp.sum(weights)
+
+    ref_params, ref_opt = params, opt.init(params)
+    for seed in range(3):
+        batch, weights = _lm_data(seed)
+        per_device = weights.reshape(8, -1).sum(1)
+        assert per_device[1] == 0 and len(set(per_device.tolist())) > 2  # uneven, one empty
+        state, metrics = ddp.step(state, batch, mask=weights)
+        loss, grads = jax.value_and_grad(ref_loss)(ref_params, batch, weights)
+        updates, ref_opt = opt.update(grads, ref_opt, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+        np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=RTOL)
+    # The test can tell: a mean of the non-empty devices' token means is another number.
+    batch, weights = _lm_data(0)
+    tok = np.asarray(_TinyLM.per_token(params, batch)) * weights
+    dev = [tok[i:i + 2].sum() / weights[i:i + 2].sum() for i in range(0, 16, 2)
+           if weights[i:i + 2].sum()]
+    assert abs(np.mean(dev) - tok.sum() / weights.sum()) > 1e-3
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL),
+                 jax.device_get(state.params), jax.device_get(ref_params))

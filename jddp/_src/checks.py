@@ -62,12 +62,26 @@ def batch_size(batch: Any) -> int:
         sizes.setdefault(shape[0], key_path_str(path))
     if len(sizes) > 1:
         desc = ", ".join(f"{p}: {n}" for n, p in sizes.items())
+        hint = ""
+        if any(_looks_like_keys(path, leaf) for path, leaf in path_leaves):
+            hint = (" PRNG keys do not go in the batch: build the DataParallel with rng=True and "
+                    "pass the run's key, step(state, batch, rng=key); each example gets its own "
+                    "key from it.")
         raise ValueError(
             f"Batch leaves have different leading dimensions ({desc}); every leaf must have the "
-            "same batch size as its first dimension."
+            f"same batch size as its first dimension.{hint}"
         )
     (size,) = sizes
     return size
+
+
+def _looks_like_keys(path: Any, leaf: Any) -> bool:
+    """A typed PRNG key array, or a leaf named like one (raw keys are plain uint32)."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    name = key_path_str(path).lower()
+    return any(word in name for word in ("rng", "key", "dropout"))
 
 
 def check_batch(batch: Any, num_devices: int) -> int:

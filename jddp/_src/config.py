@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from jddp._src import options
 from jddp._src.hooks import CommHook, allreduce_mean
+from jddp._src.loss_scale import DynamicScale
 from jddp._src.planner import BucketPlan
 
 
@@ -38,6 +39,9 @@ class StepConfig:
       accumulator_dtype: dtype of the local gradient sums (``None``: at least float32).
       zero_stage: 0 (DDP: everything replicated), 1 (optimizer state sharded), 2 (gradients
         too), 3 (parameters too); see :mod:`jddp._src.zero`.
+      rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
+      sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
+      loss_scale: dynamic loss scaling (``None``: off).
     """
 
     loss_fn: Callable[..., Any]
@@ -57,6 +61,9 @@ class StepConfig:
     microbatches: int = 1
     accumulator_dtype: np.dtype | None = None
     zero_stage: options.ZeroStage = 0
+    rng: bool = False
+    sum_metrics: tuple[str, ...] = ()
+    loss_scale: DynamicScale | None = None
 
     @property
     def axis_name(self) -> Any:

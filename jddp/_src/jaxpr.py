@@ -50,9 +50,67 @@ class Traced(NamedTuple):
 
 
 def trace(fun: Callable[..., Any], params: Any, *args: Any) -> Traced:
-    """Traces ``fun(params, *args)`` (the only place jddp calls the user's loss to trace it)."""
-    closed, out_shapes = jax.make_jaxpr(fun, return_shape=True)(params, *args)
+    """Traces ``fun(params, *args)`` (the only place jddp calls the user's loss to trace it).
+
+    A collective over an axis name the mesh does not have (Flax's ``nn.BatchNorm(axis_name=
+    "batch")`` on a mesh whose axis is ``"data"``) fails inside JAX with a bare ``AssertionError``
+    or ``NameError``; it is raised here as an :class:`UnboundAxisError` naming both axis names and
+    the fix.
+    """
+
+    def checked(*a: Any) -> Any:
+        try:
+            return fun(*a)
+        except (AssertionError, NameError) as e:
+            # Read here, inside the trace: the traceback still holds JAX's collective frames.
+            error = unbound_axis_error(e)
+            if error is None:
+                raise
+            raise error from e
+
+    closed, out_shapes = jax.make_jaxpr(checked, return_shape=True)(params, *args)
     return Traced(closed, len(jax.tree.leaves(params)), jax.tree.structure(out_shapes), out_shapes)
+
+
+class UnboundAxisError(ValueError):
+    """The loss runs a collective over an axis name that the data mesh does not have."""
+
+
+# The module of JAX's collectives (psum, pmean, all_gather, axis_index, ...), whose frames name
+# the axis they were called with.
+_COLLECTIVES_MODULE = "jax._src.lax.parallel"
+
+
+def _collective_axes(tb: Any) -> tuple[str, ...]:
+    """The axis names of the outermost call into JAX's collectives in a traceback (or ``()``)."""
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_globals.get("__name__") == _COLLECTIVES_MODULE and "axis_name" in frame.f_locals:
+            return vma.axis_names(frame.f_locals["axis_name"])
+        tb = tb.tb_next
+    return ()
+
+
+def unbound_axis_error(error: BaseException) -> UnboundAxisError | None:
+    """A clear error for a collective over an axis the current mesh lacks, else ``None``."""
+    try:
+        mesh_axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
+    except Exception:  # no mesh context: nothing to compare with
+        return None
+    axes = _collective_axes(error.__traceback__)
+    missing = [a for a in axes if a not in mesh_axes]
+    if not mesh_axes or not missing:
+        return None
+    names = ", ".join(repr(a) for a in missing)
+    mesh_name = mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
+    return UnboundAxisError(
+        f"loss_fn runs a collective (psum/pmean/all_gather/axis_index) over the axis name {names}, "
+        f"but the data mesh's axis is {mesh_name!r}. Cross-replica layers such as Flax's "
+        f"nn.BatchNorm(axis_name={missing[0]!r}) must name the mesh's axis: build the mesh with "
+        f"jddp.data_mesh(axis_name={missing[0]!r}), or use axis_name={mesh_name!r} in the model. "
+        "(Dropping axis_name instead gives per-device BatchNorm statistics, a different model; "
+        "see docs/model_state.md.)"
+    )
 
 
 def is_literal(v: Any) -> bool:

@@ -164,6 +164,12 @@ class DataParallel:
             )
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+        if options.get("rng"):
+            raise ValueError(
+                "jddp.nnx.DataParallel does not take rng=True: an NNX model draws dropout masks "
+                "from its own nnx.Rngs streams (carried in the model state). For per-example keys "
+                "use the functional jddp.DataParallel with loss_fn(params, batch, rng)."
+            )
         graphdef = nnx.graphdef(model)
         core = CoreDataParallel(
             _ModelLoss(graphdef, wrt, loss_fn, bool(has_aux)), optimizer, has_aux=has_aux,

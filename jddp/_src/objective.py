@@ -11,11 +11,16 @@ call                              returns
                                   ``(loss, (new_ms, metrics))``
 ================================  ============================================================
 
+With ``DataParallel(rng=True)`` each form takes one more argument last, ``rng``: one PRNG key per
+example of the shard (see :mod:`jddp._src.rng`); the keys are an argument of the traced jaxpr.
+
 :func:`unpack_loss_output` is the one reader of that convention. ``loss`` is the scalar mean over
 the device's shard, or with ``weighted=True`` the unreduced losses of the shard (per example, or
 any shape the weights have, e.g. per token). ``metrics`` is a dict of scalars (averaged over
 devices), and with ``weighted=True`` may also hold arrays shaped like the loss (averaged over the
-real examples).
+real examples). Metrics named in ``sum_metrics`` are summed instead, over devices and micro-batches
+(with ``weighted``, arrays shaped like the loss are summed over the real entries, weighted): token
+counts, numbers of correct predictions.
 
 :class:`Objective` turns any of them into one function ``(params, model_state, batch, weights) ->
 (scalar, LocalAux)``, the function the step traces once and differentiates. Every mean the step
@@ -38,7 +43,7 @@ import jax.numpy as jnp
 from jddp._src import model_state as ms_lib
 from jddp._src.checks import check_scalar_loss
 
-_RESERVED_METRICS = ("loss", "comm_bytes", "skipped", "synced")
+_RESERVED_METRICS = ("loss", "comm_bytes", "skipped", "synced", "loss_scale")
 
 
 class LossOutput(NamedTuple):
@@ -80,7 +85,8 @@ class LocalAux(NamedTuple):
 
     Attributes:
       model_state: the new model state (or ``None``).
-      metrics: scalar metrics (float32), averaged over devices and micro-batches.
+      metrics: scalar metrics (float32), averaged over devices and micro-batches (those in
+        ``sum_metrics``: summed).
       sums: numerators of ratio metrics: ``"loss"`` and, with ``weighted``, metrics shaped like
         the loss (float32 scalars).
       weight: the denominator of every ratio (float32 scalar): 1, or with ``weighted`` the real
@@ -130,6 +136,8 @@ class Objective:
       stateful: whether it takes and returns model state.
       weighted: whether it returns unreduced losses, to be weighted by the step's ``mask``.
       model_state_sync: how new model state is made consistent across replicas.
+      rng: whether it takes one PRNG key per example as its last argument.
+      sum_metrics: the names of the metrics that are summed rather than averaged.
     """
 
     loss_fn: Callable[..., Any]
@@ -137,23 +145,32 @@ class Objective:
     stateful: bool
     weighted: bool
     model_state_sync: str
+    rng: bool = False
+    sum_metrics: tuple[str, ...] = ()
 
-    def __call__(self, params: Any, model_state: Any, batch: Any, weights: Any) -> tuple:
+    def __call__(
+        self, params: Any, model_state: Any, batch: Any, weights: Any, rng: Any = None
+    ) -> tuple:
         """``(scalar, LocalAux)``: the differentiated scalar and everything else, locally.
 
         With ``weighted``, the scalar is ``sum(weights * losses) / weights.size`` (the gradient is
         divided by the reduced weight later), so local gradients have the magnitude of a mean loss
         while they are reduced, as hooks expect.
         """
-        out = self.loss_fn(params, model_state, batch) if self.stateful else self.loss_fn(
-            params, batch
-        )
+        args = (params, model_state, batch) if self.stateful else (params, batch)
+        out = self.loss_fn(*args, rng) if self.rng else self.loss_fn(*args)
         loss, new_state, metrics = unpack_loss_output(
             out, has_aux=self.has_aux, stateful=self.stateful
         )
         if self.stateful:
             ms_lib.check_same_state(model_state, new_state)
         metrics = _check_metrics(metrics)
+        missing = [k for k in self.sum_metrics if k not in metrics]
+        if missing:
+            raise ValueError(
+                f"sum_metrics names {missing}, but loss_fn's metrics are {sorted(metrics)}; "
+                "return them in the aux dict or remove them from sum_metrics."
+            )
         if not self.weighted:
             check_scalar_loss(loss)
             for k, v in metrics.items():
@@ -182,6 +199,9 @@ class Objective:
         for k, v in metrics.items():
             if jnp.shape(v) == shape:
                 wv = w.astype(jnp.float32) * _f32(v)
+                if k in self.sum_metrics:  # a total over the real entries, e.g. a token count
+                    scalars[k] = jnp.sum(jnp.where(w != 0, wv, 0))
+                    continue
                 sums[k] = jnp.sum(jnp.where(w != 0, wv, 0)) / size
             elif jnp.shape(v) == ():
                 scalars[k] = _f32(v)
@@ -249,17 +269,24 @@ def _ratio(num: Any, den: Any) -> Any:
     return jnp.where(nonzero, num / jnp.where(nonzero, den, 1.0), 0.0)
 
 
-def mean_metrics(mean: Extras, micro_per_call: int, window_count: Any) -> dict:
+def mean_metrics(
+    mean: Extras, micro_per_call: int, window_count: Any, *, summed: tuple[str, ...] = (),
+    num_devices: int = 1,
+) -> dict:
     """The step's reported metrics from the averaged extras.
 
     ``"loss"`` is the window's mean; ratio metrics are this call's means over real examples;
-    scalar metrics are this call's means over micro-batches and devices.
+    scalar metrics are this call's means over micro-batches and devices, or, if ``summed``, sums.
 
     Args:
       micro_per_call: micro-batches per call.
       window_count: micro-batches in the window (the denominator without ``weighted``).
+      summed: names of the metrics to report as sums over devices and micro-batches.
+      num_devices: the number of devices the extras were averaged over.
     """
-    out = {k: v / micro_per_call for k, v in mean.metrics.items()}
+    # A sum is the all-reduced mean times the device count (exact for power-of-two counts).
+    out = {k: v * num_devices if k in summed else v / micro_per_call
+           for k, v in mean.metrics.items()}
     if mean.window_weight is None:
         out["loss"] = mean.window_loss / window_count
         return out

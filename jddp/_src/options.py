@@ -117,3 +117,27 @@ def step_sync(sync: Any) -> bool | None:
             f"sync must be None, True or False (a static Python bool), got {type(sync).__name__}."
         )
     return None if sync is None else bool(sync)
+
+
+def flag(value: Any, name: str, hint: str = "") -> bool:
+    """A bool option (``rng``, ``weighted``, ...); anything else is a clear error."""
+    if not isinstance(value, bool | np.bool_):
+        shown = f" {value!r}" if isinstance(value, int | float | str | None) else ""
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}{shown}.{hint}")
+    return bool(value)
+
+
+def metric_names(value: Any, name: str) -> tuple[str, ...]:
+    """A tuple of distinct metric names (a single string is one name)."""
+    if isinstance(value, str):
+        value = (value,)
+    try:
+        names = tuple(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of metric names, got {value!r}.") from None
+    for n in names:
+        if not isinstance(n, str) or not n:
+            raise TypeError(f"{name} must hold metric names (non-empty str), got {n!r}.")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{name} names a metric twice: {names}.")
+    return names

@@ -41,12 +41,15 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src import accumulation as acc_lib
 from jddp._src import jaxpr as jaxpr_lib
+from jddp._src import loss_scale as ls_lib
+from jddp._src import rng as rng_lib
 from jddp._src import vma, zero
-from jddp._src.checks import check_batch, check_float_params, check_mask
+from jddp._src.checks import batch_size, check_batch, check_float_params, check_mask
 from jddp._src.config import StepConfig
 from jddp._src.hooks import init_hook_state, plan_bytes_sent
 from jddp._src.nonfinite import all_finite, select_tree
 from jddp._src.objective import LocalAux, Objective, mean_metrics
+from jddp._src.optimizer_metrics import add_optimizer_metrics
 from jddp._src.planner import BucketPlan, plan_traced
 from jddp._src.reduction import Sharded, bucketed_vjp, chain_dependency, resolve_chain
 from jddp._src.state import AccumState, TrainState
@@ -57,7 +60,8 @@ PlanObserver = Callable[[BucketPlan], None]
 
 def objective(cfg: StepConfig, stateful: bool) -> Objective:
     """The user's loss as the step differentiates it."""
-    return Objective(cfg.loss_fn, cfg.has_aux, stateful, cfg.weighted, cfg.model_state_sync)
+    return Objective(cfg.loss_fn, cfg.has_aux, stateful, cfg.weighted, cfg.model_state_sync,
+                     rng=cfg.rng, sum_metrics=cfg.sum_metrics)
 
 
 # ------------------------------------------------------------------------------------ state
@@ -76,6 +80,7 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
         hook_state=broadcast_to_devices(init_hook_state(cfg.hook, params), n),
         accum=acc_lib.init_accum(params, n, cfg.accumulator_dtype, model_state)
         if cfg.accumulates else None,
+        loss_scale=None if cfg.loss_scale is None else cfg.loss_scale.init(),
     )
 
 
@@ -96,6 +101,7 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
         model_state=(per_device if cfg.per_device_model_state else rep)(state.model_state),
         hook_state=per_device(state.hook_state),
         accum=acc_lib.accum_specs(state.accum, axis),
+        loss_scale=rep(state.loss_scale),
     )
 
 
@@ -120,7 +126,7 @@ def abstract_state(cfg: StepConfig, params_like: Any, model_state_like: Any = No
 
 
 def check_step_inputs(
-    cfg: StepConfig, state: Any, batch: Any, mask: Any, sync: bool | None
+    cfg: StepConfig, state: Any, batch: Any, mask: Any, sync: bool | None, rng: Any = None
 ) -> Any:
     """Trace-time checks of one step call; returns the mask as float32 weights (or ``None``)."""
     if not isinstance(state, TrainState):
@@ -140,6 +146,20 @@ def check_step_inputs(
     n = cfg.num_devices
     size = check_batch(batch, n)
     acc_lib.check_accum(state, cfg.accumulate_steps, n)
+    ls_lib.check_state(state, cfg.loss_scale)
+    if cfg.rng and rng is None:
+        raise ValueError(
+            "This DataParallel was built with rng=True, so loss_fn takes per-example keys: pass "
+            "the run's key to every step, ddp.step(state, batch, rng=key) (the step and each "
+            "example's position are folded into it)."
+        )
+    if rng is not None:
+        if not cfg.rng:
+            raise ValueError(
+                "step got rng=..., but loss_fn does not take keys: build the DataParallel with "
+                "rng=True and give loss_fn a last argument rng (one key per example)."
+            )
+        rng_lib.check_key(rng)
     if sync is False and not cfg.accumulates:
         raise ValueError(
             "step(..., sync=False) accumulates gradients, which needs an accumulator: create "
@@ -255,7 +275,29 @@ def _metric_keys(aux_shape: LocalAux) -> list[str]:
 
 def _skips(cfg: StepConfig) -> bool:
     """Whether a synchronising call can skip its update (and reports ``"skipped"``)."""
-    return cfg.skip_not_finite or cfg.weighted
+    return cfg.skip_not_finite or cfg.weighted or cfg.loss_scale is not None
+
+
+def _example_keys(cfg: StepConfig, state: TrainState, rng: Any, batch: Any) -> Any:
+    """This device's per-example keys (see :mod:`jddp._src.rng`), or ``None`` without ``rng``."""
+    if not cfg.rng:
+        return None
+    local = batch_size(batch)
+    call = jnp.zeros((), jnp.int32) if state.accum is None else state.accum.count
+    start = lax.axis_index(cfg.axis_name) * local
+    return rng_lib.example_keys(rng, state.step, local, start=start, call=call)
+
+
+def _scaled(fun: Callable[..., Any], scale: Any) -> Callable[..., Any]:
+    """``fun`` with its differentiated output multiplied by the loss scale (local gradients)."""
+    if scale is None:
+        return fun
+
+    def scaled(*args: Any) -> Any:
+        out = fun(*args)
+        return (out[0] * scale.astype(out[0].dtype), *out[1:])
+
+    return scaled
 
 
 def _local_step(
@@ -268,6 +310,7 @@ def _local_step(
     state: TrainState,
     batch: Any,
     weights: Any,
+    rng: Any = None,
 ) -> LocalResult:
     """The per-device step (inside ``shard_map``); see the module docstring."""
     axis, n, m = cfg.axis_name, cfg.num_devices, cfg.microbatches
@@ -285,19 +328,26 @@ def _local_step(
             # types: the sharded stages run shard_map with check_vma=False).
             params_v = full_params
     ms0 = _start_model_state(cfg, state)
+    # Per-example inputs besides the batch, split like it: the mask's weights and the keys.
+    side = (weights, _example_keys(cfg, state, rng, batch))
     if m > 1:
         micro = acc_lib.split_microbatches(batch, m)
-        wmicro = None if weights is None else acc_lib.split_microbatches(weights, m)
+        wmicro = acc_lib.split_microbatches(side, m)
         last, w_last = jax.tree.map(lambda x: x[m - 1], (micro, wmicro))
     else:
-        micro, wmicro = jax.tree.map(lambda x: x[None], (batch, weights))
-        last, w_last = batch, weights
+        micro, wmicro = jax.tree.map(lambda x: x[None], (batch, side))
+        last, w_last = batch, side
     # The one trace of the user's loss in this program: planning, the scanned micro-batches, the
     # accumulating branch and the reducing evaluation all read this jaxpr.
-    traced = jaxpr_lib.trace(obj, params_v, ms0, last, w_last)
+    traced = jaxpr_lib.trace(obj, params_v, ms0, last, *w_last)
     plan = _plan(cfg, traced, full_params, observer)
     aux_shape: LocalAux = traced.out_shapes[1]
-    grad_fn = jax.grad(jaxpr_lib.as_function(traced), has_aux=True)
+    loss_scale = None if state.loss_scale is None else state.loss_scale.scale
+    grad_of = jax.grad(_scaled(jaxpr_lib.as_function(traced), loss_scale), has_aux=True)
+
+    def grad_fn(p: Any, ms: Any, b: Any, s: Any) -> Any:  # s: the side inputs, as split
+        return grad_of(p, ms, b, *s)
+
     if cfg.zero_stage >= 3 and (m > 1 or acc is not None):
         # Local gradients without a reduction (earlier micro-batches, no-sync calls) need whole
         # parameters: gather every bucket once for them (chained, in first-use order).
@@ -336,6 +386,8 @@ def _local_step(
         offset_leaves = None
         if offset is not None:
             offset_leaves = [o * jnp.asarray(seed, o.dtype) for o in jax.tree.leaves(offset)]
+        # The loss scale is the last micro-batch's seed (the offset's gradients are scaled).
+        loss_seed = seed if loss_scale is None else (1.0 if seed is None else seed) * loss_scale
 
         def extras(out: Any) -> Any:
             aux: LocalAux = out[1]
@@ -347,13 +399,15 @@ def _local_step(
                               axis, n)
 
         red = bucketed_vjp(
-            traced, jax.tree.leaves(state.params), (ms_last, last, w_last), plan=plan,
+            traced, jax.tree.leaves(state.params), (ms_last, last, *w_last), plan=plan,
             axis_name=axis, hook=cfg.hook, hook_state=hook_state, step=state.step, phase=phase,
-            chain=cfg.chain, seed=seed, offset=offset_leaves, extras_fn=extras,
+            chain=cfg.chain, seed=loss_seed, offset=offset_leaves, extras_fn=extras,
             extras_shape=obj.extras_shape(aux_shape, n), sharded=sharded,
         )
         mean = red.extras
         grads = jax.tree.unflatten(jax.tree.structure(state.params), red.grads)
+        if loss_scale is not None:  # unscaled after the reduction: the same on every replica
+            grads = ls_lib.unscale(grads, loss_scale)
         nonempty = jnp.asarray(True)
         if cfg.weighted:
             # grads = mean_dev(sum of local gradients) / count; the wanted mean divides the sum
@@ -361,7 +415,7 @@ def _local_step(
             nonempty = mean.window_weight > 0
             scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-        metrics = mean_metrics(mean, m, count)
+        metrics = mean_metrics(mean, m, count, summed=cfg.sum_metrics, num_devices=n)
         metrics["comm_bytes"] = (
             plan_bytes_sent(cfg.hook, plan, n, state.step) if cfg.zero_stage == 0
             else jnp.asarray(zero.bytes_sent(plan, layout, cfg.zero_stage), jnp.float32)
@@ -516,10 +570,12 @@ def _apply_update(
 ) -> tuple[TrainState, dict]:
     """The optimizer on the reduced gradients and the new state (global view)."""
     metrics = {**res.metrics, **res.local_metrics}
+    if state.loss_scale is not None:
+        metrics["loss_scale"] = state.loss_scale.scale  # the scale this call's gradients used
     if state.accum is not None and sync is False:
         if _skips(cfg):
             metrics["skipped"] = jnp.zeros((), jnp.float32)  # nothing applied, nothing skipped
-        return state.replace(accum=res.accum), metrics
+        return state.replace(accum=res.accum), add_optimizer_metrics(metrics, state.opt_state)
 
     def update() -> TrainState:
         params, opt_state = _optimizer_update(cfg, state, res.grads, layout, plan)
@@ -530,9 +586,11 @@ def _apply_update(
 
     kept = state.replace(accum=None)
     checks = []
-    if cfg.skip_not_finite:
+    finite = None
+    if cfg.skip_not_finite or cfg.loss_scale is not None:
         # Reduced gradients are identical on every replica: so is this decision.
-        checks.append(all_finite(res.grads))
+        finite = all_finite(res.grads)
+        checks.append(finite)
     if cfg.weighted:
         checks.append(res.nonempty)
 
@@ -552,6 +610,13 @@ def _apply_update(
         metrics["skipped"] = jnp.where(
             jnp.logical_and(res.synced, jnp.logical_not(ok)), 1.0, 0.0
         ).astype(jnp.float32)
+    if cfg.loss_scale is not None and state.loss_scale is not None and finite is not None:
+        # Outside the selection above: a skipped step is exactly when the scale must shrink.
+        new_scale = cfg.loss_scale.update(state.loss_scale, finite)
+        if state.accum is not None and sync is None:
+            new_scale = select_tree(res.synced, new_scale, state.loss_scale)
+        new_state = new_state.replace(loss_scale=new_scale)
+    metrics = add_optimizer_metrics(metrics, new_state.opt_state)
     # The accumulator is left out of the selections above: selecting it would copy the donated
     # sums.
     return new_state.replace(accum=res.accum), metrics
@@ -563,6 +628,7 @@ def train_step(
     state: TrainState,
     batch: Any,
     mask: Any = None,
+    rng: Any = None,
     *,
     sync: bool | None = None,
     phase: Any = None,
@@ -575,8 +641,9 @@ def train_step(
       sync: with accumulation, whether this call synchronises (static; ``None``: the state's
         counter decides).
       phase: the hook's static phase for this step (``hook.phase(step)``).
+      rng: the run's PRNG key, with ``rng=True`` (each example's key is derived from it).
     """
-    weights = check_step_inputs(cfg, state, batch, mask, sync)
+    weights = check_step_inputs(cfg, state, batch, mask, sync, rng)
     obj = objective(cfg, state.model_state is not None)
     data = P(cfg.axis_name)
     if any(t == AxisType.Explicit for t in cfg.mesh.axis_types):
@@ -596,20 +663,23 @@ def train_step(
     local = jax.shard_map(
         functools.partial(_local_step, cfg, obj, observe, sync, phase, layout),
         mesh=cfg.mesh,
-        in_specs=(state_specs(cfg, state), data, data),
+        in_specs=(state_specs(cfg, state), data, data, P()),
         out_specs=_result_specs(cfg, state, layout),
         # The sharded stages' reduce-scatter returns values that vma types cannot express as
         # replicated (whole leaves and metrics riding on it): their shard_map is untyped, like
         # pmap, which the bucket hooks support (they do the only reduction either way).
         check_vma=cfg.zero_stage < 2,
     )
-    result = local(state, batch, weights)
+    result = local(state, batch, weights, rng)
     return _apply_update(cfg, state, result, sync, layout, plans[-1])
 
 
-def plan(cfg: StepConfig, state_like: Any, batch_like: Any, mask_like: Any = None) -> BucketPlan:
+def plan(cfg: StepConfig, state_like: Any, batch_like: Any, mask_like: Any = None,
+         rng_like: Any = None) -> BucketPlan:
     """The bucket plan the step uses for these inputs (traced, not compiled or run)."""
     found: list[BucketPlan] = []
+    if cfg.rng and rng_like is None:
+        rng_like = jax.random.key(0)  # any key: only shapes matter
     jax.eval_shape(functools.partial(train_step, cfg, found.append), state_like, batch_like,
-                   mask_like)
+                   mask_like, rng_like)
     return found[-1]

@@ -43,6 +43,24 @@ class AccumState:
 
 
 @struct.dataclass
+class LossScaleState:
+    """Dynamic loss scaling state (``TrainState.loss_scale``), replicated.
+
+    Attributes:
+      scale: float32 scalar, the factor the loss is multiplied by before differentiation.
+      fin_steps: int32 scalar, synchronising steps in a row with finite gradients since the
+        scale last changed (Flax's ``DynamicScale.fin_steps``).
+    """
+
+    scale: jax.Array
+    fin_steps: jax.Array
+
+    if TYPE_CHECKING:
+
+        def replace(self, **updates: Any) -> LossScaleState: ...
+
+
+@struct.dataclass
 class TrainState:
     """Everything a training step reads and writes; an immutable pytree.
 
@@ -57,6 +75,8 @@ class TrainState:
         a leading device dimension (sharded over the data axis).
       accum: local gradient accumulation state (:class:`AccumState`), or ``None`` when not
         accumulating over calls.
+      loss_scale: dynamic loss scaling state (:class:`LossScaleState`), or ``None`` without
+        ``DataParallel(loss_scale=...)`` (states and checkpoints then keep their structure).
     """
 
     step: jax.Array
@@ -65,6 +85,7 @@ class TrainState:
     model_state: Any = None
     hook_state: Any = ()
     accum: AccumState | None = None
+    loss_scale: LossScaleState | None = None
 
     if TYPE_CHECKING:
 

@@ -59,7 +59,7 @@ def _check_live(state: Any) -> None:
 
 
 class Step:
-    """``ddp.step(state, batch, mask=None, *, sync=None) -> (state, metrics)``, compiled.
+    """``ddp.step(state, batch, mask=None, *, sync=None, rng=None) -> (state, metrics)``, compiled.
 
     One object for every configuration: hooks whose collectives change with the step
     (``CommHook.phase``, e.g. PowerSGD's start) get one compiled program per phase, chosen on the
@@ -104,15 +104,17 @@ class Step:
         return int(jax.device_get(step))
 
     def __call__(
-        self, state: TrainState, batch: Any, mask: Any = None, *, sync: bool | None = None
+        self, state: TrainState, batch: Any, mask: Any = None, *, sync: bool | None = None,
+        rng: Any = None,
     ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One step; ``rng`` is the run's PRNG key with ``DataParallel(rng=True)``."""
         if self._donate:
             _check_live(state)
         if jax.process_count() > 1:
             self._check_processes_agree(batch, mask)
         sync = options.step_sync(sync)
         if self._phase_fn is None:
-            return self._jit(state, batch, mask, sync=sync)
+            return self._jit(state, batch, mask, rng, sync=sync)
         step = self._host_step(state)
         phase = self._phase_fn(step)
         if phase != self._last_phase:
@@ -120,12 +122,13 @@ class Step:
             # devices, two executables with collectives in flight at once were seen to deadlock.
             jax.block_until_ready(state)
             self._last_phase = phase
-        new_state, metrics = self._jit(state, batch, mask, sync=sync, phase=phase)
+        new_state, metrics = self._jit(state, batch, mask, rng, sync=sync, phase=phase)
         cfg = self._cfg
         following: int | None = step + 1
         if sync is False:
             following = step
-        elif (cfg.accumulates and sync is None) or cfg.skip_not_finite or cfg.weighted:
+        elif ((cfg.accumulates and sync is None) or cfg.skip_not_finite or cfg.weighted
+              or cfg.loss_scale is not None):
             following = None  # decided on the device; read it back next time
         self._known = None if following is None else (weakref.ref(new_state.step), following)
         return new_state, metrics
@@ -157,7 +160,7 @@ class Step:
 
     def lower(
         self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
-        step: int | None = None,
+        step: int | None = None, rng: Any = None,
     ) -> jax.stages.Lowered:
         """Lowers the program ``self(state, batch, mask, sync=sync)`` would run.
 
@@ -167,6 +170,7 @@ class Step:
             sharding).
           step: the step whose program to lower, for hooks whose program changes with it
             (default: ``state.step``, or 0 for an abstract state).
+          rng: the key (or its shape struct), with ``rng=True`` (default: ``jax.random.key(0)``).
         """
         sync = options.step_sync(sync)
         phase = None
@@ -182,4 +186,6 @@ class Step:
             return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding)
 
         batch, mask = jax.tree.map(place, (batch, mask))
-        return self._jit.lower(state, batch, mask, sync=sync, phase=phase)
+        if self._cfg.rng and rng is None:
+            rng = jax.random.key(0)  # only its shape and dtype matter
+        return self._jit.lower(state, batch, mask, rng, sync=sync, phase=phase)

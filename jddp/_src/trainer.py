@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh
 
 from jddp._src import checks, options, pipeline, watchdog
+from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
 from jddp._src import model_state as ms_lib
 from jddp._src import verify as verify_lib
@@ -99,6 +100,23 @@ class DataParallel:
         keeps only a piece of each parameter, all-gathering each bucket right before its first
         use. Training is the same at every stage, for any optax transformation. See
         docs/sharded.md.
+      rng: ``loss_fn`` takes a last argument ``rng``, one PRNG key per example of its shard, and
+        ``step(state, batch, rng=key)`` takes the run's key; each example's key is derived from
+        the key, ``state.step`` and the example's position in the global batch, so dropout masks
+        differ across devices and steps and equal a single device's (``jddp.random``).
+      sum_metrics: names of aux metrics to sum over devices and micro-batches instead of
+        averaging (counts, token totals); with ``weighted``, arrays shaped like the loss are
+        summed over the real entries. No extra collective.
+      loss_scale: dynamic loss scaling for float16 training, ``jddp.precision.DynamicScale()``
+        (Flax's ``DynamicScale`` rule): the loss is scaled in the backward pass, the reduced
+        gradients unscaled; a step with a non-finite gradient is skipped on every replica and
+        the scale shrinks, it grows after ``growth_interval`` finite steps.
+        ``state.loss_scale`` holds the scale, ``metrics["loss_scale"]`` reports it.
+
+    Metrics: ``metrics["loss"]``, the aux metrics, ``"comm_bytes"``, ``"skipped"`` (with
+    ``skip_not_finite``, ``weighted`` or ``loss_scale``), and every scalar hyperparameter of an
+    ``optax.inject_hyperparams`` optimizer under its name (``"learning_rate"``), read from the
+    optimizer state after the update.
     """
 
     def __init__(
@@ -123,6 +141,9 @@ class DataParallel:
         microbatches: int = 1,
         accumulator_dtype: Any = None,
         zero_stage: options.ZeroStage = 0,
+        rng: bool = False,
+        sum_metrics: tuple[str, ...] = (),
+        loss_scale: ls_lib.DynamicScale | None = None,
         **renamed: Any,
     ) -> None:
         for old, value in renamed.items():
@@ -139,6 +160,12 @@ class DataParallel:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
         cap, first = options.bucket_caps(bucket_cap_mb, first_bucket_mb)
         hook = allreduce_mean() if hook is None else check_hook(hook)
+        summed = options.metric_names(sum_metrics, "sum_metrics")
+        if summed and not has_aux:
+            raise ValueError(
+                f"sum_metrics={summed} names aux metrics, but has_aux=False: return (loss, "
+                "metrics) from loss_fn and pass has_aux=True."
+            )
         config = StepConfig(
             loss_fn=loss_fn,
             optimizer=check_optimizer(optimizer),
@@ -157,6 +184,9 @@ class DataParallel:
             microbatches=options.count(microbatches, "microbatches"),
             accumulator_dtype=options.float_dtype(accumulator_dtype, "accumulator_dtype"),
             zero_stage=options.zero_stage(zero_stage, hook),
+            rng=options.flag(rng, "rng", " Pass the key itself to step(state, batch, rng=key)."),
+            sum_metrics=summed,
+            loss_scale=ls_lib.check_loss_scale(loss_scale),
         )
         plans = PlanLog()
         object.__setattr__(self, "config", config)
@@ -169,8 +199,8 @@ class DataParallel:
     config: StepConfig
     _plans: PlanLog
     step: Step
-    """The compiled step: ``step(state, batch, mask=None, *, sync=None) -> (state, metrics)``;
-    ``step.lower(...)`` gives its program."""
+    """The compiled step: ``step(state, batch, mask=None, *, sync=None, rng=None) -> (state,
+    metrics)``; ``step.lower(...)`` gives its program."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(
@@ -265,7 +295,8 @@ class DataParallel:
         per-device hook and accumulator state are meant to differ, and the leaves a sharded
         stage splits have no replicas to compare.
         """
-        tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+        tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state,
+                "loss_scale": state.loss_scale}
         if self.config.model_state_sync != "none":
             tree["model_state"] = state.model_state
         # At the sharded stages a split leaf has one copy of each piece: nothing to compare.

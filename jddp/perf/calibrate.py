@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jddp._src import mesh as mesh_lib
 from jddp._src import pipeline
 from jddp.perf.costmodel import Link, ModelProfile
+from jddp.random import example_keys
 
 __all__ = [
     "AllReduceFit",
@@ -220,7 +221,11 @@ def profile_step(
     objective = pipeline.objective(ddp.config, stateful=False)
 
     def loss(p, b):
-        return objective(p, None, b, None)[0]
+        # With rng=True the loss takes per-example keys: any keys cost the same.
+        keys = None
+        if ddp.config.rng:
+            keys = example_keys(jax.random.key(0), 0, jax.tree.leaves(b)[0].shape[0])
+        return objective(p, None, b, None, keys)[0]
 
     def fwd(p, b):
         return loss(p, b)

@@ -1,0 +1,126 @@
+"""Metrics: sums declared with sum_metrics (no extra collective), and optimizer-side metrics
+(optax.inject_hyperparams values) in the step's metrics."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jddp
+from tests._models import mlp_params
+
+SIZES = [6, 16, 3]
+
+
+def _classify(params, batch):
+    h = jnp.tanh(batch["x"] @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"])
+    return h @ params["Dense_1"]["kernel"] + params["Dense_1"]["bias"]
+
+
+def _batch(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(n, SIZES[0])).astype(np.float32),
+            "label": rng.integers(0, SIZES[-1], size=(n,)).astype(np.int32)}
+
+
+def _loss(params, batch):
+    logits = _classify(params, batch)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    correct = jnp.sum(jnp.argmax(logits, -1) == batch["label"])
+    return loss, {"correct": correct, "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
+                  "examples": jnp.asarray(batch["label"].shape[0], jnp.float32)}
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_sum_metrics_are_totals_over_devices_and_microbatches(microbatches):
+    params = mlp_params(0, SIZES)
+    batch = _batch(64)
+    ddp = jddp.DataParallel(_loss, optax.sgd(0.0), has_aux=True, microbatches=microbatches,
+                            sum_metrics=("correct", "examples"))
+    _, metrics = ddp.step(ddp.init(params), batch)
+    want = int(np.sum(np.argmax(_classify(params, batch), -1) == batch["label"]))
+    assert 0 < want < 64
+    assert float(metrics["correct"]) == want
+    assert float(metrics["examples"]) == 64.0
+    assert float(metrics["accuracy"]) == pytest.approx(want / 64, abs=1e-6)  # still a mean
+
+
+def test_weighted_sum_metrics_count_real_tokens_only():
+    """Per-token arrays named in sum_metrics are summed over the mask's real entries (weighted),
+    scalars over devices; the token count is the mask's sum."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 5, size=(16, 7)).astype(np.int32)
+    mask = rng.random((16, 7)) < 0.6
+    mask[3] = False  # an example with no real token
+
+    def loss(params, batch):
+        logits = batch["t"][..., None] * params["w"]  # (b, seq, 5)
+        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch["t"])
+        return per_token, {"tokens": jnp.ones_like(per_token), "shards": jnp.ones(())}
+
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1), has_aux=True, weighted=True,
+                            sum_metrics=["tokens", "shards"])
+    _, metrics = ddp.step(ddp.init({"w": jnp.linspace(0.1, 1.0, 5)}), {"t": tokens}, mask=mask)
+    assert float(metrics["tokens"]) == mask.sum()
+    assert float(metrics["shards"]) == 8.0
+
+
+def test_injected_hyperparameters_are_reported_as_metrics():
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 0.1, warmup_steps=3, decay_steps=10)
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.inject_hyperparams(optax.sgd)(learning_rate=schedule, momentum=0.9, nesterov=True),
+    )
+    ddp = jddp.DataParallel(_loss, tx, has_aux=True)
+    state = ddp.init(mlp_params(0, SIZES))
+    lrs = []
+    for i in range(5):
+        state, metrics = ddp.step(state, _batch(32, seed=i))
+        lrs.append(float(metrics["learning_rate"]))
+        assert float(metrics["momentum"]) == pytest.approx(0.9)
+    np.testing.assert_allclose(lrs, [float(schedule(i)) for i in range(5)], rtol=1e-6)
+
+
+def test_two_injected_states_are_told_apart_by_path():
+    tx = optax.chain(optax.inject_hyperparams(optax.scale)(step_size=0.5),
+                     optax.inject_hyperparams(optax.scale)(step_size=-0.1))
+    ddp = jddp.DataParallel(lambda p, b: _loss(p, b)[0], tx)
+    _, metrics = ddp.step(ddp.init(mlp_params(0, SIZES)), _batch(16))
+    assert float(metrics["0.step_size"]) == 0.5
+    assert float(metrics["1.step_size"]) == pytest.approx(-0.1)
+
+
+def test_metric_errors_are_clear():
+    params = mlp_params(0, SIZES)
+    with pytest.raises(ValueError, match=r"sum_metrics=\('correct',\) names aux metrics.*has_aux"):
+        jddp.DataParallel(lambda p, b: _loss(p, b)[0], optax.sgd(0.1), sum_metrics="correct")
+    with pytest.raises(ValueError, match="names a metric twice"):
+        jddp.DataParallel(_loss, optax.sgd(0.1), has_aux=True, sum_metrics=("a", "a"))
+    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), has_aux=True, sum_metrics=("tokens",))
+    with pytest.raises(ValueError, match=r"sum_metrics names \['tokens'\].*\['accuracy', "):
+        ddp.step(ddp.init(params), _batch(16))
+
+    def clashing(p, b):
+        return _loss(p, b)[0], {"learning_rate": jnp.zeros(())}
+
+    ddp = jddp.DataParallel(clashing, optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                            has_aux=True)
+    with pytest.raises(ValueError, match=r"\['learning_rate'\] come both from loss_fn"):
+        ddp.step(ddp.init(params), _batch(16))
+
+
+def test_sum_metrics_and_optimizer_metrics_add_no_collective():
+    """Sums ride on the last bucket's all-reduce like the means; hyperparameters are read from
+    the replicated optimizer state: one all-reduce per bucket, as without them."""
+    from jddp.perf import schedule
+
+    params = mlp_params(0, SIZES)
+    batch = _batch(32)
+    caps = dict(bucket_cap_mb=0.0005, first_bucket_mb=0.0002)
+    ddp = jddp.DataParallel(_loss, optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                            has_aux=True, sum_metrics=("correct", "examples"), **caps)
+    text = ddp.step.lower(ddp.init(params), batch).compile().as_text()
+    assert ddp.bucket_plan.num_buckets >= 2
+    assert len(schedule.collectives(text, "all-reduce")) == ddp.bucket_plan.num_buckets

@@ -2,10 +2,11 @@
 
 What a training script uses is here; the rest is reachable from its module (``jddp.hooks``,
 ``jddp.buckets``, ``jddp.mesh``, ``jddp.verify``, ``jddp.trainer``, ``jddp.distributed``,
-``jddp.checkpoint``, ``jddp.nnx``, and the performance tooling in ``jddp.perf``).
+``jddp.checkpoint``, ``jddp.nnx``, ``jddp.local_sgd``, and the performance tooling in
+``jddp.perf``).
 """
 
-from jddp import buckets, distributed, hooks, mesh, nnx, trainer, verify  # noqa: F401
+from jddp import buckets, distributed, hooks, local_sgd, mesh, nnx, trainer, verify  # noqa: F401
 from jddp._src.hooks import CommHook, HookContext, bf16_compress, fp16_compress, powersgd
 from jddp._src.mesh import data_mesh, replicate, shard_batch
 from jddp._src.planner import BucketPlan, plan_buckets

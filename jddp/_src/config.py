@@ -12,6 +12,8 @@ from jax.sharding import Mesh
 
 from jddp._src import options
 from jddp._src.hooks import CommHook, allreduce_mean
+from jddp._src.local_sgd import LocalSGD
+from jddp._src.mesh import DataAxes, data_axes
 from jddp._src.planner import BucketPlan
 
 
@@ -36,6 +38,8 @@ class StepConfig:
       accumulate_steps: calls per optimizer step (local accumulation in between).
       microbatches: micro-batches scanned inside each call.
       accumulator_dtype: dtype of the local gradient sums (``None``: at least float32).
+      local_sgd: local SGD or DiLoCo (:mod:`jddp._src.local_sgd`): per-replica parameters,
+        averaged every ``period`` steps; ``None`` for plain data parallelism.
     """
 
     loss_fn: Callable[..., Any]
@@ -54,12 +58,18 @@ class StepConfig:
     accumulate_steps: int = 1
     microbatches: int = 1
     accumulator_dtype: np.dtype | None = None
+    local_sgd: LocalSGD | None = None
 
     @property
     def axis_name(self) -> Any:
         """The data axis: the mesh's one axis name, or the tuple of its names for a 2-D mesh."""
         names = tuple(self.mesh.axis_names)
         return names[0] if len(names) == 1 else names
+
+    @property
+    def data_axes(self) -> DataAxes:
+        """The mesh's data axes by level (``hosts`` is ``None`` for a 1-D mesh)."""
+        return data_axes(self.mesh)
 
     @property
     def num_devices(self) -> int:

@@ -42,8 +42,11 @@ from jddp._src.hooks import (
     HookContext,
     allreduce_mean,
     check_hook,
+    gather_invariant,
     hook_name,
     init_hook_state,
+    padded_flat,
+    unflatten_like,
 )
 from jddp._src.planner import BucketPlan, plan_traced
 
@@ -183,6 +186,16 @@ class _BucketSpec(NamedTuple):
     chain: str
     prev_structs: tuple[jax.ShapeDtypeStruct, ...]
     phase: Any
+    hosts_axis: str | None = None
+
+
+def _levels(axis_name: Any, hosts_axis: str | None) -> tuple[str | None, Any]:
+    """``(hosts, local)`` of a reduction over ``axis_name`` for :class:`HookContext`."""
+    names = vma.axis_names(axis_name)
+    if hosts_axis is None or hosts_axis not in names or len(names) < 2:
+        return None, axis_name
+    local = tuple(a for a in names if a != hosts_axis)
+    return hosts_axis, local[0] if len(local) == 1 else local
 
 
 def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
@@ -220,7 +233,8 @@ def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
         grads = tuple(ct_leaves)
         if offset:
             grads = tuple(g + o.astype(g.dtype) for g, o in zip(grads, offset, strict=True))
-        ctx = HookContext(axis_name, axis_size(axis_name), step, spec.bucket, spec.phase)
+        ctx = HookContext(axis_name, axis_size(axis_name), step, spec.bucket, spec.phase,
+                          *_levels(axis_name, spec.hosts_axis))
         n = len(grads)
         extras_out = tuple(jnp.zeros_like(s) for s in sink)
         fuses = getattr(hook, "fuses_extras", False)
@@ -316,6 +330,7 @@ def bucketed_vjp(
     offset: Sequence[Any] | None = None,
     extras_fn: Callable[[Any], Any] | None = None,
     extras_shape: Any = (),
+    hosts_axis: str | None = None,
 ) -> Reduced:
     """Differentiates the first output of ``traced`` with gradients reduced per bucket in backward.
 
@@ -338,6 +353,8 @@ def bucketed_vjp(
         to be averaged over the axis; with a hook that ``fuses_extras`` they ride on the last
         bucket's all-reduce. Called once, on the forward output.
       extras_shape: ``jax.ShapeDtypeStruct``s of what ``extras_fn`` returns.
+      hosts_axis: the name in ``axis_name`` that crosses hosts on a two-level mesh, for the hook
+        (``HookContext.hosts_axis``; see :func:`jddp.hooks.hierarchical`).
     """
     plan.check_tree(jax.tree.unflatten(plan.treedef, list(param_leaves)))
     # Hook state is per device by definition (error-feedback residuals differ between replicas).
@@ -352,7 +369,7 @@ def bucketed_vjp(
     mode = resolve_chain(chain)
     hooks = [
         _bucket_hook(_BucketSpec(b, hook, axis_name, b == last, mode,
-                                 tuple(plan.leaf_structs(b - 1)), phase))
+                                 tuple(plan.leaf_structs(b - 1)), phase, hosts_axis))
         for b in range(plan.num_buckets)
     ]
     extras_leaves_shape = jax.tree.leaves(extras_shape)
@@ -424,6 +441,82 @@ def bucketed_vjp(
     new_states = [hook_state[i] if i in unused else s for i, s in enumerate(new_states)]
     mean_extras = jax.tree.unflatten(jax.tree.structure(extras_shape), list(reduced))
     return Reduced(out, list(grad_leaves), tuple(new_states), mean_extras)
+
+
+# ------------------------------------------------------------ averaging values (local SGD)
+
+
+def bucketed_mean(
+    leaves: Sequence[jax.Array],
+    plan: BucketPlan,
+    axis_name: Any,
+    *,
+    local_axis: Any = None,
+    chain: options.Chain = "auto",
+    extras: Sequence[jax.Array] = (),
+) -> tuple[list[jax.Array], tuple]:
+    """The mean over ``axis_name`` of per-replica values shaped like the plan's leaves (local
+    SGD's parameters, DiLoCo's parameter deltas), one collective per bucket, in plan order (the
+    last layers first), chained like the gradient buckets (:func:`resolve_chain`).
+
+    Leaves the plan leaves out (unused parameters) ride on the last bucket; so do ``extras``
+    (float32 values averaged the same way: the step's loss, metrics, model-state payload).
+
+    With ``local_axis`` the values are equal over it (one replica per host, the devices of a
+    host holding the same copy): each device of a host averages its ``1/L`` slice of the bucket
+    across hosts and an all-gather over ``local_axis`` puts the bucket back together, so a host
+    sends the bucket's bytes across once, not ``L`` times. Must run inside ``shard_map`` over
+    ``axis_name`` (and ``local_axis``).
+
+    Returns:
+      ``(means, extras_means)``: the leaves' means (in ``leaves`` order, no longer varying over
+      the axes) and the extras' means.
+    """
+    mode = resolve_chain(chain)
+    n = axis_size(axis_name)
+    parts = 1 if local_axis is None else axis_size(local_axis)
+    out: list[Any] = list(leaves)
+    extras_out: tuple = tuple(extras)
+    groups = [list(b.indices) for b in plan.buckets]
+    if plan.unused:
+        if groups:
+            groups[-1] += list(plan.unused)
+        else:
+            groups = [list(plan.unused)]
+    if not groups:
+        groups = [[]]
+    dep: Any = None
+    for b, idx in enumerate(groups):
+        last = b == len(groups) - 1
+        vals = tuple(leaves[i] for i in idx)
+        if dep is not None and mode == "add":
+            vals = tuple(v + dep.astype(v.dtype) for v in vals)
+        elif dep is not None and mode == "barrier" and vals:
+            vals, _ = lax.optimization_barrier((vals, dep))
+        scaled = tuple(v * jnp.asarray(1.0 / n, v.dtype) for v in vals)
+        riders = tuple(e / n for e in extras) if last else ()
+        if local_axis is None:
+            summed = lax.psum(scaled + riders, axis_name)
+            means = summed[: len(vals)]
+        else:
+            # This device's 1/L slice of each leaf (equal on every device of the host, so the
+            # slices need no reduction inside the host), averaged across hosts, then gathered.
+            i = lax.axis_index(local_axis)
+            flats = [padded_flat(v, parts) for v in scaled]
+            shards = tuple(
+                lax.dynamic_slice_in_dim(f, i * (f.shape[0] // parts), f.shape[0] // parts)
+                for f in flats
+            )
+            summed = lax.psum(shards + riders, axis_name)
+            full = gather_invariant(summed[: len(vals)], local_axis, axis=0, tiled=True)
+            means = tuple(unflatten_like(f, v) for f, v in zip(full, vals, strict=True))
+        if last:
+            extras_out = tuple(summed[len(vals):])
+        for j, m in zip(idx, means, strict=True):
+            out[j] = m
+        if means:
+            dep = _dependency(means, mode) if mode != "none" else None
+    return out, extras_out
 
 
 # ----------------------------------------------------------------------------- the drop-in

@@ -90,7 +90,7 @@ class Step:
             static_argnames=("sync", "phase"),
             compiler_options=compiler_options or None,
         )
-        self._phase_fn = cfg.hook.phase
+        self._phase_fn = pipeline.step_phase(cfg)
         self._known: tuple[Any, int] | None = None  # (weakref to a returned step array, its value)
         self._last_phase: Any = None
 

@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh
 
 from jddp._src import checks, options, pipeline, watchdog
+from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import mesh as mesh_lib
 from jddp._src import model_state as ms_lib
 from jddp._src import verify as verify_lib
@@ -92,6 +93,11 @@ class DataParallel:
         one step, with one reduction per bucket after the loop.
       accumulator_dtype: dtype of the local gradient sums (default float32, or the parameter dtype
         if wider).
+      local_sgd: ``jddp.local_sgd.post_local_sgd(period, start_step)`` or
+        ``jddp.local_sgd.diloco(period)``: replicas (the hosts of a two-level mesh, else every
+        device) train apart and average their parameters every ``period`` steps; gradients are
+        still reduced inside a host every step. ``state.params`` then holds one copy per replica
+        (read :meth:`global_params` to evaluate). See docs/scaling.md.
     """
 
     def __init__(
@@ -115,6 +121,7 @@ class DataParallel:
         accumulate_steps: int = 1,
         microbatches: int = 1,
         accumulator_dtype: Any = None,
+        local_sgd: local_sgd_lib.LocalSGD | None = None,
         **renamed: Any,
     ) -> None:
         for old, value in renamed.items():
@@ -147,7 +154,9 @@ class DataParallel:
             accumulate_steps=options.count(accumulate_steps, "accumulate_steps"),
             microbatches=options.count(microbatches, "microbatches"),
             accumulator_dtype=options.float_dtype(accumulator_dtype, "accumulator_dtype"),
+            local_sgd=local_sgd_lib.check_local_sgd(local_sgd),
         )
+        local_sgd_lib.check_config(config)
         plans = PlanLog()
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "_plans", plans)
@@ -252,9 +261,25 @@ class DataParallel:
         """Raises :class:`jddp.ReplicaDivergenceError` if replicas of ``state`` differ.
 
         Checks ``step``, ``params``, ``opt_state`` and (unless per-device) ``model_state``; the
-        per-device hook and accumulator state are meant to differ.
+        per-device hook and accumulator state are meant to differ. With local SGD, the copies of
+        each replica (the devices of a host) and DiLoCo's outer state.
         """
         tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
         if self.config.model_state_sync != "none":
             tree["model_state"] = state.model_state
+        if self.config.local_sgd is not None and not self.config.data_axes.two_level:
+            # One replica per device: no two devices hold copies of a replica's leaves.
+            tree = {"step": state.step}
+        if state.outer is not None:
+            tree["outer"] = state.outer
+        # With local SGD the per-replica leaves are compared inside each replica (the devices of
+        # a host), replicated ones everywhere.
         verify_lib.verify_replicas(tree, self.config.mesh, atol=atol)
+
+    def global_params(self, state: TrainState) -> Any:
+        """The parameters to evaluate or export: ``state.params``; with local SGD the mean of the
+        replicas' parameters (each replica's own right after an averaging step), with DiLoCo the
+        outer (global) parameters. Replicated on the mesh."""
+        if self.config.local_sgd is None:
+            return state.params
+        return local_sgd_lib.global_params(self.config, state)

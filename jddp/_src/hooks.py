@@ -529,30 +529,57 @@ def level_axes(ctx: HookContext, hosts_axis: str | None = None) -> tuple[str | N
     return hosts, local[0] if len(local) == 1 else local
 
 
-def hierarchical_mean(grads: Sequence[jax.Array], hosts: str, local: Any,
-                      num_replicas: int) -> tuple[jax.Array, ...]:
+def hierarchical_mean(grads: Sequence[jax.Array], hosts: str, local: Any, num_replicas: int,
+                      concat: bool = False) -> tuple[jax.Array, ...]:
     """The mean over ``(hosts, local)`` of each leaf, in three collectives (Horovod's
     hierarchical all-reduce): a reduce-scatter inside the host, an all-reduce across hosts of
     each device's ``1/L`` shard, and an all-gather inside the host.
 
     Each leaf is flattened and padded to a multiple of the host's device count ``L`` (padding
-    only for leaves whose size is not a multiple: biases, scalars). Leaves of size zero have
-    nothing to send. Must run inside ``shard_map`` over both axes.
+    only for leaves whose size is not a multiple: biases, scalars); with ``concat`` the leaves of
+    each dtype are first copied into one flat buffer, so that each phase is one collective per
+    dtype (XLA:CPU has no reduce-scatter or all-gather combiner; GPU and TPU combine per-leaf
+    ones themselves). Leaves of size zero have nothing to send. Must run inside ``shard_map``
+    over both axes.
     """
     parts = int(math.prod(lax.axis_size(a) for a in vma.axis_names(local)))
     scale = 1.0 / num_replicas
     live = [i for i, g in enumerate(grads) if math.prod(jnp.shape(g))]
-    flats = tuple(padded_flat(grads[i] * jnp.asarray(scale, grads[i].dtype), parts) for i in live)
+    scaled = {i: grads[i] * jnp.asarray(scale, grads[i].dtype) for i in live}
+    if concat:
+        groups: dict[Any, list[int]] = {}
+        for i in live:
+            groups.setdefault(jnp.result_type(grads[i]), []).append(i)
+        flats = tuple(padded_flat(jnp.concatenate([jnp.ravel(scaled[i]) for i in idx]), parts)
+                      for idx in groups.values())
+    else:
+        flats = tuple(padded_flat(scaled[i], parts) for i in live)
     shards = lax.psum_scatter(flats, local, scatter_dimension=0, tiled=True)
     shards = lax.psum(shards, hosts)
     full = _all_gather(shards, local, axis=0, tiled=True)
     out: list[Any] = [jnp.zeros(jnp.shape(g), jnp.result_type(g)) for g in grads]
-    for i, f in zip(live, full, strict=True):
-        out[i] = unflatten_like(f, grads[i])
+    if concat:
+        for f, idx in zip(full, groups.values(), strict=True):
+            start = 0
+            for i in idx:
+                size = math.prod(jnp.shape(grads[i]))
+                out[i] = f[start:start + size].reshape(jnp.shape(grads[i]))
+                start += size
+    else:
+        for i, f in zip(live, full, strict=True):
+            out[i] = unflatten_like(f, grads[i])
     return tuple(out)
 
 
-def hierarchical(hosts_axis: str | None = None) -> CommHook:
+def _platform() -> str:
+    """The platform of the mesh being traced (the default backend outside one)."""
+    try:
+        return str(jax.sharding.get_abstract_mesh().abstract_device.platform)
+    except Exception:  # no mesh context
+        return jax.default_backend()
+
+
+def hierarchical(hosts_axis: str | None = None, *, concat: bool | None = None) -> CommHook:
     """A two-level reduction of each bucket: reduce-scatter inside the host, all-reduce across
     hosts on ``1/L`` of the bucket's bytes (``L`` devices per host), all-gather inside the host.
 
@@ -566,18 +593,32 @@ def hierarchical(hosts_axis: str | None = None) -> CommHook:
     Args:
       hosts_axis: the mesh axis across hosts (default: ``HookContext.hosts_axis``, which
         :class:`jddp.DataParallel` takes from a two-level mesh: its first axis).
+      concat: copy each bucket into one flat buffer first: one reduce-scatter, all-reduce and
+        all-gather per bucket instead of a reduce-scatter and an all-gather per leaf. ``None``
+        (default): on CPU and TPU, whose XLA does not combine the per-leaf collectives, not on
+        GPU, whose XLA combines them itself and whose ``"barrier"`` chain needs the collectives'
+        own outputs (it tied the next bucket to slices of the buffer, and XLA then moved every
+        all-reduce after the backward). Measured in docs/scaling.md.
     """
 
     def reduce(grads, states, ctx: HookContext):
         hosts, local = level_axes(ctx, hosts_axis)
         if hosts is None:
             return _allreduce_mean(grads, states, ctx)
-        return hierarchical_mean(grads, hosts, local, ctx.axis_size), states
+        flat = concat if concat is not None else _platform() not in ("gpu", "cuda", "rocm")
+        return hierarchical_mean(grads, hosts, local, ctx.axis_size, flat), states
 
     def bytes_by_level(leaves, hosts, local, step):
         del step
-        padded = sum((math.prod(x.shape) + (-math.prod(x.shape)) % local)
-                     * jnp.dtype(x.dtype).itemsize for x in leaves)
+        if concat:
+            by_dtype: dict[Any, int] = {}
+            for x in leaves:
+                by_dtype[jnp.dtype(x.dtype)] = by_dtype.get(jnp.dtype(x.dtype), 0) + math.prod(
+                    x.shape)
+            padded = sum((n + (-n) % local) * d.itemsize for d, n in by_dtype.items() if n)
+        else:
+            padded = sum((math.prod(x.shape) + (-math.prod(x.shape)) % local)
+                         * jnp.dtype(x.dtype).itemsize for x in leaves)
         inside = 2.0 * (local - 1) / local * padded  # reduce-scatter + all-gather
         return inside, ring_allreduce_bytes(padded / local, hosts)
 
@@ -586,5 +627,7 @@ def hierarchical(hosts_axis: str | None = None) -> CommHook:
         del step
         return ring_allreduce_bytes(sum(nbytes(x) for x in leaves), axis_size)
 
-    return CommHook(_no_state, reduce, "hierarchical", fuses_extras=True, bytes_sent=bytes_sent,
+    name = {None: "hierarchical", True: "hierarchical[concat]",
+            False: "hierarchical[per-leaf]"}[concat]
+    return CommHook(_no_state, reduce, name, fuses_extras=True, bytes_sent=bytes_sent,
                     bytes_by_level=bytes_by_level)

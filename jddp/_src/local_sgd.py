@@ -328,7 +328,7 @@ def _local_step(
         new_ms = obj.decode_state(mean, red.out[1].model_state, n)
         aux = LocalAux(new_ms, mean.metrics, {"loss": mean.window_loss}, None)
         hook_state = add_device_dim(red.hook_state)
-        metrics = mean_metrics(mean, 1, 1.0)
+        metrics = mean_metrics(mean, 1, 1.0)  # replaced below unless the mean is global (sync)
         if axes.two_level and kind == SYNC:
             inside, across = plan_bytes_by_level(cfg.hook, plan, r, local_n, state.step)
         else:
@@ -338,9 +338,11 @@ def _local_step(
         grads, aux = jax.grad(jaxpr_lib.as_function(traced), has_aux=True)(
             params_v, ms, batch, weights)
         grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)
-        metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in aux_shape.metrics}
-        metrics["loss"] = jnp.full((), jnp.nan, jnp.float32)
         inside = across = jnp.zeros((), jnp.float32)
+    if kind != SYNC:
+        # The global metrics need a cross-replica collective: "not computed" on a local step
+        # (like an accumulating call), the averaging below fills them in.
+        metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in [*aux_shape.metrics, "loss"]}
 
     # The replica's own optimizer step: clip_by_global_norm and friends see this replica's
     # gradient (the in-host mean on a two-level mesh, the global mean in a "sync" step).

@@ -96,15 +96,22 @@ def _dependency(reduced: Sequence[jax.Array], chain: str) -> Any:
     return jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0)
 
 
-def _dep_zeros(chain: str, structs: Sequence[jax.ShapeDtypeStruct], axis_name: Any) -> Any:
+def _dep_zeros(chain: str, structs: Sequence[jax.ShapeDtypeStruct], axis_name: Any,
+               other: tuple = ()) -> Any:
     """The forward value of a token's dependency part (its cotangent carries the real thing).
 
     ``"barrier"`` needs the previous bucket's reduced arrays themselves: an optimization barrier
     on a scalar derived from them does not keep XLA's GPU combiner from merging the buckets.
+    ``other``: mesh axes the reduced values still vary over (see :func:`bucketed_vjp`).
     """
     if chain == "barrier":
-        return tuple(vma.to_varying(jnp.zeros(s.shape, s.dtype), axis_name) for s in structs)
-    return jnp.zeros((), jnp.float32)
+        axes = (*vma.axis_names(axis_name), *other)
+        return tuple(vma.to_varying(jnp.zeros(s.shape, s.dtype), axes) for s in structs)
+    return _vary(jnp.zeros((), jnp.float32), other)
+
+
+def _vary(x: Any, axes: tuple) -> Any:
+    return vma.to_varying(x, axes) if axes else x
 
 
 def _float0_like(x: Any) -> Any:
@@ -187,6 +194,7 @@ class _BucketSpec(NamedTuple):
     prev_structs: tuple[jax.ShapeDtypeStruct, ...]
     phase: Any
     hosts_axis: str | None = None
+    other_axes: tuple = ()
 
 
 def _levels(axis_name: Any, hosts_axis: str | None) -> tuple[str | None, Any]:
@@ -217,7 +225,7 @@ def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
     @jax.custom_vjp
     def ident(token, leaves, states, offset, step, sink):
         del states, offset, step, sink
-        token_out = (_dep_zeros(chain, spec.prev_structs, axis_name), token[1])
+        token_out = (_dep_zeros(chain, spec.prev_structs, axis_name, spec.other_axes), token[1])
         return token_out, tuple(vma.to_varying(x, axis_name) for x in leaves)
 
     def fwd(token, leaves, states, offset, step, sink):
@@ -367,14 +375,22 @@ def bucketed_vjp(
     owner = {i: b for b, bucket in enumerate(plan.buckets) for i in bucket.indices}
     last = plan.num_buckets - 1
     mode = resolve_chain(chain)
+    # Mesh axes the inputs vary over besides the reduced ones (a reduction inside each host of a
+    # two-level mesh, with per-host parameters): the reduced values still vary over them, and
+    # so must the tokens and extras that carry them.
+    names = vma.axis_names(axis_name)
+    seen = frozenset().union(*(vma.varying_axes(x) for x in jax.tree.leaves(
+        (tuple(param_leaves), tuple(args)))))
+    other = tuple(a for a in sorted(seen) if a not in names)
+    everywhere = (*names, *other)
     hooks = [
         _bucket_hook(_BucketSpec(b, hook, axis_name, b == last, mode,
-                                 tuple(plan.leaf_structs(b - 1)), phase, hosts_axis))
+                                 tuple(plan.leaf_structs(b - 1)), phase, hosts_axis, other))
         for b in range(plan.num_buckets)
     ]
     extras_leaves_shape = jax.tree.leaves(extras_shape)
     extras_zero = tuple(
-        vma.to_varying(jnp.zeros(e.shape, jnp.float32), axis_name) for e in extras_leaves_shape
+        vma.to_varying(jnp.zeros(e.shape, jnp.float32), everywhere) for e in extras_leaves_shape
     )
 
     def run(leaves_in, states, token0, sink):
@@ -412,8 +428,8 @@ def bucketed_vjp(
         loss = jax.tree.leaves(out)[0]
         return (loss, token[0]), out
 
-    token0 = (_dep_zeros(mode, plan.leaf_structs(last), axis_name), extras_zero)
-    sink0 = tuple(jnp.zeros(e.shape, jnp.float32) for e in extras_leaves_shape)
+    token0 = (_dep_zeros(mode, plan.leaf_structs(last), axis_name, other), extras_zero)
+    sink0 = tuple(_vary(jnp.zeros(e.shape, jnp.float32), other) for e in extras_leaves_shape)
     (loss, _), vjp_fn, out = jax.vjp(
         run, tuple(param_leaves), tuple(hook_state), token0, sink0, has_aux=True
     )
@@ -423,12 +439,14 @@ def bucketed_vjp(
         if jax.tree.structure(values) != jax.tree.structure(extras_shape):  # type: ignore[operator]
             raise AssertionError("extras_fn does not match extras_shape")  # a jddp bug, not user's
         extras = tuple(
-            vma.to_varying(jnp.asarray(e, jnp.float32), axis_name) for e in jax.tree.leaves(values)
+            vma.to_varying(jnp.asarray(e, jnp.float32), everywhere)
+            for e in jax.tree.leaves(values)
         )
     if seed is None:
         seed = jnp.ones_like(loss)
-    seed = vma.match_varying(jnp.asarray(seed, loss.dtype), vma.varying_axes(loss), axis_name)
-    ct_token = (_dep_zeros(mode, [], axis_name), extras if plan.num_buckets else extras_zero)
+    seed = _vary(jnp.asarray(seed, loss.dtype), tuple(sorted(vma.varying_axes(loss))))
+    ct_token = (_dep_zeros(mode, [], axis_name, other),
+                extras if plan.num_buckets else extras_zero)
     grad_leaves, new_states, _, reduced = vjp_fn((seed, ct_token))
     if not plan.num_buckets:
         reduced = tuple(lax.pmean(extras, axis_name)) if extras else ()

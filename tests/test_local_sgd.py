@@ -56,7 +56,8 @@ def _reference(params, ms, inner, spec, batches, replicas, stateful):
     for step, batch in enumerate(batches):
         kind = spec.kind(step)
         b = batch["x"].shape[0] // DEVICES
-        shards = [jax.tree.map(lambda x, d=d: x[d * b:(d + 1) * b], batch) for d in range(DEVICES)]
+        shards = [jax.tree.map(lambda x, d=d, b=b: x[d * b:(d + 1) * b], batch)
+                  for d in range(DEVICES)]
         out = [dev_grad(ps[d // per], mss[d // per], shards[d]) for d in range(DEVICES)]
         if kind == "sync":
             g_all = mean([g for g, _ in out])

@@ -54,7 +54,7 @@ from jddp._src.hooks import (
     ring_allgather_bytes,
     ring_allreduce_bytes,
 )
-from jddp._src.mesh import DataAxes, data_axes
+from jddp._src.mesh import DataAxes
 from jddp._src.objective import Extras, LocalAux, Objective, mean_metrics
 from jddp._src.planner import BucketPlan
 from jddp._src.reduction import bucketed_mean, bucketed_vjp

@@ -6,11 +6,10 @@ global batch 256, with each variant alternated after warm-up, in the same two pr
 - ``flat 1-D``: the default 1-D mesh, one all-reduce per bucket over all 8 devices;
 - ``flat 2-D``: the two-level mesh (``jddp.data_mesh(hosts="process")``), default hook (the same
   all-reduce over both axes);
-- ``hierarchical per-leaf``: ``jddp.hooks.hierarchical(concat=False)``: per bucket a
-  reduce-scatter per leaf inside the process, one all-reduce across processes on 1/4 of the
-  bytes, an all-gather per leaf;
-- ``hierarchical``: ``jddp.hooks.hierarchical()`` (on CPU: each bucket copied into one flat
-  buffer first, one collective per phase).
+- ``hierarchical``: ``jddp.hooks.hierarchical()``: per bucket a reduce-scatter per leaf inside
+  the process, one all-reduce across processes on 1/4 of the bytes, an all-gather per leaf;
+- ``hierarchical concat``: ``hierarchical(concat=True)``: each bucket copied into one flat
+  buffer first, one collective per phase.
 
 Bytes are **measured** on the processes' TCP sockets (``ss -tinp``: ``bytes_sent`` of every
 socket a rank owns, split by whether the peer socket belongs to the other rank or to itself:
@@ -34,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = ["flat 1-D", "flat 2-D", "hierarchical per-leaf", "hierarchical"]
+VARIANTS = ["flat 1-D", "flat 2-D", "hierarchical", "hierarchical concat"]
 
 
 def _sockets() -> list[tuple[str, str, list[int], int]]:
@@ -95,14 +94,15 @@ def _worker(args: argparse.Namespace) -> None:
     setups = {
         "flat 1-D": (mesh1, None),
         "flat 2-D": (mesh2, None),
-        "hierarchical per-leaf": (mesh2, jddp.hooks.hierarchical(concat=False)),
         "hierarchical": (mesh2, jddp.hooks.hierarchical()),
+        "hierarchical concat": (mesh2, jddp.hooks.hierarchical(concat=True)),
     }
     runs = {}
     for name in args.variants:
         mesh, hook = setups[name]
         data = jddp.global_batch_from_local(host, mesh)
-        ddp = jddp.DataParallel(mlp_loss, optax.sgd(1e-3), mesh=mesh, hook=hook)
+        ddp = jddp.DataParallel(mlp_loss, optax.sgd(1e-3), mesh=mesh, hook=hook,
+                                bucket_cap_mb=args.bucket_cap_mb)
         state = ddp.init(params)
         text = ddp.step.lower(state, data).compile().as_text()
         model = traffic(text, jddp.mesh.host_of_device(mesh2))
@@ -181,6 +181,7 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     args = p.parse_args()
     if os.environ.get("JDDP_COORDINATOR"):
         _worker(args)

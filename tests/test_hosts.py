@@ -149,11 +149,11 @@ def _compiled(hook, cap=0.004, first=0.0001):
     return ddp.bucket_plan, text, traffic(text, jddp.mesh.host_of_device(mesh))
 
 
-@pytest.mark.parametrize("concat", [None, False])
+@pytest.mark.parametrize("concat", [False, True])
 def test_hierarchical_compiled_program(concat):
     """Per bucket, in bucket order: reduce-scatter(s) inside each host, ONE all-reduce across
     hosts on 1/4 of the bucket's bytes (the loss rides on the last), all-gather(s) inside the
-    host. On CPU the default copies each bucket into one buffer (one collective per phase)."""
+    host. With ``concat`` each bucket is one buffer (one collective per phase)."""
     plan, text, tr = _compiled(jddp.hooks.hierarchical(concat=concat))
     assert plan.num_buckets >= 4
     inside_groups = ((0, 1, 2, 3), (4, 5, 6, 7))
@@ -167,7 +167,7 @@ def test_hierarchical_compiled_program(concat):
             sizes = [int(np.prod(plan.shapes[i])) for i in plan.buckets[bucket].indices]
             if bucket == plan.num_buckets - 1:
                 sizes.append(1)  # the loss rides along
-            if concat is None:  # one buffer, padded to a multiple of 4 floats
+            if concat:  # one buffer, padded to a multiple of 4 floats
                 floats = sum(sizes) + (-sum(sizes)) % 4
             else:  # each leaf padded
                 floats = sum(n + (-n) % 4 for n in sizes)
@@ -183,7 +183,7 @@ def test_hierarchical_compiled_program(concat):
     order = [(b, {"RS": 0, "AR": 1, "AG": 2}[k]) for k, b in
              [(k, b - (k == "AG")) for k, b in phases]]
     assert order == sorted(order), phases
-    if concat is None:  # one collective per phase and bucket
+    if concat:  # one collective per phase and bucket
         assert tr.by_kind() == {"reduce-scatter": plan.num_buckets,
                                 "all-reduce": plan.num_buckets, "all-gather": plan.num_buckets}
     # Interleaved with the backward: the early buckets' all-reduces come before the remaining

@@ -571,15 +571,7 @@ def hierarchical_mean(grads: Sequence[jax.Array], hosts: str, local: Any, num_re
     return tuple(out)
 
 
-def _platform() -> str:
-    """The platform of the mesh being traced (the default backend outside one)."""
-    try:
-        return str(jax.sharding.get_abstract_mesh().abstract_device.platform)
-    except Exception:  # no mesh context
-        return jax.default_backend()
-
-
-def hierarchical(hosts_axis: str | None = None, *, concat: bool | None = None) -> CommHook:
+def hierarchical(hosts_axis: str | None = None, *, concat: bool = False) -> CommHook:
     """A two-level reduction of each bucket: reduce-scatter inside the host, all-reduce across
     hosts on ``1/L`` of the bucket's bytes (``L`` devices per host), all-gather inside the host.
 
@@ -593,20 +585,21 @@ def hierarchical(hosts_axis: str | None = None, *, concat: bool | None = None) -
     Args:
       hosts_axis: the mesh axis across hosts (default: ``HookContext.hosts_axis``, which
         :class:`jddp.DataParallel` takes from a two-level mesh: its first axis).
-      concat: copy each bucket into one flat buffer first: one reduce-scatter, all-reduce and
-        all-gather per bucket instead of a reduce-scatter and an all-gather per leaf. ``None``
-        (default): on CPU and TPU, whose XLA does not combine the per-leaf collectives, not on
-        GPU, whose XLA combines them itself and whose ``"barrier"`` chain needs the collectives'
-        own outputs (it tied the next bucket to slices of the buffer, and XLA then moved every
-        all-reduce after the backward). Measured in docs/scaling.md.
+      concat: copy each bucket into one flat buffer per dtype first: one reduce-scatter,
+        all-reduce and all-gather per bucket instead of a reduce-scatter and an all-gather per
+        leaf. XLA:CPU has no combiner for those, so on Gloo each per-leaf one is a call of its
+        own: it paid off on a 4 MiB model (1.08x the flat step against 1.18x) and cost on a 40 MiB
+        one (1.40x against 1.24x: the copies). On GPU XLA combines the per-leaf collectives
+        itself, and a buffer breaks the ``"barrier"`` chain (it ties the next bucket to slices of
+        the buffer; XLA then moved every cross-host all-reduce after the backward pass).
+        Measurements in docs/scaling.md.
     """
 
     def reduce(grads, states, ctx: HookContext):
         hosts, local = level_axes(ctx, hosts_axis)
         if hosts is None:
             return _allreduce_mean(grads, states, ctx)
-        flat = concat if concat is not None else _platform() not in ("gpu", "cuda", "rocm")
-        return hierarchical_mean(grads, hosts, local, ctx.axis_size, flat), states
+        return hierarchical_mean(grads, hosts, local, ctx.axis_size, concat), states
 
     def bytes_by_level(leaves, hosts, local, step):
         del step
@@ -627,7 +620,6 @@ def hierarchical(hosts_axis: str | None = None, *, concat: bool | None = None) -
         del step
         return ring_allreduce_bytes(sum(nbytes(x) for x in leaves), axis_size)
 
-    name = {None: "hierarchical", True: "hierarchical[concat]",
-            False: "hierarchical[per-leaf]"}[concat]
+    name = "hierarchical[concat]" if concat else "hierarchical"
     return CommHook(_no_state, reduce, name, fuses_extras=True, bytes_sent=bytes_sent,
                     bytes_by_level=bytes_by_level)

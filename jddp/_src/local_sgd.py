@@ -435,9 +435,14 @@ def global_params(cfg: StepConfig, state: TrainState) -> Any:
     after one)."""
     if state.outer is not None:
         return state.outer.params
-    rep = NamedSharding(cfg.mesh, P())
-    mean = jax.jit(
+    return _replica_mean(cfg.mesh)(state.params)
+
+
+@functools.lru_cache(maxsize=8)
+def _replica_mean(mesh: Any) -> Callable[[Any], Any]:
+    """The jitted mean over the leading replica dimension, replicated on ``mesh`` (one compile per
+    mesh and tree, not one per call)."""
+    return jax.jit(
         lambda p: jax.tree.map(lambda x: jnp.mean(x, axis=0).astype(x.dtype), p),
-        out_shardings=rep,
+        out_shardings=NamedSharding(mesh, P()),
     )
-    return mean(state.params)

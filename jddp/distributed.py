@@ -439,8 +439,11 @@ def is_main_process() -> bool:
 
 
 def _data_axis(mesh: Mesh, axis: Any) -> Any:
-    """``axis``, or by default every data axis of ``mesh`` (both of a two-level mesh)."""
-    return mesh_lib.mesh_axis(mesh) if axis is None else axis
+    """``axis``; by default ``"data"`` if the mesh has that axis (a model-parallel mesh keeps its
+    other axes for the model), else every data axis of ``mesh`` (both of a two-level mesh)."""
+    if axis is not None:
+        return axis
+    return "data" if "data" in mesh.axis_names else mesh_lib.mesh_axis(mesh)
 
 
 def _axis_size(mesh: Mesh, axis: Any) -> int:
@@ -470,7 +473,7 @@ def local_slice(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
     """Returns the rows of a global host batch that this process's devices hold.
 
     Every leaf's leading dimension is the global batch, split over mesh axis `axis` (default:
-    every data axis of the mesh, both of a two-level one). The result is what
+    `"data"`, or both axes of a two-level `(hosts, local)` mesh). The result is what
     `global_batch_from_local` expects, so `global_batch_from_local(local_slice(b, mesh), mesh)`
     places `b` across all processes. In a single-process run it is the whole batch.
     """
@@ -501,7 +504,8 @@ def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: Any = None) -
 
     Every process calls it with its own rows (its local batch); the leading dimension of the
     result is the global batch (local rows x processes along `axis`), sharded over `axis`
-    (default: every data axis of the mesh). Wraps `jax.make_array_from_process_local_data`.
+    (default: `"data"`, or both axes of a two-level `(hosts, local)` mesh). Wraps
+    `jax.make_array_from_process_local_data`.
     """
     axis = _data_axis(mesh, axis)
 
@@ -514,7 +518,7 @@ def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: Any = None) -
 
 def shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
     """Places a global host batch, present on every process, as a batch sharded over `axis`
-    (default: every data axis of the mesh).
+    (default: `"data"`, or both axes of a two-level `(hosts, local)` mesh).
 
     For data sets small enough that every process holds (or generates) all of it; each process
     transfers only its own rows to its devices.

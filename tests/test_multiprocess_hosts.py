@@ -111,7 +111,11 @@ def test_two_level_mesh_over_gloo_matches_simulated_hosts(tmp_path):
     # Only one all-reduce per bucket crosses the process boundary, for every variant.
     assert two["flat"]["across"] == {"all-reduce": n}
     assert two["hierarchical"]["across"] == {"all-reduce": n}
-    assert two["hierarchical"]["inside"] == {"reduce-scatter": n, "all-gather": n}
+    # Inside each process: a reduce-scatter and an all-gather per leaf (XLA:CPU has no combiner
+    # for them), the loss riding along.
+    inside = two["hierarchical"]["inside"]
+    assert set(inside) == {"reduce-scatter", "all-gather"}
+    assert inside["reduce-scatter"] == inside["all-gather"] == 6 + 1
     assert two["diloco"]["across"] == {"all-reduce": n}
     # Bytes per process across the boundary: 2 (N-1)/N = 1.75x the gradient bytes flat, 1x
     # hierarchical (ring model of the compiled program; benchmarks/hierarchical.py measures it).

@@ -576,7 +576,8 @@ def hierarchical(hosts_axis: str | None = None, *, concat: bool = False) -> Comm
     hosts on ``1/L`` of the bucket's bytes (``L`` devices per host), all-gather inside the host.
 
     Horovod's hierarchical all-reduce, for a two-level data mesh (``jddp.data_mesh(hosts=...)``):
-    each device sends ``2 (H-1)/H x bytes / L`` across hosts, the three collectives of a bucket
+    with ``M`` hosts, each device sends ``2 (M-1)/M x bytes / L`` across hosts (a flat ring:
+    ``2 (N-1)/N x bytes`` per host), the three collectives of a bucket
     are chained to the next bucket like a plain all-reduce, and the step's loss, metrics and model
     state still ride on the last bucket. Equal to the flat mean (``allreduce_mean``) up to
     summation order. On a 1-D mesh, or a reduction over one level only (local SGD's steps inside
@@ -588,8 +589,9 @@ def hierarchical(hosts_axis: str | None = None, *, concat: bool = False) -> Comm
       concat: copy each bucket into one flat buffer per dtype first: one reduce-scatter,
         all-reduce and all-gather per bucket instead of a reduce-scatter and an all-gather per
         leaf. XLA:CPU has no combiner for those, so on Gloo each per-leaf one is a call of its
-        own: it paid off on a 4 MiB model (1.08x the flat step against 1.18x) and cost on a 40 MiB
-        one (1.40x against 1.24x: the copies). On GPU XLA combines the per-leaf collectives
+        own: it paid off on a 4 MiB model (1.08x the flat step against 1.18x) and was within
+        noise on a 40 MiB one (1.24x against 1.30x in one run, 1.40x against 1.24x in another:
+        the copies). On GPU XLA combines the per-leaf collectives
         itself, and a buffer breaks the ``"barrier"`` chain (it ties the next bucket to slices of
         the buffer; XLA then moved every cross-host all-reduce after the backward pass).
         Measurements in docs/scaling.md.

@@ -35,8 +35,8 @@ lint: $(VENV)/.test-deps
 	$(VENV)/bin/mypy
 	$(PY) docs/gen_api.py --check
 
-# Every benchmark: tables on stdout, JSON and PNG under benchmarks/out/ (about 20 minutes on 2
-# cores; the GPU overlap report alone takes 3-6).
+# Every benchmark: tables on stdout, JSON and PNG under benchmarks/out/ (about 40 minutes on 2
+# cores; the GPU overlap report alone takes 3-6, the local SGD convergence runs about 10).
 OUT := benchmarks/out
 bench: $(VENV)/.test-deps
 	$(PY) benchmarks/step_time.py --sweep --json $(OUT)/step_time.json
@@ -45,6 +45,10 @@ bench: $(VENV)/.test-deps
 	$(PY) benchmarks/costmodel_validate.py --json $(OUT)/costmodel_validate.json --png $(OUT)/costmodel_validate.png
 	$(PY) benchmarks/scaling_predictions.py --json $(OUT)/scaling_predictions.json --png $(OUT)/scaling_predictions.png
 	$(PY) benchmarks/gpu_overlap.py --out $(OUT)
+	$(PY) benchmarks/hierarchical.py --json $(OUT)/hierarchical.json
+	$(PY) benchmarks/level_bytes.py --json $(OUT)/level_bytes.json
+	$(PY) benchmarks/local_sgd_digits.py --json $(OUT)/local_sgd_digits.json --png $(OUT)/local_sgd_digits.png
+	$(PY) benchmarks/scaling_hosts.py --json $(OUT)/scaling_hosts.json --png $(OUT)/scaling_hosts.png
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

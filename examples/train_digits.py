@@ -5,7 +5,10 @@ Runs on 8 simulated CPU devices by default::
     python examples/train_digits.py --devices 8 --epochs 12 --batch-size 128 --json digits.json
 
 Each step splits the global batch over the devices of the data mesh, and jddp averages the
-gradients in buckets from inside the backward pass.
+gradients in buckets from inside the backward pass. ``--local-sgd H`` / ``--diloco H`` train the 8
+replicas apart and average every H steps instead (see docs/scaling.md)::
+
+    python examples/train_digits.py --diloco 16
 
 With ``--checkpoint-dir`` it survives failures and preemption: it resumes from the latest
 checkpoint (the data order follows from the step), saves every ``--save-every`` steps, and on
@@ -40,6 +43,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="resume from the latest checkpoint here, save to it (and on SIGTERM)")
     p.add_argument("--save-every", type=int, default=50,
                    help="steps between checkpoints with --checkpoint-dir (default 50)")
+    p.add_argument("--hosts", default=None,
+                   help="a two-level (hosts, local) mesh: 'process' (one row per process) or the "
+                        "number of simulated hosts")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="reduce gradients hierarchically (needs --hosts)")
+    p.add_argument("--local-sgd", type=int, default=None, metavar="H",
+                   help="post-local SGD: average the replicas' parameters every H steps")
+    p.add_argument("--local-sgd-start", type=int, default=0,
+                   help="plain data-parallel steps before local SGD starts")
+    p.add_argument("--diloco", type=int, default=None, metavar="H",
+                   help="DiLoCo: an outer Nesterov step on the averaged delta every H steps")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
     return p.parse_args(argv)
 
 
@@ -91,13 +107,23 @@ def main(argv: list[str] | None = None) -> dict:
         accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
         return loss, {"accuracy": accuracy}
 
-    mesh = jddp.data_mesh()
+    hosts = args.hosts if args.hosts in (None, "process") else int(args.hosts)
+    mesh = jddp.data_mesh(hosts=hosts)
     n_dev = mesh.size
     if args.batch_size % n_dev:
         sys.exit(f"--batch-size {args.batch_size} must be a multiple of the {n_dev} devices.")
+    local_sgd = None
+    if args.local_sgd and args.diloco:
+        sys.exit("--local-sgd and --diloco are two algorithms: pick one.")
+    if args.local_sgd:
+        local_sgd = jddp.local_sgd.post_local_sgd(args.local_sgd, args.local_sgd_start)
+    elif args.diloco:
+        local_sgd = jddp.local_sgd.diloco(args.diloco, outer_lr=args.outer_lr,
+                                          outer_momentum=args.outer_momentum)
     ddp = jddp.DataParallel(
         loss_fn, optax.adam(args.lr), mesh=mesh, has_aux=True,
         bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
+        hook=jddp.hooks.hierarchical() if args.hierarchical else None, local_sgd=local_sgd,
     )
     if args.checkpoint_dir:
         import jddp.checkpoint as ckpt
@@ -133,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         first = max(0, start_step - (epoch - 1) * steps_per_epoch)
         if first >= steps_per_epoch:
             continue
-        losses, accs = [], []
+        losses, accs, sent, sent_hosts = [], [], [], []
         bar = tqdm(range(first, steps_per_epoch), desc=f"epoch {epoch:>2}/{args.epochs}",
                    unit="step", disable=args.no_progress or not is_main, leave=False)
         t0 = time.perf_counter()
@@ -144,22 +170,33 @@ def main(argv: list[str] | None = None) -> dict:
             state, metrics = ddp.step(state, batch)
             if mngr is not None:  # on the interval; after SIGTERM: save, then exit with 75
                 ckpt.save_if_due(mngr, state, step=(epoch - 1) * steps_per_epoch + i + 1)
-            losses.append(metrics["loss"])
+            # With local SGD, "loss" and "accuracy" are only computed on averaging steps (NaN
+            # otherwise): each replica's own loss is in "replica_loss".
+            losses.append(metrics["replica_loss"].mean() if local_sgd else metrics["loss"])
             accs.append(metrics["accuracy"])
+            sent.append(metrics["comm_bytes"])
+            sent_hosts.append(metrics.get("comm_bytes_hosts", metrics["comm_bytes"]))
             if i % 4 == 0:
-                bar.set_postfix(loss=f"{float(metrics['loss']):.4f}")
+                bar.set_postfix(loss=f"{float(losses[-1]):.4f}")
         jax.block_until_ready(state.params)
         dt = time.perf_counter() - t0
         if epoch > 1 and first == 0:  # the first epoch (or a resumed one) includes compilation
             train_time += dt
             examples += steps_per_epoch * args.batch_size
-        test_acc = float(evaluate(state.params, x_test, y_test))
+        # The model to evaluate: state.params, or with local SGD the replicas' average
+        # (DiLoCo: the global parameters).
+        test_acc = float(evaluate(ddp.global_params(state), x_test, y_test))
+        acc_values = [float(v) for v in accs if not np.isnan(float(v))]
         row = {
             "epoch": epoch,
             "loss": float(np.mean([float(v) for v in losses])),
-            "train_accuracy": float(np.mean([float(v) for v in accs])),
+            "train_accuracy": float(np.mean(acc_values)) if acc_values else float("nan"),
             "test_accuracy": test_acc,
             "seconds": dt,
+            # Bytes one device sent for gradients and parameters this epoch (the ring model of
+            # metrics["comm_bytes"]); across replicas (hosts, or every device of a 1-D mesh).
+            "comm_bytes": float(np.sum([float(v) for v in sent])),
+            "comm_bytes_across": float(np.sum([float(v) for v in sent_hosts])),
         }
         history.append(row)
         log(f"epoch {epoch:>2}: loss {row['loss']:.4f}  train acc {row['train_accuracy']:.3f}  "
@@ -168,10 +205,10 @@ def main(argv: list[str] | None = None) -> dict:
     throughput = examples / train_time if train_time else float("nan")
     # Identifies the final parameters bit for bit (each process holds a full replica).
     digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(state.params):
+    for leaf in jax.tree.leaves(ddp.global_params(state)):
         digest.update(np.asarray(leaf.addressable_data(0)).tobytes())
     if not history:  # resumed after the last step: nothing left to train
-        test_acc = float(evaluate(state.params, x_test, y_test))
+        test_acc = float(evaluate(ddp.global_params(state), x_test, y_test))
         history.append({"epoch": args.epochs, "loss": float("nan"), "train_accuracy": float("nan"),
                         "test_accuracy": test_acc, "seconds": 0.0})
     result = {
@@ -182,6 +219,10 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": int(state.step),
         "params": int(n_params),
         "buckets": ddp.bucket_plan.num_buckets,
+        "local_sgd": None if local_sgd is None else {
+            "algorithm": "diloco" if local_sgd.diloco else "post_local_sgd",
+            "period": local_sgd.period, "start_step": local_sgd.start_step},
+        "mesh": dict(mesh.shape),
         "final_test_accuracy": history[-1]["test_accuracy"],
         "final_loss": history[-1]["loss"],
         "examples_per_second": throughput,

@@ -2,8 +2,8 @@
 
 What a training script uses is here; the rest is reachable from its module (``jddp.hooks``,
 ``jddp.buckets``, ``jddp.mesh``, ``jddp.verify``, ``jddp.trainer``, ``jddp.distributed``,
-``jddp.checkpoint``, ``jddp.nnx``, ``jddp.random``, ``jddp.precision``, ``jddp.evaluation``,
-and the performance tooling in ``jddp.perf``).
+``jddp.checkpoint``, ``jddp.nnx``, ``jddp.local_sgd``, ``jddp.random``, ``jddp.precision``,
+``jddp.evaluation``, and the performance tooling in ``jddp.perf``).
 """
 
 from jddp import (  # noqa: F401
@@ -11,6 +11,7 @@ from jddp import (  # noqa: F401
     distributed,
     evaluation,
     hooks,
+    local_sgd,
     mesh,
     nnx,
     precision,

@@ -43,6 +43,7 @@ from jax._src import distributed as _jax_distributed  # read-only: the coordinat
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jddp._src import mesh as mesh_lib
 from jddp._src import watchdog
 from jddp._src.watchdog import report_progress
 
@@ -432,13 +433,26 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def _batch_sharding(mesh: Mesh, axis: str, ndim: int) -> NamedSharding:
+def _data_axis(mesh: Mesh, axis: Any) -> Any:
+    """``axis``; by default ``"data"`` if the mesh has that axis (a model-parallel mesh keeps its
+    other axes for the model), else every data axis of ``mesh`` (both of a two-level mesh)."""
+    if axis is not None:
+        return axis
+    return "data" if "data" in mesh.axis_names else mesh_lib.mesh_axis(mesh)
+
+
+def _axis_size(mesh: Mesh, axis: Any) -> int:
+    names = tuple(axis) if isinstance(axis, tuple | list) else (axis,)
+    return int(np.prod([mesh.shape[a] for a in names]))
+
+
+def _batch_sharding(mesh: Mesh, axis: Any, ndim: int) -> NamedSharding:
     if ndim == 0:
         raise ValueError("batch leaves need a leading batch dimension; got a scalar")
     return NamedSharding(mesh, PartitionSpec(axis))
 
 
-def _local_rows(mesh: Mesh, axis: str, global_rows: int) -> list[tuple[int, int]]:
+def _local_rows(mesh: Mesh, axis: Any, global_rows: int) -> list[tuple[int, int]]:
     """Row ranges of a leading-dim-sharded array that this process's devices hold, in order."""
     sharding = NamedSharding(mesh, PartitionSpec(axis))
     index_map = sharding.addressable_devices_indices_map((global_rows,))
@@ -450,21 +464,15 @@ def _local_rows(mesh: Mesh, axis: str, global_rows: int) -> list[tuple[int, int]
     return sorted(ranges)
 
 
-def _axis(mesh: Mesh, axis: str | None) -> str:
-    """`axis`, or the mesh's only axis (a SyncBN mesh may call it "batch")."""
-    return str(mesh.axis_names[0]) if axis is None and len(mesh.axis_names) == 1 else (
-        axis or "data")
-
-
-def local_slice(global_batch: PyTree, mesh: Mesh, axis: str | None = None) -> PyTree:
+def local_slice(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
     """Returns the rows of a global host batch that this process's devices hold.
 
-    Every leaf's leading dimension is the global batch, split over mesh axis `axis`. The result is
-    what `global_batch_from_local` expects, so `global_batch_from_local(local_slice(b, mesh),
-    mesh)` places `b` across all processes. In a single-process run it is the whole batch.
-    `axis` defaults to the mesh's axis.
+    Every leaf's leading dimension is the global batch, split over mesh axis `axis` (default:
+    `"data"`, or both axes of a two-level `(hosts, local)` mesh). The result is what
+    `global_batch_from_local` expects, so `global_batch_from_local(local_slice(b, mesh), mesh)`
+    places `b` across all processes. In a single-process run it is the whole batch.
     """
-    axis = _axis(mesh, axis)
+    axis = _data_axis(mesh, axis)
     leaves = jax.tree.leaves(global_batch)
     if not leaves:
         return global_batch
@@ -472,7 +480,7 @@ def local_slice(global_batch: PyTree, mesh: Mesh, axis: str | None = None) -> Py
     if len(rows) != 1:
         raise ValueError(f"batch leaves disagree on the leading (batch) dimension: {rows}")
     (global_rows,) = rows
-    size = mesh.shape[axis]
+    size = _axis_size(mesh, axis)
     if global_rows % size:
         raise ValueError(f"global batch {global_rows} is not divisible by mesh axis "
                          f"{axis!r} of size {size}")
@@ -486,14 +494,15 @@ def local_slice(global_batch: PyTree, mesh: Mesh, axis: str | None = None) -> Py
     return jax.tree.map(take, global_batch)
 
 
-def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: str | None = None) -> PyTree:
+def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
     """Assembles a global `jax.Array` batch from each process's local part.
 
     Every process calls it with its own rows (its local batch); the leading dimension of the
-    result is the global batch (local rows x processes along `axis`), sharded over `axis`.
-    Wraps `jax.make_array_from_process_local_data`. `axis` defaults to the mesh's axis.
+    result is the global batch (local rows x processes along `axis`), sharded over `axis`
+    (default: `"data"`, or both axes of a two-level `(hosts, local)` mesh). Wraps
+    `jax.make_array_from_process_local_data`.
     """
-    axis = _axis(mesh, axis)
+    axis = _data_axis(mesh, axis)
 
     def make(x):
         x = np.asarray(x)
@@ -502,10 +511,12 @@ def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: str | None = 
     return jax.tree.map(make, local_batch)
 
 
-def shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: str | None = None) -> PyTree:
-    """Places a global host batch, present on every process, as a batch sharded over `axis`.
+def shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
+    """Places a global host batch, present on every process, as a batch sharded over `axis`
+    (default: `"data"`, or both axes of a two-level `(hosts, local)` mesh).
 
     For data sets small enough that every process holds (or generates) all of it; each process
     transfers only its own rows to its devices.
     """
+    axis = _data_axis(mesh, axis)
     return global_batch_from_local(local_slice(global_batch, mesh, axis), mesh, axis)

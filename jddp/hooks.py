@@ -12,11 +12,14 @@ from jddp._src.hooks import (
     bf16_compress,
     bucket_bytes_sent,
     fp16_compress,
+    hierarchical,
     init_hook_state,
+    plan_bytes_by_level,
     plan_bytes_sent,
     powersgd,
     ring_allgather_bytes,
     ring_allreduce_bytes,
+    ring_bytes_by_level,
 )
 
 __all__ = [
@@ -26,9 +29,12 @@ __all__ = [
     "bf16_compress",
     "bucket_bytes_sent",
     "fp16_compress",
+    "hierarchical",
     "init_hook_state",
+    "plan_bytes_by_level",
     "plan_bytes_sent",
     "powersgd",
     "ring_allgather_bytes",
     "ring_allreduce_bytes",
+    "ring_bytes_by_level",
 ]

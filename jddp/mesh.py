@@ -1,13 +1,30 @@
-"""The data mesh, and placing parameters (replicated) and batches (sharded) on it."""
+"""The data mesh (1-D, or two-level: hosts x local devices), and placing parameters (replicated)
+and batches (sharded) on it."""
 
 from jddp._src.checks import batch_size, check_batch
-from jddp._src.mesh import batch_sharding, data_mesh, replicate, replicated, shard_batch
+from jddp._src.mesh import (
+    HOSTS_AXIS,
+    LOCAL_AXIS,
+    DataAxes,
+    batch_sharding,
+    data_axes,
+    data_mesh,
+    host_of_device,
+    replicate,
+    replicated,
+    shard_batch,
+)
 
 __all__ = [
+    "HOSTS_AXIS",
+    "LOCAL_AXIS",
+    "DataAxes",
     "batch_sharding",
     "batch_size",
     "check_batch",
+    "data_axes",
     "data_mesh",
+    "host_of_device",
     "replicate",
     "replicated",
     "shard_batch",

@@ -181,3 +181,45 @@ def test_allreduce_table_interpolation():
     assert c.with_devices(16 // 2).allreduce_table  # same N keeps the table
     with pytest.raises(ValueError):
         cm.ClusterSpec(8, allreduce_table=((1000, 1e-3),))
+
+
+# ----------------------------------------------------------------------------- past one host
+
+
+def _two_level(nodes=4, inter_gbit=25.0):
+    return cm.ClusterSpec(nodes * 8, devices_per_node=8, intra=cm.Link.gbyte(200, 5),
+                          inter=cm.Link.gbit(inter_gbit, 20))
+
+
+def test_across_bytes_per_step_by_strategy():
+    cluster = _two_level(nodes=4)  # N = 32, m = 4
+    s = 100 * 2**20
+    assert cm.across_bytes_per_step(s, cluster, "flat") == pytest.approx(2 * 31 / 32 * s)
+    assert cm.across_bytes_per_step(s, cluster, "hierarchical") == pytest.approx(2 * 3 / 4 * s)
+    assert cm.across_bytes_per_step(s, cluster, "local_sgd", 16) == pytest.approx(1.5 * s / 16)
+    one_node = cm.ClusterSpec(8, devices_per_node=8)
+    assert cm.across_bytes_per_step(s, one_node, "flat") == 0.0
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        cm.across_bytes_per_step(s, cluster, "gossip")
+
+
+def test_simulate_strategy_orders_the_strategies_on_a_slow_link():
+    profile = cm.ModelProfile.from_sizes([8 * 2**20] * 12, backward_s=0.05, forward_s=0.025)
+    cluster = _two_level(nodes=16, inter_gbit=10.0)
+    est = {name: cm.simulate_strategy(profile, cluster, name, period=16)
+           for name in cm.STRATEGIES}
+    assert est["hierarchical"].step_s < est["flat"].step_s  # fewer slow-link latencies
+    assert est["hybrid"].step_s == est["hierarchical"].step_s
+    assert est["local_sgd"].step_s < est["hierarchical"].step_s
+    assert est["diloco"].step_s >= est["local_sgd"].step_s
+    lsgd = est["local_sgd"]
+    # A local step reduces inside the node only; the averaging step adds one parameter average.
+    assert lsgd.local_step_s < lsgd.sync_step_s
+    avg = cm.averaging_time(profile.total_bytes, cluster)
+    assert lsgd.sync_step_s == pytest.approx(lsgd.local_step_s + avg)
+    assert lsgd.step_s == pytest.approx(lsgd.local_step_s + avg / 16)
+    assert 0 < lsgd.efficiency <= 1
+    # Averaging every step costs more than the hierarchical gradient reduction it replaces
+    # (it cannot overlap the backward).
+    assert cm.simulate_strategy(profile, cluster, "local_sgd", period=1).step_s > (
+        est["hierarchical"].step_s)

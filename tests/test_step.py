@@ -42,6 +42,11 @@ VARIANTS = {
     "accumulate sync=None": ({"accumulate_steps": 2}, {"sync": None}, False),
     "microbatches=2": ({"microbatches": 2}, {}, False),
     "accumulate+microbatches sync=None": ({"accumulate_steps": 2, "microbatches": 2}, {}, True),
+    "two-level mesh, hierarchical": ({"mesh": jddp.data_mesh(hosts=2),
+                                      "hook": jddp.hooks.hierarchical()}, {}, True),
+    "diloco local step": ({"local_sgd": jddp.local_sgd.diloco(100)}, {}, True),
+    "diloco on two hosts": ({"local_sgd": jddp.local_sgd.diloco(1),
+                             "mesh": jddp.data_mesh(hosts=2)}, {}, True),
 }
 
 

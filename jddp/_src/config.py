@@ -12,7 +12,9 @@ from jax.sharding import Mesh
 
 from jddp._src import options
 from jddp._src.hooks import CommHook, allreduce_mean
+from jddp._src.local_sgd import LocalSGD
 from jddp._src.loss_scale import DynamicScale
+from jddp._src.mesh import DataAxes, data_axes
 from jddp._src.planner import BucketPlan
 
 
@@ -42,6 +44,8 @@ class StepConfig:
       rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
       sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
       loss_scale: dynamic loss scaling (``None``: off).
+      local_sgd: local SGD or DiLoCo (:mod:`jddp._src.local_sgd`): per-replica parameters,
+        averaged every ``period`` steps; ``None`` for plain data parallelism.
     """
 
     loss_fn: Callable[..., Any]
@@ -64,12 +68,18 @@ class StepConfig:
     rng: bool = False
     sum_metrics: tuple[str, ...] = ()
     loss_scale: DynamicScale | None = None
+    local_sgd: LocalSGD | None = None
 
     @property
     def axis_name(self) -> Any:
         """The data axis: the mesh's one axis name, or the tuple of its names for a 2-D mesh."""
         names = tuple(self.mesh.axis_names)
         return names[0] if len(names) == 1 else names
+
+    @property
+    def data_axes(self) -> DataAxes:
+        """The mesh's data axes by level (``hosts`` is ``None`` for a 1-D mesh)."""
+        return data_axes(self.mesh)
 
     @property
     def num_devices(self) -> int:

@@ -170,6 +170,12 @@ class DataParallel:
                 "from its own nnx.Rngs streams (carried in the model state). For per-example keys "
                 "use the functional jddp.DataParallel with loss_fn(params, batch, rng)."
             )
+        if options.get("local_sgd") is not None:
+            raise ValueError(
+                "jddp.nnx.DataParallel does not take local_sgd yet: its params have one copy per "
+                "replica, which merge() and update() cannot put into one module. Use "
+                "jddp.DataParallel on nnx.split(model) state, and ddp.global_params(state)."
+            )
         graphdef = nnx.graphdef(model)
         core = CoreDataParallel(
             _ModelLoss(graphdef, wrt, loss_fn, bool(has_aux)), optimizer, has_aux=has_aux,

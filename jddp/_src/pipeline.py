@@ -41,12 +41,12 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src import accumulation as acc_lib
 from jddp._src import jaxpr as jaxpr_lib
+from jddp._src import local_sgd, vma, zero
 from jddp._src import loss_scale as ls_lib
 from jddp._src import rng as rng_lib
-from jddp._src import vma, zero
 from jddp._src.checks import batch_size, check_batch, check_float_params, check_mask
 from jddp._src.config import StepConfig
-from jddp._src.hooks import init_hook_state, plan_bytes_sent
+from jddp._src.hooks import init_hook_state, plan_bytes_by_level, plan_bytes_sent
 from jddp._src.nonfinite import all_finite, select_tree
 from jddp._src.objective import LocalAux, Objective, mean_metrics
 from jddp._src.optimizer_metrics import add_optimizer_metrics
@@ -70,7 +70,7 @@ def objective(cfg: StepConfig, stateful: bool) -> Objective:
 def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainState:
     """The initial :class:`TrainState` (pure; :func:`state_shardings` places it)."""
     n = cfg.num_devices
-    return TrainState(
+    state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=cfg.optimizer.init(params),
@@ -82,6 +82,9 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
         if cfg.accumulates else None,
         loss_scale=None if cfg.loss_scale is None else cfg.loss_scale.init(),
     )
+    if cfg.local_sgd is not None:  # seam: local SGD / DiLoCo keep one copy per replica
+        state = local_sgd.build_state(cfg, state)
+    return state
 
 
 def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
@@ -94,7 +97,7 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
     split = lambda tree: jax.tree.map(
         lambda x: zero.leaf_spec(jnp.shape(x), cfg.num_devices, axis), tree
     )
-    return TrainState(
+    specs = TrainState(
         step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
         params=(split if cfg.zero_stage >= 3 else rep)(state.params),
         opt_state=(split if cfg.zero_stage >= 1 else rep)(state.opt_state),
@@ -103,6 +106,9 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
         accum=acc_lib.accum_specs(state.accum, axis),
         loss_scale=rep(state.loss_scale),
     )
+    if cfg.local_sgd is not None:  # seam: local SGD / DiLoCo's per-replica leaves
+        specs = local_sgd.state_specs(cfg, state, specs)
+    return specs
 
 
 def state_shardings(cfg: StepConfig, state: TrainState) -> TrainState:
@@ -403,6 +409,7 @@ def _local_step(
             axis_name=axis, hook=cfg.hook, hook_state=hook_state, step=state.step, phase=phase,
             chain=cfg.chain, seed=loss_seed, offset=offset_leaves, extras_fn=extras,
             extras_shape=obj.extras_shape(aux_shape, n), sharded=sharded,
+            hosts_axis=cfg.data_axes.hosts,
         )
         mean = red.extras
         grads = jax.tree.unflatten(jax.tree.structure(state.params), red.grads)
@@ -416,10 +423,15 @@ def _local_step(
             scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         metrics = mean_metrics(mean, m, count, summed=cfg.sum_metrics, num_devices=n)
-        metrics["comm_bytes"] = (
-            plan_bytes_sent(cfg.hook, plan, n, state.step) if cfg.zero_stage == 0
-            else jnp.asarray(zero.bytes_sent(plan, layout, cfg.zero_stage), jnp.float32)
-        )
+        if cfg.zero_stage:
+            metrics["comm_bytes"] = jnp.asarray(
+                zero.bytes_sent(plan, layout, cfg.zero_stage), jnp.float32)
+        elif cfg.data_axes.two_level:  # a two-level mesh: also the bytes sent to other hosts
+            hosts = cfg.mesh.shape[cfg.data_axes.hosts]
+            inside, across = plan_bytes_by_level(cfg.hook, plan, hosts, n // hosts, state.step)
+            metrics["comm_bytes"], metrics["comm_bytes_hosts"] = inside + across, across
+        else:
+            metrics["comm_bytes"] = plan_bytes_sent(cfg.hook, plan, n, state.step)
         local: dict = {}
         new_accum = None
         if acc is not None:
@@ -454,6 +466,8 @@ def _local_step(
         # The global metrics need a collective: "not computed" (see docs/accumulate.md).
         metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(aux_shape)}
         metrics["comm_bytes"] = jnp.zeros((), jnp.float32)  # nothing is sent
+        if cfg.data_axes.two_level:
+            metrics["comm_bytes_hosts"] = jnp.zeros((), jnp.float32)
         metrics["synced"] = jnp.asarray(False)
         loss = jnp.where(call.weight > 0, call.sums["loss"] / call.weight, 0.0)
         zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -643,8 +657,14 @@ def train_step(
       phase: the hook's static phase for this step (``hook.phase(step)``).
       rng: the run's PRNG key, with ``rng=True`` (each example's key is derived from it).
     """
-    weights = check_step_inputs(cfg, state, batch, mask, sync, rng)
     obj = objective(cfg, state.model_state is not None)
+    if cfg.local_sgd is not None:  # seam: local SGD / DiLoCo (jddp._src.local_sgd)
+        weights = check_step_inputs(cfg, local_sgd.replica_view(state), batch, mask, sync)
+        return local_sgd.train_step(
+            cfg, obj, lambda traced, params: _plan(cfg, traced, params, observer),
+            state_specs(cfg, state), state, batch, weights, phase,
+        )
+    weights = check_step_inputs(cfg, state, batch, mask, sync, rng)
     data = P(cfg.axis_name)
     if any(t == AxisType.Explicit for t in cfg.mesh.axis_types):
         # On a mesh with Explicit axes (jax.make_mesh's default) a host (NumPy) batch arrives
@@ -672,6 +692,14 @@ def train_step(
     )
     result = local(state, batch, weights, rng)
     return _apply_update(cfg, state, result, sync, layout, plans[-1])
+
+
+def step_phase(cfg: StepConfig) -> Callable[[int], Any] | None:
+    """``step -> phase``, the static part of a step chosen on the host (one compiled program per
+    phase): the hook's phase, or with local SGD the kind of step too."""
+    if cfg.local_sgd is not None:  # seam: local, averaging and synchronous steps
+        return local_sgd.phase_fn(cfg)
+    return cfg.hook.phase
 
 
 def plan(cfg: StepConfig, state_like: Any, batch_like: Any, mask_like: Any = None,

@@ -42,8 +42,11 @@ from jddp._src.hooks import (
     HookContext,
     allreduce_mean,
     check_hook,
+    gather_invariant,
     hook_name,
     init_hook_state,
+    padded_flat,
+    unflatten_like,
 )
 from jddp._src.planner import BucketPlan, plan_traced
 
@@ -93,15 +96,22 @@ def chain_dependency(reduced: Sequence[jax.Array], chain: str) -> Any:
     return jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0)
 
 
-def _dep_zeros(chain: str, structs: Sequence[jax.ShapeDtypeStruct], axis_name: Any) -> Any:
+def _dep_zeros(chain: str, structs: Sequence[jax.ShapeDtypeStruct], axis_name: Any,
+               other: tuple = ()) -> Any:
     """The forward value of a token's dependency part (its cotangent carries the real thing).
 
     ``"barrier"`` needs the previous bucket's reduced arrays themselves: an optimization barrier
     on a scalar derived from them does not keep XLA's GPU combiner from merging the buckets.
+    ``other``: mesh axes the reduced values still vary over (see :func:`bucketed_vjp`).
     """
     if chain == "barrier":
-        return tuple(vma.to_varying(jnp.zeros(s.shape, s.dtype), axis_name) for s in structs)
-    return jnp.zeros((), jnp.float32)
+        axes = (*vma.axis_names(axis_name), *other)
+        return tuple(vma.to_varying(jnp.zeros(s.shape, s.dtype), axes) for s in structs)
+    return _vary(jnp.zeros((), jnp.float32), other)
+
+
+def _vary(x: Any, axes: tuple) -> Any:
+    return vma.to_varying(x, axes) if axes else x
 
 
 def _float0_like(x: Any) -> Any:
@@ -183,6 +193,17 @@ class _BucketSpec(NamedTuple):
     chain: str
     prev_structs: tuple[jax.ShapeDtypeStruct, ...]
     phase: Any
+    hosts_axis: str | None = None
+    other_axes: tuple = ()
+
+
+def _levels(axis_name: Any, hosts_axis: str | None) -> tuple[str | None, Any]:
+    """``(hosts, local)`` of a reduction over ``axis_name`` for :class:`HookContext`."""
+    names = vma.axis_names(axis_name)
+    if hosts_axis is None or hosts_axis not in names or len(names) < 2:
+        return None, axis_name
+    local = tuple(a for a in names if a != hosts_axis)
+    return hosts_axis, local[0] if len(local) == 1 else local
 
 
 def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
@@ -204,7 +225,7 @@ def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
     @jax.custom_vjp
     def ident(token, leaves, states, offset, step, sink):
         del states, offset, step, sink
-        token_out = (_dep_zeros(chain, spec.prev_structs, axis_name), token[1])
+        token_out = (_dep_zeros(chain, spec.prev_structs, axis_name, spec.other_axes), token[1])
         return token_out, tuple(vma.to_varying(x, axis_name) for x in leaves)
 
     def fwd(token, leaves, states, offset, step, sink):
@@ -220,7 +241,8 @@ def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
         grads = tuple(ct_leaves)
         if offset:
             grads = tuple(g + o.astype(g.dtype) for g, o in zip(grads, offset, strict=True))
-        ctx = HookContext(axis_name, axis_size(axis_name), step, spec.bucket, spec.phase)
+        ctx = HookContext(axis_name, axis_size(axis_name), step, spec.bucket, spec.phase,
+                          *_levels(axis_name, spec.hosts_axis))
         n = len(grads)
         extras_out = tuple(jnp.zeros_like(s) for s in sink)
         fuses = getattr(hook, "fuses_extras", False)
@@ -344,7 +366,8 @@ def _scatter_hook(spec: _ScatterSpec) -> Callable[..., Any]:
         elif chain == "barrier" and ct_dep:
             grads, _ = lax.optimization_barrier((grads, ct_dep))
         n = axis_size(axis_name)
-        ctx = HookContext(axis_name, n, step, base.bucket, base.phase)
+        ctx = HookContext(axis_name, n, step, base.bucket, base.phase,
+                          *_levels(axis_name, base.hosts_axis))
         scatter = lambda rows: base.hook.scatter(rows, ctx)
         dims = spec.dims
         extras = tuple(ct_extras) if base.last else ()
@@ -413,6 +436,7 @@ def bucketed_vjp(
     extras_fn: Callable[[Any], Any] | None = None,
     extras_shape: Any = (),
     sharded: Sharded | None = None,
+    hosts_axis: str | None = None,
 ) -> Reduced:
     """Differentiates the first output of ``traced`` with gradients reduced per bucket in backward.
 
@@ -439,6 +463,8 @@ def bucketed_vjp(
         3); ``None`` for the hook's all-reduce. Stage 3 takes each split leaf's piece in
         ``param_leaves`` and returns pieces of the gradient; stage 2 takes whole leaves and
         returns pieces.
+      hosts_axis: the name in ``axis_name`` that crosses hosts on a two-level mesh, for the hook
+        (``HookContext.hosts_axis``; see :func:`jddp.hooks.hierarchical`).
     """
     if sharded is None or sharded.stage < 3:
         plan.check_tree(jax.tree.unflatten(plan.treedef, list(param_leaves)))
@@ -457,13 +483,21 @@ def bucketed_vjp(
         # fuses into that copy, not into the GEMMs, and keeps the reduce-scatters in order on GPU,
         # where the barrier did not (the last bucket's was scheduled second).
         mode = "add"
+    # Mesh axes the inputs vary over besides the reduced ones (a reduction inside each host of a
+    # two-level mesh, with per-host parameters): the reduced values still vary over them, and
+    # so must the tokens and extras that carry them.
+    names = vma.axis_names(axis_name)
+    seen = frozenset().union(*(vma.varying_axes(x) for x in jax.tree.leaves(
+        (tuple(param_leaves), tuple(args)))))
+    other = tuple(a for a in sorted(seen) if a not in names)
+    everywhere = (*names, *other)
     gathers = sharded is not None and sharded.stage >= 3  # stage 3: forward all-gathers
     structs: Callable[[int], list[jax.ShapeDtypeStruct]]
     if sharded is None:
         structs = plan.leaf_structs
         hooks = [
             _bucket_hook(_BucketSpec(b, hook, axis_name, b == last, mode, tuple(structs(b - 1)),
-                                     phase))
+                                     phase, hosts_axis, other))
             for b in range(plan.num_buckets)
         ]
     else:
@@ -479,7 +513,8 @@ def bucketed_vjp(
 
         hooks = [
             _scatter_hook(_ScatterSpec(
-                _BucketSpec(b, hook, axis_name, b == last, mode, tuple(structs(b - 1)), phase),
+                _BucketSpec(b, hook, axis_name, b == last, mode, tuple(structs(b - 1)), phase,
+                            hosts_axis, other),
                 tuple(lay.dims[i] for i in plan.buckets[b].indices),
                 tuple(plan.shapes[i] for i in plan.buckets[b].indices), sharded.stage,
             ))
@@ -487,7 +522,7 @@ def bucketed_vjp(
         ]
     extras_leaves_shape = jax.tree.leaves(extras_shape)
     extras_zero = tuple(
-        vma.to_varying(jnp.zeros(e.shape, jnp.float32), axis_name) for e in extras_leaves_shape
+        vma.to_varying(jnp.zeros(e.shape, jnp.float32), everywhere) for e in extras_leaves_shape
     )
 
     def run(leaves_in, carry_in, token0, sink):
@@ -552,8 +587,8 @@ def bucketed_vjp(
         loss = jax.tree.leaves(out)[0]
         return (loss, token[0]), out
 
-    token0 = (_dep_zeros(mode, structs(last), axis_name), extras_zero)
-    sink0 = tuple(jnp.zeros(e.shape, jnp.float32) for e in extras_leaves_shape)
+    token0 = (_dep_zeros(mode, structs(last), axis_name, other), extras_zero)
+    sink0 = tuple(_vary(jnp.zeros(e.shape, jnp.float32), other) for e in extras_leaves_shape)
     if sharded is not None:
         # Stage 2: the reduced pieces leave the backward pass as the cotangent of these zeros;
         # stage 3: as the parameters' own (they come in as pieces). No hook state either way.
@@ -574,12 +609,14 @@ def bucketed_vjp(
         if jax.tree.structure(values) != jax.tree.structure(extras_shape):  # type: ignore[operator]
             raise AssertionError("extras_fn does not match extras_shape")  # a jddp bug, not user's
         extras = tuple(
-            vma.to_varying(jnp.asarray(e, jnp.float32), axis_name) for e in jax.tree.leaves(values)
+            vma.to_varying(jnp.asarray(e, jnp.float32), everywhere)
+            for e in jax.tree.leaves(values)
         )
     if seed is None:
         seed = jnp.ones_like(loss)
-    seed = vma.match_varying(jnp.asarray(seed, loss.dtype), vma.varying_axes(loss), axis_name)
-    ct_token = (_dep_zeros(mode, [], axis_name), extras if plan.num_buckets else extras_zero)
+    seed = _vary(jnp.asarray(seed, loss.dtype), tuple(sorted(vma.varying_axes(loss))))
+    ct_token = (_dep_zeros(mode, [], axis_name, other),
+                extras if plan.num_buckets else extras_zero)
     grad_leaves, new_states, _, reduced = vjp_fn((seed, ct_token))
     if sharded is not None:
         if sharded.stage < 3:
@@ -596,6 +633,82 @@ def bucketed_vjp(
     new_states = [hook_state[i] if i in unused else s for i, s in enumerate(new_states)]
     mean_extras = jax.tree.unflatten(jax.tree.structure(extras_shape), list(reduced))
     return Reduced(out, list(grad_leaves), tuple(new_states), mean_extras)
+
+
+# ------------------------------------------------------------ averaging values (local SGD)
+
+
+def bucketed_mean(
+    leaves: Sequence[jax.Array],
+    plan: BucketPlan,
+    axis_name: Any,
+    *,
+    local_axis: Any = None,
+    chain: options.Chain = "auto",
+    extras: Sequence[jax.Array] = (),
+) -> tuple[list[jax.Array], tuple]:
+    """The mean over ``axis_name`` of per-replica values shaped like the plan's leaves (local
+    SGD's parameters, DiLoCo's parameter deltas), one collective per bucket, in plan order (the
+    last layers first), chained like the gradient buckets (:func:`resolve_chain`).
+
+    Leaves the plan leaves out (unused parameters) ride on the last bucket; so do ``extras``
+    (float32 values averaged the same way: the step's loss, metrics, model-state payload).
+
+    With ``local_axis`` the values are equal over it (one replica per host, the devices of a
+    host holding the same copy): each device of a host averages its ``1/L`` slice of the bucket
+    across hosts and an all-gather over ``local_axis`` puts the bucket back together, so a host
+    sends the bucket's bytes across once, not ``L`` times. Must run inside ``shard_map`` over
+    ``axis_name`` (and ``local_axis``).
+
+    Returns:
+      ``(means, extras_means)``: the leaves' means (in ``leaves`` order, no longer varying over
+      the axes) and the extras' means.
+    """
+    mode = resolve_chain(chain)
+    n = axis_size(axis_name)
+    parts = 1 if local_axis is None else axis_size(local_axis)
+    out: list[Any] = list(leaves)
+    extras_out: tuple = tuple(extras)
+    groups = [list(b.indices) for b in plan.buckets]
+    if plan.unused:
+        if groups:
+            groups[-1] += list(plan.unused)
+        else:
+            groups = [list(plan.unused)]
+    if not groups:
+        groups = [[]]
+    dep: Any = None
+    for b, idx in enumerate(groups):
+        last = b == len(groups) - 1
+        vals = tuple(leaves[i] for i in idx)
+        if dep is not None and mode == "add":
+            vals = tuple(v + dep.astype(v.dtype) for v in vals)
+        elif dep is not None and mode == "barrier" and vals:
+            vals, _ = lax.optimization_barrier((vals, dep))
+        scaled = tuple(v * jnp.asarray(1.0 / n, v.dtype) for v in vals)
+        riders = tuple(e / n for e in extras) if last else ()
+        if local_axis is None:
+            summed = lax.psum(scaled + riders, axis_name)
+            means = summed[: len(vals)]
+        else:
+            # This device's 1/L slice of each leaf (equal on every device of the host, so the
+            # slices need no reduction inside the host), averaged across hosts, then gathered.
+            i = lax.axis_index(local_axis)
+            flats = [padded_flat(v, parts) for v in scaled]
+            shards = tuple(
+                lax.dynamic_slice_in_dim(f, i * (f.shape[0] // parts), f.shape[0] // parts)
+                for f in flats
+            )
+            summed = lax.psum(shards + riders, axis_name)
+            full = gather_invariant(summed[: len(vals)], local_axis, axis=0, tiled=True)
+            means = tuple(unflatten_like(f, v) for f, v in zip(full, vals, strict=True))
+        if last:
+            extras_out = tuple(summed[len(vals):])
+        for j, m in zip(idx, means, strict=True):
+            out[j] = m
+        if means:
+            dep = chain_dependency(means, mode) if mode != "none" else None
+    return out, extras_out
 
 
 # ----------------------------------------------------------------------------- the drop-in

@@ -61,6 +61,24 @@ class LossScaleState:
 
 
 @struct.dataclass
+class OuterState:
+    """DiLoCo's outer state (``TrainState.outer``): the global parameters and the outer optimizer.
+
+    Attributes:
+      params: the parameters every replica started its current period from (replicated); the
+        outer optimizer moves them along the averaged parameter delta.
+      opt_state: the outer optimizer's state (replicated; Nesterov momentum by default).
+    """
+
+    params: Any
+    opt_state: Any
+
+    if TYPE_CHECKING:
+
+        def replace(self, **updates: Any) -> OuterState: ...
+
+
+@struct.dataclass
 class TrainState:
     """Everything a training step reads and writes; an immutable pytree.
 
@@ -77,6 +95,10 @@ class TrainState:
         accumulating over calls.
       loss_scale: dynamic loss scaling state (:class:`LossScaleState`), or ``None`` without
         ``DataParallel(loss_scale=...)`` (states and checkpoints then keep their structure).
+      outer: DiLoCo's :class:`OuterState`, or ``None``. With local SGD or DiLoCo
+        (``DataParallel(local_sgd=...)``) ``params``, ``opt_state`` and ``model_state`` hold one
+        copy per replica (a leading replica dimension, sharded over the replica axis: the hosts of
+        a two-level mesh, every device of a 1-D one).
     """
 
     step: jax.Array
@@ -86,6 +108,7 @@ class TrainState:
     hook_state: Any = ()
     accum: AccumState | None = None
     loss_scale: LossScaleState | None = None
+    outer: OuterState | None = None
 
     if TYPE_CHECKING:
 

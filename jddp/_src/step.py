@@ -89,7 +89,7 @@ class Step:
             static_argnames=("sync", "phase"),
             compiler_options=compiler_options or None,
         )
-        self._phase_fn = cfg.hook.phase
+        self._phase_fn = pipeline.step_phase(cfg)
         # Input signatures already checked to agree across processes (multi-process runs only).
         self._agreed: set[tuple] = set()
         self._known: tuple[Any, int] | None = None  # (weakref to a returned step array, its value)

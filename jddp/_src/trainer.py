@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh
 
 from jddp._src import checks, options, pipeline, watchdog
+from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
 from jddp._src import model_state as ms_lib
@@ -117,6 +118,11 @@ class DataParallel:
     ``skip_not_finite``, ``weighted`` or ``loss_scale``), and every scalar hyperparameter of an
     ``optax.inject_hyperparams`` optimizer under its name (``"learning_rate"``), read from the
     optimizer state after the update.
+      local_sgd: ``jddp.local_sgd.post_local_sgd(period, start_step)`` or
+        ``jddp.local_sgd.diloco(period)``: replicas (the hosts of a two-level mesh, else every
+        device) train apart and average their parameters every ``period`` steps; gradients are
+        still reduced inside a host every step. ``state.params`` then holds one copy per replica
+        (read :meth:`global_params` to evaluate). See docs/scaling.md.
     """
 
     def __init__(
@@ -144,6 +150,7 @@ class DataParallel:
         rng: bool = False,
         sum_metrics: tuple[str, ...] = (),
         loss_scale: ls_lib.DynamicScale | None = None,
+        local_sgd: local_sgd_lib.LocalSGD | None = None,
         **renamed: Any,
     ) -> None:
         for old, value in renamed.items():
@@ -187,7 +194,9 @@ class DataParallel:
             rng=options.flag(rng, "rng", " Pass the key itself to step(state, batch, rng=key)."),
             sum_metrics=summed,
             loss_scale=ls_lib.check_loss_scale(loss_scale),
+            local_sgd=local_sgd_lib.check_local_sgd(local_sgd),
         )
+        local_sgd_lib.check_config(config)
         plans = PlanLog()
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "_plans", plans)
@@ -293,14 +302,31 @@ class DataParallel:
 
         Checks ``step``, ``params``, ``opt_state`` and (unless per-device) ``model_state``; the
         per-device hook and accumulator state are meant to differ, and the leaves a sharded
-        stage splits have no replicas to compare.
+        stage splits have no replicas to compare. With local SGD, the copies of each replica
+        (the devices of a host) and DiLoCo's outer state.
         """
         tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state,
                 "loss_scale": state.loss_scale}
         if self.config.model_state_sync != "none":
             tree["model_state"] = state.model_state
-        # At the sharded stages a split leaf has one copy of each piece: nothing to compare.
+        if self.config.local_sgd is not None and not self.config.data_axes.two_level:
+            # One replica per device: no two devices hold copies of a replica's leaves.
+            tree = {"step": state.step}
+        if state.outer is not None:
+            tree["outer"] = state.outer
+        # With local SGD the per-replica leaves are compared inside each replica (the devices of
+        # a host), replicated ones everywhere. At the sharded stages a split leaf has one copy of
+        # each piece: nothing to compare.
         replicated = jax.tree.map(
-            lambda x: x if x.sharding.is_fully_replicated else None, tree
+            lambda x: x if x.sharding.is_fully_replicated or self.config.local_sgd is not None
+            else None, tree
         )
         verify_lib.verify_replicas(replicated, self.config.mesh, atol=atol)
+
+    def global_params(self, state: TrainState) -> Any:
+        """The parameters to evaluate or export: ``state.params``; with local SGD the mean of the
+        replicas' parameters (each replica's own right after an averaging step), with DiLoCo the
+        outer (global) parameters. Replicated on the mesh."""
+        if self.config.local_sgd is None:
+            return state.params
+        return local_sgd_lib.global_params(self.config, state)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp._src import mesh as mesh_lib
@@ -184,13 +184,13 @@ class ReplicaDivergenceError(ValueError):
         )
 
 
-def _local_diff(x: jax.Array, axis: str) -> jax.Array:
-    """Inside shard_map: max |x - replica 0's x| for this device's copy, as float32."""
+def _local_diff(x: jax.Array, axis: Any) -> jax.Array:
+    """Inside shard_map: max |x - the first copy's x| over ``axis``, for this device's copy."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
-    # Replica 0's copy, exactly: every other term of the sum is zero.
+    # The first copy along the axis, exactly: every other term of the sum is zero.
     x0 = lax.psum(jnp.where(lax.axis_index(axis) == 0, x, jnp.zeros_like(x)), axis)
     if x.size == 0:
         return jnp.float32(0)
@@ -203,13 +203,49 @@ def _local_diff(x: jax.Array, axis: str) -> jax.Array:
     return jnp.where(jnp.any(x != x0), jnp.float32(jnp.inf), jnp.float32(0))
 
 
-@functools.lru_cache(maxsize=16)
-def _diff_fn(mesh: Mesh, axis: str):
-    def local(leaves):
-        d = jnp.stack([_local_diff(x, axis) for x in leaves]) if leaves else jnp.zeros((0,))
-        return lax.all_gather(d, axis)
+def _spec_axes(spec: P) -> frozenset:
+    """The mesh axes a ``PartitionSpec`` shards over."""
+    out: set = set()
+    for entry in spec:
+        if entry is None:
+            continue
+        out.update(entry if isinstance(entry, tuple | list) else (entry,))
+    return frozenset(out)
 
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+
+@functools.lru_cache(maxsize=16)
+def _diff_fn(mesh: Mesh, specs: tuple[P, ...]):
+    names = tuple(mesh.axis_names)
+
+    def local(leaves):
+        diffs = []
+        for x, spec in zip(leaves, specs, strict=True):
+            # Copies of a leaf sharded over some axes are compared along the others only.
+            along = tuple(a for a in names if a not in _spec_axes(spec))
+            diffs.append(_local_diff(x, along) if along else jnp.float32(0))
+        d = jnp.stack(diffs) if diffs else jnp.zeros((0,))
+        return lax.all_gather(d, names if len(names) > 1 else names[0])
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P(),
+                                 check_vma=False))
+
+
+def _leaf_spec(path: Any, leaf: Any, mesh: Mesh) -> P:
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None and sharding.is_fully_replicated:
+        return P()
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+        if _spec_axes(sharding.spec) >= frozenset(mesh.axis_names):
+            raise TypeError(
+                f"Leaf {key_path_str(path)} is not a replicated value: it is sharded over every "
+                f"mesh axis ({sharding.spec}), so no two devices hold copies to compare."
+            )
+        return sharding.spec
+    raise TypeError(
+        f"Leaf {key_path_str(path)} is neither replicated nor sharded on this mesh (sharding: "
+        f"{sharding}); verify_replicas compares the copies of replicated values (and of "
+        "per-replica values along the axes they are not sharded over)."
+    )
 
 
 def verify_replicas(
@@ -223,30 +259,28 @@ def verify_replicas(
 
     Runs one small jitted ``shard_map`` (a masked ``psum`` per leaf to fetch replica 0's copy, and
     an ``all_gather`` of one float per leaf and device); only that table comes back to the host.
+    A leaf sharded over some mesh axes (local SGD's per-replica parameters on the ``hosts`` axis)
+    is compared along the other axes only (the devices of a host hold the same copy).
 
     Args:
-      tree: a pytree of replicated ``jax.Array``s on ``mesh`` (e.g. ``state.params``).
+      tree: a pytree of ``jax.Array``s on ``mesh``, replicated or sharded with a
+        ``NamedSharding`` of ``mesh`` (e.g. ``state.params``).
       mesh: the data mesh (default: ``jddp.data_mesh()``).
       atol: the largest absolute difference tolerated (0: values must be equal; NaN equals NaN).
       raise_error: raise :class:`ReplicaDivergenceError` if any leaf diverged.
 
     Returns:
-      The diverged leaves (empty when the replicas agree).
+      The diverged leaves (empty when the replicas agree); ``replicas`` are device positions
+      in ``mesh.devices.flat``.
     """
     mesh = mesh if mesh is not None else mesh_lib.data_mesh()
-    axis = mesh_lib.mesh_axis(mesh)
+    mesh_lib.check_mesh(mesh)
     path_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    for path, leaf in path_leaves:
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is None or not sharding.is_fully_replicated:
-            raise TypeError(
-                f"Leaf {key_path_str(path)} is not a replicated jax.Array (sharding: {sharding}); "
-                "verify_replicas compares the copies of replicated values only."
-            )
+    specs = tuple(_leaf_spec(path, leaf, mesh) for path, leaf in path_leaves)
     if not path_leaves:
         return []
-    table = _diff_fn(mesh, axis)(tuple(leaf for _, leaf in path_leaves))
-    table = np.asarray(table.addressable_data(0))  # [replica, leaf]
+    table = _diff_fn(mesh, specs)(tuple(leaf for _, leaf in path_leaves))
+    table = np.asarray(table.addressable_data(0)).reshape(mesh.size, -1)  # [device, leaf]
     out = []
     for j, (path, _) in enumerate(path_leaves):
         bad = tuple(int(r) for r in np.nonzero(table[:, j] > atol)[0])

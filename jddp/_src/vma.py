@@ -36,10 +36,10 @@ def to_varying(x: jax.Array, axis_name: Any) -> jax.Array:
 
 
 def match_varying(x: jax.Array, like_varying: frozenset, axis_name: Any) -> jax.Array:
-    """``x`` cast to varying over ``axis_name`` if a value with ``like_varying`` axes does."""
-    if any(a in like_varying for a in axis_names(axis_name)):
-        return to_varying(x, axis_name)
-    return x
+    """``x`` cast to varying over the axes of ``axis_name`` that ``like_varying`` has (all of
+    them, some of them on a two-level mesh, or none)."""
+    wanted = tuple(a for a in axis_names(axis_name) if a in like_varying)
+    return to_varying(x, wanted) if wanted else x
 
 
 def like(x: jax.Array, old: jax.Array, axis_name: Any) -> jax.Array:

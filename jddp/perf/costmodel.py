@@ -12,7 +12,10 @@ The model follows the structure of PyTorch DDP (Li et al., VLDB 2020) and of jdd
   is ready *and* the previous bucket has finished;
 - with asynchronous collectives (GPU/TPU) the all-reduces overlap the rest of the backward pass;
   without them (XLA:CPU, or DDP with overlap switched off) every all-reduce adds to the step;
-- the optimizer runs after the last bucket is reduced.
+- the optimizer runs after the last bucket is reduced;
+- past one host (:func:`simulate_strategy`): flat, hierarchical and hybrid reductions every step,
+  or local SGD / DiLoCo, whose steps reduce inside the host only and which average the parameters
+  across hosts every ``period`` steps (after the update, not overlapped).
 
 Everything here is a pure function of small immutable values, so predictions are reproducible and
 cheap (a 256-device sweep over ten caps takes milliseconds). Measuring a real step on the current
@@ -40,20 +43,25 @@ from jddp._src.tree import MiB
 from jddp.buckets import BucketPlan, assign_buckets
 
 __all__ = [
+    "STRATEGIES",
     "BucketTiming",
     "CapAdvice",
     "ClusterSpec",
     "IterationEstimate",
     "Link",
     "ModelProfile",
+    "StrategyEstimate",
     "DEFAULT_CAP_CANDIDATES_MB",
     "advise_bucket_cap",
+    "across_bytes_per_step",
     "allreduce_time",
+    "averaging_time",
     "hierarchical_allreduce_time",
     "overlap_speedup",
     "ring_allreduce_time",
     "scaling_efficiency",
     "simulate_iteration",
+    "simulate_strategy",
     "suggest_bucket_cap",
 ]
 
@@ -670,3 +678,127 @@ def suggest_bucket_cap(
       One of the candidate caps, in MiB (``math.inf`` means a single bucket).
     """
     return advise_bucket_cap(params_or_leaf_sizes, cluster, **kwargs).cap_mb
+
+
+# ----------------------------------------------------------------------------- past one host
+
+#: Ways to cross the link between hosts that :func:`simulate_strategy` models.
+STRATEGIES: tuple[str, ...] = ("flat", "hierarchical", "hybrid", "local_sgd", "diloco")
+
+
+class StrategyEstimate(NamedTuple):
+    """One strategy's predicted step on a multi-host cluster.
+
+    Attributes:
+      strategy: one of :data:`STRATEGIES`.
+      period: steps per cross-host averaging (1 for the reductions every step).
+      step_s: seconds per step, averaged over a period.
+      sync_step_s: seconds of a step that crosses hosts (every step for flat, hierarchical and
+        hybrid; the averaging step of local SGD and DiLoCo).
+      local_step_s: seconds of a step that stays inside the hosts (``sync_step_s`` for the
+        reductions every step).
+      across_bytes: bytes one host sends to other hosts per step, averaged over a period.
+      compute_s: the step with free communication.
+    """
+
+    strategy: str
+    period: int
+    step_s: float
+    sync_step_s: float
+    local_step_s: float
+    across_bytes: float
+    compute_s: float
+
+    @property
+    def efficiency(self) -> float:
+        """``compute_s / step_s``: 1.0 is linear (weak) scaling."""
+        return self.compute_s / self.step_s if self.step_s > 0 else 1.0
+
+
+def averaging_time(nbytes: float, cluster: ClusterSpec) -> float:
+    """Seconds to average ``nbytes`` of parameters across the nodes once (local SGD, DiLoCo):
+    the copies inside a node are equal, so each of its ``k`` devices averages ``1/k`` of them
+    across the ``m`` nodes (the ``k`` rings share the node's ``inter`` link: ``2 (m-1)/m x
+    nbytes`` through it), then an all-gather inside the node puts them back together."""
+    k = min(cluster.devices_per_node, cluster.num_devices)
+    m = cluster.num_nodes
+    t = 0.0
+    if m > 1:
+        assert cluster.inter is not None  # checked by ClusterSpec
+        t += 2.0 * (m - 1) / m * nbytes / cluster.inter.bandwidth + 2.0 * (m - 1) * (
+            cluster.inter.latency)
+    if k > 1:
+        t += (k - 1) / k * nbytes / cluster.intra.bandwidth + (k - 1) * cluster.intra.latency
+    return t
+
+
+def across_bytes_per_step(nbytes: float, cluster: ClusterSpec, strategy: str,
+                          period: int = 1) -> float:
+    """Bytes one node sends to other nodes per step, for ``nbytes`` of gradients (parameters).
+
+    A flat ring over all ``N`` devices, nodes in order, has one hop out of each node carrying
+    ``2 (N-1)/N x nbytes``; the two-level reductions send ``2 (m-1)/m x nbytes`` per node (each of
+    the node's devices its ``1/k``); local SGD and DiLoCo that once per ``period`` steps.
+    """
+    _check_strategy(strategy)
+    m, n = cluster.num_nodes, cluster.num_devices
+    if m <= 1 or nbytes <= 0:
+        return 0.0
+    if strategy == "flat":
+        return 2.0 * (n - 1) / n * nbytes
+    two_level = 2.0 * (m - 1) / m * nbytes
+    if strategy in ("hierarchical", "hybrid"):
+        return two_level
+    return two_level / max(1, int(period))
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+
+
+def simulate_strategy(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    strategy: str,
+    *,
+    period: int = 1,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    overlap: bool | None = None,
+) -> StrategyEstimate:
+    """Predicts a step of ``strategy`` on a multi-node cluster.
+
+    - ``"flat"``: one ring all-reduce per bucket over every device, paced by the slowest link.
+    - ``"hierarchical"``: per bucket, a reduce-scatter inside the node, an all-reduce across
+      nodes on ``1/k`` of the bucket, an all-gather inside the node
+      (:func:`hierarchical_allreduce_time`, ``jddp.hooks.hierarchical``).
+    - ``"hybrid"``: sharded inside the node, replicated across (PyTorch's HSDP): the same bytes on
+      the slow link as ``"hierarchical"`` and, in this model, the same time (its parameter
+      all-gather moves into the next forward pass, where it can overlap too); it saves memory,
+      which the model does not weigh.
+    - ``"local_sgd"``, ``"diloco"``: every step reduces the gradients inside the node only
+      (overlapped with the backward like any bucket), and every ``period`` steps the parameters
+      are averaged across nodes after the update (:func:`averaging_time`, not overlapped);
+      DiLoCo's outer optimizer step adds ``profile.optimizer_s`` then.
+    """
+    _check_strategy(strategy)
+    period = max(1, int(period)) if strategy in ("local_sgd", "diloco") else 1
+    kw = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, overlap=overlap)
+    across = across_bytes_per_step(profile.total_bytes, cluster, strategy, period)
+    if strategy in ("flat", "hierarchical", "hybrid"):
+        spec = dataclasses.replace(cluster, hierarchical=strategy != "flat")
+        est = simulate_iteration(profile, spec, **kw)  # type: ignore[arg-type]
+        return StrategyEstimate(strategy, 1, est.iteration_s, est.iteration_s, est.iteration_s,
+                                across, est.compute_s)
+    node = dataclasses.replace(
+        cluster, num_devices=min(cluster.devices_per_node, cluster.num_devices),
+        allreduce_table=(),
+    )
+    local = simulate_iteration(profile, node, **kw)  # type: ignore[arg-type]
+    extra = averaging_time(profile.total_bytes, cluster)
+    if strategy == "diloco":
+        extra += profile.optimizer_s
+    sync = local.iteration_s + extra
+    return StrategyEstimate(strategy, period, local.iteration_s + extra / period, sync,
+                            local.iteration_s, across, local.compute_s)

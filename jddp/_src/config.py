@@ -41,6 +41,8 @@ class StepConfig:
       accumulator_dtype: dtype of the local gradient sums (``None``: at least float32).
       zero_stage: 0 (DDP: everything replicated), 1 (optimizer state sharded), 2 (gradients
         too), 3 (parameters too); see :mod:`jddp._src.zero`.
+      hybrid_shard: on a two-level mesh, shard over the devices of a host only and replicate
+        across hosts (FSDP's ``HYBRID_SHARD``).
       rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
       sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
       loss_scale: dynamic loss scaling (``None``: off).
@@ -65,10 +67,24 @@ class StepConfig:
     microbatches: int = 1
     accumulator_dtype: np.dtype | None = None
     zero_stage: options.ZeroStage = 0
+    hybrid_shard: bool = False
     rng: bool = False
     sum_metrics: tuple[str, ...] = ()
     loss_scale: DynamicScale | None = None
     local_sgd: LocalSGD | None = None
+
+    def __post_init__(self) -> None:
+        if self.hybrid_shard and self.zero_stage == 0:
+            raise ValueError(
+                "hybrid_shard=True shards state inside each host, but zero_stage=0 shards "
+                "nothing: pass zero_stage=1, 2 or 3 with it."
+            )
+        if self.hybrid_shard and not self.data_axes.two_level:
+            raise ValueError(
+                "hybrid_shard=True needs a two-level mesh (hosts x local devices) to know what a "
+                "host is: build it with jddp.data_mesh(hosts=...) (one row per process by "
+                f"default), got a mesh with axes {tuple(self.mesh.axis_names)}."
+            )
 
     @property
     def axis_name(self) -> Any:
@@ -84,6 +100,22 @@ class StepConfig:
     @property
     def num_devices(self) -> int:
         return int(self.mesh.size)
+
+    @property
+    def shard_axis(self) -> Any:
+        """The axis the sharded stages split state over: the data axis, or with
+        ``hybrid_shard`` the axis inside a host."""
+        return self.data_axes.local if self.hybrid_shard else self.axis_name
+
+    @property
+    def shard_count(self) -> int:
+        """Devices along :attr:`shard_axis` (the pieces each split leaf is cut into)."""
+        return int(self.mesh.shape[self.data_axes.local]) if self.hybrid_shard else self.num_devices
+
+    @property
+    def replica_axis(self) -> str | None:
+        """With ``hybrid_shard``, the axis across which the pieces are replicated (hosts)."""
+        return self.data_axes.hosts if self.hybrid_shard else None
 
     @property
     def per_device_model_state(self) -> bool:

@@ -95,7 +95,7 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
     per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
     # Sharded stages: a leaf is split on a dimension the device count divides (jddp._src.zero).
     split = lambda tree: jax.tree.map(
-        lambda x: zero.leaf_spec(jnp.shape(x), cfg.num_devices, axis), tree
+        lambda x: zero.leaf_spec(jnp.shape(x), cfg.shard_count, cfg.shard_axis), tree
     )
     specs = TrainState(
         step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
@@ -216,7 +216,7 @@ class LocalResult(NamedTuple):
 def _result_specs(cfg: StepConfig, state: TrainState, layout: zero.Layout) -> LocalResult:
     axis = cfg.axis_name
     return LocalResult(
-        grads=layout.specs(state.params, axis) if cfg.zero_stage >= 2 else P(),
+        grads=layout.specs(state.params, cfg.shard_axis) if cfg.zero_stage >= 2 else P(),
         metrics=P(), local_metrics=P(axis),  # type: ignore[arg-type]
         model_state=P(axis) if cfg.per_device_model_state else P(),
         hook_state=P(axis), accum=acc_lib.accum_specs(state.accum, axis),
@@ -328,7 +328,7 @@ def _local_step(
     params_v = _varying(state.params, axis)
     sharded = None
     if cfg.zero_stage >= 2:
-        sharded = Sharded(cfg.zero_stage, layout)
+        sharded = Sharded(cfg.zero_stage, layout, cfg.shard_axis, cfg.replica_axis)
         if cfg.zero_stage >= 3:
             # The parameters are pieces here; the loss is traced on whole ones (without vma
             # types: the sharded stages run shard_map with check_vma=False).
@@ -358,7 +358,8 @@ def _local_step(
         # Local gradients without a reduction (earlier micro-batches, no-sync calls) need whole
         # parameters: gather every bucket once for them (chained, in first-use order).
         whole = zero.gather_buckets(jax.tree.leaves(state.params), layout,
-                                    _bucket_groups(plan)[::-1], axis, _gather_chain(cfg))
+                                    _bucket_groups(plan)[::-1], cfg.shard_axis,
+                                    _gather_chain(cfg))
         params_v = jax.tree.unflatten(jax.tree.structure(state.params), whole)
     hook_state = strip_device_dim(state.hook_state)
 
@@ -425,7 +426,11 @@ def _local_step(
         metrics = mean_metrics(mean, m, count, summed=cfg.sum_metrics, num_devices=n)
         if cfg.zero_stage:
             metrics["comm_bytes"] = jnp.asarray(
-                zero.bytes_sent(plan, layout, cfg.zero_stage), jnp.float32)
+                zero.bytes_sent(plan, layout, cfg.zero_stage, hosts=_hosts(cfg)), jnp.float32)
+            if cfg.data_axes.two_level:
+                metrics["comm_bytes_hosts"] = jnp.asarray(zero.bytes_across_hosts(
+                    plan, layout, cfg.zero_stage, int(cfg.mesh.shape[cfg.data_axes.hosts]),
+                    cfg.hybrid_shard), jnp.float32)
         elif cfg.data_axes.two_level:  # a two-level mesh: also the bytes sent to other hosts
             hosts = cfg.mesh.shape[cfg.data_axes.hosts]
             inside, across = plan_bytes_by_level(cfg.hook, plan, hosts, n // hosts, state.step)
@@ -473,7 +478,7 @@ def _local_step(
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         if cfg.zero_stage >= 2:  # the reduced gradient comes in pieces
             zeros = jax.tree.unflatten(jax.tree.structure(state.params), [
-                jnp.zeros(zero.shard_shape(s, d, n), jnp.result_type(x)) for s, d, x in
+                jnp.zeros(zero.shard_shape(s, d, layout.n), jnp.result_type(x)) for s, d, x in
                 zip(layout.shapes, layout.dims, jax.tree.leaves(state.params), strict=True)
             ])
         return LocalResult(
@@ -508,9 +513,9 @@ def _optimizer_update(
     if cfg.zero_stage == 0:
         updates, opt_state = cfg.optimizer.update(grads, state.opt_state, state.params)
         return optax.apply_updates(state.params, updates), opt_state
-    axis = cfg.axis_name
+    axis = cfg.shard_axis
     specs = layout.specs(state.params, axis)
-    opt_specs = jax.tree.map(lambda x: zero.leaf_spec(jnp.shape(x), cfg.num_devices, axis),
+    opt_specs = jax.tree.map(lambda x: zero.leaf_spec(jnp.shape(x), cfg.shard_count, axis),
                              state.opt_state)
     # Slicing a replicated array to this device's piece moves no data.
     params = _constrain(cfg, state.params, specs)
@@ -523,6 +528,11 @@ def _optimizer_update(
                                                     if plan.buckets else ())]
         new = gather_params(cfg, new, layout, plan, after=last)
     return new, opt_state
+
+
+def _hosts(cfg: StepConfig) -> int:
+    """Hosts the sharded pieces are replicated across (``hybrid_shard``), else 1."""
+    return int(cfg.mesh.shape[cfg.replica_axis]) if cfg.replica_axis is not None else 1
 
 
 def _bucket_groups(plan: BucketPlan) -> list[tuple[int, ...]]:
@@ -554,11 +564,11 @@ def gather_params(
         backward pass's reduce-scatters (on GPU they then overlapped no backward GEMM).
     """
     leaves, treedef = jax.tree.flatten(params)
-    specs = jax.tree.leaves(layout.specs(params, cfg.axis_name),
+    specs = jax.tree.leaves(layout.specs(params, cfg.shard_axis),
                             is_leaf=lambda x: isinstance(x, P))
     chain = _gather_chain(cfg)
     after_leaves = jax.tree.leaves(after)
-    after_specs = [zero.leaf_spec(s, cfg.num_devices, cfg.axis_name) for s in
+    after_specs = [zero.leaf_spec(s, cfg.shard_count, cfg.shard_axis) for s in
                    (jnp.shape(x) for x in after_leaves)]
 
     def local(xs: list, wait: list) -> list:
@@ -570,7 +580,7 @@ def gather_params(
             xs = list(xs)
             for i, x in zip(idx, waited, strict=True):
                 xs[i] = x
-        return zero.gather_buckets(xs, layout, _bucket_groups(plan), cfg.axis_name, chain)
+        return zero.gather_buckets(xs, layout, _bucket_groups(plan), cfg.shard_axis, chain)
 
     gathered = jax.shard_map(
         local, mesh=cfg.mesh, in_specs=(specs, after_specs), out_specs=P(), check_vma=False,
@@ -672,7 +682,7 @@ def train_step(
         batch, weights = jax.tree.map(
             lambda x: jax.sharding.reshard(x, NamedSharding(cfg.mesh, data)), (batch, weights)
         )
-    layout = zero.Layout.of(state.params, cfg.num_devices)
+    layout = zero.Layout.of(state.params, cfg.shard_count)
     plans: list[BucketPlan] = []
 
     def observe(plan: BucketPlan) -> None:

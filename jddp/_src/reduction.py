@@ -312,10 +312,16 @@ class Sharded(NamedTuple):
       stage: 2 (the bucket is reduce-scattered; parameters come in whole) or 3 (parameters come in
         as this device's pieces: the forward pass all-gathers each bucket before its first use).
       layout: how every parameter leaf is split.
+      axis: the axis the pieces are split over (all data axes, or the devices of a host).
+      replicas: with hybrid sharding, the axis across which the pieces are replicated (hosts):
+        each bucket's pieces are then averaged over it after the reduce-scatter, so the slow
+        link carries ``1/L`` of the bucket.
     """
 
     stage: int
     layout: zero.Layout
+    axis: Any = None
+    replicas: str | None = None
 
 
 class _ScatterSpec(NamedTuple):
@@ -325,6 +331,8 @@ class _ScatterSpec(NamedTuple):
     dims: tuple[int | None, ...]
     shapes: tuple[tuple[int, ...], ...]
     stage: int
+    axis: Any = None  # the shard axis (``None``: the bucket's axis_name)
+    replicas: str | None = None
 
 
 def _scatter_hook(spec: _ScatterSpec) -> Callable[..., Any]:
@@ -334,13 +342,14 @@ def _scatter_hook(spec: _ScatterSpec) -> Callable[..., Any]:
     (the full parameters' own cotangent is zero, never used, and removed by XLA)."""
     base = spec.base
     axis_name, chain = base.axis_name, base.chain
+    shard_axis = axis_name if spec.axis is None else spec.axis
     split = [i for i, d in enumerate(spec.dims) if d is not None]
 
     def gather(leaves):
         if spec.stage < 3 or not split:
             return tuple(leaves)
         full = zero.all_gather([leaves[i] for i in split], [spec.dims[i] for i in split],
-                               [spec.shapes[i] for i in split], axis_name)
+                               [spec.shapes[i] for i in split], shard_axis)
         out = list(leaves)
         for i, f in zip(split, full, strict=True):
             out[i] = f
@@ -365,26 +374,37 @@ def _scatter_hook(spec: _ScatterSpec) -> Callable[..., Any]:
             grads = tuple(g + ct_dep.astype(g.dtype) for g in grads)
         elif chain == "barrier" and ct_dep:
             grads, _ = lax.optimization_barrier((grads, ct_dep))
-        n = axis_size(axis_name)
-        ctx = HookContext(axis_name, n, step, base.bucket, base.phase,
-                          *_levels(axis_name, base.hosts_axis))
-        scatter = lambda rows: base.hook.scatter(rows, ctx)
+        n = axis_size(shard_axis)
+        if spec.replicas is None:
+            ctx = HookContext(axis_name, n, step, base.bucket, base.phase,
+                              *_levels(axis_name, base.hosts_axis))
+        else:  # hybrid: the hook's reduce-scatter runs inside the host
+            ctx = HookContext(shard_axis, n, step, base.bucket, base.phase, None, shard_axis)
+
+        def scatter(rows: jax.Array) -> jax.Array:
+            mine = base.hook.scatter(rows, ctx)  # type: ignore[misc]  # checked in options
+            if spec.replicas is not None:
+                # Hybrid sharding: the host's mean of this piece, averaged across hosts (1/L of
+                # the bucket crosses the slow link).
+                mine = lax.pmean(mine, spec.replicas)
+            return mine
+
         dims = spec.dims
         extras = tuple(ct_extras) if base.last else ()
         fused = extras and grads and all(g.dtype == jnp.float32 for g in grads)
         if fused:
             # The metrics ride on the bucket's reduce-scatter as whole (replicated) leaves.
-            out = zero.reduce_scatter(grads + extras, dims + (None,) * len(extras), n, axis_name,
+            out = zero.reduce_scatter(grads + extras, dims + (None,) * len(extras), n, shard_axis,
                                       scatter)
             pieces, extras_out = tuple(out[: len(grads)]), tuple(out[len(grads):])
         else:
-            pieces = tuple(zero.reduce_scatter(grads, dims, n, axis_name, scatter))
+            pieces = tuple(zero.reduce_scatter(grads, dims, n, shard_axis, scatter))
             extras_out = tuple(jnp.zeros_like(s) for s in sink)
             if extras:
                 # Another dtype than the metrics' float32: one more (chained) reduce-scatter.
                 dep = chain_dependency(pieces, "add")
                 extras_out = tuple(zero.reduce_scatter(
-                    tuple(e + dep for e in extras), (None,) * len(extras), n, axis_name, scatter
+                    tuple(e + dep for e in extras), (None,) * len(extras), n, shard_axis, scatter
                 ))
         dep = chain_dependency(pieces, chain)
         if spec.stage >= 3:
@@ -517,6 +537,7 @@ def bucketed_vjp(
                             hosts_axis, other),
                 tuple(lay.dims[i] for i in plan.buckets[b].indices),
                 tuple(plan.shapes[i] for i in plan.buckets[b].indices), sharded.stage,
+                sharded.axis, sharded.replicas,
             ))
             for b in range(plan.num_buckets)
         ]
@@ -577,7 +598,8 @@ def bucketed_vjp(
             leaf = lax.stop_gradient(leaves_in[i])
             if sharded is not None and sharded.stage >= 3 and sharded.layout.dims[i] is not None:
                 d = sharded.layout.dims[i]
-                leaf = zero.all_gather([leaf], [d], [plan.shapes[i]], axis_name)[0]
+                leaf = zero.all_gather([leaf], [d], [plan.shapes[i]],
+                                       axis_name if sharded.axis is None else sharded.axis)[0]
             hooked[i] = vma.to_varying(leaf, axis_name)
         out = jaxpr_lib.eval_with_hooks(traced, leaves_in, args, read)
         # Buckets whose parameters never reached an equation still reduce, exactly once.

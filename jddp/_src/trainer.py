@@ -101,6 +101,13 @@ class DataParallel:
         keeps only a piece of each parameter, all-gathering each bucket right before its first
         use. Training is the same at every stage, for any optax transformation. See
         docs/sharded.md.
+      hybrid_shard: with ``zero_stage >= 1`` on a two-level mesh (``data_mesh(hosts=...)``),
+        split the sharded state over the devices of each host only and replicate it across
+        hosts (PyTorch FSDP's ``HYBRID_SHARD``, MaxText's FSDP inside a slice and data
+        parallelism across): each bucket is reduce-scattered inside the host and its pieces
+        all-reduced across hosts, so the slow link carries ``1/L`` of the gradient bytes, and
+        parameters are gathered inside the host only. Memory per device falls by the local
+        device count ``L`` instead of ``N``. See docs/scaling.md.
       rng: ``loss_fn`` takes a last argument ``rng``, one PRNG key per example of its shard, and
         ``step(state, batch, rng=key)`` takes the run's key; each example's key is derived from
         the key, ``state.step`` and the example's position in the global batch, so dropout masks
@@ -147,6 +154,7 @@ class DataParallel:
         microbatches: int = 1,
         accumulator_dtype: Any = None,
         zero_stage: options.ZeroStage = 0,
+        hybrid_shard: bool = False,
         rng: bool = False,
         sum_metrics: tuple[str, ...] = (),
         loss_scale: ls_lib.DynamicScale | None = None,
@@ -191,6 +199,7 @@ class DataParallel:
             microbatches=options.count(microbatches, "microbatches"),
             accumulator_dtype=options.float_dtype(accumulator_dtype, "accumulator_dtype"),
             zero_stage=options.zero_stage(zero_stage, hook),
+            hybrid_shard=options.flag(hybrid_shard, "hybrid_shard"),
             rng=options.flag(rng, "rng", " Pass the key itself to step(state, batch, rng=key)."),
             sum_metrics=summed,
             loss_scale=ls_lib.check_loss_scale(loss_scale),

@@ -196,19 +196,8 @@ def gather_buckets(
     return out
 
 
-def bytes_sent(plan: Any, layout: Layout, stage: int) -> float:
-    """Bytes one device sends per step for the gradients and parameters at a sharded stage.
-
-    A model, not a measurement (ring collectives): a reduce-scatter or an all-gather of ``B``
-    bytes sends ``(N-1)/N B`` per device, an all-reduce twice that; whole leaves travel as ``N``
-    rows. Stage 1: all-reduce of the gradients, all-gather of the parameters; stage 2:
-    reduce-scatter and all-gather; stage 3: all-gather in forward and reduce-scatter (the volume
-    of stage 2).
-    """
-    n = layout.n
-    if n == 1:
-        return 0.0
-    frac = (n - 1) / n
+def _split_whole_bytes(plan: Any, layout: Layout) -> tuple[int, int]:
+    """Bytes of the plan's split leaves and of its whole ones."""
     split = whole = 0
     for b in plan.buckets:
         for i in b.indices:
@@ -217,7 +206,46 @@ def bytes_sent(plan: Any, layout: Layout, stage: int) -> float:
                 whole += size
             else:
                 split += size
+    return split, whole
+
+
+def bytes_sent(plan: Any, layout: Layout, stage: int, hosts: int = 1) -> float:
+    """Bytes one device sends per step for the gradients and parameters at a sharded stage.
+
+    A model, not a measurement (ring collectives): a reduce-scatter or an all-gather of ``B``
+    bytes sends ``(N-1)/N B`` per device, an all-reduce twice that; whole leaves travel as ``N``
+    rows. Stage 1: all-reduce of the gradients, all-gather of the parameters; stage 2:
+    reduce-scatter and all-gather; stage 3: all-gather in forward and reduce-scatter (the volume
+    of stage 2). With hybrid sharding over ``hosts`` (``layout.n`` devices per host) a device
+    also all-reduces its reduced pieces across hosts: ``2 (H-1)/H`` of ``1/L`` of the gradient.
+    """
+    n = layout.n
+    if n == 1 and hosts == 1:
+        return 0.0
+    frac = (n - 1) / n
+    split, whole = _split_whole_bytes(plan, layout)
     if stage == 1:
-        return 2 * frac * (split + whole) + frac * split
+        total = n * hosts
+        return 2 * (total - 1) / total * (split + whole) + frac * split
     scatter = frac * split + (n - 1) * whole
-    return scatter + frac * split
+    across = 2 * (hosts - 1) / hosts * (split / n + whole)
+    return scatter + frac * split + across
+
+
+def bytes_across_hosts(plan: Any, layout: Layout, stage: int, hosts: int, hybrid: bool) -> float:
+    """Of :func:`bytes_sent`, what one device sends to other hosts on a ``hosts`` x ``L`` mesh.
+
+    Flat sharding (``layout.n`` = every device) runs its rings over all devices, host by host:
+    ``hosts`` of the ``N`` hops cross a host boundary. Hybrid sharding (``layout.n = L``) keeps
+    the reduce-scatters and all-gathers inside the host: only the all-reduce of the pieces
+    crosses (stage 1: the gradient all-reduce over every device, a flat ring).
+    """
+    if hosts <= 1:
+        return 0.0
+    if not hybrid:
+        return bytes_sent(plan, layout, stage) * hosts / layout.n
+    split, whole = _split_whole_bytes(plan, layout)
+    if stage == 1:
+        total = layout.n * hosts
+        return 2 * (total - 1) / total * (split + whole) * hosts / total
+    return 2 * (hosts - 1) / hosts * (split / layout.n + whole)

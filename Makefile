@@ -27,8 +27,11 @@ train: $(VENV)/.train-deps
 	mkdir -p out
 	$(PY) examples/train_digits.py --devices 8 --json out/digits.json
 
+# Two pytest workers (pytest-xdist): one test mostly keeps one core busy (tracing and compiling),
+# so two workers use both cores of a CI machine. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.test-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 lint: $(VENV)/.test-deps
 	$(VENV)/bin/ruff check .

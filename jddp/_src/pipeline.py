@@ -424,19 +424,7 @@ def _local_step(
             scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         metrics = mean_metrics(mean, m, count, summed=cfg.sum_metrics, num_devices=n)
-        if cfg.zero_stage:
-            metrics["comm_bytes"] = jnp.asarray(
-                zero.bytes_sent(plan, layout, cfg.zero_stage, hosts=_hosts(cfg)), jnp.float32)
-            if cfg.data_axes.two_level:
-                metrics["comm_bytes_hosts"] = jnp.asarray(zero.bytes_across_hosts(
-                    plan, layout, cfg.zero_stage, int(cfg.mesh.shape[cfg.data_axes.hosts]),
-                    cfg.hybrid_shard), jnp.float32)
-        elif cfg.data_axes.two_level:  # a two-level mesh: also the bytes sent to other hosts
-            hosts = cfg.mesh.shape[cfg.data_axes.hosts]
-            inside, across = plan_bytes_by_level(cfg.hook, plan, hosts, n // hosts, state.step)
-            metrics["comm_bytes"], metrics["comm_bytes_hosts"] = inside + across, across
-        else:
-            metrics["comm_bytes"] = plan_bytes_sent(cfg.hook, plan, n, state.step)
+        metrics.update(_comm_bytes(cfg, plan, layout, state.step))
         local: dict = {}
         new_accum = None
         if acc is not None:
@@ -528,6 +516,29 @@ def _optimizer_update(
                                                     if plan.buckets else ())]
         new = gather_params(cfg, new, layout, plan, after=last)
     return new, opt_state
+
+
+def _comm_bytes(cfg: StepConfig, plan: BucketPlan, layout: zero.Layout, step: Any) -> dict:
+    """``comm_bytes`` (what one device sends per synchronising step, a ring model) and, on a
+    two-level mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
+    n, two_level = cfg.num_devices, cfg.data_axes.two_level
+    hosts = int(cfg.mesh.shape[cfg.data_axes.hosts]) if two_level else 1
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    if cfg.zero_stage >= 2:
+        out = {"comm_bytes": f32(zero.bytes_sent(plan, layout, cfg.zero_stage, _hosts(cfg)))}
+        if two_level:
+            out["comm_bytes_hosts"] = f32(zero.bytes_across_hosts(
+                plan, layout, cfg.zero_stage, hosts, cfg.hybrid_shard))
+        return out
+    # Stages 0 and 1 reduce the gradients with the hook (its own accounting); stage 1 then
+    # all-gathers the updated pieces over the shard axis (inside the host with hybrid_shard).
+    gather = zero.gather_bytes(plan, layout) if cfg.zero_stage == 1 else 0.0
+    if not two_level:
+        return {"comm_bytes": plan_bytes_sent(cfg.hook, plan, n, step) + gather}
+    inside, across = plan_bytes_by_level(cfg.hook, plan, hosts, n // hosts, step)
+    gather_across = 0.0 if cfg.hybrid_shard else gather * hosts / layout.n
+    return {"comm_bytes": inside + across + gather,
+            "comm_bytes_hosts": across + gather_across}
 
 
 def _hosts(cfg: StepConfig) -> int:

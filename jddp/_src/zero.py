@@ -232,6 +232,12 @@ def bytes_sent(plan: Any, layout: Layout, stage: int, hosts: int = 1) -> float:
     return scatter + frac * split + across
 
 
+def gather_bytes(plan: Any, layout: Layout) -> float:
+    """Bytes one device sends to all-gather the split leaves once (ring: ``(n-1)/n`` of them)."""
+    split, _ = _split_whole_bytes(plan, layout)
+    return (layout.n - 1) / layout.n * split
+
+
 def bytes_across_hosts(plan: Any, layout: Layout, stage: int, hosts: int, hybrid: bool) -> float:
     """Of :func:`bytes_sent`, what one device sends to other hosts on a ``hosts`` x ``L`` mesh.
 

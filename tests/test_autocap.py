@@ -1,0 +1,90 @@
+"""bucket_cap_mb="auto": a timed choice among distinct plans, fixed once, not changing training."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _models import max_abs_diff, mlp_loss, mlp_params, regression_batch
+
+import jddp
+from jddp._src import autocap
+from jddp.buckets import AutoCap, CapChoice
+
+SIZES = [32, 48, 48, 48, 16]  # 4 layers, 6-9 KiB each: caps of a few KiB give different plans
+KIB = 1 / 1024
+
+
+def _planned(cap_mb: float):
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), bucket_cap_mb=cap_mb,
+                            first_bucket_mb=min(cap_mb, 1.0))
+    return ddp.plan(mlp_params(0, SIZES), regression_batch(0, 16, SIZES[0], SIZES[-1]))
+
+
+def test_auto_trains_like_a_fixed_cap_and_reports_its_choice():
+    params = mlp_params(0, SIZES)
+    batches = [regression_batch(s, 16, SIZES[0], SIZES[-1]) for s in range(3)]
+    policy = AutoCap(candidates_mb=(4 * KIB, 16 * KIB, 25.0), rounds=2)
+    auto = jddp.DataParallel(mlp_loss, optax.adam(1e-2), bucket_cap_mb=policy)
+    fixed = jddp.DataParallel(mlp_loss, optax.adam(1e-2))
+    assert auto.cap_choice is None
+    with pytest.raises(ValueError, match="has not chosen a cap yet.*ddp.step.tune"):
+        auto.plan(params, batches[0])
+    with pytest.raises(ValueError, match="has not chosen a cap yet"):
+        auto.step.lower(auto.init(params), batches[0])
+    sa, sf = auto.init(params), fixed.init(params)
+    for b in batches:
+        sa, ma = auto.step(sa, b)
+        sf, mf = fixed.step(sf, b)
+        np.testing.assert_allclose(float(ma["loss"]), float(mf["loss"]), rtol=1e-6)
+    # The timing steps ran on copies: the state advanced by the three real steps only.
+    assert int(sa.step) == 3
+    assert max_abs_diff(sa.params, sf.params) < 1e-6
+    choice = auto.cap_choice
+    assert isinstance(choice, CapChoice)
+    assert choice.cap_mb in choice.candidates_mb and choice.default_mb == 25.0
+    assert len(choice.median_s) == len(choice.candidates_mb) == 3
+    assert all(t > 0 for t in choice.median_s)
+    # Fixed once chosen: the configuration, the plan and the compiled programs agree with it.
+    cap = int(choice.cap_mb * 2**20)
+    assert auto.config.cap_bytes == cap
+    assert auto.bucket_plan.cap_bytes == cap
+    assert "bucket_cap_mb='auto'" in str(auto.bucket_plan)
+    assert f"bucket_cap_mb={choice.cap_mb:g}" in str(choice)
+    assert auto.step.cache_size() == 1
+    # Pinning the reported number gives the same plan.
+    assert _planned(choice.cap_mb).buckets == auto.bucket_plan.buckets
+    assert auto.step.tune(sa, batches[0]) is choice
+
+
+def test_candidates_are_distinct_plans_and_keep_the_default():
+    plan = _planned(25.0)
+    caps = (1 * KIB, 2 * KIB, 4 * KIB, 8 * KIB, 16 * KIB, 32 * KIB, 1.0, 50.0)
+    found = autocap.distinct_candidates(plan, caps, plan.first_bytes, 25.0)
+    kept = [c for c, _ in found]
+    assert 25.0 in kept and 1.0 not in kept and 50.0 not in kept  # one bucket: same as 25 MiB
+    plans = [_planned(c).buckets for c in kept]
+    assert len({tuple(tuple(b.indices) for b in p) for p in plans}) == len(kept)
+    assert [n for _, n in found] == [len(p) for p in plans]
+
+
+def test_pick_keeps_the_default_unless_clearly_faster():
+    caps = (1.0, 8.0, 25.0)
+    assert autocap.pick(caps, (1.00, 0.99, 1.0), 25.0, 0.03) == 25.0
+    assert autocap.pick(caps, (1.00, 0.90, 1.0), 25.0, 0.03) == 8.0
+    assert autocap.pick(caps, (1.10, 1.05, 1.0), 25.0, 0.0) == 25.0
+
+
+def test_bad_auto_options():
+    opt = optax.sgd(0.1)
+    with pytest.raises(ValueError, match="number of MiB or 'auto'"):
+        jddp.DataParallel(mlp_loss, opt, bucket_cap_mb="fast")
+    plan = _planned(25.0)
+    with pytest.raises(ValueError, match="pass only one"):
+        jddp.DataParallel(mlp_loss, opt, bucket_cap_mb="auto", bucket_plan=plan)
+    with pytest.raises(ValueError, match="rounds"):
+        AutoCap(rounds=0)
+    with pytest.raises(ValueError, match="candidates_mb"):
+        AutoCap(candidates_mb=(1.0, -2.0))
+    with pytest.raises(ValueError, match="margin"):
+        AutoCap(margin=1.5)
+    assert jax.tree.leaves(AutoCap().candidates_mb)  # the defaults validate

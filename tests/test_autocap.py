@@ -14,10 +14,10 @@ SIZES = [32, 48, 48, 48, 16]  # 4 layers, 6-9 KiB each: caps of a few KiB give d
 KIB = 1 / 1024
 
 
-def _planned(cap_mb: float):
+def _planned(cap_mb: float, sizes=SIZES):
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), bucket_cap_mb=cap_mb,
                             first_bucket_mb=min(cap_mb, 1.0))
-    return ddp.plan(mlp_params(0, SIZES), regression_batch(0, 16, SIZES[0], SIZES[-1]))
+    return ddp.plan(mlp_params(0, sizes), regression_batch(0, 16, sizes[0], sizes[-1]))
 
 
 def test_auto_trains_like_a_fixed_cap_and_reports_its_choice():
@@ -65,6 +65,16 @@ def test_candidates_are_distinct_plans_and_keep_the_default():
     plans = [_planned(c).buckets for c in kept]
     assert len({tuple(tuple(b.indices) for b in p) for p in plans}) == len(kept)
     assert [n for _, n in found] == [len(p) for p in plans]
+    # Plans that differ only by where a bias goes (256 B of 57 KiB) are timed once.
+    sizes = [32, 64, 64, 64, 64]
+    plan = _planned(25.0, sizes)
+    a, b = 16.75 * KIB, 32.75 * KIB  # 2 buckets each, 256 B apart
+    assert _planned(a, sizes).buckets != _planned(b, sizes).buckets
+    assert _planned(a, sizes).num_buckets == _planned(b, sizes).num_buckets
+    exact = autocap.distinct_candidates(plan, (a, b), plan.first_bytes, 25.0, tolerance=0.0)
+    assert [c for c, _ in exact] == [a, b, 25.0]
+    merged = autocap.distinct_candidates(plan, (a, b), plan.first_bytes, 25.0)
+    assert [c for c, _ in merged] == [a, 25.0]
 
 
 def test_pick_keeps_the_default_unless_clearly_faster():

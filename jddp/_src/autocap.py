@@ -6,8 +6,8 @@ error on a host (8-21%, ``benchmarks/costmodel_validate.py``) is larger than the
 separate good caps. So the choice is measured, like Horovod's autotune, on the real step:
 
 1. candidate caps are the ones that give *different* bucket plans for this model (caps that group
-   the same leaves compile to the same program; each plan is timed once, under its smallest
-   candidate cap, and DDP's default 25 MiB is always one of them);
+   the leaves alike time alike; each plan is timed once, under its smallest candidate cap, and
+   DDP's default 25 MiB is always one of them);
 2. each candidate's step is compiled and run on copies of the state (the training state does not
    advance; the copies hold the memory of ``donate=False``), round-robin, ``rounds`` times;
 3. the fastest median wins, unless it is less than ``margin`` faster than the default cap's
@@ -117,26 +117,35 @@ def resolve(bucket_cap_mb: Any) -> AutoCap | None:
 
 
 def distinct_candidates(
-    plan: BucketPlan, caps_mb: Sequence[float], first_bytes: int, default_mb: float
+    plan: BucketPlan, caps_mb: Sequence[float], first_bytes: int, default_mb: float,
+    tolerance: float = 0.01,
 ) -> list[tuple[float, int]]:
     """``(cap_mb, num_buckets)`` of each distinct plan among ``caps_mb`` (and the default).
 
-    Caps that group this model's leaves identically compile to the same program; of each group the
-    default cap is kept if it is in it, else the smallest cap.
+    Two caps give the same plan, for timing purposes, when they make as many buckets and each
+    bucket's bytes differ by at most ``tolerance`` of the model's gradient bytes (a bias moving to
+    the next bucket costs a compile, not time). The default cap stands for its group; other groups
+    are timed under their smallest cap.
     """
     order = [i for b in plan.buckets for i in b.indices]
     nbytes = [int(np.prod(plan.shapes[i], dtype=np.int64)) * plan.dtypes[i].itemsize
               for i in order]
     dtypes = [plan.dtypes[i] for i in order]
-    groups: dict[tuple, float] = {}
-    counts: dict[tuple, int] = {}
-    for cap_mb in sorted({*caps_mb, default_mb}):
+    slack = tolerance * max(1, sum(nbytes))
+
+    def sizes(cap_mb: float) -> list[int]:
         cap = options.cap_bytes(cap_mb, "bucket_cap_mb")
-        key = tuple(map(tuple, assign_buckets(nbytes, dtypes, cap, min(first_bytes, cap))))
-        if key not in groups or cap_mb == default_mb:
-            groups[key] = cap_mb
-            counts[key] = len(key)
-    return sorted((cap, counts[key]) for key, cap in groups.items())
+        return [sum(nbytes[k] for k in b)
+                for b in assign_buckets(nbytes, dtypes, cap, min(first_bytes, cap))]
+
+    kept = [(default_mb, sizes(default_mb))]
+    for cap_mb in sorted(set(caps_mb) - {default_mb}):
+        mine = sizes(cap_mb)
+        if not any(len(mine) == len(other) and
+                   all(abs(a - b) <= slack for a, b in zip(mine, other, strict=True))
+                   for _, other in kept):
+            kept.append((cap_mb, mine))
+    return sorted((cap, len(s)) for cap, s in kept)
 
 
 def pick(caps_mb: Sequence[float], medians: Sequence[float], default_mb: float,

@@ -55,9 +55,8 @@ def parse_args():
 
 
 def build_variants(bm, mesh, opt, sweep):
-    """name -> (run, holder): ``run()`` does one step of the variant on its own state."""
+    """name -> ``run()``: one step of the variant on its own state (returns the loss)."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax import lax

@@ -13,7 +13,8 @@ the same global batch over the same 8 simulated CPU devices:
 - ``no comm``: the ``shard_map`` step with no collective at all (each device keeps its own
   gradients): the floor that communication is measured against;
 - ``jddp 25 MB`` (DDP's default cap) and ``jddp auto`` (``bucket_cap_mb="auto"``, which picks the
-  cap on its first call; ``--sweep`` adds fixed caps to compare the choice with).
+  cap on its first call; ``--sweep`` adds fixed caps to compare the choice with, each cap whose
+  plan is not already in the table).
 
 Models (benchmarks/_models.py): an 11.5M-parameter MLP, a 3.2M-parameter conv net, Flax's
 ResNet-18 at width 8 with cross-replica (Sync) BatchNorm, a small Transformer LM. Cross-replica
@@ -45,7 +46,10 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--models", default="mlp,convnet,resnet,lm")
-    p.add_argument("--iters", type=int, default=10, help="timed rounds per variant")
+    p.add_argument("--iters", type=int, default=10,
+                   help="timed rounds per variant (MLP and conv net)")
+    p.add_argument("--small-iters", type=int, default=30,
+                   help="timed rounds per variant for the ResNet and the LM (short steps)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--sweep", default="1,2,4,8,16,50",
                    help="extra fixed caps (MiB) for the MLP and the conv net ('' for none)")
@@ -157,8 +161,14 @@ def build_variants(bm, mesh, opt, sweep):
 
     variants["jddp 25 MB"] = make_jddp(25.0)
     variants["jddp auto"] = make_jddp("auto")
+    # Sweep caps whose plan is one already in the table would time the same program again.
+    plans = [variants["jddp 25 MB"].ddp.plan(bm.params, batch, bm.model_state)]
     for cap in sweep:
-        variants[f"jddp {cap:g} MB"] = make_jddp(cap)
+        run = make_jddp(cap)
+        plan = run.ddp.plan(bm.params, batch, bm.model_state)
+        if all(plan.buckets != p.buckets for p in plans):
+            plans.append(plan)
+            variants[f"jddp {cap:g} MB"] = run
     return variants
 
 
@@ -207,7 +217,8 @@ def main():
         sweep = sweep_caps if key in ("mlp", "convnet") else []
         variants = build_variants(bm, mesh, opt, sweep)
         first = first_calls(variants, args.warmup)
-        times = alternate(variants, args.iters)
+        iters = args.iters if key in ("mlp", "convnet") else args.small_iters
+        times = alternate(variants, iters)
         med = {k: statistics.median(v) for k, v in times.items()}
         best_peer = min(PEERS, key=lambda k: med[k])
         fixed = {k: v for k, v in med.items() if k.startswith("jddp") and k != "jddp auto"}
@@ -217,7 +228,7 @@ def main():
         buckets = {k: v.ddp.bucket_plan.num_buckets for k, v in variants.items()
                    if hasattr(v, "ddp")}
         print(f"\n{bm.name}: {bm.description}, {args.devices} simulated CPU devices, medians of "
-              f"{args.iters} alternated rounds (load {os.getloadavg()[0]:.1f})")
+              f"{iters} alternated rounds (load {os.getloadavg()[0]:.1f})")
         print(f"{'variant':<20} {'buckets':>7} {'median ms':>10} {'vs best peer':>12} "
               f"{'vs no comm':>10} {'first call s':>12}")
         for name in variants:
@@ -227,13 +238,13 @@ def main():
         print(f"best peer: {best_peer}; auto chose {choice.cap_mb:g} MiB "
               f"(tuning {choice.tune_s:.1f} s); best fixed jddp cap in this run: {best_fixed}")
         results[key] = {
-            "model": bm.name, "description": bm.description, "median_s": med,
+            "model": bm.name, "description": bm.description, "iters": iters, "median_s": med,
             "first_call_s": first, "all_times_s": times, "buckets": buckets,
             "best_peer": best_peer, "best_fixed_jddp": best_fixed,
             "ratio_to_best_peer": {k: v / med[best_peer] for k, v in med.items()},
             "auto_choice": choice._asdict(),
         }
-    out = {"devices": args.devices, "iters": args.iters, "jax": jax.__version__,
+    out = {"devices": args.devices, "jax": jax.__version__,
            "load_before": load0, "load_after": os.getloadavg()[0], "models": results}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -246,6 +246,7 @@ def main():
         }
     out = {"devices": args.devices, "jax": jax.__version__,
            "load_before": load0, "load_after": os.getloadavg()[0], "models": results}
+    print("\n" + markdown(out))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -253,6 +254,22 @@ def main():
         print(f"\nwrote {args.json}")
         plot(out, args.png or os.path.splitext(args.json)[0] + ".png")
     return out
+
+
+def markdown(out):
+    """The README's table: median ms (ratio to the best peer) per model and variant."""
+    cols = [*PEERS, "no comm", "jddp 25 MB", "jddp auto"]
+    rows = ["| model | " + " | ".join(cols) + " | best fixed jddp cap | auto chose (tuning s) |",
+            "|---" * (len(cols) + 3) + "|"]
+    for r in out["models"].values():
+        med, ratio = r["median_s"], r["ratio_to_best_peer"]
+        cells = [f"{med[c] * 1e3:.1f} ({ratio[c]:.2f})" for c in cols]
+        best = r["best_fixed_jddp"]
+        choice = r["auto_choice"]
+        rows.append(f"| {r['model']}, {r['description']} | " + " | ".join(cells)
+                    + f" | {best.removeprefix('jddp ')} ({ratio[best]:.2f}) | "
+                    f"{choice['cap_mb']:g} MB ({choice['tune_s']:.0f}) |")
+    return "\n".join(rows)
 
 
 def plot(out, png):

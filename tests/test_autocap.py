@@ -77,6 +77,16 @@ def test_candidates_are_distinct_plans_and_keep_the_default():
     assert [c for c, _ in merged] == [a, 25.0]
 
 
+def test_single_plan_is_not_timed():
+    params = mlp_params(0, SIZES)
+    batch = regression_batch(0, 16, SIZES[0], SIZES[-1])
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), bucket_cap_mb=AutoCap(candidates_mb=(50.0,)))
+    state, _ = ddp.step(ddp.init(params), batch)
+    assert ddp.cap_choice.candidates_mb == (25.0,)  # 50 MiB: the same single bucket
+    assert np.isnan(ddp.cap_choice.median_s[0]) and ddp.config.cap_bytes == 25 * 2**20
+    assert int(state.step) == 1 and ddp.step.cache_size() == 1
+
+
 def test_pick_keeps_the_default_unless_clearly_faster():
     caps = (1.0, 8.0, 25.0)
     assert autocap.pick(caps, (1.00, 0.99, 1.0), 25.0, 0.03) == 25.0

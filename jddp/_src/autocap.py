@@ -26,6 +26,7 @@ what is trained.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -77,7 +78,8 @@ class CapChoice(NamedTuple):
       cap_mb: the chosen cap (MiB); ``DataParallel(bucket_cap_mb=cap_mb)`` pins it.
       candidates_mb: the cap timed for each distinct plan (MiB).
       num_buckets: buckets of each candidate's plan.
-      median_s: each candidate's median step time (seconds), measured on process 0.
+      median_s: each candidate's median step time (seconds), measured on process 0 (NaN when
+        there was a single candidate: nothing is timed then).
       default_mb: the cap the choice was compared against (DDP's default).
       tune_s: wall time the choice took (compiles and timed steps).
     """
@@ -151,6 +153,8 @@ def distinct_candidates(
 def pick(caps_mb: Sequence[float], medians: Sequence[float], default_mb: float,
          margin: float) -> float:
     """The fastest cap, unless it is less than ``margin`` faster than ``default_mb``'s."""
+    if len(caps_mb) == 1:
+        return float(caps_mb[0])
     best = int(np.argmin(medians))
     ref = medians[list(caps_mb).index(default_mb)]
     return float(caps_mb[best]) if medians[best] < (1.0 - margin) * ref else float(default_mb)
@@ -165,9 +169,11 @@ def _agree(value: float) -> float:
     return float(multihost_utils.broadcast_one_to_all(np.float64(value)))
 
 
-def _copy(state: Any) -> Any:
-    # A fresh buffer per leaf with the same sharding: a donating candidate consumes the copy.
-    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, state)
+def _copier(state: Any) -> Callable[[Any], Any]:
+    """A jitted copy of ``state`` with its shardings: fresh buffers for a donating candidate to
+    consume (jitted, so that arrays spanning several processes are copied too)."""
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(lambda s: jax.tree.map(lambda x: x.copy(), s), out_shardings=shardings)
 
 
 class _Forward:
@@ -231,15 +237,19 @@ class AutoStep:
         # With accumulation, time the synchronising program: the others have no collective.
         tsync = True if cfg.accumulates else sync
         times: list[list[float]] = [[] for _ in caps]
-        for r in range(policy.rounds + 1):  # round 0 compiles and warms up, untimed
+        # One distinct plan (a small model, or one dominated by a leaf above every cap): nothing
+        # to choose between, so nothing is timed; the step compiles on its first real call.
+        rounds = policy.rounds + 1 if len(caps) > 1 else 0
+        copy = _copier(state) if rounds and steps[0].donates else None
+        for r in range(rounds):  # round 0 compiles and warms up, untimed
             for i, step in enumerate(steps):
-                trial = _copy(state) if step.donates else state
+                trial = state if copy is None else copy(state)
                 jax.block_until_ready(trial)
                 t = time.perf_counter()
                 jax.block_until_ready(step(trial, batch, mask, sync=tsync))
                 if r:
                     times[i].append(time.perf_counter() - t)
-        medians = [float(np.median(t)) for t in times]
+        medians = [float(np.median(t)) if t else math.nan for t in times]
         chosen = _agree(pick(caps, medians, default_mb, policy.margin))
         k = caps.index(chosen)  # the candidates are the same on every process
         self._step = steps[k]

@@ -38,11 +38,13 @@ lint: $(VENV)/.test-deps
 	$(VENV)/bin/mypy
 	$(PY) docs/gen_api.py --check
 
-# Every benchmark: tables on stdout, JSON and PNG under benchmarks/out/ (about 40 minutes on 2
+# Every benchmark: tables on stdout, JSON and PNG under benchmarks/out/ (about 45 minutes on 2
 # cores; the GPU overlap report alone takes 3-6, the local SGD convergence runs about 10).
 OUT := benchmarks/out
 bench: $(VENV)/.test-deps
 	$(PY) benchmarks/step_time.py --sweep --json $(OUT)/step_time.json
+	$(PY) benchmarks/peers.py --json $(OUT)/peers.json
+	$(PY) benchmarks/step_overhead.py --json $(OUT)/step_overhead.json
 	$(PY) benchmarks/accumulate.py --json $(OUT)/accumulate.json
 	$(PY) benchmarks/hooks.py --json $(OUT)/hooks.json
 	$(PY) benchmarks/costmodel_validate.py --json $(OUT)/costmodel_validate.json --png $(OUT)/costmodel_validate.png

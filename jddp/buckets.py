@@ -1,5 +1,7 @@
 """Gradient buckets: the plan of which parameters are reduced together, and in what order."""
 
+from jddp._src.autocap import AutoCap, CapChoice
 from jddp._src.planner import Bucket, BucketPlan, assign_buckets, make_plan, plan_buckets
 
-__all__ = ["Bucket", "BucketPlan", "assign_buckets", "make_plan", "plan_buckets"]
+__all__ = ["AutoCap", "Bucket", "BucketPlan", "CapChoice", "assign_buckets", "make_plan",
+           "plan_buckets"]

@@ -325,7 +325,7 @@ def _local_step(
             traced, jax.tree.leaves(params), (ms, batch, weights), plan=plan,
             axis_name=reduce_axis, hook=cfg.hook, hook_state=strip_device_dim(hook_state),
             step=state.step, phase=phase.hook, chain=cfg.chain, extras_fn=extras,
-            extras_shape=obj.extras_shape(aux_shape, n), hosts_axis=hosts_axis,
+            extras_shape=obj.extras_shape(aux_shape, n, reduce_axis), hosts_axis=hosts_axis,
         )
         grads = jax.tree.unflatten(treedef, red.grads)
         mean: Extras = red.extras

@@ -230,12 +230,13 @@ class Objective:
         sums = {k: v for k, v in aux.sums.items() if k != "loss"}
         return Extras(aux.metrics, sums, aux.weight, window_loss, window_weight, state)
 
-    def extras_shape(self, aux_shape: LocalAux, n: int) -> Extras:
+    def extras_shape(self, aux_shape: LocalAux, n: int, axis_name: Any) -> Extras:
         """Shape structs of :meth:`extras` for a :class:`LocalAux` of shape structs ``aux_shape``."""
         scalar = jax.ShapeDtypeStruct((), jnp.float32)
         state = ()
         if self.stateful:
-            state = ms_lib.payload_shape(aux_shape.model_state, self.model_state_sync, n)
+            state = ms_lib.payload_shape(aux_shape.model_state, self.model_state_sync, n,
+                                         axis_name)
         metrics = {k: scalar for k in aux_shape.metrics}
         if not self.weighted:
             return Extras(metrics, {}, None, scalar, None, state)

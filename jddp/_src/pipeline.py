@@ -229,8 +229,9 @@ def _varying(tree: Any, axis: Any) -> Any:
 
 
 def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
-    """The model state this device's micro-batches start from, typed as varying (it becomes
-    per-device as soon as a micro-batch updates it, and scan carries keep one type).
+    """The model state this device's micro-batches start from, typed as varying when scanned or
+    accumulated (it becomes per-device as soon as a micro-batch updates it, and scan carries
+    keep one type).
 
     That is the synchronised ``state.model_state`` at the start of a window and the device's own
     state of the previous no-sync call inside one (``state.accum.model_state``).
@@ -240,8 +241,13 @@ def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
         return None
     if cfg.per_device_model_state:
         ms = strip_device_dim(ms)
-    ms = _varying(ms, cfg.axis_name)
     acc = state.accum
+    if acc is None and cfg.microbatches == 1:
+        # No scan carry: keep the replicated type, so that state the loss computes from
+        # collectives only (cross-replica BatchNorm) stays invariant and is not synchronised
+        # again (jddp._src.model_state).
+        return ms
+    ms = _varying(ms, cfg.axis_name)
     if acc is None:
         return ms
     # A select, not a reset on sync: see accumulation.live (the stale slot is never rewritten).
@@ -409,7 +415,7 @@ def _local_step(
             traced, jax.tree.leaves(state.params), (ms_last, last, *w_last), plan=plan,
             axis_name=axis, hook=cfg.hook, hook_state=hook_state, step=state.step, phase=phase,
             chain=cfg.chain, seed=loss_seed, offset=offset_leaves, extras_fn=extras,
-            extras_shape=obj.extras_shape(aux_shape, n), sharded=sharded,
+            extras_shape=obj.extras_shape(aux_shape, n, axis), sharded=sharded,
             hosts_axis=cfg.data_axes.hosts,
         )
         mean = red.extras

@@ -55,6 +55,7 @@ class BucketPlan(NamedTuple):
       paths: every leaf's key path, in tree-leaf order.
       cap_bytes: the bucket cap.
       first_bytes: the cap of the first bucket (per dtype).
+      note: how the cap was chosen, printed with the table (``bucket_cap_mb="auto"``).
     """
 
     buckets: tuple[Bucket, ...]
@@ -65,6 +66,7 @@ class BucketPlan(NamedTuple):
     paths: tuple[str, ...]
     cap_bytes: int
     first_bytes: int
+    note: str = ""
 
     @property
     def num_buckets(self) -> int:
@@ -105,6 +107,7 @@ class BucketPlan(NamedTuple):
         rows = [
             f"BucketPlan: {self.num_buckets} buckets, {fmt_bytes(self.total_bytes)}, "
             f"cap {fmt_bytes(self.cap_bytes)}, first bucket {fmt_bytes(self.first_bytes)}"
+            + (f" ({self.note})" if self.note else "")
         ]
         rows.append(f"{'#':>3}  {'bytes':>10}  {'dtype':<9} {'leaves':>6}  parameters")
         for i, b in enumerate(self.buckets):

@@ -95,6 +95,16 @@ class Step:
         self._known: tuple[Any, int] | None = None  # (weakref to a returned step array, its value)
         self._last_phase: Any = None
 
+    @property
+    def config(self) -> StepConfig:
+        """The configuration this step was compiled from."""
+        return self._cfg
+
+    @property
+    def donates(self) -> bool:
+        """Whether a call consumes its input state."""
+        return self._donate
+
     def _host_step(self, state: Any) -> int:
         step = getattr(state, "step", None)
         if self._known is not None and self._known[0]() is step:

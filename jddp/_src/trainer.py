@@ -10,7 +10,7 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from jddp._src import checks, options, pipeline, watchdog
+from jddp._src import autocap, checks, options, pipeline, watchdog
 from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
@@ -61,7 +61,11 @@ class DataParallel:
       optimizer: an optax ``GradientTransformation``; it sees the averaged gradients, so
         transforms such as ``clip_by_global_norm`` act on the global gradient.
       mesh: the data mesh (default: ``jddp.data_mesh()``, every device).
-      bucket_cap_mb: bucket cap in MiB (DDP's default 25).
+      bucket_cap_mb: bucket cap in MiB (DDP's default 25), or ``"auto"``: the first call of
+        ``step`` times the step at the caps that give different bucket plans for this model
+        (on copies of the state; one compile each) and keeps the fastest, unless it beats 25 MiB
+        by less than 3%; ``cap_choice`` reports it and the number that pins it. A
+        ``jddp.buckets.AutoCap(...)`` changes the candidates, rounds and margin.
       first_bucket_mb: cap of the first bucket in MiB (DDP's default 1).
       has_aux: ``loss_fn`` also returns a dict of metrics.
       hook: communication hook for each bucket (default: mean all-reduce), e.g.
@@ -138,7 +142,7 @@ class DataParallel:
         optimizer: optax.GradientTransformation,
         *,
         mesh: Mesh | None = None,
-        bucket_cap_mb: float = options.DEFAULT_BUCKET_CAP_MB,
+        bucket_cap_mb: float | str | autocap.AutoCap = options.DEFAULT_BUCKET_CAP_MB,
         first_bucket_mb: float = options.DEFAULT_FIRST_BUCKET_MB,
         has_aux: bool = False,
         hook: CommHook | None = None,
@@ -173,7 +177,13 @@ class DataParallel:
                 accumulator_dtype = value
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-        cap, first = options.bucket_caps(bucket_cap_mb, first_bucket_mb)
+        auto = autocap.resolve(bucket_cap_mb)
+        if auto is not None and bucket_plan is not None:
+            raise ValueError("bucket_cap_mb='auto' chooses the bucket plan, and bucket_plan fixes "
+                             "one: pass only one of them.")
+        cap, first = options.bucket_caps(
+            options.DEFAULT_BUCKET_CAP_MB if auto is not None else bucket_cap_mb, first_bucket_mb
+        )
         hook = allreduce_mean() if hook is None else check_hook(hook)
         summed = options.metric_names(sum_metrics, "sum_metrics")
         if summed and not has_aux:
@@ -209,14 +219,26 @@ class DataParallel:
         plans = PlanLog()
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "_plans", plans)
-        step = Step(config, donate=donate, compiler_options=compiler_options, observer=plans)
+        def make_step(cfg: StepConfig, observer: pipeline.PlanObserver) -> Step:
+            return Step(cfg, donate=donate, compiler_options=compiler_options, observer=observer)
+
+        step: Step | autocap.AutoStep = make_step(config, plans)
+        if auto is not None:
+            # bucket_cap_mb="auto": the cap is chosen on the first step, then fixed; the
+            # configuration takes the chosen cap (see _src/autocap.py).
+            def chosen(cfg: StepConfig, _: autocap.CapChoice) -> None:
+                object.__setattr__(self, "config", cfg)
+
+            step = autocap.AutoStep(config, auto, make_step, plans, chosen)
+        object.__setattr__(self, "_auto", step if auto is not None else None)
         # Under jddp-run, each call reports its completed step to the launcher's watchdog (a
         # queue append, about 0.6 us); elsewhere this is the step itself.
         object.__setattr__(self, "step", watchdog.reporting(step))
 
     config: StepConfig
     _plans: PlanLog
-    step: Step
+    _auto: autocap.AutoStep | None
+    step: Step | autocap.AutoStep
     """The compiled step: ``step(state, batch, mask=None, *, sync=None, rng=None) -> (state,
     metrics)``; ``step.lower(...)`` gives its program."""
 
@@ -242,7 +264,18 @@ class DataParallel:
     @property
     def bucket_plan(self) -> BucketPlan | None:
         """The bucket plan of the most recently traced step (``None`` before the first step)."""
-        return self._plans.latest
+        plan, choice = self._plans.latest, self.cap_choice
+        if plan is not None and choice is not None:
+            plan = plan._replace(note=f"chosen by bucket_cap_mb='auto' from "
+                                      f"{len(choice.candidates_mb)} timed caps; pin it with "
+                                      f"bucket_cap_mb={choice.cap_mb:g}")
+        return plan
+
+    @property
+    def cap_choice(self) -> autocap.CapChoice | None:
+        """What ``bucket_cap_mb="auto"`` chose (``None`` before the first step, or for a fixed
+        cap); ``print`` it for the timings and the number that pins the choice."""
+        return None if self._auto is None else self._auto.choice
 
     def init(self, params: Any, model_state: Any = None) -> TrainState:
         """Builds the replicated initial state: params, optimizer state, hook state, step 0.
@@ -279,8 +312,11 @@ class DataParallel:
 
         The same planning code as the step's (it traces the step, without compiling it), so it
         works for models that communicate in their forward pass too (cross-replica BatchNorm).
-        ``params``, ``batch`` and ``mask`` may be arrays or ``jax.ShapeDtypeStruct``s.
+        ``params``, ``batch`` and ``mask`` may be arrays or ``jax.ShapeDtypeStruct``s. With
+        ``bucket_cap_mb="auto"``, only once the cap is chosen.
         """
+        if self._auto is not None:
+            self._auto.chosen_step("plan")
         return pipeline.plan(
             self.config, self.abstract_state(params, model_state), batch, mask
         )

@@ -1,0 +1,287 @@
+"""``bucket_cap_mb="auto"``: the bucket cap chosen for this model on this machine, once.
+
+The best cap depends on the model (its gradient sizes in backward order) and on the machine (the
+cost of one all-reduce against the backward work it could sit next to), and the cost model's
+error on a host (8-21%, ``benchmarks/costmodel_validate.py``) is larger than the few percent that
+separate good caps. So the choice is measured, like Horovod's autotune, on the real step:
+
+1. candidate caps are the ones that give *different* bucket plans for this model (caps that group
+   the leaves alike time alike; each plan is timed once, under its smallest candidate cap, and
+   DDP's default 25 MiB is always one of them);
+2. each candidate's step is compiled and run on copies of the state (the training state does not
+   advance; the copies hold the memory of ``donate=False``), round-robin, ``rounds`` times;
+3. the fastest median wins, unless it is less than ``margin`` faster than the default cap's
+   (noise must not move a run away from the default); process 0's choice is broadcast, so every
+   process compiles the same program;
+4. the winning candidate's compiled step becomes ``ddp.step`` (no recompile), ``ddp.config``
+   carries the chosen cap from then on, and :class:`CapChoice` (``ddp.cap_choice``) reports the
+   timings and how to pin the choice (``bucket_cap_mb=<cap>``).
+
+The cost: one compile per candidate plan and ``rounds + 1`` extra steps of each, on the first call
+of ``ddp.step`` (or of :meth:`AutoStep.tune`). All caps give the same gradients up to float
+rounding (a bucket only changes which leaves share an all-reduce), so the choice never changes
+what is trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jddp._src import options, pipeline
+from jddp._src.config import StepConfig
+from jddp._src.planner import BucketPlan, assign_buckets
+from jddp._src.step import Step
+from jddp._src.tree import MiB
+
+#: Caps (MiB) that "auto" considers by default, before identical plans are merged.
+DEFAULT_CANDIDATES_MB: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 50.0, 100.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoCap:
+    """How ``bucket_cap_mb="auto"`` chooses (pass an instance as ``bucket_cap_mb`` to change it).
+
+    Attributes:
+      candidates_mb: caps to consider (MiB); caps that give the same plan are timed once.
+      rounds: timed round-robin rounds per candidate (after one warm-up call each).
+      margin: a cap replaces the default (25 MiB) only if its median step is at least this
+        fraction faster.
+    """
+
+    candidates_mb: tuple[float, ...] = DEFAULT_CANDIDATES_MB
+    rounds: int = 5
+    margin: float = 0.03
+
+    def __post_init__(self) -> None:
+        caps = tuple(float(c) for c in self.candidates_mb)
+        for c in caps:
+            options.cap_bytes(c, "AutoCap.candidates_mb")
+        if not caps:
+            raise ValueError("AutoCap.candidates_mb must name at least one cap (MiB).")
+        object.__setattr__(self, "candidates_mb", caps)
+        options.count(self.rounds, "AutoCap.rounds")
+        if not (0.0 <= float(self.margin) < 1.0):
+            raise ValueError(f"AutoCap.margin must be in [0, 1), got {self.margin!r}.")
+
+
+class CapChoice(NamedTuple):
+    """What ``bucket_cap_mb="auto"`` chose, and from what.
+
+    Attributes:
+      cap_mb: the chosen cap (MiB); ``DataParallel(bucket_cap_mb=cap_mb)`` pins it.
+      candidates_mb: the cap timed for each distinct plan (MiB).
+      num_buckets: buckets of each candidate's plan.
+      median_s: each candidate's median step time (seconds), measured on process 0 (NaN when
+        there was a single candidate: nothing is timed then).
+      default_mb: the cap the choice was compared against (DDP's default).
+      tune_s: wall time the choice took (compiles and timed steps).
+    """
+
+    cap_mb: float
+    candidates_mb: tuple[float, ...]
+    num_buckets: tuple[int, ...]
+    median_s: tuple[float, ...]
+    default_mb: float
+    tune_s: float
+
+    def table(self) -> str:
+        rows = [f"bucket_cap_mb='auto' chose {self.cap_mb:g} MiB (pin it with "
+                f"bucket_cap_mb={self.cap_mb:g}); tuning took {self.tune_s:.1f} s",
+                f"{'cap MiB':>8} {'buckets':>7} {'median ms':>10} {'vs default':>10}"]
+        ref = self.median_s[self.candidates_mb.index(self.default_mb)]
+        for cap, nb, t in zip(self.candidates_mb, self.num_buckets, self.median_s, strict=True):
+            mark = "  <- chosen" if cap == self.cap_mb else ""
+            rows.append(f"{cap:>8g} {nb:>7} {t * 1e3:>10.2f} {t / ref:>10.3f}{mark}")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def resolve(bucket_cap_mb: Any) -> AutoCap | None:
+    """The :class:`AutoCap` policy for ``"auto"`` or an ``AutoCap``; ``None`` for a number."""
+    if isinstance(bucket_cap_mb, AutoCap):
+        return bucket_cap_mb
+    if isinstance(bucket_cap_mb, str):
+        if bucket_cap_mb != "auto":
+            raise ValueError(
+                f"bucket_cap_mb must be a number of MiB or 'auto', got {bucket_cap_mb!r}."
+            )
+        return AutoCap()
+    return None
+
+
+def distinct_candidates(
+    plan: BucketPlan, caps_mb: Sequence[float], first_bytes: int, default_mb: float,
+    tolerance: float = 0.01,
+) -> list[tuple[float, int]]:
+    """``(cap_mb, num_buckets)`` of each distinct plan among ``caps_mb`` (and the default).
+
+    Two caps give the same plan, for timing purposes, when they make as many buckets and each
+    bucket's bytes differ by at most ``tolerance`` of the model's gradient bytes (a bias moving to
+    the next bucket costs a compile, not time). The default cap stands for its group; other groups
+    are timed under their smallest cap.
+    """
+    order = [i for b in plan.buckets for i in b.indices]
+    nbytes = [int(np.prod(plan.shapes[i], dtype=np.int64)) * plan.dtypes[i].itemsize
+              for i in order]
+    dtypes = [plan.dtypes[i] for i in order]
+    slack = tolerance * max(1, sum(nbytes))
+
+    def sizes(cap_mb: float) -> list[int]:
+        cap = options.cap_bytes(cap_mb, "bucket_cap_mb")
+        return [sum(nbytes[k] for k in b)
+                for b in assign_buckets(nbytes, dtypes, cap, min(first_bytes, cap))]
+
+    kept = [(default_mb, sizes(default_mb))]
+    for cap_mb in sorted(set(caps_mb) - {default_mb}):
+        mine = sizes(cap_mb)
+        if not any(len(mine) == len(other) and
+                   all(abs(a - b) <= slack for a, b in zip(mine, other, strict=True))
+                   for _, other in kept):
+            kept.append((cap_mb, mine))
+    return sorted((cap, len(s)) for cap, s in kept)
+
+
+def pick(caps_mb: Sequence[float], medians: Sequence[float], default_mb: float,
+         margin: float) -> float:
+    """The fastest cap, unless it is less than ``margin`` faster than ``default_mb``'s."""
+    if len(caps_mb) == 1:
+        return float(caps_mb[0])
+    best = int(np.argmin(medians))
+    ref = medians[list(caps_mb).index(default_mb)]
+    return float(caps_mb[best]) if medians[best] < (1.0 - margin) * ref else float(default_mb)
+
+
+def _agree(value: float) -> float:
+    """Process 0's value on every process (the same cap compiles the same program everywhere)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return float(multihost_utils.broadcast_one_to_all(np.float64(value)))
+
+
+def _copier(state: Any) -> Callable[[Any], Any]:
+    """A jitted copy of ``state`` with its shardings: fresh buffers for a donating candidate to
+    consume (jitted, so that arrays spanning several processes are copied too)."""
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(lambda s: jax.tree.map(lambda x: x.copy(), s), out_shardings=shardings)
+
+
+class _Forward:
+    """A candidate step's plan observer: keeps its plan; once chosen, reports to the trainer."""
+
+    def __init__(self) -> None:
+        self.latest: BucketPlan | None = None
+        self.target: Callable[[BucketPlan], None] | None = None
+
+    def __call__(self, plan: BucketPlan) -> None:
+        self.latest = plan
+        if self.target is not None:
+            self.target(plan)
+
+
+class AutoStep:
+    """``ddp.step`` when ``bucket_cap_mb="auto"``: chooses the cap on the first call, then is the
+    chosen :class:`Step`.
+
+    Args:
+      cfg: the configuration with the default cap (the one the choice is compared against).
+      policy: how to choose.
+      make_step: builds a :class:`Step` for a configuration, reporting plans to an observer.
+      observer: the trainer's plan log.
+      on_choice: called once with the chosen configuration and the :class:`CapChoice`.
+    """
+
+    def __init__(
+        self,
+        cfg: StepConfig,
+        policy: AutoCap,
+        make_step: Callable[[StepConfig, pipeline.PlanObserver], Step],
+        observer: pipeline.PlanObserver,
+        on_choice: Callable[[StepConfig, CapChoice], None],
+    ) -> None:
+        self._cfg = cfg
+        self._policy = policy
+        self._make_step = make_step
+        self._observer = observer
+        self._on_choice = on_choice
+        self._step: Step | None = None
+        self.choice: CapChoice | None = None
+
+    def tune(self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
+             rng: Any = None) -> CapChoice:
+        """Chooses the cap on these inputs (their values are not changed); once only."""
+        if self.choice is not None:
+            return self.choice
+        t0 = time.perf_counter()
+        cfg, policy = self._cfg, self._policy
+        default_mb = cfg.cap_bytes / MiB
+        plan = pipeline.plan(cfg, state, batch, mask, rng)
+        found = distinct_candidates(plan, policy.candidates_mb, cfg.first_bytes, default_mb)
+        caps = [c for c, _ in found]
+        steps, observers = [], []
+        for cap_mb in caps:
+            cap = options.cap_bytes(cap_mb, "bucket_cap_mb")
+            observers.append(_Forward())
+            steps.append(self._make_step(dataclasses.replace(
+                cfg, cap_bytes=cap, first_bytes=min(cfg.first_bytes, cap)), observers[-1]))
+        # With accumulation, time the synchronising program: the others have no collective.
+        tsync = True if cfg.accumulates else sync
+        times: list[list[float]] = [[] for _ in caps]
+        # One distinct plan (a small model, or one dominated by a leaf above every cap): nothing
+        # to choose between, so nothing is timed; the step compiles on its first real call.
+        rounds = policy.rounds + 1 if len(caps) > 1 else 0
+        copy = _copier(state) if rounds and steps[0].donates else None
+        for r in range(rounds):  # round 0 compiles and warms up, untimed
+            for i, step in enumerate(steps):
+                trial = state if copy is None else copy(state)
+                jax.block_until_ready(trial)
+                t = time.perf_counter()
+                jax.block_until_ready(step(trial, batch, mask, sync=tsync, rng=rng))
+                if r:
+                    times[i].append(time.perf_counter() - t)
+        medians = [float(np.median(t)) if t else math.nan for t in times]
+        chosen = _agree(pick(caps, medians, default_mb, policy.margin))
+        k = caps.index(chosen)  # the candidates are the same on every process
+        self._step = steps[k]
+        observers[k].target = self._observer
+        latest = observers[k].latest
+        if latest is not None:
+            self._observer(latest)
+        self.choice = CapChoice(float(chosen), tuple(caps), tuple(n for _, n in found),
+                                tuple(medians), default_mb, time.perf_counter() - t0)
+        self._on_choice(self._step.config, self.choice)
+        return self.choice
+
+    def chosen_step(self, what: str = "run") -> Step:
+        """The chosen :class:`Step`; a clear error (naming ``what``) before the choice."""
+        if self._step is None:
+            raise ValueError(
+                f"bucket_cap_mb='auto' has not chosen a cap yet, so there is no program to "
+                f"{what}: take one step (ddp.step(state, batch)) or call ddp.step.tune(state, "
+                "batch) first, or pin the cap with a number (bucket_cap_mb=25.0)."
+            )
+        return self._step
+
+    def __call__(self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
+                 rng: Any = None) -> Any:
+        if self._step is None:
+            self.tune(state, batch, mask, sync=sync, rng=rng)
+        return self.chosen_step("run")(state, batch, mask, sync=sync, rng=rng)
+
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """The chosen step's :meth:`Step.lower` (after the choice)."""
+        return self.chosen_step("lower").lower(*args, **kwargs)
+
+    def cache_size(self) -> int:
+        """Programs the chosen step has compiled (0 before the choice)."""
+        return 0 if self._step is None else self._step.cache_size()

@@ -28,10 +28,12 @@ train: $(VENV)/.train-deps
 	$(PY) examples/train_digits.py --devices 8 --json out/digits.json
 
 # Two pytest workers (pytest-xdist): one test mostly keeps one core busy (tracing and compiling),
-# so two workers use both cores of a CI machine. TEST_WORKERS=0 runs in one process.
+# so two workers use both cores of a CI machine (worksteal: an idle worker takes queued tests
+# from the busy one, so a slow test at the end does not leave a core idle). TEST_WORKERS=0 runs
+# in one process.
 TEST_WORKERS ?= 2
 test: $(VENV)/.test-deps
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(VENV)/.test-deps
 	$(VENV)/bin/ruff check .

@@ -531,10 +531,11 @@ def _comm_bytes(cfg: StepConfig, plan: BucketPlan, layout: zero.Layout, step: An
     hosts = int(cfg.mesh.shape[cfg.data_axes.hosts]) if two_level else 1
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     if cfg.zero_stage >= 2:
-        out = {"comm_bytes": f32(zero.bytes_sent(plan, layout, cfg.zero_stage, _hosts(cfg)))}
+        replicas = hosts if cfg.hybrid_shard else 1
+        out = {"comm_bytes": f32(zero.bytes_sent(plan, layout, replicas))}
         if two_level:
-            out["comm_bytes_hosts"] = f32(zero.bytes_across_hosts(
-                plan, layout, cfg.zero_stage, hosts, cfg.hybrid_shard))
+            out["comm_bytes_hosts"] = f32(
+                zero.bytes_across_hosts(plan, layout, hosts, cfg.hybrid_shard))
         return out
     # Stages 0 and 1 reduce the gradients with the hook (its own accounting); stage 1 then
     # all-gathers the updated pieces over the shard axis (inside the host with hybrid_shard).
@@ -545,11 +546,6 @@ def _comm_bytes(cfg: StepConfig, plan: BucketPlan, layout: zero.Layout, step: An
     gather_across = 0.0 if cfg.hybrid_shard else gather * hosts / layout.n
     return {"comm_bytes": inside + across + gather,
             "comm_bytes_hosts": across + gather_across}
-
-
-def _hosts(cfg: StepConfig) -> int:
-    """Hosts the sharded pieces are replicated across (``hybrid_shard``), else 1."""
-    return int(cfg.mesh.shape[cfg.replica_axis]) if cfg.replica_axis is not None else 1
 
 
 def _bucket_groups(plan: BucketPlan) -> list[tuple[int, ...]]:

@@ -209,49 +209,41 @@ def _split_whole_bytes(plan: Any, layout: Layout) -> tuple[int, int]:
     return split, whole
 
 
-def bytes_sent(plan: Any, layout: Layout, stage: int, hosts: int = 1) -> float:
-    """Bytes one device sends per step for the gradients and parameters at a sharded stage.
-
-    A model, not a measurement (ring collectives): a reduce-scatter or an all-gather of ``B``
-    bytes sends ``(N-1)/N B`` per device, an all-reduce twice that; whole leaves travel as ``N``
-    rows. Stage 1: all-reduce of the gradients, all-gather of the parameters; stage 2:
-    reduce-scatter and all-gather; stage 3: all-gather in forward and reduce-scatter (the volume
-    of stage 2). With hybrid sharding over ``hosts`` (``layout.n`` devices per host) a device
-    also all-reduces its reduced pieces across hosts: ``2 (H-1)/H`` of ``1/L`` of the gradient.
-    """
-    n = layout.n
-    if n == 1 and hosts == 1:
-        return 0.0
-    frac = (n - 1) / n
-    split, whole = _split_whole_bytes(plan, layout)
-    if stage == 1:
-        total = n * hosts
-        return 2 * (total - 1) / total * (split + whole) + frac * split
-    scatter = frac * split + (n - 1) * whole
-    across = 2 * (hosts - 1) / hosts * (split / n + whole)
-    return scatter + frac * split + across
-
-
 def gather_bytes(plan: Any, layout: Layout) -> float:
     """Bytes one device sends to all-gather the split leaves once (ring: ``(n-1)/n`` of them)."""
     split, _ = _split_whole_bytes(plan, layout)
     return (layout.n - 1) / layout.n * split
 
 
-def bytes_across_hosts(plan: Any, layout: Layout, stage: int, hosts: int, hybrid: bool) -> float:
+def bytes_sent(plan: Any, layout: Layout, hosts: int = 1) -> float:
+    """Bytes one device sends per step for the gradients and parameters at stages 2 and 3.
+
+    A model, not a measurement (ring collectives): a reduce-scatter or an all-gather of ``B``
+    bytes sends ``(N-1)/N B`` per device, an all-reduce twice that; whole leaves travel as ``N``
+    rows. Stage 2 reduce-scatters and all-gathers; stage 3 all-gathers in forward and
+    reduce-scatters: the same volume. With hybrid sharding over ``hosts`` (``layout.n`` devices
+    per host) a device also all-reduces its reduced pieces across hosts: ``2 (H-1)/H`` of ``1/L``
+    of the gradient. (Stage 1 reduces with the hook: its bytes are the hook's own accounting plus
+    :func:`gather_bytes`.)
+    """
+    n = layout.n
+    split, whole = _split_whole_bytes(plan, layout)
+    scatter = (n - 1) / n * split + (n - 1) * whole
+    across = 2 * (hosts - 1) / hosts * (split / n + whole)
+    return scatter + gather_bytes(plan, layout) + across
+
+
+def bytes_across_hosts(plan: Any, layout: Layout, hosts: int, hybrid: bool) -> float:
     """Of :func:`bytes_sent`, what one device sends to other hosts on a ``hosts`` x ``L`` mesh.
 
     Flat sharding (``layout.n`` = every device) runs its rings over all devices, host by host:
     ``hosts`` of the ``N`` hops cross a host boundary. Hybrid sharding (``layout.n = L``) keeps
     the reduce-scatters and all-gathers inside the host: only the all-reduce of the pieces
-    crosses (stage 1: the gradient all-reduce over every device, a flat ring).
+    crosses.
     """
     if hosts <= 1:
         return 0.0
     if not hybrid:
-        return bytes_sent(plan, layout, stage) * hosts / layout.n
+        return bytes_sent(plan, layout) * hosts / layout.n
     split, whole = _split_whole_bytes(plan, layout)
-    if stage == 1:
-        total = layout.n * hosts
-        return 2 * (total - 1) / total * (split + whole) * hosts / total
     return 2 * (hosts - 1) / hosts * (split / layout.n + whole)

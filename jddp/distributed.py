@@ -279,20 +279,23 @@ def _gloo_default_address() -> str | None:
 
 
 def _spans_hosts(coordinator_address: str) -> bool:
-    """Whether the job has processes on other hosts: ``JDDP_NNODES`` (a multi-node jddp-run)
-    says so; otherwise a coordinator that is not an address of this host does."""
+    """Whether the job has processes on other hosts: not with a coordinator on loopback (no
+    other host could reach it); else ``JDDP_NNODES`` (a multi-node jddp-run) says so; else a
+    coordinator that is not an address of this host does."""
+    addresses = _resolve(_split_address(coordinator_address)[0])
+    if any(_is_loopback(a) for a in addresses):
+        return False
     nnodes = _env_int(ENV_NNODES)
     if nnodes is not None:
         return nnodes > 1
-    addresses = _resolve(_split_address(coordinator_address)[0])
-    return bool(addresses) and not any(_is_loopback(a) or _is_local_address(a) for a in addresses)
+    return bool(addresses) and not any(_is_local_address(a) for a in addresses)
 
 
 def _uses_cpu_collectives() -> bool:
     """Gloo carries this job's collectives: CPU first (or no platform named), Gloo chosen."""
-    if jax.config.jax_cpu_collectives_implementation not in (None, "gloo"):
+    if getattr(jax.config, "jax_cpu_collectives_implementation", "gloo") not in (None, "gloo"):
         return False
-    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or ""
+    platforms = getattr(jax.config, "jax_platforms", None) or os.environ.get("JAX_PLATFORMS") or ""
     return platforms.split(",")[0].strip() in ("", "cpu")
 
 

@@ -9,7 +9,7 @@ import pytest
 import jddp.distributed as dist
 from tests.launch_util import child_env, run_launcher
 
-REMOTE = "192.0.2.1:1234"  # TEST-NET-1: never an address of this host
+REMOTE = "198.51.100.1:1234"  # TEST-NET-2: not an address of this host
 
 
 @pytest.fixture
@@ -24,16 +24,27 @@ def test_multi_host_job_with_loopback_hostname_fails_at_once(loopback_hostname, 
     with pytest.raises(dist.GlooAddressError, match="JDDP_GLOO_INTERFACE") as e:
         dist.initialize(REMOTE, 2, 1, timeout_s=1)
     assert "'localhost' resolves to 127.0.0.1 (loopback)" in str(e.value)
-    # A multi-node jddp-run says so itself, even with the coordinator on this host.
-    monkeypatch.setenv("JDDP_NNODES", "2")
-    with pytest.raises(dist.GlooAddressError, match="JDDP_GLOO_ADDRESS"):
-        dist.initialize("127.0.0.1:1", 2, 1, timeout_s=1)
+    # A multi-node jddp-run says so itself, even with the coordinator on this host (not on
+    # loopback, which no other host could reach).
+    own = next((a for a in _own_addresses() if not a.startswith("127.")), None)
+    if own is not None:
+        monkeypatch.setenv("JDDP_NNODES", "2")
+        with pytest.raises(dist.GlooAddressError, match="JDDP_GLOO_ADDRESS"):
+            dist.initialize(f"{own}:1", 2, 1, timeout_s=1)
+
+
+def _own_addresses():
+    """This host's IPv4 addresses (from the kernel's routing table of local addresses)."""
+    import subprocess
+
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    return [ln.split()[3].split("/")[0] for ln in out.splitlines() if len(ln.split()) > 3]
 
 
 def test_gloo_interface_or_address_not_on_this_host(loopback_hostname, monkeypatch):
     with pytest.raises(dist.GlooAddressError, match="no network interface"):
         dist.initialize(REMOTE, 2, 1, timeout_s=1, gloo_interface="nosuch0")
-    monkeypatch.setenv("JDDP_GLOO_ADDRESS", "192.0.2.1")
+    monkeypatch.setenv("JDDP_GLOO_ADDRESS", "198.51.100.1")
     with pytest.raises(dist.GlooAddressError, match="not an address of this host"):
         dist.initialize(REMOTE, 2, 1, timeout_s=1)
 

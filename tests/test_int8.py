@@ -17,7 +17,7 @@ from jddp.perf.traffic import traffic
 N = 8
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reducer(hook, mesh, axes):
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(axes), P(axes), P()),

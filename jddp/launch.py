@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 from jddp._src.watchdog import ENV_CONTROL_FD, ENV_LAUNCHER_PID, ENV_RESTART_COUNT
 from jddp.distributed import (
@@ -678,7 +678,7 @@ class _Parser(argparse.ArgumentParser):
         self.valued: set[str] = set()  # option strings followed by a value
         super().__init__(**kwargs)  # type: ignore[arg-type]  # (adds -h, hence set first)
 
-    def add_argument(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
         action = super().add_argument(*args, **kwargs)
         (self.valued if action.nargs != 0 else self.flags).update(action.option_strings)
         return action

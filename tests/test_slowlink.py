@@ -4,11 +4,16 @@ bytes that really cross the veth match jddp's model within 10%. Root and `ip net
 harness holds a lock (never two runs at once) and removes what it made, also on failure."""
 
 import os
+import socket
 import subprocess
+import sys
+import textwrap
 
 import pytest
 
 from benchmarks.slowlink import bench, netns
+from jddp.launch import free_port
+from tests.launch_util import REPO, child_env
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +58,50 @@ def test_cleans_up_after_a_failure(available):
     assert not _ours()
     assert not any(os.path.exists(f"/etc/netns/{n}") for n in link.namespaces)
     assert sleeper.poll() is not None  # ended by PID
+
+
+JOB = """
+import numpy as np
+import jddp.distributed as dist
+dist.initialize(timeout_s=60)
+import jax
+from jax.experimental import multihost_utils
+print("SUM", int(multihost_utils.process_allgather(np.int32(jax.process_index() + 1)).sum()))
+"""
+
+
+def _two_node_job(link, script, env_of_side=lambda side: {}):
+    """Runs ``script`` as a 2-node jddp-run job, one node per namespace: [(output, status)]."""
+    master = f"{link.addresses[0]}:{free_port()}"
+    procs = [link.run(side, [sys.executable, "-m", "jddp.launch", "--nnodes", "2",
+                             "--node-rank", str(side), "--master-addr", master, "-n", "1",
+                             "--timeout", "60", str(script)],
+                      env=child_env(JAX_PLATFORMS="cpu", **env_of_side(side)),
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+             for side in (0, 1)]
+    return [(p.communicate(timeout=90)[0], p.returncode) for p in procs]
+
+
+@pytest.mark.slow
+def test_gloo_interface_across_namespaces(available, tmp_path):
+    """In namespaces whose host name resolves to loopback (no hosts file), a 2-node job fails at
+    once naming the fix; with JDDP_GLOO_INTERFACE it runs."""
+    if not any(a.startswith("127.") for a in _resolve(socket.gethostname())):
+        pytest.skip("this machine's host name does not resolve to loopback")
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB))
+    with netns.SlowLink(map_hostname=False) as link:
+        for out, rc in _two_node_job(link, script):
+            assert rc == 1 and "GlooAddressError" in out and "JDDP_GLOO_INTERFACE" in out, out
+        # Each side names its own veth end.
+        runs = _two_node_job(link, script, lambda side: {"JDDP_GLOO_INTERFACE": link.devices[side]})
+        for out, rc in runs:
+            assert rc == 0 and "SUM 3" in out, out
+    assert not _ours()
+
+
+def _resolve(host):
+    try:
+        return [i[4][0] for i in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+    except OSError:
+        return []

@@ -155,7 +155,6 @@ def run(args: argparse.Namespace, timeout_s: float = 3000.0) -> dict:
     """Makes the link, runs the two ranks under the multi-node launcher, returns the merged
     results (the link is removed, and every process inside it ended, however this ends)."""
     from benchmarks.slowlink.netns import SlowLink
-
     from jddp.launch import free_port
 
     with SlowLink() as link:

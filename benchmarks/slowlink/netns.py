@@ -124,8 +124,14 @@ def _lock(timeout_s: float) -> Iterator[None]:
 class SlowLink:
     """Two namespaces joined by a veth pair; see the module docstring."""
 
-    def __init__(self, lock_timeout_s: float = 600.0) -> None:
+    def __init__(self, lock_timeout_s: float = 600.0, map_hostname: bool = True) -> None:
+        """Args:
+          lock_timeout_s: how long to wait for another run of the harness to finish.
+          map_hostname: write ``/etc/netns/<ns>/hosts`` (host name -> namespace address); off,
+            the namespaces see this machine's ``/etc/hosts`` (to test jddp's Gloo options).
+        """
         self.lock_timeout_s = lock_timeout_s
+        self.map_hostname = map_hostname
         tag = f"{os.getpid()}"
         self.namespaces = (f"{PREFIX}{tag}a", f"{PREFIX}{tag}b")
         self.devices = (f"jsl{tag}a", f"jsl{tag}b")
@@ -167,16 +173,17 @@ class SlowLink:
         _ip("link", "add", dev[0], "netns", ns[0], "type", "veth", "peer", "name", dev[1],
             "netns", ns[1])
         host = socket.gethostname()
-        if not os.path.isdir("/etc/netns"):
+        if self.map_hostname and not os.path.isdir("/etc/netns"):
             os.makedirs("/etc/netns")
             self._made_etc_netns = True
         for name, d, addr in zip(ns, dev, self.addresses, strict=True):
             _ip("-n", name, "addr", "add", f"{addr}/24", "dev", d)
             _ip("-n", name, "link", "set", d, "up")
             _ip("-n", name, "link", "set", "lo", "up")
-            os.makedirs(f"/etc/netns/{name}", exist_ok=True)
-            with open(f"/etc/netns/{name}/hosts", "w") as f:
-                f.write(f"127.0.0.1\tlocalhost\n{addr}\t{host}\n")
+            if self.map_hostname:
+                os.makedirs(f"/etc/netns/{name}", exist_ok=True)
+                with open(f"/etc/netns/{name}/hosts", "w") as f:
+                    f.write(f"127.0.0.1\tlocalhost\n{addr}\t{host}\n")
 
     def close(self) -> None:
         """Ends every process inside the namespaces (by PID) and removes what was made."""

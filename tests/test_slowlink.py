@@ -66,7 +66,8 @@ import jddp.distributed as dist
 dist.initialize(timeout_s=60)
 import jax
 from jax.experimental import multihost_utils
-print("SUM", int(multihost_utils.process_allgather(np.int32(jax.process_index() + 1)).sum()))
+total = int(multihost_utils.process_allgather(np.int32(jax.process_index() + 1)).sum())
+print(f"SUM={total}", flush=True)
 """
 
 
@@ -96,7 +97,7 @@ def test_gloo_interface_across_namespaces(available, tmp_path):
         # Each side names its own veth end.
         runs = _two_node_job(link, script, lambda side: {"JDDP_GLOO_INTERFACE": link.devices[side]})
         for out, rc in runs:
-            assert rc == 0 and "SUM 3" in out, out
+            assert rc == 0 and "SUM=3" in out, out
     assert not _ours()
 
 

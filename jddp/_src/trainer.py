@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh
 
 from jddp._src import autocap, checks, options, pipeline, watchdog
+from jddp._src import report as report_lib
 from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
@@ -341,6 +342,27 @@ class DataParallel:
         """
         state = self.abstract_state(params_like, model_state_like)
         return self.step.lower(state, batch_like, sync=sync, step=step)
+
+    def report(
+        self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
+        rng: Any = None,
+    ) -> report_lib.Report:
+        """The compiled step's communication contract and memory, read from its program.
+
+        ``rep.collectives``: each collective (kind, bytes, dtype, group size, level, the bucket
+        it serves, in a loop or not, bytes sent per device, overlapped compute on GPU);
+        totals per step and per window (``accumulate_steps``), bytes across hosts;
+        ``rep.memory``: per-device sizes (at rest, arguments, temporaries, peak). ``print(rep)``
+        is a table, ``rep.to_dict()`` JSON. See docs/report.md.
+
+        Compiles the program ``ddp.step(state, batch, mask, sync=sync)`` runs (the step reuses
+        that compile); nothing runs. ``state`` may be abstract (``ddp.abstract_state``), on a
+        mesh of compile-only devices (``jddp.perf.topologies``).
+        """
+        compiled = self.step.lower(state, batch, mask, sync=sync, rng=rng).compile()
+        window = self.config.accumulate_steps if sync is None else 1
+        return report_lib.build(compiled, state, mesh_lib.host_of_device(self.config.mesh),
+                                window)
 
     def verify(self, state: TrainState, *, atol: float = 0.0) -> None:
         """Raises :class:`jddp.ReplicaDivergenceError` if replicas of ``state`` differ.

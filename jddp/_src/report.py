@@ -38,7 +38,9 @@ class CollectiveReport(NamedTuple):
       shapes: the operands' shapes.
       group_size: devices per replica group.
       level: ``"hosts"`` when a replica group spans hosts, else ``"local"``.
-      bucket: the gradient bucket whose reduction issued it (``None``: outside every bucket).
+      bucket: the gradient bucket whose reduction issued it (``None``: outside every bucket):
+        read from the ``op_name`` jddp gives each bucket's reduction, or, where XLA drops it
+        (GPU's asynchronous collectives), matched to the plan by bytes in order.
       in_loop: it runs inside a ``while`` loop (once per iteration; totals count it once).
       in_branch: it runs inside a ``conditional`` (with accumulation: once per window).
       sent: bytes one device sends for it (ring model).
@@ -48,7 +50,7 @@ class CollectiveReport(NamedTuple):
         the backward compute that hides it, on GPU).
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index; a position reads best
     kind: str
     bytes: int
     dtype: str
@@ -243,8 +245,29 @@ def collectives(source: Any, host_of_device: Sequence[int]) -> tuple[CollectiveR
     return tuple(out)
 
 
-def build(compiled: Any, state: Any, host_of_device: Sequence[int], window: int) -> Report:
+def assign_buckets(cols: Sequence[CollectiveReport], plan: Any) -> tuple[CollectiveReport, ...]:
+    """Buckets for collectives whose ``op_name`` was dropped (XLA's GPU asynchronous
+    collectives keep only a scheduling name): the gradient collectives (all-reduce,
+    reduce-scatter; not in a loop), in program order, fill the plan's buckets in order, by
+    bytes (a bucket XLA split in two gets both pieces)."""
+    if plan is None or any(c.bucket is not None for c in cols):
+        return tuple(cols)
+    out, b, filled = [], 0, 0
+    for c in cols:
+        if b < plan.num_buckets and c.kind in ("all-reduce", "reduce-scatter") and not c.in_loop:
+            c = c._replace(bucket=b)
+            filled += c.bytes
+            if filled >= plan.buckets[b].nbytes:
+                b, filled = b + 1, 0
+        out.append(c)
+    return tuple(out)
+
+
+def build(compiled: Any, state: Any, host_of_device: Sequence[int], window: int,
+          plan: Any = None) -> Report:
     """The :class:`Report` of a compiled step for ``state`` on a mesh whose devices sit on
-    ``host_of_device``."""
-    return Report(collectives(compiled.as_text(), host_of_device), memory(compiled, state),
-                  len(host_of_device), max(1, len(set(host_of_device))), int(window))
+    ``host_of_device``; ``plan`` (the step's bucket plan) names buckets the program's metadata
+    does not."""
+    cols = assign_buckets(collectives(compiled.as_text(), host_of_device), plan)
+    return Report(cols, memory(compiled, state), len(host_of_device),
+                  max(1, len(set(host_of_device))), int(window))

@@ -31,8 +31,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from jddp._src.tree import fmt_bytes
 from jddp._src.hlo import Collective, collectives
+from jddp._src.tree import fmt_bytes
 
 __all__ = ["CollectiveTraffic", "Traffic", "sent_per_device", "traffic"]
 

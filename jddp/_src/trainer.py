@@ -11,11 +11,11 @@ import optax
 from jax.sharding import Mesh
 
 from jddp._src import autocap, checks, options, pipeline, watchdog
-from jddp._src import report as report_lib
 from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
 from jddp._src import model_state as ms_lib
+from jddp._src import report as report_lib
 from jddp._src import verify as verify_lib
 from jddp._src.config import StepConfig
 from jddp._src.hooks import CommHook, allreduce_mean, check_hook
@@ -362,7 +362,7 @@ class DataParallel:
         compiled = self.step.lower(state, batch, mask, sync=sync, rng=rng).compile()
         window = self.config.accumulate_steps if sync is None else 1
         return report_lib.build(compiled, state, mesh_lib.host_of_device(self.config.mesh),
-                                window)
+                                window, self._plans.latest)
 
     def verify(self, state: TrainState, *, atol: float = 0.0) -> None:
         """Raises :class:`jddp.ReplicaDivergenceError` if replicas of ``state`` differ.

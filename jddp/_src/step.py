@@ -71,6 +71,8 @@ class Step:
       donate: donate the input state's buffers to the output (the input is consumed).
       compiler_options: XLA options for ``jax.jit``.
       observer: called with the bucket plan whenever the step is traced.
+      verify_every: every this many calls, compare a hash of each parameter's copies across
+        replicas and raise ``ReplicaDivergenceError`` on a mismatch (0: never).
     """
 
     def __init__(
@@ -80,8 +82,11 @@ class Step:
         donate: bool = True,
         compiler_options: dict[str, Any] | None = None,
         observer: pipeline.PlanObserver | None = None,
+        verify_every: int = 0,
     ) -> None:
         self._cfg = cfg
+        self._verify_every = int(verify_every)
+        self._calls = 0
         self._donate = donate
         self._traced_plan: BucketPlan | None = None
 
@@ -127,6 +132,20 @@ class Step:
         rng: Any = None,
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """One step; ``rng`` is the run's PRNG key with ``DataParallel(rng=True)``."""
+        out = self._run(state, batch, mask, sync, rng)
+        if self._verify_every:
+            self._calls += 1
+            if self._calls % self._verify_every == 0:
+                # Waits for this step first: with simulated CPU devices, a second executable
+                # with collectives dispatched while the step's are in flight can deadlock (seen
+                # here: half the devices in each). Once every K calls.
+                jax.block_until_ready(out)
+                verify_lib.check_every({"params": out[0].params}, self._cfg.mesh, self._calls)
+        return out
+
+    def _run(
+        self, state: TrainState, batch: Any, mask: Any, sync: bool | None, rng: Any
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
         if self._donate:
             _check_live(state)
         sync = options.step_sync(sync)

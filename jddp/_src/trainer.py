@@ -135,6 +135,10 @@ class DataParallel:
         device) train apart and average their parameters every ``period`` steps; gradients are
         still reduced inside a host every step. ``state.params`` then holds one copy per replica
         (read :meth:`global_params` to evaluate). See docs/scaling.md.
+      verify_every: every ``K`` calls of ``step``, a cheap check that the replicas' parameters
+        are still equal (one uint32 hash per parameter and device, one small all-gather; it
+        waits for that step): ``jddp.ReplicaDivergenceError`` names the leaf and the replicas
+        whose copy differs (silent data corruption, a bad custom hook). See docs/report.md.
     """
 
     def __init__(
@@ -164,6 +168,7 @@ class DataParallel:
         sum_metrics: tuple[str, ...] = (),
         loss_scale: ls_lib.DynamicScale | None = None,
         local_sgd: local_sgd_lib.LocalSGD | None = None,
+        verify_every: int | None = None,
         **renamed: Any,
     ) -> None:
         for old, value in renamed.items():
@@ -220,8 +225,15 @@ class DataParallel:
         plans = PlanLog()
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "_plans", plans)
+        if verify_every is not None and (isinstance(verify_every, bool) or not isinstance(
+                verify_every, int) or verify_every < 1):
+            raise ValueError(f"verify_every must be a positive int K (check the replicas every K "
+                             f"steps) or None, got {verify_every!r}.")
+        every = verify_every or 0
+
         def make_step(cfg: StepConfig, observer: pipeline.PlanObserver) -> Step:
-            return Step(cfg, donate=donate, compiler_options=compiler_options, observer=observer)
+            return Step(cfg, donate=donate, compiler_options=compiler_options, observer=observer,
+                        verify_every=every)
 
         step: Step | autocap.AutoStep = make_step(config, plans)
         if auto is not None:

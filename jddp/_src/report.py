@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jddp._src import hlo
-from jddp._src.traffic import sent_per_device
+from jddp._src.traffic import sent_per_device, traffic
 from jddp._src.tree import fmt_bytes
 
 
@@ -223,23 +223,16 @@ def memory(compiled: Any, state: Any) -> MemoryReport | None:
 def collectives(source: Any, host_of_device: Sequence[int]) -> tuple[CollectiveReport, ...]:
     """The :class:`CollectiveReport` of every collective of a compiled program."""
     host = list(host_of_device)
-    hosts = max(1, len(set(host)))
     out = []
-    for i, c in enumerate(hlo.collectives(source)):
+    for i, t in enumerate(traffic(hlo.read_module(source), host).collectives):
+        c = t.collective
         groups = c.groups or (tuple(range(len(host))),)
-        size = len(groups[0])
-        sent = sent_per_device(c.kind, c.nbytes, size)
-        across = 0.0
-        for group in groups:
-            for j, dev in enumerate(group):
-                if len(group) > 1 and host[dev] != host[group[(j + 1) % len(group)]]:
-                    across += sent_per_device(c.kind, c.nbytes, len(group))
-        spans = any(len({host[d] for d in g}) > 1 for g in groups)
         out.append(CollectiveReport(
             index=i, kind=c.kind, bytes=int(c.nbytes),
-            dtype=",".join(sorted(set(c.dtypes))), shapes=c.shapes, group_size=size,
-            level="hosts" if spans else "local", bucket=c.bucket, in_loop=c.in_loop,
-            in_branch=c.in_conditional, sent=sent, across_hosts=across / hosts, mode=c.mode,
+            dtype=",".join(sorted(set(c.dtypes))), shapes=c.shapes, group_size=len(groups[0]),
+            level="hosts" if t.crosses else "local", bucket=c.bucket, in_loop=c.in_loop,
+            in_branch=c.in_conditional, sent=sent_per_device(c.kind, c.nbytes, len(groups[0])),
+            across_hosts=t.across, mode=c.mode,
             overlapped_dots=c.dots_between if c.asynchronous else 0,
         ))
     return tuple(out)

@@ -4,7 +4,8 @@ For each collective of a compiled program (:func:`jddp.perf.schedule.collectives
 replica groups, a ring over the group's devices in the listed order is assumed (what Gloo runs on
 CPU; NCCL and TPU ICI pick other algorithms, whose byte counts are close to a ring's): every
 device sends its share to the next device of the ring, and a hop *crosses* when the two devices
-sit on different hosts. Per device and collective, in bytes of the operands:
+sit on different hosts (an all-to-all is not a ring: each device sends ``b/g`` straight to each
+other member, and each pair is counted). Per device and collective, in bytes of the operands:
 
 ================  =================================  =======================================
 kind              each device sends                  e.g. for ``b`` bytes over ``g`` devices

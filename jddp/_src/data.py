@@ -74,10 +74,11 @@ class ArraySource:
         leaves = jax.tree.leaves(arrays)
         if not leaves:
             raise ValueError("ArraySource needs a pytree with at least one array leaf.")
-        sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
-        if len(sizes) != 1 or None in sizes:
+        sizes = {np.shape(x)[0] if np.ndim(x) else -1 for x in leaves}
+        if len(sizes) != 1 or -1 in sizes:
             raise ValueError(
-                f"ArraySource leaves must share a leading (example) dimension, got {sorted(map(str, sizes))}."
+                "ArraySource leaves must share a leading (example) dimension, got leading sizes "
+                f"{sorted(sizes)} (-1: a scalar leaf)."
             )
         self.arrays = jax.tree.map(np.asarray, arrays)
         self._length = int(next(iter(sizes)))
@@ -281,7 +282,8 @@ class Loader:
         inside = self._position % self.accumulate_steps
         if inside:
             raise RuntimeError(
-                f"Loader state asked for in the middle of an accumulation window ({inside} of {self.accumulate_steps} micro-batches handed out). "
+                f"Loader state asked for in the middle of an accumulation window ({inside} of "
+                f"{self.accumulate_steps} micro-batches handed out). "
                 "Save at window boundaries (after the synchronising step: loader.window_end), so "
                 "that the saved TrainState and loader agree."
             )

@@ -127,7 +127,7 @@ def main():
                     states[v], m = ddp.step(states[v], fixed if ld is None else next(ld)[0])
                 jax.block_until_ready(m["loss"])
                 times[v].append((time.perf_counter() - t0) / args.batches)
-        for v, ld in variants.items():
+        for ld in variants.values():
             if ld is not None:
                 ld.close()
         base = statistics.median(times["fixed batch"])

@@ -4,7 +4,8 @@ For each collective of a compiled program (:func:`jddp.perf.schedule.collectives
 replica groups, a ring over the group's devices in the listed order is assumed (what Gloo runs on
 CPU; NCCL and TPU ICI pick other algorithms, whose byte counts are close to a ring's): every
 device sends its share to the next device of the ring, and a hop *crosses* when the two devices
-sit on different hosts. Per device and collective, in bytes of the operands:
+sit on different hosts (an all-to-all is not a ring: each device sends ``b/g`` straight to each
+other member, and each pair is counted). Per device and collective, in bytes of the operands:
 
 ================  =================================  =======================================
 kind              each device sends                  e.g. for ``b`` bytes over ``g`` devices
@@ -129,6 +130,15 @@ def traffic(source: Any, host_of_device: Sequence[int]) -> Traffic:
         crosses = False
         for group in groups:
             per_device = sent_per_device(c.kind, c.nbytes, len(group))
+            if c.kind in ("all-to-all", "ragged-all-to-all") and len(group) > 1:
+                # Not a ring: each device sends its 1/g share straight to every other member.
+                share = per_device / (len(group) - 1)
+                for dev in group:
+                    remote = sum(host[dev] != host[peer] for peer in group)
+                    across += share * remote
+                    inside += share * (len(group) - 1 - remote)
+                    crosses = crosses or remote > 0
+                continue
             for j, dev in enumerate(group):
                 nxt = group[(j + 1) % len(group)]
                 if len(group) == 1:

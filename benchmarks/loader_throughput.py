@@ -2,7 +2,7 @@
 
 Two sources of 32x32x3 uint8 images (``--examples`` of them) with labels:
 
-* ``array``: ``jddp.data.ArraySource`` (one NumPy gather per leaf per batch: ``__getitems__``);
+* ``array``: ``jddp.data.ArraySource`` (one NumPy gather per leaf per batch: ``take``);
 * ``decode``: a per-example source that "decodes" each image (uint8 -> float32, scaled, a random
   flip and crop from a per-example generator), read one example at a time (``__getitem__``),
   like a source that parses records.

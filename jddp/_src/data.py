@@ -63,8 +63,8 @@ STATE_FORMAT = "jddp.data.Loader/1"
 class ArraySource:
     """A random-access source over a pytree of arrays with the examples on the leading axis.
 
-    ``source[i]`` is the tree of row ``i`` of every leaf; ``source.__getitems__(indices)`` reads
-    many rows with one fancy-indexing call per leaf (the loader uses it when a source has it).
+    ``source[i]`` is the tree of row ``i`` of every leaf; ``source.take(indices)`` reads many rows
+    with one gather per leaf (the loader reads an ArraySource's batches that way).
 
     Args:
       arrays: e.g. ``{"image": x, "label": y}``; every leaf has the same leading dimension.
@@ -89,7 +89,7 @@ class ArraySource:
     def __getitem__(self, index: int) -> Any:
         return jax.tree.map(lambda x: x[index], self.arrays)
 
-    def __getitems__(self, indices: Any) -> Any:
+    def take(self, indices: Any) -> Any:
         """The stacked rows ``indices`` of every leaf (one gather per leaf)."""
         idx = np.asarray(indices, np.int64)
         return jax.tree.map(lambda x: x[idx], self.arrays)
@@ -185,8 +185,8 @@ class Loader:
 
     Args:
       source: ``len(source)`` and ``source[i]`` (an example: a pytree of arrays, the same
-        structure, shapes and dtypes for every ``i``); ``source.__getitems__(indices)``, if it
-        exists, reads many rows at once and returns them stacked.
+        structure, shapes and dtypes for every ``i``); an :class:`ArraySource` is read a batch at
+        a time.
       global_batch_size: examples per global batch, a multiple of the data-axis devices.
       mesh: the data mesh (default ``jddp.data_mesh()``); the batch is split over its ``"data"``
         axis, or both axes of a two-level mesh.
@@ -348,8 +348,8 @@ class Loader:
         return sum(stop - start for start, stop in self.local_rows)
 
     def _read_rows(self, indices: np.ndarray, position: int) -> tuple[_Spec, list[np.ndarray]]:
-        if len(indices) and hasattr(self.source, "__getitems__"):
-            stacked = self.source.__getitems__([int(i) for i in indices])
+        if len(indices) and isinstance(self.source, ArraySource):
+            stacked = self.source.take(indices)
             spec = self._spec or _spec_of(jax.tree.map(lambda x: np.asarray(x)[0], stacked))
             arrays = _check_example(
                 _Spec(spec.treedef, tuple((len(indices),) + s for s in spec.shapes), spec.dtypes),

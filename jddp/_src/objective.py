@@ -190,7 +190,7 @@ class Objective:
                 f"{jnp.result_type(loss)}{list(jnp.shape(loss))}. Return the per-example (or "
                 "per-token) losses; the step averages them over the real (mask != 0) entries."
             )
-        size = max(1, int(jnp.size(weights)))
+        size = self.unit(weights)
         w = weights.astype(loss.dtype)
         # where(): a padded example's loss is dropped even if it is Inf/NaN (0 * Inf is NaN).
         total = jnp.sum(jnp.where(w != 0, w * loss, 0))
@@ -212,6 +212,17 @@ class Objective:
                 )
         weight = jnp.sum(weights.astype(jnp.float32)) / size
         return total / size, LocalAux(new_state, scalars, sums, weight)
+
+    def unit(self, weights: Any) -> float:
+        """The static normaliser of one micro-batch's sums: its weights' size, or 1.
+
+        With ``weighted``, the differentiated scalar, the loss sum and the weight are divided by
+        the micro-batch's size (so local gradients are mean-sized when a hook reduces them). Calls
+        of one window may differ in shape (a padded last batch), so what is kept across calls is
+        multiplied back by this unit: the accumulator holds plain sums, and every real entry
+        weighs the same in the window.
+        """
+        return float(max(1, int(jnp.size(weights)))) if self.weighted else 1.0
 
     def extras(self, aux: LocalAux, window_loss: Any, window_weight: Any, axis_name: Any,
                n: int) -> Extras:

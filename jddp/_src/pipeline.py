@@ -404,7 +404,8 @@ def _local_step(
         count = float(m) if acc is None else (acc.count + 1).astype(jnp.float32) * m
         seed = None if acc is None and m == 1 else 1.0 / count
         offset_leaves = None
-        if offset is not None:
+        if offset is not None:  # plain sums (see Objective.unit), to this call's unit
+            assert seed is not None  # an offset means earlier micro-batches
             offset_leaves = [o * jnp.asarray(seed / unit, o.dtype) for o in jax.tree.leaves(offset)]
         # The loss scale is the last micro-batch's seed (the offset's gradients are scaled).
         loss_seed = seed if loss_scale is None else (1.0 if seed is None else seed) * loss_scale

@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 from jddp._src.watchdog import ENV_CONTROL_FD, ENV_LAUNCHER_PID, ENV_RESTART_COUNT
 from jddp.distributed import (
@@ -665,8 +665,51 @@ def _terminate(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
         p.wait()
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """jddp-run's parser: every token from the script on belongs to the script.
+
+    argparse alone reads options anywhere on the line and expands abbreviations, so
+    ``jddp-run train.py --n=20`` failed as an ambiguous launcher option (``--nprocs`` or
+    ``--no-prefix``). :meth:`split` cuts the line at the script first.
+    """
+
+    def __init__(self, **kwargs: object) -> None:
+        self.flags: set[str] = set()  # option strings that take no value
+        self.valued: set[str] = set()  # option strings followed by a value
+        super().__init__(**kwargs)  # type: ignore[arg-type]  # (adds -h, hence set first)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        (self.valued if action.nargs != 0 else self.flags).update(action.option_strings)
+        return action
+
+    def _takes_value(self, token: str) -> bool:
+        """Whether launcher option ``token`` (without ``=value``) is followed by its value;
+        unique prefixes count as the option (argparse's abbreviations)."""
+        if token in self.valued or token in self.flags:
+            return token in self.valued
+        if not token.startswith("--"):
+            return token[:2] in self.valued and len(token) == 2
+        matches = [o for o in self.valued | self.flags if o.startswith(token)]
+        return len(matches) == 1 and matches[0] in self.valued
+
+    def split(self, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+        """``(launcher tokens up to and including the script, the script's own arguments)``."""
+        argv = list(argv)
+        i = 0
+        while i < len(argv):
+            token = argv[i]
+            if token == "--":
+                return argv[:i] + argv[i + 1:i + 2], argv[i + 2:]
+            if token.startswith("-") and token != "-":
+                i += 2 if "=" not in token and self._takes_value(token) else 1
+                continue
+            return argv[:i + 1], argv[i + 1:]
+        return argv, []
+
+
+def _parser() -> _Parser:
+    ap = _Parser(
         prog="jddp-run",
         description="Run a script as N local processes of one multi-process JAX job.",
         epilog=f"Exit status: 0; the first failing rank's status; {EXIT_RESUME} preempted, "
@@ -707,7 +750,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `jddp-run` and `python -m jddp.launch`; returns the exit status."""
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    launcher, script_args = ap.split(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(launcher)
+    args.args = script_args
     if args.nprocs < 1:
         _parser().error("-n must be >= 1")
     if args.max_restarts < 0:

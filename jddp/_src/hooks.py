@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jddp._src import vma
+from jddp._src import options, vma
 from jddp._src.tree import key_path_str, nbytes
 
 try:  # The gathered value is the same on every replica; typed so under shard_map's check_vma.
@@ -418,6 +418,8 @@ def powersgd(
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int, got {rank!r}.")
+    error_feedback = options.flag(error_feedback, "error_feedback")
+    warm_start = options.flag(warm_start, "warm_start")
     if min_compression_rate < 1:
         raise ValueError(f"min_compression_rate must be >= 1, got {min_compression_rate}.")
     start_iter = int(start_iter)

@@ -43,7 +43,20 @@ import jax.numpy as jnp
 from jddp._src import model_state as ms_lib
 from jddp._src.checks import check_scalar_loss
 
-_RESERVED_METRICS = ("loss", "comm_bytes", "skipped", "synced", "loss_scale")
+# Every metric the step writes itself, whatever its options (one list: the user's aux metrics may
+# not take these names, and tests/test_metrics.py lowers each kind of step and checks that it
+# writes no other name). Optimizer hyperparameters are checked where they are added.
+STEP_METRICS: dict[str, str] = {
+    "loss": "the mean loss of the step (with accumulation: of the window)",
+    "comm_bytes": "bytes this device sent in the step's collectives",
+    "comm_bytes_hosts": "of those, bytes sent across hosts (two-level mesh)",
+    "skipped": "1.0 when the update was skipped (skip_not_finite, weighted, loss_scale)",
+    "synced": "whether the call reduced gradients (accumulate_steps > 1)",
+    "loss_scale": "the loss scale this call used (loss_scale=...)",
+    "averaged": "whether the step averaged the replicas (local_sgd)",
+    "local_loss": "per device: this call's own loss (accumulate_steps > 1)",
+    "replica_loss": "per replica: its loss before averaging (local_sgd)",
+}
 
 
 class LossOutput(NamedTuple):
@@ -269,10 +282,21 @@ def _check_metrics(metrics: Any) -> dict:
             "The metrics returned by loss_fn (has_aux=True) must be a dict of scalars, got "
             f"{type(metrics).__name__}."
         )
-    for key in _RESERVED_METRICS:  # the step sets them
-        if key in metrics:
-            raise ValueError(f"loss_fn's aux metrics must not use the key {key!r}.")
+    check_metric_names(metrics, "loss_fn's aux metrics")
     return metrics
+
+
+def check_metric_names(names: Any, what: str) -> None:
+    """Refuses names the step writes itself (:data:`STEP_METRICS`): the step's value would
+    silently replace the user's."""
+    clash = [k for k in names if k in STEP_METRICS]
+    if clash:
+        meaning = "; ".join(f"{k!r} is {STEP_METRICS[k]}" for k in clash)
+        raise ValueError(
+            f"{what} use {clash}, a name the step writes itself ({meaning}), so the step's value "
+            f"would replace yours. Rename it (e.g. 'my_{clash[0]}'). The step's own metrics are "
+            f"{sorted(STEP_METRICS)}."
+        )
 
 
 def _ratio(num: Any, den: Any) -> Any:

@@ -120,7 +120,11 @@ def step_sync(sync: Any) -> bool | None:
 
 
 def flag(value: Any, name: str, hint: str = "") -> bool:
-    """A bool option (``rng``, ``weighted``, ...); anything else is a clear error."""
+    """A bool option (``rng``, ``weighted``, ...); anything else is a clear error.
+
+    Every boolean option goes through here: ``bool("no")`` is True, so a truthiness test would
+    silently turn ``weighted="no"`` on.
+    """
     if not isinstance(value, bool | np.bool_):
         shown = f" {value!r}" if isinstance(value, int | float | str | None) else ""
         raise TypeError(f"{name} must be True or False, got {type(value).__name__}{shown}.{hint}")

@@ -18,6 +18,7 @@ from jddp._src import model_state as ms_lib
 from jddp._src import verify as verify_lib
 from jddp._src.config import StepConfig
 from jddp._src.hooks import CommHook, allreduce_mean, check_hook
+from jddp._src.objective import check_metric_names
 from jddp._src.planner import BucketPlan
 from jddp._src.state import TrainState
 from jddp._src.step import PlanLog, Step
@@ -175,6 +176,7 @@ class DataParallel:
                 skip_not_finite = value
             else:
                 accumulator_dtype = value
+        donate = options.flag(donate, "donate")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
         auto = autocap.resolve(bucket_cap_mb)
@@ -186,6 +188,7 @@ class DataParallel:
         )
         hook = allreduce_mean() if hook is None else check_hook(hook)
         summed = options.metric_names(sum_metrics, "sum_metrics")
+        check_metric_names(summed, "sum_metrics")
         if summed and not has_aux:
             raise ValueError(
                 f"sum_metrics={summed} names aux metrics, but has_aux=False: return (loss, "
@@ -195,16 +198,16 @@ class DataParallel:
             loss_fn=loss_fn,
             optimizer=check_optimizer(optimizer),
             mesh=mesh_lib.check_mesh(mesh_lib.data_mesh() if mesh is None else mesh),
-            has_aux=bool(has_aux),
+            has_aux=options.flag(has_aux, "has_aux"),
             hook=hook,
             chain=options.chain(chain),
             cap_bytes=cap,
             first_bytes=first,
             fixed_plan=bucket_plan,
-            keep_unused=bool(keep_unused),
+            keep_unused=options.flag(keep_unused, "keep_unused"),
             model_state_sync=options.model_state_sync(model_state_sync),
-            weighted=bool(weighted),
-            skip_not_finite=bool(skip_not_finite),
+            weighted=options.flag(weighted, "weighted"),
+            skip_not_finite=options.flag(skip_not_finite, "skip_not_finite"),
             accumulate_steps=options.count(accumulate_steps, "accumulate_steps"),
             microbatches=options.count(microbatches, "microbatches"),
             accumulator_dtype=options.float_dtype(accumulator_dtype, "accumulator_dtype"),

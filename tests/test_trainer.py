@@ -202,3 +202,20 @@ def test_every_boolean_option_takes_only_a_bool(name, value):
             jddp.powersgd(**{bad: value})
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), weighted=np.bool_(True), keep_unused=False)
     assert ddp.config.weighted is True and ddp.config.keep_unused is False
+
+
+def test_a_dict_or_another_models_state_is_named():
+    """A dict is not a TrainState, and a state of another model fails on its params tree (naming
+    the differing paths), not inside the step or with the user's own KeyError."""
+    params = mlp_params(0, SIZES)
+    batch = regression_batch(0, 16, SIZES[0], SIZES[-1])
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), donate=False)
+    state = ddp.init(params)
+    with pytest.raises(TypeError, match=r"expects the jddp TrainState.*got dict.*keys \['params'\]"):
+        ddp.step({"params": params}, batch)
+    other = jddp.DataParallel(lambda q, b: jnp.mean(b["x"] @ q["w"]), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"(?s)another model.*missing from the state: "
+                                         r"Dense_0.bias, Dense_0.kernel.*not in the model: w"):
+        ddp.step(other.init({"w": jnp.ones((SIZES[0], SIZES[-1]))}), batch)
+    new, _ = ddp.step(state, batch)  # the model's own state still steps
+    assert int(new.step) == 1

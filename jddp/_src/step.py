@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 from typing import Any
@@ -13,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp._src import options, pipeline
+from jddp._src import checks, options, pipeline
 from jddp._src import verify as verify_lib
 from jddp._src.config import StepConfig
 from jddp._src.planner import BucketPlan, unused_message
@@ -30,6 +29,17 @@ class PlanLog:
     def __init__(self) -> None:
         self.latest: BucketPlan | None = None
         self._warned = False
+        self.params_paths: tuple[str, ...] | None = None  # the tree ddp.init was last given
+
+    def expect(self, params: Any) -> None:
+        """Records the model's params tree (``init``'s), to name a state of another model."""
+        self.params_paths = checks.params_paths(params)
+
+    def check_state(self, state: Any) -> None:
+        """Trace-time: ``state`` is a TrainState whose params have the model's tree."""
+        checks.check_train_state(state, TrainState)
+        if self.params_paths is not None:
+            checks.check_same_params_tree(self.params_paths, state.params)
 
     def __call__(self, plan: BucketPlan) -> None:
         self.latest = plan
@@ -83,8 +93,17 @@ class Step:
     ) -> None:
         self._cfg = cfg
         self._donate = donate
+        def traced(state: Any, *args: Any, **kwargs: Any) -> Any:
+            # Runs when jit traces, not per call: a dict, or a state of another model, is named
+            # here instead of failing inside the step or the user's loss.
+            if isinstance(observer, PlanLog):
+                observer.check_state(state)
+            else:
+                checks.check_train_state(state, TrainState)
+            return pipeline.train_step(cfg, observer, state, *args, **kwargs)
+
         self._jit = jax.jit(
-            functools.partial(pipeline.train_step, cfg, observer),
+            traced,
             donate_argnums=(0,) if donate else (),
             static_argnames=("sync", "phase"),
             compiler_options=compiler_options or None,

@@ -291,6 +291,7 @@ class DataParallel:
           model_state: optional non-differentiated model state (e.g. Flax ``batch_stats``).
         """
         checks.check_float_params(params)
+        self._plans.expect(params)
         if self.config.fixed_plan is not None:
             self.config.fixed_plan.check_tree(params)
         ms_lib.check_model_state(model_state, self.config.model_state_sync)

@@ -62,12 +62,14 @@ class DataParallel:
       optimizer: an optax ``GradientTransformation``; it sees the averaged gradients, so
         transforms such as ``clip_by_global_norm`` act on the global gradient.
       mesh: the data mesh (default: ``jddp.data_mesh()``, every device).
-      bucket_cap_mb: bucket cap in MiB (DDP's default 25), or ``"auto"``: the first call of
+      bucket_cap_mb: bucket cap in MiB (default 25, DDP's), or ``"auto"``: the first call of
         ``step`` times the step at the caps that give different bucket plans for this model
         (on copies of the state; one compile each) and keeps the fastest, unless it beats 25 MiB
         by less than 3%; ``cap_choice`` reports it and the number that pins it. A
         ``jddp.buckets.AutoCap(...)`` changes the candidates, rounds and margin.
-      first_bucket_mb: cap of the first bucket in MiB (DDP's default 1).
+      first_bucket_mb: cap of the first bucket in MiB. By default PyTorch DDP's rule: 1 MiB
+        when ``bucket_cap_mb`` is not given (or is ``"auto"``), none (the first bucket is capped
+        like the others) when it is given; pass ``first_bucket_mb=1.0`` to keep a small one.
       has_aux: ``loss_fn`` also returns a dict of metrics.
       hook: communication hook for each bucket (default: mean all-reduce), e.g.
         ``jddp.fp16_compress()`` or ``jddp.powersgd(rank=1)``.
@@ -143,8 +145,8 @@ class DataParallel:
         optimizer: optax.GradientTransformation,
         *,
         mesh: Mesh | None = None,
-        bucket_cap_mb: float | str | autocap.AutoCap = options.DEFAULT_BUCKET_CAP_MB,
-        first_bucket_mb: float = options.DEFAULT_FIRST_BUCKET_MB,
+        bucket_cap_mb: float | str | autocap.AutoCap | None = None,
+        first_bucket_mb: float | None = None,
         has_aux: bool = False,
         hook: CommHook | None = None,
         bucket_plan: BucketPlan | None = None,
@@ -183,9 +185,9 @@ class DataParallel:
         if auto is not None and bucket_plan is not None:
             raise ValueError("bucket_cap_mb='auto' chooses the bucket plan, and bucket_plan fixes "
                              "one: pass only one of them.")
-        cap, first = options.bucket_caps(
-            options.DEFAULT_BUCKET_CAP_MB if auto is not None else bucket_cap_mb, first_bucket_mb
-        )
+        # "auto" picks the cap; the first bucket is then DDP's default 1 MiB unless given.
+        cap, first = options.bucket_caps(None if auto is not None else bucket_cap_mb,
+                                         first_bucket_mb)
         hook = allreduce_mean() if hook is None else check_hook(hook)
         summed = options.metric_names(sum_metrics, "sum_metrics")
         check_metric_names(summed, "sum_metrics")

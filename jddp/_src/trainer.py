@@ -127,16 +127,17 @@ class DataParallel:
         gradients unscaled; a step with a non-finite gradient is skipped on every replica and
         the scale shrinks, it grows after ``growth_interval`` finite steps.
         ``state.loss_scale`` holds the scale, ``metrics["loss_scale"]`` reports it.
-
-    Metrics: ``metrics["loss"]``, the aux metrics, ``"comm_bytes"``, ``"skipped"`` (with
-    ``skip_not_finite``, ``weighted`` or ``loss_scale``), and every scalar hyperparameter of an
-    ``optax.inject_hyperparams`` optimizer under its name (``"learning_rate"``), read from the
-    optimizer state after the update.
       local_sgd: ``jddp.local_sgd.post_local_sgd(period, start_step)`` or
         ``jddp.local_sgd.diloco(period)``: replicas (the hosts of a two-level mesh, else every
         device) train apart and average their parameters every ``period`` steps; gradients are
         still reduced inside a host every step. ``state.params`` then holds one copy per replica
         (read :meth:`global_params` to evaluate). See docs/scaling.md.
+
+    Metrics: ``metrics["loss"]``, the aux metrics, ``"comm_bytes"``, ``"skipped"`` (with
+    ``skip_not_finite``, ``weighted`` or ``loss_scale``), and every scalar hyperparameter of an
+    ``optax.inject_hyperparams`` optimizer under its name (``"learning_rate"``), read from the
+    optimizer state after the update; the names the step writes itself are reserved for it
+    (``jddp._src.objective.STEP_METRICS``).
     """
 
     def __init__(
@@ -271,8 +272,10 @@ class DataParallel:
         """The bucket plan of the most recently traced step (``None`` before the first step)."""
         plan, choice = self._plans.latest, self.cap_choice
         if plan is not None and choice is not None:
-            plan = plan._replace(note=f"chosen by bucket_cap_mb='auto' from "
-                                      f"{len(choice.candidates_mb)} timed caps; pin it with "
+            n = len(choice.candidates_mb)
+            how = (f"from {n} timed caps" if n > 1 else
+                   "without timing: every candidate cap gives this one plan")
+            plan = plan._replace(note=f"chosen by bucket_cap_mb='auto' {how}; pin it with "
                                       f"bucket_cap_mb={choice.cap_mb:g}")
         return plan
 

@@ -151,6 +151,18 @@ def test_bad_input_is_a_clear_error():
         next(loader)
 
 
+def test_read_workers_and_read_ahead_give_the_same_batches():
+    data = _arrays(40)
+    rows = [{k: v[i] for k, v in data.items()} for i in range(40)]  # per-example reads
+    first = Loader(rows, global_batch_size=16, prefetch=0)
+    want = [_host(*next(first)) for _ in range(6)]
+    for kw in ({"workers": 3, "prefetch": 0}, {"workers": 3, "prefetch": 3}):
+        loader = Loader(rows, global_batch_size=16, **kw)
+        for w, g in zip(want, (_host(*next(loader)) for _ in range(6)), strict=True):
+            jax.tree.map(np.testing.assert_array_equal, w[0], g[0])
+        loader.close()
+
+
 def test_grain_map_dataset_is_a_source():
     grain = pytest.importorskip("grain")
     data = _arrays(24)

@@ -7,11 +7,12 @@ Two sources of 32x32x3 uint8 images (``--examples`` of them) with labels:
   flip and crop from a per-example generator), read one example at a time (``__getitem__``),
   like a source that parses records.
 
-Part 1, the loader alone: global batches per second (``next(loader)`` and the batch on device),
-as examples/s of this process, for ``prefetch`` 0, 2 and 4, and 2 with 4 read threads (``workers``).
-Part 2, training: the step of a ~``--width`` MLP on the images, with its batch from a fixed
-placed batch (no input cost), or from the loader with ``prefetch`` 0 and 2, alternated; reported as step time and the loader's share.
-Host memory held by the loader: at most ``prefetch + 2`` local batches (printed in bytes).
+Part 1, the loader alone: global batches per second (``next(loader)`` and the batch on device), as
+examples/s of this process, for ``prefetch`` 0, 2 and 4, and 2 with 4 read threads (``workers``).
+Part 2, training: the step of a ~``--width`` MLP on the images, with its batch from a fixed placed
+batch (no input cost), or from the loader with ``prefetch`` 0 and 2, alternated; reported as step
+time and the loader's share. Host memory held by the loader: at most ``prefetch + 2`` local
+batches (printed in bytes).
 
     python benchmarks/loader_throughput.py --json benchmarks/out/loader_throughput.json
 """

@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "number of simulated hosts")
     p.add_argument("--hierarchical", action="store_true",
                    help="reduce gradients hierarchically (needs --hosts)")
+    p.add_argument("--int8", choices=["nearest", "stochastic"], default=None,
+                   help="send the gradients as block-scaled int8 (jddp.hooks.int8_compress) with "
+                        "this rounding; with --hierarchical, on the cross-host leg only")
     p.add_argument("--local-sgd", type=int, default=None, metavar="H",
                    help="post-local SGD: average the replicas' parameters every H steps")
     p.add_argument("--local-sgd-start", type=int, default=0,
@@ -67,6 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "collectives named) and print dispatch / device / collective times")
     p.add_argument("--profile-steps", type=int, default=5)
     return p.parse_args(argv)
+
+
+def _hook(jddp, args):
+    """The communication hook the flags ask for (None: the default mean all-reduce)."""
+    int8 = jddp.hooks.int8_compress(rounding=args.int8) if args.int8 else None
+    if args.hierarchical:
+        return jddp.hooks.hierarchical(inner=int8) if int8 else jddp.hooks.hierarchical()
+    return int8
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -133,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     ddp = jddp.DataParallel(
         loss_fn, optax.adam(args.lr), mesh=mesh, has_aux=True,
         bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
-        hook=jddp.hooks.hierarchical() if args.hierarchical else None, local_sgd=local_sgd,
+        hook=_hook(jddp, args), local_sgd=local_sgd,
     )
     # Full batches only (drop_last): every step sees args.batch_size examples.
     loader = jddp.data.Loader(jddp.data.ArraySource({"image": x_train, "label": y_train}),

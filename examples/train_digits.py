@@ -21,11 +21,13 @@ SIGTERM saves at the same step on every process and exits with status 75 ("resum
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
 import sys
 import time
+from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,6 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DiLoCo: an outer Nesterov step on the averaged delta every H steps")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="trace --profile-steps steps after the first (compiling) one with "
+                        "jax.profiler into DIR (TensorBoard, and Perfetto with each bucket's "
+                        "collectives named) and print dispatch / device / collective times")
+    p.add_argument("--profile-steps", type=int, default=5)
     return p.parse_args(argv)
 
 
@@ -151,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     rng = np.random.default_rng(args.seed)
     steps_per_epoch = len(x_train) // args.batch_size
+    profiler = _Profiler(args, ddp, log) if args.profile else None
     history = []
     examples, train_time = 0, 0.0
     for epoch in range(1, args.epochs + 1):
@@ -167,7 +175,10 @@ def main(argv: list[str] | None = None) -> dict:
             idx = order[i * args.batch_size:(i + 1) * args.batch_size]
             # Each process places only its own rows (all of them when there is one process).
             batch = jddp.shard_global_batch({"image": x_train[idx], "label": y_train[idx]}, mesh)
-            state, metrics = ddp.step(state, batch)
+            if profiler is not None:
+                state, metrics = profiler.step(state, batch)
+            else:
+                state, metrics = ddp.step(state, batch)
             if mngr is not None:  # on the interval; after SIGTERM: save, then exit with 75
                 ckpt.save_if_due(mngr, state, step=(epoch - 1) * steps_per_epoch + i + 1)
             # With local SGD, "loss" and "accuracy" are only computed on averaging steps (NaN
@@ -212,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         history.append({"epoch": args.epochs, "loss": float("nan"), "train_accuracy": float("nan"),
                         "test_accuracy": test_acc, "seconds": 0.0})
     result = {
+        "profile": None if profiler is None else profiler.result,
         "devices": n_dev,
         "processes": jax.process_count(),
         "global_batch": args.batch_size,
@@ -237,6 +249,51 @@ def main(argv: list[str] | None = None) -> dict:
             json.dump(result, f, indent=2)
         log(f"metrics written to {args.json}")
     return result
+
+
+class _Profiler:
+    """--profile: times the calls after the first with jddp.perf.profile and traces them."""
+
+    def __init__(self, args: argparse.Namespace, ddp: Any, log: Any) -> None:
+        from jddp.perf import profile
+
+        self.profile, self.args, self.ddp, self.log = profile, args, ddp, log
+        self.timer = profile.StepTimer(ddp.step)
+        self.calls, self.stack, self.result = 0, None, None
+        self.traced: Any = None
+
+    def step(self, state: Any, batch: Any) -> Any:
+        import contextlib
+
+        self.calls += 1
+        first, last = 2, 1 + self.args.profile_steps
+        if self.calls == first:  # the compile is behind us; the step reuses this compile
+            compiled = self.ddp.step.lower(state, batch).compile()
+            self.stack = contextlib.ExitStack()
+            self.traced = self.stack.enter_context(
+                self.profile.trace(self.args.profile, compiled))
+        out = self.timer(state, batch) if first <= self.calls <= last else self.ddp.step(
+            state, batch)
+        if self.calls == last and self.stack is not None:
+            self.stack.close()
+            self._report()
+        return out
+
+    def _report(self) -> None:
+        import jax
+
+        times = self.timer.summary(skip=0)
+        devices = len(jax.local_devices())  # this process's trace holds its own devices
+        per_step = self.traced.per_step_ms(times["steps"], devices)
+        self.result = {**times, "collective_ms": per_step, "trace_dir": self.args.profile,
+                       "collectives": [dataclasses.asdict(c) for c in self.traced.collectives]}
+        self.log(f"profile of {times['steps']} steps: dispatch {times['dispatch_ms']:.2f} ms, "
+                 f"device {times['device_ms']:.2f} ms, in collectives {per_step:.2f} ms per "
+                 f"device and step; trace in {self.args.profile} ({self.traced.renamed} "
+                 "collective events named after their bucket)")
+        for c in sorted(self.traced.collectives, key=lambda c: (c.bucket is None, c.bucket)):
+            self.log(f"  {c.name:<24} {c.kind:<15} bucket {c.bucket}  {c.mean_ms:.3f} ms x "
+                     f"{c.calls}")
 
 
 if __name__ == "__main__":

@@ -905,9 +905,11 @@ def hierarchical(hosts_axis: str | None = None, *, concat: bool = False,
     """
     inner = None if inner is None else check_hook(inner)
     inner_hook = allreduce_mean() if inner is None else inner
+    # Abstractly (eval_shape): a hook may be built before jax.distributed.initialize.
     probe = jax.ShapeDtypeStruct((64, 64), jnp.float32)
-    _check_inner_state(inner_hook, probe, inner_hook.init(probe))
-    if concat and jax.tree.leaves(inner_hook.init(probe)):
+    probe_state = jax.eval_shape(inner_hook.init, probe)
+    _check_inner_state(inner_hook, probe, probe_state)
+    if concat and jax.tree.leaves(probe_state):
         raise ValueError(_CONCAT_STATE_ERROR.format(name=hook_name(inner_hook)))
 
     def init(leaf: jax.ShapeDtypeStruct):

@@ -94,7 +94,8 @@ def train(
             total += float(loss)
             if stateful:
                 model_state = new_state
-        grads = jax.tree.map(lambda x, k=len(window): x / k, grads)
+        k = len(window)
+        grads = jax.tree.map(lambda x, k=k: x / k, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         losses.append(total / len(window))
@@ -126,7 +127,7 @@ def local_sgd(
         n = len(jax.tree.leaves(batch)[0]) // replicas
         total = 0.0
         for r in range(replicas):
-            part = jax.tree.map(lambda x, r=r: x[r * n:(r + 1) * n], batch)
+            part = jax.tree.map(lambda x, r=r, n=n: x[r * n:(r + 1) * n], batch)
             loss, g = grad_fn(reps[r], part)
             updates, states[r] = optimizer.update(g, states[r], reps[r])
             reps[r] = optax.apply_updates(reps[r], updates)

@@ -120,8 +120,8 @@ CASES = {
                       lambda: optax.sgd(0.1)),
     "accumulate": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4, ROWS // 2)],
                        _accumulate_ref),
-    "masked": Case(_per_example, lambda: [{"batch": b, "mask": m}
-                                          for b, m in zip(_batches(3), _masks(3))], _masked_ref),
+    "masked": Case(_per_example, lambda: [
+        {"batch": b, "mask": m} for b, m in zip(_batches(3), _masks(3), strict=True)], _masked_ref),
     "rng": Case(_dropout_loss, lambda: [{"batch": b, "rng": jax.random.key(KEY)}
                                         for b in _batches(3)], _rng_ref),
     "post_local": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _post_local_ref,

@@ -863,6 +863,20 @@ def _check_inner_state(inner: CommHook, leaf: jax.ShapeDtypeStruct, state: Any) 
             )
 
 
+def _shard_structs(leaves: Sequence[Any], local: int, concat: bool) -> list[jax.ShapeDtypeStruct]:
+    """The 1-D shards one device sends across hosts for a bucket of ``leaves`` (one per live leaf,
+    or per dtype with ``concat``), padded like :func:`hierarchical_reduce` pads."""
+    if concat:
+        by_dtype: dict[Any, int] = {}
+        for x in leaves:
+            d = jnp.dtype(x.dtype)
+            by_dtype[d] = by_dtype.get(d, 0) + math.prod(x.shape)
+        sizes = [(n, d) for d, n in by_dtype.items() if n]
+    else:
+        sizes = [(math.prod(x.shape), jnp.dtype(x.dtype)) for x in leaves if math.prod(x.shape)]
+    return [jax.ShapeDtypeStruct(((n + (-n) % local) // local,), d) for n, d in sizes]
+
+
 def hierarchical(hosts_axis: str | None = None, *, concat: bool = False,
                  inner: CommHook | None = None) -> CommHook:
     """A two-level reduction of each bucket: reduce-scatter inside the host, all-reduce across
@@ -923,20 +937,8 @@ def hierarchical(hosts_axis: str | None = None, *, concat: bool = False,
             return inner_hook.reduce(grads, states, ctx)
         return hierarchical_reduce(grads, states, ctx, hosts, local, inner, concat)
 
-    def shards(leaves, local):
-        if concat:
-            by_dtype: dict[Any, int] = {}
-            for x in leaves:
-                d = jnp.dtype(x.dtype)
-                by_dtype[d] = by_dtype.get(d, 0) + math.prod(x.shape)
-            sizes = [(n, d) for d, n in by_dtype.items() if n]
-        else:
-            sizes = [(math.prod(x.shape), jnp.dtype(x.dtype)) for x in leaves
-                     if math.prod(x.shape)]
-        return [jax.ShapeDtypeStruct(((n + (-n) % local) // local,), d) for n, d in sizes]
-
     def bytes_by_level(leaves, hosts, local, step):
-        pieces = shards(leaves, local)
+        pieces = _shard_structs(leaves, local, concat)
         padded = sum(nbytes(p) for p in pieces) * local
         inside = 2.0 * (local - 1) / local * padded  # reduce-scatter + all-gather, full precision
         across = bucket_bytes_sent(inner_hook, pieces, hosts, step) if pieces else 0.0

@@ -540,8 +540,11 @@ def test_accumulator_model_state_must_match():
         ddp.step(broken, regression_batch(0, MICRO, SIZES[0], SIZES[-1]), sync=False)
 
 
-@pytest.mark.parametrize("m,sizes", [(1, (40, 24)), (2, (48, 32))])
-def test_weighted_window_of_uneven_shapes_equals_step_on_real_rows(m, sizes):
+@pytest.mark.parametrize("m,sizes,kw", [
+    (1, (40, 24), {}), (2, (48, 32), {}), (1, (40, 24), {"zero_stage": 3}),
+    (2, (48, 32), {"loss_scale": jddp.precision.DynamicScale(init_scale=2.0**10)}),
+])
+def test_weighted_window_of_uneven_shapes_equals_step_on_real_rows(m, sizes, kw):
     """The usual last window of an epoch: a full call, then a short one padded with a mask. The
     calls have different shapes (two programs), and the window still equals one single-device
     step on its 61 real rows: every real row weighs the same, whichever call it came in."""
@@ -552,7 +555,7 @@ def test_weighted_window_of_uneven_shapes_equals_step_on_real_rows(m, sizes):
     real = concat([first, short])
     ref_params, ref_losses = reference(params, [real], optax.sgd(0.1))
     ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), weighted=True, accumulate_steps=2,
-                            microbatches=m, **CAPS)
+                            microbatches=m, **kw, **CAPS)
     state = ddp.init(params)
     state, _ = ddp.step(state, first)
     state, metrics = ddp.step(state, padded, mask=mask)

@@ -239,20 +239,20 @@ def test_exchange_names_the_differing_processes_and_the_missing_ones():
 
 MISSING = r'''
 import os, time
-os.environ["JDDP_PROGRAM_CHECK_TIMEOUT"] = "3"
+os.environ["JDDP_PROGRAM_CHECK_TIMEOUT"] = "2"
 import jax, jddp
 jddp.initialize(timeout_s=60)
 from jddp._src import programs
 sig = programs.ProgramSignature((), ())
 if jax.process_index() == 1:
-    time.sleep(6)  # arrives after process 0 stopped waiting
+    time.sleep(4)  # arrives after process 0 stopped waiting
 t = time.perf_counter()
 try:
     programs.check_across_processes(sig)
 except programs.ProgramMismatchError as e:
     print(f"LATE {time.perf_counter() - t:.1f}s {e}", flush=True)
 if jax.process_index() == 0:
-    time.sleep(8)  # process 0 holds the coordinator: let process 1 come and report first
+    time.sleep(5)  # process 0 holds the coordinator: let process 1 come and report first
 # After a failed barrier JAX's shutdown waits out its timeout; a mismatch uncaught leaves with
 # os._exit (jddp.initialize's excepthook) anyway.
 jddp.distributed.hard_exit(0)

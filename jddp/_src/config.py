@@ -12,10 +12,10 @@ from jax.sharding import Mesh
 
 from jddp._src import options
 from jddp._src.hooks import CommHook, allreduce_mean
-from jddp._src.local_sgd import LocalSGD
 from jddp._src.loss_scale import DynamicScale
 from jddp._src.mesh import DataAxes, data_axes
 from jddp._src.planner import BucketPlan
+from jddp._src.sync_policy import LocalSGD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +102,21 @@ class StepConfig:
         return int(self.mesh.size)
 
     @property
+    def _shards_in_host(self) -> bool:
+        # hybrid_shard, or local SGD: each replica's (host's) state is sharded inside it.
+        return self.hybrid_shard or (self.local_sgd is not None and self.data_axes.two_level)
+
+    @property
     def shard_axis(self) -> Any:
         """The axis the sharded stages split state over: the data axis, or with
-        ``hybrid_shard`` the axis inside a host."""
-        return self.data_axes.local if self.hybrid_shard else self.axis_name
+        ``hybrid_shard`` (and local SGD's islands) the axis inside a host."""
+        return self.data_axes.local if self._shards_in_host else self.axis_name
 
     @property
     def shard_count(self) -> int:
         """Devices along :attr:`shard_axis` (the pieces each split leaf is cut into)."""
-        return int(self.mesh.shape[self.data_axes.local]) if self.hybrid_shard else self.num_devices
+        return int(self.mesh.shape[self.data_axes.local]) if self._shards_in_host \
+            else self.num_devices
 
     @property
     def replica_axis(self) -> str | None:

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from jddp._src import autocap, checks, options, pipeline, watchdog
 from jddp._src import local_sgd as local_sgd_lib
+from jddp._src import sync_policy
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
 from jddp._src import model_state as ms_lib
@@ -162,7 +163,7 @@ class DataParallel:
         rng: bool = False,
         sum_metrics: tuple[str, ...] = (),
         loss_scale: ls_lib.DynamicScale | None = None,
-        local_sgd: local_sgd_lib.LocalSGD | None = None,
+        local_sgd: sync_policy.LocalSGD | None = None,
         **renamed: Any,
     ) -> None:
         for old, value in renamed.items():
@@ -213,7 +214,7 @@ class DataParallel:
             rng=options.flag(rng, "rng", " Pass the key itself to step(state, batch, rng=key)."),
             sum_metrics=summed,
             loss_scale=ls_lib.check_loss_scale(loss_scale),
-            local_sgd=local_sgd_lib.check_local_sgd(local_sgd),
+            local_sgd=sync_policy.check_local_sgd(local_sgd),
         )
         local_sgd_lib.check_config(config)
         plans = PlanLog()

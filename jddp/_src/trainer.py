@@ -363,10 +363,20 @@ class DataParallel:
         # With local SGD the per-replica leaves are compared inside each replica (the devices of
         # a host), replicated ones everywhere. At the sharded stages a split leaf has one copy of
         # each piece: nothing to compare.
-        replicated = jax.tree.map(
-            lambda x: x if x.sharding.is_fully_replicated or self.config.local_sgd is not None
-            else None, tree
-        )
+        mesh_axes = set(self.config.mesh.axis_names)
+
+        def copies(x: Any) -> Any:
+            if x.sharding.is_fully_replicated:
+                return x
+            if self.config.local_sgd is None:
+                return None
+            # A replica's leaf split over the devices of its island has no copies either.
+            spec = getattr(x.sharding, "spec", ())
+            used = {a for s in spec if s is not None
+                    for a in (s if isinstance(s, tuple) else (s,))}
+            return None if mesh_axes <= used else x
+
+        replicated = jax.tree.map(copies, tree)
         verify_lib.verify_replicas(replicated, self.config.mesh, atol=atol)
 
     def global_params(self, state: TrainState) -> Any:

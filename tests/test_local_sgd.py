@@ -264,15 +264,6 @@ def test_options_that_do_not_combine_are_named():
         jddp.local_sgd.diloco(4, outer_optimizer="nesterov")
 
 
-def test_nnx_front_end_refuses_local_sgd():
-    from flax import nnx
-
-    model = nnx.Linear(6, 3, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="does not take local_sgd yet"):
-        jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=lambda m, b: jnp.mean(m(b["x"])),
-                              local_sgd=jddp.local_sgd.diloco(4))
-
-
 # ------------------------------------------------------------------ options composed with local SGD
 
 

@@ -231,7 +231,8 @@ def _result_specs(cfg: StepConfig, lv: local_sgd.Levels, view: TrainState,
         grads=grads, metrics=glob, local_metrics=P(axis),  # type: ignore[arg-type]
         model_state=P(axis) if cfg.per_device_model_state else rep,
         hook_state=P(axis), accum=acc_lib.accum_specs(view.accum, axis),
-        synced=P(), nonempty=glob, island=None if lv.replica is None else rep,
+        synced=P(), nonempty=glob,
+        island=None if lv.replica is None else rep,  # type: ignore[arg-type]
     )
 
 
@@ -689,7 +690,7 @@ def _comm_bytes(cfg: StepConfig, lv: local_sgd.Levels, plan: BucketPlan, layout:
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     if lv.axis is None or (two_level and lv.hosts is None):
         # An island: one device (nothing sent), or the devices of one host (nothing crosses).
-        inside = 0.0
+        inside: Any = 0.0
         if lv.axis is not None:
             inside = zero.bytes_sent(plan, layout, 1) if cfg.zero_stage >= 2 else (
                 plan_bytes_sent(cfg.hook, plan, lv.size, step)
@@ -710,9 +711,9 @@ def _comm_bytes(cfg: StepConfig, lv: local_sgd.Levels, plan: BucketPlan, layout:
     gather = zero.gather_bytes(plan, layout) if cfg.zero_stage == 1 else 0.0
     if not two_level:
         return {"comm_bytes": f32(plan_bytes_sent(cfg.hook, plan, n, step) + gather)}
-    inside, across = plan_bytes_by_level(cfg.hook, plan, hosts, n // hosts, step)
+    within, across = plan_bytes_by_level(cfg.hook, plan, hosts, n // hosts, step)
     gather_across = 0.0 if hybrid else gather * hosts / layout.n
-    return {"comm_bytes": f32(inside + across + gather),
+    return {"comm_bytes": f32(within + across + gather),
             "comm_bytes_hosts": f32(across + gather_across)}
 
 
@@ -950,6 +951,7 @@ def train_step(
     if lv.replica is None:
         metrics = {**res.metrics, **comm}
     else:  # phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step)
+        assert kind is not None and res.island is not None
         count = _window_count(cfg, state)
         report = lambda mean: mean_metrics(mean, cfg.microbatches, count,
                                            summed=cfg.sum_metrics, num_devices=cfg.num_devices)

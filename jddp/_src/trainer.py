@@ -10,9 +10,8 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from jddp._src import autocap, checks, options, pipeline, watchdog
+from jddp._src import autocap, checks, options, pipeline, sync_policy, watchdog
 from jddp._src import local_sgd as local_sgd_lib
-from jddp._src import sync_policy
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
 from jddp._src import model_state as ms_lib

@@ -23,6 +23,7 @@ from jddp._src.evaluation import Evaluator
 from jddp._src.hooks import CommHook, HookContext, bf16_compress, fp16_compress, powersgd
 from jddp._src.mesh import data_mesh, replicate, shard_batch
 from jddp._src.planner import BucketPlan, plan_buckets
+from jddp._src.programs import ProgramMismatchError
 from jddp._src.reduction import value_and_grad
 from jddp._src.state import TrainState
 from jddp._src.trainer import DataParallel
@@ -41,6 +42,7 @@ __all__ = [
     "DataParallel",
     "Evaluator",
     "HookContext",
+    "ProgramMismatchError",
     "ReplicaDivergenceError",
     "TrainState",
     "bf16_compress",

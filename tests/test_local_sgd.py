@@ -371,8 +371,9 @@ def test_accumulation_and_microbatches_equal_the_whole_batch(algo, hosts):
     params = mlp_params(0, SIZES)
     replicas = DEVICES if hosts is None else hosts
     ref_ps, ref_anchor = _island_reference(params, inner, spec, batches, replicas)
+    # On the 1-D mesh (8 islands of one device) both at once, in one window.
     acc = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(hosts), local_sgd=spec,
-                            accumulate_steps=2, **CAPS)
+                            accumulate_steps=2, microbatches=1 if hosts else 2, **CAPS)
     state = acc.init(params)
     for b in batches:
         for half in _halves(b):
@@ -381,6 +382,8 @@ def test_accumulation_and_microbatches_equal_the_whole_batch(algo, hosts):
     _assert_replicas(state, ref_ps)
     if spec.diloco:
         assert max_abs_diff(state.outer.params, ref_anchor) < 1e-5
+    if not hosts:
+        return
     micro = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(hosts), local_sgd=spec,
                               microbatches=2, **CAPS)
     state = micro.init(params)
@@ -521,3 +524,51 @@ def test_zero_stages_inside_each_island(algo, stage):
         assert max_abs_diff(state.outer.params, ref_anchor) < 1e-5
     assert float(m["comm_bytes_hosts"]) > 0 and np.isfinite(float(m["loss"]))
     ddp.verify(state)
+
+
+def test_streaming_diloco_equals_its_reference():
+    """Streaming DiLoCo, diloco(4, fragments=2) on 2 hosts x 4 devices: fragment f (a group of
+    buckets) takes its outer step after the steps t with (t - offset_f) % period == 0
+    (offset_f = f * period / F), every leaf's own outer optimizer, and only its leaves restart
+    from the global values; each averaging step sends one fragment across, not the model."""
+    from jddp._src.local_sgd import fragments
+
+    spec, inner = jddp.local_sgd.diloco(4, fragments=2), optax.adam(1e-2)
+    assert [spec.due(s) for s in range(8)] == [(), (1,), (), (0,), (), (1,), (), (0,)]
+    batches = _batches(8)
+    params = mlp_params(0, SIZES)
+    ddp = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(2), local_sgd=spec, **CAPS)
+    state = ddp.init(params)
+    hosts_bytes = []
+    for b in batches:
+        state, m = ddp.step(state, b)
+        hosts_bytes.append(float(m["comm_bytes_hosts"]))
+    groups = fragments(ddp.bucket_plan, 2)
+    assert sorted(groups[0] + groups[1]) == list(range(6)) and all(groups)
+
+    # The reference: replicas train on their islands; a due fragment's leaves are averaged.
+    treedef = jax.tree.structure(params)
+    ps = [jax.tree.leaves(params)] * 2
+    opts = [inner.init(params)] * 2
+    anchor = jax.tree.leaves(params)
+    outer = [spec.outer_optimizer.init(x) for x in anchor]
+    for step, batch in enumerate(batches):
+        for r in range(2):
+            p = jax.tree.unflatten(treedef, ps[r])
+            g = jax.grad(mlp_loss)(p, jax.tree.map(lambda x, r=r: x[r * 16:(r + 1) * 16], batch))
+            upd, opts[r] = inner.update(g, opts[r], p)
+            ps[r] = jax.tree.leaves(optax.apply_updates(p, upd))
+        for f in spec.due(step):
+            for i in groups[f]:
+                delta = (anchor[i] - ps[0][i] + anchor[i] - ps[1][i]) / 2
+                upd, outer[i] = spec.outer_optimizer.update(delta, outer[i], anchor[i])
+                anchor[i] = optax.apply_updates(anchor[i], upd)
+                ps = [[anchor[i] if j == i else x for j, x in enumerate(q)] for q in ps]
+    for r in range(2):
+        assert max_abs_diff(jax.tree.leaves(_replica(state.params, r)), ps[r]) < 1e-5
+    assert max_abs_diff(jax.tree.leaves(state.outer.params), anchor) < 1e-5
+    # Peak cross-host bytes per step: one fragment's, not the model's.
+    # (The ring model: each device sends its 1/4 slice of the padded leaves once across 2 hosts.)
+    whole = sum(np.prod(s) + (-np.prod(s)) % 4 for s in ddp.bucket_plan.shapes) * 4 / 4
+    assert max(hosts_bytes) < 0.8 * whole and sum(hosts_bytes[:4]) == whole
+    assert [x > 0 for x in hosts_bytes] == [bool(spec.due(s)) for s in range(8)]

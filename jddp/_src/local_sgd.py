@@ -131,10 +131,12 @@ def check_config(cfg: StepConfig) -> None:
 
 
 class LocalPhase(NamedTuple):
-    """The static phase of a local-SGD step: its kind and the hook's own phase."""
+    """The static phase of a local-SGD step: its kind, the hook's own phase, and with streaming
+    DiLoCo the fragments synchronised after it."""
 
     kind: str
     hook: Hashable | None = None
+    due: tuple[int, ...] = (0,)
 
 
 def phase_fn(cfg: StepConfig) -> Callable[[int], LocalPhase]:
@@ -144,18 +146,19 @@ def phase_fn(cfg: StepConfig) -> Callable[[int], LocalPhase]:
     hook_phase = cfg.hook.phase
 
     def phase(step: int) -> LocalPhase:
-        return LocalPhase(spec.kind(step), None if hook_phase is None else hook_phase(step))
+        due = spec.due(step) if spec.diloco else (0,)
+        return LocalPhase(spec.kind(step), None if hook_phase is None else hook_phase(step), due)
 
     return phase
 
 
-def split_phase(cfg: StepConfig, phase: Any) -> tuple[str | None, Any]:
-    """``(kind, hook phase)`` of a step's static phase (``kind`` is ``None`` without local SGD)."""
+def split_phase(cfg: StepConfig, phase: Any) -> tuple[LocalPhase | None, Any]:
+    """``(local phase, hook phase)`` of a step's static phase (``None`` without local SGD)."""
     if cfg.local_sgd is None:
         return None, phase
     if phase is None:  # ddp.plan and other traces without a host step: step 0's program
         phase = phase_fn(cfg)(0)
-    return phase.kind, phase.hook
+    return phase, phase.hook
 
 
 # ------------------------------------------------------------------------------------ layout
@@ -184,7 +187,12 @@ def build_state(cfg: StepConfig, state: TrainState) -> TrainState:
     r = num_replicas(cfg)
     outer = None
     if spec.outer_optimizer is not None:
-        outer = OuterState(state.params, spec.outer_optimizer.init(state.params))
+        init = spec.outer_optimizer.init
+        # Streaming DiLoCo: one outer state per leaf (fragments are read from the bucket plan at
+        # trace time, and each leaf's outer step runs when its fragment is due).
+        opt = init(state.params) if spec.fragments == 1 else tuple(
+            init(x) for x in jax.tree.leaves(state.params))
+        outer = OuterState(state.params, opt)
     return state.replace(
         params=broadcast_to_devices(state.params, r),
         opt_state=broadcast_to_devices(state.opt_state, r),
@@ -224,7 +232,7 @@ def replica_view(state: TrainState) -> TrainState:
 
 
 def _averaging_bytes(cfg: StepConfig, plan: BucketPlan) -> tuple[float, float]:
-    """``(inside, across)`` bytes one device sends to average the parameters once: its ``1/L``
+    """``(inside, across)`` bytes one device sends to average the plan's leaves once: its ``1/L``
     slice of each bucket across replicas, then the all-gather of the slices inside the island
     (at stage 3 each device averages the piece it holds, and nothing is gathered)."""
     r = num_replicas(cfg)
@@ -239,6 +247,35 @@ def _averaging_bytes(cfg: StepConfig, plan: BucketPlan) -> tuple[float, float]:
         return 0.0, ring_allreduce_bytes(piece, r)
     padded = sum((s + (-s) % local) * i for s, i in zip(sizes, items, strict=True))
     return ring_allgather_bytes(padded / local, local), ring_allreduce_bytes(padded / local, r)
+
+
+def fragments(plan: BucketPlan, count: int) -> list[tuple[int, ...]]:
+    """Streaming DiLoCo's fragments: the leaf indices of each, the plan's buckets (in reduction
+    order) cut into ``count`` contiguous groups of about equal bytes; unused leaves go with the
+    last. A fragment can be empty when the plan has fewer buckets than fragments."""
+    total = sum(b.nbytes for b in plan.buckets)
+    groups: list[list[int]] = [[] for _ in range(count)]
+    start = 0
+    for b in plan.buckets:
+        # Each bucket goes to the fragment its middle byte falls in.
+        f = min(count - 1, (2 * start + b.nbytes) * count // (2 * total)) if total else 0
+        groups[f].extend(b.indices)
+        start += b.nbytes
+    groups[-1].extend(plan.unused)
+    return [tuple(g) for g in groups]
+
+
+def _sub_plan(plan: BucketPlan, leaves: tuple[int, ...]) -> BucketPlan:
+    """The plan restricted to ``leaves`` (renumbered in that order): the buckets of one fragment."""
+    pos = {i: k for k, i in enumerate(leaves)}
+    buckets = tuple(b._replace(indices=tuple(pos[i] for i in b.indices)) for b in plan.buckets
+                    if b.indices and b.indices[0] in pos)
+    return plan._replace(
+        buckets=buckets, unused=tuple(pos[i] for i in plan.unused if i in pos),
+        treedef=jax.tree.structure(list(leaves)),
+        shapes=tuple(plan.shapes[i] for i in leaves), dtypes=tuple(plan.dtypes[i] for i in leaves),
+        paths=tuple(plan.paths[i] for i in leaves),
+    )
 
 
 def _replica_mean_specs(cfg: StepConfig, values: Any, diloco: bool) -> Any:
@@ -288,14 +325,15 @@ def _average(cfg: StepConfig, plan: BucketPlan, values: Any, island: Extras,
                          check_vma=True)(values, island, model_state)
 
 
-def _outer_step(cfg: StepConfig, outer: OuterState, mean_delta: Any, like: Any) -> tuple:
+def _outer_step(cfg: StepConfig, anchor: Any, opt_state: Any, mean_delta: Any,
+                like: Any) -> tuple[Any, Any, Any]:
     """DiLoCo's outer step in the global view (the outer optimizer sees the whole averaged
-    delta), and the new global parameters broadcast to every replica (no data moves: they are
-    replicated)."""
+    delta): ``(params, anchor, opt_state)``, the new global parameters broadcast to every replica
+    (no data moves: they are replicated)."""
     spec = cfg.local_sgd
     assert spec is not None and spec.outer_optimizer is not None
-    step_, opt_state = spec.outer_optimizer.update(mean_delta, outer.opt_state, outer.params)
-    anchor = optax.apply_updates(outer.params, step_)
+    step_, opt_state = spec.outer_optimizer.update(mean_delta, opt_state, anchor)
+    anchor = optax.apply_updates(anchor, step_)
     r = num_replicas(cfg)
     specs = jax.tree.leaves(_per_replica_specs(cfg, like, cfg.zero_stage >= 3),
                             is_leaf=lambda x: isinstance(x, P))
@@ -304,7 +342,7 @@ def _outer_step(cfg: StepConfig, outer: OuterState, mean_delta: Any, like: Any) 
                                      NamedSharding(cfg.mesh, s))
         for a, s in zip(jax.tree.leaves(anchor), specs, strict=True)
     ]
-    return jax.tree.unflatten(jax.tree.structure(anchor), leaves), OuterState(anchor, opt_state)
+    return jax.tree.unflatten(jax.tree.structure(anchor), leaves), anchor, opt_state
 
 
 class Synced(NamedTuple):
@@ -317,30 +355,51 @@ class Synced(NamedTuple):
     mean: Extras
 
 
-def _synced(cfg: StepConfig, plan: BucketPlan, state: TrainState, island: Extras) -> Synced:
+def _streamed(cfg: StepConfig, plan: BucketPlan, due: tuple[int, ...], state: TrainState,
+              island: Extras, ms: Any) -> tuple[Any, OuterState, Extras, Any]:
+    """Streaming DiLoCo's outer step for the ``due`` fragments only: their leaves' deltas are
+    averaged (one collective per bucket of theirs), each leaf's outer optimizer steps, and only
+    those leaves restart from the new global values; the others train on."""
+    outer = state.outer
+    assert outer is not None
+    groups = fragments(plan, cfg.local_sgd.fragments)  # type: ignore[union-attr]
+    ids = tuple(sorted(i for f in due for i in groups[f]))
+    params, anchor = jax.tree.leaves(state.params), jax.tree.leaves(outer.params)
+    deltas = [anchor[i][None].astype(params[i].dtype) - params[i] for i in ids]
+    means, mean, new_ms = _average(cfg, _sub_plan(plan, ids), deltas, island, ms)
+    opt = list(outer.opt_state)
+    for i, m in zip(ids, means, strict=True):
+        params[i], anchor[i], opt[i] = _outer_step(cfg, anchor[i], opt[i], m, params[i])
+    treedef = jax.tree.structure(state.params)
+    new_outer = OuterState(jax.tree.unflatten(treedef, anchor), tuple(opt))
+    return jax.tree.unflatten(treedef, params), new_outer, mean, new_ms
+
+
+def _synced(cfg: StepConfig, plan: BucketPlan, due: tuple[int, ...], state: TrainState,
+            island: Extras) -> Synced:
     """The averaging of ``state`` (after the replicas' own updates): parameter averaging, or
-    DiLoCo's outer step on the averaged delta."""
+    DiLoCo's outer step on the averaged delta (of the ``due`` fragments with streaming DiLoCo)."""
     spec = cfg.local_sgd
     assert spec is not None
     outer = state.outer
-    values = state.params
-    if spec.diloco:
-        assert outer is not None
-        values = jax.tree.map(lambda g, p: g[None].astype(p.dtype) - p, outer.params,
-                              state.params)
     ms = None if cfg.per_device_model_state else state.model_state
-    means, mean, new_ms = _average(cfg, plan, values, island, ms)
-    if spec.diloco:
+    if spec.fragments > 1:
+        params, outer, mean, new_ms = _streamed(cfg, plan, due, state, island, ms)
+    elif spec.diloco:
         assert outer is not None
-        params, outer = _outer_step(cfg, outer, means, state.params)
+        deltas = jax.tree.map(lambda g, p: g[None].astype(p.dtype) - p, outer.params,
+                              state.params)
+        means, mean, new_ms = _average(cfg, plan, deltas, island, ms)
+        params, anchor, opt = _outer_step(cfg, outer.params, outer.opt_state, means, state.params)
+        outer = OuterState(anchor, opt)
     else:
-        params = means
+        params, mean, new_ms = _average(cfg, plan, state.params, island, ms)
     return Synced(params, outer, state.model_state if ms is None else new_ms, mean)
 
 
 def synchronise(
-    cfg: StepConfig, lv: Levels, kind: str, plan: BucketPlan, state: TrainState, island: Extras,
-    metrics: dict, comm: dict, report: Callable[[Extras], dict], synced: Any,
+    cfg: StepConfig, lv: Levels, phase: LocalPhase, plan: BucketPlan, state: TrainState,
+    island: Extras, metrics: dict, comm: dict, report: Callable[[Extras], dict], synced: Any,
     sync: bool | None,
 ) -> tuple[TrainState, dict]:
     """The sync policy, after the update (global view): the metrics of a local-SGD step, and on
@@ -355,7 +414,7 @@ def synchronise(
       synced: whether this call synchronised (accumulation windows: only the last call does).
       sync: the call's static ``sync`` (``False``: an accumulating call).
     """
-    r = lv.replicas
+    r, kind = lv.replicas, phase.kind
     out = dict(metrics)
     if lv.spans:
         out["replica_loss"] = jnp.broadcast_to(metrics["loss"], (r,))
@@ -371,7 +430,7 @@ def synchronise(
         return state, out
 
     def average() -> tuple[Synced, dict]:
-        new = _synced(cfg, plan, state, island)
+        new = _synced(cfg, plan, phase.due, state, island)
         return new, {**out, **report(new.mean)}
 
     def keep() -> tuple[Synced, dict]:
@@ -383,7 +442,11 @@ def synchronise(
         new, out = lax.cond(synced, average, keep)
     else:
         new, out = average()
-    inside, across = _averaging_bytes(cfg, plan)
+    sent = plan
+    if cfg.local_sgd is not None and cfg.local_sgd.fragments > 1:
+        groups = fragments(plan, cfg.local_sgd.fragments)
+        sent = _sub_plan(plan, tuple(sorted(i for f in phase.due for i in groups[f])))
+    inside, across = _averaging_bytes(cfg, sent)
     done = jnp.asarray(synced, jnp.float32)
     out["comm_bytes"] = out["comm_bytes"] + done * (inside + across)
     if cfg.data_axes.two_level:

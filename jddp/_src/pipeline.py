@@ -1,29 +1,37 @@
 """The training step, written once, as pure functions of a :class:`StepConfig`.
 
-The data path of one ``ddp.step(state, batch)`` (every front end and mode goes through it):
+The data path of one ``ddp.step(state, batch)`` (every front end, mode and sync policy goes
+through it), in fixed phases:
 
 1. :func:`train_step` (the jitted function, global view): trace-time checks of the state, batch and
-   mask; then the per-device part under ``jax.shard_map``; then :func:`_apply_update`.
+   mask, and the step's :class:`jddp._src.local_sgd.Levels` (where it reduces); then the
+   per-device part under ``jax.shard_map``:
 2. :func:`_local_step` (per device):
 
-   a. the loss is traced **once**, on this call's last micro-batch (:func:`jddp._src.jaxpr.trace`);
-   b. the bucket plan is read from that jaxpr (:func:`jddp._src.planner.plan_traced`), or the
-      fixed plan is checked against the parameters;
-   c. a *synchronising* call (every plain step) sums the local gradients of the window so far (the
-      accumulator, and this call's first ``m - 1`` micro-batches, scanned over the same jaxpr), then
-      evaluates the jaxpr on the last micro-batch with one reducing backward hook per bucket
-      (:func:`jddp._src.reduction.bucketed_vjp`); metrics, the window's weight and the model-state
-      payload ride on the last bucket's all-reduce;
-   d. a call that does not synchronise adds its micro-batches' local gradients to the accumulator
-      and runs no collective.
+   a. *local gradients* (:func:`_prepare`, :func:`_window_start`): the loss is traced **once**,
+      on this call's last micro-batch (:func:`jddp._src.jaxpr.trace`); the bucket plan is read
+      from that jaxpr (:func:`jddp._src.planner.plan_traced`); the window's local gradients so far
+      are summed (the accumulator, and this call's first ``m - 1`` micro-batches, scanned over the
+      same jaxpr);
+   b. *reduce* (:func:`_reduce`): a synchronising call evaluates the jaxpr on the last micro-batch
+      with one reducing backward hook per bucket (:func:`jddp._src.reduction.bucketed_vjp`) over
+      the island's axis (every device, the devices of a host with local SGD, or none); metrics,
+      the window's weight and the model-state payload ride on the last bucket's all-reduce;
+   c. a call that does not synchronise (:func:`_accumulate`) adds its micro-batches' local
+      gradients to the accumulator and runs no collective.
 
-3. :func:`_apply_update` (global view): the optimizer on the reduced gradients, the skip decision
-   (non-finite gradients, an empty weighted window), and the new :class:`TrainState`.
+3. *update* (:func:`_apply_update`, global view): the optimizer on the reduced gradients (per
+   replica with local SGD), wrapped like optax's ``MultiSteps`` and ``apply_if_finite``: only a
+   window's synchronising call updates, a skipped update keeps the old state, the loss scale
+   follows.
+4. *sync policy* (:func:`jddp._src.local_sgd.synchronise`, global view): nothing for a plain step;
+   with local SGD nothing, the parameter average, or DiLoCo's outer step.
 
 Where to add a feature: a new reduction (reduce-scatter, hierarchical) is a hook or a change to
 :func:`jddp._src.reduction.bucketed_vjp`; a new state layout goes into :func:`state_specs` and
 :func:`build_state`; a new per-call quantity goes into :class:`jddp._src.objective.LocalAux` and
-:class:`jddp._src.objective.Extras`, which carry it to the last bucket.
+:class:`jddp._src.objective.Extras`, which carry it to the last bucket; a wrapper of the update
+into :func:`_apply_update`; a sync policy into :mod:`jddp._src.local_sgd`.
 """
 
 from __future__ import annotations
@@ -919,8 +927,8 @@ def train_step(
       rng: the run's PRNG key, with ``rng=True`` (each example's key is derived from it).
     """
     obj = objective(cfg, state.model_state is not None)
-    kind, hook_phase = local_sgd.split_phase(cfg, phase)
-    lv = local_sgd.levels(cfg, kind)
+    local_phase, hook_phase = local_sgd.split_phase(cfg, phase)
+    lv = local_sgd.levels(cfg, None if local_phase is None else local_phase.kind)
     view = state if lv.replica is None else local_sgd.replica_view(state)
     weights = check_step_inputs(cfg, view, batch, mask, sync, rng)
     batch, weights = _place_batch(cfg, batch, weights)
@@ -951,11 +959,11 @@ def train_step(
     if lv.replica is None:
         metrics = {**res.metrics, **comm}
     else:  # phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step)
-        assert kind is not None and res.island is not None
+        assert local_phase is not None and res.island is not None
         count = _window_count(cfg, state)
         report = lambda mean: mean_metrics(mean, cfg.microbatches, count,
                                            summed=cfg.sum_metrics, num_devices=cfg.num_devices)
-        new_state, metrics = local_sgd.synchronise(cfg, lv, kind, plan, new_state, res.island,
+        new_state, metrics = local_sgd.synchronise(cfg, lv, local_phase, plan, new_state, res.island,
                                                    res.metrics, comm, report, res.synced, sync)
     if state.accum is not None:
         metrics["synced"] = res.synced

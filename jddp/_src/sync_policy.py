@@ -82,7 +82,7 @@ class LocalSGD:
     def due(self, step: int) -> tuple[int, ...]:
         """The fragments whose outer step follows step ``step``'s update (DiLoCo)."""
         return tuple(f for f in range(self.fragments)
-                     if step + 1 > self.offset(f) and (step + 1 - self.offset(f)) % self.period == 0)
+                     if step + 1 >= self.offset(f) and (step + 1 - self.offset(f)) % self.period == 0)
 
     def kind(self, step: int) -> str:
         """What step ``step`` (the number of updates before it) does: ``"sync"``, ``"local"`` or

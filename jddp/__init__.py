@@ -3,11 +3,12 @@
 What a training script uses is here; the rest is reachable from its module (``jddp.hooks``,
 ``jddp.buckets``, ``jddp.mesh``, ``jddp.verify``, ``jddp.trainer``, ``jddp.distributed``,
 ``jddp.checkpoint``, ``jddp.nnx``, ``jddp.local_sgd``, ``jddp.random``, ``jddp.precision``,
-``jddp.evaluation``, and the performance tooling in ``jddp.perf``).
+``jddp.evaluation``, ``jddp.data``, and the performance tooling in ``jddp.perf``).
 """
 
 from jddp import (  # noqa: F401
     buckets,
+    data,
     distributed,
     evaluation,
     hooks,
@@ -46,6 +47,7 @@ __all__ = [
     "ReplicaDivergenceError",
     "TrainState",
     "bf16_compress",
+    "data",
     "data_mesh",
     "distributed",
     "fp16_compress",

@@ -64,9 +64,11 @@ class DataParallel:
       mesh: the data mesh (default: ``jddp.data_mesh()``, every device).
       bucket_cap_mb: bucket cap in MiB (DDP's default 25), or ``"auto"``: the first call of
         ``step`` times the step at the caps that give different bucket plans for this model
-        (on copies of the state; one compile each) and keeps the fastest, unless it beats 25 MiB
-        by less than 3%; ``cap_choice`` reports it and the number that pins it. A
-        ``jddp.buckets.AutoCap(...)`` changes the candidates, rounds and margin.
+        (on copies of the state; one compile each), each round against 25 MiB, and keeps a cap
+        only when it beats 25 MiB by more than 3% and by more than the spread of its own rounds
+        (else 25 MiB), within ``max_tune_s`` (120 s); ``cap_choice`` reports the ratios, the
+        spreads and the number that pins the choice. A ``jddp.buckets.AutoCap(...)`` changes
+        the candidates, rounds, margin and time bound.
       first_bucket_mb: cap of the first bucket in MiB (DDP's default 1).
       has_aux: ``loss_fn`` also returns a dict of metrics.
       hook: communication hook for each bucket (default: mean all-reduce), e.g.

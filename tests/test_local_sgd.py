@@ -524,6 +524,13 @@ def test_zero_stages_inside_each_island(algo, stage):
         assert max_abs_diff(state.outer.params, ref_anchor) < 1e-5
     assert float(m["comm_bytes_hosts"]) > 0 and np.isfinite(float(m["loss"]))
     ddp.verify(state)
+    if stage == 3:
+        # Sharding inside the island adds no cross-host collective: none on a local step, one
+        # all-reduce per bucket (of each device's pieces) on an averaging step.
+        host = jddp.mesh.host_of_device(ddp.config.mesh)
+        for step, crossing in ((0, {}), (1, {"all-reduce": ddp.bucket_plan.num_buckets})):
+            text = ddp.lower(params, batches[0], step=step).compile().as_text()
+            assert traffic(text, host).by_kind(crosses=True) == crossing
 
 
 def test_streaming_diloco_equals_its_reference():

@@ -7,11 +7,12 @@ Two sources of 32x32x3 uint8 images (``--examples`` of them) with labels:
   flip and crop from a per-example generator), read one example at a time (``__getitem__``),
   like a source that parses records.
 
-Part 1, the loader alone: global batches per second (``next(loader)`` and the batch on device),
-as examples/s of this process, for ``prefetch`` 0, 2 and 4. Part 2, training: the step of a
-~``--width`` MLP on the images, with its batch from a fixed placed batch (no input cost), or from
-the loader with ``prefetch`` 0 and 2, alternated; reported as step time and the loader's share.
-Host memory held by the loader: at most ``prefetch + 2`` local batches (printed in bytes).
+Part 1, the loader alone: global batches per second (``next(loader)`` and the batch on device), as
+examples/s of this process, for ``prefetch`` 0, 2 and 4, and 2 with 4 read threads (``workers``).
+Part 2, training: the step of a ~``--width`` MLP on the images, with its batch from a fixed placed
+batch (no input cost), or from the loader with ``prefetch`` 0 and 2, alternated; reported as step
+time and the loader's share. Host memory held by the loader: at most ``prefetch + 2`` local
+batches (printed in bytes).
 
     python benchmarks/loader_throughput.py --json benchmarks/out/loader_throughput.json
 """
@@ -79,15 +80,15 @@ def main():
     sources = {"array": jddp.data.ArraySource(floats), "decode": Decode(images, labels)}
     mesh = jddp.data_mesh()
 
-    def loader(name, prefetch):
+    def loader(name, prefetch, workers=1):
         return jddp.data.Loader(sources[name], global_batch_size=args.batch, mesh=mesh,
-                                prefetch=prefetch)
+                                prefetch=prefetch, workers=workers)
 
     # ---- part 1: the loader alone
     alone = {}
     for name in sources:
-        for prefetch in (0, 2, 4):
-            ld = loader(name, prefetch)
+        for prefetch, workers in ((0, 1), (2, 1), (4, 1), (2, 4)):
+            ld = loader(name, prefetch, workers)
             jax.block_until_ready(next(ld)[0])
             rates = []
             for _ in range(args.rounds):
@@ -95,7 +96,8 @@ def main():
                 for _ in range(args.batches):
                     jax.block_until_ready(next(ld)[0])
                 rates.append(args.batches * ld.local_size / (time.perf_counter() - t0))
-            alone[f"{name}/prefetch={prefetch}"] = statistics.median(rates)
+            alone[f"{name}/prefetch={prefetch}" + (f",workers={workers}" if workers > 1 else "")
+                  ] = statistics.median(rates)
             ld.close()
     local_bytes = args.batch * (32 * 32 * 3 * 4 + 4)  # one process here: every row
 

@@ -151,6 +151,18 @@ def test_bad_input_is_a_clear_error():
         next(loader)
 
 
+def test_read_workers_and_read_ahead_give_the_same_batches():
+    data = _arrays(40)
+    rows = [{k: v[i] for k, v in data.items()} for i in range(40)]  # per-example reads
+    first = Loader(rows, global_batch_size=16, prefetch=0)
+    want = [_host(*next(first)) for _ in range(6)]
+    for kw in ({"workers": 3, "prefetch": 0}, {"workers": 3, "prefetch": 3}):
+        loader = Loader(rows, global_batch_size=16, **kw)
+        for w, g in zip(want, (_host(*next(loader)) for _ in range(6)), strict=True):
+            jax.tree.map(np.testing.assert_array_equal, w[0], g[0])
+        loader.close()
+
+
 def test_grain_map_dataset_is_a_source():
     grain = pytest.importorskip("grain")
     data = _arrays(24)
@@ -266,3 +278,21 @@ def test_checkpoint_saves_and_restores_the_loader_with_the_state(tmp_path):
     ckpt.save(plain, ddp.init(_params()))  # no loader item
     with pytest.raises(ValueError, match="holds no loader state"):
         ckpt.restore_or_init(plain, ddp, _params(), loader=loader)
+
+
+def test_checkpoints_of_the_single_item_layout_still_restore(tmp_path):
+    """Checkpoints written before the loader item existed (one orbax item) restore unchanged."""
+    import orbax.checkpoint as ocp
+
+    ddp = jddp.DataParallel(_per_example, optax.adam(0.1), weighted=True)
+    state = ddp.init(_params())
+    state, _ = ddp.step(state, jddp.shard_batch({k: v[:16] for k, v in _arrays(16).items()},
+                                                ddp.mesh))
+    old = ocp.CheckpointManager(  # what jddp.checkpoint.manager() made before
+        str(tmp_path), options=ocp.CheckpointManagerOptions(create=True),
+        item_handlers=ocp.StandardCheckpointHandler())
+    old.save(1, args=ocp.args.StandardSave(state), force=True)
+    old.wait_until_finished()
+    restored = ckpt.restore_or_init(ckpt.manager(tmp_path), ddp, _params())
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

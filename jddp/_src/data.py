@@ -39,7 +39,10 @@ applied per example when read.
 Host-side read-ahead: a background thread reads and stacks the next ``prefetch`` local batches
 while the step runs (NumPy indexing and most I/O release the GIL). Host memory is bounded by
 ``prefetch + 2`` local batches: ``prefetch`` finished ones in the queue, one being built and one
-held by the training loop. ``prefetch=0`` reads in the calling thread.
+held by the training loop. ``prefetch=0`` reads in the calling thread. ``workers=n`` reads a
+batch's examples on ``n`` threads: a help for sources whose reads release the GIL (file and network
+I/O, large NumPy operations), not for per-example Python code, which one process runs one thread
+at a time (measured: benchmarks/loader_throughput.py).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import jax
@@ -194,6 +198,7 @@ class Loader:
       shuffle: shuffle every epoch (False: index order, e.g. for evaluation).
       drop_last: drop the short last batch of each epoch instead of padding it.
       prefetch: local batches read ahead by a background thread (0: read when asked).
+      workers: threads that read a batch's examples (``source[i]``) in parallel.
       accumulate_steps: ``k`` for ``DataParallel(accumulate_steps=k)``: the stream is cut into
         windows of ``k`` consecutive batches; :attr:`window_end` says when to synchronise, and
         :meth:`state` refuses to save in the middle of a window.
@@ -202,7 +207,7 @@ class Loader:
     def __init__(
         self, source: Any, *, global_batch_size: int, mesh: Mesh | None = None, seed: int = 0,
         shuffle: bool = True, drop_last: bool = False, prefetch: int = 2,
-        accumulate_steps: int = 1,
+        accumulate_steps: int = 1, workers: int = 1,
     ) -> None:
         self.source = source
         self.length = check_source(source)
@@ -212,7 +217,8 @@ class Loader:
         axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
         devices = int(np.prod([self.mesh.shape[a] for a in axes]))
         for name, value in (("global_batch_size", global_batch_size), ("seed", seed),
-                            ("prefetch", prefetch), ("accumulate_steps", accumulate_steps)):
+                            ("prefetch", prefetch), ("accumulate_steps", accumulate_steps),
+                            ("workers", workers)):
             if isinstance(value, bool) or not isinstance(value, int | np.integer):
                 raise TypeError(f"{name} must be an int, got {value!r}.")
         if global_batch_size < 1 or global_batch_size % devices:
@@ -222,12 +228,13 @@ class Loader:
                 f"devices of the data axis {self.axis!r}: use a multiple of {devices} (e.g. "
                 f"{lo or devices} or {lo + devices})."
             )
-        if prefetch < 0 or accumulate_steps < 1:
-            raise ValueError(f"prefetch must be >= 0 and accumulate_steps >= 1, got {prefetch} "
-                             f"and {accumulate_steps}.")
+        if prefetch < 0 or accumulate_steps < 1 or workers < 1:
+            raise ValueError(f"prefetch must be >= 0, accumulate_steps and workers >= 1, got "
+                             f"{prefetch}, {accumulate_steps} and {workers}.")
         self.global_batch_size = int(global_batch_size)
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
         self.prefetch, self.accumulate_steps = int(prefetch), int(accumulate_steps)
+        self._pool = ThreadPoolExecutor(int(workers), "jddp-data-read") if workers > 1 else None
         full, rest = divmod(self.length, self.global_batch_size)
         self._batches = full if (drop_last or not rest) else full + 1
         if self._batches == 0:
@@ -355,9 +362,10 @@ class Loader:
                 _Spec(spec.treedef, tuple((len(indices),) + s for s in spec.shapes), spec.dtypes),
                 stacked, int(indices[0]))
         else:
+            read = self._pool.map if self._pool is not None else map
             examples = []
-            for i in indices:
-                example = self.source[int(i)]
+            got = read(self.source.__getitem__, map(int, indices))
+            for i, example in zip(indices, got, strict=True):
                 if self._spec is None:
                     self._spec = _spec_of(example)
                 examples.append(_check_example(self._spec, example, int(i)))
@@ -424,8 +432,10 @@ class Loader:
             self._reader = None
 
     def close(self) -> None:
-        """Stops the read-ahead thread (it also ends with the process: a daemon thread)."""
+        """Stops the read-ahead thread and the read workers (they also end with the process)."""
         self._stop_reader()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     def __repr__(self) -> str:
         return (f"Loader({self.length} examples, global_batch_size={self.global_batch_size}, "

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jddp._src import vma
+from jddp._src import options, vma
 from jddp._src.tree import key_path_str, nbytes
 
 try:  # The gathered value is the same on every replica; typed so under shard_map's check_vma.
@@ -286,7 +286,8 @@ def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
 
     def reduce(grads, states, ctx: HookContext):
         n = ctx.axis_size
-        # Divide before the cast: the sum of N values of at most max(fp16)/N cannot overflow.
+        # Divide before the cast: every partial sum is at most the mean of |g|, so one large
+        # device does not overflow; a mean above float16's max comes back inf (docs/hooks.md).
         low = tuple((g / jnp.asarray(n, g.dtype)).astype(dtype) for g in grads)
         if method == "psum":
             summed = lax.psum(low, ctx.axis_name)
@@ -320,6 +321,10 @@ def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
 
 def fp16_compress(method: str = "psum") -> CommHook:
     """DDP's ``fp16_compress_hook``: gradients are divided by N, cast to float16, summed, cast back.
+
+    Dividing first (DDP casts first) lets one device's gradient exceed float16's 65504 as long as
+    the mean of ``|g|`` over devices does not; a mean gradient above 65504 comes back ``inf`` (pass
+    ``skip_not_finite=True`` to skip such a step, or use :func:`bf16_compress`).
 
     Args:
       method: ``"psum"`` (an all-reduce in float16) or ``"all_gather"`` (gather the float16 shards
@@ -599,6 +604,8 @@ def powersgd(
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int, got {rank!r}.")
+    error_feedback = options.flag(error_feedback, "error_feedback")
+    warm_start = options.flag(warm_start, "warm_start")
     if min_compression_rate < 1:
         raise ValueError(f"min_compression_rate must be >= 1, got {min_compression_rate}.")
     start_iter = int(start_iter)

@@ -52,12 +52,12 @@ from jddp._src import model_state as ms_lib
 from jddp._src import vma, zero
 from jddp._src.config import StepConfig
 from jddp._src.hooks import ring_allgather_bytes, ring_allreduce_bytes
+from jddp._src.local_sgd_options import AVERAGE, LOCAL, SYNC, LocalSGD
 from jddp._src.mesh import DataAxes
 from jddp._src.objective import Extras
 from jddp._src.planner import BucketPlan
 from jddp._src.reduction import bucketed_mean
 from jddp._src.state import OuterState, TrainState
-from jddp._src.sync_policy import AVERAGE, LOCAL, SYNC, LocalSGD
 from jddp._src.tree import add_device_dim, broadcast_to_devices, dtype_of, strip_device_dim
 
 __all__ = ["AVERAGE", "LOCAL", "SYNC", "LocalSGD"]

@@ -364,6 +364,8 @@ class Prepared(NamedTuple):
         scale).
       loss_scale: the loss scale this call's gradients use (``None``: off).
       sharded: the sharded stages' reduction (``None``: the hook's all-reduce).
+      unit: the static normaliser of one micro-batch's sums (:meth:`Objective.unit`): what is
+        kept across calls (the accumulator, ``grad_fn``'s gradients) is plain sums times it.
     """
 
     traced: jaxpr_lib.Traced
@@ -380,6 +382,7 @@ class Prepared(NamedTuple):
     grad_fn: Callable[..., Any]
     loss_scale: Any
     sharded: Sharded | None
+    unit: float = 1.0
 
 
 def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
@@ -414,10 +417,16 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
     traced = jaxpr_lib.trace(obj, params_v, ms0, last, *side_last)
     plan = _plan(cfg, traced, full_params, observer)
     loss_scale = None if state.loss_scale is None else state.loss_scale.scale
-    grad_of = jax.grad(_scaled(jaxpr_lib.as_function(traced), loss_scale), has_aux=True)
+    # Sums kept for later (the accumulator, the scanned micro-batches) are plain sums, times the
+    # micro-batch's unit: the calls of a window may differ in shape (see Objective.unit).
+    unit = obj.unit(side_last[0])
+    raw_scale = None if unit == 1.0 else (
+        jnp.float32(unit) if loss_scale is None else loss_scale * unit)
+    grad_raw = jax.grad(_scaled(jaxpr_lib.as_function(traced),
+                                loss_scale if raw_scale is None else raw_scale), has_aux=True)
 
     def grad_fn(p: Any, ms: Any, b: Any, s: Any) -> Any:  # s: the side inputs, as split
-        return grad_of(p, ms, b, *s)
+        return grad_raw(p, ms, b, *s)
 
     if cfg.zero_stage >= 3 and (m > 1 or state.accum is not None):
         # Local gradients without a reduction (earlier micro-batches, no-sync calls) need whole
@@ -427,7 +436,7 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
                                     _gather_chain(cfg))
         params_v = jax.tree.unflatten(treedef, whole)
     return Prepared(traced, plan, traced.out_shapes[1], state.params, params_v, full_params, ms0,
-                    micro, side_m, last, side_last, grad_fn, loss_scale, sharded)
+                    micro, side_m, last, side_last, grad_fn, loss_scale, sharded, unit)
 
 
 def _head_sums(cfg: StepConfig, prep: Prepared, init: acc_lib.Sums) -> acc_lib.Sums:
@@ -484,7 +493,7 @@ def _window_start(cfg: StepConfig, prep: Prepared, acc: AccumState | None) -> tu
     if acc is not None:
         live_grads, live_loss, live_weight = acc_lib.live(acc)
         offset = strip_device_dim(live_grads)
-        window0 = (live_loss[0], live_weight[0])
+        window0 = (live_loss[0] / prep.unit, live_weight[0] / prep.unit)
     else:
         offset = None
         window0 = (jnp.zeros((), jnp.float32),) * 2
@@ -511,8 +520,10 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pr
     count = float(m) if acc is None else (acc.count + 1).astype(jnp.float32) * m
     seed = None if acc is None and m == 1 else 1.0 / count
     offset_leaves = None
-    if offset is not None:
-        offset_leaves = [o * jnp.asarray(seed, o.dtype) for o in jax.tree.leaves(offset)]
+    if offset is not None:  # plain sums (see Objective.unit), to this call's unit
+        assert seed is not None  # an offset means earlier micro-batches
+        offset_leaves = [o * jnp.asarray(seed / prep.unit, o.dtype)
+                         for o in jax.tree.leaves(offset)]
     # The loss scale is the last micro-batch's seed (the offset's gradients are scaled).
     ls = prep.loss_scale
     loss_seed = seed if ls is None else (1.0 if seed is None else seed) * ls
@@ -570,8 +581,10 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pre
     # Model state advances locally; TrainState.model_state stays the synchronised one until
     # the window's sync call.
     new_accum = AccumState(
-        count=acc.count + 1, grads=call.grads, loss=live_loss + call.sums["loss"][None],
-        weight=live_weight + call.weight[None], model_state=add_device_dim(call.model_state),
+        count=acc.count + 1, grads=call.grads,
+        loss=live_loss + prep.unit * call.sums["loss"][None],
+        weight=live_weight + prep.unit * call.weight[None],
+        model_state=add_device_dim(call.model_state),
     )
     # The global metrics need a collective: "not computed" (see docs/accumulate.md).
     metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(prep.aux_shape)}

@@ -1,8 +1,10 @@
-"""Sync policies: when replicas synchronise, as the value of ``DataParallel(local_sgd=...)``.
+"""Local SGD and DiLoCo as an option of ``DataParallel``: what to run, validated, and its schedule.
 
-Every step (plain data parallelism: ``local_sgd=None``), periodic parameter averaging (post-local
-SGD) or DiLoCo's outer step. This module holds the option's value and its schedule only (a leaf:
-the step's configuration imports it); :mod:`jddp._src.local_sgd` runs the policy inside the step.
+The sync policy of the step (every step: ``local_sgd=None``; periodic parameter averaging:
+post-local SGD; DiLoCo's outer step; streaming DiLoCo's staggered fragments) as the option's value.
+The option is a leaf of the package (``config`` holds it, and :mod:`jddp._src.local_sgd`, which
+runs the policy inside the step, reads the ``StepConfig``), so the two modules import without a
+cycle.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,7 +126,26 @@ CASES = {
     "post_local": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _post_local_ref,
                        lambda: optax.sgd(0.1)),
     "diloco": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4)], _diloco_ref),
+    # DiLoCo composed with the step's options, against the same DiLoCo reference: two halves of
+    # each batch per window (each device gets the same rows over the window as from the whole
+    # batch), all-ones masks, keys the loss does not read, an aux metric to sum. (Masks that drop
+    # rows and real per-example keys are checked per island in tests/test_local_sgd.py.)
+    "diloco_halves": Case(mlp_loss, lambda: [{"batch": h} for b in _batches(4)
+                                             for h in _device_halves(b)], _diloco_ref),
+    "diloco_ones_mask": Case(_per_example, lambda: [
+        {"batch": b, "mask": np.ones(ROWS, np.float32)} for b in _batches(4)], _diloco_ref),
+    "diloco_keys": Case(lambda p, b, keys: mlp_loss(p, b), lambda: [
+        {"batch": b, "rng": jax.random.key(KEY)} for b in _batches(4)], _diloco_ref),
+    "diloco_aux": Case(lambda p, b: (mlp_loss(p, b), {"n": jnp.ones(())}),
+                       lambda: [{"batch": b} for b in _batches(4)], _diloco_ref),
 }
+
+
+def _device_halves(batch, devices=8):
+    """Two halves of a global batch: the first and second half of every device's shard."""
+    def half(x, h):
+        return x.reshape(devices, 2, -1, *x.shape[1:])[:, h].reshape(-1, *x.shape[1:])
+    return [jax.tree.map(lambda x, h=h: half(x, h), batch) for h in range(2)]
 
 
 # ------------------------------------------------------------------------------------- the matrix
@@ -157,7 +175,6 @@ def refused(reason: str) -> tuple:
     return ("refused", reason)
 
 
-LOCAL_SGD_REFUSAL = "local_sgd does not combine with {} yet"
 BF16 = 1e-3  # bf16 on the wire (~3 significant digits of each gradient), SGD(0.1)
 
 
@@ -202,22 +219,25 @@ def _cells() -> list[Cell]:
         # local SGD
         Cell("post_local_sgd(2)", lambda: {"local_sgd": post(2)}, "1d", 0, equal("post_local")),
         Cell("diloco(2)", lambda: {"local_sgd": diloco(2)}, "2l", 0, equal("diloco"), procs=2),
-        Cell("nnx + local_sgd", lambda: {"local_sgd": diloco(2)}, "1d", 0,
-             refused("does not take local_sgd yet"), api="nnx"),
+        # jddp.nnx with local SGD: tests/test_nnx.py (equal to the functional trainer's DiLoCo).
+        Cell("diloco + zero_stage > 0", lambda: {"local_sgd": diloco(2)}, "1d", 2,
+             refused("on a 1-D mesh every device is a replica")),
     ]
-    # Options local SGD refuses today, each with its reason.
-    for label, opts, stage in [
-        ("accumulate_steps > 1", {"accumulate_steps": 2}, 0),
-        ("microbatches > 1", {"microbatches": 2}, 0),
-        ("weighted=True", {"weighted": True}, 0),
-        ("skip_not_finite=True", {"skip_not_finite": True}, 0),
-        ("zero_stage > 0", {}, 2),
-        ("rng=True", {"rng": True}, 0),
-        ("sum_metrics", {"sum_metrics": ("n",), "has_aux": True}, 0),
-        ("loss_scale", {"loss_scale": jddp.precision.DynamicScale()}, 0),
+    # DiLoCo composed with every option of the step (one island per host, DP/ZeRO inside).
+    for label, opts, stage, case in [
+        ("accumulate_steps=2", {"accumulate_steps": 2}, 0, "diloco_halves"),
+        ("microbatches=2", {"microbatches": 2}, 0, "diloco"),
+        ("weighted", {"weighted": True}, 0, "diloco_ones_mask"),
+        ("skip_not_finite", {"skip_not_finite": True}, 0, "diloco"),
+        ("zero_stage=1", {}, 1, "diloco"),
+        ("zero_stage=2", {}, 2, "diloco"),
+        ("zero_stage=3", {}, 3, "diloco"),
+        ("rng", {"rng": True}, 0, "diloco_keys"),
+        ("sum_metrics", {"sum_metrics": ("n",), "has_aux": True}, 0, "diloco_aux"),
+        ("loss_scale", {"loss_scale": jddp.precision.DynamicScale()}, 0, "diloco"),
     ]:
         c.append(Cell(f"diloco + {label}", lambda o=opts: {"local_sgd": diloco(2), **o}, "2l",
-                      stage, refused(re.escape(LOCAL_SGD_REFUSAL.format(label)))))
+                      stage, equal(case)))
     return c
 
 

@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh
 
 from jddp._src import autocap, checks, options, pipeline, watchdog
+from jddp._src import deterministic as det_lib
 from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
@@ -134,6 +135,14 @@ class DataParallel:
         device) train apart and average their parameters every ``period`` steps; gradients are
         still reduced inside a host every step. ``state.params`` then holds one copy per replica
         (read :meth:`global_params` to evaluate). See docs/scaling.md.
+      deterministic: the same parameters, bit for bit, on any power-of-two device count, process
+        count, two-level mesh, ``microbatches`` and power-of-two ``accumulate_steps`` split of
+        the same global batches: the batch is cut into groups of ``group_size`` examples whose
+        gradients are summed in one fixed pairwise tree (fixed-order all-to-all and all-gather
+        instead of the bucketed all-reduce). The device count must divide the number of groups.
+        With model state, ``model_state_sync="mean"`` (each group starts from the step's state,
+        the new state is the groups' mean). See docs/deterministic.md.
+      group_size: examples per group with ``deterministic=True`` (default 8).
     """
 
     def __init__(
@@ -163,6 +172,8 @@ class DataParallel:
         sum_metrics: tuple[str, ...] = (),
         loss_scale: ls_lib.DynamicScale | None = None,
         local_sgd: local_sgd_lib.LocalSGD | None = None,
+        deterministic: bool = False,
+        group_size: int | None = None,
         **renamed: Any,
     ) -> None:
         for old, value in renamed.items():
@@ -185,6 +196,10 @@ class DataParallel:
             options.DEFAULT_BUCKET_CAP_MB if auto is not None else bucket_cap_mb, first_bucket_mb
         )
         hook = allreduce_mean() if hook is None else check_hook(hook)
+        det, groups = options.deterministic(deterministic, group_size)
+        if det and auto is not None:
+            raise ValueError("deterministic=True reduces without buckets, so bucket_cap_mb='auto' "
+                             "has nothing to tune: drop it.")
         summed = options.metric_names(sum_metrics, "sum_metrics")
         if summed and not has_aux:
             raise ValueError(
@@ -214,8 +229,11 @@ class DataParallel:
             sum_metrics=summed,
             loss_scale=ls_lib.check_loss_scale(loss_scale),
             local_sgd=local_sgd_lib.check_local_sgd(local_sgd),
+            deterministic=det,
+            group_size=groups,
         )
         local_sgd_lib.check_config(config)
+        det_lib.check_config(config)
         plans = PlanLog()
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "_plans", plans)

@@ -156,4 +156,8 @@ def deterministic(value: Any, group_size: Any) -> tuple[bool, int]:
             f"group_size={group_size!r} sets the group size of the deterministic step, but "
             "deterministic=False: pass deterministic=True with it, or drop group_size."
         )
-    return on, count(group_size, "group_size")
+    if isinstance(group_size, bool) or not isinstance(group_size, int | np.integer) \
+            or group_size < 1:
+        raise ValueError(f"group_size must be a positive int (examples per group), got "
+                         f"{group_size!r}.")
+    return on, int(group_size)

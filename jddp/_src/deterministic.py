@@ -211,7 +211,7 @@ def check_backend(cfg: Any) -> None:
     XLA's CPU code contracts ``a * b + c`` into one FMA (one rounding instead of two) where LLVM
     finds the pattern, and the pattern depends on the fusion around it: the same optax update
     compiled after an all-gather (several devices), after the last add of the gradient sum (one
-    device) or inside the accumulation's ``lax.cond`` rounded differently (446 of 5,573 Adam
+    device) or inside the accumulation's ``lax.cond`` rounded differently (446 of 5,317 Adam
     parameters after 4 steps, 1 device against 2, with bitwise-equal gradients). AVX has no FMA
     instructions, so ``--xla_cpu_max_isa=AVX`` removes the contraction everywhere.
     """
@@ -392,7 +392,7 @@ def opaque(tree: Any, zero: Any) -> Any:
     The optimizer's code must not depend on how its input was produced. XLA's algebraic
     simplifier rewrites arithmetic across producer and consumer by context: ``g / w`` became
     ``g * (1 / w)`` in the one-device program and stayed a division in the two-device one (626 of
-    1,729 gradient elements differed), and a constant scale folded into Adam's ``(1 - b1)`` in
+    1,637 gradient elements differed), and a constant scale folded into Adam's ``(1 - b1)`` in
     one program and not in the other. XOR-ing the bits with a zero known only at run time ends
     every such rewrite here: both sides of it compile the same in every layout.
 

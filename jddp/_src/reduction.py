@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jddp._src import hlo, options, vma, zero
 from jddp._src import jaxpr as jaxpr_lib
-from jddp._src import options, vma, zero
 from jddp._src.checks import check_float_params, check_scalar_loss
 from jddp._src.hooks import (
     CommHook,
@@ -206,6 +206,18 @@ def _levels(axis_name: Any, hosts_axis: str | None) -> tuple[str | None, Any]:
     return hosts_axis, local[0] if len(local) == 1 else local
 
 
+def _in_bucket_scope(fn: Callable[..., Any], bucket: int) -> Callable[..., Any]:
+    """``fn`` under ``jax.named_scope`` of the bucket: its collectives carry the bucket's name in
+    the compiled program's ``op_name`` (``ddp.report``, the program check, profiler traces)."""
+
+    @functools.wraps(fn)
+    def scoped(*args: Any) -> Any:
+        with jax.named_scope(hlo.bucket_scope(bucket)):
+            return fn(*args)
+
+    return scoped
+
+
 def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
     """The identity-with-reducing-VJP for one bucket.
 
@@ -301,7 +313,7 @@ def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
             extras_out,
         )
 
-    ident.defvjp(fwd, bwd)
+    ident.defvjp(fwd, _in_bucket_scope(bwd, spec.bucket))
     return ident
 
 
@@ -418,7 +430,7 @@ def _scatter_hook(spec: _ScatterSpec) -> Callable[..., Any]:
         return (ct_token, ct_leaves, ct_carry, jax.tree.map(jnp.zeros_like, offset),
                 _float0_like(step), extras_out)
 
-    ident.defvjp(fwd, bwd)
+    ident.defvjp(_in_bucket_scope(fwd, base.bucket), _in_bucket_scope(bwd, base.bucket))
     return ident
 
 

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from jddp._src import options
 from jddp._src.hooks import CommHook, allreduce_mean
-from jddp._src.local_sgd import LocalSGD
+from jddp._src.local_sgd_options import LocalSGD
 from jddp._src.loss_scale import DynamicScale
 from jddp._src.mesh import DataAxes, data_axes
 from jddp._src.planner import BucketPlan
@@ -48,7 +48,7 @@ class StepConfig:
       loss_scale: dynamic loss scaling (``None``: off).
       deterministic: the same bits on any layout (:mod:`jddp._src.deterministic`).
       group_size: examples per group of the deterministic step.
-      local_sgd: local SGD or DiLoCo (:mod:`jddp._src.local_sgd`): per-replica parameters,
+      local_sgd: local SGD or DiLoCo (:mod:`jddp._src.local_sgd_options`): per-replica parameters,
         averaged every ``period`` steps; ``None`` for plain data parallelism.
     """
 

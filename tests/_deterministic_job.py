@@ -63,16 +63,32 @@ def loss_fn(p, ms, b, keys):
     return per, (new_ms, {"abs_out": jnp.mean(jnp.abs(x))})
 
 
-def train(mesh, *, deterministic=True, microbatches=1, accumulate_steps=1, shard=None):
-    ddp = jddp.DataParallel(
-        loss_fn, optax.adam(1e-2), mesh=mesh, has_aux=True, weighted=True, rng=True,
-        model_state_sync="mean", deterministic=deterministic, microbatches=microbatches,
-        accumulate_steps=accumulate_steps,
-    )
+def train(mesh, *, deterministic=True, microbatches=1, accumulate_steps=1, shard=None,
+          resume_on=None):
+    """The losses and one SHA-256 of the final state; with ``resume_on`` (a mesh), the state after
+    the first step is checkpointed, restored on that mesh and trained on there."""
+    def make(mesh):
+        return jddp.DataParallel(
+            loss_fn, optax.adam(1e-2), mesh=mesh, has_aux=True, weighted=True, rng=True,
+            model_state_sync="mean", deterministic=deterministic, microbatches=microbatches,
+            accumulate_steps=accumulate_steps,
+        )
+
+    ddp = make(mesh)
     state = ddp.init(PARAMS, model_state=STATE)
     key, k = jax.random.key(7), accumulate_steps
     losses = []
-    for b, m in zip(BATCHES, MASKS, strict=True):
+    for i, (b, m) in enumerate(zip(BATCHES, MASKS, strict=True)):
+        if resume_on is not None and i == 1:
+            import tempfile
+
+            import jddp.checkpoint as ckpt
+
+            mngr = ckpt.manager(tempfile.mkdtemp())
+            ckpt.save(mngr, state)
+            ddp, mesh = make(resume_on), resume_on
+            like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (PARAMS, STATE))
+            state = ckpt.restore(mngr, ddp.abstract_state(*like))
         for j in range(k):
             part = jax.tree.map(lambda x, j=j: x[j * B // k:(j + 1) * B // k], (b, m))
             if shard is not None:
@@ -102,6 +118,7 @@ if MODE == "matrix":
         "1 accumulate=4": dict(mesh=mesh_of(1), accumulate_steps=4),
         "2 accumulate=2": dict(mesh=mesh_of(2), accumulate_steps=2),
         "2x2 accumulate=2": dict(mesh=mesh_of(4, hosts=2), accumulate_steps=2),
+        "8, checkpoint restored on 2": dict(mesh=mesh_of(8), resume_on=mesh_of(2)),
     }
     out = {name: train(**kw) for name, kw in layouts.items()}
     # The control: the default step on the same inputs is not bitwise layout-independent.

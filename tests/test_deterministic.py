@@ -46,16 +46,17 @@ def fma_free(monkeypatch):
 
 @pytest.mark.slow
 def test_layout_matrix_and_two_processes_are_bitwise_identical(tmp_path):
-    """1, 2, 4, 8 devices, a 2x4 mesh, micro-batches, accumulation, and 2 processes x 4 devices
-    over Gloo (1-D and process x local meshes): one SHA-256 of params, model state and Adam state
-    after 3 steps (weighted masks, per-example dropout, model state)."""
+    """1, 2, 4, 8 devices, a 2x4 mesh, micro-batches, accumulation, a checkpoint of an 8-device
+    run resumed on 2 devices, and 2 processes x 4 devices over Gloo (1-D and process x local
+    meshes): one SHA-256 of params, model state and Adam state after 3 steps (weighted masks,
+    per-example dropout, model state)."""
     out = tmp_path / "matrix.json"
     proc = subprocess.run([sys.executable, JOB, "matrix", str(out)], cwd=REPO,
                           env=child_env(**AVX), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     default = {k: res.pop(k) for k in ("default 1", "default 8")}
-    assert len(res) == 8 and all(r["step"] == 3 for r in res.values())
+    assert len(res) == 9 and all(r["step"] == 3 for r in res.values())
     shas = {name: r["sha"] for name, r in res.items()}
     assert len(set(shas.values())) == 1, shas
     assert len({json.dumps(r["losses"]) for r in res.values()}) == 1

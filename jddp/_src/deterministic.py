@@ -24,9 +24,10 @@ does not depend on the layout:
    is elementwise and the same everywhere.
 
 Gradient, loss, metrics and model state travel together through the same tree. Covered layouts:
-device counts and ``accumulate_steps`` that are powers of two with ``n * k`` dividing ``2**t``; the
-micro-batch split (``microbatches``) does not enter the arithmetic at all (the group scan already
-bounds memory to a group). Anything else is refused with the covering layouts named. See
+device counts that are powers of two and divide the number of groups of a call's batch, and
+``accumulate_steps`` that are powers of two (``n * k`` then divides ``2**t``); the micro-batch
+split (``microbatches``) does not enter the arithmetic at all (the group scan already bounds
+memory to a group). Anything else is refused with the covering layouts named. See
 ``docs/deterministic.md`` for what is (and is not) guaranteed.
 """
 

@@ -49,8 +49,6 @@ from jddp._src import rng as rng_lib
 from jddp._src.state import AccumState
 from jddp._src.tree import dtype_of
 
-DEFAULT_GROUP_SIZE = 8
-
 # Primitives that exchange data between devices: a loss that calls one mixes the groups of
 # several devices, which no fixed per-group program can reproduce on another layout.
 _COLLECTIVES = frozenset({

@@ -489,8 +489,9 @@ def int8_compress(
     """
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}.")
-    if not isinstance(block_size, int) or block_size < 1:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
+    error_feedback = options.flag(error_feedback, "error_feedback")
     stochastic = rounding == "stochastic"
 
     def init(leaf: jax.ShapeDtypeStruct):

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         import jddp.checkpoint as ckpt
 
         mngr = ckpt.manager(args.checkpoint_dir, max_to_keep=2,
-                            save_interval_steps=args.save_every)
+                            save_interval_steps=args.save_every, async_save=True)
         # The latest checkpoint (and the loader at the batch after it), or a fresh state.
         state = ckpt.restore_or_init(mngr, ddp, params, loader=loader)
     else:

@@ -46,6 +46,8 @@ class StepConfig:
       rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
       sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
       loss_scale: dynamic loss scaling (``None``: off).
+      deterministic: the same bits on any layout (:mod:`jddp._src.deterministic`).
+      group_size: examples per group of the deterministic step.
       local_sgd: local SGD or DiLoCo (:mod:`jddp._src.local_sgd_options`): per-replica parameters,
         averaged every ``period`` steps; ``None`` for plain data parallelism.
     """
@@ -72,6 +74,8 @@ class StepConfig:
     sum_metrics: tuple[str, ...] = ()
     loss_scale: DynamicScale | None = None
     local_sgd: LocalSGD | None = None
+    deterministic: bool = False
+    group_size: int = options.DEFAULT_GROUP_SIZE
 
     def __post_init__(self) -> None:
         if self.hybrid_shard and self.zero_stage == 0:

@@ -40,6 +40,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp._src import accumulation as acc_lib
+from jddp._src import deterministic as det_lib
 from jddp._src import jaxpr as jaxpr_lib
 from jddp._src import local_sgd, vma, zero
 from jddp._src import loss_scale as ls_lib
@@ -78,8 +79,9 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
         model_state=broadcast_to_devices(model_state, n) if cfg.per_device_model_state
         else model_state,
         hook_state=broadcast_to_devices(init_hook_state(cfg.hook, params), n),
-        accum=acc_lib.init_accum(params, n, cfg.accumulator_dtype, model_state)
-        if cfg.accumulates else None,
+        accum=None if not cfg.accumulates
+        else det_lib.init_accum(cfg, params, model_state) if cfg.deterministic
+        else acc_lib.init_accum(params, n, cfg.accumulator_dtype, model_state),
         loss_scale=None if cfg.loss_scale is None else cfg.loss_scale.init(),
     )
     if cfg.local_sgd is not None:  # seam: local SGD / DiLoCo keep one copy per replica
@@ -151,7 +153,11 @@ def check_step_inputs(
         )
     n = cfg.num_devices
     size = check_batch(batch, n)
-    acc_lib.check_accum(state, cfg.accumulate_steps, n)
+    if cfg.deterministic:  # seam: jddp._src.deterministic's layouts and accumulator
+        det_lib.check_accum(cfg, state)
+        det_lib.check_call(cfg, size, sync, state.model_state)
+    else:
+        acc_lib.check_accum(state, cfg.accumulate_steps, n)
     ls_lib.check_state(state, cfg.loss_scale)
     if cfg.rng and rng is None:
         raise ValueError(
@@ -497,6 +503,24 @@ def _local_step(
     return lax.cond(acc.count + 1 >= cfg.accumulate_steps, synchronise, accumulate, state)
 
 
+def _deterministic_step(
+    cfg: StepConfig, obj: Objective, observer: PlanObserver | None, sync: bool | None,
+    phase: Any, layout: zero.Layout, state: TrainState, batch: Any, weights: Any, rng: Any = None,
+) -> LocalResult:
+    """The per-device step of ``deterministic=True``: fixed-size groups summed in a fixed tree
+    (:mod:`jddp._src.deterministic`) instead of the local gradients and the bucketed reduction."""
+    g = cfg.group_size
+    group, w = jax.tree.map(lambda x: x[:g], (batch, weights))
+    keys = rng_lib.example_keys(rng, state.step, g) if cfg.rng else None
+    # Traced for the checks and the (reported, unused) bucket plan only.
+    traced = jaxpr_lib.trace(obj, state.params, state.model_state, group, w, keys)
+    det_lib.check_no_collectives(traced.jaxpr.jaxpr)
+    _plan(cfg, traced, state.params, observer)
+    out = det_lib.local_step(cfg, obj, state, batch, weights, rng)
+    return LocalResult(out.grads, out.metrics, {}, out.model_state, state.hook_state, out.accum,
+                       out.synced, out.nonempty)
+
+
 def _constrain(cfg: StepConfig, tree: Any, specs: Any) -> Any:
     return jax.tree.map(
         lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(cfg.mesh, s)), tree, specs,
@@ -713,14 +737,16 @@ def train_step(
             observer(plan)
 
     local = jax.shard_map(
-        functools.partial(_local_step, cfg, obj, observe, sync, phase, layout),
+        functools.partial(_deterministic_step if cfg.deterministic else _local_step, cfg, obj,
+                          observe, sync, phase, layout),
         mesh=cfg.mesh,
         in_specs=(state_specs(cfg, state), data, data, P()),
         out_specs=_result_specs(cfg, state, layout),
         # The sharded stages' reduce-scatter returns values that vma types cannot express as
         # replicated (whole leaves and metrics riding on it): their shard_map is untyped, like
         # pmap, which the bucket hooks support (they do the only reduction either way).
-        check_vma=cfg.zero_stage < 2,
+        # deterministic=True: untyped too; its all-gathered sums are replicated by construction.
+        check_vma=cfg.zero_stage < 2 and not cfg.deterministic,
     )
     result = local(state, batch, weights, rng)
     return _apply_update(cfg, state, result, sync, layout, plans[-1])

@@ -54,6 +54,17 @@ def _dropout_loss(p, b, keys):
     return jnp.mean((out - b["y"]) ** 2)
 
 
+def _stateful_loss(p, ms, b):
+    """A loss that reads its model state (a running mean of the first layer's activations, an
+    update linear in the batch: ``model_state_sync="mean"`` gives the whole batch's)."""
+    h = jnp.tanh(b["x"] @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"])
+    new = {"mu": 0.9 * ms["mu"] + 0.1 * jnp.mean(h, 0)}
+    return mlp_loss(p, b) + 0.1 * jnp.mean((h - ms["mu"]) ** 2), new
+
+
+MODEL_STATE = {"mu": np.full((SIZES[1],), 0.1, np.float32)}
+
+
 def _batches(n, rows=ROWS, seed=0):
     return [regression_batch(100 * seed + i, rows, SIZES[0], SIZES[-1]) for i in range(n)]
 
@@ -71,6 +82,7 @@ class Case:
     calls: Callable[[], list[dict]]
     reference: Callable[[int], Any]
     optimizer: Callable[[], optax.GradientTransformation] = lambda: optax.adam(1e-2)
+    model_state: Any = None
 
 
 def _plain_ref(_):
@@ -87,6 +99,11 @@ def _accumulate_ref(_):
     micro = _batches(4, ROWS // 2)
     return ref.train(mlp_loss, optax.adam(1e-2), mlp_params(0, SIZES),
                      [micro[0:2], micro[2:4]]).params
+
+
+def _model_state_ref(_):
+    return ref.train(_stateful_loss, optax.adam(1e-2), mlp_params(0, SIZES),
+                     [[b] for b in _batches(3)], model_state=MODEL_STATE).params
 
 
 def _masked_ref(_):
@@ -119,6 +136,8 @@ CASES = {
                       lambda: optax.sgd(0.1)),
     "accumulate": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4, ROWS // 2)],
                        _accumulate_ref),
+    "model_state": Case(_stateful_loss, lambda: [{"batch": b} for b in _batches(3)],
+                        _model_state_ref, model_state=MODEL_STATE),
     "masked": Case(_per_example, lambda: [
         {"batch": b, "mask": m} for b, m in zip(_batches(3), _masks(3), strict=True)], _masked_ref),
     "rng": Case(_dropout_loss, lambda: [{"batch": b, "rng": jax.random.key(KEY)}
@@ -176,6 +195,7 @@ def refused(reason: str) -> tuple:
 
 
 BF16 = 1e-3  # bf16 on the wire (~3 significant digits of each gradient), SGD(0.1)
+INT8 = 2e-3  # int8 blocks of 256 with error feedback, SGD(0.1)
 
 
 def _cells() -> list[Cell]:
@@ -204,6 +224,10 @@ def _cells() -> list[Cell]:
         Cell("rng", lambda: {"rng": True}, "1d", 0, equal("rng")),
         Cell("rng", lambda: {"rng": True}, "1d", 3, equal("rng")),
         Cell("skip_not_finite", lambda: {"skip_not_finite": True}, "1d", 1, equal("plain")),
+        Cell("model state mean", lambda: {"model_state_sync": "mean"}, "1d", 0,
+             equal("model_state")),
+        Cell("model state mean", lambda: {"model_state_sync": "mean"}, "2l", 2,
+             equal("model_state")),
         # two-level mesh
         Cell("plain", dict, "2l", 0, equal("plain")),
         Cell("hierarchical", lambda: {"hook": jddp.hooks.hierarchical()}, "2l", 0,
@@ -213,6 +237,9 @@ def _cells() -> list[Cell]:
         Cell("hierarchical(inner=bf16)",
              lambda: {"hook": jddp.hooks.hierarchical(inner=jddp.bf16_compress())}, "2l", 0,
              equal("plain_sgd", BF16), procs=2),
+        Cell("hierarchical(inner=int8)",
+             lambda: {"hook": jddp.hooks.hierarchical(inner=jddp.hooks.int8_compress())}, "2l", 0,
+             equal("plain_sgd", INT8)),
         Cell("hierarchical", lambda: {"hook": jddp.hooks.hierarchical()}, "2l", 2,
              refused("cannot serve zero_stage=2")),
         Cell("hybrid_shard", lambda: {"hybrid_shard": True}, "2l", 2, equal("plain")),
@@ -285,7 +312,10 @@ def run_cell(cell: Cell, multi: bool = False, repeats: int = 1) -> Any:
     ddp = jddp.DataParallel(case.loss, case.optimizer(), mesh=mesh, **opts)
     runs = []
     for _ in range(repeats):
-        state = ddp.init(mlp_params(0, SIZES))
+        if case.model_state is None:
+            state = ddp.init(mlp_params(0, SIZES))
+        else:
+            state = ddp.init(mlp_params(0, SIZES), case.model_state)
         for call in case.calls():
             batch = jddp.shard_global_batch(call["batch"], mesh)
             kw = {"rng": call["rng"]} if "rng" in call else {}

@@ -18,6 +18,13 @@ def loopback_hostname(monkeypatch):
     for name in ("JDDP_GLOO_INTERFACE", "JDDP_GLOO_ADDRESS", "JDDP_NNODES"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    # These tests pass a documentation address (TEST-NET-2) as the coordinator: the check must
+    # refuse it before any connection. Should it ever not, fail here instead of dialling out.
+    def no_network(*args, **kwargs):
+        raise AssertionError("initialize tried to reach the coordinator before its Gloo check")
+
+    monkeypatch.setattr(dist, "_wait_for_coordinator", no_network)
+    monkeypatch.setattr(dist.jax.distributed, "initialize", no_network)
 
 
 def test_multi_host_job_with_loopback_hostname_fails_at_once(loopback_hostname, monkeypatch):

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jddp._src import vma
-from jddp._src.tree import key_path_str, nbytes
+from jddp._src.tree import key_path_str, nbytes, ring_bytes
 
 try:  # The gathered value is the same on every replica; typed so under shard_map's check_vma.
     from jax._src.lax.parallel import all_gather_invariant as _all_gather
@@ -142,12 +142,12 @@ def allreduce_mean() -> CommHook:
 
 def ring_allreduce_bytes(nbytes: float, axis_size: int) -> float:
     """Bytes one device sends in a ring all-reduce of ``nbytes``: ``2 (N-1)/N x nbytes``."""
-    return 2.0 * (axis_size - 1) / axis_size * nbytes if axis_size > 1 else 0.0
+    return ring_bytes("all-reduce", nbytes, axis_size)
 
 
 def ring_allgather_bytes(nbytes: float, axis_size: int) -> float:
     """Bytes one device sends in a ring all-gather of its ``nbytes``: ``(N-1) x nbytes``."""
-    return float(axis_size - 1) * nbytes
+    return ring_bytes("all-gather", nbytes, axis_size)
 
 
 def bucket_bytes_sent(hook: CommHook, leaves: Sequence[Any], axis_size: int, step: Any) -> Any:

@@ -46,12 +46,19 @@ from jddp._src import loss_scale as ls_lib
 from jddp._src import rng as rng_lib
 from jddp._src.checks import batch_size, check_batch, check_float_params, check_mask
 from jddp._src.config import StepConfig
-from jddp._src.hooks import init_hook_state, plan_bytes_by_level, plan_bytes_sent
+from jddp._src.hooks import init_hook_state
 from jddp._src.nonfinite import all_finite, select_tree
 from jddp._src.objective import LocalAux, Objective, mean_metrics
 from jddp._src.optimizer_metrics import add_optimizer_metrics
 from jddp._src.planner import BucketPlan, plan_traced
-from jddp._src.reduction import Sharded, bucketed_vjp, chain_dependency, resolve_chain
+from jddp._src.reduction import (
+    Bytes,
+    Sharded,
+    bucketed_vjp,
+    chain_dependency,
+    resolve_chain,
+    ring,
+)
 from jddp._src.state import AccumState, TrainState
 from jddp._src.tree import add_device_dim, broadcast_to_devices, strip_device_dim
 
@@ -360,13 +367,21 @@ def _local_step(
     def grad_fn(p: Any, ms: Any, b: Any, s: Any) -> Any:  # s: the side inputs, as split
         return grad_of(p, ms, b, *s)
 
-    if cfg.zero_stage >= 3 and (m > 1 or acc is not None):
-        # Local gradients without a reduction (earlier micro-batches, no-sync calls) need whole
-        # parameters: gather every bucket once for them (chained, in first-use order).
+    # Stages 1-2 all-gather the updated pieces after the update (gather_params).
+    updated = _gather_bytes(cfg, plan, layout) if 1 <= cfg.zero_stage <= 2 else Bytes()
+
+    def local_params() -> tuple[Any, Bytes]:
+        """The parameters that local gradients (earlier micro-batches, no-sync calls) are
+        computed with, and the bytes of getting them: stage 3 gathers every bucket once
+        (chained, in first-use order), in the branch that needs them."""
+        if cfg.zero_stage < 3:
+            return params_v, Bytes()
         whole = zero.gather_buckets(jax.tree.leaves(state.params), layout,
                                     _bucket_groups(plan)[::-1], cfg.shard_axis,
                                     _gather_chain(cfg))
-        params_v = jax.tree.unflatten(jax.tree.structure(state.params), whole)
+        return (jax.tree.unflatten(jax.tree.structure(state.params), whole),
+                _gather_bytes(cfg, plan, layout))
+
     hook_state = strip_device_dim(state.hook_state)
 
     def synchronise(state: TrainState) -> LocalResult:
@@ -380,7 +395,9 @@ def _local_step(
             offset = None
             window_loss0 = window_weight0 = jnp.zeros((), jnp.float32)
         ms_last = ms0
+        gathered = Bytes()
         if m > 1:
+            p_local, gathered = local_params()
             if offset is None:
                 offset = acc_lib.varying_zeros(
                     jax.tree.map(lambda p: jax.ShapeDtypeStruct(
@@ -389,7 +406,7 @@ def _local_step(
                                  full_params), axis)
             head, w_head = jax.tree.map(lambda x: x[: m - 1], (micro, wmicro))
             call = acc_lib.local_sums(
-                grad_fn, params_v, head, w_head, call._replace(grads=offset, model_state=ms0)
+                grad_fn, p_local, head, w_head, call._replace(grads=offset, model_state=ms0)
             )
             offset, ms_last = call.grads, call.model_state
         # The mean over the window's micro-batches: a static count, or one read from the state
@@ -430,7 +447,7 @@ def _local_step(
             scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         metrics = mean_metrics(mean, m, count, summed=cfg.sum_metrics, num_devices=n)
-        metrics.update(_comm_bytes(cfg, plan, layout, state.step))
+        metrics.update(_comm_bytes(cfg, red.sent + gathered + updated))
         local: dict = {}
         new_accum = None
         if acc is not None:
@@ -454,7 +471,8 @@ def _local_step(
         acc = state.accum
         assert acc is not None
         live_grads, live_loss, live_weight = acc_lib.live(acc)
-        call = acc_lib.local_sums(grad_fn, params_v, micro, wmicro, _aux_zeros(aux_shape, axis)
+        p_local, gathered = local_params()
+        call = acc_lib.local_sums(grad_fn, p_local, micro, wmicro, _aux_zeros(aux_shape, axis)
                                   ._replace(grads=live_grads, model_state=ms0))
         # Model state advances locally; TrainState.model_state stays the synchronised one until
         # the window's sync call.
@@ -464,9 +482,7 @@ def _local_step(
         )
         # The global metrics need a collective: "not computed" (see docs/accumulate.md).
         metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(aux_shape)}
-        metrics["comm_bytes"] = jnp.zeros((), jnp.float32)  # nothing is sent
-        if cfg.data_axes.two_level:
-            metrics["comm_bytes_hosts"] = jnp.zeros((), jnp.float32)
+        metrics.update(_comm_bytes(cfg, gathered))  # no reduction; stage 3 still gathers
         metrics["synced"] = jnp.asarray(False)
         loss = jnp.where(call.weight > 0, call.sums["loss"] / call.weight, 0.0)
         zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -524,28 +540,22 @@ def _optimizer_update(
     return new, opt_state
 
 
-def _comm_bytes(cfg: StepConfig, plan: BucketPlan, layout: zero.Layout, step: Any) -> dict:
-    """``comm_bytes`` (what one device sends per synchronising step, a ring model) and, on a
-    two-level mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
-    n, two_level = cfg.num_devices, cfg.data_axes.two_level
+def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
+    """``comm_bytes`` (what one device sends in this call, a ring model) and, on a two-level
+    mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
+    out = {"comm_bytes": jnp.asarray(sent.total, jnp.float32)}
+    if cfg.data_axes.two_level:
+        out["comm_bytes_hosts"] = jnp.asarray(sent.across, jnp.float32)
+    return out
+
+
+def _gather_bytes(cfg: StepConfig, plan: BucketPlan, layout: zero.Layout) -> Bytes:
+    """Bytes of one all-gather of every split parameter (:func:`gather_params`, and stage 3's
+    whole parameters for local gradients): a ring over the shard axis."""
+    two_level = cfg.data_axes.two_level and not cfg.hybrid_shard
     hosts = int(cfg.mesh.shape[cfg.data_axes.hosts]) if two_level else 1
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
-    if cfg.zero_stage >= 2:
-        replicas = hosts if cfg.hybrid_shard else 1
-        out = {"comm_bytes": f32(zero.bytes_sent(plan, layout, replicas))}
-        if two_level:
-            out["comm_bytes_hosts"] = f32(
-                zero.bytes_across_hosts(plan, layout, hosts, cfg.hybrid_shard))
-        return out
-    # Stages 0 and 1 reduce the gradients with the hook (its own accounting); stage 1 then
-    # all-gathers the updated pieces over the shard axis (inside the host with hybrid_shard).
-    gather = zero.gather_bytes(plan, layout) if cfg.zero_stage == 1 else 0.0
-    if not two_level:
-        return {"comm_bytes": plan_bytes_sent(cfg.hook, plan, n, step) + gather}
-    inside, across = plan_bytes_by_level(cfg.hook, plan, hosts, n // hosts, step)
-    gather_across = 0.0 if cfg.hybrid_shard else gather * hosts / layout.n
-    return {"comm_bytes": inside + across + gather,
-            "comm_bytes_hosts": across + gather_across}
+    pieces = zero.split_bytes(layout, plan.dtypes, range(len(plan.shapes)))
+    return ring("all-gather", pieces, cfg.shard_count, hosts)
 
 
 def _bucket_groups(plan: BucketPlan) -> list[tuple[int, ...]]:

@@ -822,8 +822,6 @@ def bucketed_vjp(
     reducer = make_reducer(plan, hook, axis_name, sharded=sharded, hosts_axis=hosts_axis,
                            phase=phase, stateful=bool(jax.tree.leaves(tuple(hook_state))))
     reducer.check(param_leaves)
-    # Hook state is per device by definition (error-feedback residuals differ between replicas).
-    hook_state = jax.tree.map(lambda x: vma.to_varying(x, axis_name), tuple(hook_state))
     mode = resolve_chain(chain)
     if sharded is not None and mode == "barrier":
         # A sharded stage copies each bucket into one (N, K) matrix anyway: the always-zero add
@@ -837,49 +835,76 @@ def bucketed_vjp(
     seen = frozenset().union(*(vma.varying_axes(x) for x in jax.tree.leaves(
         (tuple(param_leaves), tuple(args)))))
     other = tuple(a for a in sorted(seen) if a not in names)
-    last = plan.num_buckets - 1
+    run = _Run(traced, plan, reducer, mode, other, step, offset)
+    return run(param_leaves, hook_state, args, seed, extras_fn, extras_shape)
 
-    def out_structs(b: int) -> tuple:
-        return tuple(reducer.out_struct(i) for i in (plan.buckets[b].indices if b >= 0 else ()))
 
-    vjps = [_bucket_vjp(reducer, _Slot(b, b == last, mode, out_structs(b - 1), other))
-            for b in range(plan.num_buckets)]
-    run = _Evaluation(traced, plan, reducer, vjps, args, offset, step, mode)
-    extras_structs = _f32_structs(jax.tree.leaves(extras_shape))
-    extras_zero = tuple(vma.to_varying(jnp.zeros(e.shape, e.dtype), (*names, *other))
-                        for e in extras_structs)
-    token0 = (_dep_zeros(mode, out_structs(last), axis_name, other), extras_zero)
-    sink0 = tuple(_vary(jnp.zeros(e.shape, e.dtype), other) for e in extras_structs)
-    # Zeros shaped like each reduced leaf, typed like its parameter (see _bucket_vjp).
-    carry = tuple(
-        vma.to_varying(jnp.zeros(s.shape, s.dtype), tuple(sorted(vma.varying_axes(x))))
-        for s, x in zip(map(reducer.out_struct, range(len(param_leaves))), param_leaves,
-                        strict=True)
-    )
-    (loss, _), vjp_fn, out = jax.vjp(run, tuple(param_leaves), hook_state, carry, token0, sink0,
-                                     has_aux=True)
-    extras = _extras(extras_fn, extras_shape, out, (*names, *other))
-    if seed is None:
-        seed = jnp.ones_like(loss)
-    seed = _vary(jnp.asarray(seed, loss.dtype), tuple(sorted(vma.varying_axes(loss))))
-    ct_token = (_dep_zeros(mode, [], axis_name, other),
-                extras if plan.num_buckets else extras_zero)
-    _, new_states, grad_leaves, _, reduced = vjp_fn((seed, ct_token))
-    sent = reducer.unused_bytes()
-    for b in range(plan.num_buckets):
-        sent = sent + reducer.bytes(b, extras_structs if b == last and extras else (), step)
-    if not plan.num_buckets:
-        reduced = tuple(lax.pmean(extras, axis_name)) if extras else ()
-        sent = sent + reducer.mean_bytes(extras_structs if extras else ())
-    # plan.unused leaves have no gradient path to the loss: state the zero explicitly, so that it is
-    # identical on every replica whatever autodiff materialises for them. Nor does their hook
-    # state reach a hook, so its "cotangent" is zero: keep the old state instead (a zeroed
-    # PowerSGD Q would stay zero).
-    unused = frozenset(plan.unused)
-    grad_leaves = [jnp.zeros_like(g) if i in unused else g for i, g in enumerate(grad_leaves)]
-    new_states = [hook_state[i] if i in unused else s for i, s in enumerate(new_states)]
-    mean_extras = jax.tree.unflatten(jax.tree.structure(extras_shape), list(reduced))
-    return Reduced(out, list(grad_leaves), tuple(new_states), mean_extras, sent)
+class _Run(NamedTuple):
+    """One reducing differentiation (see :func:`bucketed_vjp`), its static parts."""
+
+    traced: jaxpr_lib.Traced
+    plan: BucketPlan
+    reducer: BucketReducer
+    mode: str
+    other: tuple
+    step: jax.Array
+    offset: Sequence[Any] | None
+
+    def __call__(self, param_leaves: Sequence[jax.Array], hook_state: Sequence[Any],
+                 args: Sequence[Any], seed: Any, extras_fn: Callable[[Any], Any] | None,
+                 extras_shape: Any) -> Reduced:
+        plan, reducer, mode, other = self.plan, self.reducer, self.mode, self.other
+        axis_name = reducer.axis_name
+        # Hook state is per device by definition (error-feedback residuals differ by replica).
+        hook_state = jax.tree.map(lambda x: vma.to_varying(x, axis_name), tuple(hook_state))
+        last = plan.num_buckets - 1
+        vjps = [_bucket_vjp(reducer, _Slot(b, b == last, mode, self.out_structs(b - 1), other))
+                for b in range(plan.num_buckets)]
+        run = _Evaluation(self.traced, plan, reducer, vjps, args, self.offset, self.step, mode)
+        extras_structs = _f32_structs(jax.tree.leaves(extras_shape))
+        everywhere = (*vma.axis_names(axis_name), *other)
+        extras_zero = tuple(vma.to_varying(jnp.zeros(e.shape, e.dtype), everywhere)
+                            for e in extras_structs)
+        token0 = (_dep_zeros(mode, self.out_structs(last), axis_name, other), extras_zero)
+        sink0 = tuple(_vary(jnp.zeros(e.shape, e.dtype), other) for e in extras_structs)
+        (loss, _), vjp_fn, out = jax.vjp(run, tuple(param_leaves), hook_state,
+                                         self.carry(param_leaves), token0, sink0, has_aux=True)
+        extras = _extras(extras_fn, extras_shape, out, everywhere)
+        if seed is None:
+            seed = jnp.ones_like(loss)
+        seed = _vary(jnp.asarray(seed, loss.dtype), tuple(sorted(vma.varying_axes(loss))))
+        ct_token = (_dep_zeros(mode, [], axis_name, other),
+                    extras if plan.num_buckets else extras_zero)
+        _, new_states, grad_leaves, _, reduced = vjp_fn((seed, ct_token))
+        sent = reducer.unused_bytes()
+        for b in range(plan.num_buckets):
+            sent = sent + reducer.bytes(b, extras_structs if b == last and extras else (),
+                                        self.step)
+        if not plan.num_buckets:
+            reduced = tuple(lax.pmean(extras, axis_name)) if extras else ()
+            sent = sent + reducer.mean_bytes(extras_structs if extras else ())
+        # plan.unused leaves have no gradient path to the loss: state the zero explicitly, so
+        # that it is identical on every replica whatever autodiff materialises for them. Nor
+        # does their hook state reach a hook, so its "cotangent" is zero: keep the old state
+        # instead (a zeroed PowerSGD Q would stay zero).
+        unused = frozenset(plan.unused)
+        grad_leaves = [jnp.zeros_like(g) if i in unused else g for i, g in enumerate(grad_leaves)]
+        new_states = [hook_state[i] if i in unused else s for i, s in enumerate(new_states)]
+        mean_extras = jax.tree.unflatten(jax.tree.structure(extras_shape), list(reduced))
+        return Reduced(out, list(grad_leaves), tuple(new_states), mean_extras, sent)
+
+    def out_structs(self, b: int) -> tuple:
+        """What bucket ``b``'s reduction returns (none for ``b < 0``)."""
+        return tuple(self.reducer.out_struct(i)
+                     for i in (self.plan.buckets[b].indices if b >= 0 else ()))
+
+    def carry(self, param_leaves: Sequence[jax.Array]) -> tuple:
+        """Zeros shaped like each reduced leaf, typed like its parameter (see _bucket_vjp)."""
+        return tuple(
+            vma.to_varying(jnp.zeros(s.shape, s.dtype), tuple(sorted(vma.varying_axes(x))))
+            for s, x in zip(map(self.reducer.out_struct, range(len(param_leaves))),
+                            param_leaves, strict=True)
+        )
 
 
 def _extras(extras_fn: Callable[[Any], Any] | None, extras_shape: Any, out: Any,

@@ -17,6 +17,13 @@ Two details make this hold in compiled XLA:
   bucket's reduced result (see :func:`resolve_chain`); dependent collectives cannot be combined, so
   the plan's bucket boundaries survive compilation without XLA flags.
 
+What a bucket's backward does is a :class:`BucketReducer`: the hook's all-reduce
+(:class:`AllReduce`, stages 0-1), a reduce-scatter through the hook with its state
+(:class:`ReduceScatter`, stage 2), hybrid sharding (:class:`Hybrid`) and the stage-3 all-gather in
+forward (:class:`GatherInForward`); each also says the bytes it sends (:class:`Bytes`, one ring
+model). The evaluator (:class:`_Evaluation`) and the one custom VJP (:func:`_bucket_vjp`) know
+nothing of stages (docs/design.md, "Reducers").
+
 Gradient semantics under ``shard_map``: with ``check_vma=True`` the gradient of a replicated (``P()``)
 parameter would come back already summed by JAX. The hook's forward casts the parameters to
 "varying" and its backward performs the only reduction, so the result is one mean in every mode

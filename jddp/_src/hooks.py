@@ -93,7 +93,9 @@ class CommHook(NamedTuple):
       scatter: ``scatter(rows, ctx) -> row``, the hook's reduce-scatter for the sharded stages
         (``zero_stage`` 2 and 3): ``rows`` is a bucket as an ``(N, K)`` matrix, one row per
         device; the result is the mean over devices of this device's row, shape ``(1, K)``.
-        ``None``: the hook cannot serve those stages.
+        Used only by stateless hooks (it takes no state); its bytes are counted as half
+        ``bytes_sent`` of the rows (a ring reduce-scatter). ``None``, or a hook with state: the
+        sharded stages reduce the bucket with ``reduce`` and keep this device's piece.
       bytes_by_level: ``bytes_by_level(leaves, hosts, local, step) -> (inside, across)``: bytes
         one device sends inside its host and to other hosts for a bucket on a two-level mesh of
         ``hosts`` x ``local`` devices; ``None`` means a flat ring over all devices, hosts in

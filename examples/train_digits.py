@@ -4,15 +4,18 @@ Runs on 8 simulated CPU devices by default::
 
     python examples/train_digits.py --devices 8 --epochs 12 --batch-size 128 --json digits.json
 
-Each step splits the global batch over the devices of the data mesh, and jddp averages the
+The training images are read through ``jddp.data.Loader``: each global batch is the same examples
+on any layout (the order follows from the seed and the epoch), and each process reads only the
+rows its own devices hold (under ``jddp-run -n 2``, half of every batch). jddp averages the
 gradients in buckets from inside the backward pass. ``--local-sgd H`` / ``--diloco H`` train the 8
 replicas apart and average every H steps instead (see docs/scaling.md)::
 
     python examples/train_digits.py --diloco 16
 
 With ``--checkpoint-dir`` it survives failures and preemption: it resumes from the latest
-checkpoint (the data order follows from the step), saves every ``--save-every`` steps, and on
-SIGTERM saves at the same step on every process and exits with status 75 ("resume me")::
+checkpoint (the TrainState and the loader's position, saved together; writes are asynchronous),
+saves every ``--save-every`` steps, and on SIGTERM saves at the same step on every process and
+exits with status 75 ("resume me")::
 
     jddp-run -n 2 --devices-per-process 4 --max-restarts 3 --step-timeout 60 \
         examples/train_digits.py --checkpoint-dir ckpt --save-every 20
@@ -21,11 +24,13 @@ SIGTERM saves at the same step on every process and exits with status 75 ("resum
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
 import sys
 import time
+from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "number of simulated hosts")
     p.add_argument("--hierarchical", action="store_true",
                    help="reduce gradients hierarchically (needs --hosts)")
+    p.add_argument("--int8", choices=["nearest", "stochastic"], default=None,
+                   help="send the gradients as block-scaled int8 (jddp.hooks.int8_compress) with "
+                        "this rounding; with --hierarchical, on the cross-host leg only")
     p.add_argument("--local-sgd", type=int, default=None, metavar="H",
                    help="post-local SGD: average the replicas' parameters every H steps")
     p.add_argument("--local-sgd-start", type=int, default=0,
@@ -56,7 +64,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DiLoCo: an outer Nesterov step on the averaged delta every H steps")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="trace --profile-steps steps after the first (compiling) one with "
+                        "jax.profiler into DIR (TensorBoard, and Perfetto with each bucket's "
+                        "collectives named) and print dispatch / device / collective times")
+    p.add_argument("--profile-steps", type=int, default=5)
     return p.parse_args(argv)
+
+
+def _hook(jddp, args):
+    """The communication hook the flags ask for (None: the default mean all-reduce)."""
+    int8 = jddp.hooks.int8_compress(rounding=args.int8) if args.int8 else None
+    if args.hierarchical:
+        return jddp.hooks.hierarchical(inner=int8) if int8 else jddp.hooks.hierarchical()
+    return int8
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -123,17 +144,23 @@ def main(argv: list[str] | None = None) -> dict:
     ddp = jddp.DataParallel(
         loss_fn, optax.adam(args.lr), mesh=mesh, has_aux=True,
         bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
-        hook=jddp.hooks.hierarchical() if args.hierarchical else None, local_sgd=local_sgd,
+        hook=_hook(jddp, args), local_sgd=local_sgd,
     )
+    # Full batches only (drop_last): every step sees args.batch_size examples.
+    loader = jddp.data.Loader(jddp.data.ArraySource({"image": x_train, "label": y_train}),
+                              global_batch_size=args.batch_size, mesh=mesh, seed=args.seed,
+                              drop_last=True)
     if args.checkpoint_dir:
         import jddp.checkpoint as ckpt
 
         mngr = ckpt.manager(args.checkpoint_dir, max_to_keep=2,
                             save_interval_steps=args.save_every)
-        state = ckpt.restore_or_init(mngr, ddp, params)  # the latest checkpoint, or a fresh state
+        # The latest checkpoint (and the loader at the batch after it), or a fresh state.
+        state = ckpt.restore_or_init(mngr, ddp, params, loader=loader)
     else:
         mngr, state = None, ddp.init(params)
     start_step = int(state.step)
+    assert loader.position == start_step
     n_params = sum(x.size for x in jax.tree.leaves(params))
 
     @jax.jit
@@ -145,17 +172,16 @@ def main(argv: list[str] | None = None) -> dict:
     # tqdm.write keeps log lines and the progress bar apart; other processes stay quiet.
     log = tqdm.write if is_main else (lambda *a, **k: None)
     log(f"jddp digits: {len(x_train)} train / {len(x_test)} test images, {n_params:,} params, "
-        f"{n_dev} devices ({jax.process_count()} process(es)), global batch {args.batch_size}")
+        f"{n_dev} devices ({jax.process_count()} process(es)), global batch {args.batch_size}, "
+        f"{loader.local_size} rows of each read by this process")
     if start_step:
         log(f"resumed from the checkpoint of step {start_step}")
 
-    rng = np.random.default_rng(args.seed)
-    steps_per_epoch = len(x_train) // args.batch_size
+    steps_per_epoch = len(loader)
+    profiler = _Profiler(args, ddp, log) if args.profile else None
     history = []
     examples, train_time = 0, 0.0
     for epoch in range(1, args.epochs + 1):
-        # Drawn for every epoch, also those a resumed run skips: the same order as without a stop.
-        order = rng.permutation(len(x_train))
         first = max(0, start_step - (epoch - 1) * steps_per_epoch)
         if first >= steps_per_epoch:
             continue
@@ -164,12 +190,14 @@ def main(argv: list[str] | None = None) -> dict:
                    unit="step", disable=args.no_progress or not is_main, leave=False)
         t0 = time.perf_counter()
         for i in bar:
-            idx = order[i * args.batch_size:(i + 1) * args.batch_size]
-            # Each process places only its own rows (all of them when there is one process).
-            batch = jddp.shard_global_batch({"image": x_train[idx], "label": y_train[idx]}, mesh)
-            state, metrics = ddp.step(state, batch)
+            batch, _ = next(loader)  # this process's rows only; drop_last: never a mask
+            if profiler is not None:
+                state, metrics = profiler.step(state, batch)
+            else:
+                state, metrics = ddp.step(state, batch)
             if mngr is not None:  # on the interval; after SIGTERM: save, then exit with 75
-                ckpt.save_if_due(mngr, state, step=(epoch - 1) * steps_per_epoch + i + 1)
+                ckpt.save_if_due(mngr, state, step=(epoch - 1) * steps_per_epoch + i + 1,
+                                 loader=loader)
             # With local SGD, "loss" and "accuracy" are only computed on averaging steps (NaN
             # otherwise): each replica's own loss is in "replica_loss".
             losses.append(metrics["replica_loss"].mean() if local_sgd else metrics["loss"])
@@ -202,6 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"epoch {epoch:>2}: loss {row['loss']:.4f}  train acc {row['train_accuracy']:.3f}  "
             f"test acc {test_acc:.3f}  ({dt:.2f} s)")
 
+    if mngr is not None:
+        ckpt.wait(mngr)  # the last asynchronous write is on disk
     throughput = examples / train_time if train_time else float("nan")
     # Identifies the final parameters bit for bit (each process holds a full replica).
     digest = hashlib.sha256()
@@ -212,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         history.append({"epoch": args.epochs, "loss": float("nan"), "train_accuracy": float("nan"),
                         "test_accuracy": test_acc, "seconds": 0.0})
     result = {
+        "profile": None if profiler is None else profiler.result,
         "devices": n_dev,
         "processes": jax.process_count(),
         "global_batch": args.batch_size,
@@ -227,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
         "final_loss": history[-1]["loss"],
         "examples_per_second": throughput,
         "resumed_from_step": start_step,
+        "rows_read_per_batch": loader.local_size,  # by this process (process 0 writes the JSON)
         "params_sha256": digest.hexdigest(),
         "history": history,
     }
@@ -237,6 +269,51 @@ def main(argv: list[str] | None = None) -> dict:
             json.dump(result, f, indent=2)
         log(f"metrics written to {args.json}")
     return result
+
+
+class _Profiler:
+    """--profile: times the calls after the first with jddp.perf.profile and traces them."""
+
+    def __init__(self, args: argparse.Namespace, ddp: Any, log: Any) -> None:
+        from jddp.perf import profile
+
+        self.profile, self.args, self.ddp, self.log = profile, args, ddp, log
+        self.timer = profile.StepTimer(ddp.step)
+        self.calls, self.stack, self.result = 0, None, None
+        self.traced: Any = None
+
+    def step(self, state: Any, batch: Any) -> Any:
+        import contextlib
+
+        self.calls += 1
+        first, last = 2, 1 + self.args.profile_steps
+        if self.calls == first:  # the compile is behind us; the step reuses this compile
+            compiled = self.ddp.step.lower(state, batch).compile()
+            self.stack = contextlib.ExitStack()
+            self.traced = self.stack.enter_context(
+                self.profile.trace(self.args.profile, compiled))
+        out = self.timer(state, batch) if first <= self.calls <= last else self.ddp.step(
+            state, batch)
+        if self.calls == last and self.stack is not None:
+            self.stack.close()
+            self._report()
+        return out
+
+    def _report(self) -> None:
+        import jax
+
+        times = self.timer.summary(skip=0)
+        devices = len(jax.local_devices())  # this process's trace holds its own devices
+        per_step = self.traced.per_step_ms(times["steps"], devices)
+        self.result = {**times, "collective_ms": per_step, "trace_dir": self.args.profile,
+                       "collectives": [dataclasses.asdict(c) for c in self.traced.collectives]}
+        self.log(f"profile of {times['steps']} steps: dispatch {times['dispatch_ms']:.2f} ms, "
+                 f"device {times['device_ms']:.2f} ms, in collectives {per_step:.2f} ms per "
+                 f"device and step; trace in {self.args.profile} ({self.traced.renamed} "
+                 "collective events named after their bucket)")
+        for c in sorted(self.traced.collectives, key=lambda c: (c.bucket is None, c.bucket)):
+            self.log(f"  {c.name:<24} {c.kind:<15} bucket {c.bucket}  {c.mean_ms:.3f} ms x "
+                     f"{c.calls}")
 
 
 if __name__ == "__main__":

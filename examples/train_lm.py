@@ -184,16 +184,26 @@ def main(argv: list[str] | None = None) -> dict:
         return {"loss": loss * weights, "tokens": weights,
                 "correct": (jnp.argmax(logits, -1) == batch["targets"]) * weights}
 
-    evaluate = jddp.Evaluator(eval_fn, mesh=mesh, batch_size=max(n_dev, 2 * args.batch_size))
+    evaluate = jddp.Evaluator(eval_fn, mesh=mesh)
+    # Through jddp.data.Loader: each process reads only its rows; epoch e's order is
+    # permutation(n_train) from the generator seeded [seed, e] (the order this example always
+    # used), whole batches only. Per-token weights (padding 0) ride along as a batch leaf.
+    train_source = jddp.data.ArraySource(
+        {**train_set, "weights": (train_set["targets"] != 0).astype(np.float32)})
+    loader = jddp.data.Loader(train_source, global_batch_size=args.batch_size, mesh=mesh,
+                              seed=args.seed, drop_last=True)
+    eval_loader = jddp.data.Loader(jddp.data.ArraySource(eval_set), mesh=mesh, shuffle=False,
+                                   global_batch_size=max(n_dev, 2 * args.batch_size))
 
     mngr = None
     if args.checkpoint_dir:
         mngr = ckpt.manager(args.checkpoint_dir, max_to_keep=2,
                             save_interval_steps=args.save_every)
-        state = ckpt.restore_or_init(mngr, ddp, params)
+        state = ckpt.restore_or_init(mngr, ddp, params, loader=loader)
     else:
         state = ddp.init(params)
     start_step = int(state.step)
+    assert loader.position == start_step
     n_params = sum(x.size for x in jax.tree.leaves(params))
     key = jax.random.key(args.seed + 1)  # the run's dropout key: jddp folds in step and position
 
@@ -207,16 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
     if start_step:
         log(f"resumed from the checkpoint of step {start_step}")
 
-    def batch_for(step: int):
-        """The batch of a step: a fixed permutation per pass over the data (resumable)."""
-        per_pass = n_train // args.batch_size
-        order = np.random.default_rng([args.seed, step // per_pass]).permutation(n_train)
-        idx = order[(step % per_pass) * args.batch_size:][: args.batch_size]
-        batch = {k: v[idx] for k, v in train_set.items()}
-        return batch, (batch["targets"] != 0).astype(np.float32)
-
     def run_eval(step: int) -> dict:
-        sums = evaluate(state.params, eval_set)
+        sums = evaluate(state.params, eval_loader)  # one epoch of the held-out loader
         loss = sums["loss"] / sums["tokens"]
         return {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(loss),
                 "eval_bits_per_byte": loss / math.log(2),
@@ -229,12 +231,11 @@ def main(argv: list[str] | None = None) -> dict:
                disable=args.no_progress or not is_main)
     pending = []
     for step in bar:
-        batch, weights = batch_for(step)
-        batch = jddp.shard_global_batch(batch, mesh)
-        weights = jddp.shard_global_batch(weights, mesh)
+        batch, _ = next(loader)  # drop_last: always a full batch
+        weights = batch.pop("weights")
         state, metrics = ddp.step(state, batch, mask=weights, rng=key)
         if mngr is not None:
-            ckpt.save_if_due(mngr, state, step=step + 1)
+            ckpt.save_if_due(mngr, state, step=step + 1, loader=loader)
         pending.append((step + 1, metrics))
         if step == start_step:  # the first step compiles: time the rest
             jax.block_until_ready(state.params)
@@ -254,6 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f"perplexity {row['eval_perplexity']:.3f}  "
                 f"({row['eval_bits_per_byte']:.3f} bits/byte)")
     jax.block_until_ready(state.params)
+    if mngr is not None:
+        ckpt.wait(mngr)
     if t_compiled is not None and args.steps - start_step > 1:
         train_time = time.perf_counter() - t_compiled
     if not evals:  # resumed after the last step

@@ -159,17 +159,24 @@ def main(argv: list[str] | None = None) -> dict:
                 "correct": jnp.argmax(logits, -1) == batch["label"],
                 "count": jnp.ones(logits.shape[0])}
 
-    evaluate = jddp.Evaluator(eval_fn, mesh=mesh, batch_size=args.batch_size)
-    test_set = {"image": x_test, "label": y_test}
+    evaluate = jddp.Evaluator(eval_fn, mesh=mesh)
+    # Training batches and the held-out set through jddp.data.Loader: each process reads only
+    # its own rows; the order follows from (seed, epoch), so a resume continues exactly.
+    loader = jddp.data.Loader(jddp.data.ArraySource({"image": x_train, "label": y_train}),
+                              global_batch_size=args.batch_size, mesh=mesh, seed=args.seed,
+                              drop_last=True)
+    test_set = jddp.data.Loader(jddp.data.ArraySource({"image": x_test, "label": y_test}),
+                                global_batch_size=args.batch_size, mesh=mesh, shuffle=False)
 
     mngr = None
     if args.checkpoint_dir:
         mngr = ckpt.manager(args.checkpoint_dir, max_to_keep=2,
                             save_interval_steps=args.save_every)
-        state = ckpt.restore_or_init(mngr, ddp, params, model_state)
+        state = ckpt.restore_or_init(mngr, ddp, params, model_state, loader=loader)
     else:
         state = ddp.init(params, model_state)
     start_step = int(state.step)
+    assert loader.position == start_step
     n_params = sum(x.size for x in jax.tree.leaves(params))
 
     is_main = jax.process_index() == 0
@@ -183,9 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     history: list[dict] = []
     steps: list[dict] = []
     examples, train_time = 0, 0.0
-    rng = np.random.default_rng(args.seed)
     for epoch in range(1, args.epochs + 1):
-        order = rng.permutation(len(x_train))  # drawn every epoch: resumes see the same order
         first = max(0, start_step - (epoch - 1) * steps_per_epoch)
         if first >= steps_per_epoch:
             continue
@@ -194,12 +199,11 @@ def main(argv: list[str] | None = None) -> dict:
         pending = []
         t0 = time.perf_counter()
         for i in bar:
-            idx = order[i * args.batch_size:(i + 1) * args.batch_size]
-            batch = jddp.shard_global_batch({"image": x_train[idx], "label": y_train[idx]}, mesh)
+            batch, _ = next(loader)  # drop_last: always a full batch
             state, metrics = ddp.step(state, batch)
             step = (epoch - 1) * steps_per_epoch + i + 1
             if mngr is not None:
-                ckpt.save_if_due(mngr, state, step=step)
+                ckpt.save_if_due(mngr, state, step=step, loader=loader)
             pending.append((step, metrics))
             if i % 4 == 0:
                 bar.set_postfix(loss=f"{float(metrics['loss']):.4f}")
@@ -233,6 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "test_loss": sums["loss"] / sums["count"],
                         "test_accuracy": sums["correct"] / sums["count"],
                         "test_examples": int(sums["count"])})
+    if mngr is not None:
+        ckpt.wait(mngr)
     throughput = examples / train_time if train_time else float("nan")
     result = {
         "devices": n_dev,

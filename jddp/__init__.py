@@ -3,11 +3,12 @@
 What a training script uses is here; the rest is reachable from its module (``jddp.hooks``,
 ``jddp.buckets``, ``jddp.mesh``, ``jddp.verify``, ``jddp.trainer``, ``jddp.distributed``,
 ``jddp.checkpoint``, ``jddp.nnx``, ``jddp.local_sgd``, ``jddp.random``, ``jddp.precision``,
-``jddp.evaluation``, and the performance tooling in ``jddp.perf``).
+``jddp.evaluation``, ``jddp.data``, and the performance tooling in ``jddp.perf``).
 """
 
 from jddp import (  # noqa: F401
     buckets,
+    data,
     distributed,
     evaluation,
     hooks,
@@ -23,6 +24,7 @@ from jddp._src.evaluation import Evaluator
 from jddp._src.hooks import CommHook, HookContext, bf16_compress, fp16_compress, powersgd
 from jddp._src.mesh import data_mesh, replicate, shard_batch
 from jddp._src.planner import BucketPlan, plan_buckets
+from jddp._src.programs import ProgramMismatchError
 from jddp._src.reduction import value_and_grad
 from jddp._src.state import TrainState
 from jddp._src.trainer import DataParallel
@@ -41,9 +43,11 @@ __all__ = [
     "DataParallel",
     "Evaluator",
     "HookContext",
+    "ProgramMismatchError",
     "ReplicaDivergenceError",
     "TrainState",
     "bf16_compress",
+    "data",
     "data_mesh",
     "distributed",
     "fp16_compress",

@@ -1,4 +1,5 @@
-"""Checkpoints of the whole TrainState with orbax, from one process or many.
+"""Checkpoints of the whole TrainState (and the data loader's place) with orbax, from one process
+or many.
 
 Every array of the state (params, optimizer, model, hook and accumulation state, step) is saved
 with its sharding: replicated leaves once, per-device leaves (hook and accumulator state) shard by
@@ -13,18 +14,33 @@ A training loop that survives failures and preemption (run it with ``jddp-run --
 or under any scheduler that re-runs it on exit status 75)::
 
     mngr = jddp.checkpoint.manager("ckpt", max_to_keep=3, save_interval_steps=100)
-    state = jddp.checkpoint.restore_or_init(mngr, ddp, params)   # latest checkpoint, or fresh
+    loader = jddp.data.Loader(source, global_batch_size=256, mesh=mesh)
+    state = jddp.checkpoint.restore_or_init(mngr, ddp, params, loader=loader)  # or fresh
     for step in range(int(state.step), num_steps):
-        state, metrics = ddp.step(state, batch_for(step))        # batches follow from the step
-        jddp.checkpoint.save_if_due(mngr, state, step=step + 1)  # every 100 steps; on SIGTERM:
-                                                                 # save, then exit with 75
+        batch, mask = next(loader)                               # the exact next example
+        state, metrics = ddp.step(state, batch, mask=mask)
+        jddp.checkpoint.save_if_due(mngr, state, step=step + 1, loader=loader)
+    jddp.checkpoint.wait(mngr)                                   # the last write is on disk
+
+``save_if_due`` saves every 100 steps and, after a SIGTERM, at one step on every process, then
+exits with 75. The loader's state (a small JSON dict, :meth:`jddp.data.Loader.state`) is a second
+item of the same checkpoint, so the TrainState and the data position are committed together.
+
+Saves are asynchronous by default (``manager(..., async_save=True)``, orbax's asynchronous
+checkpointing): ``save_if_due`` returns once the arrays are copied to host memory, and the write to
+disk runs in a background thread while training goes on; the next save, :func:`wait`, a preemption
+exit and the end of the interpreter wait for it. orbax writes into a temporary folder and renames
+it when complete, so a process killed mid-write leaves no checkpoint of that step, and the latest
+complete one restores bit-exactly. :func:`save` waits for its write unless ``wait=False``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +50,11 @@ from jax.experimental import multihost_utils
 
 from jddp import distributed
 
-__all__ = ["manager", "restore", "restore_or_init", "save", "save_if_due"]
+__all__ = ["manager", "restore", "restore_or_init", "save", "save_if_due", "wait"]
+
+# Names of the two items of a checkpoint made by manager(). "default" is orbax's name for the item
+# of a single-item manager, so checkpoints saved before the loader item existed still restore.
+STATE_ITEM, LOADER_ITEM = "default", "loader"
 
 try:
     import orbax.checkpoint as ocp
@@ -50,41 +70,105 @@ def _require_orbax() -> Any:
     return ocp
 
 
+# Managers made by manager(): two items (TrainState, loader state), and a wait at exit.
+_MANAGERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _wait_all_at_exit() -> None:
+    for mngr in list(_MANAGERS):
+        try:
+            mngr.wait_until_finished()
+        except Exception as e:  # pragma: no cover - reported, not raised, at exit
+            sys.stderr.write(f"jddp: an asynchronous checkpoint write failed at exit: {e}\n")
+
+
+# At interpreter exit a pending asynchronous write must finish before the thread pools it needs
+# refuse new work; threading's own exit hooks run before those pools shut down (plain atexit
+# hooks run after, too late: orbax's commit then fails with "cannot schedule new futures").
+getattr(threading, "_register_atexit", lambda f: None)(_wait_all_at_exit)
+
+
 def manager(
     directory: str | os.PathLike[str],
     *,
     max_to_keep: int | None = None,
     save_interval_steps: int = 1,
+    async_save: bool = True,
 ) -> Any:
     """An orbax ``CheckpointManager`` for TrainStates under ``directory`` (one folder per step).
+
+    Each checkpoint holds two items: the TrainState and, when saved with one, a data loader's
+    state (JSON).
 
     Args:
       max_to_keep: keep only the newest N checkpoints (default: keep all).
       save_interval_steps: the interval of :func:`save_if_due` (orbax's ``should_save``);
         :func:`save` always saves.
+      async_save: write in a background thread (orbax's asynchronous checkpointing); the step
+        only waits for the copy of the state to host memory. False: every save writes before it
+        returns.
     """
     lib = _require_orbax()
+    path = os.path.abspath(os.fspath(directory))
+    for other in list(_MANAGERS):  # a new manager lists the folder: let this process's writes end
+        if os.fspath(other.directory) == path:
+            other.wait_until_finished()
     options = lib.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, save_interval_steps=save_interval_steps, create=True
+        max_to_keep=max_to_keep, save_interval_steps=save_interval_steps, create=True,
+        enable_async_checkpointing=bool(async_save),
     )
-    # The handler is registered up front so that item_metadata (the saved shapes, which restore
+    # The handlers are registered up front so that item_metadata (the saved shapes, which restore
     # compares before loading anything) is readable before the first save or restore.
-    return lib.CheckpointManager(
-        os.path.abspath(os.fspath(directory)), options=options,
-        item_handlers=lib.StandardCheckpointHandler(),
+    mngr = lib.CheckpointManager(
+        path, options=options,
+        item_handlers={STATE_ITEM: lib.StandardCheckpointHandler(),
+                       LOADER_ITEM: lib.JsonCheckpointHandler()},
     )
+    _MANAGERS.add(mngr)
+    return mngr
 
 
-def save(mngr: Any, state: Any, *, step: int | None = None, overwrite: bool = False) -> int:
-    """Saves ``state`` at ``step`` (default ``state.step``) and waits until it is on disk.
+def wait(mngr: Any) -> None:
+    """Waits until the manager's asynchronous writes are on disk (also raises their errors)."""
+    mngr.wait_until_finished()
+
+
+def _two_items(mngr: Any) -> bool:
+    return mngr in _MANAGERS
+
+
+def _save_args(mngr: Any, state: Any, loader: Any) -> Any:
+    lib = _require_orbax()
+    if not _two_items(mngr):  # a single-item manager made by the caller
+        if loader is not None:
+            raise ValueError(
+                "Saving a loader state needs a manager made by jddp.checkpoint.manager() (two "
+                "items per checkpoint: the TrainState and the loader)."
+            )
+        return lib.args.StandardSave(state)
+    items = {STATE_ITEM: lib.args.StandardSave(state)}
+    if loader is not None:
+        items[LOADER_ITEM] = lib.args.JsonSave(loader.state())
+    return lib.args.Composite(**items)
+
+
+def save(
+    mngr: Any, state: Any, *, step: int | None = None, overwrite: bool = False,
+    loader: Any = None, wait: bool = True,
+) -> int:
+    """Saves ``state`` (and ``loader``'s state) at ``step`` (default ``state.step``).
 
     Refuses to replace an existing checkpoint of the same step unless ``overwrite`` is set, so
     nothing saved is lost by a re-run.
 
+    Args:
+      loader: a ``jddp.data.Loader`` whose state (the next batch) is saved with the TrainState.
+      wait: wait until the checkpoint is on disk (default); False returns once the state is
+        copied to host memory when the manager writes asynchronously (see :func:`wait`).
+
     Returns:
       The step saved.
     """
-    lib = _require_orbax()
     step = int(np.asarray(jax.device_get(state.step))) if step is None else int(step)
     if step in mngr.all_steps():
         if not overwrite:
@@ -92,10 +176,12 @@ def save(mngr: Any, state: Any, *, step: int | None = None, overwrite: bool = Fa
                 f"A checkpoint of step {step} already exists in {mngr.directory}. Pass "
                 "overwrite=True to replace it, or save under another step."
             )
+        mngr.wait_until_finished()
         mngr.delete(step)
     # force: the manager's save interval is for save_if_due; an explicit save always saves.
-    mngr.save(step, args=lib.args.StandardSave(state), force=True)
-    mngr.wait_until_finished()
+    mngr.save(step, args=_save_args(mngr, state, loader), force=True)
+    if wait:
+        mngr.wait_until_finished()
     return step
 
 
@@ -144,12 +230,43 @@ def _per_device_changes(saved: Any, abstract: Any) -> list[tuple[str, tuple, tup
     return changed
 
 
+def _load_state(mngr: Any, step: int, args: Any) -> Any:
+    if not _two_items(mngr):
+        return mngr.restore(step, args=args)
+    return mngr.restore(step, args=_require_orbax().args.Composite(**{STATE_ITEM: args}))[
+        STATE_ITEM]
+
+
+def _saved_tree(mngr: Any, step: int) -> Any:
+    """The saved TrainState's metadata tree (shapes), or None when the manager has none."""
+    metadata = mngr.item_metadata(step)
+    if metadata is not None and _two_items(mngr):
+        metadata = metadata[STATE_ITEM] if STATE_ITEM in metadata else None
+    return None if metadata is None else metadata.tree
+
+
+def _restore_loader(mngr: Any, step: int, loader: Any) -> None:
+    lib = _require_orbax()
+    if not _two_items(mngr):
+        raise ValueError("Restoring a loader state needs a manager made by "
+                         "jddp.checkpoint.manager().")
+    if not os.path.isdir(os.path.join(os.fspath(mngr.directory), str(step), LOADER_ITEM)):
+        raise ValueError(
+            f"The checkpoint of step {step} in {mngr.directory} holds no loader state (it was "
+            "saved without loader=...): the data position cannot be restored. Restore without "
+            "loader= and position the loader yourself, or start a new checkpoint directory."
+        )
+    saved = mngr.restore(step, args=lib.args.Composite(**{LOADER_ITEM: lib.args.JsonRestore()}))
+    loader.restore(dict(saved[LOADER_ITEM]))
+
+
 def restore(
     mngr: Any,
     target: Any,
     *,
     step: int | None = None,
     init_fn: Callable[[], Any] | None = None,
+    loader: Any = None,
 ) -> Any:
     """Restores a TrainState saved by :func:`save` onto the shardings of ``target``.
 
@@ -168,8 +285,12 @@ def restore(
       init_fn: ``init_fn() -> TrainState`` on the new device count (e.g. ``lambda:
         ddp.init(params)``), for per-device leaves that restart; called only when the device
         count changed. Not needed when ``target`` is a concrete state.
+      loader: a ``jddp.data.Loader`` to put at the batch after the checkpoint's (its state is
+        checked against the loader's data set and batching: a clear error if it differs). The
+        loader state holds no process or device count, so it restores on any layout.
     """
     lib = _require_orbax()
+    mngr.wait_until_finished()  # a save still in flight may be the latest step
     if step is None:
         step = mngr.latest_step()
         if step is None:
@@ -185,12 +306,14 @@ def restore(
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
 
     abstract = jax.tree.map(as_abstract, target)
-    metadata = mngr.item_metadata(step)
-    if metadata is None:  # a manager not made by manager(): no shapes to compare; load strictly
-        return mngr.restore(step, args=lib.args.StandardRestore(abstract))
-    changed = _per_device_changes(metadata.tree, abstract)
+    if loader is not None:  # first: a wrong data set fails before any array is read
+        _restore_loader(mngr, step, loader)
+    saved_tree = _saved_tree(mngr, step)
+    if saved_tree is None:  # a manager not made by manager(): no shapes to compare; load strictly
+        return _load_state(mngr, step, lib.args.StandardRestore(abstract))
+    changed = _per_device_changes(saved_tree, abstract)
     if not changed:
-        return mngr.restore(step, args=lib.args.StandardRestore(abstract))
+        return _load_state(mngr, step, lib.args.StandardRestore(abstract))
     old_n, new_n = changed[0][1][0], changed[0][2][0]
     where = f"saved on {old_n} devices, restored on {new_n}"
     per_replica = [p for p, _, _ in changed if p.startswith("model_state")]
@@ -203,7 +326,7 @@ def restore(
         )
     # Every other changed leaf restarts: load the rest exactly; the changed leaves' loaded values
     # (padded or cut by strict=False) are replaced below.
-    state = mngr.restore(step, args=lib.args.StandardRestore(abstract, strict=False))
+    state = _load_state(mngr, step, lib.args.StandardRestore(abstract, strict=False))
     accum = [p for p, _, _ in changed if p.startswith("accum")]
     if accum and int(np.asarray(jax.device_get(state.accum.count))) > 0:
         raise ValueError(
@@ -241,11 +364,14 @@ def _host_step(state: Any) -> int:
     return int(np.asarray(jax.device_get(state.step)))
 
 
-def restore_or_init(mngr: Any, ddp: Any, params: Any, model_state: Any = None) -> Any:
+def restore_or_init(
+    mngr: Any, ddp: Any, params: Any, model_state: Any = None, *, loader: Any = None
+) -> Any:
     """The latest checkpoint in ``mngr`` restored for ``ddp``, or ``ddp.init(params, model_state)``.
 
     With it a training script resumes after a restart with no code of its own: the restored
-    ``state.step`` says where to continue (derive the data order from it). Every process must see
+    ``state.step`` says where to continue, and ``loader`` (if given) continues at the batch after
+    the checkpoint's (without a checkpoint it is left where it is). Every process must see
     the same checkpoints (a shared directory on several hosts); a process that does not raises
     instead of starting a job whose processes disagree.
 
@@ -253,6 +379,7 @@ def restore_or_init(mngr: Any, ddp: Any, params: Any, model_state: Any = None) -
       ddp: the ``jddp.DataParallel`` (or anything with its ``init`` and ``abstract_state``).
       params: the initial parameters; when restoring, only their shapes and dtypes are used.
       model_state: the initial model state (e.g. BatchNorm statistics), if any.
+      loader: a ``jddp.data.Loader`` saved with the checkpoints (``save_if_due(..., loader=)``).
     """
     step = mngr.latest_step()
     if jax.process_count() > 1:
@@ -266,11 +393,12 @@ def restore_or_init(mngr: Any, ddp: Any, params: Any, model_state: Any = None) -
     if step is None:
         return ddp.init(params, model_state)
     return restore(mngr, ddp.abstract_state(params, model_state), step=step,
-                   init_fn=lambda: ddp.init(params, model_state))
+                   init_fn=lambda: ddp.init(params, model_state), loader=loader)
 
 
 def save_if_due(
-    mngr: Any, state: Any, *, step: int | None = None, exit_on_preemption: bool = True
+    mngr: Any, state: Any, *, step: int | None = None, exit_on_preemption: bool = True,
+    loader: Any = None,
 ) -> bool:
     """Saves ``state`` when due: on the manager's interval, or at the preemption sync point.
 
@@ -286,6 +414,11 @@ def save_if_due(
         the device, which waits for the step to finish (a sync per call).
       exit_on_preemption: False to return instead of exiting after a preemption save (then
         check ``jddp.distributed.reached_preemption_point(step)`` yourself).
+      loader: a ``jddp.data.Loader`` whose state is saved with the TrainState: call this after
+        the step that consumed the loader's last batch, so the saved state is the next batch.
+
+    An interval save is asynchronous when the manager is (the default): the step goes on while
+    it is written, and the next save waits for it. A preemption save waits before exiting.
 
     Returns:
       True if a checkpoint was saved.
@@ -297,9 +430,10 @@ def save_if_due(
     preempted = distributed.reached_preemption_point(step)
     saved = False
     if (due or preempted) and step not in mngr.all_steps():
-        save(mngr, state, step=step)
+        save(mngr, state, step=step, loader=loader, wait=preempted)
         saved = True
     if preempted and exit_on_preemption:
+        mngr.wait_until_finished()
         if jax.process_index() == 0:
             sys.stderr.write(f"jddp: preempted: checkpoint of step {step} saved in "
                              f"{mngr.directory}; exiting with status {distributed.EXIT_RESUME} "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import ipaddress
 import math
 import os
 import signal
@@ -49,12 +50,15 @@ from jddp._src.watchdog import report_progress
 
 __all__ = [
     "ENV_COORDINATOR",
+    "ENV_GLOO_ADDRESS",
+    "ENV_GLOO_INTERFACE",
     "ENV_LOCAL_DEVICE_COUNT",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
     "EXIT_RESUME",
     "CoordinatorPortInUseError",
     "CoordinatorTimeoutError",
+    "GlooAddressError",
     "ProcessInfo",
     "exit_for_resume",
     "global_batch_from_local",
@@ -74,6 +78,10 @@ ENV_COORDINATOR = "JDDP_COORDINATOR"  # "host:port" of process 0's coordinator s
 ENV_NUM_PROCESSES = "JDDP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JDDP_PROCESS_ID"
 ENV_LOCAL_DEVICE_COUNT = "JDDP_LOCAL_DEVICE_COUNT"  # simulated CPU devices in this process
+# Where Gloo (JAX's CPU collectives) listens: a network interface, or an address (or host name).
+ENV_GLOO_INTERFACE = "JDDP_GLOO_INTERFACE"
+ENV_GLOO_ADDRESS = "JDDP_GLOO_ADDRESS"
+ENV_NNODES = "JDDP_NNODES"  # set by a multi-node jddp-run: the job spans this many hosts
 
 # "Preempted: a checkpoint was saved, run me again to resume". 75 is EX_TEMPFAIL in BSD's
 # sysexits.h ("temporary failure; the user is invited to retry"). jddp-run passes it on, and
@@ -89,6 +97,11 @@ class CoordinatorTimeoutError(TimeoutError):
 
 class CoordinatorPortInUseError(OSError):
     """Process 0 cannot start the coordinator service: its port is taken on this host."""
+
+
+class GlooAddressError(RuntimeError):
+    """Gloo would listen on an address other hosts cannot reach (this host's name resolves to
+    loopback), or the interface or address given for it is not on this host."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +245,126 @@ def _set_local_device_count(n: int) -> None:
         ) from e
 
 
+def _resolve(host: str) -> list[str]:
+    """The addresses ``host`` resolves to, in resolver order (empty if it does not resolve)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return []
+    return [str(info[4][0]) for info in infos]
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_local_address(address: str) -> bool:
+    """True if ``address`` belongs to this host (a socket can bind it)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _gloo_default_address() -> str | None:
+    """The address Gloo listens on when given neither an interface nor an address: the first
+    address this host's name resolves to that it can bind (Gloo's ``lookupAddrForHostname``)."""
+    return next((a for a in _resolve(socket.gethostname()) if _is_local_address(a)), None)
+
+
+def _spans_hosts(coordinator_address: str) -> bool:
+    """Whether the job has processes on other hosts: not with a coordinator on loopback (no
+    other host could reach it); else ``JDDP_NNODES`` (a multi-node jddp-run) says so; else a
+    coordinator that is not an address of this host does."""
+    addresses = _resolve(_split_address(coordinator_address)[0])
+    if any(_is_loopback(a) for a in addresses):
+        return False
+    nnodes = _env_int(ENV_NNODES)
+    if nnodes is not None:
+        return nnodes > 1
+    return bool(addresses) and not any(_is_local_address(a) for a in addresses)
+
+
+def _uses_cpu_collectives() -> bool:
+    """Gloo carries this job's collectives: CPU first (or no platform named), Gloo chosen."""
+    if getattr(jax.config, "jax_cpu_collectives_implementation", "gloo") not in (None, "gloo"):
+        return False
+    platforms = getattr(jax.config, "jax_platforms", None) or os.environ.get("JAX_PLATFORMS") or ""
+    return platforms.split(",")[0].strip() in ("", "cpu")
+
+
+def _check_gloo(interface: str | None, address: str | None, coordinator_address: str) -> None:
+    """Raises `GlooAddressError` before the job starts if Gloo would listen where the other
+    hosts cannot reach it, or the interface or address given is not on this host."""
+    fixes = (f"set {ENV_GLOO_INTERFACE}=<interface the other hosts reach, e.g. eth0> or "
+             f"{ENV_GLOO_ADDRESS}=<this host's address> (or jddp.initialize(gloo_interface=..., "
+             "gloo_address=...)), or map this host's name to that address in /etc/hosts")
+    if interface:
+        try:
+            socket.if_nametoindex(interface)
+        except OSError:
+            raise GlooAddressError(
+                f"jddp: gloo_interface={interface!r} ({ENV_GLOO_INTERFACE}): this host has no "
+                "network interface of that name (`ip -br addr` lists them)."
+            ) from None
+        return
+    if address:
+        if not any(_is_local_address(a) for a in _resolve(address)):
+            raise GlooAddressError(
+                f"jddp: gloo_address={address!r} ({ENV_GLOO_ADDRESS}) is not an address of this "
+                "host, so Gloo cannot listen on it. Give one of this host's addresses "
+                "(`ip -br addr`), or an interface name with gloo_interface."
+            )
+        return
+    if not _spans_hosts(coordinator_address):
+        return
+    bound = _gloo_default_address()
+    if bound is None or _is_loopback(bound):
+        raise GlooAddressError(
+            f"jddp: this host's name {socket.gethostname()!r} resolves to "
+            f"{bound or 'no address it can bind'}"
+            f"{' (loopback)' if bound else ''}, and JAX gives Gloo (its CPU collectives) no "
+            "interface, so Gloo would listen there and processes on the other hosts could not "
+            "connect (the job would fail after seconds on one rank and abort only after the "
+            f"heartbeat timeout on the others). Fix: {fixes}."
+        )
+
+
+def _configure_gloo(interface: str | None, address: str | None) -> None:
+    """Makes JAX's CPU backend create its Gloo collectives on ``interface`` or ``address``.
+
+    JAX 0.10.2 calls ``make_gloo_tcp_collectives(distributed_client)`` without them (Gloo then
+    binds what the host name resolves to); the CPU backend is created lazily, so registering a
+    factory that passes them before the first JAX computation is enough.
+    """
+    if not (interface or address) or not _uses_cpu_collectives():
+        return
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    def factory():
+        collectives = _jax.make_gloo_tcp_collectives(
+            distributed_client=_jax_distributed.global_state.client,
+            hostname=None if interface else address,
+            interface=interface or None,
+        )
+        return xla_bridge.make_cpu_client(collectives=collectives)
+
+    try:
+        xla_bridge.register_backend_factory("cpu", factory, priority=0, fail_quietly=False)
+    except RuntimeError as e:
+        raise RuntimeError(
+            "jddp.initialize must run before anything initialises JAX's backend: cannot set "
+            "the Gloo interface now"
+        ) from e
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -244,6 +377,8 @@ def initialize(
     shutdown_timeout_s: int = 30,
     fail_fast: bool = True,
     preemption_service: bool | None = None,
+    gloo_interface: str | None = None,
+    gloo_address: str | None = None,
 ) -> ProcessInfo:
     """Joins this process to a multi-process JAX job (or sets up a single-process one).
 
@@ -273,6 +408,13 @@ def initialize(
         and exits. None: JAX's default (on). Under jddp-run it stays on: the launcher ends a rank
         that does not stop with an order over its socket or, failing that, SIGKILL after
         `--grace`. False: SIGTERM ends the process at once, and no preemption checkpoint.
+      gloo_interface: the network interface Gloo (JAX's CPU collectives) listens on, e.g.
+        "eth0"; default `JDDP_GLOO_INTERFACE`. JAX itself gives Gloo none, and Gloo then binds
+        what the host name resolves to: on a host whose name maps to loopback (Debian's
+        127.0.1.1) a multi-host job cannot connect, and `initialize` raises
+        `GlooAddressError` at once, naming these fixes.
+      gloo_address: instead of an interface, the address (or name) Gloo listens on; default
+        `JDDP_GLOO_ADDRESS`.
 
     Returns:
       The resulting `ProcessInfo`.
@@ -280,6 +422,8 @@ def initialize(
     Raises:
       CoordinatorTimeoutError: a process other than 0 could not reach the coordinator.
       CoordinatorPortInUseError: process 0 cannot bind the coordinator's port.
+      GlooAddressError: a multi-host CPU job whose Gloo would listen on loopback, or a Gloo
+        interface or address that is not on this host.
     """
     if jax.distributed.is_initialized():
         state = _jax_distributed.global_state
@@ -318,6 +462,10 @@ def initialize(
     if num_processes == 1:
         return ProcessInfo(0, 1, None, "single")
 
+    gloo_interface = gloo_interface or os.environ.get(ENV_GLOO_INTERFACE) or None
+    gloo_address = gloo_address or os.environ.get(ENV_GLOO_ADDRESS) or None
+    if _uses_cpu_collectives() and coordinator_address is not None:
+        _check_gloo(gloo_interface, gloo_address, coordinator_address)
     if source != "cluster" and process_id == 0 and coordinator_address is not None:
         _check_port_free(coordinator_address)
     deadline = time.monotonic() + timeout_s
@@ -351,6 +499,7 @@ def initialize(
         raise
     finally:
         join_timer.cancel()
+    _configure_gloo(gloo_interface, gloo_address)
 
     # Read from the distributed state, not jax.process_count(): that would start the backend
     # (and its topology exchange with every process) here.

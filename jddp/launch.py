@@ -46,12 +46,14 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
+from jddp._src import multinode
 from jddp._src.watchdog import ENV_CONTROL_FD, ENV_LAUNCHER_PID, ENV_RESTART_COUNT
 from jddp.distributed import (
     ENV_COORDINATOR,
     ENV_LOCAL_DEVICE_COUNT,
+    ENV_NNODES,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     EXIT_RESUME,
@@ -389,6 +391,8 @@ class _Options:
     timeout_s: float | None
     base_env: Mapping[str, str]
     prefix_output: bool
+    rank_offset: int = 0  # global rank of this node's first rank (multi-node)
+    world_size: int | None = None  # ranks on all nodes (None: num_processes)
 
 
 def launch(
@@ -405,8 +409,19 @@ def launch(
     first_step_timeout_s: float | None = None,
     max_restarts: int = 0,
     preemption_grace_s: float = 30.0,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    rdzv_timeout_s: float = 120.0,
 ) -> int:
     """Runs `command` as `num_processes` ranks of one JAX job and returns the job's exit status.
+
+    With `nnodes > 1` this is one node's agent of a multi-node job (torchrun's terms): every node
+    runs `launch` with the same `nnodes` and `master_addr` and its own `node_rank`; node `R`'s
+    ranks are the global ranks `R * num_processes ...`, the JAX coordinator is global rank 0 at
+    `master_addr`, and the agents agree over `master_addr`'s port + 1 on ending, restarting and
+    finishing the job (`jddp/_src/multinode.py`): a rank failing, stuck or preempted on any node
+    ends or restarts the job on every node.
 
     Args:
       command: the program and its arguments, e.g. `[sys.executable, "-u", "train.py"]`.
@@ -423,6 +438,11 @@ def launch(
         times (not after Ctrl-C, SIGTERM/SIGHUP to the launcher, or `timeout_s`).
       preemption_grace_s: after a preemption notice, how long the ranks get to finish their step,
         save and exit with `EXIT_RESUME` before they are ended.
+      nnodes: number of nodes (one `launch` each).
+      node_rank: this node's index in `[0, nnodes)`.
+      master_addr: "HOST:PORT" of the JAX coordinator, on node 0 (required with `nnodes > 1`;
+        with one node it replaces 127.0.0.1 and `port`). HOST:PORT+1 carries the agents' channel.
+      rdzv_timeout_s: how long the agents wait for each other at start.
 
     Returns:
       0 if every rank exited 0; `EXIT_RESUME` (75) if the job was preempted and saved; else the
@@ -434,6 +454,16 @@ def launch(
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes, got nnodes={nnodes}, "
+                         f"node_rank={node_rank}")
+    if nnodes > 1 and master_addr is None:
+        raise ValueError("a multi-node job needs master_addr='HOST:PORT' (node 0's address)")
+    if master_addr is not None:
+        multinode.channel_address(master_addr)  # checks the form
+    base_env = dict(os.environ if env is None else env)
+    if nnodes > 1:
+        base_env[ENV_NNODES] = str(nnodes)
     if first_step_timeout_s is None and step_timeout_s is not None:
         first_step_timeout_s = max(10.0 * step_timeout_s, 60.0)
     options = _Options(
@@ -442,8 +472,8 @@ def launch(
         preemption_grace_s=preemption_grace_s, step_timeout_s=step_timeout_s,
         first_step_timeout_s=first_step_timeout_s,
         deadline=None if timeout_s is None else time.monotonic() + timeout_s,
-        timeout_s=timeout_s, base_env=os.environ if env is None else env,
-        prefix_output=prefix_output,
+        timeout_s=timeout_s, base_env=base_env, prefix_output=prefix_output,
+        rank_offset=node_rank * num_processes, world_size=nnodes * num_processes,
     )
 
     signals: list[int] = []  # appended by the signal handler, read by the attempt's loop
@@ -460,6 +490,9 @@ def launch(
             old_handlers[sig] = signal.signal(sig, on_signal)
     guardian = _Guardian()
     try:
+        if master_addr is not None:
+            return _launch_nodes(options, master_addr, nnodes, node_rank, max_restarts,
+                                 rdzv_timeout_s, guardian, signals, current)
         for attempt in range(max_restarts + 1):
             if port is not None and port_in_use(port):
                 _note(f"coordinator port {port} on 127.0.0.1 is already in use (another job, or "
@@ -488,6 +521,51 @@ def launch(
             signal.signal(sig, handler)
 
 
+def _launch_nodes(options: _Options, master_addr: str, nnodes: int, node_rank: int,
+                  max_restarts: int, rdzv_timeout_s: float, guardian: _Guardian,
+                  signals: list[int], current: list[subprocess.Popen]) -> int:
+    """One node's agent of a job with a given coordinator (`master_addr`): with several nodes,
+    node 0 decides every attempt and the others follow (`jddp/_src/multinode.py`)."""
+    link: multinode.Master | multinode.Worker | None = None
+    try:
+        if nnodes > 1:
+            link = (multinode.Master(master_addr, nnodes, rdzv_timeout_s) if node_rank == 0
+                    else multinode.Worker(master_addr, node_rank, rdzv_timeout_s))
+    except (OSError, TimeoutError) as e:
+        _note(f"node {node_rank}: {e}")
+        return 1
+    try:
+        attempt = 0
+        while True:
+            if isinstance(link, multinode.Worker):
+                command, value = link.next_command()
+                if command == "finish":
+                    return value
+                attempt = value
+            elif isinstance(link, multinode.Master):
+                link.start(attempt)
+            outcome = _run_attempt(options, master_addr, attempt, guardian, signals, current,
+                                   peer=link)
+            end = multinode.AttemptEnd(outcome.status, outcome.reason, outcome.restartable,
+                                       bool(signals))
+            if link is not None:
+                end = link.finish_attempt(end)
+            if isinstance(link, multinode.Worker):
+                continue
+            if end.status == 0 or not end.restartable or end.signalled or attempt == max_restarts:
+                if end.status != 0 and end.restartable and not end.signalled and max_restarts:
+                    _note(f"{end.reason}; no restarts left ({max_restarts} used)")
+                if link is not None:
+                    link.finish(end.status)
+                return end.status
+            _note(f"{end.reason}; restarting the job on every node ({attempt + 1} of "
+                  f"{max_restarts} restarts)")
+            attempt += 1
+    finally:
+        if link is not None:
+            link.close()
+
+
 def _run_attempt(
     options: _Options,
     coordinator: str,
@@ -495,9 +573,11 @@ def _run_attempt(
     guardian: _Guardian,
     signals: list[int],
     procs: list[subprocess.Popen],
+    peer: multinode.Master | multinode.Worker | None = None,
 ) -> _Outcome:
     """Runs the job once; returns how it ended, with every rank and its group gone."""
     n = options.num_processes
+    world = options.world_size or n
     procs.clear()
     pumps: list[threading.Thread] = []
     lock = threading.Lock()
@@ -511,7 +591,8 @@ def _run_attempt(
             try:
                 p = subprocess.Popen(
                     list(options.command),
-                    env=build_rank_env(options.base_env, rank, n, coordinator,
+                    env=build_rank_env(options.base_env, options.rank_offset + rank, world,
+                                       coordinator,
                                        options.devices_per_process, control_fd=theirs.fileno(),
                                        restart_count=attempt),
                     stdin=subprocess.DEVNULL,
@@ -525,14 +606,14 @@ def _run_attempt(
             procs.append(p)
             guardian.add(p.pid)
             if options.prefix_output:
-                prefix = f"[rank{rank}] ".encode()
+                prefix = f"[rank{options.rank_offset + rank}] ".encode()
                 for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
                     t = threading.Thread(target=_pump, args=(stream, out, prefix, lock),
                                          daemon=True)
                     t.start()
                     pumps.append(t)
         links = _Links(launcher_ends, start)
-        return _watch(options, procs, links, guardian, signals)
+        return _watch(options, procs, links, guardian, signals, peer)
     finally:
         # Also on an error in the launcher itself: never leave ranks behind.
         live = [p for p in procs if p.poll() is None]
@@ -561,8 +642,10 @@ def _watch(
     links: _Links,
     guardian: _Guardian,
     signals: list[int],
+    peer: multinode.Master | multinode.Worker | None = None,
 ) -> _Outcome:
-    """The attempt's loop: waits for the ranks, and decides when and how the job ends."""
+    """The attempt's loop: waits for the ranks, and decides when and how the job ends (`peer`:
+    the other nodes' agents, whose orders end this node's ranks too)."""
     running = set(range(len(procs)))
     exited_ok: set[int] = set()  # exited with status 0
     resumable: set[int] = set()  # exited with EXIT_RESUME
@@ -593,16 +676,17 @@ def _watch(
             elif status == EXIT_RESUME:
                 resumable.add(rank)
                 if preempt_deadline is None:
-                    _note(f"rank {rank} saved a checkpoint and asks to be resumed "
+                    _note(f"rank {options.rank_offset + rank} saved a checkpoint and asks to be resumed "
                           f"({_describe(status)}); waiting up to "
                           f"{options.preemption_grace_s:g} s for the others")
                     preempt_deadline = now + options.preemption_grace_s
             else:
-                return end(status, f"rank {rank} exited with {_describe(status)}", True)
+                return end(status, f"rank {options.rank_offset + rank} exited with "
+                           f"{_describe(status)}", True)
 
         if not running:
             if resumable:
-                reason = (f"job preempted: rank(s) {', '.join(map(str, sorted(resumable)))} "
+                reason = (f"job preempted: rank(s) {_ranks(options, resumable)} "
                           f"saved a checkpoint and exited with {_describe(EXIT_RESUME)}")
                 return _Outcome(EXIT_RESUME, reason, not launcher_preempted)
             return _Outcome(0, "", False)
@@ -629,10 +713,19 @@ def _watch(
         if options.deadline is not None and now > options.deadline:
             return end(EXIT_TIMEOUT, f"timed out after {options.timeout_s:g} s", False)
 
+        order = peer.poll() if peer is not None else None
+        if order is not None and order.status == EXIT_RESUME and preempt_deadline is None:
+            # Preempted elsewhere: this node's ranks reach the same sync point and save too.
+            _note(f"{order.reason}; waiting up to {options.preemption_grace_s:g} s for this "
+                  "node's ranks to save")
+            preempt_deadline = now + options.preemption_grace_s
+        elif order is not None and order.status != EXIT_RESUME:
+            return end(order.status, order.reason, order.restartable)
+
         if preempt_deadline is not None:
             if now > preempt_deadline:
                 status = EXIT_RESUME if resumable else 128 + signal.SIGTERM
-                return end(status, f"rank(s) {', '.join(map(str, sorted(running)))} did not "
+                return end(status, f"rank(s) {_ranks(options, running)} did not "
                            f"exit within {options.preemption_grace_s:g} s of the preemption",
                            not launcher_preempted)
             time.sleep(_POLL_S)
@@ -654,6 +747,11 @@ def _watch(
         time.sleep(_POLL_S)
 
 
+def _ranks(options: _Options, local: set[int]) -> str:
+    """The global ranks of this node's ranks ``local``, for messages."""
+    return ", ".join(str(options.rank_offset + r) for r in sorted(local))
+
+
 def _terminate(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
     """SIGTERM to each process group, SIGKILL to those still alive after `grace_s`; reaps all."""
     _signal_groups(procs, signal.SIGTERM)
@@ -665,8 +763,51 @@ def _terminate(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
         p.wait()
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """jddp-run's parser: every token from the script on belongs to the script.
+
+    argparse alone reads options anywhere on the line and expands abbreviations, so
+    ``jddp-run train.py --n=20`` failed as an ambiguous launcher option (``--nprocs`` or
+    ``--no-prefix``). :meth:`split` cuts the line at the script first.
+    """
+
+    def __init__(self, **kwargs: object) -> None:
+        self.flags: set[str] = set()  # option strings that take no value
+        self.valued: set[str] = set()  # option strings followed by a value
+        super().__init__(**kwargs)  # type: ignore[arg-type]  # (adds -h, hence set first)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        (self.valued if action.nargs != 0 else self.flags).update(action.option_strings)
+        return action
+
+    def _takes_value(self, token: str) -> bool:
+        """Whether launcher option ``token`` (without ``=value``) is followed by its value;
+        unique prefixes count as the option (argparse's abbreviations)."""
+        if token in self.valued or token in self.flags:
+            return token in self.valued
+        if not token.startswith("--"):
+            return token[:2] in self.valued and len(token) == 2
+        matches = [o for o in self.valued | self.flags if o.startswith(token)]
+        return len(matches) == 1 and matches[0] in self.valued
+
+    def split(self, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+        """``(launcher tokens up to and including the script, the script's own arguments)``."""
+        argv = list(argv)
+        i = 0
+        while i < len(argv):
+            token = argv[i]
+            if token == "--":
+                return argv[:i] + argv[i + 1:i + 2], argv[i + 2:]
+            if token.startswith("-") and token != "-":
+                i += 2 if "=" not in token and self._takes_value(token) else 1
+                continue
+            return argv[:i + 1], argv[i + 1:]
+        return argv, []
+
+
+def _parser() -> _Parser:
+    ap = _Parser(
         prog="jddp-run",
         description="Run a script as N local processes of one multi-process JAX job.",
         epilog=f"Exit status: 0; the first failing rank's status; {EXIT_RESUME} preempted, "
@@ -696,6 +837,15 @@ def _parser() -> argparse.ArgumentParser:
                          "(default 30)")
     ap.add_argument("--port", type=int, default=None,
                     help="coordinator port on 127.0.0.1 (default: a free port)")
+    ap.add_argument("--nnodes", type=int, default=1,
+                    help="number of nodes; run jddp-run on each (default 1)")
+    ap.add_argument("--node-rank", type=int, default=0,
+                    help="this node's index in [0, --nnodes) (default 0)")
+    ap.add_argument("--master-addr", default=None, metavar="HOST:PORT",
+                    help="node 0's address and the JAX coordinator's port (needed with "
+                         "--nnodes > 1; the agents also use PORT+1)")
+    ap.add_argument("--rdzv-timeout", type=float, default=120.0, metavar="SECONDS",
+                    help="how long the nodes wait for each other at start (default 120)")
     ap.add_argument("--no-prefix", action="store_true",
                     help="do not prefix output lines with [rankN]")
     ap.add_argument("-m", dest="module", action="store_true",
@@ -707,11 +857,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `jddp-run` and `python -m jddp.launch`; returns the exit status."""
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    launcher, script_args = ap.split(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(launcher)
+    args.args = script_args
     if args.nprocs < 1:
         _parser().error("-n must be >= 1")
     if args.max_restarts < 0:
         _parser().error("--max-restarts must be >= 0")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        _parser().error("need --nnodes >= 1 and 0 <= --node-rank < --nnodes")
+    if args.nnodes > 1 and args.master_addr is None:
+        _parser().error("--nnodes > 1 needs --master-addr HOST:PORT (node 0's address)")
+    if args.master_addr is not None and args.port is not None:
+        _parser().error("give either --port or --master-addr HOST:PORT, not both")
     command = [sys.executable, "-u"] + (["-m"] if args.module else []) + [args.script]
     return launch(
         command + list(args.args),
@@ -725,6 +884,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         first_step_timeout_s=args.first_step_timeout,
         max_restarts=args.max_restarts,
         preemption_grace_s=args.preemption_grace,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        rdzv_timeout_s=args.rdzv_timeout,
     )
 
 

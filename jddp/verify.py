@@ -1,5 +1,10 @@
-"""Consistent replicas: the same start on every process, and a check that replicas stayed equal."""
+"""Consistent replicas: the same start on every process, and a check that replicas stayed equal.
 
+``ProgramMismatchError`` is raised on every process of a job whose processes compiled different
+step programs (checked before the first run of each).
+"""
+
+from jddp._src.programs import ProgramMismatchError
 from jddp._src.verify import (
     Divergence,
     LeafDesc,
@@ -14,6 +19,7 @@ from jddp._src.verify import (
 __all__ = [
     "Divergence",
     "LeafDesc",
+    "ProgramMismatchError",
     "ReplicaDivergenceError",
     "check_same_structure",
     "describe",

@@ -44,6 +44,14 @@ def test_auto_trains_like_a_fixed_cap_and_reports_its_choice():
     assert choice.cap_mb in choice.candidates_mb and choice.default_mb == 25.0
     assert len(choice.median_s) == len(choice.candidates_mb) == 3
     assert all(t > 0 for t in choice.median_s)
+    # Each candidate against the default, round by round: ratio and spread; the default's own
+    # ratio is 1 with no spread.
+    assert choice.rounds == 2 and len(choice.ratio) == len(choice.spread) == 3
+    d = choice.candidates_mb.index(25.0)
+    assert choice.ratio[d] == 1.0 and choice.spread[d] == 0.0 and choice.note == ""
+    if choice.cap_mb != 25.0:
+        k = choice.candidates_mb.index(choice.cap_mb)
+        assert 1 - choice.ratio[k] > max(policy.margin, choice.spread[k])
     # Fixed once chosen: the configuration, the plan and the compiled programs agree with it.
     cap = int(choice.cap_mb * 2**20)
     assert auto.config.cap_bytes == cap
@@ -87,11 +95,40 @@ def test_single_plan_is_not_timed():
     assert int(state.step) == 1 and ddp.step.cache_size() == 1
 
 
-def test_pick_keeps_the_default_unless_clearly_faster():
+def test_pick_keeps_a_cap_only_above_the_noise_of_its_own_rounds():
     caps = (1.0, 8.0, 25.0)
-    assert autocap.pick(caps, (1.00, 0.99, 1.0), 25.0, 0.03) == 25.0
-    assert autocap.pick(caps, (1.00, 0.90, 1.0), 25.0, 0.03) == 8.0
-    assert autocap.pick(caps, (1.10, 1.05, 1.0), 25.0, 0.0) == 25.0
+    default = [1.0, 1.2, 0.9, 1.1, 1.0]  # the machine drifts by 30% over the rounds
+
+    def rounds(*ratios):
+        return [d * r for d, r in zip(default, ratios, strict=True)]
+
+    steady = rounds(0.9, 0.9, 0.9, 0.9, 0.9)  # 10% faster in every round
+    noisy = rounds(0.6, 1.1, 0.7, 1.2, 0.8)  # 20% faster in the median, spread 0.6
+    v = autocap.pick(caps, [noisy, steady, default], 25.0, 0.03)
+    assert v.cap_mb == 8.0  # the steady gain, not the larger noisy one
+    assert v.ratio[0] == pytest.approx(0.8) and v.spread[0] == pytest.approx(0.6)
+    assert v.ratio[1] == pytest.approx(0.9) and v.spread[1] == pytest.approx(0.0, abs=1e-12)
+    assert v.ratio[2] == 1.0 and v.spread[2] == 0.0
+    # Below the margin, or within the spread: the default stays.
+    assert autocap.pick(caps, [rounds(*[0.99] * 5), noisy, default], 25.0, 0.03).cap_mb == 25.0
+    slight = rounds(0.92, 0.98, 0.95, 0.94, 0.96)  # 5% faster, spread 6%
+    assert autocap.pick(caps, [slight, default, default], 25.0, 0.03).cap_mb == 25.0
+    # One round measures no spread: nothing is kept.
+    one = autocap.pick(caps, [[0.5], [0.5], [1.0]], 25.0, 0.03)
+    assert one.cap_mb == 25.0 and np.isnan(one.ratio).all()
+
+
+def test_tuning_time_is_bounded_and_says_nothing_was_timed():
+    params = mlp_params(0, SIZES)
+    batch = regression_batch(0, 16, SIZES[0], SIZES[-1])
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), bucket_cap_mb=AutoCap(
+        candidates_mb=(1 * KIB, 25.0), max_tune_s=0.0))
+    state, _ = ddp.step(ddp.init(params), batch)
+    choice = ddp.cap_choice
+    assert len(choice.candidates_mb) == 2 and choice.cap_mb == 25.0 and choice.rounds == 0
+    assert "time bound" in choice.note and "no spread" in choice.note
+    assert "time bound" in str(choice) and np.isnan(choice.median_s).all()
+    assert int(state.step) == 1 and ddp.step.cache_size() == 1
 
 
 def test_bad_auto_options():
@@ -107,6 +144,8 @@ def test_bad_auto_options():
         AutoCap(candidates_mb=(1.0, -2.0))
     with pytest.raises(ValueError, match="margin"):
         AutoCap(margin=1.5)
+    with pytest.raises(ValueError, match="max_tune_s"):
+        AutoCap(max_tune_s=-1.0)
     assert jax.tree.leaves(AutoCap().candidates_mb)  # the defaults validate
 
 

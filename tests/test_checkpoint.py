@@ -274,3 +274,72 @@ def test_sharded_state_restores_on_any_device_count_and_stage(tmp_path, saved, r
         for x, y in zip(jax.tree.leaves(_host(resumed_state.params)),
                         jax.tree.leaves(_host(reference.params)), strict=True):
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+KILL_SCRIPT = r'''
+import glob, os, signal, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import jax.numpy as jnp
+import numpy as np
+import optax
+import jddp
+import jddp.checkpoint as ckpt
+
+mode, directory = sys.argv[1:3]
+rng = np.random.default_rng(0)
+params = {"w": (rng.standard_normal((2048, 4096)) * 0.01).astype(np.float32),  # 32 MiB
+          "v": rng.standard_normal((4096,)).astype(np.float32)}
+
+def loss_fn(p, b):
+    return jnp.mean((b["x"] @ p["w"] @ p["v"] - b["y"]) ** 2)
+
+ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=jddp.data_mesh())
+batch = lambda s: {"x": np.random.default_rng(s).standard_normal((4, 2048)).astype(np.float32),
+                   "y": np.random.default_rng(s).standard_normal(4).astype(np.float32)}
+mngr = ckpt.manager(os.path.join(directory, "ckpt"), save_interval_steps=2)  # async
+state = ckpt.restore_or_init(mngr, ddp, params) if mode != "plain" else ddp.init(params)
+print("START", int(state.step), flush=True)
+for step in range(int(state.step), 6):
+    state, _ = ddp.step(state, batch(step))
+    if mode == "plain":
+        continue
+    saved = ckpt.save_if_due(mngr, state, step=step + 1)
+    if mode == "kill" and step + 1 == 4:
+        assert saved
+        pending = glob.glob(os.path.join(directory, "ckpt", "4.orbax-checkpoint-tmp*"))
+        print("PENDING", len(pending), flush=True)  # the write of step 4 is under way
+        os.kill(os.getpid(), signal.SIGKILL)
+ckpt.wait(mngr)
+np.savez(os.path.join(directory, mode + ".npz"), **jax.tree.map(np.asarray, state.params))
+'''
+
+
+@pytest.mark.slow
+def test_async_save_killed_mid_write_resumes_from_the_last_complete_checkpoint(tmp_path):
+    """SIGKILL while an asynchronous save is being written: no checkpoint of that step exists
+    afterwards (atomic), the restart resumes from the one before, saves that step again over the
+    left-over temporary folder, and ends bit-identical to a run never interrupted."""
+    import subprocess
+    import sys
+
+    from tests.launch_util import REPO, child_env
+
+    script = tmp_path / "job.py"
+    script.write_text(KILL_SCRIPT)
+    run = lambda mode: subprocess.run([sys.executable, str(script), mode, str(tmp_path)],
+                                      cwd=REPO, env=child_env(), capture_output=True, text=True,
+                                      timeout=180)
+    killed = run("kill")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert "PENDING 1" in killed.stdout  # killed mid-write, not after it
+    assert ckpt.manager(tmp_path / "ckpt").all_steps() == [1, 2]  # no half-written step 4
+    resumed = run("resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "START 2" in resumed.stdout
+    assert ckpt.manager(tmp_path / "ckpt").all_steps() == [1, 2, 4, 6]
+    plain = run("plain")
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    with np.load(tmp_path / "plain.npz") as a, np.load(tmp_path / "resume.npz") as b:
+        for k in ("w", "v"):
+            np.testing.assert_array_equal(a[k], b[k])

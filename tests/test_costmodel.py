@@ -210,6 +210,10 @@ def test_simulate_strategy_orders_the_strategies_on_a_slow_link():
            for name in cm.STRATEGIES}
     assert est["hierarchical"].step_s < est["flat"].step_s  # fewer slow-link latencies
     assert est["hybrid"].step_s == est["hierarchical"].step_s
+    # Stage 1 reduces the gradients over every device: flat's bytes and time, not 1/L.
+    assert est["hybrid_stage1"].step_s == est["flat"].step_s
+    assert est["hybrid_stage1"].across_bytes == est["flat"].across_bytes
+    assert est["hybrid"].across_bytes < est["flat"].across_bytes
     assert est["local_sgd"].step_s < est["hierarchical"].step_s
     assert est["diloco"].step_s >= est["local_sgd"].step_s
     lsgd = est["local_sgd"]

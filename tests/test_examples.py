@@ -46,6 +46,9 @@ def test_digits_example_under_launcher_matches_single_process(tmp_path):
                                     *args], timeout=210, env=child_env(JAX_PLATFORMS="cpu"))
     assert rc == 0, (out[-2000:], err[-3000:])
     assert "[rank0] jddp digits:" in out and "8 devices (2 process(es))" in out
+    # jddp.data.Loader: each process reads only its half of every global batch of 128.
+    assert "64 rows of each read by this process" in out
+    assert "128 rows of each read by this process" in single.stdout
     assert "[rank1] epoch" not in out  # only the main process logs
     epochs = lambda text: re.findall(r"epoch\s+\d+: loss (\d+\.\d+)", text)
     assert epochs(out) == epochs(single.stdout) and len(epochs(out)) == 2

@@ -312,3 +312,23 @@ def test_data_parallel_across_two_processes_matches_single_device(tmp_path):
     got = np.array([float(v) for v in rows[0][1].split(",")])
     np.testing.assert_allclose(got, np.ravel(params["w"]), rtol=1e-5, atol=1e-6)
     assert np.abs(got).max() > 1e-3  # the parameters moved
+
+
+def test_everything_after_the_script_belongs_to_the_script(tmp_path):
+    # argparse alone took "--n=20" as an ambiguous abbreviation of --nprocs / --no-prefix.
+    script = _write(tmp_path, "args.py", """
+        import sys
+        print("ARGS", sys.argv[1:])
+    """)
+    rc, out, err, _ = run_launcher(
+        ["--nproc", "1", "--grace=2", str(script), "--n=20", "-n", "3", "--timeout", "x", "--",
+         "y"], timeout=30)
+    assert rc == 0, (out, err)
+    assert "ARGS ['--n=20', '-n', '3', '--timeout', 'x', '--', 'y']" in out, out
+    from jddp.launch import _parser
+
+    ap = _parser()
+    assert ap.split(["-n", "2", "-m", "pkg.train", "--lr", "1"]) == (
+        ["-n", "2", "-m", "pkg.train"], ["--lr", "1"])
+    assert ap.split(["--port=5", "--", "-weird.py", "--n=2"]) == (["--port=5", "-weird.py"],
+                                                                ["--n=2"])

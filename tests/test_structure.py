@@ -188,7 +188,8 @@ def test_the_checker_sees_the_package():
     graph = JDDP.import_graph()
     assert {"jddp", "jddp._src.tree", "jddp.perf", "jddp.perf.schedule"} <= set(graph)
     assert "jddp.perf.costmodel" in graph["jddp.perf.calibrate"]
-    assert "jddp._src.tree" in graph["jddp.perf.schedule"]
+    assert "jddp._src.hlo" in graph["jddp.perf.schedule"]
+    assert "jddp._src.tree" in graph["jddp._src.hlo"]
 
 
 def test_checker_finds_cycles_and_private_uses(tmp_path):

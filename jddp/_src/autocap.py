@@ -10,17 +10,22 @@ separate good caps. So the choice is measured, like Horovod's autotune, on the r
    DDP's default 25 MiB is always one of them);
 2. each candidate's step is compiled and run on copies of the state (the training state does not
    advance; the copies hold the memory of ``donate=False``), round-robin, ``rounds`` times;
-3. the fastest median wins, unless it is less than ``margin`` faster than the default cap's
-   (noise must not move a run away from the default); process 0's choice is broadcast, so every
-   process compiles the same program;
+3. each candidate is compared with the default cap (25 MiB) round by round (the two ran
+   back to back, so the machine's drift cancels): a candidate is kept only if its median ratio
+   to the default beats it by more than ``margin`` *and* by more than the spread (max - min) of
+   that ratio over its own rounds, i.e. above the noise it was measured with; the largest such
+   gain wins, else the default stays. Process 0's choice is broadcast, so every process compiles
+   the same program;
 4. the winning candidate's compiled step becomes ``ddp.step`` (no recompile), ``ddp.config``
    carries the chosen cap from then on, and :class:`CapChoice` (``ddp.cap_choice``) reports the
    timings and how to pin the choice (``bucket_cap_mb=<cap>``).
 
 The cost: one compile per candidate plan and ``rounds + 1`` extra steps of each, on the first call
-of ``ddp.step`` (or of :meth:`AutoStep.tune`). All caps give the same gradients up to float
-rounding (a bucket only changes which leaves share an all-reduce), so the choice never changes
-what is trained.
+of ``ddp.step`` (or of :meth:`AutoStep.tune`), bounded by ``AutoCap.max_tune_s`` (checked between
+rounds: a round that starts in time finishes; with fewer than two timed rounds there is no spread,
+and the default is kept; ``CapChoice.note`` says why nothing was timed). All caps give the same
+gradients up to float rounding (a bucket only changes which leaves share an all-reduce), so the
+choice never changes what is trained.
 """
 
 from __future__ import annotations
@@ -52,12 +57,15 @@ class AutoCap:
       candidates_mb: caps to consider (MiB); caps that give the same plan are timed once.
       rounds: timed round-robin rounds per candidate (after one warm-up call each).
       margin: a cap replaces the default (25 MiB) only if its median step is at least this
-        fraction faster.
+        fraction faster (and faster by more than the spread of its own rounds).
+      max_tune_s: bound on the tuning's wall time in seconds (compiles included), checked
+        between rounds; 0 times nothing and keeps the default.
     """
 
     candidates_mb: tuple[float, ...] = DEFAULT_CANDIDATES_MB
     rounds: int = 5
     margin: float = 0.03
+    max_tune_s: float = 120.0
 
     def __post_init__(self) -> None:
         caps = tuple(float(c) for c in self.candidates_mb)
@@ -69,6 +77,8 @@ class AutoCap:
         options.count(self.rounds, "AutoCap.rounds")
         if not (0.0 <= float(self.margin) < 1.0):
             raise ValueError(f"AutoCap.margin must be in [0, 1), got {self.margin!r}.")
+        if not float(self.max_tune_s) >= 0.0:
+            raise ValueError(f"AutoCap.max_tune_s must be >= 0 seconds, got {self.max_tune_s!r}.")
 
 
 class CapChoice(NamedTuple):
@@ -82,6 +92,12 @@ class CapChoice(NamedTuple):
         there was a single candidate: nothing is timed then).
       default_mb: the cap the choice was compared against (DDP's default).
       tune_s: wall time the choice took (compiles and timed steps).
+      ratio: each candidate's median, over rounds, of its step time divided by the default's
+        in the same round (NaN when nothing was timed).
+      spread: the max - min of that ratio over the rounds: the noise it was measured with. A
+        candidate is kept only when ``1 - ratio`` exceeds both ``margin`` and ``spread``.
+      rounds: timed rounds (0: nothing was timed, see ``note``).
+      note: why nothing was timed, or why timing stopped early (empty otherwise).
     """
 
     cap_mb: float
@@ -90,15 +106,24 @@ class CapChoice(NamedTuple):
     median_s: tuple[float, ...]
     default_mb: float
     tune_s: float
+    ratio: tuple[float, ...] = ()
+    spread: tuple[float, ...] = ()
+    rounds: int = 0
+    note: str = ""
 
     def table(self) -> str:
         rows = [f"bucket_cap_mb='auto' chose {self.cap_mb:g} MiB (pin it with "
-                f"bucket_cap_mb={self.cap_mb:g}); tuning took {self.tune_s:.1f} s",
-                f"{'cap MiB':>8} {'buckets':>7} {'median ms':>10} {'vs default':>10}"]
-        ref = self.median_s[self.candidates_mb.index(self.default_mb)]
-        for cap, nb, t in zip(self.candidates_mb, self.num_buckets, self.median_s, strict=True):
+                f"bucket_cap_mb={self.cap_mb:g}); tuning took {self.tune_s:.1f} s, "
+                f"{self.rounds} timed round(s)",
+                f"{'cap MiB':>8} {'buckets':>7} {'median ms':>10} {'vs default':>10} "
+                f"{'spread':>7}"]
+        nan = (math.nan,) * len(self.candidates_mb)
+        for cap, nb, t, r, sp in zip(self.candidates_mb, self.num_buckets, self.median_s,
+                                     self.ratio or nan, self.spread or nan, strict=True):
             mark = "  <- chosen" if cap == self.cap_mb else ""
-            rows.append(f"{cap:>8g} {nb:>7} {t * 1e3:>10.2f} {t / ref:>10.3f}{mark}")
+            rows.append(f"{cap:>8g} {nb:>7} {t * 1e3:>10.2f} {r:>10.3f} {sp:>7.3f}{mark}")
+        if self.note:
+            rows.append(self.note)
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -150,14 +175,37 @@ def distinct_candidates(
     return sorted((cap, len(s)) for cap, s in kept)
 
 
-def pick(caps_mb: Sequence[float], medians: Sequence[float], default_mb: float,
-         margin: float) -> float:
-    """The fastest cap, unless it is less than ``margin`` faster than ``default_mb``'s."""
-    if len(caps_mb) == 1:
-        return float(caps_mb[0])
-    best = int(np.argmin(medians))
-    ref = medians[list(caps_mb).index(default_mb)]
-    return float(caps_mb[best]) if medians[best] < (1.0 - margin) * ref else float(default_mb)
+class Verdict(NamedTuple):
+    """What :func:`pick` decided: the cap, and each candidate's ratio to the default (median
+    over rounds) and the spread of that ratio (max - min)."""
+
+    cap_mb: float
+    ratio: tuple[float, ...]
+    spread: tuple[float, ...]
+
+
+def pick(caps_mb: Sequence[float], times: Sequence[Sequence[float]], default_mb: float,
+         margin: float) -> Verdict:
+    """The cap with the largest gain over ``default_mb`` among those whose gain exceeds both
+    ``margin`` and the spread of their own rounds; else the default.
+
+    Args:
+      times: for each candidate, its step time in each round (candidates timed back to back in
+        every round, so round ``r`` of each is compared with round ``r`` of the default).
+    """
+    n = len(caps_mb)
+    d = list(caps_mb).index(default_mb)
+    rounds = min((len(t) for t in times), default=0)
+    if n == 1 or rounds < 2:  # one round measures no spread: nothing is kept above the noise
+        return Verdict(float(default_mb), (math.nan,) * n, (math.nan,) * n)
+    t = np.array([list(x)[:rounds] for x in times], dtype=np.float64)
+    ratios = t / t[d]
+    ratio, spread = np.median(ratios, axis=1), ratios.max(axis=1) - ratios.min(axis=1)
+    gain = 1.0 - ratio
+    kept = [i for i in range(n) if i != d and gain[i] > max(margin, spread[i])]
+    best = max(kept, key=lambda i: gain[i]) if kept else d
+    return Verdict(float(caps_mb[best]), tuple(float(r) for r in ratio),
+                   tuple(float(x) for x in spread))
 
 
 def _agree(value: float) -> float:
@@ -240,8 +288,17 @@ class AutoStep:
         # One distinct plan (a small model, or one dominated by a leaf above every cap): nothing
         # to choose between, so nothing is timed; the step compiles on its first real call.
         rounds = policy.rounds + 1 if len(caps) > 1 else 0
+        note = "" if rounds else "nothing was timed: every candidate cap gives the same plan"
         copy = _copier(state) if rounds and steps[0].donates else None
+        deadline = t0 + float(policy.max_tune_s)
         for r in range(rounds):  # round 0 compiles and warms up, untimed
+            # Every process must run the same rounds (they hold collectives): process 0 decides.
+            if _agree(float(time.perf_counter() < deadline)) < 0.5:
+                note = (f"timing stopped at the time bound (max_tune_s={policy.max_tune_s:g}) "
+                        f"after {max(0, r - 1)} timed round(s)"
+                        + ("; fewer than 2: no spread measured, the default is kept"
+                           if r - 1 < 2 else ""))
+                break
             for i, step in enumerate(steps):
                 trial = state if copy is None else copy(state)
                 jax.block_until_ready(trial)
@@ -250,7 +307,8 @@ class AutoStep:
                 if r:
                     times[i].append(time.perf_counter() - t)
         medians = [float(np.median(t)) if t else math.nan for t in times]
-        chosen = _agree(pick(caps, medians, default_mb, policy.margin))
+        verdict = pick(caps, times, default_mb, policy.margin)
+        chosen = _agree(verdict.cap_mb)
         k = caps.index(chosen)  # the candidates are the same on every process
         self._step = steps[k]
         observers[k].target = self._observer
@@ -258,7 +316,9 @@ class AutoStep:
         if latest is not None:
             self._observer(latest)
         self.choice = CapChoice(float(chosen), tuple(caps), tuple(n for _, n in found),
-                                tuple(medians), default_mb, time.perf_counter() - t0)
+                                tuple(medians), default_mb, time.perf_counter() - t0,
+                                verdict.ratio, verdict.spread, min(len(t) for t in times),
+                                note)
         self._on_choice(self._step.config, self.choice)
         return self.choice
 

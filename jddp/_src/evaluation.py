@@ -15,6 +15,11 @@ batches in float64. The result is a dict of Python floats: sums, from which mean
 One program is compiled per batch shape (the last batch is padded to the full ``batch_size``, so
 an evaluation compiles once). In a multi-process run every process passes the same data set (all
 of it) and gets the same sums; each places only the rows of its own devices.
+
+A data set too large for every process to hold is evaluated through a ``jddp.data.Loader`` over a
+held-out source (``shuffle=False``, ``drop_last=False``): ``evaluate(variables, loader)`` runs one
+epoch of it, each process reading only its own rows, with the loader's zero-padded, masked short
+last batch; every real example is counted once on any process count.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src import mesh as mesh_lib
 from jddp._src.checks import batch_size as batch_size_of
+from jddp._src.data import Loader
 from jddp._src.uneven import pad_batch
 
 
@@ -58,27 +64,29 @@ class Evaluator:
     Args:
       eval_fn: ``eval_fn(variables, batch) -> dict[str, array]``, per-example values of a shard.
       mesh: the data mesh (default: ``jddp.data_mesh()``).
-      batch_size: the global batch size, a multiple of the device count.
+      batch_size: the global batch size for host data sets, a multiple of the device count (a
+        ``jddp.data.Loader`` brings its own: then it may be left out).
     """
 
     def __init__(
         self, eval_fn: Callable[[Any, Any], Mapping[str, Any]], *, mesh: Mesh | None = None,
-        batch_size: int,
+        batch_size: int | None = None,
     ) -> None:
         if not callable(eval_fn):
             raise TypeError(f"eval_fn must be callable, got {type(eval_fn).__name__}.")
         self.mesh = mesh_lib.check_mesh(mesh_lib.data_mesh() if mesh is None else mesh)
         self.axis_name = mesh_lib.mesh_axis(self.mesh)
         n = self.mesh.size
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or (
-            batch_size < 1 or batch_size % n
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer)
+            or batch_size < 1 or batch_size % n
         ):
             raise ValueError(
                 f"batch_size must be a positive multiple of the {n} devices of the mesh, got "
                 f"{batch_size!r}."
             )
         self.eval_fn = eval_fn
-        self.batch_size = int(batch_size)
+        self.batch_size = None if batch_size is None else int(batch_size)
         self._data = NamedSharding(self.mesh, P(self.axis_name))
         self._replicated = NamedSharding(self.mesh, P())
         self._sums = jax.jit(self._batch_sums)
@@ -118,8 +126,14 @@ class Evaluator:
           variables: what ``eval_fn`` takes first (params, BatchNorm statistics), replicated
             (``state.params`` is; host arrays are placed on the mesh).
           data: the whole data set: a pytree of host arrays with the examples on the leading
-            dimension, the same on every process.
+            dimension, the same on every process; or a ``jddp.data.Loader`` at an epoch boundary
+            (one epoch of it is evaluated; ``drop_last=False``).
         """
+        if isinstance(data, Loader):
+            return self._over_loader(variables, data)
+        if self.batch_size is None:
+            raise ValueError("Evaluator(batch_size=...) is needed to evaluate host arrays (a "
+                             "jddp.data.Loader brings its own batch size).")
         total = batch_size_of(data)
         if total == 0:
             raise ValueError("The evaluation data set is empty.")
@@ -131,6 +145,29 @@ class Evaluator:
             padded, mask = pad_batch(chunk, self.mesh.size, size=self.batch_size)
             placed = jax.tree.map(lambda x: _place(np.asarray(x), self._data), (padded, mask))
             parts.append(self._sums(variables, *placed))
+        parts = jax.device_get(parts)
+        return {k: float(np.sum([np.float64(p[k]) for p in parts])) for k in parts[0]}
+
+    def _over_loader(self, variables: Any, loader: Loader) -> dict[str, float]:
+        if loader.drop_last:
+            raise ValueError("The evaluation loader drops its short last batch (drop_last=True): "
+                             "those examples would not be counted. Use drop_last=False.")
+        inside = loader.position % len(loader)
+        if inside:
+            raise ValueError(
+                f"The evaluation loader is in the middle of an epoch (batch {inside} of "
+                f"{len(loader)}); evaluation reads one whole epoch. Use a loader only for "
+                "evaluation, or restore it to an epoch boundary."
+            )
+        if loader.mesh != self.mesh:
+            raise ValueError("The evaluation loader's mesh differs from the Evaluator's: build "
+                             "both on the same mesh.")
+        variables = jax.tree.map(self._replicate, variables)
+        everything = _place(np.ones(loader.global_batch_size, bool), self._data)
+        parts = []
+        for _ in range(len(loader)):
+            batch, mask = next(loader)
+            parts.append(self._sums(variables, batch, everything if mask is None else mask))
         parts = jax.device_get(parts)
         return {k: float(np.sum([np.float64(p[k]) for p in parts])) for k in parts[0]}
 

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jddp._src import hlo, options, vma, zero
 from jddp._src import jaxpr as jaxpr_lib
-from jddp._src import options, vma, zero
 from jddp._src.checks import check_float_params, check_scalar_loss
 from jddp._src.hooks import (
     CommHook,
@@ -630,6 +630,18 @@ def _dep_cotangent(dep: Any, token_dep: Any, chain: str, axis_name: Any) -> Any:
     return vma.like(dep.astype(jnp.result_type(token_dep)), token_dep, axis_name)
 
 
+def _in_bucket_scope(fn: Callable[..., Any], bucket: int) -> Callable[..., Any]:
+    """``fn`` under ``jax.named_scope`` of the bucket: its collectives carry the bucket's name in
+    the compiled program's ``op_name`` (``ddp.report``, the program check, profiler traces)."""
+
+    @functools.wraps(fn)
+    def scoped(*args: Any) -> Any:
+        with jax.named_scope(hlo.bucket_scope(bucket)):
+            return fn(*args)
+
+    return scoped
+
+
 def _bucket_vjp(reducer: BucketReducer, slot: _Slot) -> Callable[..., Any]:
     """The identity-with-reducing-VJP of one bucket (DDP's autograd hook), for any reducer.
 
@@ -676,7 +688,9 @@ def _bucket_vjp(reducer: BucketReducer, slot: _Slot) -> Callable[..., Any]:
         return (ct_token, tuple(_zeros(x) for x in leaves), new_states, ct_carry,
                 jax.tree.map(_zeros, offset), _float0_like(step), mean_extras)
 
-    ident.defvjp(fwd, bwd)
+    # The forward's collectives (stage 3's all-gathers) belong to the bucket too.
+    ident.defvjp(_in_bucket_scope(fwd, slot.bucket) if reducer.prefetch else fwd,
+                 _in_bucket_scope(bwd, slot.bucket))
     return ident
 
 

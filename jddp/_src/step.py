@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp._src import options, pipeline
+from jddp._src import options, pipeline, programs
 from jddp._src import verify as verify_lib
 from jddp._src.config import StepConfig
 from jddp._src.planner import BucketPlan, unused_message
@@ -71,6 +71,8 @@ class Step:
       donate: donate the input state's buffers to the output (the input is consumed).
       compiler_options: XLA options for ``jax.jit``.
       observer: called with the bucket plan whenever the step is traced.
+      verify_every: every this many calls, compare a hash of each parameter's copies across
+        replicas and raise ``ReplicaDivergenceError`` on a mismatch (0: never).
     """
 
     def __init__(
@@ -80,18 +82,30 @@ class Step:
         donate: bool = True,
         compiler_options: dict[str, Any] | None = None,
         observer: pipeline.PlanObserver | None = None,
+        verify_every: int = 0,
     ) -> None:
         self._cfg = cfg
+        self._verify_every = int(verify_every)
+        self._calls = 0
         self._donate = donate
+        self._traced_plan: BucketPlan | None = None
+
+        def observe(plan: BucketPlan) -> None:
+            self._traced_plan = plan
+            if observer is not None:
+                observer(plan)
+
         self._jit = jax.jit(
-            functools.partial(pipeline.train_step, cfg, observer),
+            functools.partial(pipeline.train_step, cfg, observe),
             donate_argnums=(0,) if donate else (),
             static_argnames=("sync", "phase"),
             compiler_options=compiler_options or None,
         )
         self._phase_fn = pipeline.step_phase(cfg)
-        # Input signatures already checked to agree across processes (multi-process runs only).
+        # Input signatures already checked to agree across processes, and the programs (input
+        # signature, sync, phase) whose collectives were (multi-process runs only).
         self._agreed: set[tuple] = set()
+        self._checked: set[tuple] = set()
         self._known: tuple[Any, int] | None = None  # (weakref to a returned step array, its value)
         self._last_phase: Any = None
 
@@ -118,15 +132,31 @@ class Step:
         rng: Any = None,
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """One step; ``rng`` is the run's PRNG key with ``DataParallel(rng=True)``."""
+        out = self._run(state, batch, mask, sync, rng)
+        if self._verify_every:
+            self._calls += 1
+            if self._calls % self._verify_every == 0:
+                # Waits for this step first: with simulated CPU devices, a second executable
+                # with collectives dispatched while the step's are in flight can deadlock (seen
+                # here: half the devices in each). Once every K calls.
+                jax.block_until_ready(out)
+                verify_lib.check_every({"params": out[0].params}, self._cfg.mesh, self._calls)
+        return out
+
+    def _run(
+        self, state: TrainState, batch: Any, mask: Any, sync: bool | None, rng: Any
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
         if self._donate:
             _check_live(state)
-        if jax.process_count() > 1:
-            self._check_processes_agree(batch, mask)
         sync = options.step_sync(sync)
         if self._phase_fn is None:
+            if jax.process_count() > 1:
+                self._check_program(state, batch, mask, rng, {"sync": sync})
             return self._jit(state, batch, mask, rng, sync=sync)
         step = self._host_step(state)
         phase = self._phase_fn(step)
+        if jax.process_count() > 1:
+            self._check_program(state, batch, mask, rng, {"sync": sync, "phase": phase})
         if phase != self._last_phase:
             # Switching executables: let the previous step finish first. With simulated CPU
             # devices, two executables with collectives in flight at once were seen to deadlock.
@@ -143,7 +173,22 @@ class Step:
         self._known = None if following is None else (weakref.ref(new_state.step), following)
         return new_state, metrics
 
-    def _check_processes_agree(self, batch: Any, mask: Any) -> None:
+    def _check_program(self, state: Any, batch: Any, mask: Any, rng: Any, static: dict) -> None:
+        """Before the first run of each program: the same batch shapes and the same collectives
+        on every process (:mod:`jddp._src.programs`), else a clear error everywhere.
+
+        The program is compiled here with exactly the call's arguments, so the call that
+        follows reuses it (``jit``'s cache): the check costs no second compile.
+        """
+        signature = self._check_processes_agree(batch, mask)
+        key = (signature, tuple(sorted(static.items())))
+        if key in self._checked:
+            return
+        compiled = self._jit.lower(state, batch, mask, rng, **static).compile()
+        programs.check_across_processes(programs.signature(compiled, self._traced_plan))
+        self._checked.add(key)
+
+    def _check_processes_agree(self, batch: Any, mask: Any) -> tuple:
         """Every process must pass the same global batch shapes; checked once per signature.
 
         Each process traces with its own view of the global shapes, so processes that disagree
@@ -154,7 +199,7 @@ class Step:
         signature = tuple((np.shape(x), str(np.result_type(x))) for x in
                           jax.tree.leaves((batch, mask)))
         if signature in self._agreed:
-            return
+            return signature
         verify_lib.check_processes_agree(
             {"batch": batch, "mask": mask}, "global batch shapes",
             "Every process must pass the same global batch (same leaves, shapes and dtypes), e.g. "
@@ -162,6 +207,7 @@ class Step:
             "batch size everywhere.",
         )
         self._agreed.add(signature)
+        return signature
 
     def cache_size(self) -> int:
         """How many programs this step has compiled: one per input shape and static variant
@@ -183,9 +229,10 @@ class Step:
           rng: the key (or its shape struct), with ``rng=True`` (default: ``jax.random.key(0)``).
         """
         sync = options.step_sync(sync)
-        phase = None
+        # The same static arguments as __call__'s, so that a call reuses this compile.
+        static: dict[str, Any] = {"sync": sync}
         if self._phase_fn is not None:
-            phase = self._phase_fn(self._host_step(state) if step is None else int(step))
+            static["phase"] = self._phase_fn(self._host_step(state) if step is None else int(step))
         sharding = NamedSharding(self._cfg.mesh, P(self._cfg.axis_name))
 
         def place(x: Any) -> Any:
@@ -198,4 +245,4 @@ class Step:
         batch, mask = jax.tree.map(place, (batch, mask))
         if self._cfg.rng and rng is None:
             rng = jax.random.key(0)  # only its shape and dtype matter
-        return self._jit.lower(state, batch, mask, rng, sync=sync, phase=phase)
+        return self._jit.lower(state, batch, mask, rng, **static)

@@ -15,6 +15,7 @@ from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
 from jddp._src import model_state as ms_lib
+from jddp._src import report as report_lib
 from jddp._src import verify as verify_lib
 from jddp._src.config import StepConfig
 from jddp._src.hooks import CommHook, allreduce_mean, check_hook
@@ -63,9 +64,11 @@ class DataParallel:
       mesh: the data mesh (default: ``jddp.data_mesh()``, every device).
       bucket_cap_mb: bucket cap in MiB (DDP's default 25), or ``"auto"``: the first call of
         ``step`` times the step at the caps that give different bucket plans for this model
-        (on copies of the state; one compile each) and keeps the fastest, unless it beats 25 MiB
-        by less than 3%; ``cap_choice`` reports it and the number that pins it. A
-        ``jddp.buckets.AutoCap(...)`` changes the candidates, rounds and margin.
+        (on copies of the state; one compile each), each round against 25 MiB, and keeps a cap
+        only when it beats 25 MiB by more than 3% and by more than the spread of its own rounds
+        (else 25 MiB), within ``max_tune_s`` (120 s); ``cap_choice`` reports the ratios, the
+        spreads and the number that pins the choice. A ``jddp.buckets.AutoCap(...)`` changes
+        the candidates, rounds, margin and time bound.
       first_bucket_mb: cap of the first bucket in MiB (DDP's default 1).
       has_aux: ``loss_fn`` also returns a dict of metrics.
       hook: communication hook for each bucket (default: mean all-reduce), e.g.
@@ -134,6 +137,10 @@ class DataParallel:
         device) train apart and average their parameters every ``period`` steps; gradients are
         still reduced inside a host every step. ``state.params`` then holds one copy per replica
         (read :meth:`global_params` to evaluate). See docs/scaling.md.
+      verify_every: every ``K`` calls of ``step``, a cheap check that the replicas' parameters
+        are still equal (one uint32 hash per parameter and device, one small all-gather; it
+        waits for that step): ``jddp.ReplicaDivergenceError`` names the leaf and the replicas
+        whose copy differs (silent data corruption, a bad custom hook). See docs/report.md.
     """
 
     def __init__(
@@ -163,6 +170,7 @@ class DataParallel:
         sum_metrics: tuple[str, ...] = (),
         loss_scale: ls_lib.DynamicScale | None = None,
         local_sgd: local_sgd_lib.LocalSGD | None = None,
+        verify_every: int | None = None,
         **renamed: Any,
     ) -> None:
         for old, value in renamed.items():
@@ -219,8 +227,15 @@ class DataParallel:
         plans = PlanLog()
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "_plans", plans)
+        if verify_every is not None and (isinstance(verify_every, bool) or not isinstance(
+                verify_every, int) or verify_every < 1):
+            raise ValueError(f"verify_every must be a positive int K (check the replicas every K "
+                             f"steps) or None, got {verify_every!r}.")
+        every = verify_every or 0
+
         def make_step(cfg: StepConfig, observer: pipeline.PlanObserver) -> Step:
-            return Step(cfg, donate=donate, compiler_options=compiler_options, observer=observer)
+            return Step(cfg, donate=donate, compiler_options=compiler_options, observer=observer,
+                        verify_every=every)
 
         step: Step | autocap.AutoStep = make_step(config, plans)
         if auto is not None:
@@ -341,6 +356,27 @@ class DataParallel:
         """
         state = self.abstract_state(params_like, model_state_like)
         return self.step.lower(state, batch_like, sync=sync, step=step)
+
+    def report(
+        self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
+        rng: Any = None,
+    ) -> report_lib.Report:
+        """The compiled step's communication contract and memory, read from its program.
+
+        ``rep.collectives``: each collective (kind, bytes, dtype, group size, level, the bucket
+        it serves, in a loop or not, bytes sent per device, overlapped compute on GPU);
+        totals per step and per window (``accumulate_steps``), bytes across hosts;
+        ``rep.memory``: per-device sizes (at rest, arguments, temporaries, peak). ``print(rep)``
+        is a table, ``rep.to_dict()`` JSON. See docs/report.md.
+
+        Compiles the program ``ddp.step(state, batch, mask, sync=sync)`` runs (the step reuses
+        that compile); nothing runs. ``state`` may be abstract (``ddp.abstract_state``), on a
+        mesh of compile-only devices (``jddp.perf.topologies``).
+        """
+        compiled = self.step.lower(state, batch, mask, sync=sync, rng=rng).compile()
+        window = self.config.accumulate_steps if sync is None else 1
+        return report_lib.build(compiled, state, mesh_lib.host_of_device(self.config.mesh),
+                                window, self._plans.latest)
 
     def verify(self, state: TrainState, *, atol: float = 0.0) -> None:
         """Raises :class:`jddp.ReplicaDivergenceError` if replicas of ``state`` differ.

@@ -7,6 +7,8 @@
 - :func:`verify_replicas` compares every device's copy of replicated arrays with replica 0's and
   names the leaves (and replicas) that diverged, e.g. after a non-deterministic op or a bug in a
   custom communication hook.
+- :func:`fingerprint_replicas` is the cheap form behind ``DataParallel(verify_every=K)``: one
+  uint32 hash per leaf and device and one small all-gather, no leaf sent.
 """
 
 from __future__ import annotations
@@ -166,6 +168,8 @@ class Divergence(NamedTuple):
     replicas: tuple[int, ...]
 
     def __str__(self) -> str:
+        if self.max_abs_diff != self.max_abs_diff:  # nan: found by a hash, size unknown
+            return f"{self.path}: differs on replicas {list(self.replicas)}"
         return (f"{self.path}: max |x - x_replica0| = {self.max_abs_diff:.3g} on replicas "
                 f"{list(self.replicas)}")
 
@@ -173,13 +177,14 @@ class Divergence(NamedTuple):
 class ReplicaDivergenceError(ValueError):
     """Raised when replicated values differ between devices."""
 
-    def __init__(self, divergences: Sequence[Divergence], atol: float) -> None:
+    def __init__(self, divergences: Sequence[Divergence], atol: float, how: str = "") -> None:
         self.divergences = tuple(divergences)
         lines = "\n  ".join(str(d) for d in self.divergences[:20])
         extra = len(self.divergences) - 20
         more = f"\n  ... and {extra} more" if extra > 0 else ""
+        what = f"({how})" if how else f"(atol={atol})"
         super().__init__(
-            f"{len(self.divergences)} replicated leaves differ between replicas (atol={atol}):\n"
+            f"{len(self.divergences)} replicated leaves differ between replicas {what}:\n"
             f"  {lines}{more}"
         )
 
@@ -289,3 +294,96 @@ def verify_replicas(
     if out and raise_error:
         raise ReplicaDivergenceError(out, atol)
     return out
+
+
+# ----------------------------------------------------------------------------- cheap sentinel
+
+
+def _leaf_hash(x: jax.Array) -> jax.Array:
+    """One uint32 per leaf copy: a position-weighted sum of its bits (wrapping). Equal copies
+    give equal hashes on every device (integer sums do not depend on the reduction order); a
+    changed element changes it unless another change cancels it exactly."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    width = jnp.dtype(x.dtype).itemsize * 8
+    bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}")).reshape(-1)
+    if width == 64:
+        bits = bits ^ (bits >> 32)
+    bits = bits.astype(jnp.uint32)
+    # Knuth's multiplicative constant spreads positions over the 32 bits: swapped elements
+    # change the sum too.
+    weights = jnp.arange(1, bits.size + 1, dtype=jnp.uint32) * jnp.uint32(2654435761)
+    return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_fn(mesh: Mesh, specs: tuple[P, ...]):
+    names = tuple(mesh.axis_names)
+
+    def local(leaves):
+        h = jnp.stack([_leaf_hash(x) for x in leaves])
+        return lax.all_gather(h, names if len(names) > 1 else names[0])
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P(),
+                                 check_vma=False))
+
+
+def _copy_groups(mesh: Mesh, spec: P) -> list[list[int]]:
+    """Device positions (``mesh.devices.flat`` order) that hold the same piece of a leaf
+    sharded as ``spec``: one group per piece (one group of every device when replicated)."""
+    sharded = _spec_axes(spec)
+    names = list(mesh.axis_names)
+    groups: dict[tuple, list[int]] = {}
+    for pos, coord in enumerate(np.ndindex(*mesh.devices.shape)):
+        key = tuple(c for a, c in zip(names, coord, strict=True) if a in sharded)
+        groups.setdefault(key, []).append(pos)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def fingerprint_replicas(tree: Any, mesh: Mesh) -> list[Divergence]:
+    """The cheap check behind ``DataParallel(verify_every=K)``: the leaves of ``tree`` whose
+    copies differ, found from one uint32 hash per leaf and device (one small all-gather of
+    ``4 x leaves`` bytes per device; no leaf is sent). Leaves sharded over every mesh axis (no
+    copies) are skipped.
+
+    Returns:
+      The diverged leaves; ``replicas`` are the devices (positions in ``mesh.devices.flat``)
+      whose hash differs from the most common one among the copies, and ``max_abs_diff`` is
+      ``nan`` (a hash says that copies differ, not by how much: ``verify_replicas`` does).
+    """
+    axes = frozenset(mesh.axis_names)
+    picked = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None or (not sharding.is_fully_replicated and (
+                not isinstance(sharding, NamedSharding) or _spec_axes(sharding.spec) >= axes)):
+            continue
+        picked.append((path, leaf, _leaf_spec(path, leaf, mesh)))
+    if not picked:
+        return []
+    specs = tuple(s for _, _, s in picked)
+    table = _hash_fn(mesh, specs)(tuple(leaf for _, leaf, _ in picked))
+    table = np.asarray(table.addressable_data(0)).reshape(mesh.size, -1)  # [device, leaf]
+    out = []
+    for j, (path, _, spec) in enumerate(picked):
+        bad: list[int] = []
+        for group in _copy_groups(mesh, spec):
+            values, counts = np.unique(table[group, j], return_counts=True)
+            if len(values) > 1:
+                common = values[np.argmax(counts)]
+                bad += [p for p in group if table[p, j] != common]
+        if bad:
+            out.append(Divergence(key_path_str(path), float("nan"), tuple(sorted(bad))))
+    return out
+
+
+def check_every(tree: Any, mesh: Mesh, step: int) -> None:
+    """Raises :class:`ReplicaDivergenceError` if :func:`fingerprint_replicas` finds diverged
+    leaves in ``tree`` (checked after call ``step`` of ``ddp.step``)."""
+    found = fingerprint_replicas(tree, mesh)
+    if found:
+        raise ReplicaDivergenceError(
+            found, 0.0, f"found by verify_every after step call {step} (replicas: the devices "
+            "whose copy differs from the most common one; ddp.verify(state) gives the sizes)")

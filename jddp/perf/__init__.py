@@ -15,6 +15,8 @@ what helps choose a configuration and check what XLA made of it:
   computation, its collectives (all-reduce, all-gather, reduce-scatter, ... with their bytes,
   replica groups and position) and how much backward compute overlaps them.
 - :mod:`jddp.perf.xla_flags`: the XLA options that keep a bucket plan intact, per backend.
+- :mod:`jddp.perf.profile`: where a real step's time goes: host dispatch, device time, and a
+  ``jax.profiler`` trace with each bucket's collectives named and timed.
 - :mod:`jddp.perf.topologies`: compile-only GPU and TPU meshes, to compile (not run) a step for
   hardware this machine does not have.
 

@@ -683,7 +683,8 @@ def suggest_bucket_cap(
 # ----------------------------------------------------------------------------- past one host
 
 #: Ways to cross the link between hosts that :func:`simulate_strategy` models.
-STRATEGIES: tuple[str, ...] = ("flat", "hierarchical", "hybrid", "local_sgd", "diloco")
+STRATEGIES: tuple[str, ...] = ("flat", "hierarchical", "hybrid", "hybrid_stage1", "local_sgd",
+                               "diloco")
 
 
 class StrategyEstimate(NamedTuple):
@@ -739,12 +740,16 @@ def across_bytes_per_step(nbytes: float, cluster: ClusterSpec, strategy: str,
     A flat ring over all ``N`` devices, nodes in order, has one hop out of each node carrying
     ``2 (N-1)/N x nbytes``; the two-level reductions send ``2 (m-1)/m x nbytes`` per node (each of
     the node's devices its ``1/k``); local SGD and DiLoCo that once per ``period`` steps.
+    ``"hybrid"`` is hybrid sharding at stages 2-3 (a reduce-scatter inside the node, then the
+    ``1/k`` pieces across); ``"hybrid_stage1"`` all-reduces the gradients over every device
+    (the hook's reduction, a flat ring by default), so it sends what ``"flat"`` sends (measured
+    on a shaped link: ``benchmarks/slowlink``).
     """
     _check_strategy(strategy)
     m, n = cluster.num_nodes, cluster.num_devices
     if m <= 1 or nbytes <= 0:
         return 0.0
-    if strategy == "flat":
+    if strategy in ("flat", "hybrid_stage1"):
         return 2.0 * (n - 1) / n * nbytes
     two_level = 2.0 * (m - 1) / m * nbytes
     if strategy in ("hierarchical", "hybrid"):
@@ -773,10 +778,13 @@ def simulate_strategy(
     - ``"hierarchical"``: per bucket, a reduce-scatter inside the node, an all-reduce across
       nodes on ``1/k`` of the bucket, an all-gather inside the node
       (:func:`hierarchical_allreduce_time`, ``jddp.hooks.hierarchical``).
-    - ``"hybrid"``: sharded inside the node, replicated across (PyTorch's HSDP): the same bytes on
-      the slow link as ``"hierarchical"`` and, in this model, the same time (its parameter
-      all-gather moves into the next forward pass, where it can overlap too); it saves memory,
-      which the model does not weigh.
+    - ``"hybrid"``: stages 2-3 sharded inside the node, replicated across (PyTorch's HSDP): the
+      same bytes on the slow link as ``"hierarchical"`` and, in this model, the same time (its
+      parameter all-gather moves into the next forward pass, where it can overlap too); it saves
+      memory, which the model does not weigh.
+    - ``"hybrid_stage1"``: stage 1 with hybrid sharding reduces the gradients like the flat
+      step (only the optimizer state is sharded): ``"flat"``'s bytes and time (with
+      ``hook=jddp.hooks.hierarchical()`` it is ``"hierarchical"``'s).
     - ``"local_sgd"``, ``"diloco"``: every step reduces the gradients inside the node only
       (overlapped with the backward like any bucket), and every ``period`` steps the parameters
       are averaged across nodes after the update (:func:`averaging_time`, not overlapped);
@@ -786,8 +794,9 @@ def simulate_strategy(
     period = max(1, int(period)) if strategy in ("local_sgd", "diloco") else 1
     kw = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, overlap=overlap)
     across = across_bytes_per_step(profile.total_bytes, cluster, strategy, period)
-    if strategy in ("flat", "hierarchical", "hybrid"):
-        spec = dataclasses.replace(cluster, hierarchical=strategy != "flat")
+    if strategy in ("flat", "hierarchical", "hybrid", "hybrid_stage1"):
+        spec = dataclasses.replace(cluster,
+                                   hierarchical=strategy not in ("flat", "hybrid_stage1"))
         est = simulate_iteration(profile, spec, **kw)  # type: ignore[arg-type]
         return StrategyEstimate(strategy, 1, est.iteration_s, est.iteration_s, est.iteration_s,
                                 across, est.compute_s)

@@ -4,7 +4,8 @@ For each collective of a compiled program (:func:`jddp.perf.schedule.collectives
 replica groups, a ring over the group's devices in the listed order is assumed (what Gloo runs on
 CPU; NCCL and TPU ICI pick other algorithms, whose byte counts are close to a ring's): every
 device sends its share to the next device of the ring, and a hop *crosses* when the two devices
-sit on different hosts. Per device and collective, in bytes of the operands:
+sit on different hosts (an all-to-all is not a ring: each device sends ``b/g`` straight to each
+other member, and each pair is counted). Per device and collective, in bytes of the operands:
 
 ================  =================================  =======================================
 kind              each device sends                  e.g. for ``b`` bytes over ``g`` devices
@@ -24,113 +25,16 @@ matched the bytes measured on the processes' sockets (``benchmarks/hierarchical.
     print(traffic(text, jddp.mesh.host_of_device(mesh)).table())
 """
 
-from __future__ import annotations
+from jddp._src.traffic import (
+    CollectiveTraffic,
+    Traffic,
+    sent_per_device,
+    traffic,
+)
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
-
-from jddp._src.tree import fmt_bytes, ring_bytes
-from jddp.perf.schedule import Collective, collectives
-
-__all__ = ["CollectiveTraffic", "Traffic", "sent_per_device", "traffic"]
-
-
-class CollectiveTraffic(NamedTuple):
-    """One collective's bytes, per host.
-
-    Attributes:
-      collective: the collective (kind, operands, replica groups, position).
-      inside: bytes a host's devices send to each other for it (average over hosts).
-      across: bytes a host sends to other hosts for it (average over hosts).
-      crosses: whether any of its groups spans hosts.
-    """
-
-    collective: Collective
-    inside: float
-    across: float
-    crosses: bool
-
-
-class Traffic(NamedTuple):
-    """A compiled program's collective bytes per host, inside and across hosts.
-
-    Attributes:
-      inside: bytes a host's devices send to each other (per step, average over hosts).
-      across: bytes a host sends to other hosts.
-      collectives: the part of each collective, in program order.
-      hosts: the number of hosts.
-    """
-
-    inside: float
-    across: float
-    collectives: tuple[CollectiveTraffic, ...]
-    hosts: int
-
-    def by_kind(self, crosses: bool | None = None) -> dict[str, int]:
-        """Count of collectives of each kind (only those that cross hosts, or only those that do
-        not, when ``crosses`` is given)."""
-        out: dict[str, int] = {}
-        for c in self.collectives:
-            if crosses is None or c.crosses == crosses:
-                out[c.collective.kind] = out.get(c.collective.kind, 0) + 1
-        return out
-
-    def table(self) -> str:
-        """One row per collective, and the totals."""
-        rows = [f"{'#':>3} {'kind':<15} {'operands':>11} {'group':>5} {'level':<7} "
-                f"{'inside/host':>12} {'across/host':>12}"]
-        for i, c in enumerate(self.collectives):
-            groups = c.collective.groups
-            size = len(groups[0]) if groups else 0
-            rows.append(
-                f"{i:>3} {c.collective.kind:<15} {fmt_bytes(c.collective.nbytes):>11} {size:>5} "
-                f"{'across' if c.crosses else 'inside':<7} {fmt_bytes(c.inside):>12} "
-                f"{fmt_bytes(c.across):>12}"
-            )
-        rows.append(f"total per host: {fmt_bytes(self.inside)} inside, {fmt_bytes(self.across)} "
-                    f"across ({self.hosts} hosts)")
-        return "\n".join(rows)
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-def sent_per_device(kind: str, nbytes: float, group_size: int) -> float:
-    """Bytes one device sends in a ring collective of ``kind`` over ``group_size`` devices whose
-    operands total ``nbytes`` per device (see the module docstring; the same model as the
-    ``comm_bytes`` metric: :func:`jddp._src.tree.ring_bytes`)."""
-    return ring_bytes(kind, nbytes, group_size)
-
-
-def traffic(source: Any, host_of_device: Sequence[int]) -> Traffic:
-    """The bytes per host, inside and across hosts, of every collective of a compiled program.
-
-    Args:
-      source: compiled HLO text, or a ``jax.stages.Lowered``/``Compiled`` (see
-        :func:`jddp.perf.schedule.read_module`).
-      host_of_device: the host of each device position of the program (XLA's replica-group ids),
-        e.g. ``jddp.mesh.host_of_device(mesh)``.
-    """
-    host = list(host_of_device)
-    hosts = max(1, len(set(host)))
-    out = []
-    total_in = total_across = 0.0
-    for c in collectives(source):
-        groups = c.groups or (tuple(range(len(host))),)
-        inside = across = 0.0
-        crosses = False
-        for group in groups:
-            per_device = sent_per_device(c.kind, c.nbytes, len(group))
-            for j, dev in enumerate(group):
-                nxt = group[(j + 1) % len(group)]
-                if len(group) == 1:
-                    continue
-                if host[dev] != host[nxt]:
-                    across += per_device
-                    crosses = True
-                else:
-                    inside += per_device
-        out.append(CollectiveTraffic(c, inside / hosts, across / hosts, crosses))
-        total_in += inside / hosts
-        total_across += across / hosts
-    return Traffic(total_in, total_across, tuple(out), hosts)
+__all__ = [
+    "CollectiveTraffic",
+    "Traffic",
+    "sent_per_device",
+    "traffic",
+]

@@ -1,0 +1,889 @@
+"""Read compiled XLA (HLO) text: the scheduled order of a computation and its collectives.
+
+Public as :mod:`jddp.perf.schedule`; it lives here because the step itself reads its compiled
+program (the program check across processes, ``ddp.report``).
+
+XLA prints a compiled (post-optimisation, scheduled) module with
+``jax.jit(f).lower(*args).compile().as_text()``. Each computation of that text lists its
+instructions in the order the backend will issue them, so the text alone answers the questions a
+data-parallel library cares about:
+
+* which collectives survived XLA's combiners (``all-reduce``, ``all-gather``, ``reduce-scatter``,
+  ``all-to-all``, ``collective-permute``), how large each is, over which replica groups, where
+  it sits, and whether it runs inside a ``while`` loop or a ``conditional`` branch;
+* on GPU, where collectives are asynchronous (``all-reduce-start`` / ``all-reduce-done``,
+  ``all-gather-start`` / ``-done``, ``reduce-scatter-start`` / ``-done``, ...), which compute ops
+  (GEMMs) run while each collective is in flight, and how many are in flight at once;
+* on CPU and TPU, where the text shows plain synchronous ops, how much dot/GEMM work is still
+  scheduled after each collective (the position-only notion of overlap).
+
+This module is jddp's only reader of HLO text (:mod:`jddp.perf.schedule` re-exports it).
+Three levels, each built on the one below:
+
+* :func:`read_module` splits the text into computations, lists of instructions
+  (:class:`Instruction`: name, opcode, result arrays, operand names, called computations,
+  attributes);
+* :func:`collectives` lists every collective of the module as a :class:`Collective` (kind, operand
+  bytes, replica groups, position, in a loop or branch or not);
+* :func:`read_schedule` reads one computation (ENTRY by default) as a :class:`Schedule`: its ops in
+  order, which of them are GEMMs, and its collectives with the ops scheduled around them.
+
+Example::
+
+    compiled = jax.jit(step).lower(params_like, batch_like).compile()
+    sched = read_schedule(compiled.as_text())
+    print(sched)                       # one row per collective
+    assert all(ar.dots_between for ar in sched.all_reduces[:-1])
+    assert not any(c.in_loop for c in collectives(compiled.as_text(), "all-reduce"))
+
+XLA options apply per compile: ``lowered.compile(compiler_options={...})`` takes the names of
+XLA's debug options without the leading ``--`` (unknown names raise ``INVALID_ARGUMENT``), e.g.
+:data:`GPU_NO_OVERLAP` for the no-overlap control. ``XLA_FLAGS`` in the environment also works but
+is read once per process, before the backend initialises.
+
+Not understood: TPU's asynchronous collective fusions (an ``all-gather`` inside fusion
+computations ending in ``AsyncCollectiveStart`` / ``AsyncCollectiveDone`` custom-calls) are
+listed as the plain collectives inside those fusion computations, one per fusion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jddp._src.tree import fmt_bytes
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "GPU_NO_OVERLAP",
+    "Array",
+    "Collective",
+    "Instruction",
+    "Module",
+    "Schedule",
+    "ScheduledOp",
+    "bucket_of",
+    "bucket_scope",
+    "collectives",
+    "compiled_text",
+    "parse_arrays",
+    "parse_replica_groups",
+    "read_module",
+    "read_schedule",
+]
+
+#: ``compiler_options`` that make every GPU all-reduce synchronous: XLA still emits
+#: ``all-reduce-start``/``all-reduce-done`` pairs, marks them ``"is_sync":true`` and schedules them
+#: adjacent, so nothing overlaps. The control for "what does overlap buy".
+GPU_NO_OVERLAP: Mapping[str, str] = {"xla_gpu_disable_async_collectives": "ALLREDUCE"}
+
+#: HLO opcodes of the collectives this reader recognises. Each may also appear as an asynchronous
+#: ``<kind>-start`` / ``<kind>-done`` pair, or wrapped in ``async-start`` / ``async-done``.
+COLLECTIVE_KINDS: tuple[str, ...] = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
+_STARTS = {f"{k}-start": k for k in COLLECTIVE_KINDS}
+_DONES = frozenset({f"{k}-done" for k in COLLECTIVE_KINDS} | {"async-done"})
+
+# Bits per element of XLA primitive types; the HLO text names them as below.
+_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128, "token": 0, "opaque": 0}
+_ARRAY_RE = re.compile(r"\b(pred|bf16|c64|c128|token|opaque|[suf]\d+|f\d+e\w*)\[([^\]]*)\]")
+_HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*->.*\{\s*$")
+_INSTR_RE = re.compile(r"^\s+(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+_OPCODE_RE = re.compile(r"\s*([a-z][\w\-]*)\(")
+_NAME_RE = re.compile(r"%?([\w.\-]+)")
+_OP_NAME_RE = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
+_IS_SYNC_RE = re.compile(r'"is_sync":\s*(true|false)')
+_IOTA_RE = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+# Attributes naming the computations an instruction calls.
+_CALL_ATTRS = (
+    "calls",
+    "to_apply",
+    "body",
+    "condition",
+    "branch_computations",
+    "true_computation",
+    "false_computation",
+    "called_computations",
+)
+_CALLS_HINT_RE = re.compile(rf"\b(?:{'|'.join(_CALL_ATTRS)})=")
+# Custom-call targets that are matrix multiplications or convolutions (cuBLAS, cuBLASLt, cuDNN).
+_DOT_TARGET_RE = re.compile(r"gemm|matmul|conv", re.IGNORECASE)
+_DOT_OPCODES = frozenset({"dot", "convolution", "ragged-dot", "scaled-dot"})
+# Ops whose called computations are scalar reducers or comparators, never GEMM work.
+_NOT_DOT_CALLERS = frozenset(
+    {"reduce", "reduce-window", "scatter", "sort", "map", "select-and-scatter"}
+    | set(COLLECTIVE_KINDS)
+    | set(_STARTS)
+)
+
+
+_BUCKET_SCOPE_RE = re.compile(r"\bjddp_bucket_(\d+)\b")
+
+
+def bucket_scope(bucket: int) -> str:
+    """The ``jax.named_scope`` name jddp gives the reduction of gradient bucket ``bucket``; it
+    shows in the ``op_name`` of the bucket's collectives and in profiler traces."""
+    return f"jddp_bucket_{int(bucket)}"
+
+
+def bucket_of(op_name: str) -> int | None:
+    """The gradient bucket a collective serves, read from its ``op_name`` (see
+    :func:`bucket_scope`), or ``None`` for a collective outside every bucket's reduction."""
+    match = _BUCKET_SCOPE_RE.search(op_name)
+    return int(match.group(1)) if match else None
+
+
+class Array(NamedTuple):
+    """One array of an instruction's result or operands.
+
+    Attributes:
+        dtype: XLA element type, e.g. ``"f32"`` or ``"bf16"``.
+        shape: dimensions.
+        nbytes: size in bytes.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction as printed, split into its parts.
+
+    Attributes:
+        name: instruction name without ``%``.
+        opcode: HLO opcode, e.g. ``"fusion"``, ``"all-reduce-start"``.
+        computation: name of the computation that holds it.
+        shape: the result type as printed, e.g. ``"f32[4,8]{1,0}"`` or a tuple ``"(f32[2], s8[0])"``.
+        operands: names of the operand instructions, in order.
+        calls: names of the computations it calls (``calls``, ``to_apply``, ``body``,
+            ``condition``, ``branch_computations``, ...).
+        attrs: the text after the operand list (``, key=value, ...``), as printed.
+    """
+
+    name: str
+    opcode: str
+    computation: str
+    shape: str
+    operands: tuple[str, ...]
+    calls: tuple[str, ...]
+    attrs: str
+
+    @functools.cached_property
+    def results(self) -> tuple[Array, ...]:
+        """The result arrays (a tuple-shaped result flattened, in order)."""
+        return parse_arrays(self.shape)
+
+    @functools.cached_property
+    def attributes(self) -> Mapping[str, str]:
+        """The ``key=value`` attributes, values as printed (e.g. ``{"replica_groups": "{{0,1}}"}``)."""
+        out = {}
+        for part in _split_top(self.attrs):
+            key, eq, value = part.partition("=")
+            if eq:
+                out[key.strip()] = value.strip()
+        return out
+
+    @property
+    def op_name(self) -> str:
+        """The ``op_name`` metadata JAX attached (e.g. ``"jit(step)/shard_map/psum"``), or ``""``."""
+        match = _OP_NAME_RE.search(self.attributes.get("metadata", ""))
+        return match.group(1) if match else ""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Module:
+    """A compiled HLO module: its computations, each a list of instructions in schedule order.
+
+    Attributes:
+        computations: computation name -> its instructions, in print (schedule) order; the
+            computations themselves in print order.
+        entry: name of the ENTRY computation (``None`` if the text has none).
+    """
+
+    computations: Mapping[str, tuple[Instruction, ...]]
+    entry: str | None
+
+    @property
+    def instructions(self) -> tuple[Instruction, ...]:
+        """Every instruction of every computation, computation by computation in print order."""
+        return tuple(ins for body in self.computations.values() for ins in body)
+
+    def computation(self, name: str | None = None) -> tuple[Instruction, ...]:
+        """The instructions of computation ``name`` (the ENTRY computation by default).
+
+        Raises:
+            ValueError: if the module holds no such computation.
+        """
+        name = name or self.entry
+        if name is None or name not in self.computations:
+            raise ValueError(
+                f"computation {name!r} not found; have {sorted(self.computations)[:10]}..."
+            )
+        return self.computations[name]
+
+    def reachable(self, roots: Iterable[str]) -> frozenset[str]:
+        """The computations ``roots`` and every computation they call, transitively."""
+        seen: set[str] = set()
+        todo = list(roots)
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in self.computations:
+                continue
+            seen.add(name)
+            todo.extend(c for ins in self.computations[name] for c in ins.calls)
+        return frozenset(seen)
+
+    @functools.cached_property
+    def loop_computations(self) -> frozenset[str]:
+        """Computations that run inside a ``while`` loop: bodies, conditions and what they call."""
+        return self.reachable(c for ins in self.instructions if ins.opcode == "while"
+                              for c in ins.calls)
+
+    @functools.cached_property
+    def branch_computations(self) -> frozenset[str]:
+        """Computations that run inside a ``conditional``: its branches and what they call."""
+        return self.reachable(c for ins in self.instructions if ins.opcode == "conditional"
+                              for c in ins.calls)
+
+    @functools.cached_property
+    def async_wrapped_computations(self) -> frozenset[str]:
+        """Computations wrapped by ``async-start`` ops: their ops belong to the start/done pair."""
+        return frozenset(c for ins in self.instructions if ins.opcode == "async-start"
+                         for c in ins.calls)
+
+    @functools.cached_property
+    def has_dot(self) -> Mapping[str, bool]:
+        """For each computation, whether it (transitively) holds a dot/convolution/GEMM call."""
+        memo: dict[str, bool] = {}
+
+        def visit(name: str) -> bool:
+            if name not in memo:
+                memo[name] = False  # breaks cycles; HLO call graphs are acyclic anyway
+                memo[name] = any(_is_dot(ins, visit) for ins in self.computations.get(name, ()))
+            return memo[name]
+
+        for name in self.computations:
+            visit(name)
+        return memo
+
+    def is_dot(self, ins: Instruction) -> bool:
+        """True if ``ins`` is, or calls a computation holding, a dot, convolution or GEMM call."""
+        return _is_dot(ins, lambda c: self.has_dot.get(c, False))
+
+
+class ScheduledOp(NamedTuple):
+    """One instruction of a scheduled computation.
+
+    Attributes:
+        index: position in the computation's schedule (0 = first instruction).
+        name: instruction name without ``%``.
+        opcode: HLO opcode, e.g. ``"fusion"``, ``"all-reduce-start"``.
+        is_dot: True when the op is, or calls a computation that contains, a ``dot`` or
+            ``convolution``, or is a GEMM/convolution custom-call (cuBLAS, cuDNN). These are the
+            "backward GEMMs" that a gradient collective should overlap with.
+        op_name: the ``op_name`` metadata JAX attached; JAX names ops of the backward
+            (transposed) pass ``transpose(...)``.
+    """
+
+    index: int  # type: ignore[assignment]  # shadows tuple.index; the schedule position reads best
+    name: str
+    opcode: str
+    is_dot: bool
+    op_name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective: a plain op (``all-reduce``, ``all-gather``, ...) or a start/done pair.
+
+    Attributes:
+        kind: the collective's opcode without ``-start``: one of :data:`COLLECTIVE_KINDS`.
+        name: name of the instruction (of the start for a pair).
+        computation: name of the computation that holds it.
+        index: schedule position in that computation (of the start for a pair).
+        done_index: schedule position of the done; equals ``index`` for a plain collective (the
+            computation's length if the done was not found).
+        operands: the arrays sent; more than one for a tuple (variadic) collective.
+        results: the arrays received (for a pair, the done's result).
+        asynchronous: True for a start/done pair.
+        is_sync: True if XLA runs it synchronously: always for a plain collective; for a pair,
+            XLA's ``"is_sync"`` marker (set by ``--xla_gpu_disable_async_collectives`` and by
+            XLA itself when nothing could be scheduled in between).
+        between: every op scheduled strictly between start and done (empty unless asynchronous).
+        dots_after: the dot/GEMM ops scheduled after the collective has completed (after the done).
+        dots_before: number of dot/GEMM ops scheduled before the collective starts.
+        op_name: the ``op_name`` metadata JAX attached (e.g. ``"jit(step)/shard_map/psum"``;
+            it carries ``jax.named_scope`` names).
+        replica_groups: XLA's replica-group text, as printed (``""`` if the op has none, e.g. a
+            ``collective-permute``); :attr:`groups` parses it.
+        in_loop: True if its computation runs inside a ``while`` loop (body, condition, or a
+            computation they call).
+        in_conditional: True if its computation runs inside a branch of a ``conditional``.
+        instruction: the instruction (the start for a pair), for any other attribute.
+    """
+
+    kind: str
+    name: str
+    computation: str
+    index: int
+    done_index: int
+    operands: tuple[Array, ...]
+    results: tuple[Array, ...]
+    asynchronous: bool
+    is_sync: bool
+    between: tuple[ScheduledOp, ...]
+    dots_after: tuple[ScheduledOp, ...]
+    dots_before: int
+    op_name: str
+    replica_groups: str
+    in_loop: bool
+    in_conditional: bool
+    instruction: Instruction = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of the operands (what each device sends in)."""
+        return sum(o.nbytes for o in self.operands)
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """Element type of each operand."""
+        return tuple(o.dtype for o in self.operands)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shape of each operand."""
+        return tuple(o.shape for o in self.operands)
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The device ids of each replica group (see :func:`parse_replica_groups`)."""
+        return parse_replica_groups(self.replica_groups)
+
+    @property
+    def bucket(self) -> int | None:
+        """The jddp gradient bucket this collective serves (from its ``op_name``), or ``None``."""
+        return bucket_of(self.op_name)
+
+    @property
+    def dots_between(self) -> int:
+        """Number of dot/GEMM ops scheduled while this collective is in flight."""
+        return sum(op.is_dot for op in self.between)
+
+    @property
+    def overlapped(self) -> bool:
+        """True if asynchronous, not marked sync, and at least one GEMM runs while in flight."""
+        return self.asynchronous and not self.is_sync and self.dots_between > 0
+
+    @property
+    def mode(self) -> str:
+        """``"sync"`` (plain op), ``"async"`` (start/done pair) or ``"async*"`` (pair marked sync)."""
+        if not self.asynchronous:
+            return "sync"
+        return "async*" if self.is_sync else "async"
+
+    def __str__(self) -> str:
+        return (
+            f"{self.kind} {self.name} @{self.index} [{self.mode}] {fmt_bytes(self.nbytes)} "
+            f"{', '.join(map(str, self.operands))}: {self.dots_between} dots between, "
+            f"{len(self.dots_after)} after"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The scheduled order of one computation and the collectives in it.
+
+    Attributes:
+        computation: name of the computation read (the ENTRY computation by default).
+        ops: every instruction, in schedule order.
+        collectives: the collectives of this computation (every kind), in the order they start.
+        nested: the collectives of the module's other computations (loop bodies, branches,
+            called computations); not in ``collectives``.
+        max_in_flight: the largest number of asynchronous collectives (of any kind) started and
+            not yet done at any point of the schedule (0 when all are plain ops).
+    """
+
+    computation: str
+    ops: tuple[ScheduledOp, ...]
+    collectives: tuple[Collective, ...]
+    nested: tuple[Collective, ...]
+    max_in_flight: int
+
+    @property
+    def all_reduces(self) -> tuple[Collective, ...]:
+        """The all-reduces of this computation, in the order they start."""
+        return self.of_kind("all-reduce")
+
+    @property
+    def nested_all_reduces(self) -> int:
+        """Number of all-reduces in the module's other computations."""
+        return sum(c.kind == "all-reduce" for c in self.nested)
+
+    def of_kind(self, kind: str) -> tuple[Collective, ...]:
+        """The collectives of one kind (e.g. ``"reduce-scatter"``), in the order they start."""
+        return tuple(c for c in self.collectives if c.kind == kind)
+
+    @property
+    def total_bytes(self) -> int:
+        """Operand bytes of all the collectives of this computation together."""
+        return sum(c.nbytes for c in self.collectives)
+
+    @property
+    def num_dots(self) -> int:
+        """Number of dot/GEMM ops in the computation."""
+        return sum(op.is_dot for op in self.ops)
+
+    def table(self) -> str:
+        """A fixed-width table with one row per collective."""
+        counts: dict[str, int] = {}
+        for c in self.collectives:
+            counts[c.kind] = counts.get(c.kind, 0) + 1
+        kinds = ", ".join(f"{n} {k}{'s' if n != 1 else ''}" for k, n in counts.items())
+        head = (
+            f"{self.computation}: {len(self.ops)} ops, {self.num_dots} dot ops, "
+            f"{kinds or 'no collectives'} ({fmt_bytes(self.total_bytes)}), "
+            f"max {self.max_in_flight} in flight"
+        )
+        if self.nested:
+            head += f", {len(self.nested)} more in nested computations"
+        rows = [("#", "kind", "pos", "done", "mode", "bytes", "operands", "dots between",
+                 "dots after")]
+        for i, c in enumerate(self.collectives):
+            ops = ", ".join(map(str, c.operands))
+            if len(ops) > 40:
+                ops = f"{len(c.operands)} arrays, {','.join(sorted(set(c.dtypes)))}"
+            rows.append(
+                (
+                    str(i),
+                    c.kind,
+                    str(c.index),
+                    str(c.done_index),
+                    c.mode,
+                    fmt_bytes(c.nbytes),
+                    ops,
+                    str(c.dots_between),
+                    str(len(c.dots_after)),
+                )
+            )
+        widths = [max(len(r[col]) for r in rows) for col in range(len(rows[0]))]
+        lines = [head]
+        lines += [
+            "  " + "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows
+        ]
+        if any(c.mode == "async*" for c in self.collectives):
+            lines.append('  (async* = start/done pair marked "is_sync":true)')
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+# ------------------------------------------------------------------------------ entry points
+
+
+def read_module(source: Any, *, compiler_options: Mapping[str, Any] | None = None) -> Module:
+    """Reads the computations and instructions of a compiled XLA module.
+
+    Args:
+        source: the text of a compiled module (``compiled.as_text()``), a
+            ``jax.stages.Compiled``, a ``jax.stages.Lowered`` (compiled here), or a
+            :class:`Module` (returned as is).
+        compiler_options: XLA options for compiling a ``Lowered`` source, e.g.
+            :data:`GPU_NO_OVERLAP`. Ignored for other sources.
+
+    Returns:
+        The :class:`Module`.
+
+    Raises:
+        TypeError: if ``source`` is none of the above.
+    """
+    if isinstance(source, Module):
+        return source
+    text = _as_text(source, compiler_options)
+    comps: dict[str, list[Instruction]] = {}
+    entry = None
+    current: str | None = None
+    for line in text.splitlines():
+        if current is None:
+            header = _HEADER_RE.match(line)
+            if header:
+                current = header.group(2)
+                comps.setdefault(current, [])
+                if header.group(1):
+                    entry = current
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        ins = _parse_instr(line, current)
+        if ins is not None:
+            comps[current].append(ins)
+    return Module({k: tuple(v) for k, v in comps.items()}, entry)
+
+
+def read_schedule(
+    source: Any,
+    *,
+    computation: str | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> Schedule:
+    """Reads the schedule of one computation of a compiled XLA module and its collectives.
+
+    Args:
+        source: anything :func:`read_module` takes (text, ``Compiled``, ``Lowered``, ``Module``).
+        computation: name of the computation to read (without ``%``); the ENTRY computation by
+            default.
+        compiler_options: XLA options for compiling a ``Lowered`` source, e.g.
+            :data:`GPU_NO_OVERLAP`. Ignored for other sources.
+
+    Returns:
+        The :class:`Schedule`.
+
+    Raises:
+        ValueError: if the text holds no such computation.
+    """
+    module = read_module(source, compiler_options=compiler_options)
+    name = computation or module.entry or ""
+    module.computation(name)  # raises if missing
+    ops, found, max_in_flight = _read_computation(module, name)
+    nested = tuple(c for c in _all_collectives(module) if c.computation != name)
+    return Schedule(name, ops, found, nested, max_in_flight)
+
+
+def collectives(
+    source: Any,
+    kind: str | None = None,
+    *,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> tuple[Collective, ...]:
+    """Every collective of a compiled XLA module, in every computation.
+
+    Collectives inside computations wrapped by ``async-start`` are reported once, as the
+    ``async-start``/``async-done`` pair that runs them.
+
+    Args:
+        source: anything :func:`read_module` takes (text, ``Compiled``, ``Lowered``, ``Module``).
+        kind: only collectives of this kind (one of :data:`COLLECTIVE_KINDS`, e.g.
+            ``"all-reduce"``); all kinds by default.
+        compiler_options: XLA options for compiling a ``Lowered`` source. Ignored otherwise.
+
+    Returns:
+        The collectives, computation by computation in print order (the ENTRY computation is
+        usually printed last), each computation's in the order they start. Use
+        :attr:`Collective.in_loop` / :attr:`Collective.in_conditional` to tell where they run.
+
+    Raises:
+        ValueError: if ``kind`` is not a collective kind.
+    """
+    if kind is not None and kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"kind must be one of {COLLECTIVE_KINDS}, got {kind!r}")
+    found = _all_collectives(read_module(source, compiler_options=compiler_options))
+    return tuple(c for c in found if kind is None or c.kind == kind)
+
+
+def compiled_text(
+    fn: Any, *args: Any, compiler_options: Mapping[str, Any] | None = None, **kwargs: Any
+) -> str:
+    """Compiles ``fn`` for abstract or concrete arguments and returns the compiled HLO text.
+
+    Args:
+        fn: a jitted function (anything with ``.lower``); a plain function is wrapped in
+            ``jax.jit``.
+        *args: arguments, e.g. ``jax.ShapeDtypeStruct`` with shardings on compile-only devices.
+        compiler_options: XLA debug options for this compile only (names without ``--``).
+        **kwargs: keyword arguments for ``lower``.
+
+    Returns:
+        ``fn.lower(*args, **kwargs).compile(compiler_options).as_text()``.
+    """
+    if not hasattr(fn, "lower"):
+        import jax
+
+        fn = jax.jit(fn)
+    lowered = fn.lower(*args, **kwargs)
+    return _as_text(lowered, compiler_options)
+
+
+def parse_arrays(text: str) -> tuple[Array, ...]:
+    """The arrays (:class:`Array`) of an HLO type, e.g. two for ``"(f32[8,8]{1,0}, bf16[3]{0})"``.
+
+    Layouts, tiling and ``/*index=N*/`` comments are ignored; dynamic dimensions (``<=8``) count
+    at their bound.
+    """
+    out = []
+    for m in _ARRAY_RE.finditer(_COMMENT_RE.sub("", text)):
+        dtype = m.group(1)
+        dims = tuple(int(d.strip().lstrip("<=")) for d in m.group(2).split(",") if d.strip())
+        bits = _BITS.get(dtype)
+        if bits is None:
+            digits = re.match(r"[a-z]+(\d+)", dtype)
+            bits = int(digits.group(1)) if digits else 0
+        out.append(Array(dtype, dims, math.ceil(math.prod(dims) * bits / 8)))
+    return tuple(out)
+
+
+def parse_replica_groups(text: str) -> tuple[tuple[int, ...], ...]:
+    """The device ids of each replica group, from XLA's printed ``replica_groups`` value.
+
+    Reads the explicit form ``{{0,1},{2,3}}`` and the iota form ``[G,S]<=[N]`` (``G`` groups of
+    ``S`` consecutive ids), also with reshape and transpose, ``[G,S]<=[A,B]T(1,0)``.
+
+    Returns:
+        One tuple of device ids per group; empty for ``{}`` or ``""`` (which XLA uses for "every
+        device in one group", without saying how many).
+
+    Raises:
+        ValueError: if the text is in neither form.
+    """
+    text = text.strip()
+    if text in ("", "{}"):
+        return ()
+    iota = _IOTA_RE.fullmatch(text)
+    if iota:
+        shape = [int(d) for d in iota.group(1).split(",")]
+        dims = [int(d) for d in iota.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(p) for p in iota.group(3).split(",")])
+        ids = ids.reshape(shape[0], -1)
+        return tuple(tuple(int(i) for i in row) for row in ids)
+    if text.startswith("{") and text.endswith("}"):
+        inner = text[1:-1].strip()
+        groups = re.findall(r"\{([\d,\s]*)\}", inner)
+        if groups or not inner:
+            return tuple(tuple(int(x) for x in g.split(",") if x.strip()) for g in groups)
+    raise ValueError(f"cannot read replica groups {text!r}")
+
+
+# ---------------------------------------------------------------------------- implementation
+
+
+def _as_text(source: Any, compiler_options: Mapping[str, Any] | None) -> str:
+    if isinstance(source, str):
+        return source
+    if hasattr(source, "compile") and hasattr(source, "as_text"):  # jax.stages.Lowered
+        options = dict(compiler_options) if compiler_options else None
+        source = source.compile(compiler_options=options)
+    if hasattr(source, "as_text"):
+        text = source.as_text()
+        if text is None:
+            raise ValueError("the compiled object has no HLO text")
+        return text
+    raise TypeError(
+        f"expected HLO text, a Compiled, a Lowered or a Module, got {type(source).__name__}"
+    )
+
+
+def _parse_instr(line: str, computation: str) -> Instruction | None:
+    m = _INSTR_RE.match(line)
+    if not m:
+        return None
+    name, rest = m.group(2), m.group(3)
+    # The shape is either a balanced "( ... )" tuple or one token without spaces.
+    if rest.startswith("("):
+        end = _balanced_end(rest, 0)
+        shape, rest = rest[:end], rest[end:]
+    else:
+        shape, _, rest = rest.partition(" ")
+    op = _OPCODE_RE.match(rest)
+    if not op:
+        return None
+    open_at = op.end() - 1
+    close = _balanced_end(rest, open_at)
+    # Long operand lists carry /*index=N*/ comments; drop them before reading names.
+    operand_text = _COMMENT_RE.sub("", rest[open_at + 1 : close - 1])
+    attrs = rest[close:]
+    operands = tuple(
+        n.group(1)
+        for part in _split_top(operand_text)
+        if part and (n := _NAME_RE.search(part.split()[-1]))
+    )
+    ins = Instruction(name, op.group(1), computation, shape, operands, (), attrs)
+    if not _CALLS_HINT_RE.search(attrs):
+        return ins
+    calls = tuple(
+        n.group(1)
+        for key in _CALL_ATTRS
+        if key in ins.attributes
+        for n in _NAME_RE.finditer(ins.attributes[key])
+    )
+    return dataclasses.replace(ins, calls=calls) if calls else ins
+
+
+def _balanced_end(s: str, start: int) -> int:
+    """Index just past the bracket that closes the one at ``start`` (ignores quoted text)."""
+    depth = 0
+    quoted = False
+    for i in range(start, len(s)):
+        ch = s[i]
+        if ch == '"' and (i == 0 or s[i - 1] != "\\"):
+            quoted = not quoted
+        elif quoted:
+            continue
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(s)
+
+
+def _split_top(s: str) -> list[str]:
+    """Splits at commas that are neither nested in brackets nor quoted; drops empty parts."""
+    parts, depth, last, quoted = [], 0, 0, False
+    for i, ch in enumerate(s):
+        if ch == '"' and (i == 0 or s[i - 1] != "\\"):
+            quoted = not quoted
+        elif quoted:
+            continue
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(s[last:i].strip())
+            last = i + 1
+    parts.append(s[last:].strip())
+    return [p for p in parts if p]
+
+
+def _is_dot(ins: Instruction, calls_dot: Any) -> bool:
+    if ins.opcode in _DOT_OPCODES:
+        return True
+    if ins.opcode == "custom-call":
+        target = ins.attributes.get("custom_call_target", "").strip('"')
+        if _DOT_TARGET_RE.search(target):
+            return True
+    if ins.opcode in _NOT_DOT_CALLERS:
+        return False  # their called computations are scalar reducers
+    return any(calls_dot(c) for c in ins.calls)
+
+
+def _wrapped_collective(ins: Instruction, module: Module) -> Instruction | None:
+    """The collective inside the computation an ``async-start`` wraps, if any."""
+    for cname in ins.calls:
+        for inner in module.computations.get(cname, ()):
+            if inner.opcode in COLLECTIVE_KINDS or inner.opcode in _STARTS:
+                return inner
+    return None
+
+
+def _operand_arrays(
+    ins: Instruction, by_name: Mapping[str, Instruction], fallback: Sequence[Array]
+) -> tuple[Array, ...]:
+    out: list[Array] = []
+    for name in ins.operands:
+        producer = by_name.get(name)
+        if producer is not None:
+            out += producer.results
+    return tuple(out) if out else tuple(fallback)
+
+
+def _read_computation(
+    module: Module, name: str
+) -> tuple[tuple[ScheduledOp, ...], tuple[Collective, ...], int]:
+    """(ops, collectives, max in flight) of one computation."""
+    instrs = module.computations[name]
+    by_name = {ins.name: ins for ins in instrs}
+    ops = tuple(
+        ScheduledOp(i, ins.name, ins.opcode, module.is_dot(ins), ins.op_name)
+        for i, ins in enumerate(instrs)
+    )
+    position = {op.name: op.index for op in ops}
+    # Pair each start with its done (the done's only operand is the start).
+    done_of = {ins.operands[0]: ins for ins in instrs if ins.opcode in _DONES and ins.operands}
+    dot_positions = [op.index for op in ops if op.is_dot]
+    in_loop = name in module.loop_computations
+    in_conditional = name in module.branch_computations
+
+    found = []
+    in_flight = max_in_flight = 0
+    for op, ins in zip(ops, instrs, strict=True):
+        if ins.opcode in _DONES:
+            start = by_name.get(ins.operands[0]) if ins.operands else None
+            if start is not None and (
+                start.opcode in _STARTS or _wrapped_collective(start, module) is not None
+            ):
+                in_flight -= 1
+            continue
+        described = ins
+        if ins.opcode in COLLECTIVE_KINDS:
+            kind = ins.opcode
+            operands = _operand_arrays(ins, by_name, ins.results)
+            results = ins.results
+            done_index, asynchronous, is_sync = op.index, False, True
+        else:
+            if ins.opcode in _STARTS:
+                kind = _STARTS[ins.opcode]
+                operands = _operand_arrays(ins, by_name, ())
+            elif ins.opcode == "async-start" and (inner := _wrapped_collective(ins, module)):
+                kind = inner.opcode.removesuffix("-start")
+                inner_by_name = {i.name: i for i in module.computations[inner.computation]}
+                operands = _operand_arrays(inner, inner_by_name, inner.results)
+                if "replica_groups" not in ins.attributes:
+                    described = inner
+            else:
+                continue
+            done = done_of.get(ins.name)
+            done_index = position[done.name] if done is not None else len(ops)
+            results = done.results if done is not None else ()
+            asynchronous = True
+            match = _IS_SYNC_RE.search(ins.attrs)
+            is_sync = bool(match and match.group(1) == "true")
+            in_flight += 1
+            max_in_flight = max(max_in_flight, in_flight)
+        found.append(
+            Collective(
+                kind=kind,
+                name=ins.name,
+                computation=name,
+                index=op.index,
+                done_index=done_index,
+                operands=operands,
+                results=results,
+                asynchronous=asynchronous,
+                is_sync=is_sync,
+                between=ops[op.index + 1 : done_index],
+                dots_after=tuple(ops[i] for i in dot_positions if i > done_index),
+                dots_before=sum(1 for i in dot_positions if i < op.index),
+                op_name=described.op_name or ins.op_name,
+                replica_groups=described.attributes.get("replica_groups", ""),
+                in_loop=in_loop,
+                in_conditional=in_conditional,
+                instruction=ins,
+            )
+        )
+    return ops, tuple(found), max_in_flight
+
+
+def _all_collectives(module: Module) -> tuple[Collective, ...]:
+    found: list[Collective] = []
+    for name, body in module.computations.items():
+        if name in module.async_wrapped_computations or not any(
+            ins.opcode in COLLECTIVE_KINDS or ins.opcode in _STARTS or ins.opcode == "async-start"
+            for ins in body
+        ):
+            continue
+        found += _read_computation(module, name)[1]
+    return tuple(found)

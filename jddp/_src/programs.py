@@ -1,0 +1,220 @@
+"""The program check across processes: every process must run the same collectives.
+
+Two processes that compile different step programs (another bucket cap, another model, a branch
+on process-local data) issue collectives that do not match: Gloo aborts the process from C++
+("Received data size doesn't match expected size"), NCCL hangs or corrupts. Under ``jit`` the
+collectives are known before anything runs, so before the first execution of each compiled
+program of a multi-process job, every process publishes a description of its program's
+collectives (:class:`ProgramSignature`: kind, operand shapes and dtypes, replica groups, whether
+in a loop or a branch, in order, and the bucket plan) in ``jax.distributed``'s key-value store,
+waits for the others at a barrier, and compares digests. On a mismatch every process raises the
+same :class:`ProgramMismatchError`, naming the processes that differ and the first differing
+collective, before any collective of that program has run.
+
+Cost, once per compiled program (never per step): reading the compiled HLO text (the compile
+itself is the one the first call needs anyway: ``jit`` reuses it), two small key-value writes, one
+barrier and one directory read on the coordinator; milliseconds on loopback
+(``tests/test_program_check.py`` prints it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+from jddp._src import hlo
+
+#: Seconds a process waits at the check for the others (they may still be compiling); override
+#: with the environment variable ``JDDP_PROGRAM_CHECK_TIMEOUT``.
+DEFAULT_TIMEOUT_S = 600.0
+_ENV_TIMEOUT = "JDDP_PROGRAM_CHECK_TIMEOUT"
+_PREFIX = "jddp/program_check"
+_sequence = itertools.count()  # the n-th check of this process; every process makes the same
+
+
+class ProgramMismatchError(RuntimeError):
+    """Processes of one job compiled different step programs (raised on every process, before
+    any collective of the program runs).
+
+    Attributes:
+      differing: the processes whose program differs from process 0's.
+      index: position of the first differing collective in the program (``None`` when the
+        collectives agree and only the bucket plans differ, or a process never arrived).
+    """
+
+    def __init__(self, message: str, differing: Sequence[int], index: int | None) -> None:
+        super().__init__(message)
+        self.differing = tuple(differing)
+        self.index = index
+
+
+class CollectiveSig(NamedTuple):
+    """What must agree across processes about one collective of a compiled program."""
+
+    kind: str
+    operands: tuple[str, ...]  # e.g. ("f32[64,64]", "f32[64]")
+    nbytes: int
+    group_size: int
+    groups: str  # XLA's replica groups, as printed
+    where: str  # "", "loop", "branch" or "loop, branch"
+    bucket: int | None
+
+    def __str__(self) -> str:
+        ops = ", ".join(self.operands)
+        if len(ops) > 60:
+            ops = f"{len(self.operands)} arrays"
+        bucket = "" if self.bucket is None else f" for bucket {self.bucket}"
+        where = f", in a {self.where}" if self.where else ""
+        return (f"{self.kind} of {self.nbytes} bytes ({ops}){bucket} over groups of "
+                f"{self.group_size}{where}")
+
+
+class ProgramSignature(NamedTuple):
+    """A compiled step program, as far as the other processes are concerned.
+
+    Attributes:
+      collectives: every collective, in program order.
+      buckets: the parameters (paths) of each gradient bucket, in reduction order.
+    """
+
+    collectives: tuple[CollectiveSig, ...]
+    buckets: tuple[tuple[str, ...], ...]
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:32]
+
+    def to_json(self) -> str:
+        return json.dumps([[list(c) for c in self.collectives], [list(b) for b in self.buckets]])
+
+    @classmethod
+    def from_json(cls, text: str) -> ProgramSignature:
+        cols, buckets = json.loads(text)
+        return cls(
+            tuple(CollectiveSig(k, tuple(o), n, s, g, w, b) for k, o, n, s, g, w, b in cols),
+            tuple(tuple(b) for b in buckets),
+        )
+
+
+def signature(compiled: Any, plan: Any = None) -> ProgramSignature:
+    """The :class:`ProgramSignature` of a compiled program (text, ``Compiled`` or ``Lowered``).
+
+    Args:
+      plan: the bucket plan the program was traced with (a ``BucketPlan``), if any.
+    """
+    out = []
+    for c in hlo.collectives(compiled):
+        groups = c.groups
+        where = ", ".join(w for w, on in (("loop", c.in_loop), ("branch", c.in_conditional)) if on)
+        out.append(CollectiveSig(
+            c.kind, tuple(str(o) for o in c.operands), int(c.nbytes),
+            len(groups[0]) if groups else 0, c.replica_groups, where, c.bucket,
+        ))
+    buckets: tuple[tuple[str, ...], ...] = ()
+    if plan is not None:
+        buckets = tuple(tuple(plan.paths[i] for i in b.indices) for b in plan.buckets)
+    return ProgramSignature(tuple(out), buckets)
+
+
+def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _item(seq: Sequence[Any], i: int) -> str:
+    return str(seq[i]) if i < len(seq) else "nothing (its program ends earlier)"
+
+
+def describe_mismatch(
+    ref: ProgramSignature, other: ProgramSignature, other_process: int,
+    differing: Sequence[int], num_processes: int, what: str = "step program",
+) -> ProgramMismatchError:
+    """The error for processes whose program (``other`` on ``other_process``) differs from
+    process 0's (``ref``)."""
+    head = (f"The processes compiled different {what}s: process(es) {list(differing)} differ from "
+            f"process 0 ({num_processes} processes). Their collectives would not match (Gloo "
+            "aborts, NCCL hangs), so nothing was run.")
+    index = _first_difference(ref.collectives, other.collectives)
+    if index is not None:
+        detail = (f" First difference at collective #{index} of {len(ref.collectives)}: process 0 "
+                  f"has {_item(ref.collectives, index)}; process {other_process} has "
+                  f"{_item(other.collectives, index)}.")
+    else:
+        detail = " Their collectives agree, but the gradient buckets hold different parameters."
+    b = _first_difference(ref.buckets, other.buckets)
+    if b is not None:
+        detail += (f" Bucket plans: process 0 has {len(ref.buckets)} buckets, process "
+                   f"{other_process} {len(other.buckets)}; bucket {b} holds "
+                   f"{_paths(ref.buckets, b)} on process 0 and {_paths(other.buckets, b)} on "
+                   f"process {other_process}.")
+    fix = (" Build the same DataParallel (same options, bucket_cap_mb included) with the same "
+           "loss on every process, and keep Python branches in the loss off process-local data "
+           "and jax.process_index().")
+    return ProgramMismatchError(head + detail + fix, differing, index)
+
+
+def _paths(buckets: Sequence[Sequence[str]], b: int) -> str:
+    if b >= len(buckets):
+        return "nothing"
+    paths = list(buckets[b])
+    return str(paths if len(paths) <= 6 else paths[:6] + [f"... {len(paths) - 6} more"])
+
+
+def timeout_s() -> float:
+    value = os.environ.get(_ENV_TIMEOUT)
+    return float(value) if value else DEFAULT_TIMEOUT_S
+
+
+def check_across_processes(sig: ProgramSignature, what: str = "step program") -> None:
+    """Raises :class:`ProgramMismatchError` on every process unless all hold the same ``sig``.
+
+    Every process of the job must call this the same number of times, in the same order (it is
+    called before the first run of each compiled step program). Nothing with one process.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the coordinator's key-value store
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    seq, me, n = next(_sequence), jax.process_index(), jax.process_count()
+    prefix = f"{_PREFIX}/{seq}"
+    digest = sig.digest()
+    client.key_value_set(f"{prefix}/desc/{me}", sig.to_json())
+    client.key_value_set(f"{prefix}/digest/{me}", digest)
+    limit = timeout_s()
+    try:
+        client.wait_at_barrier(f"{prefix}/barrier", int(limit * 1000))
+    except Exception as e:  # jax's runtime error; DEADLINE_EXCEEDED when someone never came
+        arrived = sorted(int(k.rsplit("/", 1)[1]) for k, _ in
+                         client.key_value_dir_get(f"{prefix}/digest/"))
+        missing = sorted(set(range(n)) - set(arrived))
+        raise ProgramMismatchError(
+            f"Process(es) {missing} did not reach the check of {what} #{seq} (before its first "
+            f"run) within {limit:g} s; processes {arrived} did. They compiled fewer programs than this "
+            f"one (a branch on process-local data?), or are stuck or still compiling (raise "
+            f"{_ENV_TIMEOUT}). ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+            missing, None) from None
+    digests = {int(k.rsplit("/", 1)[1]): v for k, v in
+               client.key_value_dir_get(f"{prefix}/digest/")}
+    if len(set(digests.values())) <= 1:
+        return
+    differing = sorted(p for p, d in digests.items() if d != digests[0])
+    other = differing[0]
+
+    def fetch(p: int) -> ProgramSignature:
+        if p == me:
+            return sig
+        return ProgramSignature.from_json(
+            client.blocking_key_value_get(f"{prefix}/desc/{p}", int(limit * 1000)))
+
+    raise describe_mismatch(fetch(0), fetch(other), other, differing, n, what)
+

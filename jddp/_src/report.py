@@ -1,0 +1,266 @@
+"""``ddp.report(state, batch)``: the compiled step's communication contract, and its memory.
+
+Everything is read from the program the step runs (``ddp.step.lower(...).compile()``, the same
+program: ``jit`` reuses the compile): each collective of the compiled HLO (kind, operand bytes
+and dtypes, replica-group size, whether its groups span hosts, the gradient bucket whose
+reduction issued it, whether it sits in a loop or a branch), the bytes one device sends for it
+under a ring model (:mod:`jddp._src.traffic`, the model ``metrics["comm_bytes"]`` uses), and the
+per-device sizes from ``compiled.memory_analysis()``.
+
+``metrics["comm_bytes"]`` counts the collectives jddp issues (the buckets, the loss and metrics
+with them or on their own, a sharded stage's parameter all-gathers); the report counts every
+operand of every collective, so it also holds collectives jddp does not issue (an optimizer's
+global norm over sharded leaves, SyncBN statistics).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jddp._src import hlo
+from jddp._src.traffic import sent_per_device, traffic
+from jddp._src.tree import fmt_bytes
+
+
+class CollectiveReport(NamedTuple):
+    """One collective of the compiled step.
+
+    Attributes:
+      index: position in the program (computation by computation, in schedule order).
+      kind: ``"all-reduce"``, ``"reduce-scatter"``, ``"all-gather"``, ...
+      bytes: operand bytes per device (what each device puts in).
+      dtype: the operands' element types (``"f32"``, or ``"f32,bf16"``).
+      shapes: the operands' shapes.
+      group_size: devices per replica group.
+      level: ``"hosts"`` when a replica group spans hosts, else ``"local"``.
+      bucket: the gradient bucket whose reduction issued it (``None``: outside every bucket):
+        read from the ``op_name`` jddp gives each bucket's reduction, or, where XLA drops it
+        (GPU's asynchronous collectives), matched to the plan by bytes in order.
+      in_loop: it runs inside a ``while`` loop (once per iteration; totals count it once).
+      in_branch: it runs inside a ``conditional`` (with accumulation: once per window).
+      sent: bytes one device sends for it (ring model).
+      across_hosts: bytes one host sends to other hosts for it (ring model, mean over hosts).
+      mode: ``"sync"`` (a plain op), ``"async"`` (start/done pair) or ``"async*"`` (marked sync).
+      overlapped_dots: GEMMs/convolutions scheduled while it is in flight (asynchronous only:
+        the backward compute that hides it, on GPU).
+    """
+
+    index: int  # type: ignore[assignment]  # shadows tuple.index; a position reads best
+    kind: str
+    bytes: int
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    group_size: int
+    level: str
+    bucket: int | None
+    in_loop: bool
+    in_branch: bool
+    sent: float
+    across_hosts: float
+    mode: str
+    overlapped_dots: int
+
+
+class MemoryReport(NamedTuple):
+    """Per-device memory of the compiled step, in bytes.
+
+    Attributes:
+      at_rest: the training state one device holds between steps.
+      arguments: the program's inputs (state, batch, ...).
+      outputs: its outputs.
+      aliased: outputs written over donated inputs (counted in both above).
+      temporaries: XLA's scratch space during the step.
+      peak: ``arguments + outputs - aliased + temporaries``, the most the step holds at once.
+      generated_code: the executable's code size.
+    """
+
+    at_rest: int
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    peak: int
+    generated_code: int
+
+
+class Report(NamedTuple):
+    """The compiled step's collectives, their totals, and its memory (see ``ddp.report``).
+
+    Attributes:
+      collectives: every collective, in program order.
+      memory: per-device memory (``None`` where the backend gives no analysis).
+      num_devices: devices of the data mesh.
+      hosts: hosts of the mesh (processes, or rows of a two-level mesh).
+      window: calls of ``step`` per synchronisation (``accumulate_steps``).
+    """
+
+    collectives: tuple[CollectiveReport, ...]
+    memory: MemoryReport | None
+    num_devices: int
+    hosts: int
+    window: int
+
+    def _total(self, field: str) -> float:
+        """Per window: collectives outside a branch run on every call, those inside the
+        accumulation's branch once per window."""
+        every = sum(getattr(c, field) for c in self.collectives if not c.in_branch)
+        once = sum(getattr(c, field) for c in self.collectives if c.in_branch)
+        return (self.window * every + once) if self.window > 1 else every + once
+
+    @property
+    def bytes_per_window(self) -> float:
+        """Operand bytes per device of the collectives of one synchronisation window."""
+        return self._total("bytes")
+
+    @property
+    def bytes_per_step(self) -> float:
+        """:attr:`bytes_per_window` per call of ``step``."""
+        return self.bytes_per_window / self.window
+
+    @property
+    def sent_per_window(self) -> float:
+        """Bytes one device sends per window (ring model; ``metrics["comm_bytes"]`` plus the
+        collectives jddp does not issue, see the module docstring)."""
+        return self._total("sent")
+
+    @property
+    def sent_per_step(self) -> float:
+        return self.sent_per_window / self.window
+
+    @property
+    def across_hosts_per_window(self) -> float:
+        """Bytes one host sends to other hosts per window (0 with one host)."""
+        return self._total("across_hosts")
+
+    def by_bucket(self) -> dict[int, list[CollectiveReport]]:
+        """The collectives of each gradient bucket."""
+        out: dict[int, list[CollectiveReport]] = {}
+        for c in self.collectives:
+            if c.bucket is not None:
+                out.setdefault(c.bucket, []).append(c)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict (``json.dumps(rep.to_dict())``)."""
+        return {
+            "num_devices": self.num_devices, "hosts": self.hosts, "window": self.window,
+            "collectives": [c._asdict() for c in self.collectives],
+            "bytes_per_step": self.bytes_per_step, "bytes_per_window": self.bytes_per_window,
+            "sent_per_step": self.sent_per_step, "sent_per_window": self.sent_per_window,
+            "across_hosts_per_window": self.across_hosts_per_window,
+            "memory": None if self.memory is None else self.memory._asdict(),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def __str__(self) -> str:
+        head = (f"Step program: {self.num_devices} devices, {self.hosts} host(s), "
+                f"{len(self.collectives)} collectives"
+                + (f", a window of {self.window} calls" if self.window > 1 else ""))
+        rows = [("#", "kind", "bytes", "dtype", "group", "level", "bucket", "where", "sent/dev",
+                 "across/host", "mode", "overlap")]
+        for c in self.collectives:
+            where = ",".join(w for w, on in (("loop", c.in_loop), ("branch", c.in_branch)) if on)
+            rows.append((str(c.index), c.kind, fmt_bytes(c.bytes), c.dtype, str(c.group_size),
+                         c.level, "-" if c.bucket is None else str(c.bucket), where or "-",
+                         fmt_bytes(c.sent), fmt_bytes(c.across_hosts), c.mode,
+                         f"{c.overlapped_dots} dots" if c.mode == "async" else "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [head] + ["  " + "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True))
+                          for r in rows]
+        lines.append(f"per step: {fmt_bytes(self.bytes_per_step)} in collectives, "
+                     f"{fmt_bytes(self.sent_per_step)} sent per device, "
+                     f"{fmt_bytes(self.across_hosts_per_window / self.window)} across hosts per "
+                     "host" + (f" (per window of {self.window}: "
+                               f"{fmt_bytes(self.bytes_per_window)}, "
+                               f"{fmt_bytes(self.sent_per_window)} sent)"
+                               if self.window > 1 else ""))
+        m = self.memory
+        if m is not None:
+            lines.append(f"memory per device: at rest {fmt_bytes(m.at_rest)}; arguments "
+                         f"{fmt_bytes(m.arguments)}, outputs {fmt_bytes(m.outputs)} (aliased "
+                         f"{fmt_bytes(m.aliased)}), temporaries {fmt_bytes(m.temporaries)}, "
+                         f"peak {fmt_bytes(m.peak)}")
+        return "\n".join(lines)
+
+
+def state_bytes_per_device(tree: Any) -> int:
+    """Bytes of ``tree`` one device holds: each leaf's shard (its whole shape if replicated)."""
+    import jax
+
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = tuple(np.shape(x))
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None:
+            shape = tuple(sharding.shard_shape(shape))
+        itemsize = getattr(getattr(x, "dtype", None), "itemsize", 0) or 0
+        total += math.prod(shape) * int(itemsize)
+    return total
+
+
+def memory(compiled: Any, state: Any) -> MemoryReport | None:
+    """:class:`MemoryReport` of a ``jax.stages.Compiled`` for ``state`` (``None`` if the backend
+    gives no analysis)."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # backends without the analysis raise (e.g. some compile-only targets)
+        ma = None
+    if ma is None:
+        return None
+    args, outs = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
+    alias, temp = int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes)
+    return MemoryReport(state_bytes_per_device(state), args, outs, alias, temp,
+                        args + outs - alias + temp, int(ma.generated_code_size_in_bytes))
+
+
+def collectives(source: Any, host_of_device: Sequence[int]) -> tuple[CollectiveReport, ...]:
+    """The :class:`CollectiveReport` of every collective of a compiled program."""
+    host = list(host_of_device)
+    out = []
+    for i, t in enumerate(traffic(hlo.read_module(source), host).collectives):
+        c = t.collective
+        groups = c.groups or (tuple(range(len(host))),)
+        out.append(CollectiveReport(
+            index=i, kind=c.kind, bytes=int(c.nbytes),
+            dtype=",".join(sorted(set(c.dtypes))), shapes=c.shapes, group_size=len(groups[0]),
+            level="hosts" if t.crosses else "local", bucket=c.bucket, in_loop=c.in_loop,
+            in_branch=c.in_conditional, sent=sent_per_device(c.kind, c.nbytes, len(groups[0])),
+            across_hosts=t.across, mode=c.mode,
+            overlapped_dots=c.dots_between if c.asynchronous else 0,
+        ))
+    return tuple(out)
+
+
+def assign_buckets(cols: Sequence[CollectiveReport], plan: Any) -> tuple[CollectiveReport, ...]:
+    """Buckets for collectives whose ``op_name`` was dropped (XLA's GPU asynchronous
+    collectives keep only a scheduling name): the gradient collectives (all-reduce,
+    reduce-scatter; not in a loop), in program order, fill the plan's buckets in order, by
+    bytes (a bucket XLA split in two gets both pieces)."""
+    if plan is None or any(c.bucket is not None for c in cols):
+        return tuple(cols)
+    out, b, filled = [], 0, 0
+    for c in cols:
+        if b < plan.num_buckets and c.kind in ("all-reduce", "reduce-scatter") and not c.in_loop:
+            c = c._replace(bucket=b)
+            filled += c.bytes
+            if filled >= plan.buckets[b].nbytes:
+                b, filled = b + 1, 0
+        out.append(c)
+    return tuple(out)
+
+
+def build(compiled: Any, state: Any, host_of_device: Sequence[int], window: int,
+          plan: Any = None) -> Report:
+    """The :class:`Report` of a compiled step for ``state`` on a mesh whose devices sit on
+    ``host_of_device``; ``plan`` (the step's bucket plan) names buckets the program's metadata
+    does not."""
+    cols = assign_buckets(collectives(compiled.as_text(), host_of_device), plan)
+    return Report(cols, memory(compiled, state), len(host_of_device),
+                  max(1, len(set(host_of_device))), int(window))

@@ -1,0 +1,174 @@
+"""The program check across processes (``jddp._src.programs``): processes that compiled
+different step programs get ``jddp.ProgramMismatchError`` on every process, naming the processes
+and the first differing collective, before any collective runs (no Gloo abort, no hang)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jddp._src import programs
+from jddp.launch import free_port
+from tests.launch_util import REPO, child_env, run_launcher
+
+# One job runs every scenario in turn: a mismatch runs nothing, so the job stays usable.
+SCRIPT = r'''
+import sys, time
+import numpy as np
+import jax
+import jddp
+if len(sys.argv) > 1:  # without jddp-run: jddp.initialize's own arguments
+    jddp.initialize(sys.argv[1], 2, int(sys.argv[2]), local_device_count=4, timeout_s=60)
+    only = sys.argv[3]
+else:
+    only = None
+    jddp.initialize(timeout_s=60)
+import jax.numpy as jnp
+import optax
+from jddp._src import programs
+
+me = jax.process_index()
+mesh = jddp.data_mesh()
+assert mesh.size == 8 and jax.process_count() == 2
+rng = np.random.default_rng(0)
+params = {f"d{i}": {"w": (rng.normal(size=(16, 16)) / 4).astype(np.float32),
+                    "b": np.zeros((16,), np.float32)} for i in range(3)}
+params["scale"] = np.ones((16,), np.float32)
+local = rng.normal(size=(8, 16)).astype(np.float32)
+batch = jddp.global_batch_from_local({"x": local + (1.0 if me == 0 else -1.0),
+                                      "y": local}, mesh)
+
+def mlp(order, use_scale=False):
+    def loss_fn(p, b):
+        x = b["x"]
+        for i in order:
+            x = jnp.tanh(x @ p[f"d{i}"]["w"] + p[f"d{i}"]["b"])
+        if use_scale:
+            x = x * p["scale"]
+        return jnp.mean((x - b["y"]) ** 2)
+    return loss_fn
+
+# A data-dependent branch: whether the loss uses "scale" depends on this process's own data.
+use_scale = float(local.mean() + (1.0 if me == 0 else -1.0)) > 0
+cases = {
+    "caps": (mlp((0, 1, 2)), {"bucket_cap_mb": 25.0 if me == 0 else 0.001}),
+    "model": (mlp((0, 1, 2) if me == 0 else (0, 2, 1)), {"bucket_cap_mb": 0.001}),
+    "branch": (mlp((0, 1, 2), use_scale), {"bucket_cap_mb": 0.001}),
+}
+for name, (loss_fn, kw) in cases.items():
+    if only is not None and name != only:
+        continue
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh, first_bucket_mb=0.0005, **kw)
+    state = ddp.init(params)
+    t = time.perf_counter()
+    try:
+        state, _ = ddp.step(state, batch)
+        jax.block_until_ready(state)
+        print("NO ERROR", name, flush=True)
+    except programs.ProgramMismatchError as e:
+        assert isinstance(e, jddp.ProgramMismatchError)
+        print(f"MISMATCH {name} {time.perf_counter() - t:.2f}s differing={list(e.differing)} "
+              f"index={e.index} :: {e}", flush=True)
+
+# The same program on both: it runs, once checked, and the check's cost is printed.
+costs = []
+check, sign = programs.check_across_processes, programs.signature
+def timed(fn):
+    def run(*a, **k):
+        t = time.perf_counter()
+        out = fn(*a, **k)
+        costs.append(time.perf_counter() - t)
+        return out
+    return run
+programs.check_across_processes, programs.signature = timed(check), timed(sign)
+ddp = jddp.DataParallel(mlp((0, 1, 2)), optax.sgd(0.1), mesh=mesh, bucket_cap_mb=0.001,
+                        first_bucket_mb=0.0005)
+state = ddp.init(params)
+for _ in range(3):
+    state, metrics = ddp.step(state, batch)
+print(f"AGREE loss={float(metrics['loss']):.6f} checks={len(costs) // 2} "
+      f"cost_ms={1000 * sum(costs):.1f} cache={ddp.step.cache_size()}", flush=True)
+'''
+
+
+def _mismatches(out: str) -> dict[tuple[int, str], str]:
+    found = {}
+    for line in out.splitlines():
+        m = re.match(r"(?:\[rank(\d)\] )?MISMATCH (\w+) ([\d.]+)s (.*)", line)
+        if m:
+            found[(int(m.group(1) or -1), m.group(2))] = line
+            assert float(m.group(3)) < 30.0, line
+    return found
+
+
+@pytest.mark.slow
+def test_mismatched_programs_raise_a_named_error_on_every_process(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    rc, out, err, _ = run_launcher(["-n", "2", "--devices-per-process", "4", str(script)],
+                                   timeout=240)
+    assert rc == 0, (out[-3000:], err[-3000:])
+    found = _mismatches(out)
+    for rank in (0, 1):
+        caps = found[(rank, "caps")]
+        # Cap 25 MiB: the first bucket and one more; cap 1 KiB: a bucket per layer.
+        assert "differing=[1] index=1" in caps and "process(es) [1] differ" in caps, caps
+        assert re.search(r"process 0 has all-reduce of 2180 bytes .* for bucket 1 .*; process 1 "
+                         r"has all-reduce of 1088 bytes", caps), caps
+        model = found[(rank, "model")]
+        # Swapped layers of equal shapes: the collectives agree, the buckets do not.
+        assert "index=None" in model and "buckets hold different parameters" in model, model
+        assert "d2.w" in model and "d1.w" in model, model
+        branch = found[(rank, "branch")]
+        assert "differing=[1]" in branch and "bucket" in branch, branch
+        assert f"[rank{rank}] AGREE" in out and f"[rank{rank}] NO ERROR" not in out
+    agree = re.findall(r"AGREE loss=(\S+) checks=(\d+) cost_ms=(\S+) cache=(\d+)", out)
+    assert len(agree) == 2 and agree[0][0] == agree[1][0], agree
+    assert all(int(c) == 1 and int(k) == 1 for _, c, _, k in agree), agree  # once per program
+    print("program check cost (ms) per process:", [float(x[2]) for x in agree])
+
+
+@pytest.mark.slow
+def test_program_check_with_initialize_alone(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(script), address, str(i), "caps"], cwd=REPO,
+                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            assert p.returncode == 0, (out[-2000:], err[-3000:])
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for out in outs:
+        found = _mismatches(out)
+        assert {name for _, name in found} == {"caps"}, out
+        assert "AGREE" in out
+
+
+def test_signature_and_message_name_the_first_difference():
+    a = programs.ProgramSignature(
+        (programs.CollectiveSig("all-reduce", ("f32[16,16]", "f32[16]"), 1088, 8, "{}", "", 0),),
+        (("d2.b", "d2.w"),))
+    b = programs.ProgramSignature(
+        (programs.CollectiveSig("all-reduce", ("f32[16]",), 64, 8, "{}", "loop", 0),),
+        (("d2.b",), ("d2.w",)))
+    assert programs.ProgramSignature.from_json(a.to_json()) == a
+    assert a.digest() != b.digest() and a.digest() == programs.ProgramSignature.from_json(
+        a.to_json()).digest()
+    err = programs.describe_mismatch(a, b, 1, [1], 2)
+    assert err.differing == (1,) and err.index == 0
+    msg = str(err)
+    assert "process 0 has all-reduce of 1088 bytes (f32[16,16], f32[16]) for bucket 0" in msg, msg
+    assert "process 1 has all-reduce of 64 bytes (f32[16]) for bucket 0 over groups of 8, in a loop" \
+        in msg, msg
+    assert "bucket 0 holds ['d2.b', 'd2.w'] on process 0 and ['d2.b'] on process 1" in msg, msg

@@ -1,0 +1,127 @@
+"""``ddp.report``: the collectives of the compiled step, their bytes against the bucket plan and
+``metrics["comm_bytes"]``, totals per window, levels on a two-level mesh, and memory."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jddp
+from jddp.perf import schedule, topologies
+from tests._models import layer_list_like, layer_list_loss
+
+SIZES = [32, 64, 64, 8]
+LOSS_BYTES = 4  # the float32 loss rides on the last bucket's all-reduce
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {f"d{i}": {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32),
+                      "b": np.zeros((b,), np.float32)}
+            for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:], strict=True))}
+
+
+calls = []
+
+
+def loss_fn(p, b):
+    calls.append(1)
+    x = b["x"]
+    for i in range(3):
+        x = x @ p[f"d{i}"]["w"] + p[f"d{i}"]["b"]
+        x = jnp.tanh(x) if i < 2 else x
+    return jnp.mean((x - b["y"]) ** 2)
+
+
+def _batch(mesh):
+    rng = np.random.default_rng(1)
+    return jddp.shard_batch({"x": rng.normal(size=(16, 32)).astype(np.float32),
+                             "y": rng.normal(size=(16, 8)).astype(np.float32)}, mesh)
+
+
+def _ring(nbytes, n):
+    return 2 * (n - 1) / n * nbytes
+
+
+def test_report_matches_the_plan_comm_bytes_and_the_program():
+    mesh = jddp.data_mesh()
+    n = mesh.size
+    ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh, bucket_cap_mb=0.01,
+                            first_bucket_mb=0.005)
+    state, batch = ddp.init(_params()), _batch(mesh)
+    calls.clear()
+    rep = ddp.report(state, batch)
+    plan = ddp.bucket_plan
+    assert plan.num_buckets >= 2
+    # One all-reduce per bucket, tagged with its bucket, of the bucket's bytes (+ the loss).
+    assert [c.kind for c in rep.collectives] == ["all-reduce"] * plan.num_buckets
+    assert [c.bucket for c in rep.collectives] == list(range(plan.num_buckets))
+    want = [b.nbytes for b in plan.buckets]
+    want[-1] += LOSS_BYTES
+    assert [c.bytes for c in rep.collectives] == want
+    assert all(c.group_size == n and c.level == "local" and c.dtype == "f32" and not c.in_loop
+               for c in rep.collectives)
+    assert rep.bytes_per_step == sum(want)
+    # The same program as the compiled step's, collective by collective.
+    text = ddp.step.lower(state, batch).compile().as_text()
+    assert [(c.kind, c.nbytes, c.shapes) for c in schedule.collectives(text)] == [
+        (c.kind, c.bytes, c.shapes) for c in rep.collectives]
+    # The step reuses the report's compile: the loss was traced once.
+    state, metrics = ddp.step(state, batch)
+    assert len(calls) == 1 and ddp.step.cache_size() == 1
+    # comm_bytes counts every collective of the step, the loss riding on the last bucket too.
+    assert rep.sent_per_step == pytest.approx(float(metrics["comm_bytes"]), rel=1e-6)
+    # Memory: params + two Adam moments at rest, the step's peak from XLA's analysis.
+    m = rep.memory
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(_params()))
+    assert 3 * param_bytes <= m.at_rest <= 3 * param_bytes + 64
+    assert m.peak == m.arguments + m.outputs - m.aliased + m.temporaries
+    assert m.arguments >= m.at_rest
+    d = json.loads(json.dumps(rep.to_dict()))
+    assert d["bytes_per_step"] == sum(want) and len(d["collectives"]) == plan.num_buckets
+    assert d["collectives"][0]["bucket"] == 0 and d["memory"]["peak"] == m.peak
+    text = str(rep)
+    assert "all-reduce" in text and "memory per device" in text and "peak" in text
+
+
+def test_report_levels_on_two_hosts_and_windows_with_accumulation():
+    mesh = jddp.data_mesh(hosts=2)
+    n = mesh.size
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh, bucket_cap_mb=0.01,
+                            first_bucket_mb=0.005, accumulate_steps=2)
+    state, batch = ddp.init(_params()), _batch(mesh)
+    rep = ddp.report(state, batch)
+    assert rep.hosts == 2 and rep.window == 2
+    assert all(c.level == "hosts" and c.in_branch for c in rep.collectives)
+    assert rep.bytes_per_step == rep.bytes_per_window / 2
+    for _ in range(2):
+        state, metrics = ddp.step(state, batch)
+    assert bool(metrics["synced"])
+    # Per window: what the synchronising call sends (comm_bytes, the loss included).
+    assert rep.sent_per_window == pytest.approx(float(metrics["comm_bytes"]), rel=1e-6)
+    # comm_bytes_hosts is per device; the report's across-hosts bytes are per host.
+    assert rep.across_hosts_per_window * rep.hosts / n == pytest.approx(
+        float(metrics["comm_bytes_hosts"]), rel=1e-6)
+    # The no-sync program has no collective.
+    assert ddp.report(state, batch, sync=False).collectives == ()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not topologies.has_gpu_compiler(), reason="no CUDA compiler plugin")
+def test_report_on_a_compile_only_gpu_mesh_shows_overlap():
+    mesh = topologies.gpu_mesh(8)
+    ddp = jddp.DataParallel(layer_list_loss, optax.sgd(0.1), mesh=mesh, bucket_cap_mb=1.0)
+    params = layer_list_like(4, 512)
+    batch = {k: jax.ShapeDtypeStruct((64, 512), jnp.float32) for k in ("x", "y")}
+    rep = ddp.report(ddp.abstract_state(params), batch)
+    buckets = rep.by_bucket()
+    assert len(buckets) >= 2 and all(c.mode == "async" for c in rep.collectives)
+    # Every bucket but the last is hidden behind backward GEMMs.
+    assert all(cs[0].overlapped_dots > 0 for b, cs in buckets.items() if b < len(buckets) - 1)
+    assert rep.memory is not None and rep.memory.peak > 0
+    assert "dots" in str(rep)

@@ -274,6 +274,14 @@ def test_comm_bytes_equal_the_compiled_collectives(stage):
                 name, sync)
     assert (sent["none", False] > 0) == (stage == 3)  # stage 3 gathers to compute locally
     assert sent["powersgd", True] < sent["none", True]
+    if stage == 3:  # scanned micro-batches: the whole parameters gathered once more
+        ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=3, microbatches=2,
+                                donate=False, **CAPS)
+        state = ddp.init(params)
+        compiled = ddp.step.lower(state, batch).compile()
+        _, m = compiled(state, batch, None, None)
+        assert float(m["comm_bytes"]) > sent["none", True]
+        assert float(m["comm_bytes"]) == pytest.approx(_hlo_bytes(compiled.as_text()), rel=1e-6)
 
 
 @pytest.mark.slow

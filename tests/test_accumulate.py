@@ -538,3 +538,27 @@ def test_accumulator_model_state_must_match():
     broken = state.replace(accum=state.accum.replace(model_state=None))
     with pytest.raises(ValueError, match="state.accum.model_state does not have the structure"):
         ddp.step(broken, regression_batch(0, MICRO, SIZES[0], SIZES[-1]), sync=False)
+
+
+@pytest.mark.parametrize("m,sizes,kw", [
+    (1, (40, 24), {}), (1, (40, 24), {"zero_stage": 3}),
+    (2, (48, 32), {"loss_scale": jddp.precision.DynamicScale(init_scale=2.0**10)}),
+])
+def test_weighted_window_of_uneven_shapes_equals_step_on_real_rows(m, sizes, kw):
+    """The usual last window of an epoch: a full call, then a short one padded with a mask. The
+    calls have different shapes (two programs), and the window still equals one single-device
+    step on its 61 real rows: every real row weighs the same, whichever call it came in."""
+    params = mlp_params(24, SIZES)
+    first = regression_batch(240, sizes[0], SIZES[0], SIZES[-1])
+    short = regression_batch(241, 21, SIZES[0], SIZES[-1])
+    padded, mask = jddp.pad_batch(short, 8, size=sizes[1])
+    real = concat([first, short])
+    ref_params, ref_losses = reference(params, [real], optax.sgd(0.1))
+    ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), weighted=True, accumulate_steps=2,
+                            microbatches=m, **kw, **CAPS)
+    state = ddp.init(params)
+    state, _ = ddp.step(state, first)
+    state, metrics = ddp.step(state, padded, mask=mask)
+    assert bool(metrics["synced"]) and int(state.step) == 1
+    np.testing.assert_allclose(float(metrics["loss"]), ref_losses[0], rtol=1e-6)
+    assert max_abs_diff(state.params, ref_params) < 1e-6

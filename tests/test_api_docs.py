@@ -51,3 +51,36 @@ def test_every_public_name_is_documented():
 
 def test_package_is_typed():
     assert (ROOT / "jddp" / "py.typed").exists()
+
+
+def test_documented_arguments_sit_in_their_args_section():
+    """An argument documented after another section (DataParallel's local_sgd once followed the
+    Metrics paragraph) renders as loose text in api.md, outside the argument list."""
+    import inspect
+    import re
+
+    for name in jddp.__all__:
+        obj = getattr(jddp, name)
+        doc = inspect.getdoc(obj)
+        if not doc or not callable(obj):
+            continue
+        target = obj.__init__ if inspect.isclass(obj) else obj
+        try:
+            params = set(inspect.signature(target).parameters) - {"self"}
+        except (TypeError, ValueError):
+            continue
+        section = None
+        for line in doc.splitlines():
+            if re.match(r"^[A-Z][A-Za-z ]*:\s*$", line):
+                section = line.strip()[:-1]
+            elif line.strip() and not line.startswith(" "):
+                section = None  # a paragraph ends the section
+            m = re.match(r"^\s{2,4}(\w+): ", line)
+            if m and m.group(1) in params:
+                assert section in ("Args", "Attributes"), (
+                    f"{name}: argument {m.group(1)!r} documented outside Args")
+    api = (ROOT / "docs" / "api.md").read_text()
+    block = api.split("### `jddp.DataParallel`", 1)[1].split("\n### ", 1)[0]
+    for p in inspect.signature(jddp.DataParallel.__init__).parameters:
+        if p not in ("self", "renamed"):
+            assert f"\n- {p}: " in block, p

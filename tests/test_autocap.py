@@ -92,6 +92,9 @@ def test_single_plan_is_not_timed():
     state, _ = ddp.step(ddp.init(params), batch)
     assert ddp.cap_choice.candidates_mb == (25.0,)  # 50 MiB: the same single bucket
     assert np.isnan(ddp.cap_choice.median_s[0]) and ddp.config.cap_bytes == 25 * 2**20
+    note = str(ddp.bucket_plan)  # not "from 1 timed caps": nothing was timed
+    assert "without timing: every candidate cap gives this one plan" in note
+    assert "timed caps" not in note
     assert int(state.step) == 1 and ddp.step.cache_size() == 1
 
 

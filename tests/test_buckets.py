@@ -170,3 +170,31 @@ def test_plan_rejects_other_tree():
 def test_mib_unit():
     plan = make_plan({"w": jnp.ones(3)}, [1], bucket_cap_mb=2.0, first_bucket_mb=0.5)
     assert plan.cap_bytes == 2 * MiB and plan.first_bytes == MiB // 2
+
+
+def test_an_explicit_cap_drops_the_small_first_bucket_like_pytorch():
+    """PyTorch DDP's rule (torch 2.13): a 1 MiB first bucket only when bucket_cap_mb is not given.
+    An explicit cap alone caps every bucket, the first too; first_bucket_mb given explicitly
+    still makes a small first bucket; "auto" keeps DDP's default first bucket."""
+    params = {f"w{i}": jnp.ones((512, 256)) for i in range(6)}  # 0.5 MiB each, 3 MiB in all
+
+    def loss(p, x):
+        for i in range(6):
+            x = jnp.tanh(x @ p[f"w{i}"] @ p[f"w{i}"].T)
+        return jnp.sum(x)
+
+    x = jnp.ones((2, 512))
+    sizes = lambda plan: [b.nbytes for b in plan.buckets]  # noqa: E731
+    half = 512 * 256 * 4
+    assert sizes(jddp.plan_buckets(loss, params, x)) == [2 * half, 4 * half]  # 1 MiB, then 25
+    explicit = jddp.plan_buckets(loss, params, x, bucket_cap_mb=2.0)
+    assert (explicit.cap_bytes, explicit.first_bytes) == (2 * MiB, 2 * MiB)
+    assert sizes(explicit) == [4 * half, 2 * half]
+    kept = jddp.plan_buckets(loss, params, x, bucket_cap_mb=2.0, first_bucket_mb=1.0)
+    assert sizes(kept) == [2 * half, 4 * half]
+    small = jddp.DataParallel(loss, __import__("optax").sgd(0.1), bucket_cap_mb=0.5)
+    assert small.config.first_bytes == small.config.cap_bytes == MiB // 2  # was refused (1 > 0.5)
+    assert sizes(small.plan(params, jnp.ones((8, 512)))) == [half] * 6
+    for ddp in (jddp.DataParallel(loss, __import__("optax").sgd(0.1)),
+                jddp.DataParallel(loss, __import__("optax").sgd(0.1), bucket_cap_mb="auto")):
+        assert ddp.config.first_bytes == MiB and ddp.config.cap_bytes == 25 * MiB

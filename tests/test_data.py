@@ -278,3 +278,21 @@ def test_checkpoint_saves_and_restores_the_loader_with_the_state(tmp_path):
     ckpt.save(plain, ddp.init(_params()))  # no loader item
     with pytest.raises(ValueError, match="holds no loader state"):
         ckpt.restore_or_init(plain, ddp, _params(), loader=loader)
+
+
+def test_checkpoints_of_the_single_item_layout_still_restore(tmp_path):
+    """Checkpoints written before the loader item existed (one orbax item) restore unchanged."""
+    import orbax.checkpoint as ocp
+
+    ddp = jddp.DataParallel(_per_example, optax.adam(0.1), weighted=True)
+    state = ddp.init(_params())
+    state, _ = ddp.step(state, jddp.shard_batch({k: v[:16] for k, v in _arrays(16).items()},
+                                                ddp.mesh))
+    old = ocp.CheckpointManager(  # what jddp.checkpoint.manager() made before
+        str(tmp_path), options=ocp.CheckpointManagerOptions(create=True),
+        item_handlers=ocp.StandardCheckpointHandler())
+    old.save(1, args=ocp.args.StandardSave(state), force=True)
+    old.wait_until_finished()
+    restored = ckpt.restore_or_init(ckpt.manager(tmp_path), ddp, _params())
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

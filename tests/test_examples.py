@@ -23,7 +23,7 @@ def test_digits_example_reaches_95_percent(tmp_path):
     out = tmp_path / "digits.json"
     proc = subprocess.run(
         [sys.executable, "examples/train_digits.py", "--devices", "8", "--epochs", "10",
-         "--no-progress", "--json", str(out)],
+         "--no-progress", "--json", str(out), "--profile", str(tmp_path / "prof")],
         cwd=REPO, env=child_env(JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -32,6 +32,13 @@ def test_digits_example_reaches_95_percent(tmp_path):
     assert result["final_test_accuracy"] >= 0.95
     assert result["history"][-1]["loss"] < result["history"][0]["loss"]
     assert result["examples_per_second"] > 0
+    # --profile: 5 steps timed and traced, each bucket's all-reduce named and timed.
+    prof = result["profile"]
+    assert prof["steps"] == 5 and prof["dispatch_ms"] > 0 and prof["device_ms"] > 0
+    assert prof["collective_ms"] > 0 and [c["bucket"] for c in prof["collectives"]] == [0]
+    assert prof["collectives"][0]["calls"] == 5 * 8
+    assert "in collectives" in proc.stdout + proc.stderr
+    assert list((tmp_path / "prof").rglob("perfetto_trace.json.gz"))
 
 
 @pytest.mark.slow

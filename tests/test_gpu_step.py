@@ -138,12 +138,16 @@ def test_no_overlap_control():
     assert not any(a.overlapped for a in sched.all_reduces)
 
 
+XLA_DEFAULT = (("xla_gpu_all_reduce_combine_threshold_bytes", xla_flags.GPU_COMBINE_THRESHOLD_BYTES),)
+
+
 def test_default_combiner_threshold_splits_large_buckets():
-    """Buckets up to 29 MiB survive XLA's GPU combiner as planned; a 32 MiB bucket does not, unless
-    ``xla_gpu_all_reduce_combine_threshold_bytes`` is raised as jddp.perf.xla_flags recommends."""
+    """Buckets up to 29 MiB survive XLA's GPU combiner as planned; at XLA's default threshold a
+    32 MiB bucket does not, unless ``xla_gpu_all_reduce_combine_threshold_bytes`` is raised as
+    jddp.perf.xla_flags recommends (and as DataParallel does by default)."""
     assert not xla_flags.recommended("gpu", 25.0)
     assert not xla_flags.recommended("gpu", plan=compiled(25.0)[0])  # 28 MiB, the largest bucket
-    plan, text = compiled(50.0, first=50.0)  # one bucket of all 32 MiB
+    plan, text = compiled(50.0, options=XLA_DEFAULT, first=50.0)  # one bucket of all 32 MiB
     sched = schedule.read_schedule(text)
     big = max(b.nbytes for b in plan.buckets)
     assert big > xla_flags.GPU_COMBINE_THRESHOLD_BYTES
@@ -186,6 +190,31 @@ def test_data_parallel_compiler_options_keep_large_buckets_whole():
                             compiler_options=dict(rec.compiler_options))
     text = ddp.lower(params_like(), batch_like()).compile().as_text()
     check_buckets(ddp.bucket_plan, schedule.read_schedule(text))
+
+
+def test_default_data_parallel_keeps_a_bucket_over_30_mib_one_all_reduce():
+    """The issue's case: a default DataParallel (no cap, no compiler options) whose plan has a
+    bucket over 30 MiB (the cap is passed by the last leaf, DDP's rule: 16 + 16 MiB here). The
+    step raises XLA's combine threshold above the largest bucket it can plan, so that bucket is
+    one all-reduce; at XLA's default threshold it is split (the control)."""
+    params, batch = layer_list_like(4, 2048), {
+        k: jax.ShapeDtypeStruct((BATCH, 2048), jnp.float32) for k in ("x", "y")}
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh())
+    lowered = ddp.lower(params, batch)
+    plan = ddp.bucket_plan
+    assert max(b.nbytes for b in plan.buckets) > 30 * 2**20
+    threshold = ddp.step.compiler_options["xla_gpu_all_reduce_combine_threshold_bytes"]
+    assert threshold > max(b.nbytes for b in plan.buckets)
+    check_buckets(plan, schedule.read_schedule(lowered.compile().as_text()))
+    split = schedule.read_schedule(lowered.compile(compiler_options=dict(XLA_DEFAULT)).as_text())
+    assert len(split.all_reduces) > plan.num_buckets
+    # The user's own setting wins, and chain="none" (let XLA combine as it likes) gets none.
+    mine = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(), compiler_options=dict(XLA_DEFAULT))
+    mine.lower(params, batch)
+    assert mine.step.compiler_options == dict(XLA_DEFAULT)
+    free = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(), chain="none")
+    free.lower(params, batch)
+    assert free.step.compiler_options == {}
 
 
 # ------------------------------------------------------------------------------ sharded stages

@@ -54,6 +54,34 @@ def test_fp16_pre_divides_so_the_sum_cannot_overflow():
     np.testing.assert_allclose(out, 40000.0, rtol=1e-3)
 
 
+def test_fp16_range_is_the_mean_gradient_s_and_an_overflow_is_not_silent():
+    """Dividing first keeps every partial sum within the mean of |g| (one device at 1e5, the rest
+    at 0, reduces fine, where DDP's cast-then-divide overflows); a mean above 65504 cannot be held
+    in float16 at all: it comes back inf (documented), bf16_compress carries it, and with
+    skip_not_finite the step is skipped and reported instead of writing inf into the params."""
+    one = np.zeros((N, 4), np.float32)
+    one[0] = 98304.0  # 12288 after dividing by 8, exact in float16
+    (out,) = _reduce_with(jddp.fp16_compress(), (one,))
+    np.testing.assert_array_equal(out, 12288.0)
+    big = (np.full((N, 4), 1e5, np.float32),)
+    assert np.isinf(_reduce_with(jddp.fp16_compress(), big)[0]).all()
+    np.testing.assert_allclose(_reduce_with(jddp.bf16_compress(), big)[0], 1e5, rtol=4e-3)
+
+    def loss(p, b):  # the gradient of w is the batch mean of x: 1e5
+        return jnp.mean(b["x"] @ p["w"])
+
+    batch = {"x": np.full((16, 4), 1e5, np.float32)}
+    params = {"w": jnp.ones(4)}
+    ddp = jddp.DataParallel(loss, optax.sgd(1e-6), hook=jddp.fp16_compress(),
+                            skip_not_finite=True)
+    state, metrics = ddp.step(ddp.init(params), batch)
+    assert float(metrics["skipped"]) == 1.0 and int(state.step) == 0
+    np.testing.assert_array_equal(state.params["w"], 1.0)
+    ddp = jddp.DataParallel(loss, optax.sgd(1e-6), hook=jddp.bf16_compress())
+    state, _ = ddp.step(ddp.init(params), batch)
+    np.testing.assert_allclose(state.params["w"], 1.0 - 0.1, rtol=1e-3)
+
+
 def test_powersgd_exact_for_rank1_and_plain_for_vectors():
     rng = np.random.default_rng(1)
     u, v = rng.normal(size=(N, 40, 1)), rng.normal(size=(1, 30))

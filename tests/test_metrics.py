@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jddp
+from jddp._src.objective import STEP_METRICS
 from tests._models import mlp_params
 
 SIZES = [6, 16, 3]
@@ -124,3 +125,41 @@ def test_sum_metrics_and_optimizer_metrics_add_no_collective():
     text = ddp.step.lower(ddp.init(params), batch).compile().as_text()
     assert ddp.bucket_plan.num_buckets >= 2
     assert len(schedule.collectives(text, "all-reduce")) == ddp.bucket_plan.num_buckets
+
+
+def _named(name):
+    def loss(p, b):
+        return _loss(p, b)[0], {name: jnp.zeros(())}
+    return loss
+
+
+@pytest.mark.parametrize("name", sorted(STEP_METRICS))
+def test_an_aux_metric_may_not_take_a_name_the_step_writes(name):
+    """The step's own value would silently replace the user's: refused, naming the metric."""
+    ddp = jddp.DataParallel(_named(name), optax.sgd(0.1), has_aux=True)
+    with pytest.raises(ValueError, match=rf"aux metrics use \['{name}'\], a name the step writes"):
+        ddp.lower(mlp_params(0, SIZES), _batch(16))
+    with pytest.raises(ValueError, match=rf"sum_metrics use \['{name}'\]"):
+        jddp.DataParallel(_loss, optax.sgd(0.1), has_aux=True, sum_metrics=(name,))
+
+
+def test_the_step_writes_only_the_reserved_names():
+    """STEP_METRICS is the one list: every kind of step (plain, no-sync and sync calls, weighted
+    with loss scaling, a two-level mesh, local SGD's local and averaging steps) writes no metric
+    outside it besides the user's own."""
+    params, batch = mlp_params(0, SIZES), _batch(16)
+    user = {"correct", "accuracy", "examples"}
+    two = jddp.data_mesh(hosts=2)
+    lowered = []
+    for kw, calls in [
+        ({"accumulate_steps": 2, "mesh": two, "skip_not_finite": True,
+          "loss_scale": jddp.precision.DynamicScale()}, [{"sync": False}, {"sync": True}]),
+        ({"local_sgd": jddp.local_sgd.post_local_sgd(2), "mesh": two}, [{"step": 0}, {"step": 1}]),
+    ]:
+        ddp = jddp.DataParallel(_loss, optax.sgd(0.1), has_aux=True, **kw)
+        for call in calls:
+            lowered.append(set(ddp.step.lower(ddp.init(params), batch, **call).out_info[1]))
+    written = set().union(*lowered) - user
+    assert written <= set(STEP_METRICS), written - set(STEP_METRICS)
+    assert {"local_loss", "comm_bytes_hosts", "synced", "averaged", "replica_loss", "skipped",
+            "loss_scale"} <= written

@@ -172,3 +172,102 @@ def test_signature_and_message_name_the_first_difference():
     assert "process 1 has all-reduce of 64 bytes (f32[16]) for bucket 0 over groups of 8, in a loop" \
         in msg, msg
     assert "bucket 0 holds ['d2.b', 'd2.w'] on process 0 and ['d2.b'] on process 1" in msg, msg
+
+
+class _FakeClient:
+    """The key-value calls of jax.distributed's client, in memory, shared by threads."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        self.kv: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.barrier = threading.Barrier(n)
+
+    def key_value_set(self, key, value):
+        with self.lock:
+            self.kv[key] = value
+
+    def key_value_dir_get(self, prefix):
+        with self.lock:
+            return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        with self.lock:
+            return self.kv[key]
+
+    def wait_at_barrier(self, name, timeout_ms):
+        self.barrier.wait(timeout_ms / 1000)
+
+
+def _run(sigs, limit=5.0, present=None):
+    """Runs the exchange of each process in a thread; returns each one's exception or None."""
+    import threading
+
+    n = len(sigs)
+    client = _FakeClient(n)
+    out: list = [None] * n
+
+    def one(p):
+        try:
+            programs.exchange(client, sigs[p], 0, p, n, limit)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[p] = e
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in (present or range(n))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_exchange_names_the_differing_processes_and_the_missing_ones():
+    a = programs.ProgramSignature(
+        (programs.CollectiveSig("all-reduce", ("f32[16]",), 64, 3, "{}", "", 0),), (("b",),))
+    b = a._replace(collectives=(a.collectives[0]._replace(operands=("bf16[16]",), nbytes=32),))
+    assert _run([a, a, a]) == [None, None, None]
+    errs = _run([a, b, b])
+    assert all(isinstance(e, programs.ProgramMismatchError) for e in errs)
+    assert all(e.differing == (1, 2) and e.index == 0 for e in errs)
+    assert "process 1 has all-reduce of 32 bytes (bf16[16])" in str(errs[0])
+    # Process 2 never arrives (it compiled fewer programs): the others name it.
+    errs = _run([a, a, a], limit=0.5, present=[0, 1])
+    assert all(isinstance(e, programs.ProgramMismatchError) for e in errs[:2])
+    assert "Process(es) [2] did not reach the check" in str(errs[0]) and errs[0].differing == (2,)
+
+
+MISSING = r'''
+import os, time
+os.environ["JDDP_PROGRAM_CHECK_TIMEOUT"] = "2"
+import jax, jddp
+jddp.initialize(timeout_s=60)
+from jddp._src import programs
+sig = programs.ProgramSignature((), ())
+if jax.process_index() == 1:
+    time.sleep(4)  # arrives after process 0 stopped waiting
+t = time.perf_counter()
+try:
+    programs.check_across_processes(sig)
+except programs.ProgramMismatchError as e:
+    print(f"LATE {time.perf_counter() - t:.1f}s {e}", flush=True)
+if jax.process_index() == 0:
+    time.sleep(5)  # process 0 holds the coordinator: let process 1 come and report first
+# After a failed barrier JAX's shutdown waits out its timeout; a mismatch uncaught leaves with
+# os._exit (jddp.initialize's excepthook) anyway.
+jddp.distributed.hard_exit(0)
+'''
+
+
+@pytest.mark.slow
+def test_a_process_that_never_arrives_is_named_and_the_late_one_told(tmp_path):
+    script = tmp_path / "missing.py"
+    script.write_text(MISSING)
+    rc, out, err, _ = run_launcher(["-n", "2", "--devices-per-process", "1", str(script)],
+                                   timeout=90)
+    assert rc == 0, (out[-2000:], err[-2000:])
+    zero = next(x for x in out.splitlines() if x.startswith("[rank0] LATE"))
+    one = next(x for x in out.splitlines() if x.startswith("[rank1] LATE"))
+    assert "Process(es) [1] did not reach the check" in zero, zero
+    assert float(zero.split()[2][:-1]) < 10, zero
+    assert "this process (#1) reached it after the others stopped waiting" in one, one

@@ -1,8 +1,8 @@
 """The package's dependency rules, checked on the source with ``ast`` (nothing is imported).
 
-1. No import cycle between jddp modules, counting module-level imports (those that run when the
-   module is imported: top-level statements, also inside top-level ``if``/``try`` blocks, but not
-   under ``if TYPE_CHECKING:`` and not inside functions).
+1. No import cycle between jddp modules, counting module-level imports (top-level statements,
+   also inside top-level ``if``/``try`` blocks, **including** ``if TYPE_CHECKING:``: a cycle that
+   only type checkers see is still two modules that need each other; not inside functions).
 2. No module uses another jddp module's private (``_``-prefixed) names: neither
    ``from jddp.x import _name`` nor ``x._name`` on an imported jddp module, wherever it appears.
    Importing the modules of the private package ``jddp._src`` is fine; the rule is about names.
@@ -19,20 +19,13 @@ from collections.abc import Iterator
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = "jddp"
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
-    """Statements that run at import time (descending into top-level if/try blocks)."""
+    """Statements at module level (descending into top-level if/try blocks, ``TYPE_CHECKING``
+    included)."""
     for node in body:
         if isinstance(node, ast.If):
-            if not _is_type_checking(node):
-                yield from _module_level(node.body)
-                yield from _module_level(node.orelse)
+            yield from _module_level(node.body)
+            yield from _module_level(node.orelse)
         elif isinstance(node, ast.Try):
             for block in (node.body, node.orelse, node.finalbody):
                 yield from _module_level(block)
@@ -212,13 +205,19 @@ def test_checker_finds_cycles_and_private_uses(tmp_path):
     (pkg / "_priv" / "x.py").write_text("")
     fake = Package(tmp_path)
     assert cycles(fake.import_graph()) == [["jddp.a", "jddp.b"]]
-    assert fake.import_graph()["jddp.sub"] == set() and fake.import_graph()["jddp.c"] == set()
+    # An import under TYPE_CHECKING counts; one inside a function does not.
+    assert fake.import_graph()["jddp.sub"] == {"jddp.b"} and fake.import_graph()["jddp.c"] == set()
     assert fake.private_uses("jddp.a") == ["jddp.a: jddp.b._hidden"]
     assert fake.private_uses("jddp.b") == ["jddp.b: jddp.a._y"]
     assert fake.private_uses("jddp.sub.d") == [
         "jddp.sub.d: from jddp.a import _z", "jddp.sub.d: jddp.a._w"
     ]
     assert "cycle: jddp.a <-> jddp.b" in fake.violations()
+    # A cycle closed only by a TYPE_CHECKING import (config <-> local_sgd had one) is a cycle.
+    (pkg / "e.py").write_text("from jddp import f\n")
+    (pkg / "f.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from jddp.e import X\n")
+    assert ["jddp.e", "jddp.f"] in cycles(Package(tmp_path).import_graph())
 
 
 def test_no_import_cycles_and_no_private_names_across_modules():

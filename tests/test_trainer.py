@@ -187,3 +187,35 @@ def test_plan_before_the_first_step_matches_the_traced_plan():
     ddp.step(ddp.init(params), batch)
     assert [b.paths for b in planned.buckets] == [b.paths for b in ddp.bucket_plan.buckets]
     assert planned.num_buckets > 1
+
+
+@pytest.mark.parametrize("name", ["has_aux", "weighted", "keep_unused", "skip_not_finite",
+                                  "donate", "hybrid_shard", "rng"])
+@pytest.mark.parametrize("value", ["no", 0, None, np.array([True])])
+def test_every_boolean_option_takes_only_a_bool(name, value):
+    """bool("no") is True: a truthiness test would turn weighted="no" on. Every flag is refused
+    with a TypeError naming it, before anything is traced."""
+    with pytest.raises(TypeError, match=rf"{name} must be True or False"):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), **{name: value})
+    for bad in ("error_feedback", "warm_start"):
+        with pytest.raises(TypeError, match=rf"{bad} must be True or False"):
+            jddp.powersgd(**{bad: value})
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), weighted=np.bool_(True), keep_unused=False)
+    assert ddp.config.weighted is True and ddp.config.keep_unused is False
+
+
+def test_a_dict_or_another_models_state_is_named():
+    """A dict is not a TrainState, and a state of another model fails on its params tree (naming
+    the differing paths), not inside the step or with the user's own KeyError."""
+    params = mlp_params(0, SIZES)
+    batch = regression_batch(0, 16, SIZES[0], SIZES[-1])
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), donate=False)
+    state = ddp.init(params)
+    with pytest.raises(TypeError, match=r"expects the jddp TrainState.*got dict.*keys \['params'\]"):
+        ddp.step({"params": params}, batch)
+    other = jddp.DataParallel(lambda q, b: jnp.mean(b["x"] @ q["w"]), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"(?s)another model.*missing from the state: "
+                                         r"Dense_0.bias, Dense_0.kernel.*not in the model: w"):
+        ddp.step(other.init({"w": jnp.ones((SIZES[0], SIZES[-1]))}), batch)
+    new, _ = ddp.step(state, batch)  # the model's own state still steps
+    assert int(new.step) == 1

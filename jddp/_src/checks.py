@@ -126,3 +126,45 @@ def check_mask(mask: Any, global_size: int) -> jax.Array:
             or np.issubdtype(dtype, np.floating)):
         raise TypeError(f"The mask must be boolean or real (per-example weights), got {dtype}.")
     return jnp.asarray(mask).astype(jnp.float32)
+
+
+def check_train_state(state: Any, cls: type) -> None:
+    """Raises TypeError unless ``state`` is a ``cls`` (the TrainState), naming where one comes from."""
+    if isinstance(state, cls):
+        return
+    hint = ""
+    if isinstance(state, dict):
+        keys = sorted(map(str, state))[:6]
+        hint = (f" This dict (keys {keys}) may be the params themselves, Flax variables, or a "
+                "checkpoint restored without a target (restore with "
+                "jddp.checkpoint.restore(mngr, ddp.abstract_state(params))).")
+    raise TypeError(
+        f"step expects the jddp TrainState that ddp.init(params) returns (or a previous step "
+        f"returned), got {type(state).__name__}. Build it with state = ddp.init(params).{hint}"
+    )
+
+
+def params_paths(params: Any) -> tuple[str, ...]:
+    """The dotted paths of ``params``' leaves, in flattening order."""
+    return tuple(key_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+
+
+def check_same_params_tree(expected: tuple[str, ...], params: Any) -> None:
+    """Raises ValueError naming the differing paths if ``params`` is not a tree of ``expected``
+    paths (a state of another model)."""
+    got = params_paths(params)
+    if got == expected:
+        return
+    missing = [p for p in expected if p not in set(got)]
+    extra = [p for p in got if p not in set(expected)]
+
+    def shown(paths: list[str]) -> str:
+        return ", ".join(paths[:8]) + (f", ... ({len(paths)} in all)" if len(paths) > 8 else "")
+
+    raise ValueError(
+        "state.params is not a params tree of this DataParallel's model (the one ddp.init was "
+        f"given): the state of another model or trainer?\n  missing from the state: "
+        f"{shown(missing) or '-'}\n  not in the model: {shown(extra) or '-'}\nUse the state "
+        "this trainer's init (or its last step) returned, or call ddp.init(params) with the "
+        "model's params."
+    )

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from jddp._src import options
 from jddp._src.hooks import CommHook, allreduce_mean
-from jddp._src.local_sgd import LocalSGD
+from jddp._src.local_sgd_options import LocalSGD
 from jddp._src.loss_scale import DynamicScale
 from jddp._src.mesh import DataAxes, data_axes
 from jddp._src.planner import BucketPlan
@@ -46,7 +46,7 @@ class StepConfig:
       rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
       sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
       loss_scale: dynamic loss scaling (``None``: off).
-      local_sgd: local SGD or DiLoCo (:mod:`jddp._src.local_sgd`): per-replica parameters,
+      local_sgd: local SGD or DiLoCo (:mod:`jddp._src.local_sgd_options`): per-replica parameters,
         averaged every ``period`` steps; ``None`` for plain data parallelism.
     """
 

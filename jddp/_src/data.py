@@ -279,9 +279,11 @@ class Loader:
         return rows, len(rows)
 
     def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:  # called from the read-ahead thread too: build, then swap
-            self._orders = {epoch: epoch_order(self.length, self.seed, epoch, self.shuffle)}
-        return self._orders[epoch]
+        orders = self._orders  # the read-ahead thread calls this too: read once, swap whole
+        if epoch not in orders:
+            orders = {epoch: epoch_order(self.length, self.seed, epoch, self.shuffle)}
+            self._orders = orders
+        return orders[epoch]
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:

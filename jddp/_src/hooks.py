@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jddp._src import vma
+from jddp._src import options, vma
+from jddp._src.collectives import scatter_sum
 from jddp._src.tree import key_path_str, nbytes, ring_bytes
 
 try:  # The gathered value is the same on every replica; typed so under shard_map's check_vma.
@@ -129,7 +130,7 @@ def _allreduce_mean(grads, state, ctx: HookContext):
 
 def _mean_scatter(rows: jax.Array, ctx: HookContext) -> jax.Array:
     scale = jnp.asarray(1.0 / ctx.axis_size, rows.dtype)
-    return lax.psum_scatter(rows * scale, ctx.axis_name, scatter_dimension=0, tiled=True)
+    return scatter_sum(rows * scale, ctx.axis_name)
 
 
 def allreduce_mean() -> CommHook:
@@ -288,7 +289,8 @@ def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
 
     def reduce(grads, states, ctx: HookContext):
         n = ctx.axis_size
-        # Divide before the cast: the sum of N values of at most max(fp16)/N cannot overflow.
+        # Divide before the cast: every partial sum is at most the mean of |g|, so one large
+        # device does not overflow; a mean above float16's max comes back inf (docs/hooks.md).
         low = tuple((g / jnp.asarray(n, g.dtype)).astype(dtype) for g in grads)
         if method == "psum":
             summed = lax.psum(low, ctx.axis_name)
@@ -313,7 +315,7 @@ def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
     def scatter(rows, ctx: HookContext):
         # As reduce: divide first, send in low precision, return in the bucket's dtype.
         low = (rows / jnp.asarray(ctx.axis_size, rows.dtype)).astype(dtype)
-        out = lax.psum_scatter(low, ctx.axis_name, scatter_dimension=0, tiled=True)
+        out = scatter_sum(low, ctx.axis_name)
         return out.astype(rows.dtype)
 
     return CommHook(_no_state, reduce, name, fuses_extras=False, bytes_sent=bytes_sent,
@@ -322,6 +324,10 @@ def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
 
 def fp16_compress(method: str = "psum") -> CommHook:
     """DDP's ``fp16_compress_hook``: gradients are divided by N, cast to float16, summed, cast back.
+
+    Dividing first (DDP casts first) lets one device's gradient exceed float16's 65504 as long as
+    the mean of ``|g|`` over devices does not; a mean gradient above 65504 comes back ``inf`` (pass
+    ``skip_not_finite=True`` to skip such a step, or use :func:`bf16_compress`).
 
     Args:
       method: ``"psum"`` (an all-reduce in float16) or ``"all_gather"`` (gather the float16 shards
@@ -485,8 +491,9 @@ def int8_compress(
     """
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}.")
-    if not isinstance(block_size, int) or block_size < 1:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
+    error_feedback = options.flag(error_feedback, "error_feedback")
     stochastic = rounding == "stochastic"
 
     def init(leaf: jax.ShapeDtypeStruct):
@@ -601,6 +608,8 @@ def powersgd(
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int, got {rank!r}.")
+    error_feedback = options.flag(error_feedback, "error_feedback")
+    warm_start = options.flag(warm_start, "warm_start")
     if min_compression_rate < 1:
         raise ValueError(f"min_compression_rate must be >= 1, got {min_compression_rate}.")
     start_iter = int(start_iter)
@@ -730,49 +739,156 @@ def level_axes(ctx: HookContext, hosts_axis: str | None = None) -> tuple[str | N
     return hosts, local[0] if len(local) == 1 else local
 
 
-def hierarchical_mean(grads: Sequence[jax.Array], hosts: str, local: Any, num_replicas: int,
-                      concat: bool = False) -> tuple[jax.Array, ...]:
-    """The mean over ``(hosts, local)`` of each leaf, in three collectives (Horovod's
-    hierarchical all-reduce): a reduce-scatter inside the host, an all-reduce across hosts of
-    each device's ``1/L`` shard, and an all-gather inside the host.
+def _axis_parts(axis: Any) -> int:
+    return int(math.prod(lax.axis_size(a) for a in vma.axis_names(axis)))
 
-    Each leaf is flattened and padded to a multiple of the host's device count ``L`` (padding
-    only for leaves whose size is not a multiple: biases, scalars); with ``concat`` the leaves of
-    each dtype are first copied into one flat buffer, so that each phase is one collective per
-    dtype (XLA:CPU has no reduce-scatter or all-gather combiner; GPU and TPU combine per-leaf
-    ones themselves). Leaves of size zero have nothing to send. Must run inside ``shard_map``
-    over both axes.
-    """
-    parts = int(math.prod(lax.axis_size(a) for a in vma.axis_names(local)))
-    scale = 1.0 / num_replicas
-    live = [i for i, g in enumerate(grads) if math.prod(jnp.shape(g))]
-    scaled = {i: grads[i] * jnp.asarray(scale, grads[i].dtype) for i in live}
+
+def _scatter_leaves(grads: Sequence[jax.Array], live: Sequence[int], local: Any, parts: int,
+                    concat: bool) -> tuple[tuple[jax.Array, ...], list[list[int]]]:
+    """Each live leaf (or, with ``concat``, each dtype group of them) flattened, padded to a
+    multiple of ``parts`` and summed over ``local``; this device's ``1/parts`` shard of each, and
+    which leaves each shard holds."""
     if concat:
         groups: dict[Any, list[int]] = {}
         for i in live:
             groups.setdefault(jnp.result_type(grads[i]), []).append(i)
-        flats = tuple(padded_flat(jnp.concatenate([jnp.ravel(scaled[i]) for i in idx]), parts)
-                      for idx in groups.values())
+        layout = list(groups.values())
+        flats = tuple(padded_flat(jnp.concatenate([jnp.ravel(grads[i]) for i in idx]), parts)
+                      for idx in layout)
     else:
-        flats = tuple(padded_flat(scaled[i], parts) for i in live)
-    shards = lax.psum_scatter(flats, local, scatter_dimension=0, tiled=True)
-    shards = lax.psum(shards, hosts)
-    full = _all_gather(shards, local, axis=0, tiled=True)
+        layout = [[i] for i in live]
+        flats = tuple(padded_flat(grads[i], parts) for i in live)
+    return scatter_sum(flats, local), layout
+
+
+def _gather_leaves(shards: Sequence[jax.Array], layout: list[list[int]], local: Any,
+                   grads: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """Inverse of :func:`_scatter_leaves` (an all-gather inside the host); leaves of size zero
+    come back as zeros."""
+    full = _all_gather(tuple(shards), local, axis=0, tiled=True)
     out: list[Any] = [jnp.zeros(jnp.shape(g), jnp.result_type(g)) for g in grads]
-    if concat:
-        for f, idx in zip(full, groups.values(), strict=True):
-            start = 0
-            for i in idx:
-                size = math.prod(jnp.shape(grads[i]))
-                out[i] = f[start:start + size].reshape(jnp.shape(grads[i]))
-                start += size
-    else:
-        for i, f in zip(live, full, strict=True):
-            out[i] = unflatten_like(f, grads[i])
+    for f, idx in zip(full, layout, strict=True):
+        start = 0
+        for i in idx:
+            size = math.prod(jnp.shape(grads[i]))
+            out[i] = f[start:start + size].reshape(jnp.shape(grads[i]))
+            start += size
     return tuple(out)
 
 
-def hierarchical(hosts_axis: str | None = None, *, concat: bool = False) -> CommHook:
+def _shard_states(states: Sequence[Any], grads: Sequence[jax.Array], live: Sequence[int],
+                  local: Any, parts: int) -> tuple:
+    """This device's ``1/parts`` slice of each live leaf's hook state (state arrays have the
+    leaf's shape, or are scalars, which are the device's own)."""
+    i = lax.axis_index(local)
+
+    def cut(s, g):
+        if jnp.shape(s) != jnp.shape(g):
+            return s
+        flat = padded_flat(s, parts)
+        return lax.dynamic_slice_in_dim(flat, i * (flat.shape[0] // parts), flat.shape[0] // parts)
+
+    return tuple(jax.tree.map(lambda s, j=j: cut(s, grads[j]), states[j]) for j in live)
+
+
+def _unshard_states(new: Sequence[Any], states: Sequence[Any], grads: Sequence[jax.Array],
+                    live: Sequence[int], local: Any, parts: int) -> tuple:
+    """Writes each device's new shard state back into its slice of the leaf-shaped state."""
+    i = lax.axis_index(local)
+
+    def put(n, s, g):
+        if jnp.shape(s) != jnp.shape(g):
+            return n
+        flat = padded_flat(s, parts)
+        k = flat.shape[0] // parts
+        return unflatten_like(lax.dynamic_update_slice_in_dim(flat, n.astype(flat.dtype), i * k, 0),
+                              s)
+
+    out = list(states)
+    for n, j in zip(new, live, strict=True):
+        out[j] = jax.tree.map(lambda a, b, j=j: put(a, b, grads[j]), n, states[j])
+    return tuple(out)
+
+
+def hierarchical_reduce(grads: Sequence[jax.Array], states: Sequence[Any], ctx: HookContext,
+                        hosts: str, local: Any, inner: CommHook | None,
+                        concat: bool = False) -> tuple[tuple[jax.Array, ...], tuple]:
+    """The mean over ``(hosts, local)`` of each leaf in three steps (Horovod's hierarchical
+    all-reduce): a reduce-scatter inside the host (in the gradients' dtype), ``inner``'s mean
+    across hosts of each device's ``1/L`` shard, and an all-gather inside the host.
+
+    Each leaf is flattened and padded to a multiple of the host's device count ``L``; with
+    ``concat`` the leaves of each dtype are first copied into one flat buffer. ``inner`` sees
+    the shards (1-D) and the matching slices of their states, with a :class:`HookContext` whose
+    axis is ``hosts``; ``None``: a plain sum across hosts of gradients divided by the replica
+    count first (one multiply, so the collectives stay back to back). Must run inside
+    ``shard_map`` over both axes.
+    """
+    parts = _axis_parts(local)
+    live = [i for i, g in enumerate(grads) if math.prod(jnp.shape(g))]
+    # The mean inside the host, or over every replica when the sum across hosts is plain.
+    scale = 1.0 / (ctx.axis_size if inner is None else parts)
+    scaled = [g * jnp.asarray(scale, jnp.result_type(g)) for g in grads]
+    shards, layout = _scatter_leaves(scaled, live, local, parts, concat)
+    if inner is None:
+        return _gather_leaves(lax.psum(shards, hosts), layout, local, grads), tuple(states)
+    inner_ctx = ctx._replace(axis_name=hosts, axis_size=ctx.axis_size // parts,
+                             hosts_axis=hosts, local_axis=None)
+    if concat:
+        if any(jax.tree.leaves(states[i]) for i in live):
+            raise ValueError(_CONCAT_STATE_ERROR.format(name=hook_name(inner)))
+        means, _ = inner.reduce(shards, tuple(() for _ in shards), inner_ctx)
+        return _gather_leaves(means, layout, local, grads), tuple(states)
+    means, new = inner.reduce(shards, _shard_states(states, grads, live, local, parts), inner_ctx)
+    new_states = _unshard_states(new, states, grads, live, local, parts)
+    return _gather_leaves(means, layout, local, grads), new_states
+
+
+def hierarchical_mean(grads: Sequence[jax.Array], hosts: str, local: Any, num_replicas: int,
+                      concat: bool = False) -> tuple[jax.Array, ...]:
+    """The mean over ``(hosts, local)`` of each leaf (:func:`hierarchical_reduce` with a plain
+    all-reduce across hosts)."""
+    ctx = HookContext(axis_name=(hosts,) + vma.axis_names(local), axis_size=num_replicas,
+                      step=jnp.zeros((), jnp.int32), bucket_index=0)
+    return hierarchical_reduce(grads, tuple(() for _ in grads), ctx, hosts, local, None,
+                               concat)[0]
+
+
+_CONCAT_STATE_ERROR = (
+    "hierarchical(concat=True, inner={name}): the inner hook keeps state per leaf, and with "
+    "concat its shards span several leaves. Use concat=False (the default) with a stateful inner "
+    "hook."
+)
+
+
+def _check_inner_state(inner: CommHook, leaf: jax.ShapeDtypeStruct, state: Any) -> None:
+    for x in jax.tree.leaves(state):
+        if jnp.shape(x) not in (tuple(leaf.shape), ()):
+            raise ValueError(
+                f"hierarchical(inner={hook_name(inner)}): the inner hook made a state array of "
+                f"shape {jnp.shape(x)} for a gradient of shape {tuple(leaf.shape)}. The inner "
+                "hook reduces flat 1/L shards of each gradient, so its state must be elementwise "
+                "(the gradient's shape, e.g. an error-feedback residual) or scalar. Hooks that "
+                "need the matrix (PowerSGD) cannot be the inner hook: use them as the hook itself."
+            )
+
+
+def _shard_structs(leaves: Sequence[Any], local: int, concat: bool) -> list[jax.ShapeDtypeStruct]:
+    """The 1-D shards one device sends across hosts for a bucket of ``leaves`` (one per live leaf,
+    or per dtype with ``concat``), padded like :func:`hierarchical_reduce` pads."""
+    if concat:
+        by_dtype: dict[Any, int] = {}
+        for x in leaves:
+            d = jnp.dtype(x.dtype)
+            by_dtype[d] = by_dtype.get(d, 0) + math.prod(x.shape)
+        sizes = [(n, d) for d, n in by_dtype.items() if n]
+    else:
+        sizes = [(math.prod(x.shape), jnp.dtype(x.dtype)) for x in leaves if math.prod(x.shape)]
+    return [jax.ShapeDtypeStruct(((n + (-n) % local) // local,), d) for n, d in sizes]
+
+
+def hierarchical(hosts_axis: str | None = None, *, concat: bool = False,
+                 inner: CommHook | None = None) -> CommHook:
     """A two-level reduction of each bucket: reduce-scatter inside the host, all-reduce across
     hosts on ``1/L`` of the bucket's bytes (``L`` devices per host), all-gather inside the host.
 
@@ -780,9 +896,20 @@ def hierarchical(hosts_axis: str | None = None, *, concat: bool = False) -> Comm
     with ``M`` hosts, each device sends ``2 (M-1)/M x bytes / L`` across hosts (a flat ring:
     ``2 (N-1)/N x bytes`` per host), the three collectives of a bucket
     are chained to the next bucket like a plain all-reduce, and the step's loss, metrics and model
-    state still ride on the last bucket. Equal to the flat mean (``allreduce_mean``) up to
-    summation order. On a 1-D mesh, or a reduction over one level only (local SGD's steps inside
-    a host), it is the plain mean all-reduce.
+    state still ride on the last bucket (when ``inner`` is exact). Equal to the flat mean
+    (``allreduce_mean``) up to summation order. On a 1-D mesh, or a reduction over one level only
+    (local SGD's steps inside a host), it is ``inner`` (the plain mean all-reduce by default).
+
+    With ``inner`` (ZeRO++'s idea: compress only the slow link), the cross-host leg is that hook:
+    ``inner.reduce`` gets each device's ``1/L`` shards (1-D, the gradients' dtype) and a
+    :class:`HookContext` whose axis is the hosts axis; the reduce-scatter and all-gather inside
+    the host stay in the gradients' dtype. ``inner``'s state is made for each whole leaf
+    (``inner.init(leaf)``) and must be elementwise (the leaf's shape) or scalar; each device
+    keeps and updates the slice of it that matches its shard. PowerSGD cannot be ``inner`` (it
+    needs matrices) and is refused.
+
+    On XLA:CPU across processes the reduce-scatter runs as an all-to-all and a local sum (Gloo's
+    reduce-scatter can return wrong values: docs/faults.md).
 
     Args:
       hosts_axis: the mesh axis across hosts (default: ``HookContext.hosts_axis``, which
@@ -795,34 +922,44 @@ def hierarchical(hosts_axis: str | None = None, *, concat: bool = False) -> Comm
         the copies). On GPU XLA combines the per-leaf collectives
         itself, and a buffer breaks the ``"barrier"`` chain (it ties the next bucket to slices of
         the buffer; XLA then moved every cross-host all-reduce after the backward pass).
-        Measurements in docs/scaling.md.
+        Measurements in docs/scaling.md. Not with a stateful ``inner``.
+      inner: the hook for the cross-host leg (default: the plain mean all-reduce), e.g.
+        ``jddp.bf16_compress()``. The step's metrics ride on the buckets only if it is exact
+        (``inner.fuses_extras``).
     """
+    inner = None if inner is None else check_hook(inner)
+    inner_hook = allreduce_mean() if inner is None else inner
+    # Abstractly (eval_shape): a hook may be built before jax.distributed.initialize.
+    probe = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    probe_state = jax.eval_shape(inner_hook.init, probe)
+    _check_inner_state(inner_hook, probe, probe_state)
+    if concat and jax.tree.leaves(probe_state):
+        raise ValueError(_CONCAT_STATE_ERROR.format(name=hook_name(inner_hook)))
+
+    def init(leaf: jax.ShapeDtypeStruct):
+        state = inner_hook.init(leaf)
+        _check_inner_state(inner_hook, leaf, state)
+        return state
 
     def reduce(grads, states, ctx: HookContext):
         hosts, local = level_axes(ctx, hosts_axis)
         if hosts is None:
-            return _allreduce_mean(grads, states, ctx)
-        return hierarchical_mean(grads, hosts, local, ctx.axis_size, concat), states
+            return inner_hook.reduce(grads, states, ctx)
+        return hierarchical_reduce(grads, states, ctx, hosts, local, inner, concat)
 
     def bytes_by_level(leaves, hosts, local, step):
-        del step
-        if concat:
-            by_dtype: dict[Any, int] = {}
-            for x in leaves:
-                by_dtype[jnp.dtype(x.dtype)] = by_dtype.get(jnp.dtype(x.dtype), 0) + math.prod(
-                    x.shape)
-            padded = sum((n + (-n) % local) * d.itemsize for d, n in by_dtype.items() if n)
-        else:
-            padded = sum((math.prod(x.shape) + (-math.prod(x.shape)) % local)
-                         * jnp.dtype(x.dtype).itemsize for x in leaves)
-        inside = 2.0 * (local - 1) / local * padded  # reduce-scatter + all-gather
-        return inside, ring_allreduce_bytes(padded / local, hosts)
+        pieces = _shard_structs(leaves, local, concat)
+        padded = sum(nbytes(p) for p in pieces) * local
+        inside = 2.0 * (local - 1) / local * padded  # reduce-scatter + all-gather, full precision
+        across = bucket_bytes_sent(inner_hook, pieces, hosts, step) if pieces else 0.0
+        return inside, across
 
     def bytes_sent(leaves, axis_size, step):
-        # Without the split (a 1-D mesh): the plain mean all-reduce.
-        del step
-        return ring_allreduce_bytes(sum(nbytes(x) for x in leaves), axis_size)
+        # Without the split (a 1-D mesh): the inner hook over the whole axis.
+        return bucket_bytes_sent(inner_hook, leaves, axis_size, step)
 
     name = "hierarchical[concat]" if concat else "hierarchical"
-    return CommHook(_no_state, reduce, name, fuses_extras=True, bytes_sent=bytes_sent,
-                    bytes_by_level=bytes_by_level)
+    if inner is not None:
+        name = f"{name}(inner={hook_name(inner)})"
+    return CommHook(init, reduce, name, fuses_extras=bool(inner_hook.fuses_extras),
+                    bytes_sent=bytes_sent, phase=inner_hook.phase, bytes_by_level=bytes_by_level)

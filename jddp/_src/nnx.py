@@ -104,7 +104,7 @@ class DataParallel:
     trainer's loss merges the model from the two states, calls ``loss_fn(model, batch)`` and splits
     the updated rest back out, so every option of :class:`jddp.DataParallel` applies: buckets reduced
     from inside the backward pass, communication hooks, ``accumulate_steps``/``microbatches``,
-    ``skip_nonfinite``, ``weighted`` masks, ``metrics["comm_bytes"]``. A step on N devices equals a
+    ``skip_not_finite``, ``weighted`` masks, ``metrics["comm_bytes"]``. A step on N devices equals a
     single-device ``nnx.Optimizer`` step on the whole batch for models whose forward pass is
     per-example (no BatchNorm in training mode).
 

@@ -43,7 +43,20 @@ import jax.numpy as jnp
 from jddp._src import model_state as ms_lib
 from jddp._src.checks import check_scalar_loss
 
-_RESERVED_METRICS = ("loss", "comm_bytes", "skipped", "synced", "loss_scale")
+# Every metric the step writes itself, whatever its options (one list: the user's aux metrics may
+# not take these names, and tests/test_metrics.py lowers each kind of step and checks that it
+# writes no other name). Optimizer hyperparameters are checked where they are added.
+STEP_METRICS: dict[str, str] = {
+    "loss": "the mean loss of the step (with accumulation: of the window)",
+    "comm_bytes": "bytes this device sent in the step's collectives",
+    "comm_bytes_hosts": "of those, bytes sent across hosts (two-level mesh)",
+    "skipped": "1.0 when the update was skipped (skip_not_finite, weighted, loss_scale)",
+    "synced": "whether the call reduced gradients (accumulate_steps > 1)",
+    "loss_scale": "the loss scale this call used (loss_scale=...)",
+    "averaged": "whether the step averaged the replicas (local_sgd)",
+    "local_loss": "per device: this call's own loss (accumulate_steps > 1)",
+    "replica_loss": "per replica: its loss before averaging (local_sgd)",
+}
 
 
 class LossOutput(NamedTuple):
@@ -190,7 +203,7 @@ class Objective:
                 f"{jnp.result_type(loss)}{list(jnp.shape(loss))}. Return the per-example (or "
                 "per-token) losses; the step averages them over the real (mask != 0) entries."
             )
-        size = max(1, int(jnp.size(weights)))
+        size = self.unit(weights)
         w = weights.astype(loss.dtype)
         # where(): a padded example's loss is dropped even if it is Inf/NaN (0 * Inf is NaN).
         total = jnp.sum(jnp.where(w != 0, w * loss, 0))
@@ -212,6 +225,17 @@ class Objective:
                 )
         weight = jnp.sum(weights.astype(jnp.float32)) / size
         return total / size, LocalAux(new_state, scalars, sums, weight)
+
+    def unit(self, weights: Any) -> float:
+        """The static normaliser of one micro-batch's sums: its weights' size, or 1.
+
+        With ``weighted``, the differentiated scalar, the loss sum and the weight are divided by
+        the micro-batch's size (so local gradients are mean-sized when a hook reduces them). Calls
+        of one window may differ in shape (a padded last batch), so what is kept across calls is
+        multiplied back by this unit: the accumulator holds plain sums, and every real entry
+        weighs the same in the window.
+        """
+        return float(max(1, int(jnp.size(weights)))) if self.weighted else 1.0
 
     def extras(self, aux: LocalAux, window_loss: Any, window_weight: Any, axis_name: Any,
                n: int) -> Extras:
@@ -258,10 +282,21 @@ def _check_metrics(metrics: Any) -> dict:
             "The metrics returned by loss_fn (has_aux=True) must be a dict of scalars, got "
             f"{type(metrics).__name__}."
         )
-    for key in _RESERVED_METRICS:  # the step sets them
-        if key in metrics:
-            raise ValueError(f"loss_fn's aux metrics must not use the key {key!r}.")
+    check_metric_names(metrics, "loss_fn's aux metrics")
     return metrics
+
+
+def check_metric_names(names: Any, what: str) -> None:
+    """Refuses names the step writes itself (:data:`STEP_METRICS`): the step's value would
+    silently replace the user's."""
+    clash = [k for k in names if k in STEP_METRICS]
+    if clash:
+        meaning = "; ".join(f"{k!r} is {STEP_METRICS[k]}" for k in clash)
+        raise ValueError(
+            f"{what} use {clash}, a name the step writes itself ({meaning}), so the step's value "
+            f"would replace yours. Rename it (e.g. 'my_{clash[0]}'). The step's own metrics are "
+            f"{sorted(STEP_METRICS)}."
+        )
 
 
 def _ratio(num: Any, den: Any) -> Any:

@@ -38,9 +38,17 @@ def cap_bytes(mb: Any, name: str) -> int:
     return max(1, int(value * MiB))
 
 
-def bucket_caps(bucket_cap_mb: Any, first_bucket_mb: Any) -> tuple[int, int]:
-    """``(cap, first)`` in bytes: both valid, and the first bucket no larger than the cap."""
-    cap = cap_bytes(bucket_cap_mb, "bucket_cap_mb")
+def bucket_caps(bucket_cap_mb: Any = None, first_bucket_mb: Any = None) -> tuple[int, int]:
+    """``(cap, first)`` in bytes, by PyTorch DDP's rule (torch 2.13), both valid.
+
+    Neither given: a 1 MiB first bucket, then 25 MiB buckets. ``bucket_cap_mb`` given alone: every
+    bucket, the first too, is capped at it (no small first bucket, as DDP does for an explicit
+    cap). ``first_bucket_mb`` given: that first bucket, no larger than the cap.
+    """
+    cap = cap_bytes(DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb,
+                    "bucket_cap_mb")
+    if first_bucket_mb is None:
+        return cap, (cap_bytes(DEFAULT_FIRST_BUCKET_MB, "") if bucket_cap_mb is None else cap)
     first = cap_bytes(first_bucket_mb, "first_bucket_mb")
     if first > cap:
         raise ValueError(
@@ -113,7 +121,11 @@ def step_sync(sync: Any) -> bool | None:
 
 
 def flag(value: Any, name: str, hint: str = "") -> bool:
-    """A bool option (``rng``, ``weighted``, ...); anything else is a clear error."""
+    """A bool option (``rng``, ``weighted``, ...); anything else is a clear error.
+
+    Every boolean option goes through here: ``bool("no")`` is True, so a truthiness test would
+    silently turn ``weighted="no"`` on.
+    """
     if not isinstance(value, bool | np.bool_):
         shown = f" {value!r}" if isinstance(value, int | float | str | None) else ""
         raise TypeError(f"{name} must be True or False, got {type(value).__name__}{shown}.{hint}")

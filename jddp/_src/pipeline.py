@@ -363,9 +363,16 @@ def _local_step(
     aux_shape: LocalAux = traced.out_shapes[1]
     loss_scale = None if state.loss_scale is None else state.loss_scale.scale
     grad_of = jax.grad(_scaled(jaxpr_lib.as_function(traced), loss_scale), has_aux=True)
+    # Sums kept for later (the accumulator, the scanned micro-batches) are plain sums, times the
+    # micro-batch's unit: the calls of a window may differ in shape (see Objective.unit).
+    unit = obj.unit(w_last[0])
+    raw_scale = None if unit == 1.0 else (
+        jnp.float32(unit) if loss_scale is None else loss_scale * unit)
+    grad_raw = grad_of if raw_scale is None else jax.grad(
+        _scaled(jaxpr_lib.as_function(traced), raw_scale), has_aux=True)
 
     def grad_fn(p: Any, ms: Any, b: Any, s: Any) -> Any:  # s: the side inputs, as split
-        return grad_of(p, ms, b, *s)
+        return grad_raw(p, ms, b, *s)
 
     # Stages 1-2 all-gather the updated pieces after the update (gather_params).
     updated = _gather_bytes(cfg, plan, layout) if 1 <= cfg.zero_stage <= 2 else Bytes()
@@ -390,7 +397,7 @@ def _local_step(
         if acc is not None:
             live_grads, live_loss, live_weight = acc_lib.live(acc)
             offset = strip_device_dim(live_grads)
-            window_loss0, window_weight0 = live_loss[0], live_weight[0]
+            window_loss0, window_weight0 = live_loss[0] / unit, live_weight[0] / unit
         else:
             offset = None
             window_loss0 = window_weight0 = jnp.zeros((), jnp.float32)
@@ -414,8 +421,9 @@ def _local_step(
         count = float(m) if acc is None else (acc.count + 1).astype(jnp.float32) * m
         seed = None if acc is None and m == 1 else 1.0 / count
         offset_leaves = None
-        if offset is not None:
-            offset_leaves = [o * jnp.asarray(seed, o.dtype) for o in jax.tree.leaves(offset)]
+        if offset is not None:  # plain sums (see Objective.unit), to this call's unit
+            assert seed is not None  # an offset means earlier micro-batches
+            offset_leaves = [o * jnp.asarray(seed / unit, o.dtype) for o in jax.tree.leaves(offset)]
         # The loss scale is the last micro-batch's seed (the offset's gradients are scaled).
         loss_seed = seed if loss_scale is None else (1.0 if seed is None else seed) * loss_scale
 
@@ -477,8 +485,9 @@ def _local_step(
         # Model state advances locally; TrainState.model_state stays the synchronised one until
         # the window's sync call.
         new_accum = AccumState(
-            count=acc.count + 1, grads=call.grads, loss=live_loss + call.sums["loss"][None],
-            weight=live_weight + call.weight[None], model_state=add_device_dim(call.model_state),
+            count=acc.count + 1, grads=call.grads, loss=live_loss + unit * call.sums["loss"][None],
+            weight=live_weight + unit * call.weight[None],
+            model_state=add_device_dim(call.model_state),
         )
         # The global metrics need a collective: "not computed" (see docs/accumulate.md).
         metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(aux_shape)}

@@ -177,8 +177,8 @@ def make_plan(
     params: Any,
     use_times: Sequence[int | None],
     *,
-    bucket_cap_mb: float = options.DEFAULT_BUCKET_CAP_MB,
-    first_bucket_mb: float = options.DEFAULT_FIRST_BUCKET_MB,
+    bucket_cap_mb: float | None = None,
+    first_bucket_mb: float | None = None,
 ) -> BucketPlan:
     """Builds a plan from each leaf's first-use time (``None`` for unused leaves).
 
@@ -189,7 +189,8 @@ def make_plan(
       params: the parameters (arrays or shape structs).
       use_times: one per leaf of ``params``.
       bucket_cap_mb: the bucket cap in MiB.
-      first_bucket_mb: the first bucket's cap in MiB.
+      first_bucket_mb: the first bucket's cap in MiB (default: DDP's rule, see
+        :class:`jddp.DataParallel`).
     """
     cap, first = options.bucket_caps(bucket_cap_mb, first_bucket_mb)
     return _build_plan(params, use_times, cap, first)
@@ -263,8 +264,8 @@ def plan_buckets(
     fun: Callable[..., Any],
     params: Any,
     *args: Any,
-    bucket_cap_mb: float = options.DEFAULT_BUCKET_CAP_MB,
-    first_bucket_mb: float = options.DEFAULT_FIRST_BUCKET_MB,
+    bucket_cap_mb: float | None = None,
+    first_bucket_mb: float | None = None,
     keep_unused: bool = False,
 ) -> BucketPlan:
     """Plans buckets for ``fun(params, *args)`` from the order in which it first uses each leaf.

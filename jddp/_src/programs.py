@@ -185,23 +185,41 @@ def check_across_processes(sig: ProgramSignature, what: str = "step program") ->
     client = distributed.global_state.client
     if client is None:
         return
-    seq, me, n = next(_sequence), jax.process_index(), jax.process_count()
+    exchange(client, sig, next(_sequence), jax.process_index(), jax.process_count(),
+             timeout_s(), what)
+
+
+def exchange(client: Any, sig: ProgramSignature, seq: int, me: int, n: int, limit: float,
+             what: str = "step program") -> None:
+    """The check's protocol on a key-value ``client`` (``jax.distributed``'s, or a stand-in):
+    publish, wait at a barrier, compare digests; raises :class:`ProgramMismatchError`.
+
+    Args:
+      seq: the check's number (the same on every process); me, n: this process, the count.
+      limit: seconds to wait at the barrier for the others.
+    """
     prefix = f"{_PREFIX}/{seq}"
     digest = sig.digest()
     client.key_value_set(f"{prefix}/desc/{me}", sig.to_json())
     client.key_value_set(f"{prefix}/digest/{me}", digest)
-    limit = timeout_s()
     try:
         client.wait_at_barrier(f"{prefix}/barrier", int(limit * 1000))
     except Exception as e:  # jax's runtime error; DEADLINE_EXCEEDED when someone never came
         arrived = sorted(int(k.rsplit("/", 1)[1]) for k, _ in
                          client.key_value_dir_get(f"{prefix}/digest/"))
         missing = sorted(set(range(n)) - set(arrived))
+        cause = (str(e).splitlines() or [""])[0][:200]
+        if not missing:  # everyone arrived, this process too late: the others gave up
+            raise ProgramMismatchError(
+                f"The check of {what} #{seq} (before its first run) failed: this process "
+                f"(#{me}) reached it after the others stopped waiting ({_ENV_TIMEOUT}); it "
+                "compiled much more slowly, or took another path to this program (a branch on "
+                f"process-local data?). ({type(e).__name__}: {cause})", [me], None) from None
         raise ProgramMismatchError(
             f"Process(es) {missing} did not reach the check of {what} #{seq} (before its first "
             f"run) within {limit:g} s; processes {arrived} did. They compiled fewer programs than this "
             f"one (a branch on process-local data?), or are stuck or still compiling (raise "
-            f"{_ENV_TIMEOUT}). ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+            f"{_ENV_TIMEOUT}). ({type(e).__name__}: {cause})",
             missing, None) from None
     digests = {int(k.rsplit("/", 1)[1]): v for k, v in
                client.key_value_dir_get(f"{prefix}/digest/")}

@@ -1023,8 +1023,8 @@ def value_and_grad(
     fun: Callable[..., Any],
     axis_name: Any = "data",
     *,
-    bucket_cap_mb: float = options.DEFAULT_BUCKET_CAP_MB,
-    first_bucket_mb: float = options.DEFAULT_FIRST_BUCKET_MB,
+    bucket_cap_mb: float | None = None,
+    first_bucket_mb: float | None = None,
     has_aux: bool = False,
     hook: CommHook | None = None,
     plan: BucketPlan | None = None,
@@ -1041,7 +1041,8 @@ def value_and_grad(
       fun: ``fun(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``); differentiated with
         respect to its first argument.
       bucket_cap_mb: bucket cap in MiB (DDP's ``bucket_cap_mb``).
-      first_bucket_mb: cap of the first bucket in MiB.
+      first_bucket_mb: cap of the first bucket in MiB (default: DDP's rule, see
+        :class:`jddp.DataParallel`).
       hook: a stateless communication hook for each bucket (stateful hooks need
         :class:`jddp.DataParallel`, which carries their state).
       plan: a precomputed bucket plan; by default one is made from ``fun``'s traced use order.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 from typing import Any
@@ -13,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp._src import options, pipeline, programs
+from jddp._src import checks, options, pipeline, programs, xla_options
 from jddp._src import verify as verify_lib
 from jddp._src.config import StepConfig
 from jddp._src.planner import BucketPlan, unused_message
@@ -30,6 +29,17 @@ class PlanLog:
     def __init__(self) -> None:
         self.latest: BucketPlan | None = None
         self._warned = False
+        self.params_paths: tuple[str, ...] | None = None  # the tree ddp.init was last given
+
+    def expect(self, params: Any) -> None:
+        """Records the model's params tree (``init``'s), to name a state of another model."""
+        self.params_paths = checks.params_paths(params)
+
+    def check_state(self, state: Any) -> None:
+        """Trace-time: ``state`` is a TrainState whose params have the model's tree."""
+        checks.check_train_state(state, TrainState)
+        if self.params_paths is not None:
+            checks.check_same_params_tree(self.params_paths, state.params)
 
     def __call__(self, plan: BucketPlan) -> None:
         self.latest = plan
@@ -95,12 +105,19 @@ class Step:
             if observer is not None:
                 observer(plan)
 
-        self._jit = jax.jit(
-            functools.partial(pipeline.train_step, cfg, observe),
-            donate_argnums=(0,) if donate else (),
-            static_argnames=("sync", "phase"),
-            compiler_options=compiler_options or None,
-        )
+        def traced(state: Any, *args: Any, **kwargs: Any) -> Any:
+            # Runs when jit traces, not per call: a dict, or a state of another model, is named
+            # here instead of failing inside the step or the user's loss.
+            if isinstance(observer, PlanLog):
+                observer.check_state(state)
+            else:
+                checks.check_train_state(state, TrainState)
+            return pipeline.train_step(cfg, observe, state, *args, **kwargs)
+
+        self._traced = traced
+        self._compiler_options = compiler_options
+        self._jit_fn: Any = None  # built on the first call or lower (see _jit)
+        self._options_used: dict[str, Any] = {}
         self._phase_fn = pipeline.step_phase(cfg)
         # Input signatures already checked to agree across processes, and the programs (input
         # signature, sync, phase) whose collectives were (multi-process runs only).
@@ -108,6 +125,47 @@ class Step:
         self._checked: set[tuple] = set()
         self._known: tuple[Any, int] | None = None  # (weakref to a returned step array, its value)
         self._last_phase: Any = None
+
+    @property
+    def _jit(self) -> Any:
+        assert self._jit_fn is not None, "call _build_jit(state) first"
+        return self._jit_fn
+
+    def _build_jit(self, state: Any) -> None:
+        """The jitted step, built once the parameters' sizes are known (first call or lower).
+
+        On GPU the compiler options raise XLA's combine thresholds above the largest bucket the
+        plan can make, so one planned bucket stays one collective (jddp._src.xla_options); the
+        chain keeps buckets apart, so this merges nothing. ``chain="none"`` leaves XLA alone.
+        """
+        if self._jit_fn is not None:
+            return
+        cfg = self._cfg
+        given = self._compiler_options
+        options_ = dict(given or {})
+        if cfg.chain != "none":
+            if cfg.fixed_plan is not None:
+                largest = max((b.nbytes for b in cfg.fixed_plan.buckets), default=0)
+            else:
+                largest = xla_options.largest_bucket_bound(
+                    xla_options.leaf_bytes(getattr(state, "params", None)), cfg.cap_bytes)
+            options_ = xla_options.step_options(
+                cfg.mesh.devices.flat[0].platform, largest, sharded=cfg.zero_stage >= 1,
+                given=given)
+        self._options_used = options_
+        self._jit_fn = jax.jit(
+            self._traced,
+            donate_argnums=(0,) if self._donate else (),
+            static_argnames=("sync", "phase"),
+            compiler_options=options_ or None,
+        )
+
+    @property
+    def compiler_options(self) -> dict[str, Any] | None:
+        """The options the step is compiled with (``None`` before its first call or lower)."""
+        if self._jit_fn is None:
+            return None
+        return dict(self._options_used)
 
     @property
     def config(self) -> StepConfig:
@@ -149,6 +207,8 @@ class Step:
         if self._donate:
             _check_live(state)
         sync = options.step_sync(sync)
+        if self._jit_fn is None:
+            self._build_jit(state)
         if self._phase_fn is None:
             if jax.process_count() > 1:
                 self._check_program(state, batch, mask, rng, {"sync": sync})
@@ -212,7 +272,9 @@ class Step:
     def cache_size(self) -> int:
         """How many programs this step has compiled: one per input shape and static variant
         (``sync``, hook phase); a training loop should see it stay constant."""
-        return int(self._jit._cache_size())  # type: ignore[attr-defined]  # jax's own count
+        if self._jit_fn is None:
+            return 0
+        return int(self._jit._cache_size())  # jax's own count
 
     def lower(
         self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
@@ -245,4 +307,5 @@ class Step:
         batch, mask = jax.tree.map(place, (batch, mask))
         if self._cfg.rng and rng is None:
             rng = jax.random.key(0)  # only its shape and dtype matter
+        self._build_jit(state)
         return self._jit.lower(state, batch, mask, rng, **static)

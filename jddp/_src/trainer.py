@@ -10,7 +10,7 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from jddp._src import autocap, checks, options, pipeline, watchdog
+from jddp._src import autocap, checks, local_sgd_options, options, pipeline, watchdog
 from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
@@ -19,6 +19,7 @@ from jddp._src import report as report_lib
 from jddp._src import verify as verify_lib
 from jddp._src.config import StepConfig
 from jddp._src.hooks import CommHook, allreduce_mean, check_hook
+from jddp._src.objective import check_metric_names
 from jddp._src.planner import BucketPlan
 from jddp._src.state import TrainState
 from jddp._src.step import PlanLog, Step
@@ -62,14 +63,16 @@ class DataParallel:
       optimizer: an optax ``GradientTransformation``; it sees the averaged gradients, so
         transforms such as ``clip_by_global_norm`` act on the global gradient.
       mesh: the data mesh (default: ``jddp.data_mesh()``, every device).
-      bucket_cap_mb: bucket cap in MiB (DDP's default 25), or ``"auto"``: the first call of
+      bucket_cap_mb: bucket cap in MiB (default 25, DDP's), or ``"auto"``: the first call of
         ``step`` times the step at the caps that give different bucket plans for this model
         (on copies of the state; one compile each), each round against 25 MiB, and keeps a cap
         only when it beats 25 MiB by more than 3% and by more than the spread of its own rounds
         (else 25 MiB), within ``max_tune_s`` (120 s); ``cap_choice`` reports the ratios, the
         spreads and the number that pins the choice. A ``jddp.buckets.AutoCap(...)`` changes
         the candidates, rounds, margin and time bound.
-      first_bucket_mb: cap of the first bucket in MiB (DDP's default 1).
+      first_bucket_mb: cap of the first bucket in MiB. By default PyTorch DDP's rule: 1 MiB
+        when ``bucket_cap_mb`` is not given (or is ``"auto"``), none (the first bucket is capped
+        like the others) when it is given; pass ``first_bucket_mb=1.0`` to keep a small one.
       has_aux: ``loss_fn`` also returns a dict of metrics.
       hook: communication hook for each bucket (default: mean all-reduce), e.g.
         ``jddp.fp16_compress()`` or ``jddp.powersgd(rank=1)``.
@@ -127,11 +130,6 @@ class DataParallel:
         gradients unscaled; a step with a non-finite gradient is skipped on every replica and
         the scale shrinks, it grows after ``growth_interval`` finite steps.
         ``state.loss_scale`` holds the scale, ``metrics["loss_scale"]`` reports it.
-
-    Metrics: ``metrics["loss"]``, the aux metrics, ``"comm_bytes"``, ``"skipped"`` (with
-    ``skip_not_finite``, ``weighted`` or ``loss_scale``), and every scalar hyperparameter of an
-    ``optax.inject_hyperparams`` optimizer under its name (``"learning_rate"``), read from the
-    optimizer state after the update.
       local_sgd: ``jddp.local_sgd.post_local_sgd(period, start_step)`` or
         ``jddp.local_sgd.diloco(period)``: replicas (the hosts of a two-level mesh, else every
         device) train apart and average their parameters every ``period`` steps; gradients are
@@ -141,6 +139,12 @@ class DataParallel:
         are still equal (one uint32 hash per parameter and device, one small all-gather; it
         waits for that step): ``jddp.ReplicaDivergenceError`` names the leaf and the replicas
         whose copy differs (silent data corruption, a bad custom hook). See docs/report.md.
+
+    Metrics: ``metrics["loss"]``, the aux metrics, ``"comm_bytes"``, ``"skipped"`` (with
+    ``skip_not_finite``, ``weighted`` or ``loss_scale``), and every scalar hyperparameter of an
+    ``optax.inject_hyperparams`` optimizer under its name (``"learning_rate"``), read from the
+    optimizer state after the update; the names the step writes itself are reserved for it
+    (``jddp._src.objective.STEP_METRICS``).
     """
 
     def __init__(
@@ -149,8 +153,8 @@ class DataParallel:
         optimizer: optax.GradientTransformation,
         *,
         mesh: Mesh | None = None,
-        bucket_cap_mb: float | str | autocap.AutoCap = options.DEFAULT_BUCKET_CAP_MB,
-        first_bucket_mb: float = options.DEFAULT_FIRST_BUCKET_MB,
+        bucket_cap_mb: float | str | autocap.AutoCap | None = None,
+        first_bucket_mb: float | None = None,
         has_aux: bool = False,
         hook: CommHook | None = None,
         bucket_plan: BucketPlan | None = None,
@@ -169,7 +173,7 @@ class DataParallel:
         rng: bool = False,
         sum_metrics: tuple[str, ...] = (),
         loss_scale: ls_lib.DynamicScale | None = None,
-        local_sgd: local_sgd_lib.LocalSGD | None = None,
+        local_sgd: local_sgd_options.LocalSGD | None = None,
         verify_every: int | None = None,
         **renamed: Any,
     ) -> None:
@@ -183,17 +187,19 @@ class DataParallel:
                 skip_not_finite = value
             else:
                 accumulator_dtype = value
+        donate = options.flag(donate, "donate")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
         auto = autocap.resolve(bucket_cap_mb)
         if auto is not None and bucket_plan is not None:
             raise ValueError("bucket_cap_mb='auto' chooses the bucket plan, and bucket_plan fixes "
                              "one: pass only one of them.")
-        cap, first = options.bucket_caps(
-            options.DEFAULT_BUCKET_CAP_MB if auto is not None else bucket_cap_mb, first_bucket_mb
-        )
+        # "auto" picks the cap; the first bucket is then DDP's default 1 MiB unless given.
+        cap, first = options.bucket_caps(None if auto is not None else bucket_cap_mb,
+                                         first_bucket_mb)
         hook = allreduce_mean() if hook is None else check_hook(hook)
         summed = options.metric_names(sum_metrics, "sum_metrics")
+        check_metric_names(summed, "sum_metrics")
         if summed and not has_aux:
             raise ValueError(
                 f"sum_metrics={summed} names aux metrics, but has_aux=False: return (loss, "
@@ -203,16 +209,16 @@ class DataParallel:
             loss_fn=loss_fn,
             optimizer=check_optimizer(optimizer),
             mesh=mesh_lib.check_mesh(mesh_lib.data_mesh() if mesh is None else mesh),
-            has_aux=bool(has_aux),
+            has_aux=options.flag(has_aux, "has_aux"),
             hook=hook,
             chain=options.chain(chain),
             cap_bytes=cap,
             first_bytes=first,
             fixed_plan=bucket_plan,
-            keep_unused=bool(keep_unused),
+            keep_unused=options.flag(keep_unused, "keep_unused"),
             model_state_sync=options.model_state_sync(model_state_sync),
-            weighted=bool(weighted),
-            skip_not_finite=bool(skip_not_finite),
+            weighted=options.flag(weighted, "weighted"),
+            skip_not_finite=options.flag(skip_not_finite, "skip_not_finite"),
             accumulate_steps=options.count(accumulate_steps, "accumulate_steps"),
             microbatches=options.count(microbatches, "microbatches"),
             accumulator_dtype=options.float_dtype(accumulator_dtype, "accumulator_dtype"),
@@ -221,7 +227,7 @@ class DataParallel:
             rng=options.flag(rng, "rng", " Pass the key itself to step(state, batch, rng=key)."),
             sum_metrics=summed,
             loss_scale=ls_lib.check_loss_scale(loss_scale),
-            local_sgd=local_sgd_lib.check_local_sgd(local_sgd),
+            local_sgd=local_sgd_options.check_local_sgd(local_sgd),
         )
         local_sgd_lib.check_config(config)
         plans = PlanLog()
@@ -281,8 +287,10 @@ class DataParallel:
         """The bucket plan of the most recently traced step (``None`` before the first step)."""
         plan, choice = self._plans.latest, self.cap_choice
         if plan is not None and choice is not None:
-            plan = plan._replace(note=f"chosen by bucket_cap_mb='auto' from "
-                                      f"{len(choice.candidates_mb)} timed caps; pin it with "
+            n = len(choice.candidates_mb)
+            how = (f"from {n} timed caps" if n > 1 else
+                   "without timing: every candidate cap gives this one plan")
+            plan = plan._replace(note=f"chosen by bucket_cap_mb='auto' {how}; pin it with "
                                       f"bucket_cap_mb={choice.cap_mb:g}")
         return plan
 
@@ -303,6 +311,7 @@ class DataParallel:
           model_state: optional non-differentiated model state (e.g. Flax ``batch_stats``).
         """
         checks.check_float_params(params)
+        self._plans.expect(params)
         if self.config.fixed_plan is not None:
             self.config.fixed_plan.check_tree(params)
         ms_lib.check_model_state(model_state, self.config.model_state_sync)

@@ -14,7 +14,10 @@ of the chain, it does not merge buckets with each other.
 On TPU no split was seen (a 39.5 MiB bucket stayed one all-reduce on v5e:2x4) and on CPU the
 chain alone keeps one all-reduce per bucket, so nothing is recommended there.
 
-Use::
+:class:`jddp.DataParallel` sets these options itself on a GPU mesh (unless ``chain="none"``, or
+the user sets them in ``compiler_options`` or ``XLA_FLAGS``), sized from the largest bucket its
+plan can make (``ddp.step.compiler_options`` shows them); this module says what and why, e.g. for
+a step compiled another way (``jddp.value_and_grad`` in your own ``jit``):
 
     from jddp.perf import xla_flags
 
@@ -30,17 +33,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jddp._src import options
+from jddp._src import options, xla_options
 from jddp.buckets import BucketPlan
 
 __all__ = ["GPU_COMBINE_THRESHOLD_BYTES", "Recommendation", "recommended"]
 
 #: XLA's default ``xla_gpu_all_reduce_combine_threshold_bytes`` (measured, see module docstring).
-GPU_COMBINE_THRESHOLD_BYTES = 30 * 1024 * 1024
-
-# Headroom above the cap: the last bucket also carries the loss and metrics (a few float32
-# scalars), and rounding the threshold up to whole MiB keeps the flag readable.
-_HEADROOM_BYTES = 1024 * 1024
+GPU_COMBINE_THRESHOLD_BYTES = xla_options.GPU_COMBINE_THRESHOLD_BYTES
 
 _GPU = ("gpu", "cuda", "rocm")
 _OTHER = ("tpu", "cpu")
@@ -96,8 +95,8 @@ def recommended(
         cap = options.cap_bytes(bucket_cap_mb, "bucket_cap_mb")
     name = backend.lower()
     if name in _GPU:
-        needed = cap + _HEADROOM_BYTES
-        if needed <= GPU_COMBINE_THRESHOLD_BYTES:
+        threshold = xla_options.combine_threshold(cap)
+        if threshold is None:
             return Recommendation(
                 {},
                 "",
@@ -106,8 +105,7 @@ def recommended(
                     "threshold (30 MiB); no flags needed.",
                 ),
             )
-        mib = -(-needed // (1024 * 1024))
-        threshold = mib * 1024 * 1024
+        mib = threshold // (1024 * 1024)
         return Recommendation(
             {"xla_gpu_all_reduce_combine_threshold_bytes": threshold},
             f"--xla_gpu_all_reduce_combine_threshold_bytes={threshold}",

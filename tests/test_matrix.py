@@ -1,0 +1,362 @@
+"""The combination matrix: options x topology x ZeRO stage x processes, each cell either equal to the
+one single-device reference trainer (tests/_reference.py) within a stated tolerance, or refused
+with a stated reason.
+
+A cell is one row of ``CELLS``. When a refusal is lifted, edit its row from ``refused(...)`` to
+``equal(...)`` (and, for a new reference algorithm, a ``Case`` in ``CASES``). Rows with
+``procs=2`` also run on 2 processes x 4 CPU devices over Gloo (one launch for all of them): each
+run twice, the repeats bitwise equal, each equal to the 1 x 8 run to float32 tolerance and to the
+reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jddp
+from tests import _reference as ref
+from tests._models import mlp_loss, mlp_params, regression_batch
+from tests.launch_util import run_launcher
+
+SIZES = [6, 16, 16, 3]
+ROWS = 32  # global batch
+CAPS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)
+KEY = 11
+
+
+# ------------------------------------------------------------------------------------- the cases
+
+
+def _per_example(p, b):
+    x = b["x"]
+    for i in range(3):
+        x = x @ p[f"Dense_{i}"]["kernel"] + p[f"Dense_{i}"]["bias"]
+        x = jnp.tanh(x) if i < 2 else x
+    return jnp.mean((x - b["y"]) ** 2, axis=-1)
+
+
+def _dropout_loss(p, b, keys):
+    h = jnp.tanh(b["x"] @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"])
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.8, (h.shape[-1],)))(keys)
+    h = jnp.where(keep, h / 0.8, 0.0)
+    h = jnp.tanh(h @ p["Dense_1"]["kernel"] + p["Dense_1"]["bias"])
+    out = h @ p["Dense_2"]["kernel"] + p["Dense_2"]["bias"]
+    return jnp.mean((out - b["y"]) ** 2)
+
+
+def _batches(n, rows=ROWS, seed=0):
+    return [regression_batch(100 * seed + i, rows, SIZES[0], SIZES[-1]) for i in range(n)]
+
+
+def _masks(n):
+    return [(np.arange(ROWS) % (3 + i) != 0).astype(np.float32) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Case:
+    """How a cell trains, and its reference: ``calls`` (per call: batch, mask, rng) for
+    ``DataParallel.step``, and ``reference(replicas) -> params``."""
+
+    loss: Callable[..., Any]
+    calls: Callable[[], list[dict]]
+    reference: Callable[[int], Any]
+    optimizer: Callable[[], optax.GradientTransformation] = lambda: optax.adam(1e-2)
+
+
+def _plain_ref(_):
+    return ref.train(mlp_loss, optax.adam(1e-2), mlp_params(0, SIZES),
+                     [[b] for b in _batches(3)]).params
+
+
+def _plain_sgd_ref(_):
+    return ref.train(mlp_loss, optax.sgd(0.1), mlp_params(0, SIZES),
+                     [[b] for b in _batches(3)]).params
+
+
+def _accumulate_ref(_):
+    micro = _batches(4, ROWS // 2)
+    return ref.train(mlp_loss, optax.adam(1e-2), mlp_params(0, SIZES),
+                     [micro[0:2], micro[2:4]]).params
+
+
+def _masked_ref(_):
+    return ref.train(_per_example, optax.adam(1e-2), mlp_params(0, SIZES),
+                     [[b] for b in _batches(3)], masks=[[m] for m in _masks(3)],
+                     weighted=True).params
+
+
+def _rng_ref(_):
+    return ref.train(_dropout_loss, optax.adam(1e-2), mlp_params(0, SIZES),
+                     [[b] for b in _batches(3)], rng_key=jax.random.key(KEY)).params
+
+
+def _post_local_ref(replicas):
+    return ref.local_sgd(mlp_loss, optax.sgd(0.1), mlp_params(0, SIZES), _batches(3),
+                         replicas=replicas, period=2).params
+
+
+def _diloco_ref(replicas):
+    return ref.local_sgd(mlp_loss, optax.adam(1e-2), mlp_params(0, SIZES), _batches(4),
+                         replicas=replicas, period=2,
+                         outer=optax.sgd(0.7, momentum=0.9, nesterov=True)).params
+
+
+CASES = {
+    "plain": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _plain_ref),
+    # Lossy hooks: SGD, whose update is proportional to the gradient (Adam's normalisation
+    # turns a rounding of a near-zero gradient into an update of up to 2 x lr).
+    "plain_sgd": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _plain_sgd_ref,
+                      lambda: optax.sgd(0.1)),
+    "accumulate": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4, ROWS // 2)],
+                       _accumulate_ref),
+    "masked": Case(_per_example, lambda: [
+        {"batch": b, "mask": m} for b, m in zip(_batches(3), _masks(3), strict=True)], _masked_ref),
+    "rng": Case(_dropout_loss, lambda: [{"batch": b, "rng": jax.random.key(KEY)}
+                                        for b in _batches(3)], _rng_ref),
+    "post_local": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _post_local_ref,
+                       lambda: optax.sgd(0.1)),
+    "diloco": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4)], _diloco_ref),
+}
+
+
+# ------------------------------------------------------------------------------------- the matrix
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One combination: ``options()`` for ``DataParallel`` (fresh hooks each call), the mesh
+    (``"1d"`` or ``"2l"``: hosts x local), the ZeRO stage, the processes it runs on (1, or also
+    2), and what is expected: ``("equal", case, tol)`` or ``("refused", regex)``."""
+
+    name: str
+    options: Callable[[], dict]
+    topology: str
+    stage: int
+    expect: tuple
+    procs: int = 1
+    api: str = "functional"
+    extra: dict = field(default_factory=dict)
+
+
+def equal(case: str, tol: float = 2e-5) -> tuple:
+    return ("equal", case, tol)
+
+
+def refused(reason: str) -> tuple:
+    return ("refused", reason)
+
+
+LOCAL_SGD_REFUSAL = "local_sgd does not combine with {} yet"
+BF16 = 1e-3  # bf16 on the wire (~3 significant digits of each gradient), SGD(0.1)
+
+
+def _cells() -> list[Cell]:
+    post = jddp.local_sgd.post_local_sgd
+    diloco = jddp.local_sgd.diloco
+    c = [
+        # hooks x stages, 1-D mesh
+        Cell("plain", dict, "1d", 0, equal("plain"), procs=2),
+        Cell("plain", dict, "1d", 1, equal("plain")),
+        Cell("plain", dict, "1d", 2, equal("plain"), procs=2),
+        Cell("plain", dict, "1d", 3, equal("plain")),
+        Cell("bf16", lambda: {"hook": jddp.bf16_compress()}, "1d", 0, equal("plain_sgd", BF16)),
+        Cell("bf16", lambda: {"hook": jddp.bf16_compress()}, "1d", 2, equal("plain_sgd", BF16)),
+        Cell("fp16", lambda: {"hook": jddp.fp16_compress()}, "1d", 3, equal("plain_sgd", BF16)),
+        Cell("powersgd before start", lambda: {"hook": jddp.powersgd(start_iter=100)}, "1d", 0,
+             equal("plain")),
+        Cell("powersgd", lambda: {"hook": jddp.powersgd(start_iter=100)}, "1d", 2,
+             refused("cannot serve zero_stage=2")),
+        # options x stages
+        Cell("accumulate_steps=2", lambda: {"accumulate_steps": 2}, "1d", 0,
+             equal("accumulate"), procs=2),
+        Cell("accumulate_steps=2", lambda: {"accumulate_steps": 2}, "1d", 2, equal("accumulate")),
+        Cell("microbatches=2", lambda: {"microbatches": 2}, "1d", 0, equal("plain")),
+        Cell("weighted + mask", lambda: {"weighted": True}, "1d", 0, equal("masked")),
+        Cell("weighted + mask", lambda: {"weighted": True}, "1d", 2, equal("masked")),
+        Cell("rng", lambda: {"rng": True}, "1d", 0, equal("rng")),
+        Cell("rng", lambda: {"rng": True}, "1d", 3, equal("rng")),
+        Cell("skip_not_finite", lambda: {"skip_not_finite": True}, "1d", 1, equal("plain")),
+        # two-level mesh
+        Cell("plain", dict, "2l", 0, equal("plain")),
+        Cell("hierarchical", lambda: {"hook": jddp.hooks.hierarchical()}, "2l", 0,
+             equal("plain"), procs=2),
+        Cell("hierarchical[concat]", lambda: {"hook": jddp.hooks.hierarchical(concat=True)},
+             "2l", 0, equal("plain")),
+        Cell("hierarchical(inner=bf16)",
+             lambda: {"hook": jddp.hooks.hierarchical(inner=jddp.bf16_compress())}, "2l", 0,
+             equal("plain_sgd", BF16), procs=2),
+        Cell("hierarchical", lambda: {"hook": jddp.hooks.hierarchical()}, "2l", 2,
+             refused("cannot serve zero_stage=2")),
+        Cell("hybrid_shard", lambda: {"hybrid_shard": True}, "2l", 2, equal("plain")),
+        # local SGD
+        Cell("post_local_sgd(2)", lambda: {"local_sgd": post(2)}, "1d", 0, equal("post_local")),
+        Cell("diloco(2)", lambda: {"local_sgd": diloco(2)}, "2l", 0, equal("diloco"), procs=2),
+        Cell("nnx + local_sgd", lambda: {"local_sgd": diloco(2)}, "1d", 0,
+             refused("does not take local_sgd yet"), api="nnx"),
+    ]
+    # Options local SGD refuses today, each with its reason.
+    for label, opts, stage in [
+        ("accumulate_steps > 1", {"accumulate_steps": 2}, 0),
+        ("microbatches > 1", {"microbatches": 2}, 0),
+        ("weighted=True", {"weighted": True}, 0),
+        ("skip_not_finite=True", {"skip_not_finite": True}, 0),
+        ("zero_stage > 0", {}, 2),
+        ("rng=True", {"rng": True}, 0),
+        ("sum_metrics", {"sum_metrics": ("n",), "has_aux": True}, 0),
+        ("loss_scale", {"loss_scale": jddp.precision.DynamicScale()}, 0),
+    ]:
+        c.append(Cell(f"diloco + {label}", lambda o=opts: {"local_sgd": diloco(2), **o}, "2l",
+                      stage, refused(re.escape(LOCAL_SGD_REFUSAL.format(label)))))
+    return c
+
+
+CELLS = _cells()
+
+
+def cell_id(cell: Cell) -> str:
+    return f"{cell.name}|{cell.topology}|stage{cell.stage}|{cell.api}"
+
+
+def mesh_for(topology: str, multi: bool = False):
+    if topology == "1d":
+        return jddp.data_mesh()
+    return jddp.data_mesh(hosts="process" if multi else 2)
+
+
+def _to_numpy(tree):
+    from jax.experimental import multihost_utils
+
+    def get(x):
+        if jax.process_count() > 1:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(get, tree)
+
+
+def run_cell(cell: Cell, multi: bool = False) -> Any:
+    """Trains the cell's case with ``DataParallel`` (raises what construction raises); returns
+    the final (global) parameters as numpy arrays."""
+    _, case_name, _ = cell.expect if cell.expect[0] == "equal" else (None, "plain", None)
+    case = CASES[case_name]
+    mesh = mesh_for(cell.topology, multi)
+    opts = dict(cell.options(), zero_stage=cell.stage, **CAPS)
+    if cell.api == "nnx":
+        from flax import nnx
+
+        model = nnx.Linear(SIZES[0], SIZES[-1], rngs=nnx.Rngs(0))
+        jddp.nnx.DataParallel(model, case.optimizer(), loss_fn=lambda m, b: jnp.mean(
+            (m(b["x"]) - b["y"]) ** 2), mesh=mesh, **opts)
+        raise AssertionError("expected a refusal")
+    ddp = jddp.DataParallel(case.loss, case.optimizer(), mesh=mesh, **opts)
+    state = ddp.init(mlp_params(0, SIZES))
+    for call in case.calls():
+        batch = jddp.shard_global_batch(call["batch"], mesh)
+        kw = {"rng": call["rng"]} if "rng" in call else {}
+        mask = call.get("mask")
+        if mask is not None:
+            mask = jddp.shard_global_batch(mask, mesh)
+        state, _ = ddp.step(state, batch, mask, **kw)
+    return _to_numpy(ddp.global_params(state))
+
+
+@functools.cache
+def _reference(case: str, replicas: int) -> Any:
+    return CASES[case].reference(replicas)
+
+
+def _replicas(cell: Cell) -> int:
+    return 2 if cell.topology == "2l" else 8
+
+
+@functools.cache
+def _one_process(index: int) -> Any:
+    return run_cell(CELLS[index])
+
+
+@pytest.mark.parametrize("index", range(len(CELLS)), ids=[cell_id(c) for c in CELLS])
+def test_cell(index):
+    cell = CELLS[index]
+    if cell.expect[0] == "refused":
+        with pytest.raises((ValueError, TypeError), match=cell.expect[1]):
+            run_cell(cell)
+        return
+    _, case, tol = cell.expect
+    got = _one_process(index)
+    assert ref.max_abs_diff(got, _reference(case, _replicas(cell))) < tol
+
+
+def test_matrix_is_declared_consistently():
+    """Every cell is unique, names a known case, and a refusal states a reason."""
+    ids = [cell_id(c) for c in CELLS]
+    assert len(ids) == len(set(ids))
+    for c in CELLS:
+        assert c.topology in ("1d", "2l") and c.stage in range(4) and c.procs in (1, 2)
+        assert c.expect[0] in ("equal", "refused")
+        if c.expect[0] == "equal":
+            assert c.expect[1] in CASES and 0 < c.expect[2] < 1e-1
+        else:
+            assert c.expect[1] and c.procs == 1
+    assert sum(c.procs == 2 for c in CELLS) >= 5
+
+
+# --------------------------------------------------------------------------- the process rows
+
+SCRIPT = r'''
+import json, os, sys
+import jax
+import jddp
+cache = sys.argv[2]
+jax.config.update("jax_compilation_cache_dir", cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+jddp.initialize(timeout_s=60)
+import numpy as np
+from tests import test_matrix as tm
+out = {}
+for i, cell in enumerate(tm.CELLS):
+    if cell.procs != 2:
+        continue
+    runs = [tm.run_cell(cell, multi=True) for _ in range(2)]
+    out[str(i)] = [[np.asarray(x).tolist() for x in jax.tree.leaves(r)] for r in runs]
+if jax.process_index() == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f)
+print("DONE", jax.process_count())
+'''
+
+
+@pytest.mark.slow
+def test_two_processes(tmp_path):
+    """The ``procs=2`` cells on 2 processes x 4 devices over Gloo: two runs bitwise equal, each
+    equal to the 1 x 8 run (float32 summation order) and to the reference."""
+    script = tmp_path / "matrix_job.py"
+    script.write_text(SCRIPT)
+    rc, out, err, _ = run_launcher(
+        ["-n", "2", "--devices-per-process", "4", "--timeout", "280", str(script),
+         str(tmp_path / "out.json"), str(tmp_path / "cache")], timeout=300)
+    assert rc == 0, (out[-2000:], err[-4000:])
+    results = json.loads((tmp_path / "out.json").read_text())
+    multi = [i for i, c in enumerate(CELLS) if c.procs == 2]
+    assert sorted(map(int, results)) == multi
+    for i in multi:
+        cell = CELLS[i]
+        first, second = ([np.asarray(x, np.float32) for x in r] for r in results[str(i)])
+        for a, b in zip(first, second, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{cell_id(cell)}: repeats differ")
+        one = jax.tree.leaves(_one_process(i))
+        _, case, tol = cell.expect
+        assert ref.max_abs_diff(first, one) < max(2e-6, tol / 10), cell_id(cell)
+        assert ref.max_abs_diff(first, jax.tree.leaves(_reference(case, _replicas(cell)))) < tol
+

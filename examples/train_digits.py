@@ -12,6 +12,11 @@ replicas apart and average every H steps instead (see docs/scaling.md)::
 
     python examples/train_digits.py --diloco 16
 
+``--deterministic`` trains with ``DataParallel(deterministic=True)``: the final parameters are the
+same bits on 8 devices, on 2, or on 2 processes of 4 (compare ``params_sha256`` in the JSON)::
+
+    python examples/train_digits.py --deterministic --devices 2 --json d2.json
+
 With ``--checkpoint-dir`` it survives failures and preemption: it resumes from the latest
 checkpoint (the TrainState and the loader's position, saved together; writes are asynchronous),
 saves every ``--save-every`` steps, and on SIGTERM saves at the same step on every process and
@@ -62,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="plain data-parallel steps before local SGD starts")
     p.add_argument("--diloco", type=int, default=None, metavar="H",
                    help="DiLoCo: an outer Nesterov step on the averaged delta every H steps")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the same parameters, bit for bit, on any power-of-two device count")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="examples per group with --deterministic (default 8)")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--profile", default=None, metavar="DIR",
@@ -82,6 +91,9 @@ def _hook(jddp, args):
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.deterministic and "xla_cpu_max_isa" not in os.environ.get("XLA_FLAGS", ""):
+        # CPU code without FMA contraction (docs/deterministic.md); before JAX starts.
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX"
     # The device count must be set before JAX initialises its backend.
     import jax
 
@@ -145,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
         loss_fn, optax.adam(args.lr), mesh=mesh, has_aux=True,
         bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
         hook=_hook(jddp, args), local_sgd=local_sgd,
+        deterministic=args.deterministic, group_size=args.group_size,
     )
     # Full batches only (drop_last): every step sees args.batch_size examples.
     loader = jddp.data.Loader(jddp.data.ArraySource({"image": x_train, "label": y_train}),
@@ -154,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
         import jddp.checkpoint as ckpt
 
         mngr = ckpt.manager(args.checkpoint_dir, max_to_keep=2,
-                            save_interval_steps=args.save_every)
+                            save_interval_steps=args.save_every, async_save=True)
         # The latest checkpoint (and the loader at the batch after it), or a fresh state.
         state = ckpt.restore_or_init(mngr, ddp, params, loader=loader)
     else:
@@ -254,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
             "algorithm": "diloco" if local_sgd.diloco else "post_local_sgd",
             "period": local_sgd.period, "start_step": local_sgd.start_step},
         "mesh": dict(mesh.shape),
+        "deterministic": args.deterministic,
         "final_test_accuracy": history[-1]["test_accuracy"],
         "final_loss": history[-1]["loss"],
         "examples_per_second": throughput,

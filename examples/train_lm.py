@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     mngr = None
     if args.checkpoint_dir:
         mngr = ckpt.manager(args.checkpoint_dir, max_to_keep=2,
-                            save_interval_steps=args.save_every)
+                            save_interval_steps=args.save_every, async_save=True)
         state = ckpt.restore_or_init(mngr, ddp, params, loader=loader)
     else:
         state = ddp.init(params)

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     mngr = None
     if args.checkpoint_dir:
         mngr = ckpt.manager(args.checkpoint_dir, max_to_keep=2,
-                            save_interval_steps=args.save_every)
+                            save_interval_steps=args.save_every, async_save=True)
         state = ckpt.restore_or_init(mngr, ddp, params, model_state, loader=loader)
     else:
         state = ddp.init(params, model_state)

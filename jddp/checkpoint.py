@@ -26,12 +26,15 @@ or under any scheduler that re-runs it on exit status 75)::
 exits with 75. The loader's state (a small JSON dict, :meth:`jddp.data.Loader.state`) is a second
 item of the same checkpoint, so the TrainState and the data position are committed together.
 
-Saves are asynchronous by default (``manager(..., async_save=True)``, orbax's asynchronous
+With ``manager(..., async_save=True)`` saves are asynchronous (orbax's asynchronous
 checkpointing): ``save_if_due`` returns once the arrays are copied to host memory, and the write to
 disk runs in a background thread while training goes on; the next save, :func:`wait`, a preemption
 exit and the end of the interpreter wait for it. orbax writes into a temporary folder and renames
 it when complete, so a process killed mid-write leaves no checkpoint of that step, and the latest
-complete one restores bit-exactly. :func:`save` waits for its write unless ``wait=False``.
+complete one restores bit-exactly. In a multi-process job the commit of an asynchronous save was
+seen to come late: a rank SIGKILLed two steps after a save restarted from the save before it. The
+default stays synchronous (a checkpoint is on disk when ``save_if_due`` returns).
+:func:`save` waits for its write unless ``wait=False``.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def manager(
     *,
     max_to_keep: int | None = None,
     save_interval_steps: int = 1,
-    async_save: bool = True,
+    async_save: bool = False,
 ) -> Any:
     """An orbax ``CheckpointManager`` for TrainStates under ``directory`` (one folder per step).
 
@@ -105,8 +108,8 @@ def manager(
       save_interval_steps: the interval of :func:`save_if_due` (orbax's ``should_save``);
         :func:`save` always saves.
       async_save: write in a background thread (orbax's asynchronous checkpointing); the step
-        only waits for the copy of the state to host memory. False: every save writes before it
-        returns.
+        only waits for the copy of the state to host memory. False (default): every save is on
+        disk before it returns.
     """
     lib = _require_orbax()
     path = os.path.abspath(os.fspath(directory))
@@ -417,7 +420,7 @@ def save_if_due(
       loader: a ``jddp.data.Loader`` whose state is saved with the TrainState: call this after
         the step that consumed the loader's last batch, so the saved state is the next batch.
 
-    An interval save is asynchronous when the manager is (the default): the step goes on while
+    An interval save is asynchronous when the manager is (``async_save=True``): the step goes on while
     it is written, and the next save waits for it. A preemption save waits before exiting.
 
     Returns:

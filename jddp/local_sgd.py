@@ -9,7 +9,10 @@ Pass one to :class:`jddp.DataParallel`::
     state, metrics = ddp.step(state, batch)                # no cross-host collective on 15 of 16
     eval_params = ddp.global_params(state)                 # DiLoCo's global parameters
 
-See docs/scaling.md for when to use which, and :mod:`jddp._src.local_sgd` for the semantics.
+Every other option of the step composes with it (accumulation, micro-batches, masks, ``rng``,
+loss scaling, skipping, summed metrics, ``zero_stage`` inside each host); ``diloco(period,
+fragments=F)`` is streaming DiLoCo. See docs/scaling.md for when to use which, and
+:mod:`jddp._src.local_sgd` for the semantics.
 """
 
 from jddp._src.local_sgd_options import LocalSGD, diloco, post_local_sgd

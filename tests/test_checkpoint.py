@@ -297,7 +297,7 @@ def loss_fn(p, b):
 ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=jddp.data_mesh())
 batch = lambda s: {"x": np.random.default_rng(s).standard_normal((4, 2048)).astype(np.float32),
                    "y": np.random.default_rng(s).standard_normal(4).astype(np.float32)}
-mngr = ckpt.manager(os.path.join(directory, "ckpt"), save_interval_steps=2)  # async
+mngr = ckpt.manager(os.path.join(directory, "ckpt"), save_interval_steps=2, async_save=True)
 state = ckpt.restore_or_init(mngr, ddp, params) if mode != "plain" else ddp.init(params)
 print("START", int(state.step), flush=True)
 for step in range(int(state.step), 6):

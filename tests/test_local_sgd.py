@@ -246,9 +246,14 @@ def test_checkpoint_resume_mid_period_is_bit_exact(tmp_path):
 
 
 def test_options_that_do_not_combine_are_named():
-    with pytest.raises(ValueError, match="does not combine with accumulate_steps > 1"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2,
+    # The one combination refused: ZeRO inside islands of one device (a 1-D mesh).
+    with pytest.raises(ValueError, match="on a 1-D mesh every device is a replica"):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=1,
                           local_sgd=jddp.local_sgd.post_local_sgd(4))
+    with pytest.raises(ValueError, match="fragments=5 must be <= period=4"):
+        jddp.local_sgd.diloco(4, fragments=5)
+    with pytest.raises(ValueError, match="fragments > 1 is streaming DiLoCo"):
+        jddp.local_sgd.LocalSGD(4, fragments=2)
     with pytest.raises(TypeError, match=r"call it: jddp\.local_sgd\.diloco\(period=\.\.\.\)"):
         jddp.DataParallel(mlp_loss, optax.sgd(0.1), local_sgd=jddp.local_sgd.diloco)
     with pytest.raises(ValueError, match="period must be an int >= 1"):
@@ -259,10 +264,318 @@ def test_options_that_do_not_combine_are_named():
         jddp.local_sgd.diloco(4, outer_optimizer="nesterov")
 
 
-def test_nnx_front_end_refuses_local_sgd():
-    from flax import nnx
+# ------------------------------------------------------------------ options composed with local SGD
 
-    model = nnx.Linear(6, 3, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="does not take local_sgd yet"):
-        jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=lambda m, b: jnp.mean(m(b["x"])),
-                              local_sgd=jddp.local_sgd.diloco(4))
+
+def _per_example_mse(p, b):
+    """Per-example losses of the MLP (for weighted=True), and a count metric per example."""
+    x = b["x"]
+    n = len(p)
+    for i in range(n):
+        x = x @ p[f"Dense_{i}"]["kernel"] + p[f"Dense_{i}"]["bias"]
+        if i < n - 1:
+            x = jnp.tanh(x)
+    losses = jnp.mean((x - b["y"]) ** 2, axis=-1)
+    return losses, {"count": jnp.ones_like(losses)}
+
+
+RATE = 0.5
+
+
+def _dropout_loss(p, b, rng):
+    """The MLP with per-example dropout on its first hidden layer (one key per example)."""
+    h = jnp.tanh(b["x"] @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"])
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - RATE, h.shape[1:]))(rng)
+    h = jnp.where(keep, h / (1.0 - RATE), 0.0)
+    return _tail_loss(p, h, b["y"])
+
+
+def _tail_loss(p, h, y):
+    for i in range(1, len(SIZES) - 1):
+        h = h @ p[f"Dense_{i}"]["kernel"] + p[f"Dense_{i}"]["bias"]
+        if i < len(SIZES) - 2:
+            h = jnp.tanh(h)
+    return jnp.mean((h - y) ** 2)
+
+
+def _island_reference(params, inner, spec, batches, replicas, *, masks=None, key=None):
+    """The algorithm on one device, per island: replica ``r`` trains on its contiguous block of
+    each global batch (the rows its devices get), with the gradient of the island's mean loss
+    (``masks``: the mean over its real rows; ``key``: the dropout keys of
+    ``jddp.random.example_keys`` at the rows' global positions); a "sync" step uses the whole
+    batch for every replica; averaging as in :func:`_reference`."""
+    ps, opts = [params] * replicas, [inner.init(params)] * replicas
+    anchor = params
+    outer = spec.outer_optimizer.init(params) if spec.diloco else None
+    mean = lambda trees: jax.tree.map(lambda *x: sum(x) / len(x), *trees)
+
+    def grad(p, batch, rows, step, mask):
+        b = jax.tree.map(lambda x: x[rows], batch)
+        if key is not None:
+            keys = jddp.random.example_keys(key, step, len(b["x"]), start=rows.start)
+            return jax.grad(_dropout_loss)(p, b, keys)
+        if mask is None:
+            return jax.grad(mlp_loss)(p, b)
+        w = jnp.asarray(mask[rows], jnp.float32)
+        return jax.grad(lambda q: jnp.sum(w * _per_example_mse(q, b)[0]) / jnp.sum(w))(p)
+
+    for step, batch in enumerate(batches):
+        kind = spec.kind(step)
+        size = batch["x"].shape[0]
+        mask = None if masks is None else masks[step]
+        for r in range(replicas):
+            rows = slice(0, size) if kind == "sync" else \
+                slice(r * size // replicas, (r + 1) * size // replicas)
+            upd, opts[r] = inner.update(grad(ps[r], batch, rows, step, mask), opts[r], ps[r])
+            ps[r] = optax.apply_updates(ps[r], upd)
+        if kind == "average":
+            if spec.diloco:
+                delta = mean([jax.tree.map(lambda a, p: a - p, anchor, q) for q in ps])
+                upd, outer = spec.outer_optimizer.update(delta, outer, anchor)
+                anchor = optax.apply_updates(anchor, upd)
+                ps = [anchor] * replicas
+            else:
+                ps = [mean(ps)] * replicas
+    return ps, anchor
+
+
+def _replica(tree, r):
+    return jax.tree.map(lambda x: np.asarray(x)[r], tree)
+
+
+def _assert_replicas(state, ref_ps, tol=1e-5):
+    for r, ref in enumerate(ref_ps):
+        err = max_abs_diff(_replica(state.params, r), ref)
+        assert err < tol, (r, err)
+
+
+def _halves(batch):
+    """Two halves of a global batch such that every device gets the same rows over the two calls
+    as from the whole batch (the first half of its shard, then the second)."""
+    def half(x, h):
+        shards = x.reshape(DEVICES, 2, -1, *x.shape[1:])
+        return shards[:, h].reshape(-1, *x.shape[1:])
+    return [jax.tree.map(lambda x, h=h: half(x, h), batch) for h in range(2)]
+
+
+@pytest.mark.parametrize("algo,hosts", [("diloco", 2), ("post_local_sgd", None)])
+def test_accumulation_and_microbatches_equal_the_whole_batch(algo, hosts):
+    """Local SGD / DiLoCo with ``accumulate_steps=2`` on two halves of each batch, and with
+    ``microbatches=2`` on the whole batch, equal the algorithm on the whole batch (the island
+    reference): the accumulation window wraps the replica's update."""
+    if algo == "diloco":
+        spec, inner = jddp.local_sgd.diloco(2), optax.adamw(1e-2, weight_decay=0.1)
+    else:
+        spec, inner = jddp.local_sgd.post_local_sgd(2, start_step=1), optax.adam(1e-2)
+    batches = _batches(4)
+    params = mlp_params(0, SIZES)
+    replicas = DEVICES if hosts is None else hosts
+    ref_ps, ref_anchor = _island_reference(params, inner, spec, batches, replicas)
+    # On the 1-D mesh (8 islands of one device) both at once, in one window.
+    acc = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(hosts), local_sgd=spec,
+                            accumulate_steps=2, microbatches=1 if hosts else 2, **CAPS)
+    state = acc.init(params)
+    for b in batches:
+        for half in _halves(b):
+            state, m = acc.step(state, half)
+    assert int(state.step) == 4 and bool(m["synced"]) and bool(m["averaged"])
+    _assert_replicas(state, ref_ps)
+    if spec.diloco:
+        assert max_abs_diff(state.outer.params, ref_anchor) < 1e-5
+    if not hosts:
+        return
+    micro = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(hosts), local_sgd=spec,
+                              microbatches=2, **CAPS)
+    state = micro.init(params)
+    for b in batches:
+        state, m = micro.step(state, b)
+    _assert_replicas(state, ref_ps)
+    # The averaging step's loss is the global mean loss of the step's batch.
+    assert np.isfinite(float(m["loss"])) and m["replica_loss"].shape == (replicas,)
+
+
+def test_weighted_masks_and_summed_metrics():
+    """weighted=True with masks: each replica's gradient is the mean over its island's real rows;
+    a summed metric on an averaging step is the global sum, and the loss the global mean over
+    the real rows (the island sums ride on the averaging)."""
+    spec, inner = jddp.local_sgd.post_local_sgd(2, start_step=1), optax.adam(1e-2)
+    batches = _batches(3)
+    rng = np.random.default_rng(5)
+    masks = [(rng.random(32) > 0.4).astype(np.float32) for _ in batches]
+    masks[2][16:] = 0.0  # replica 1 of 2 sees no real example at step 2: its update is skipped
+    params = mlp_params(0, SIZES)
+    ddp = jddp.DataParallel(_per_example_mse, inner, mesh=_mesh(2), local_sgd=spec,
+                            weighted=True, has_aux=True, sum_metrics=("count",), **CAPS)
+    state = ddp.init(params)
+    out = []
+    for b, mk in zip(batches, masks, strict=True):
+        state, m = ddp.step(state, b, mask=mk)
+        out.append(m)
+    ref_ps, _ = _island_reference(params, inner, spec, batches[:2], 2, masks=masks)
+    # Step 2 is local (kind(2) == "local"): replica 0 steps on, replica 1 skipped its update.
+    assert [spec.kind(i) for i in range(3)] == ["sync", "average", "local"]
+    np.testing.assert_array_equal(np.asarray(out[2]["skipped"]), [0.0, 1.0])
+    assert max_abs_diff(_replica(state.params, 1), ref_ps[1]) < 1e-5
+    ref_next, _ = _island_reference(params, inner, spec, batches, 2, masks=masks)
+    assert max_abs_diff(_replica(state.params, 0), ref_next[0]) < 1e-5
+    for i in (0, 1):  # the sync and the averaging step report global values
+        assert float(out[i]["count"]) == float(masks[i].sum())
+        want = float(np.sum(masks[i] * np.asarray(_per_example_mse(
+            ref_params_at(params, inner, spec, batches, masks, i), batches[i])[0])) / masks[i].sum())
+        assert abs(float(out[i]["loss"]) - want) < 1e-5
+    assert np.isnan(float(out[2]["loss"]))
+
+
+def ref_params_at(params, inner, spec, batches, masks, step):
+    """Replica 0's parameters before ``step`` in the island reference."""
+    if step == 0:
+        return params
+    ps, _ = _island_reference(params, inner, spec, batches[:step], 2, masks=masks)
+    return ps[0]
+
+
+def test_per_example_keys():
+    """rng=True: every example gets the key of its global row (jddp.random.example_keys), so each
+    replica's dropout masks are those of the island reference; DiLoCo on 2 hosts x 4 devices."""
+    spec, inner = jddp.local_sgd.diloco(2), optax.adam(1e-2)
+    batches = _batches(3)
+    key = jax.random.key(3)
+    params = mlp_params(0, SIZES)
+    ddp = jddp.DataParallel(_dropout_loss, inner, mesh=_mesh(2), local_sgd=spec, rng=True, **CAPS)
+    state = ddp.init(params)
+    for b in batches:
+        state, _ = ddp.step(state, b, rng=key)
+    ref_ps, ref_anchor = _island_reference(params, inner, spec, batches, 2, key=key)
+    _assert_replicas(state, ref_ps)
+    assert max_abs_diff(state.outer.params, ref_anchor) < 1e-5
+    # Dropout is really per example: without it the reference is far away.
+    plain, _ = _island_reference(params, inner, spec, batches, 2)
+    assert max_abs_diff(plain[1], ref_ps[1]) > 1e-3
+
+
+@pytest.mark.parametrize("guard", ["loss_scale", "skip_not_finite"])
+def test_not_finite_gradient_skips_that_replica_only(guard):
+    """A replica whose gradient is not finite skips its own update (its parameters and optimizer
+    state stay, and with loss scaling its own scale halves); the other replica steps on. On
+    finite steps the scaled step equals the unscaled reference."""
+    spec, inner = jddp.local_sgd.post_local_sgd(2), optax.adam(1e-2)
+    batches = _batches(3)
+    bad = dict(batches[2])
+    bad["x"] = np.array(bad["x"])
+    bad["x"][20] = np.inf  # a row of replica 1 (rows 16..31) on 2 hosts
+    opts = {"loss_scale": jddp.precision.DynamicScale(init_scale=2.0**10)} if guard == "loss_scale" \
+        else {"skip_not_finite": True}
+    params = mlp_params(0, SIZES)
+    ddp = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(2), local_sgd=spec, **opts, **CAPS)
+    state = ddp.init(params)
+    for b in batches[:2]:
+        state, m = ddp.step(state, b)
+    before = jax.tree.map(np.asarray, state.params)
+    state, m = ddp.step(state, bad)
+    assert spec.kind(2) == "average"
+    np.testing.assert_array_equal(np.asarray(m["skipped"]), [0.0, 1.0])
+    ref_ps, _ = _island_reference(params, inner, spec, batches[:2], 2)
+    _assert_replicas(jax.tree_util.tree_map(lambda x: x, state).replace(params=before), ref_ps)
+    # The averaging still runs: replica 0's new parameters and replica 1's old ones, averaged.
+    upd, _ = inner.update(jax.grad(mlp_loss)(ref_ps[0], jax.tree.map(lambda x: x[:16], bad)),
+                          _island_opt(params, inner, spec, batches[:2])[0], ref_ps[0])
+    stepped = optax.apply_updates(ref_ps[0], upd)
+    want = jax.tree.map(lambda a, b: (a + b) / 2, stepped, ref_ps[1])
+    _assert_replicas(state, [want, want])
+    assert int(state.step) == 3
+    if guard == "loss_scale":
+        np.testing.assert_array_equal(np.asarray(state.loss_scale.scale), [2.0**10, 2.0**9])
+
+
+def _island_opt(params, inner, spec, batches):
+    """The replicas' optimizer states after ``batches`` in the island reference (2 replicas)."""
+    ps, opts = [params] * 2, [inner.init(params)] * 2
+    for step, batch in enumerate(batches):
+        for r in range(2):
+            rows = slice(r * 16, (r + 1) * 16)
+            g = jax.grad(mlp_loss)(ps[r], jax.tree.map(lambda x, rows=rows: x[rows], batch))
+            upd, opts[r] = inner.update(g, opts[r], ps[r])
+            ps[r] = optax.apply_updates(ps[r], upd)
+        if spec.kind(step) == "average":
+            ps = [jax.tree.map(lambda *x: sum(x) / 2, *ps)] * 2
+    return opts
+
+
+@pytest.mark.parametrize("algo,stage", [("diloco", 1), ("diloco", 2), ("diloco", 3),
+                                        ("post_local_sgd", 2)])
+def test_zero_stages_inside_each_island(algo, stage):
+    """One island per host, its state sharded over the host's devices (ZeRO 1-3 inside), DiLoCo
+    or post-local SGD across: equal to the algorithm with replicated islands (the island
+    reference; post-local SGD's first steps are hybrid-sharded data-parallel steps)."""
+    if algo == "diloco":
+        spec, inner = jddp.local_sgd.diloco(2), optax.adamw(1e-2, weight_decay=0.1)
+    else:
+        spec, inner = jddp.local_sgd.post_local_sgd(2, start_step=1), optax.adam(1e-2)
+    batches = _batches(4)
+    params = mlp_params(0, SIZES)
+    ddp = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(2), local_sgd=spec, zero_stage=stage,
+                            **CAPS)
+    state = ddp.init(params)
+    for b in batches:
+        state, m = ddp.step(state, b)
+    ref_ps, ref_anchor = _island_reference(params, inner, spec, batches, 2)
+    _assert_replicas(state, ref_ps)
+    if spec.diloco:
+        assert max_abs_diff(state.outer.params, ref_anchor) < 1e-5
+    assert float(m["comm_bytes_hosts"]) > 0 and np.isfinite(float(m["loss"]))
+    ddp.verify(state)
+    if stage == 3:
+        # Sharding inside the island adds no cross-host collective: none on a local step, one
+        # all-reduce per bucket (of each device's pieces) on an averaging step.
+        host = jddp.mesh.host_of_device(ddp.config.mesh)
+        for step, crossing in ((0, {}), (1, {"all-reduce": ddp.bucket_plan.num_buckets})):
+            text = ddp.lower(params, batches[0], step=step).compile().as_text()
+            assert traffic(text, host).by_kind(crosses=True) == crossing
+
+
+def test_streaming_diloco_equals_its_reference():
+    """Streaming DiLoCo, diloco(4, fragments=2) on 2 hosts x 4 devices: fragment f (a group of
+    buckets) takes its outer step after the steps t with (t - offset_f) % period == 0
+    (offset_f = f * period / F), every leaf's own outer optimizer, and only its leaves restart
+    from the global values; each averaging step sends one fragment across, not the model."""
+    from jddp._src.local_sgd import fragments
+
+    spec, inner = jddp.local_sgd.diloco(4, fragments=2), optax.adam(1e-2)
+    assert [spec.due(s) for s in range(8)] == [(), (1,), (), (0,), (), (1,), (), (0,)]
+    batches = _batches(8)
+    params = mlp_params(0, SIZES)
+    ddp = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(2), local_sgd=spec, **CAPS)
+    state = ddp.init(params)
+    hosts_bytes = []
+    for b in batches:
+        state, m = ddp.step(state, b)
+        hosts_bytes.append(float(m["comm_bytes_hosts"]))
+    groups = fragments(ddp.bucket_plan, 2)
+    assert sorted(groups[0] + groups[1]) == list(range(6)) and all(groups)
+
+    # The reference: replicas train on their islands; a due fragment's leaves are averaged.
+    treedef = jax.tree.structure(params)
+    ps = [jax.tree.leaves(params)] * 2
+    opts = [inner.init(params)] * 2
+    anchor = jax.tree.leaves(params)
+    outer = [spec.outer_optimizer.init(x) for x in anchor]
+    for step, batch in enumerate(batches):
+        for r in range(2):
+            p = jax.tree.unflatten(treedef, ps[r])
+            g = jax.grad(mlp_loss)(p, jax.tree.map(lambda x, r=r: x[r * 16:(r + 1) * 16], batch))
+            upd, opts[r] = inner.update(g, opts[r], p)
+            ps[r] = jax.tree.leaves(optax.apply_updates(p, upd))
+        for f in spec.due(step):
+            for i in groups[f]:
+                delta = (anchor[i] - ps[0][i] + anchor[i] - ps[1][i]) / 2
+                upd, outer[i] = spec.outer_optimizer.update(delta, outer[i], anchor[i])
+                anchor[i] = optax.apply_updates(anchor[i], upd)
+                ps = [[anchor[i] if j == i else x for j, x in enumerate(q)] for q in ps]
+    for r in range(2):
+        assert max_abs_diff(jax.tree.leaves(_replica(state.params, r)), ps[r]) < 1e-5
+    assert max_abs_diff(jax.tree.leaves(state.outer.params), anchor) < 1e-5
+    # Peak cross-host bytes per step: one fragment's, not the model's.
+    # (The ring model: each device sends its 1/4 slice of the padded leaves once across 2 hosts.)
+    whole = sum(np.prod(s) + (-np.prod(s)) % 4 for s in ddp.bucket_plan.shapes) * 4 / 4
+    assert max(hosts_bytes) < 0.8 * whole and sum(hosts_bytes[:4]) == whole
+    assert [x > 0 for x in hosts_bytes] == [bool(spec.due(s)) for s in range(8)]

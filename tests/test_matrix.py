@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +54,17 @@ def _dropout_loss(p, b, keys):
     return jnp.mean((out - b["y"]) ** 2)
 
 
+def _stateful_loss(p, ms, b):
+    """A loss that reads its model state (a running mean of the first layer's activations, an
+    update linear in the batch: ``model_state_sync="mean"`` gives the whole batch's)."""
+    h = jnp.tanh(b["x"] @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"])
+    new = {"mu": 0.9 * ms["mu"] + 0.1 * jnp.mean(h, 0)}
+    return mlp_loss(p, b) + 0.1 * jnp.mean((h - ms["mu"]) ** 2), new
+
+
+MODEL_STATE = {"mu": np.full((SIZES[1],), 0.1, np.float32)}
+
+
 def _batches(n, rows=ROWS, seed=0):
     return [regression_batch(100 * seed + i, rows, SIZES[0], SIZES[-1]) for i in range(n)]
 
@@ -72,6 +82,7 @@ class Case:
     calls: Callable[[], list[dict]]
     reference: Callable[[int], Any]
     optimizer: Callable[[], optax.GradientTransformation] = lambda: optax.adam(1e-2)
+    model_state: Any = None
 
 
 def _plain_ref(_):
@@ -88,6 +99,11 @@ def _accumulate_ref(_):
     micro = _batches(4, ROWS // 2)
     return ref.train(mlp_loss, optax.adam(1e-2), mlp_params(0, SIZES),
                      [micro[0:2], micro[2:4]]).params
+
+
+def _model_state_ref(_):
+    return ref.train(_stateful_loss, optax.adam(1e-2), mlp_params(0, SIZES),
+                     [[b] for b in _batches(3)], model_state=MODEL_STATE).params
 
 
 def _masked_ref(_):
@@ -120,6 +136,8 @@ CASES = {
                       lambda: optax.sgd(0.1)),
     "accumulate": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4, ROWS // 2)],
                        _accumulate_ref),
+    "model_state": Case(_stateful_loss, lambda: [{"batch": b} for b in _batches(3)],
+                        _model_state_ref, model_state=MODEL_STATE),
     "masked": Case(_per_example, lambda: [
         {"batch": b, "mask": m} for b, m in zip(_batches(3), _masks(3), strict=True)], _masked_ref),
     "rng": Case(_dropout_loss, lambda: [{"batch": b, "rng": jax.random.key(KEY)}
@@ -127,7 +145,26 @@ CASES = {
     "post_local": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _post_local_ref,
                        lambda: optax.sgd(0.1)),
     "diloco": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4)], _diloco_ref),
+    # DiLoCo composed with the step's options, against the same DiLoCo reference: two halves of
+    # each batch per window (each device gets the same rows over the window as from the whole
+    # batch), all-ones masks, keys the loss does not read, an aux metric to sum. (Masks that drop
+    # rows and real per-example keys are checked per island in tests/test_local_sgd.py.)
+    "diloco_halves": Case(mlp_loss, lambda: [{"batch": h} for b in _batches(4)
+                                             for h in _device_halves(b)], _diloco_ref),
+    "diloco_ones_mask": Case(_per_example, lambda: [
+        {"batch": b, "mask": np.ones(ROWS, np.float32)} for b in _batches(4)], _diloco_ref),
+    "diloco_keys": Case(lambda p, b, keys: mlp_loss(p, b), lambda: [
+        {"batch": b, "rng": jax.random.key(KEY)} for b in _batches(4)], _diloco_ref),
+    "diloco_aux": Case(lambda p, b: (mlp_loss(p, b), {"n": jnp.ones(())}),
+                       lambda: [{"batch": b} for b in _batches(4)], _diloco_ref),
 }
+
+
+def _device_halves(batch, devices=8):
+    """Two halves of a global batch: the first and second half of every device's shard."""
+    def half(x, h):
+        return x.reshape(devices, 2, -1, *x.shape[1:])[:, h].reshape(-1, *x.shape[1:])
+    return [jax.tree.map(lambda x, h=h: half(x, h), batch) for h in range(2)]
 
 
 # ------------------------------------------------------------------------------------- the matrix
@@ -157,8 +194,8 @@ def refused(reason: str) -> tuple:
     return ("refused", reason)
 
 
-LOCAL_SGD_REFUSAL = "local_sgd does not combine with {} yet"
 BF16 = 1e-3  # bf16 on the wire (~3 significant digits of each gradient), SGD(0.1)
+INT8 = 2e-3  # int8 blocks of 256 with error feedback, SGD(0.1)
 
 
 def _cells() -> list[Cell]:
@@ -187,6 +224,10 @@ def _cells() -> list[Cell]:
         Cell("rng", lambda: {"rng": True}, "1d", 0, equal("rng")),
         Cell("rng", lambda: {"rng": True}, "1d", 3, equal("rng")),
         Cell("skip_not_finite", lambda: {"skip_not_finite": True}, "1d", 1, equal("plain")),
+        Cell("model state mean", lambda: {"model_state_sync": "mean"}, "1d", 0,
+             equal("model_state")),
+        Cell("model state mean", lambda: {"model_state_sync": "mean"}, "2l", 2,
+             equal("model_state")),
         # two-level mesh
         Cell("plain", dict, "2l", 0, equal("plain")),
         Cell("hierarchical", lambda: {"hook": jddp.hooks.hierarchical()}, "2l", 0,
@@ -196,28 +237,34 @@ def _cells() -> list[Cell]:
         Cell("hierarchical(inner=bf16)",
              lambda: {"hook": jddp.hooks.hierarchical(inner=jddp.bf16_compress())}, "2l", 0,
              equal("plain_sgd", BF16), procs=2),
+        Cell("hierarchical(inner=int8)",
+             lambda: {"hook": jddp.hooks.hierarchical(inner=jddp.hooks.int8_compress())}, "2l", 0,
+             equal("plain_sgd", INT8)),
         Cell("hierarchical", lambda: {"hook": jddp.hooks.hierarchical()}, "2l", 2,
              refused("cannot serve zero_stage=2")),
         Cell("hybrid_shard", lambda: {"hybrid_shard": True}, "2l", 2, equal("plain")),
         # local SGD
         Cell("post_local_sgd(2)", lambda: {"local_sgd": post(2)}, "1d", 0, equal("post_local")),
         Cell("diloco(2)", lambda: {"local_sgd": diloco(2)}, "2l", 0, equal("diloco"), procs=2),
-        Cell("nnx + local_sgd", lambda: {"local_sgd": diloco(2)}, "1d", 0,
-             refused("does not take local_sgd yet"), api="nnx"),
+        # jddp.nnx with local SGD: tests/test_nnx.py (equal to the functional trainer's DiLoCo).
+        Cell("diloco + zero_stage > 0", lambda: {"local_sgd": diloco(2)}, "1d", 2,
+             refused("on a 1-D mesh every device is a replica")),
     ]
-    # Options local SGD refuses today, each with its reason.
-    for label, opts, stage in [
-        ("accumulate_steps > 1", {"accumulate_steps": 2}, 0),
-        ("microbatches > 1", {"microbatches": 2}, 0),
-        ("weighted=True", {"weighted": True}, 0),
-        ("skip_not_finite=True", {"skip_not_finite": True}, 0),
-        ("zero_stage > 0", {}, 2),
-        ("rng=True", {"rng": True}, 0),
-        ("sum_metrics", {"sum_metrics": ("n",), "has_aux": True}, 0),
-        ("loss_scale", {"loss_scale": jddp.precision.DynamicScale()}, 0),
+    # DiLoCo composed with every option of the step (one island per host, DP/ZeRO inside).
+    for label, opts, stage, case in [
+        ("accumulate_steps=2", {"accumulate_steps": 2}, 0, "diloco_halves"),
+        ("microbatches=2", {"microbatches": 2}, 0, "diloco"),
+        ("weighted", {"weighted": True}, 0, "diloco_ones_mask"),
+        ("skip_not_finite", {"skip_not_finite": True}, 0, "diloco"),
+        ("zero_stage=1", {}, 1, "diloco"),
+        ("zero_stage=2", {}, 2, "diloco"),
+        ("zero_stage=3", {}, 3, "diloco"),
+        ("rng", {"rng": True}, 0, "diloco_keys"),
+        ("sum_metrics", {"sum_metrics": ("n",), "has_aux": True}, 0, "diloco_aux"),
+        ("loss_scale", {"loss_scale": jddp.precision.DynamicScale()}, 0, "diloco"),
     ]:
         c.append(Cell(f"diloco + {label}", lambda o=opts: {"local_sgd": diloco(2), **o}, "2l",
-                      stage, refused(re.escape(LOCAL_SGD_REFUSAL.format(label)))))
+                      stage, equal(case)))
     return c
 
 
@@ -238,16 +285,19 @@ def _to_numpy(tree):
     from jax.experimental import multihost_utils
 
     def get(x):
-        if jax.process_count() > 1:
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x)
+        if jax.process_count() == 1:
+            return np.asarray(x)
+        if x.is_fully_replicated:  # no collective (each one is a program of its own)
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(get, tree)
 
 
-def run_cell(cell: Cell, multi: bool = False) -> Any:
+def run_cell(cell: Cell, multi: bool = False, repeats: int = 1) -> Any:
     """Trains the cell's case with ``DataParallel`` (raises what construction raises); returns
-    the final (global) parameters as numpy arrays."""
+    the final (global) parameters as numpy arrays (with ``repeats``, a list: the same compiled
+    step run again from the initial state)."""
     _, case_name, _ = cell.expect if cell.expect[0] == "equal" else (None, "plain", None)
     case = CASES[case_name]
     mesh = mesh_for(cell.topology, multi)
@@ -260,15 +310,21 @@ def run_cell(cell: Cell, multi: bool = False) -> Any:
             (m(b["x"]) - b["y"]) ** 2), mesh=mesh, **opts)
         raise AssertionError("expected a refusal")
     ddp = jddp.DataParallel(case.loss, case.optimizer(), mesh=mesh, **opts)
-    state = ddp.init(mlp_params(0, SIZES))
-    for call in case.calls():
-        batch = jddp.shard_global_batch(call["batch"], mesh)
-        kw = {"rng": call["rng"]} if "rng" in call else {}
-        mask = call.get("mask")
-        if mask is not None:
-            mask = jddp.shard_global_batch(mask, mesh)
-        state, _ = ddp.step(state, batch, mask, **kw)
-    return _to_numpy(ddp.global_params(state))
+    runs = []
+    for _ in range(repeats):
+        if case.model_state is None:
+            state = ddp.init(mlp_params(0, SIZES))
+        else:
+            state = ddp.init(mlp_params(0, SIZES), case.model_state)
+        for call in case.calls():
+            batch = jddp.shard_global_batch(call["batch"], mesh)
+            kw = {"rng": call["rng"]} if "rng" in call else {}
+            mask = call.get("mask")
+            if mask is not None:
+                mask = jddp.shard_global_batch(mask, mesh)
+            state, _ = ddp.step(state, batch, mask, **kw)
+        runs.append(_to_numpy(ddp.global_params(state)))
+    return runs[0] if repeats == 1 else runs
 
 
 @functools.cache
@@ -328,7 +384,7 @@ out = {}
 for i, cell in enumerate(tm.CELLS):
     if cell.procs != 2:
         continue
-    runs = [tm.run_cell(cell, multi=True) for _ in range(2)]
+    runs = tm.run_cell(cell, multi=True, repeats=2)  # the second run reuses the compiled step
     out[str(i)] = [[np.asarray(x).tolist() for x in jax.tree.leaves(r)] for r in runs]
 if jax.process_index() == 0:
     with open(sys.argv[1], "w") as f:

@@ -212,14 +212,6 @@ def test_example_keys_do_not_depend_on_the_split():
     assert len({bytes(np.asarray(k)) for k in whole}) == 12
 
 
-def test_nnx_front_end_refuses_rng_with_the_reason():
-    from flax import nnx
-
-    with pytest.raises(ValueError, match="nnx.Rngs streams"):
-        jddp.nnx.DataParallel(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1),
-                              loss_fn=lambda m, b: jnp.mean(m(b["x"]) ** 2), rng=True)
-
-
 def test_per_example_keys_add_no_collective():
     from jddp.perf import schedule
 

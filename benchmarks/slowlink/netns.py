@@ -57,6 +57,25 @@ def check_available() -> None:
     probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     if probe.returncode != 0:
         raise HarnessUnavailable(f"`ip netns` does not work here: {probe.stderr.strip()}")
+    _probe()
+
+
+def _probe() -> None:
+    """Makes and removes a namespace holding a veth pair shaped by tbf: a container without the
+    capabilities, or a kernel without veth or tbf, fails here and not halfway through a run."""
+    name, dev = f"{PREFIX}{os.getpid()}p", f"jsl{os.getpid()}p"
+    steps = [("netns", "add", name),
+             ("-n", name, "link", "add", dev, "type", "veth", "peer", "name", dev + "q"),
+             ("netns", "exec", name, *shape_command(dev, "1gbit"))]
+    try:
+        for step in steps:
+            out = _ip(*step, check=False)
+            if out.returncode != 0:
+                raise HarnessUnavailable(
+                    f"cannot make the slow link here (`ip {' '.join(step)}`: "
+                    f"{out.stderr.strip()}): it needs network namespaces, veth and tc's tbf")
+    finally:
+        _ip("netns", "del", name, check=False)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -46,6 +46,8 @@ class StepConfig:
       rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
       sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
       loss_scale: dynamic loss scaling (``None``: off).
+      deterministic: the same bits on any layout (:mod:`jddp._src.deterministic`).
+      group_size: examples per group of the deterministic step.
       local_sgd: local SGD or DiLoCo (:mod:`jddp._src.local_sgd_options`): per-replica parameters,
         averaged every ``period`` steps; ``None`` for plain data parallelism.
     """
@@ -72,6 +74,8 @@ class StepConfig:
     sum_metrics: tuple[str, ...] = ()
     loss_scale: DynamicScale | None = None
     local_sgd: LocalSGD | None = None
+    deterministic: bool = False
+    group_size: int = options.DEFAULT_GROUP_SIZE
 
     def __post_init__(self) -> None:
         if self.hybrid_shard and self.zero_stage == 0:
@@ -102,15 +106,21 @@ class StepConfig:
         return int(self.mesh.size)
 
     @property
+    def _shards_in_host(self) -> bool:
+        # hybrid_shard, or local SGD: each replica's (host's) state is sharded inside it.
+        return self.hybrid_shard or (self.local_sgd is not None and self.data_axes.two_level)
+
+    @property
     def shard_axis(self) -> Any:
         """The axis the sharded stages split state over: the data axis, or with
-        ``hybrid_shard`` the axis inside a host."""
-        return self.data_axes.local if self.hybrid_shard else self.axis_name
+        ``hybrid_shard`` (and local SGD's islands) the axis inside a host."""
+        return self.data_axes.local if self._shards_in_host else self.axis_name
 
     @property
     def shard_count(self) -> int:
         """Devices along :attr:`shard_axis` (the pieces each split leaf is cut into)."""
-        return int(self.mesh.shape[self.data_axes.local]) if self.hybrid_shard else self.num_devices
+        return int(self.mesh.shape[self.data_axes.local]) if self._shards_in_host \
+            else self.num_devices
 
     @property
     def replica_axis(self) -> str | None:

@@ -1,9 +1,9 @@
 """Local SGD and DiLoCo: replicas that train apart for a few steps, then average their parameters.
 
 The other way to skip collectives (``DataParallel(local_sgd=...)``). Each replica keeps its own
-parameters, optimizer state and model state (a leading replica dimension, sharded over the replica
-axis), takes ``period - 1`` steps on its own data with no cross-replica communication, and every
-``period``-th step averages across replicas:
+parameters, optimizer state, loss scale and model state (a leading replica dimension, sharded over
+the replica axis), takes ``period - 1`` steps on its own data with no cross-replica communication,
+and every ``period``-th step synchronises:
 
 - **post-local SGD** (PyTorch's ``PostLocalSGDOptimizer`` with ``PeriodicModelAverager``): plain
   data-parallel steps (gradient all-reduce) for the first ``start_step`` steps, then local steps;
@@ -14,21 +14,23 @@ axis), takes ``period - 1`` steps on its own data with no cross-replica communic
   default) is applied to the averaged parameter delta ``global - mean(replica)``, and every replica
   restarts from the new global parameters. The inner optimizer state stays local.
 
-Replicas: on a two-level mesh (``jddp.data_mesh(hosts=...)``) one replica per host. Gradients are
-still reduced *inside* the host every step (one all-reduce per bucket over the ``local`` axis,
-with the communication hook), and nothing crosses hosts between averagings; the averaging sends
-each host's parameters across once (each device averages ``1/L`` of every bucket across hosts,
-then an all-gather inside the host). On a 1-D mesh every device is a replica and local steps run no
-collective at all.
+Replicas ("islands"): on a two-level mesh (``jddp.data_mesh(hosts=...)``) one replica per host,
+which is a data-parallel group of its own: gradients are reduced inside the host every step (with
+the communication hook, and with ``zero_stage`` the state is sharded over the host's devices), and
+nothing crosses hosts between synchronisations; the averaging sends each host's parameters across
+once (each device averages ``1/L`` of every bucket across hosts, then an all-gather inside the
+host). On a 1-D mesh every device is a replica and local steps run no collective at all.
 
-How it fits the step pipeline: the pipeline keeps the order of a step (checks, the loss traced
-once, the bucket plan) and calls this module at three marked seams (the state layout, its
-partition specs, and the step itself). A local step, an averaging step and a synchronous step are
-different compiled programs, chosen on the host from the step counter (:func:`phase_fn`, the same
-mechanism as a hook's phases), so no collective sits inside a ``lax.cond``. Averaging reuses the
-bucket plan and the chained one-collective-per-bucket reduction
-(:func:`jddp._src.reduction.bucketed_mean`); the step's loss, metrics and model state ride on the
-last bucket.
+How it fits the step (:mod:`jddp._src.pipeline`): local SGD is the *sync policy* of the one step,
+whose phases are fixed: local gradients (micro-batches, the accumulator) -> reduce (over
+:attr:`Levels.axis`: the island) -> update (per replica: ``jax.vmap`` over the replica dimension,
+with skipping, loss scaling and accumulation windows around it) -> sync policy
+(:func:`synchronise`: nothing, the parameter average, or DiLoCo's outer step). So every option of
+the step composes with local SGD by construction. The kind of step (``sync``, ``local``,
+``average``) is a static phase picked on the host (:func:`phase_fn`), so a local step is a program
+without cross-replica collectives. Averaging reuses the bucket plan and the chained
+one-collective-per-bucket reduction (:func:`jddp._src.reduction.bucketed_mean`); the step's
+loss, metrics and model state ride on the last bucket.
 """
 
 from __future__ import annotations
@@ -42,71 +44,52 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp._src import jaxpr as jaxpr_lib
-from jddp._src import vma
+from jddp._src import model_state as ms_lib
+from jddp._src import vma, zero
 from jddp._src.config import StepConfig
-from jddp._src.hooks import (
-    plan_bytes_by_level,
-    plan_bytes_sent,
-    ring_allgather_bytes,
-    ring_allreduce_bytes,
-)
-from jddp._src.local_sgd_options import AVERAGE, LOCAL, SYNC
+from jddp._src.hooks import ring_allgather_bytes, ring_allreduce_bytes
+from jddp._src.local_sgd_options import AVERAGE, LOCAL, SYNC, LocalSGD
 from jddp._src.mesh import DataAxes
-from jddp._src.objective import Extras, LocalAux, Objective, mean_metrics
+from jddp._src.objective import Extras
 from jddp._src.planner import BucketPlan
-from jddp._src.reduction import bucketed_mean, bucketed_vjp
+from jddp._src.reduction import bucketed_mean
 from jddp._src.state import OuterState, TrainState
 from jddp._src.tree import add_device_dim, broadcast_to_devices, dtype_of, strip_device_dim
 
-PlanFn = Callable[[jaxpr_lib.Traced, Any], BucketPlan]
-
-def check_config(cfg: StepConfig) -> None:
-    """Options that do not combine with local SGD, named at construction."""
-    if cfg.local_sgd is None:
-        return
-    refused = {
-        "accumulate_steps > 1": cfg.accumulate_steps > 1,
-        "microbatches > 1": cfg.microbatches > 1,
-        "weighted=True": cfg.weighted,
-        "skip_not_finite=True": cfg.skip_not_finite,
-        "zero_stage > 0": cfg.zero_stage > 0,
-        "rng=True": cfg.rng,
-        "sum_metrics": bool(cfg.sum_metrics),
-        "loss_scale": cfg.loss_scale is not None,
-    }
-    bad = [k for k, v in refused.items() if v]
-    if bad:
-        raise ValueError(
-            f"local_sgd does not combine with {', '.join(bad)} yet: local SGD already skips "
-            "communication between averagings (raise the period to communicate less). Drop "
-            "those options, or train without local_sgd."
-        )
+__all__ = ["AVERAGE", "LOCAL", "SYNC", "LocalSGD"]
 
 
-class LocalPhase(NamedTuple):
-    """The static phase of a local-SGD step: its kind and the hook's own phase."""
+class Levels(NamedTuple):
+    """Where one step reduces: the mesh as the per-device step sees it, for plain data
+    parallelism or one kind of local-SGD step.
 
-    kind: str
-    hook: Hashable | None = None
+    Attributes:
+      axis: the axis the gradients are averaged over (``None``: an island of one device, which
+        reduces nothing).
+      size: devices along ``axis`` (1 for ``None``).
+      hosts: the name in ``axis`` that crosses hosts, for the hook (``HookContext.hosts_axis``).
+      shard_axis: the axis the sharded stages split state over.
+      hybrid: the axis across which the sharded stages' pieces are averaged after the
+        reduce-scatter (hybrid sharding), or ``None``.
+      replica: the axis the per-replica state is split over with local SGD (``None``: the state
+        is replicated).
+      replicas: the number of replicas (1 without local SGD).
+      spans: the reduction covers every replica (plain steps, and local SGD's ``sync`` steps):
+        its means are global, and the same on every device.
+    """
 
-
-def phase_fn(cfg: StepConfig) -> Callable[[int], LocalPhase]:
-    """``step -> LocalPhase`` (the Step object compiles one program per phase)."""
-    spec = cfg.local_sgd
-    assert spec is not None
-    hook_phase = cfg.hook.phase
-
-    def phase(step: int) -> LocalPhase:
-        return LocalPhase(spec.kind(step), None if hook_phase is None else hook_phase(step))
-
-    return phase
-
-
-# ------------------------------------------------------------------------------------ layout
+    axis: Any
+    size: int
+    hosts: str | None
+    shard_axis: Any
+    hybrid: str | None
+    replica: Any
+    replicas: int
+    spans: bool
 
 
 def replica_axis(axes: DataAxes) -> Any:
@@ -119,6 +102,84 @@ def num_replicas(cfg: StepConfig) -> int:
     return int(cfg.mesh.shape[axes.hosts]) if axes.two_level else cfg.num_devices
 
 
+def levels(cfg: StepConfig, kind: str | None) -> Levels:
+    """The :class:`Levels` of a step of this kind (``None``: a plain data-parallel step)."""
+    axes, n = cfg.data_axes, cfg.num_devices
+    if cfg.local_sgd is None:
+        return Levels(cfg.axis_name, n, axes.hosts, cfg.shard_axis, cfg.replica_axis, None, 1,
+                      True)
+    rax, r = replica_axis(axes), num_replicas(cfg)
+    if kind == SYNC:  # every replica reduces together: hybrid sharding at the sharded stages
+        hybrid = axes.hosts if cfg.zero_stage and axes.two_level else None
+        return Levels(cfg.axis_name, n, axes.hosts, cfg.shard_axis, hybrid, rax, r, True)
+    if axes.two_level:  # inside the island (the host) only
+        return Levels(axes.local, n // r, None, axes.local, None, rax, r, False)
+    return Levels(None, 1, None, None, None, rax, r, False)
+
+
+def check_config(cfg: StepConfig) -> None:
+    """The combination that does not work with local SGD, named at construction."""
+    if cfg.local_sgd is None:
+        return
+    if cfg.zero_stage and not cfg.data_axes.two_level:
+        raise ValueError(
+            f"zero_stage={cfg.zero_stage} with local_sgd shards state inside each replica, but on "
+            "a 1-D mesh every device is a replica of its own (nothing to shard over). Build a "
+            "two-level mesh, jddp.data_mesh(hosts=...): one replica per host, its state sharded "
+            "over the host's devices."
+        )
+
+
+class LocalPhase(NamedTuple):
+    """The static phase of a local-SGD step: its kind, the hook's own phase, and with streaming
+    DiLoCo the fragments synchronised after it."""
+
+    kind: str
+    hook: Hashable | None = None
+    due: tuple[int, ...] = (0,)
+
+
+def phase_fn(cfg: StepConfig) -> Callable[[int], LocalPhase]:
+    """``step -> LocalPhase`` (the Step object compiles one program per phase)."""
+    spec = cfg.local_sgd
+    assert spec is not None
+    hook_phase = cfg.hook.phase
+
+    def phase(step: int) -> LocalPhase:
+        due = spec.due(step) if spec.diloco else (0,)
+        return LocalPhase(spec.kind(step), None if hook_phase is None else hook_phase(step), due)
+
+    return phase
+
+
+def split_phase(cfg: StepConfig, phase: Any) -> tuple[LocalPhase | None, Any]:
+    """``(local phase, hook phase)`` of a step's static phase (``None`` without local SGD)."""
+    if cfg.local_sgd is None:
+        return None, phase
+    if phase is None:  # ddp.plan and other traces without a host step: step 0's program
+        phase = phase_fn(cfg)(0)
+    return phase, phase.hook
+
+
+# ------------------------------------------------------------------------------------ layout
+
+
+def _prefixed(spec: P, axis: Any) -> P:
+    return P(axis, *spec)
+
+
+def _per_replica_specs(cfg: StepConfig, tree: Any, split: bool) -> Any:
+    """Specs of per-replica leaves: the replica axis first, then (``split``) the sharded stages'
+    split of the replica's own leaf over the devices of the island."""
+    axis = replica_axis(cfg.data_axes)
+
+    def spec(x: Any) -> P:
+        inner = zero.leaf_spec(np.shape(x)[1:], cfg.shard_count, cfg.shard_axis) if split else P()
+        return _prefixed(inner, axis)
+
+    return jax.tree.map(spec, tree)
+
+
 def build_state(cfg: StepConfig, state: TrainState) -> TrainState:
     """The data-parallel initial state laid out per replica (and DiLoCo's outer state)."""
     spec = cfg.local_sgd
@@ -126,26 +187,31 @@ def build_state(cfg: StepConfig, state: TrainState) -> TrainState:
     r = num_replicas(cfg)
     outer = None
     if spec.outer_optimizer is not None:
-        outer = OuterState(state.params, spec.outer_optimizer.init(state.params))
+        init = spec.outer_optimizer.init
+        # Streaming DiLoCo: one outer state per leaf (fragments are read from the bucket plan at
+        # trace time, and each leaf's outer step runs when its fragment is due).
+        opt = init(state.params) if spec.fragments == 1 else tuple(
+            init(x) for x in jax.tree.leaves(state.params))
+        outer = OuterState(state.params, opt)
     return state.replace(
         params=broadcast_to_devices(state.params, r),
         opt_state=broadcast_to_devices(state.opt_state, r),
         model_state=state.model_state if cfg.per_device_model_state
         else broadcast_to_devices(state.model_state, r),
+        loss_scale=broadcast_to_devices(state.loss_scale, r),
         outer=outer,
     )
 
 
 def state_specs(cfg: StepConfig, state: TrainState, specs: TrainState) -> TrainState:
-    """``specs`` with the per-replica leaves sharded over the replica axis, the outer state
-    replicated."""
-    axis = replica_axis(cfg.data_axes)
-    per_replica = lambda tree: jax.tree.map(lambda _: P(axis), tree)
+    """``specs`` with the per-replica leaves sharded over the replica axis (and, at the sharded
+    stages, over the island's devices), the outer state replicated."""
     return specs.replace(
-        params=per_replica(state.params),
-        opt_state=per_replica(state.opt_state),
+        params=_per_replica_specs(cfg, state.params, cfg.zero_stage >= 3),
+        opt_state=_per_replica_specs(cfg, state.opt_state, cfg.zero_stage >= 1),
         model_state=specs.model_state if cfg.per_device_model_state
-        else per_replica(state.model_state),
+        else _per_replica_specs(cfg, state.model_state, False),
+        loss_scale=_per_replica_specs(cfg, state.loss_scale, False),
         outer=jax.tree.map(lambda _: P(), state.outer),
     )
 
@@ -156,181 +222,236 @@ def _strip_struct(tree: Any) -> Any:
 
 def replica_view(state: TrainState) -> TrainState:
     """The state as one replica sees it (shape structs without the replica dimension), for the
-    pipeline's input checks."""
-    return state.replace(params=_strip_struct(state.params), opt_state=_strip_struct(state.opt_state))
+    pipeline's input checks and the replica's layout."""
+    return state.replace(params=_strip_struct(state.params),
+                         opt_state=_strip_struct(state.opt_state),
+                         loss_scale=_strip_struct(state.loss_scale))
 
 
-# ------------------------------------------------------------------------------------ the step
+# ------------------------------------------------------------------------------------ the policy
 
 
-def _averaging_bytes(plan: BucketPlan, replicas: int, local: int) -> tuple[float, float]:
-    """``(inside, across)`` bytes one device sends to average the parameters once."""
-    sizes = [math.prod(s) * d.itemsize for s, d in zip(plan.shapes, plan.dtypes, strict=True)]
+def _averaging_bytes(cfg: StepConfig, plan: BucketPlan) -> tuple[float, float]:
+    """``(inside, across)`` bytes one device sends to average the plan's leaves once: its ``1/L``
+    slice of each bucket across replicas, then the all-gather of the slices inside the island
+    (at stage 3 each device averages the piece it holds, and nothing is gathered)."""
+    r = num_replicas(cfg)
+    local = cfg.num_devices // r
+    sizes = [math.prod(s) for s in plan.shapes]
+    items = [d.itemsize for d in plan.dtypes]
     if local == 1:
-        return 0.0, ring_allreduce_bytes(sum(sizes), replicas)
-    padded = sum((math.prod(s) + (-math.prod(s)) % local) * d.itemsize
-                 for s, d in zip(plan.shapes, plan.dtypes, strict=True))
-    return ring_allgather_bytes(padded / local, local), ring_allreduce_bytes(padded / local, replicas)
+        return 0.0, ring_allreduce_bytes(sum(s * i for s, i in zip(sizes, items, strict=True)), r)
+    if cfg.zero_stage >= 3:
+        piece = sum((s // local if zero.shard_dim(shape, local) is not None else s) * i
+                    for s, i, shape in zip(sizes, items, plan.shapes, strict=True))
+        return 0.0, ring_allreduce_bytes(piece, r)
+    padded = sum((s + (-s) % local) * i for s, i in zip(sizes, items, strict=True))
+    return ring_allgather_bytes(padded / local, local), ring_allreduce_bytes(padded / local, r)
 
 
-def _replica_extras(obj: Objective, aux: LocalAux, loss: Any, axis: Any, n: int) -> Extras:
-    """What rides on the averaging: this replica's loss, metrics and model-state payload."""
-    return obj.extras(LocalAux(aux.model_state, aux.metrics, {"loss": loss}, aux.weight),
-                      loss, None, axis, n)
+def fragments(plan: BucketPlan, count: int) -> list[tuple[int, ...]]:
+    """Streaming DiLoCo's fragments: the leaf indices of each, the plan's buckets (in reduction
+    order) cut into ``count`` contiguous groups of about equal bytes; unused leaves go with the
+    last. A fragment can be empty when the plan has fewer buckets than fragments."""
+    total = sum(b.nbytes for b in plan.buckets)
+    groups: list[list[int]] = [[] for _ in range(count)]
+    start = 0
+    for b in plan.buckets:
+        # Each bucket goes to the fragment its middle byte falls in.
+        f = min(count - 1, (2 * start + b.nbytes) * count // (2 * total)) if total else 0
+        groups[f].extend(b.indices)
+        start += b.nbytes
+    groups[-1].extend(plan.unused)
+    return [tuple(g) for g in groups]
 
 
-def _local_step(
-    cfg: StepConfig,
-    obj: Objective,
-    plan_fn: PlanFn,
-    phase: LocalPhase,
-    state: TrainState,
-    batch: Any,
-    weights: Any,
-) -> tuple[TrainState, dict, dict]:
-    """One replica's step (inside ``shard_map`` over every axis); see the module docstring."""
+def _sub_plan(plan: BucketPlan, leaves: tuple[int, ...]) -> BucketPlan:
+    """The plan restricted to ``leaves`` (renumbered in that order): the buckets of one fragment."""
+    pos = {i: k for k, i in enumerate(leaves)}
+    buckets = tuple(b._replace(indices=tuple(pos[i] for i in b.indices)) for b in plan.buckets
+                    if b.indices and b.indices[0] in pos)
+    return plan._replace(
+        buckets=buckets, unused=tuple(pos[i] for i in plan.unused if i in pos),
+        treedef=jax.tree.structure(list(leaves)),
+        shapes=tuple(plan.shapes[i] for i in leaves), dtypes=tuple(plan.dtypes[i] for i in leaves),
+        paths=tuple(plan.paths[i] for i in leaves),
+    )
+
+
+def _replica_mean_specs(cfg: StepConfig, values: Any, diloco: bool) -> Any:
+    """Out specs of the averaged values: per replica again (post-local SGD) or the one global
+    copy (DiLoCo's delta; at stage 3 split over the island's devices, like the pieces)."""
+    if not diloco:
+        return _per_replica_specs(cfg, values, cfg.zero_stage >= 3)
+    if cfg.zero_stage < 3:
+        return jax.tree.map(lambda _: P(), values)
+    return jax.tree.map(
+        lambda x: zero.leaf_spec(np.shape(x)[1:], cfg.shard_count, cfg.shard_axis), values)
+
+
+def _average(cfg: StepConfig, plan: BucketPlan, values: Any, island: Extras,
+             model_state: Any) -> tuple[Any, Extras, Any]:
+    """The mean over replicas of per-replica ``values``, of the island means of the step's
+    metrics (riding on the last bucket) and of the model state (``model_state_sync``), in one
+    ``shard_map``: one chained collective per bucket (:func:`bucketed_mean`)."""
     spec = cfg.local_sgd
     assert spec is not None
     axes = cfg.data_axes
-    rax = replica_axis(axes)
+    rax, r = replica_axis(axes), num_replicas(cfg)
+    local_axis = axes.local if axes.two_level and cfg.zero_stage < 3 else None
+    mode = cfg.model_state_sync
+    per_rep = lambda tree: jax.tree.map(lambda _: P(rax), tree)
+
+    def per_device(vals: Any, isl: Extras, ms: Any) -> tuple[Any, Extras, Any]:
+        vals, isl, ms = strip_device_dim((vals, isl, ms))
+        payload = () if ms is None else ms_lib.encode_state(ms, mode, rax, r)
+        riders = [vma.to_varying(jnp.asarray(x, jnp.float32), rax)
+                  for x in jax.tree.leaves((isl, payload))]
+        means, ride = bucketed_mean(jax.tree.leaves(vals), plan, rax, local_axis=local_axis,
+                                    chain=cfg.chain, extras=tuple(riders))
+        k = len(jax.tree.leaves(isl))
+        mean_isl = jax.tree.unflatten(jax.tree.structure(isl), list(ride[:k]))
+        mean_payload = jax.tree.unflatten(jax.tree.structure(payload), list(ride[k:]))
+        new_ms = None if ms is None else add_device_dim(
+            ms_lib.decode_state(mean_payload, ms, mode, r))
+        out = jax.tree.unflatten(jax.tree.structure(vals), means)
+        return (out if spec.diloco else add_device_dim(out)), mean_isl, new_ms
+
+    in_specs = (_per_replica_specs(cfg, values, cfg.zero_stage >= 3), per_rep(island),
+                per_rep(model_state))
+    out_specs = (_replica_mean_specs(cfg, values, spec.diloco),
+                 jax.tree.map(lambda _: P(), island), per_rep(model_state))
+    return jax.shard_map(per_device, mesh=cfg.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=True)(values, island, model_state)
+
+
+def _outer_step(cfg: StepConfig, anchor: Any, opt_state: Any, mean_delta: Any,
+                like: Any) -> tuple[Any, Any, Any]:
+    """DiLoCo's outer step in the global view (the outer optimizer sees the whole averaged
+    delta): ``(params, anchor, opt_state)``, the new global parameters broadcast to every replica
+    (no data moves: they are replicated)."""
+    spec = cfg.local_sgd
+    assert spec is not None and spec.outer_optimizer is not None
+    step_, opt_state = spec.outer_optimizer.update(mean_delta, opt_state, anchor)
+    anchor = optax.apply_updates(anchor, step_)
     r = num_replicas(cfg)
-    local_n = cfg.num_devices // r
-    kind = phase.kind
-    if kind == SYNC:
-        reduce_axis, hosts_axis = cfg.axis_name, axes.hosts
-    elif axes.two_level:
-        reduce_axis, hosts_axis = axes.local, None
-    else:
-        reduce_axis, hosts_axis = None, None
+    specs = jax.tree.leaves(_per_replica_specs(cfg, like, cfg.zero_stage >= 3),
+                            is_leaf=lambda x: isinstance(x, P))
+    leaves = [
+        lax.with_sharding_constraint(jnp.broadcast_to(a, (r, *jnp.shape(a))),
+                                     NamedSharding(cfg.mesh, s))
+        for a, s in zip(jax.tree.leaves(anchor), specs, strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(anchor), leaves), anchor, opt_state
 
-    params = strip_device_dim(state.params)  # this replica's copy (varying over the replica axis)
-    opt_state = strip_device_dim(state.opt_state)
-    ms = state.model_state
-    if ms is not None:
-        ms = jax.tree.map(lambda x: vma.to_varying(x, cfg.axis_name), strip_device_dim(ms))
-    params_v = jax.tree.map(lambda x: vma.to_varying(x, cfg.axis_name), params)
-    # The one trace of the user's loss in this program.
-    traced = jaxpr_lib.trace(obj, params_v, ms, batch, weights)
-    plan = plan_fn(traced, params)
-    aux_shape: LocalAux = traced.out_shapes[1]
-    hook_state = state.hook_state
-    treedef = jax.tree.structure(params)
 
-    metrics: dict
-    if reduce_axis is not None:
-        n = int(np.prod([cfg.mesh.shape[a] for a in vma.axis_names(reduce_axis)]))
+class Synced(NamedTuple):
+    """What an averaging step changes: the replicas' parameters, DiLoCo's outer state, the model
+    state, and the island means of the step's metrics averaged over replicas."""
 
-        def extras(out: Any) -> Extras:
-            aux: LocalAux = out[1]
-            return obj.extras(aux, aux.sums["loss"], aux.weight, reduce_axis, n)
+    params: Any
+    outer: OuterState | None
+    model_state: Any
+    mean: Extras
 
-        red = bucketed_vjp(
-            traced, jax.tree.leaves(params), (ms, batch, weights), plan=plan,
-            axis_name=reduce_axis, hook=cfg.hook, hook_state=strip_device_dim(hook_state),
-            step=state.step, phase=phase.hook, chain=cfg.chain, extras_fn=extras,
-            extras_shape=obj.extras_shape(aux_shape, n, reduce_axis), hosts_axis=hosts_axis,
-        )
-        grads = jax.tree.unflatten(treedef, red.grads)
-        mean: Extras = red.extras
-        new_ms = obj.decode_state(mean, red.out[1].model_state, n)
-        aux = LocalAux(new_ms, mean.metrics, {"loss": mean.window_loss}, None)
-        hook_state = add_device_dim(red.hook_state)
-        metrics = mean_metrics(mean, 1, 1.0)  # replaced below unless the mean is global (sync)
-        if axes.two_level and kind == SYNC:
-            inside, across = plan_bytes_by_level(cfg.hook, plan, r, local_n, state.step)
-        else:
-            inside = plan_bytes_sent(cfg.hook, plan, n, state.step)
-            across = jnp.zeros((), jnp.float32)
-    else:
-        grads, aux = jax.grad(jaxpr_lib.as_function(traced), has_aux=True)(
-            params_v, ms, batch, weights)
-        grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)
-        inside = across = jnp.zeros((), jnp.float32)
-    if kind != SYNC:
-        # The global metrics need a cross-replica collective: "not computed" on a local step
-        # (like an accumulating call), the averaging below fills them in.
-        metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in [*aux_shape.metrics, "loss"]}
 
-    # The replica's own optimizer step: clip_by_global_norm and friends see this replica's
-    # gradient (the in-host mean on a two-level mesh, the global mean in a "sync" step).
-    updates, new_opt = cfg.optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    replica_loss = aux.sums["loss"]
-    new_ms = aux.model_state
+def _streamed(cfg: StepConfig, plan: BucketPlan, due: tuple[int, ...], state: TrainState,
+              island: Extras, ms: Any) -> tuple[Any, OuterState, Extras, Any]:
+    """Streaming DiLoCo's outer step for the ``due`` fragments only: their leaves' deltas are
+    averaged (one collective per bucket of theirs), each leaf's outer optimizer steps, and only
+    those leaves restart from the new global values; the others train on."""
     outer = state.outer
-
-    if kind == AVERAGE:
-        if spec.diloco:
-            assert outer is not None
-            values = jax.tree.map(lambda g, p: g - p, outer.params, new_params)
-        else:
-            values = new_params
-        payload = _replica_extras(obj, aux, replica_loss, rax, r)
-        payload = jax.tree.map(
-            lambda x: vma.to_varying(jnp.asarray(x, jnp.float32), rax), payload)
-        means, ride = bucketed_mean(
-            jax.tree.leaves(values), plan, rax,
-            local_axis=axes.local if axes.two_level else None, chain=cfg.chain,
-            extras=tuple(jax.tree.leaves(payload)),
-        )
-        mean_values = jax.tree.unflatten(treedef, means)
-        mean_payload = jax.tree.unflatten(jax.tree.structure(payload), list(ride))
-        if spec.diloco:
-            assert spec.outer_optimizer is not None and outer is not None
-            step_, outer_opt = spec.outer_optimizer.update(mean_values, outer.opt_state,
-                                                           outer.params)
-            anchor = optax.apply_updates(outer.params, step_)
-            outer = OuterState(anchor, outer_opt)
-            new_params = anchor
-        else:
-            new_params = mean_values
-        new_ms = obj.decode_state(mean_payload, new_ms, r)
-        metrics = mean_metrics(mean_payload, 1, 1.0)
-        avg_in, avg_across = _averaging_bytes(plan, r, local_n)
-        inside = inside + jnp.float32(avg_in)
-        across = across + jnp.float32(avg_across)
-
-    metrics["comm_bytes"] = (inside + across).astype(jnp.float32)
-    if axes.two_level:
-        metrics["comm_bytes_hosts"] = jnp.asarray(across, jnp.float32)
-    metrics["averaged"] = jnp.asarray(kind != LOCAL)
-    if new_ms is not None:  # per replica (per device with model_state_sync="none")
-        new_ms = add_device_dim(new_ms)
-    new_state = state.replace(
-        step=state.step + 1,
-        params=add_device_dim(new_params),
-        opt_state=add_device_dim(new_opt),
-        model_state=new_ms,
-        hook_state=hook_state,
-        outer=outer,
-    )
-    return new_state, metrics, {"replica_loss": jnp.asarray(replica_loss, jnp.float32)[None]}
+    assert outer is not None
+    groups = fragments(plan, cfg.local_sgd.fragments)  # type: ignore[union-attr]
+    ids = tuple(sorted(i for f in due for i in groups[f]))
+    params, anchor = jax.tree.leaves(state.params), jax.tree.leaves(outer.params)
+    deltas = [anchor[i][None].astype(params[i].dtype) - params[i] for i in ids]
+    means, mean, new_ms = _average(cfg, _sub_plan(plan, ids), deltas, island, ms)
+    opt = list(outer.opt_state)
+    for i, m in zip(ids, means, strict=True):
+        params[i], anchor[i], opt[i] = _outer_step(cfg, anchor[i], opt[i], m, params[i])
+    treedef = jax.tree.structure(state.params)
+    new_outer = OuterState(jax.tree.unflatten(treedef, anchor), tuple(opt))
+    return jax.tree.unflatten(treedef, params), new_outer, mean, new_ms
 
 
-def train_step(
-    cfg: StepConfig,
-    obj: Objective,
-    plan_fn: PlanFn,
-    specs: TrainState,
-    state: TrainState,
-    batch: Any,
-    weights: Any,
-    phase: LocalPhase | None,
+def _synced(cfg: StepConfig, plan: BucketPlan, due: tuple[int, ...], state: TrainState,
+            island: Extras) -> Synced:
+    """The averaging of ``state`` (after the replicas' own updates): parameter averaging, or
+    DiLoCo's outer step on the averaged delta (of the ``due`` fragments with streaming DiLoCo)."""
+    spec = cfg.local_sgd
+    assert spec is not None
+    outer = state.outer
+    ms = None if cfg.per_device_model_state else state.model_state
+    if spec.fragments > 1:
+        params, outer, mean, new_ms = _streamed(cfg, plan, due, state, island, ms)
+    elif spec.diloco:
+        assert outer is not None
+        deltas = jax.tree.map(lambda g, p: g[None].astype(p.dtype) - p, outer.params,
+                              state.params)
+        means, mean, new_ms = _average(cfg, plan, deltas, island, ms)
+        params, anchor, opt = _outer_step(cfg, outer.params, outer.opt_state, means, state.params)
+        outer = OuterState(anchor, opt)
+    else:
+        params, mean, new_ms = _average(cfg, plan, state.params, island, ms)
+    return Synced(params, outer, state.model_state if ms is None else new_ms, mean)
+
+
+def synchronise(
+    cfg: StepConfig, lv: Levels, phase: LocalPhase, plan: BucketPlan, state: TrainState,
+    island: Extras, metrics: dict, comm: dict, report: Callable[[Extras], dict], synced: Any,
+    sync: bool | None,
 ) -> tuple[TrainState, dict]:
-    """One local-SGD step (global view): everything, the replica's update and the averaging
-    included, runs per device inside one ``shard_map``."""
-    if phase is None:  # ddp.plan and other traces without a host step: step 0's program
-        phase = phase_fn(cfg)(0)
-    data = P(cfg.axis_name)
-    local = jax.shard_map(
-        functools.partial(_local_step, cfg, obj, plan_fn, phase),
-        mesh=cfg.mesh,
-        in_specs=(specs, data, data),
-        out_specs=(specs, P(), P(replica_axis(cfg.data_axes))),
-        check_vma=True,
-    )
-    new_state, metrics, per_replica = local(state, batch, weights)
-    return new_state, {**metrics, **per_replica}
+    """The sync policy, after the update (global view): the metrics of a local-SGD step, and on
+    an averaging step the averaging itself.
+
+    Args:
+      lv: the step's levels; ``metrics`` (the loss and aux metrics) are global if ``lv.spans``,
+        else one per replica.
+      comm: ``comm_bytes`` (and ``comm_bytes_hosts``) of the step's reduction.
+      island: each replica's means of the step's extras over its island (leading replica dim).
+      report: the step's metrics from extras averaged over every device.
+      synced: whether this call synchronised (accumulation windows: only the last call does).
+      sync: the call's static ``sync`` (``False``: an accumulating call).
+    """
+    r, kind = lv.replicas, phase.kind
+    out = dict(metrics)
+    if lv.spans:
+        out["replica_loss"] = jnp.broadcast_to(metrics["loss"], (r,))
+    else:
+        # The global means need a cross-replica collective: "not computed" on a local step (like
+        # an accumulating call); the averaging below fills them in.
+        out["replica_loss"] = metrics["loss"]
+        for k in metrics:
+            out[k] = jnp.full((), jnp.nan, jnp.float32)
+    out["averaged"] = jnp.logical_and(kind != LOCAL, synced)
+    out.update(comm)
+    if kind != AVERAGE or sync is False:
+        return state, out
+
+    def average() -> tuple[Synced, dict]:
+        new = _synced(cfg, plan, phase.due, state, island)
+        return new, {**out, **report(new.mean)}
+
+    def keep() -> tuple[Synced, dict]:
+        fake = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x)[1:], x.dtype), island)
+        same = Synced(state.params, state.outer, state.model_state, fake)
+        return same, {**out, **{k: jnp.full((), jnp.nan, jnp.float32) for k in report(fake)}}
+
+    if sync is None and state.accum is not None:
+        new, out = lax.cond(synced, average, keep)
+    else:
+        new, out = average()
+    sent = plan
+    if cfg.local_sgd is not None and cfg.local_sgd.fragments > 1:
+        groups = fragments(plan, cfg.local_sgd.fragments)
+        sent = _sub_plan(plan, tuple(sorted(i for f in phase.due for i in groups[f])))
+    inside, across = _averaging_bytes(cfg, sent)
+    done = jnp.asarray(synced, jnp.float32)
+    out["comm_bytes"] = out["comm_bytes"] + done * (inside + across)
+    if cfg.data_axes.two_level:
+        out["comm_bytes_hosts"] = out["comm_bytes_hosts"] + done * across
+    return state.replace(params=new.params, outer=new.outer, model_state=new.model_state), out
 
 
 # ------------------------------------------------------------------------------------ reading

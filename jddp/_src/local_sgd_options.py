@@ -1,7 +1,10 @@
-"""Local SGD and DiLoCo as an option of ``DataParallel``: what to run, validated.
+"""Local SGD and DiLoCo as an option of ``DataParallel``: what to run, validated, and its schedule.
 
+The sync policy of the step (every step: ``local_sgd=None``; periodic parameter averaging:
+post-local SGD; DiLoCo's outer step; streaming DiLoCo's staggered fragments) as the option's value.
 The option is a leaf of the package (``config`` holds it, and :mod:`jddp._src.local_sgd`, which
-implements it, reads the ``StepConfig``), so the two modules import without a cycle.
+runs the policy inside the step, reads the ``StepConfig``), so the two modules import without a
+cycle.
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ import optax
 SYNC, LOCAL, AVERAGE = "sync", "local", "average"
 
 
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ValueError(f"local SGD's {name} must be an int >= {low}, got {value!r}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalSGD:
     """Local SGD (post-local SGD) or DiLoCo, as one option of :class:`jddp.DataParallel`.
@@ -27,17 +35,20 @@ class LocalSGD:
       start_step: plain data-parallel steps before local steps start (post-local SGD only).
       outer_optimizer: ``None`` for parameter averaging (post-local SGD); an optax transformation
         for DiLoCo, applied to the averaged parameter delta (``global - mean(replicas)``).
+      fragments: streaming DiLoCo's ``F``: the parameters are cut into ``F`` fragments (groups of
+        buckets), and fragment ``f`` is synchronised on its own schedule, offset by
+        ``f * period // F`` steps, so one outer step moves ``1/F`` of the model (1: all at once).
     """
 
     period: int
     start_step: int = 0
     outer_optimizer: optax.GradientTransformation | None = None
+    fragments: int = 1
 
     def __post_init__(self) -> None:
-        for name, low in (("period", 1), ("start_step", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-                raise ValueError(f"local SGD's {name} must be an int >= {low}, got {value!r}.")
+        _check_int("period", self.period, 1)
+        _check_int("start_step", self.start_step, 0)
+        _check_int("fragments", self.fragments, 1)
         outer = self.outer_optimizer
         if outer is not None and not (callable(getattr(outer, "init", None))
                                       and callable(getattr(outer, "update", None))):
@@ -51,10 +62,29 @@ class LocalSGD:
                 "data-parallel steps, train with a DataParallel without local_sgd first and pass "
                 "its params to this one's init."
             )
+        if self.fragments > self.period:
+            raise ValueError(
+                f"streaming DiLoCo syncs one fragment at a time, at most one per step: fragments="
+                f"{self.fragments} must be <= period={self.period}."
+            )
+        if self.fragments > 1 and outer is None:
+            raise ValueError(
+                "fragments > 1 is streaming DiLoCo: build it with jddp.local_sgd.diloco(period, "
+                "fragments=F) (post-local SGD averages the whole model at once)."
+            )
 
     @property
     def diloco(self) -> bool:
         return self.outer_optimizer is not None
+
+    def offset(self, fragment: int) -> int:
+        """The step offset of ``fragment``'s schedule (0 for the one fragment of plain DiLoCo)."""
+        return fragment * self.period // self.fragments
+
+    def due(self, step: int) -> tuple[int, ...]:
+        """The fragments whose outer step follows step ``step``'s update (DiLoCo)."""
+        return tuple(f for f in range(self.fragments)
+                     if step + 1 >= self.offset(f) and (step + 1 - self.offset(f)) % self.period == 0)
 
     def kind(self, step: int) -> str:
         """What step ``step`` (the number of updates before it) does: ``"sync"``, ``"local"`` or
@@ -62,8 +92,8 @@ class LocalSGD:
         if step < self.start_step:
             return SYNC
         k = step - self.start_step
-        if self.diloco:  # an outer step after every `period` inner steps
-            return AVERAGE if (k + 1) % self.period == 0 else LOCAL
+        if self.diloco:  # an outer step after every `period` inner steps (per fragment)
+            return AVERAGE if self.due(step) else LOCAL
         # PyTorch's PeriodicModelAverager: average after the update of start, start + H, ...
         return AVERAGE if k % self.period == 0 else LOCAL
 
@@ -81,17 +111,20 @@ def post_local_sgd(period: int, start_step: int = 0) -> LocalSGD:
 
 
 def diloco(period: int, outer_optimizer: optax.GradientTransformation | None = None,
-           *, outer_lr: float = 0.7, outer_momentum: float = 0.9) -> LocalSGD:
+           *, outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1) -> LocalSGD:
     """DiLoCo: ``period`` inner steps per replica, then an outer step on the averaged delta.
 
     Args:
       period: inner steps between outer steps (the paper's ``H``; 500 in the paper).
       outer_optimizer: the outer optax optimizer; default Nesterov momentum SGD with ``outer_lr``
         and ``outer_momentum`` (the paper's 0.7 and 0.9).
+      fragments: streaming DiLoCo (Douillard et al., 2025): the buckets are cut into
+        ``fragments`` groups, each synchronised every ``period`` steps at its own offset, so the
+        peak cross-replica bytes of a step fall by about ``fragments``.
     """
     if outer_optimizer is None:
         outer_optimizer = optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)
-    return LocalSGD(period, 0, outer_optimizer)
+    return LocalSGD(period, 0, outer_optimizer, fragments)
 
 
 def check_local_sgd(value: Any) -> LocalSGD | None:

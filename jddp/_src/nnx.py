@@ -77,20 +77,22 @@ def wrap(
 
 @dataclasses.dataclass(frozen=True)
 class _ModelLoss:
-    """The core trainer's ``loss_fn(params, model_state, batch)`` for an NNX ``loss_fn(model,
-    batch)``: merges the model, calls the loss, splits the updated rest back out."""
+    """The core trainer's ``loss_fn(params, model_state, batch[, rng])`` for an NNX
+    ``loss_fn(model, batch[, rng])``: merges the model, calls the loss, splits the updated rest
+    back out."""
 
     graphdef: Any
     wrt: Any
     loss_fn: Callable[..., Any]
     has_aux: bool
 
-    def __call__(self, params: nnx.State, rest: nnx.State, batch: Any) -> Any:
+    def __call__(self, params: nnx.State, rest: nnx.State, batch: Any, *rng: Any) -> Any:
         # copy=True: fresh Variables in the current trace. The states may come from an outer trace
         # (jax.grad passes non-differentiated arguments through as they are, as the accumulating
         # step does), where NNX refuses the forward pass's writes, and must not be mutated anyway.
         model = nnx.merge(self.graphdef, params, rest, copy=True)
-        out = unpack_loss_output(self.loss_fn(model, batch), has_aux=self.has_aux, stateful=False)
+        out = unpack_loss_output(self.loss_fn(model, batch, *rng), has_aux=self.has_aux,
+                                 stateful=False)
         _, _, new_rest = _split(model, self.wrt)
         return (out.loss, (new_rest, out.metrics)) if self.has_aux else (out.loss, new_rest)
 
@@ -104,16 +106,30 @@ class DataParallel:
     trainer's loss merges the model from the two states, calls ``loss_fn(model, batch)`` and splits
     the updated rest back out, so every option of :class:`jddp.DataParallel` applies: buckets reduced
     from inside the backward pass, communication hooks, ``accumulate_steps``/``microbatches``,
-    ``skip_not_finite``, ``weighted`` masks, ``metrics["comm_bytes"]``. A step on N devices equals a
-    single-device ``nnx.Optimizer`` step on the whole batch for models whose forward pass is
-    per-example (no BatchNorm in training mode).
+    ``skip_not_finite``, ``weighted`` masks, ``rng``, ``local_sgd``, ``metrics["comm_bytes"]``.
+    A step on N devices equals a single-device ``nnx.Optimizer`` step on the whole batch for
+    models whose forward pass is per-example (no BatchNorm in training mode).
 
     The rest is synchronised by ``model_state_sync`` on the last bucket's all-reduce (no collective
     of its own), with the core trainer's default ``"broadcast"`` (replica 0's state, DDP's
     ``broadcast_buffers``); ``"mean"`` averages floating-point leaves over devices (BatchNorm
     running statistics) and still takes replica 0's integer, boolean and PRNG key leaves, which
     every replica computes identically from replicated values (RNG keys and counts). Dropout masks
-    therefore repeat across devices, as in a DDP job whose ranks share one seed.
+    drawn from the module's own ``nnx.Rngs`` therefore repeat across devices, as in a DDP job whose
+    ranks share one seed. For per-example masks pass ``rng=True`` and take the keys in the loss,
+    ``loss_fn(model, batch, rng)`` with one key per example (the key of its global row, so a step
+    on N devices equals the single-device step), and give each example its own dropout key::
+
+        def loss_fn(model, batch, rng):
+            one = lambda x, key: model(x[None], rngs=nnx.Rngs(dropout=key))[0]
+            return ((jax.vmap(one)(batch["x"], rng) - batch["y"]) ** 2).mean()
+
+        ddp = jddp.nnx.DataParallel(model, optax.adam(1e-3), loss_fn=loss_fn, rng=True)
+        state, metrics = ddp.step(state, batch, rng=jax.random.key(0))
+
+    With ``local_sgd=jddp.local_sgd.diloco(...)`` (or ``post_local_sgd``) each replica trains its
+    own copy; :meth:`merge` and :meth:`update` write the global parameters (DiLoCo's outer
+    parameters, or the replicas' mean) and replica 0's model state.
 
     Example::
 
@@ -131,7 +147,8 @@ class DataParallel:
       optimizer: an optax ``GradientTransformation`` over the ``wrt`` state.
       loss_fn: ``loss_fn(model, batch) -> loss``, the mean loss over the batch shard; with
         ``has_aux``, ``(loss, metrics)`` with a dict of float scalar metrics; with ``weighted``,
-        the per-example losses of the shard.
+        the per-example losses of the shard; with ``rng=True``, ``loss_fn(model, batch, rng)``
+        with one PRNG key per example of the shard.
       wrt: the NNX filter of the trained state (default ``nnx.Param``).
       has_aux: whether ``loss_fn`` returns ``(loss, metrics)``.
       **options: every other keyword argument of :class:`jddp.DataParallel` (``mesh``,
@@ -164,18 +181,6 @@ class DataParallel:
             )
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-        if options.get("rng"):
-            raise ValueError(
-                "jddp.nnx.DataParallel does not take rng=True: an NNX model draws dropout masks "
-                "from its own nnx.Rngs streams (carried in the model state). For per-example keys "
-                "use the functional jddp.DataParallel with loss_fn(params, batch, rng)."
-            )
-        if options.get("local_sgd") is not None:
-            raise ValueError(
-                "jddp.nnx.DataParallel does not take local_sgd yet: its params have one copy per "
-                "replica, which merge() and update() cannot put into one module. Use "
-                "jddp.DataParallel on nnx.split(model) state, and ddp.global_params(state)."
-            )
         graphdef = nnx.graphdef(model)
         core = CoreDataParallel(
             _ModelLoss(graphdef, wrt, loss_fn, bool(has_aux)), optimizer, has_aux=has_aux,
@@ -230,17 +235,20 @@ class DataParallel:
         return self.core.init(params, model_state=rest)
 
     def _model_state(self, state: TrainState) -> Any:
-        if self.model_state_sync == "none":  # one copy per replica: take replica 0's
+        if self.model_state_sync == "none" or self.core.config.local_sgd is not None:
+            # One copy per device or per replica: take replica 0's.
             return jax.tree.map(lambda x: x[0], state.model_state)
         return state.model_state
 
     def merge(self, state: TrainState) -> nnx.Module:
-        """A new model with the parameters and model state of ``state``."""
-        return nnx.merge(self.graphdef, state.params, self._model_state(state))
+        """A new model with the parameters and model state of ``state`` (with local SGD the
+        global parameters, :meth:`jddp.DataParallel.global_params`)."""
+        return nnx.merge(self.graphdef, self.core.global_params(state), self._model_state(state))
 
     def update(self, model: nnx.Module, state: TrainState) -> None:
-        """Writes the parameters and model state of ``state`` into ``model`` in place."""
-        nnx.update(model, state.params, self._model_state(state))
+        """Writes the parameters and model state of ``state`` into ``model`` in place (with local
+        SGD the global parameters)."""
+        nnx.update(model, self.core.global_params(state), self._model_state(state))
 
     def abstract_state(self, model: nnx.Module | None = None) -> TrainState:
         """The TrainState :meth:`init` would build, as shape structs with shardings."""
@@ -248,8 +256,8 @@ class DataParallel:
         return self.core.abstract_state(params, rest)
 
     def lower(self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
-              step: int | None = None) -> jax.stages.Lowered:
+              step: int | None = None, rng: Any = None) -> jax.stages.Lowered:
         """Lowers the step for ``state`` (a TrainState or :meth:`abstract_state`) and ``batch``
         (arrays or ``jax.ShapeDtypeStruct``s): ``self.step.lower``. ``.compile().as_text()`` is
         the compiled HLO."""
-        return self.step.lower(state, batch, mask, sync=sync, step=step)
+        return self.step.lower(state, batch, mask, sync=sync, step=step, rng=rng)

@@ -19,6 +19,7 @@ SYNC_MODES: tuple[str, ...] = get_args(ModelStateSync)
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # PyTorch DDP's bucket_cap_mb
 DEFAULT_FIRST_BUCKET_MB = 1.0  # PyTorch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
+DEFAULT_GROUP_SIZE = 8  # examples per group of deterministic=True
 
 
 def cap_bytes(mb: Any, name: str) -> int:
@@ -146,3 +147,22 @@ def metric_names(value: Any, name: str) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"{name} names a metric twice: {names}.")
     return names
+
+
+def deterministic(value: Any, group_size: Any) -> tuple[bool, int]:
+    """``(deterministic, group_size)``: a bool, and a positive int group size that only
+    ``deterministic=True`` reads (default :data:`DEFAULT_GROUP_SIZE`)."""
+    on = flag(value, "deterministic", " deterministic=True gives the same bits on any device "
+                                      "count; group_size=... sets its group size.")
+    if group_size is None:
+        return on, DEFAULT_GROUP_SIZE
+    if not on:
+        raise ValueError(
+            f"group_size={group_size!r} sets the group size of the deterministic step, but "
+            "deterministic=False: pass deterministic=True with it, or drop group_size."
+        )
+    if isinstance(group_size, bool) or not isinstance(group_size, int | np.integer) \
+            or group_size < 1:
+        raise ValueError(f"group_size must be a positive int (examples per group), got "
+                         f"{group_size!r}.")
+    return on, int(group_size)

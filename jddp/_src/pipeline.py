@@ -1,33 +1,42 @@
 """The training step, written once, as pure functions of a :class:`StepConfig`.
 
-The data path of one ``ddp.step(state, batch)`` (every front end and mode goes through it):
+The data path of one ``ddp.step(state, batch)`` (every front end, mode and sync policy goes
+through it), in fixed phases:
 
 1. :func:`train_step` (the jitted function, global view): trace-time checks of the state, batch and
-   mask; then the per-device part under ``jax.shard_map``; then :func:`_apply_update`.
+   mask, and the step's :class:`jddp._src.local_sgd.Levels` (where it reduces); then the
+   per-device part under ``jax.shard_map``:
 2. :func:`_local_step` (per device):
 
-   a. the loss is traced **once**, on this call's last micro-batch (:func:`jddp._src.jaxpr.trace`);
-   b. the bucket plan is read from that jaxpr (:func:`jddp._src.planner.plan_traced`), or the
-      fixed plan is checked against the parameters;
-   c. a *synchronising* call (every plain step) sums the local gradients of the window so far (the
-      accumulator, and this call's first ``m - 1`` micro-batches, scanned over the same jaxpr), then
-      evaluates the jaxpr on the last micro-batch with one reducing backward hook per bucket
-      (:func:`jddp._src.reduction.bucketed_vjp`); metrics, the window's weight and the model-state
-      payload ride on the last bucket's all-reduce;
-   d. a call that does not synchronise adds its micro-batches' local gradients to the accumulator
-      and runs no collective.
+   a. *local gradients* (:func:`_prepare`, :func:`_window_start`): the loss is traced **once**,
+      on this call's last micro-batch (:func:`jddp._src.jaxpr.trace`); the bucket plan is read
+      from that jaxpr (:func:`jddp._src.planner.plan_traced`); the window's local gradients so far
+      are summed (the accumulator, and this call's first ``m - 1`` micro-batches, scanned over the
+      same jaxpr);
+   b. *reduce* (:func:`_reduce`): a synchronising call evaluates the jaxpr on the last micro-batch
+      with one reducing backward hook per bucket (:func:`jddp._src.reduction.bucketed_vjp`) over
+      the island's axis (every device, the devices of a host with local SGD, or none); metrics,
+      the window's weight and the model-state payload ride on the last bucket's all-reduce;
+   c. a call that does not synchronise (:func:`_accumulate`) adds its micro-batches' local
+      gradients to the accumulator and runs no collective.
 
-3. :func:`_apply_update` (global view): the optimizer on the reduced gradients, the skip decision
-   (non-finite gradients, an empty weighted window), and the new :class:`TrainState`.
+3. *update* (:func:`_apply_update`, global view): the optimizer on the reduced gradients (per
+   replica with local SGD), wrapped like optax's ``MultiSteps`` and ``apply_if_finite``: only a
+   window's synchronising call updates, a skipped update keeps the old state, the loss scale
+   follows.
+4. *sync policy* (:func:`jddp._src.local_sgd.synchronise`, global view): nothing for a plain step;
+   with local SGD nothing, the parameter average, or DiLoCo's outer step.
 
 Where to add a feature: a new reduction (reduce-scatter, hierarchical) is a hook or a change to
 :func:`jddp._src.reduction.bucketed_vjp`; a new state layout goes into :func:`state_specs` and
 :func:`build_state`; a new per-call quantity goes into :class:`jddp._src.objective.LocalAux` and
-:class:`jddp._src.objective.Extras`, which carry it to the last bucket.
+:class:`jddp._src.objective.Extras`, which carry it to the last bucket; a wrapper of the update
+into :func:`_apply_update`; a sync policy into :mod:`jddp._src.local_sgd`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -40,6 +49,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp._src import accumulation as acc_lib
+from jddp._src import deterministic as det_lib
 from jddp._src import jaxpr as jaxpr_lib
 from jddp._src import local_sgd, vma, zero
 from jddp._src import loss_scale as ls_lib
@@ -48,11 +58,12 @@ from jddp._src.checks import batch_size, check_batch, check_float_params, check_
 from jddp._src.config import StepConfig
 from jddp._src.hooks import init_hook_state
 from jddp._src.nonfinite import all_finite, select_tree
-from jddp._src.objective import LocalAux, Objective, mean_metrics
-from jddp._src.optimizer_metrics import add_optimizer_metrics
+from jddp._src.objective import Extras, LocalAux, Objective, mean_metrics
+from jddp._src.optimizer_metrics import add_optimizer_metrics, optimizer_metrics
 from jddp._src.planner import BucketPlan, plan_traced
 from jddp._src.reduction import (
     Bytes,
+    Reduced,
     Sharded,
     bucketed_vjp,
     chain_dependency,
@@ -85,8 +96,9 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
         model_state=broadcast_to_devices(model_state, n) if cfg.per_device_model_state
         else model_state,
         hook_state=broadcast_to_devices(init_hook_state(cfg.hook, params), n),
-        accum=acc_lib.init_accum(params, n, cfg.accumulator_dtype, model_state)
-        if cfg.accumulates else None,
+        accum=None if not cfg.accumulates
+        else det_lib.init_accum(cfg, params, model_state) if cfg.deterministic
+        else acc_lib.init_accum(params, n, cfg.accumulator_dtype, model_state),
         loss_scale=None if cfg.loss_scale is None else cfg.loss_scale.init(),
     )
     if cfg.local_sgd is not None:  # seam: local SGD / DiLoCo keep one copy per replica
@@ -158,7 +170,11 @@ def check_step_inputs(
         )
     n = cfg.num_devices
     size = check_batch(batch, n)
-    acc_lib.check_accum(state, cfg.accumulate_steps, n)
+    if cfg.deterministic:  # seam: jddp._src.deterministic's layouts and accumulator
+        det_lib.check_accum(cfg, state)
+        det_lib.check_call(cfg, size, sync, state.model_state)
+    else:
+        acc_lib.check_accum(state, cfg.accumulate_steps, n)
     ls_lib.check_state(state, cfg.loss_scale)
     if cfg.rng and rng is None:
         raise ValueError(
@@ -197,17 +213,20 @@ def check_step_inputs(
 
 
 class LocalResult(NamedTuple):
-    """What the per-device part of a step returns (see :func:`result_specs`).
+    """What the per-device part of a step returns (see :func:`_result_specs`).
 
     Attributes:
       grads: the reduced gradients (zeros on a call that did not synchronise).
-      metrics: replicated metrics.
+      metrics: the loss and aux metrics (the reduction's means: global, or with local SGD one per
+        replica when the reduction stays inside the island).
       local_metrics: per-device metrics (leading device dimension).
       model_state: the new synchronised model state (per device with ``"none"``).
       hook_state: the hook's new per-device state.
       accum: the new accumulator (or ``None``).
       synced: whether this call reduced (a bool scalar).
       nonempty: whether the window had real examples (always true unless ``weighted``).
+      island: with local SGD, the island's means of the step's extras (what the averaging
+        averages over replicas); ``None`` otherwise.
     """
 
     grads: Any
@@ -218,21 +237,41 @@ class LocalResult(NamedTuple):
     accum: AccumState | None
     synced: Any
     nonempty: Any
+    island: Extras | None = None
 
 
-def _result_specs(cfg: StepConfig, state: TrainState, layout: zero.Layout) -> LocalResult:
+def _result_specs(cfg: StepConfig, lv: local_sgd.Levels, view: TrainState,
+                  layout: zero.Layout) -> LocalResult:
     axis = cfg.axis_name
+    rep = P() if lv.replica is None else P(lv.replica)
+    glob = P() if lv.spans else rep
+    grads: Any = rep
+    if cfg.zero_stage >= 2:
+        grads = jax.tree.map(lambda s: P(*rep, *s), layout.specs(view.params, cfg.shard_axis),
+                             is_leaf=lambda x: isinstance(x, P))
     return LocalResult(
-        grads=layout.specs(state.params, cfg.shard_axis) if cfg.zero_stage >= 2 else P(),
-        metrics=P(), local_metrics=P(axis),  # type: ignore[arg-type]
-        model_state=P(axis) if cfg.per_device_model_state else P(),
-        hook_state=P(axis), accum=acc_lib.accum_specs(state.accum, axis),
-        synced=P(), nonempty=P(),
+        grads=grads, metrics=glob, local_metrics=P(axis),  # type: ignore[arg-type]
+        model_state=P(axis) if cfg.per_device_model_state else rep,
+        hook_state=P(axis), accum=acc_lib.accum_specs(view.accum, axis),
+        synced=P(), nonempty=glob,
+        island=None if lv.replica is None else rep,  # type: ignore[arg-type]
     )
 
 
 def _varying(tree: Any, axis: Any) -> Any:
     return jax.tree.map(lambda x: vma.to_varying(x, axis), tree)
+
+
+def _island_state(cfg: StepConfig, lv: local_sgd.Levels, state: TrainState) -> TrainState:
+    """The state as this device's replica holds it (local SGD's per-replica leaves without their
+    replica dimension); the state itself without local SGD."""
+    if lv.replica is None:
+        return state
+    return state.replace(
+        params=strip_device_dim(state.params), loss_scale=strip_device_dim(state.loss_scale),
+        model_state=state.model_state if cfg.per_device_model_state
+        else strip_device_dim(state.model_state),
+    )
 
 
 def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
@@ -319,29 +358,61 @@ def _scaled(fun: Callable[..., Any], scale: Any) -> Callable[..., Any]:
     return scaled
 
 
-def _local_step(
-    cfg: StepConfig,
-    obj: Objective,
-    observer: PlanObserver | None,
-    sync: bool | None,
-    phase: Any,
-    layout: zero.Layout,
-    state: TrainState,
-    batch: Any,
-    weights: Any,
-    rng: Any = None,
-) -> LocalResult:
-    """The per-device step (inside ``shard_map``); see the module docstring."""
-    axis, n, m = cfg.axis_name, cfg.num_devices, cfg.microbatches
-    acc = state.accum
-    full_params = jax.tree.unflatten(jax.tree.structure(state.params), [
+# ------------------------------------------------------------ phase 1: the local gradients
+
+
+class Prepared(NamedTuple):
+    """The per-device step's inputs, read once; every phase after it uses them.
+
+    Attributes:
+      traced: the loss traced once (on the call's last micro-batch).
+      plan: the bucket plan read from it.
+      aux_shape: shape structs of the loss's :class:`LocalAux`.
+      params: this device's parameters as the reduction takes them (pieces at stage 3).
+      params_v: the parameters local gradients are taken at (varying; whole).
+      full_params: shape structs of the whole parameters.
+      ms0: the model state the call's micro-batches start from.
+      micro: the micro-batches, stacked; ``side``: their per-example inputs (weights, keys).
+      last: the last micro-batch; ``side_last``: its per-example inputs.
+      grad_fn: ``(params, ms, batch, side) -> (grads, LocalAux)``, local (scaled by the loss
+        scale).
+      loss_scale: the loss scale this call's gradients use (``None``: off).
+      sharded: the sharded stages' reduction (``None``: the hook's all-reduce).
+      unit: the static normaliser of one micro-batch's sums (:meth:`Objective.unit`): what is
+        kept across calls (the accumulator, ``grad_fn``'s gradients) is plain sums times it.
+    """
+
+    traced: jaxpr_lib.Traced
+    plan: BucketPlan
+    aux_shape: LocalAux
+    params: Any
+    params_v: Any
+    full_params: Any
+    ms0: Any
+    micro: Any
+    side: Any
+    last: Any
+    side_last: Any
+    grad_fn: Callable[..., Any]
+    loss_scale: Any
+    sharded: Sharded | None
+    unit: float = 1.0
+
+
+def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
+             lv: local_sgd.Levels, layout: zero.Layout, state: TrainState, batch: Any,
+             weights: Any, rng: Any) -> Prepared:
+    """Phase 1's set-up: the micro-batches, the loss traced once and the bucket plan."""
+    m = cfg.microbatches
+    treedef = jax.tree.structure(state.params)
+    full_params = jax.tree.unflatten(treedef, [
         jax.ShapeDtypeStruct(shape, jnp.result_type(x))
         for shape, x in zip(layout.shapes, jax.tree.leaves(state.params), strict=True)
     ])
-    params_v = _varying(state.params, axis)
+    params_v = _varying(state.params, cfg.axis_name)
     sharded = None
     if cfg.zero_stage >= 2:
-        sharded = Sharded(cfg.zero_stage, layout, cfg.shard_axis, cfg.replica_axis)
+        sharded = Sharded(cfg.zero_stage, layout, lv.shard_axis, lv.hybrid)
         if cfg.zero_stage >= 3:
             # The parameters are pieces here; the loss is traced on whole ones (without vma
             # types: the sharded stages run shard_map with check_vma=False).
@@ -350,167 +421,290 @@ def _local_step(
     # Per-example inputs besides the batch, split like it: the mask's weights and the keys.
     side = (weights, _example_keys(cfg, state, rng, batch))
     if m > 1:
-        micro = acc_lib.split_microbatches(batch, m)
-        wmicro = acc_lib.split_microbatches(side, m)
-        last, w_last = jax.tree.map(lambda x: x[m - 1], (micro, wmicro))
+        micro, side_m = acc_lib.split_microbatches((batch, side), m)
+        last, side_last = jax.tree.map(lambda x: x[m - 1], (micro, side_m))
     else:
-        micro, wmicro = jax.tree.map(lambda x: x[None], (batch, side))
-        last, w_last = batch, side
+        micro, side_m = jax.tree.map(lambda x: x[None], (batch, side))
+        last, side_last = batch, side
     # The one trace of the user's loss in this program: planning, the scanned micro-batches, the
     # accumulating branch and the reducing evaluation all read this jaxpr.
-    traced = jaxpr_lib.trace(obj, params_v, ms0, last, *w_last)
+    traced = jaxpr_lib.trace(obj, params_v, ms0, last, *side_last)
     plan = _plan(cfg, traced, full_params, observer)
-    aux_shape: LocalAux = traced.out_shapes[1]
     loss_scale = None if state.loss_scale is None else state.loss_scale.scale
-    grad_of = jax.grad(_scaled(jaxpr_lib.as_function(traced), loss_scale), has_aux=True)
     # Sums kept for later (the accumulator, the scanned micro-batches) are plain sums, times the
     # micro-batch's unit: the calls of a window may differ in shape (see Objective.unit).
-    unit = obj.unit(w_last[0])
+    unit = obj.unit(side_last[0])
     raw_scale = None if unit == 1.0 else (
         jnp.float32(unit) if loss_scale is None else loss_scale * unit)
-    grad_raw = grad_of if raw_scale is None else jax.grad(
-        _scaled(jaxpr_lib.as_function(traced), raw_scale), has_aux=True)
+    grad_raw = jax.grad(_scaled(jaxpr_lib.as_function(traced),
+                                loss_scale if raw_scale is None else raw_scale), has_aux=True)
 
     def grad_fn(p: Any, ms: Any, b: Any, s: Any) -> Any:  # s: the side inputs, as split
         return grad_raw(p, ms, b, *s)
 
-    # Stages 1-2 all-gather the updated pieces after the update (gather_params).
-    updated = _gather_bytes(cfg, plan, layout) if 1 <= cfg.zero_stage <= 2 else Bytes()
+    return Prepared(traced, plan, traced.out_shapes[1], state.params, params_v, full_params, ms0,
+                    micro, side_m, last, side_last, grad_fn, loss_scale, sharded, unit)
 
-    def local_params() -> tuple[Any, Bytes]:
-        """The parameters that local gradients (earlier micro-batches, no-sync calls) are
-        computed with, and the bytes of getting them: stage 3 gathers every bucket once
-        (chained, in first-use order), in the branch that needs them."""
-        if cfg.zero_stage < 3:
-            return params_v, Bytes()
-        whole = zero.gather_buckets(jax.tree.leaves(state.params), layout,
-                                    _bucket_groups(plan)[::-1], cfg.shard_axis,
-                                    _gather_chain(cfg))
-        return (jax.tree.unflatten(jax.tree.structure(state.params), whole),
-                _gather_bytes(cfg, plan, layout))
 
+def _local_params(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared) -> tuple[Any, Bytes]:
+    """The parameters local gradients (earlier micro-batches, no-sync calls) are taken at, and
+    the bytes of getting them: stage 3 gathers every bucket once (chained, in first-use order),
+    in the branch that needs them (so that a call that does not use them does not send them)."""
+    if prep.sharded is None or prep.sharded.stage < 3:
+        return prep.params_v, Bytes()
+    layout = prep.sharded.layout
+    whole = zero.gather_buckets(jax.tree.leaves(prep.params), layout,
+                                _bucket_groups(prep.plan)[::-1], cfg.shard_axis,
+                                _gather_chain(cfg))
+    return (jax.tree.unflatten(jax.tree.structure(prep.params), whole),
+            _gather_bytes(cfg, lv, prep.plan, layout))
+
+
+def _head_sums(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared,
+               init: acc_lib.Sums) -> tuple[acc_lib.Sums, Bytes]:
+    """The local sums of this call's first ``m - 1`` micro-batches, added to ``init``, and the
+    bytes of the parameters they needed."""
+    m = cfg.microbatches
+    head, side_head = jax.tree.map(lambda x: x[: m - 1], (prep.micro, prep.side))
+    params, sent = _local_params(cfg, lv, prep)
+    return acc_lib.local_sums(prep.grad_fn, params, head, side_head, init), sent
+
+
+# ------------------------------------------------------------ phase 2: the reduction
+
+
+def _reduce_locally(traced: jaxpr_lib.Traced, params_v: Any, args: tuple, seed: Any,
+                    offset: list | None) -> tuple[Any, list]:
+    """An island of one device's "reduction": its own gradient (local SGD on a 1-D mesh)."""
+    fun = jaxpr_lib.as_function(traced)
+
+    def loss(p: Any) -> tuple:
+        out = fun(p, *args)
+        return out[0] * jnp.asarray(1.0 if seed is None else seed, out[0].dtype), out
+
+    grads, out = jax.grad(loss, has_aux=True)(params_v)
+    leaves = jax.tree.leaves(grads)
+    if offset is not None:
+        leaves = [g + o.astype(g.dtype) for g, o in zip(leaves, offset, strict=True)]
+    return out, leaves
+
+
+def _reduce(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepared,
+            state: TrainState, phase: Any, args: tuple, seed: Any, offset: list | None,
+            extras: Callable[[Any], Extras]) -> Reduced:
+    """Phase 2: the gradients of the last micro-batch plus ``offset``, averaged over the
+    island's devices (``lv.axis``) bucket by bucket, and ``extras(out)`` riding on the last
+    bucket."""
     hook_state = strip_device_dim(state.hook_state)
+    if lv.axis is None:
+        out, grads = _reduce_locally(prep.traced, _local_params(cfg, lv, prep)[0], args, seed,
+                                     offset)
+        return Reduced(out, grads, tuple(hook_state), extras(out))
+    return bucketed_vjp(
+        prep.traced, jax.tree.leaves(prep.params), args, plan=prep.plan, axis_name=lv.axis,
+        hook=cfg.hook, hook_state=hook_state, step=state.step, phase=phase, chain=cfg.chain,
+        seed=seed, offset=offset, extras_fn=extras,
+        extras_shape=obj.extras_shape(prep.aux_shape, lv.size, lv.axis), sharded=prep.sharded,
+        hosts_axis=lv.hosts,
+    )
 
-    def synchronise(state: TrainState) -> LocalResult:
-        acc = state.accum
-        call = _aux_zeros(aux_shape, axis)
-        if acc is not None:
-            live_grads, live_loss, live_weight = acc_lib.live(acc)
-            offset = strip_device_dim(live_grads)
-            window_loss0, window_weight0 = live_loss[0] / unit, live_weight[0] / unit
-        else:
-            offset = None
-            window_loss0 = window_weight0 = jnp.zeros((), jnp.float32)
-        ms_last = ms0
-        gathered = Bytes()
-        if m > 1:
-            p_local, gathered = local_params()
-            if offset is None:
-                offset = acc_lib.varying_zeros(
-                    jax.tree.map(lambda p: jax.ShapeDtypeStruct(
-                        jnp.shape(p), acc_lib.accumulator_dtype(jnp.result_type(p),
-                                                                cfg.accumulator_dtype)),
-                                 full_params), axis)
-            head, w_head = jax.tree.map(lambda x: x[: m - 1], (micro, wmicro))
-            call = acc_lib.local_sums(
-                grad_fn, p_local, head, w_head, call._replace(grads=offset, model_state=ms0)
-            )
-            offset, ms_last = call.grads, call.model_state
-        # The mean over the window's micro-batches: a static count, or one read from the state
-        # (a window cut short by an early sync=True still averages correctly).
-        count = float(m) if acc is None else (acc.count + 1).astype(jnp.float32) * m
-        seed = None if acc is None and m == 1 else 1.0 / count
-        offset_leaves = None
-        if offset is not None:  # plain sums (see Objective.unit), to this call's unit
-            assert seed is not None  # an offset means earlier micro-batches
-            offset_leaves = [o * jnp.asarray(seed / unit, o.dtype) for o in jax.tree.leaves(offset)]
-        # The loss scale is the last micro-batch's seed (the offset's gradients are scaled).
-        loss_seed = seed if loss_scale is None else (1.0 if seed is None else seed) * loss_scale
 
-        def extras(out: Any) -> Any:
-            aux: LocalAux = out[1]
-            metrics = acc_lib.add(call.metrics, aux.metrics)
-            sums = acc_lib.add(call.sums, aux.sums)
-            weight = call.weight + aux.weight
-            totals = LocalAux(aux.model_state, metrics, sums, weight)
-            return obj.extras(totals, window_loss0 + sums["loss"], window_weight0 + weight,
-                              axis, n)
-
-        red = bucketed_vjp(
-            traced, jax.tree.leaves(state.params), (ms_last, last, *w_last), plan=plan,
-            axis_name=axis, hook=cfg.hook, hook_state=hook_state, step=state.step, phase=phase,
-            chain=cfg.chain, seed=loss_seed, offset=offset_leaves, extras_fn=extras,
-            extras_shape=obj.extras_shape(aux_shape, n, axis), sharded=sharded,
-            hosts_axis=cfg.data_axes.hosts,
-        )
-        mean = red.extras
-        grads = jax.tree.unflatten(jax.tree.structure(state.params), red.grads)
-        if loss_scale is not None:  # unscaled after the reduction: the same on every replica
-            grads = ls_lib.unscale(grads, loss_scale)
-        nonempty = jnp.asarray(True)
-        if cfg.weighted:
-            # grads = mean_dev(sum of local gradients) / count; the wanted mean divides the sum
-            # over devices by the window's real weight, which rode on the last bucket.
-            nonempty = mean.window_weight > 0
-            scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
-            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-        metrics = mean_metrics(mean, m, count, summed=cfg.sum_metrics, num_devices=n)
-        metrics.update(_comm_bytes(cfg, red.sent + gathered + updated))
-        local: dict = {}
-        new_accum = None
-        if acc is not None:
-            metrics["synced"] = jnp.asarray(True)
-            aux_last: LocalAux = red.out[1]
-            call_loss = call.sums["loss"] + aux_last.sums["loss"]
-            call_weight = call.weight + aux_last.weight
-            local["local_loss"] = jnp.where(call_weight > 0, call_loss / call_weight, 0.0)[None]
-            # Only the counter is reset, also when the update is skipped (the window is consumed
-            # either way); the stale sums are masked by accumulation.live (no write, no copy).
-            new_accum = acc.replace(count=jnp.zeros((), jnp.int32))
-        new_ms = obj.decode_state(mean, red.out[1].model_state, n)
-        if new_ms is not None and cfg.per_device_model_state:
-            new_ms = add_device_dim(new_ms)
-        return LocalResult(
-            grads, metrics, local, new_ms, add_device_dim(red.hook_state), new_accum,
-            jnp.asarray(True), nonempty,
-        )
-
-    def accumulate(state: TrainState) -> LocalResult:
-        acc = state.accum
-        assert acc is not None
+def _window_start(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared,
+                  acc: AccumState | None) -> tuple:
+    """``(offset, call, (loss0, weight0), model_state, sent)``: the window's local gradient sums
+    before this call's last micro-batch (the accumulator, then this call's first ``m - 1``
+    micro-batches), this call's aux sums so far, the earlier calls' loss and weight, the model
+    state the last micro-batch starts from, and the bytes sent for them (stage 3's gather)."""
+    call = _aux_zeros(prep.aux_shape, cfg.axis_name)
+    if acc is not None:
         live_grads, live_loss, live_weight = acc_lib.live(acc)
-        p_local, gathered = local_params()
-        call = acc_lib.local_sums(grad_fn, p_local, micro, wmicro, _aux_zeros(aux_shape, axis)
-                                  ._replace(grads=live_grads, model_state=ms0))
-        # Model state advances locally; TrainState.model_state stays the synchronised one until
-        # the window's sync call.
-        new_accum = AccumState(
-            count=acc.count + 1, grads=call.grads, loss=live_loss + unit * call.sums["loss"][None],
-            weight=live_weight + unit * call.weight[None],
-            model_state=add_device_dim(call.model_state),
-        )
-        # The global metrics need a collective: "not computed" (see docs/accumulate.md).
-        metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(aux_shape)}
-        metrics.update(_comm_bytes(cfg, gathered))  # no reduction; stage 3 still gathers
-        metrics["synced"] = jnp.asarray(False)
-        loss = jnp.where(call.weight > 0, call.sums["loss"] / call.weight, 0.0)
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        if cfg.zero_stage >= 2:  # the reduced gradient comes in pieces
-            zeros = jax.tree.unflatten(jax.tree.structure(state.params), [
-                jnp.zeros(zero.shard_shape(s, d, layout.n), jnp.result_type(x)) for s, d, x in
-                zip(layout.shapes, layout.dims, jax.tree.leaves(state.params), strict=True)
-            ])
-        return LocalResult(
-            zeros, metrics, {"local_loss": loss[None]},
-            state.model_state, state.hook_state, new_accum, jnp.asarray(False), jnp.asarray(True),
-        )
+        offset = strip_device_dim(live_grads)
+        window0 = (live_loss[0] / prep.unit, live_weight[0] / prep.unit)
+    else:
+        offset = None
+        window0 = (jnp.zeros((), jnp.float32),) * 2
+    ms_last, sent = prep.ms0, Bytes()
+    if cfg.microbatches > 1:
+        if offset is None:
+            offset = acc_lib.varying_zeros(jax.tree.map(lambda p: jax.ShapeDtypeStruct(
+                jnp.shape(p), acc_lib.accumulator_dtype(jnp.result_type(p),
+                                                        cfg.accumulator_dtype)),
+                prep.full_params), cfg.axis_name)
+        call, sent = _head_sums(cfg, lv, prep, call._replace(grads=offset, model_state=prep.ms0))
+        offset, ms_last = call.grads, call.model_state
+    return offset, call, window0, ms_last, sent
 
-    if acc is None or sync is True:
-        return synchronise(state)
+
+def _synchronise(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepared,
+                 layout: zero.Layout, phase: Any, state: TrainState) -> LocalResult:
+    """A synchronising call: the window's local sums, then the reducing evaluation of the last
+    micro-batch (phase 2), its metrics and model state."""
+    m, acc = cfg.microbatches, state.accum
+    offset, call, (loss0, weight0), ms_last, gathered = _window_start(cfg, lv, prep, acc)
+    # The mean over the window's micro-batches: a static count, or one read from the state
+    # (a window cut short by an early sync=True still averages correctly).
+    count = float(m) if acc is None else (acc.count + 1).astype(jnp.float32) * m
+    seed = None if acc is None and m == 1 else 1.0 / count
+    offset_leaves = None
+    if offset is not None:  # plain sums (see Objective.unit), to this call's unit
+        assert seed is not None  # an offset means earlier micro-batches
+        offset_leaves = [o * jnp.asarray(seed / prep.unit, o.dtype)
+                         for o in jax.tree.leaves(offset)]
+    # The loss scale is the last micro-batch's seed (the offset's gradients are scaled).
+    ls = prep.loss_scale
+    loss_seed = seed if ls is None else (1.0 if seed is None else seed) * ls
+    # An island of one device encodes nothing: its own model state is the island's.
+    reducer = obj if lv.axis is not None else dataclasses.replace(obj, stateful=False)
+
+    def extras(out: Any) -> Extras:
+        aux: LocalAux = out[1]
+        sums = acc_lib.add(call.sums, aux.sums)
+        weight = call.weight + aux.weight
+        totals = LocalAux(aux.model_state, acc_lib.add(call.metrics, aux.metrics), sums, weight)
+        return reducer.extras(totals, loss0 + sums["loss"], weight0 + weight, lv.axis, lv.size)
+
+    red = _reduce(cfg, obj, lv, prep, state, phase, (ms_last, prep.last, *prep.side_last),
+                  loss_seed, offset_leaves, extras)
+    mean: Extras = red.extras
+    grads = jax.tree.unflatten(jax.tree.structure(state.params), red.grads)
+    if ls is not None:  # unscaled after the reduction: the same on every replica
+        grads = ls_lib.unscale(grads, ls)
+    nonempty = jnp.asarray(True)
+    if cfg.weighted:
+        # grads = mean_dev(sum of local gradients) / count; the wanted mean divides the sum
+        # over devices by the window's real weight, which rode on the last bucket.
+        nonempty = mean.window_weight > 0
+        scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+    metrics = mean_metrics(mean, m, count, summed=cfg.sum_metrics, num_devices=lv.size)
+    # Stages 1-2 all-gather the updated pieces after the update (gather_params).
+    updated = _gather_bytes(cfg, lv, prep.plan, layout) if 1 <= cfg.zero_stage <= 2 else Bytes()
+    metrics.update(_comm_bytes(cfg, red.sent + gathered + updated))
+    local: dict = {}
+    new_accum = None
+    if acc is not None:
+        aux_last: LocalAux = red.out[1]
+        call_loss = call.sums["loss"] + aux_last.sums["loss"]
+        call_weight = call.weight + aux_last.weight
+        local["local_loss"] = jnp.where(call_weight > 0, call_loss / call_weight, 0.0)[None]
+        # Only the counter is reset, also when the update is skipped (the window is consumed
+        # either way); the stale sums are masked by accumulation.live (no write, no copy).
+        new_accum = acc.replace(count=jnp.zeros((), jnp.int32))
+    new_ms = red.out[1].model_state if lv.axis is None else obj.decode_state(
+        mean, red.out[1].model_state, lv.size)
+    island = None if lv.replica is None else mean._replace(state=())
+    return LocalResult(grads, metrics, local, new_ms, red.hook_state, new_accum,
+                       jnp.asarray(True), nonempty, island)
+
+
+def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepared,
+                layout: zero.Layout, state: TrainState) -> LocalResult:
+    """A call that does not synchronise: its micro-batches' local gradients are added to the
+    accumulator, and no collective runs."""
+    acc = state.accum
+    assert acc is not None
+    live_grads, live_loss, live_weight = acc_lib.live(acc)
+    params, gathered = _local_params(cfg, lv, prep)
+    call = acc_lib.local_sums(prep.grad_fn, params, prep.micro, prep.side,
+                              _aux_zeros(prep.aux_shape, cfg.axis_name)
+                              ._replace(grads=live_grads, model_state=prep.ms0))
+    # Model state advances locally; TrainState.model_state stays the synchronised one until
+    # the window's sync call.
+    new_accum = AccumState(
+        count=acc.count + 1, grads=call.grads,
+        loss=live_loss + prep.unit * call.sums["loss"][None],
+        weight=live_weight + prep.unit * call.weight[None],
+        model_state=add_device_dim(call.model_state),
+    )
+    # The global metrics need a collective: "not computed" (see docs/accumulate.md).
+    metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(prep.aux_shape)}
+    metrics.update(_comm_bytes(cfg, gathered))  # no reduction; stage 3 still gathers
+    loss = jnp.where(call.weight > 0, call.sums["loss"] / call.weight, 0.0)
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    if cfg.zero_stage >= 2:  # the reduced gradient comes in pieces
+        zeros = jax.tree.unflatten(jax.tree.structure(state.params), [
+            jnp.zeros(zero.shard_shape(s, d, layout.n), jnp.result_type(x)) for s, d, x in
+            zip(layout.shapes, layout.dims, jax.tree.leaves(state.params), strict=True)
+        ])
+    island = None
+    if lv.replica is not None:
+        shape = obj.extras_shape(prep.aux_shape, 1, cfg.axis_name)._replace(state=())
+        island = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
+    ms = state.model_state if state.model_state is None or not cfg.per_device_model_state \
+        else strip_device_dim(state.model_state)
+    return LocalResult(
+        zeros, metrics, {"local_loss": loss[None]}, ms, strip_device_dim(state.hook_state),
+        new_accum, jnp.asarray(False), jnp.asarray(True), island,
+    )
+
+
+def _to_global(cfg: StepConfig, lv: local_sgd.Levels, res: LocalResult) -> LocalResult:
+    """The per-device results with the leading dimensions their specs split (per device, and
+    with local SGD per replica)."""
+    if lv.replica is not None:
+        # Typed as varying over the replicas, whatever the branch computed them from (the two
+        # branches of an accumulation window's lax.cond must agree).
+        vary = lambda t: _varying(t, lv.replica)
+        res = res._replace(grads=vary(res.grads), island=vary(res.island),
+                           model_state=res.model_state if cfg.per_device_model_state
+                           else vary(res.model_state))
+        if not lv.spans:
+            res = res._replace(metrics=vary(res.metrics), nonempty=vary(res.nonempty))
+    per_replica = lv.replica is not None
+    glob = (lambda t: t) if lv.spans or not per_replica else add_device_dim
+    rep = add_device_dim if per_replica else (lambda t: t)
+    ms = res.model_state
+    if ms is not None:
+        ms = add_device_dim(ms) if cfg.per_device_model_state else rep(ms)
+    return res._replace(grads=rep(res.grads), metrics=glob(res.metrics), model_state=ms,
+                        hook_state=add_device_dim(res.hook_state),
+                        nonempty=glob(res.nonempty), island=rep(res.island))
+
+
+def _local_step(
+    cfg: StepConfig,
+    obj: Objective,
+    observer: PlanObserver | None,
+    sync: bool | None,
+    phase: Any,
+    lv: local_sgd.Levels,
+    layout: zero.Layout,
+    state: TrainState,
+    batch: Any,
+    weights: Any,
+    rng: Any = None,
+) -> LocalResult:
+    """The per-device step (inside ``shard_map``): phase 1 (local gradients) and phase 2 (the
+    reduction over the island), or accumulation only; see the module docstring."""
+    state = _island_state(cfg, lv, state)
+    prep = _prepare(cfg, obj, observer, lv, layout, state, batch, weights, rng)
+    sync_fn = lambda s: _to_global(cfg, lv, _synchronise(cfg, obj, lv, prep, layout, phase, s))
+    acc_fn = lambda s: _to_global(cfg, lv, _accumulate(cfg, obj, lv, prep, layout, s))
+    if state.accum is None or sync is True:
+        return sync_fn(state)
     if sync is False:
-        return accumulate(state)
+        return acc_fn(state)
     # optax.MultiSteps semantics: the replicated counter picks the branch, in one program.
-    return lax.cond(acc.count + 1 >= cfg.accumulate_steps, synchronise, accumulate, state)
+    return lax.cond(state.accum.count + 1 >= cfg.accumulate_steps, sync_fn, acc_fn, state)
+
+
+def _deterministic_step(
+    cfg: StepConfig, obj: Objective, observer: PlanObserver | None, sync: bool | None,
+    phase: Any, lv: local_sgd.Levels, layout: zero.Layout, state: TrainState, batch: Any,
+    weights: Any, rng: Any = None,
+) -> LocalResult:
+    """The per-device step of ``deterministic=True``: fixed-size groups summed in a fixed tree
+    (:mod:`jddp._src.deterministic`) instead of the local gradients and the bucketed reduction."""
+    g = cfg.group_size
+    group, w = jax.tree.map(lambda x: x[:g], (batch, weights))
+    keys = rng_lib.example_keys(rng, state.step, g) if cfg.rng else None
+    # Traced for the checks and the (reported, unused) bucket plan only.
+    traced = jaxpr_lib.trace(obj, state.params, state.model_state, group, w, keys)
+    det_lib.check_no_collectives(traced.jaxpr.jaxpr)
+    _plan(cfg, traced, state.params, observer)
+    out = det_lib.local_step(cfg, obj, state, batch, weights, rng)
+    return LocalResult(out.grads, out.metrics, {}, out.model_state, state.hook_state, out.accum,
+                       out.synced, out.nonempty)
 
 
 def _constrain(cfg: StepConfig, tree: Any, specs: Any) -> Any:
@@ -520,26 +714,36 @@ def _constrain(cfg: StepConfig, tree: Any, specs: Any) -> Any:
     )
 
 
+def _per_replica(lv: local_sgd.Levels, fun: Callable[..., Any]) -> Callable[..., Any]:
+    """``fun`` of one replica's leaves, mapped over the replica dimension with local SGD (each
+    replica updates its own copy: the update phase is the same function either way)."""
+    if lv.replica is None:
+        return fun
+    return jax.vmap(fun, spmd_axis_name=lv.replica, axis_size=lv.replicas)
+
+
 def _optimizer_update(
-    cfg: StepConfig, state: TrainState, grads: Any, layout: zero.Layout, plan: BucketPlan
+    cfg: StepConfig, layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: Any,
+    grads: Any,
 ) -> tuple[Any, Any]:
-    """``(new_params, new_opt_state)``; at the sharded stages each device updates its pieces.
+    """``(new_params, new_opt_state)`` of one replica; at the sharded stages each device updates
+    its pieces.
 
     The update runs in the global view on leaves of their true shapes, so any optax
     transformation works unchanged (XLA adds the collectives a global norm or a factored moment
     needs). Stages 1 and 2 then all-gather the updated pieces, one all-gather per bucket.
     """
     if cfg.zero_stage == 0:
-        updates, opt_state = cfg.optimizer.update(grads, state.opt_state, state.params)
-        return optax.apply_updates(state.params, updates), opt_state
+        updates, opt_state = cfg.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
     axis = cfg.shard_axis
-    specs = layout.specs(state.params, axis)
+    specs = layout.specs(params, axis)
     opt_specs = jax.tree.map(lambda x: zero.leaf_spec(jnp.shape(x), cfg.shard_count, axis),
-                             state.opt_state)
+                             opt_state)
     # Slicing a replicated array to this device's piece moves no data.
-    params = _constrain(cfg, state.params, specs)
+    params = _constrain(cfg, params, specs)
     grads = _constrain(cfg, grads, specs)
-    updates, opt_state = cfg.optimizer.update(grads, state.opt_state, params)
+    updates, opt_state = cfg.optimizer.update(grads, opt_state, params)
     new = _constrain(cfg, optax.apply_updates(params, updates), specs)
     opt_state = _constrain(cfg, opt_state, opt_specs)
     if cfg.zero_stage < 3:
@@ -549,22 +753,27 @@ def _optimizer_update(
     return new, opt_state
 
 
+_COMM_KEYS = ("comm_bytes", "comm_bytes_hosts")
+
+
 def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
-    """``comm_bytes`` (what one device sends in this call, a ring model) and, on a two-level
-    mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
+    """``comm_bytes`` (what one device sends in this call, a ring model of its collectives) and,
+    on a two-level mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
     out = {"comm_bytes": jnp.asarray(sent.total, jnp.float32)}
     if cfg.data_axes.two_level:
         out["comm_bytes_hosts"] = jnp.asarray(sent.across, jnp.float32)
     return out
 
 
-def _gather_bytes(cfg: StepConfig, plan: BucketPlan, layout: zero.Layout) -> Bytes:
-    """Bytes of one all-gather of every split parameter (:func:`gather_params`, and stage 3's
-    whole parameters for local gradients): a ring over the shard axis."""
-    two_level = cfg.data_axes.two_level and not cfg.hybrid_shard
-    hosts = int(cfg.mesh.shape[cfg.data_axes.hosts]) if two_level else 1
+def _gather_bytes(cfg: StepConfig, lv: local_sgd.Levels, plan: BucketPlan,
+                  layout: zero.Layout) -> Bytes:
+    """Bytes of one all-gather of every split parameter over the shard axis
+    (:func:`gather_params`, and stage 3's whole parameters for local gradients)."""
+    hosts_axis = cfg.data_axes.hosts
+    spans = hosts_axis is not None and hosts_axis in vma.axis_names(lv.shard_axis)
+    hosts = int(cfg.mesh.shape[hosts_axis]) if spans else 1
     pieces = zero.split_bytes(layout, plan.dtypes, range(len(plan.shapes)))
-    return ring("all-gather", pieces, cfg.shard_count, hosts)
+    return ring("all-gather", pieces, layout.n, hosts)
 
 
 def _bucket_groups(plan: BucketPlan) -> list[tuple[int, ...]]:
@@ -620,62 +829,130 @@ def gather_params(
     return jax.tree.unflatten(treedef, gathered)
 
 
+def _where_rows(ok: Any, new: jax.Array, old: jax.Array) -> jax.Array:
+    """``new`` where ``ok``, else ``old``: one flag for the whole leaf, or with local SGD one per
+    replica (``ok[r]`` picks the rows of replica ``r``: its leading block of ``n / r`` rows, one
+    per replica or per device)."""
+    if jnp.ndim(ok) == 0:
+        return jnp.where(ok, new, old)
+    r = ok.shape[0]
+    rows = new.reshape(r, new.shape[0] // r, *new.shape[1:])
+    picked = jnp.where(ok.reshape(r, *(1,) * (rows.ndim - 1)), rows,
+                       old.reshape(rows.shape))
+    return picked.reshape(new.shape)
+
+
+def _select(ok: Any, new: TrainState, kept: TrainState, per_replica: bool) -> TrainState:
+    """The new state where the update is kept, the old one where it is skipped. With local SGD
+    per replica, and ``step`` (the schedule's clock) advances either way."""
+    if not per_replica:
+        return select_tree(ok, new, kept)
+    rows = lambda a, b: jax.tree.map(functools.partial(_where_rows, ok), a, b)
+    return new.replace(
+        params=rows(new.params, kept.params), opt_state=rows(new.opt_state, kept.opt_state),
+        model_state=rows(new.model_state, kept.model_state),
+        hook_state=rows(new.hook_state, kept.hook_state),
+    )
+
+
+def _checks(cfg: StepConfig, lv: local_sgd.Levels, res: LocalResult) -> tuple[Any, Any]:
+    """``(ok, finite)``: whether the update is applied (``None``: always) and whether the reduced
+    gradients are finite (``None``: not checked); one flag per replica with local SGD."""
+    checks = []
+    finite = None
+    if cfg.skip_not_finite or cfg.loss_scale is not None:
+        # Reduced gradients are identical on every device of a replica: so is this decision.
+        finite = _per_replica(lv, all_finite)(res.grads)
+        checks.append(finite)
+    if cfg.weighted:
+        nonempty = res.nonempty
+        if lv.replica is not None:
+            nonempty = jnp.broadcast_to(nonempty, (lv.replicas,))
+        checks.append(nonempty)
+    ok = functools.reduce(jnp.logical_and, checks) if checks else None
+    return ok, finite
+
+
 def _apply_update(
-    cfg: StepConfig, state: TrainState, res: LocalResult, sync: bool | None,
-    layout: zero.Layout, plan: BucketPlan,
+    cfg: StepConfig, lv: local_sgd.Levels, state: TrainState, res: LocalResult,
+    sync: bool | None, layout: zero.Layout, plan: BucketPlan,
 ) -> tuple[TrainState, dict]:
-    """The optimizer on the reduced gradients and the new state (global view)."""
-    metrics = {**res.metrics, **res.local_metrics}
+    """Phase 3 (global view): the optimizer on the reduced gradients (per replica with local
+    SGD), wrapped like optax's ``MultiSteps`` (only a window's synchronising call updates) and
+    ``apply_if_finite`` (a skipped update keeps the whole old state), and the loss scale's
+    update. Returns the new state and the update's metrics."""
+    metrics: dict = {}
     if state.loss_scale is not None:
         metrics["loss_scale"] = state.loss_scale.scale  # the scale this call's gradients used
+    flag_shape = () if lv.replica is None else (lv.replicas,)
     if state.accum is not None and sync is False:
-        if _skips(cfg):
-            metrics["skipped"] = jnp.zeros((), jnp.float32)  # nothing applied, nothing skipped
-        return state.replace(accum=res.accum), add_optimizer_metrics(metrics, state.opt_state)
+        if _skips(cfg):  # nothing applied, nothing skipped
+            metrics["skipped"] = jnp.zeros(flag_shape, jnp.float32)
+        return state.replace(accum=res.accum), metrics
 
     def update() -> TrainState:
-        params, opt_state = _optimizer_update(cfg, state, res.grads, layout, plan)
+        params, opt_state = _per_replica(
+            lv, functools.partial(_optimizer_update, cfg, layout, plan)
+        )(state.params, state.opt_state, res.grads)
         return state.replace(
             step=state.step + 1, params=params, opt_state=opt_state,
             model_state=res.model_state, hook_state=res.hook_state, accum=None,
         )
 
     kept = state.replace(accum=None)
-    checks = []
-    finite = None
-    if cfg.skip_not_finite or cfg.loss_scale is not None:
-        # Reduced gradients are identical on every replica: so is this decision.
-        finite = all_finite(res.grads)
-        checks.append(finite)
-    if cfg.weighted:
-        checks.append(res.nonempty)
+    ok, finite = _checks(cfg, lv, res)
 
     def guarded() -> TrainState:
         new = update()
-        if not checks:
-            return new
-        return select_tree(functools.reduce(jnp.logical_and, checks), new, kept)
+        return new if ok is None else _select(ok, new, kept, lv.replica is not None)
 
     if state.accum is not None and sync is None:
         # Only the synchronising calls run the optimizer.
         new_state = lax.cond(res.synced, guarded, lambda: kept)
     else:
         new_state = guarded()
-    if checks:
-        ok = functools.reduce(jnp.logical_and, checks)
+    if ok is not None:
         metrics["skipped"] = jnp.where(
             jnp.logical_and(res.synced, jnp.logical_not(ok)), 1.0, 0.0
         ).astype(jnp.float32)
     if cfg.loss_scale is not None and state.loss_scale is not None and finite is not None:
         # Outside the selection above: a skipped step is exactly when the scale must shrink.
-        new_scale = cfg.loss_scale.update(state.loss_scale, finite)
+        new_scale = _per_replica(lv, cfg.loss_scale.update)(state.loss_scale, finite)
         if state.accum is not None and sync is None:
             new_scale = select_tree(res.synced, new_scale, state.loss_scale)
         new_state = new_state.replace(loss_scale=new_scale)
-    metrics = add_optimizer_metrics(metrics, new_state.opt_state)
     # The accumulator is left out of the selections above: selecting it would copy the donated
     # sums.
     return new_state.replace(accum=res.accum), metrics
+
+
+def _optimizer_metrics(lv: local_sgd.Levels, metrics: dict, opt_state: Any) -> dict:
+    """``metrics`` with the optimizer's hyperparameters (one per replica with local SGD)."""
+    if lv.replica is None:
+        return add_optimizer_metrics(metrics, opt_state)
+    extra = _per_replica(lv, optimizer_metrics)(opt_state)
+    clash = sorted(set(extra) & set(metrics))
+    if clash:
+        raise ValueError(
+            f"The metrics {clash} come both from loss_fn (or the step) and from the optimizer's "
+            "optax.inject_hyperparams state; rename the aux metric."
+        )
+    return {**metrics, **extra}
+
+
+def _place_batch(cfg: StepConfig, batch: Any, weights: Any) -> tuple[Any, Any]:
+    """On a mesh with Explicit axes (jax.make_mesh's default) a host (NumPy) batch arrives
+    replicated, and shard_map then refuses it: shard it as the step needs."""
+    if not any(t == AxisType.Explicit for t in cfg.mesh.axis_types):
+        return batch, weights
+    data = NamedSharding(cfg.mesh, P(cfg.axis_name))
+    return jax.tree.map(lambda x: jax.sharding.reshard(x, data), (batch, weights))
+
+
+def _window_count(cfg: StepConfig, state: TrainState) -> Any:
+    """Micro-batches in the window a synchronising call closes (the mean's denominator)."""
+    m = cfg.microbatches
+    return float(m) if state.accum is None else (state.accum.count + 1).astype(jnp.float32) * m
 
 
 def train_step(
@@ -696,25 +973,17 @@ def train_step(
         about unused parameters once); ``None`` for nothing.
       sync: with accumulation, whether this call synchronises (static; ``None``: the state's
         counter decides).
-      phase: the hook's static phase for this step (``hook.phase(step)``).
+      phase: the static phase for this step (``hook.phase(step)``; with local SGD a
+        :class:`jddp._src.local_sgd.LocalPhase`).
       rng: the run's PRNG key, with ``rng=True`` (each example's key is derived from it).
     """
     obj = objective(cfg, state.model_state is not None)
-    if cfg.local_sgd is not None:  # seam: local SGD / DiLoCo (jddp._src.local_sgd)
-        weights = check_step_inputs(cfg, local_sgd.replica_view(state), batch, mask, sync)
-        return local_sgd.train_step(
-            cfg, obj, lambda traced, params: _plan(cfg, traced, params, observer),
-            state_specs(cfg, state), state, batch, weights, phase,
-        )
-    weights = check_step_inputs(cfg, state, batch, mask, sync, rng)
-    data = P(cfg.axis_name)
-    if any(t == AxisType.Explicit for t in cfg.mesh.axis_types):
-        # On a mesh with Explicit axes (jax.make_mesh's default) a host (NumPy) batch arrives
-        # replicated, and shard_map then refuses it: shard it as the step needs.
-        batch, weights = jax.tree.map(
-            lambda x: jax.sharding.reshard(x, NamedSharding(cfg.mesh, data)), (batch, weights)
-        )
-    layout = zero.Layout.of(state.params, cfg.shard_count)
+    local_phase, hook_phase = local_sgd.split_phase(cfg, phase)
+    lv = local_sgd.levels(cfg, None if local_phase is None else local_phase.kind)
+    view = state if lv.replica is None else local_sgd.replica_view(state)
+    weights = check_step_inputs(cfg, view, batch, mask, sync, rng)
+    batch, weights = _place_batch(cfg, batch, weights)
+    layout = zero.Layout.of(view.params, cfg.shard_count)
     plans: list[BucketPlan] = []
 
     def observe(plan: BucketPlan) -> None:
@@ -722,18 +991,39 @@ def train_step(
         if observer is not None:
             observer(plan)
 
+    data = P(cfg.axis_name)
     local = jax.shard_map(
-        functools.partial(_local_step, cfg, obj, observe, sync, phase, layout),
+        functools.partial(_deterministic_step if cfg.deterministic else _local_step, cfg, obj,
+                          observe, sync, hook_phase, lv, layout),
         mesh=cfg.mesh,
         in_specs=(state_specs(cfg, state), data, data, P()),
-        out_specs=_result_specs(cfg, state, layout),
+        out_specs=_result_specs(cfg, lv, view, layout),
         # The sharded stages' reduce-scatter returns values that vma types cannot express as
         # replicated (whole leaves and metrics riding on it): their shard_map is untyped, like
         # pmap, which the bucket hooks support (they do the only reduction either way).
-        check_vma=cfg.zero_stage < 2,
+        # deterministic=True: untyped too; its all-gathered sums are replicated by construction.
+        check_vma=cfg.zero_stage < 2 and not cfg.deterministic,
     )
-    result = local(state, batch, weights, rng)
-    return _apply_update(cfg, state, result, sync, layout, plans[-1])
+    res = local(state, batch, weights, rng)
+    plan = plans[-1]
+    new_state, update_metrics = _apply_update(cfg, lv, state, res, sync, layout, plan)
+    # The bytes each branch sent (the deterministic step reports its own in its metrics).
+    step_metrics = dict(res.metrics)
+    comm = {} if cfg.deterministic else {
+        k: step_metrics.pop(k) for k in _COMM_KEYS if k in step_metrics}
+    if lv.replica is None:
+        metrics = {**step_metrics, **comm}
+    else:  # phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step)
+        assert local_phase is not None and res.island is not None
+        count = _window_count(cfg, state)
+        report = lambda mean: mean_metrics(mean, cfg.microbatches, count,
+                                           summed=cfg.sum_metrics, num_devices=cfg.num_devices)
+        new_state, metrics = local_sgd.synchronise(cfg, lv, local_phase, plan, new_state, res.island,
+                                                   step_metrics, comm, report, res.synced, sync)
+    if state.accum is not None:
+        metrics["synced"] = res.synced
+    metrics = {**metrics, **res.local_metrics, **update_metrics}
+    return new_state, _optimizer_metrics(lv, metrics, new_state.opt_state)
 
 
 def step_phase(cfg: StepConfig) -> Callable[[int], Any] | None:

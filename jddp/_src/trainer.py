@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh
 
 from jddp._src import autocap, checks, local_sgd_options, options, pipeline, watchdog
+from jddp._src import deterministic as det_lib
 from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
@@ -135,6 +136,14 @@ class DataParallel:
         device) train apart and average their parameters every ``period`` steps; gradients are
         still reduced inside a host every step. ``state.params`` then holds one copy per replica
         (read :meth:`global_params` to evaluate). See docs/scaling.md.
+      deterministic: the same parameters, bit for bit, on any power-of-two device count, process
+        count, two-level mesh, ``microbatches`` and power-of-two ``accumulate_steps`` split of
+        the same global batches: the batch is cut into groups of ``group_size`` examples whose
+        gradients are summed in one fixed pairwise tree (fixed-order all-to-all and all-gather
+        instead of the bucketed all-reduce). The device count must divide the number of groups.
+        With model state, ``model_state_sync="mean"`` (each group starts from the step's state,
+        the new state is the groups' mean). See docs/deterministic.md.
+      group_size: examples per group with ``deterministic=True`` (default 8).
       verify_every: every ``K`` calls of ``step``, a cheap check that the replicas' parameters
         are still equal (one uint32 hash per parameter and device, one small all-gather; it
         waits for that step): ``jddp.ReplicaDivergenceError`` names the leaf and the replicas
@@ -175,6 +184,8 @@ class DataParallel:
         loss_scale: ls_lib.DynamicScale | None = None,
         local_sgd: local_sgd_options.LocalSGD | None = None,
         verify_every: int | None = None,
+        deterministic: bool = False,
+        group_size: int | None = None,
         **renamed: Any,
     ) -> None:
         for old, value in renamed.items():
@@ -198,6 +209,10 @@ class DataParallel:
         cap, first = options.bucket_caps(None if auto is not None else bucket_cap_mb,
                                          first_bucket_mb)
         hook = allreduce_mean() if hook is None else check_hook(hook)
+        det, groups = options.deterministic(deterministic, group_size)
+        if det and auto is not None:
+            raise ValueError("deterministic=True reduces without buckets, so bucket_cap_mb='auto' "
+                             "has nothing to tune: drop it.")
         summed = options.metric_names(sum_metrics, "sum_metrics")
         check_metric_names(summed, "sum_metrics")
         if summed and not has_aux:
@@ -228,8 +243,11 @@ class DataParallel:
             sum_metrics=summed,
             loss_scale=ls_lib.check_loss_scale(loss_scale),
             local_sgd=local_sgd_options.check_local_sgd(local_sgd),
+            deterministic=det,
+            group_size=groups,
         )
         local_sgd_lib.check_config(config)
+        det_lib.check_config(config)
         plans = PlanLog()
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "_plans", plans)
@@ -407,10 +425,20 @@ class DataParallel:
         # With local SGD the per-replica leaves are compared inside each replica (the devices of
         # a host), replicated ones everywhere. At the sharded stages a split leaf has one copy of
         # each piece: nothing to compare.
-        replicated = jax.tree.map(
-            lambda x: x if x.sharding.is_fully_replicated or self.config.local_sgd is not None
-            else None, tree
-        )
+        mesh_axes = set(self.config.mesh.axis_names)
+
+        def copies(x: Any) -> Any:
+            if x.sharding.is_fully_replicated:
+                return x
+            if self.config.local_sgd is None:
+                return None
+            # A replica's leaf split over the devices of its island has no copies either.
+            spec = getattr(x.sharding, "spec", ())
+            used = {a for s in spec if s is not None
+                    for a in (s if isinstance(s, tuple) else (s,))}
+            return None if mesh_axes <= used else x
+
+        replicated = jax.tree.map(copies, tree)
         verify_lib.verify_replicas(replicated, self.config.mesh, atol=atol)
 
     def global_params(self, state: TrainState) -> Any:

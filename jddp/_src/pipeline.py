@@ -225,6 +225,8 @@ class LocalResult(NamedTuple):
       accum: the new accumulator (or ``None``).
       synced: whether this call reduced (a bool scalar).
       nonempty: whether the window had real examples (always true unless ``weighted``).
+      comm: ``comm_bytes`` (and ``comm_bytes_hosts``): what this call's collectives sent, the
+        same on every device (static); ``None`` where the step reports its own.
       island: with local SGD, the island's means of the step's extras (what the averaging
         averages over replicas); ``None`` otherwise.
     """
@@ -238,6 +240,7 @@ class LocalResult(NamedTuple):
     synced: Any
     nonempty: Any
     island: Extras | None = None
+    comm: dict | None = None
 
 
 def _result_specs(cfg: StepConfig, lv: local_sgd.Levels, view: TrainState,
@@ -255,6 +258,7 @@ def _result_specs(cfg: StepConfig, lv: local_sgd.Levels, view: TrainState,
         hook_state=P(axis), accum=acc_lib.accum_specs(view.accum, axis),
         synced=P(), nonempty=glob,
         island=None if lv.replica is None else rep,  # type: ignore[arg-type]
+        comm=None if cfg.deterministic else P(),  # type: ignore[arg-type]
     )
 
 
@@ -579,7 +583,7 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pr
     metrics = mean_metrics(mean, m, count, summed=cfg.sum_metrics, num_devices=lv.size)
     # Stages 1-2 all-gather the updated pieces after the update (gather_params).
     updated = _gather_bytes(cfg, lv, prep.plan, layout) if 1 <= cfg.zero_stage <= 2 else Bytes()
-    metrics.update(_comm_bytes(cfg, red.sent + gathered + updated))
+    comm = _comm_bytes(cfg, red.sent + gathered + updated)
     local: dict = {}
     new_accum = None
     if acc is not None:
@@ -594,7 +598,7 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pr
         mean, red.out[1].model_state, lv.size)
     island = None if lv.replica is None else mean._replace(state=())
     return LocalResult(grads, metrics, local, new_ms, red.hook_state, new_accum,
-                       jnp.asarray(True), nonempty, island)
+                       jnp.asarray(True), nonempty, island, comm)
 
 
 def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepared,
@@ -618,7 +622,6 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pre
     )
     # The global metrics need a collective: "not computed" (see docs/accumulate.md).
     metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(prep.aux_shape)}
-    metrics.update(_comm_bytes(cfg, gathered))  # no reduction; stage 3 still gathers
     loss = jnp.where(call.weight > 0, call.sums["loss"] / call.weight, 0.0)
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     if cfg.zero_stage >= 2:  # the reduced gradient comes in pieces
@@ -635,6 +638,7 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pre
     return LocalResult(
         zeros, metrics, {"local_loss": loss[None]}, ms, strip_device_dim(state.hook_state),
         new_accum, jnp.asarray(False), jnp.asarray(True), island,
+        _comm_bytes(cfg, gathered),  # no reduction; stage 3 still gathers
     )
 
 
@@ -751,9 +755,6 @@ def _optimizer_update(
                                                     if plan.buckets else ())]
         new = gather_params(cfg, new, layout, plan, after=last)
     return new, opt_state
-
-
-_COMM_KEYS = ("comm_bytes", "comm_bytes_hosts")
 
 
 def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
@@ -1009,8 +1010,7 @@ def train_step(
     new_state, update_metrics = _apply_update(cfg, lv, state, res, sync, layout, plan)
     # The bytes each branch sent (the deterministic step reports its own in its metrics).
     step_metrics = dict(res.metrics)
-    comm = {} if cfg.deterministic else {
-        k: step_metrics.pop(k) for k in _COMM_KEYS if k in step_metrics}
+    comm = dict(res.comm or {})
     if lv.replica is None:
         metrics = {**step_metrics, **comm}
     else:  # phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step)

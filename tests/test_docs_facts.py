@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import optax
+import pytest
 from flax import nnx
 
 import jddp
@@ -22,10 +23,13 @@ def test_sharded_stages_move_the_bytes_sharded_md_states():
     for stage in range(4):
         ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), zero_stage=stage, donate=False)
         sent[stage] = float(ddp.step(ddp.init(params), batch)[1]["comm_bytes"])
-    assert sent[0] == sent[2] == sent[3] == 605_808
-    assert sent[1] == 1.5 * sent[0] == 908_712
+    # The gradients' bytes are equal at stages 0, 2 and 3; the f32 loss rides on the last
+    # all-reduce (7 B) or reduce-scatter (as 8 rows: 28 B).
+    assert (sent[0], sent[2], sent[3]) == (605_815, 605_836, 605_836)
+    assert sent[1] == 908_719 and sent[1] == pytest.approx(1.5 * sent[0], rel=1e-5)
     text = (ROOT / "docs" / "sharded.md").read_text()
-    assert "Stage 1 moves 1.5× stage\n0's" in text and "605,808 B" in text and "908,712 B" in text
+    assert "Stage 1 moves 1.5× stage\n0's" in text
+    assert all(f"{b} B" in text for b in ("605,815", "605,836", "908,719"))
     assert "Every stage moves the same bytes" not in text
 
 

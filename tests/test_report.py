@@ -74,9 +74,8 @@ def test_report_matches_the_plan_comm_bytes_and_the_program():
     # The step reuses the report's compile: the loss was traced once.
     state, metrics = ddp.step(state, batch)
     assert len(calls) == 1 and ddp.step.cache_size() == 1
-    # comm_bytes counts the gradients; the report also the loss riding on the last bucket.
-    assert rep.sent_per_step == pytest.approx(float(metrics["comm_bytes"]) + _ring(LOSS_BYTES, n),
-                                              rel=1e-6)
+    # comm_bytes counts every collective of the step, the loss riding on the last bucket too.
+    assert rep.sent_per_step == pytest.approx(float(metrics["comm_bytes"]), rel=1e-6)
     # Memory: params + two Adam moments at rest, the step's peak from XLA's analysis.
     m = rep.memory
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(_params()))
@@ -103,12 +102,11 @@ def test_report_levels_on_two_hosts_and_windows_with_accumulation():
     for _ in range(2):
         state, metrics = ddp.step(state, batch)
     assert bool(metrics["synced"])
-    # Per window: what the synchronising call sends (comm_bytes, + the loss).
-    assert rep.sent_per_window == pytest.approx(
-        float(metrics["comm_bytes"]) + _ring(LOSS_BYTES, n), rel=1e-6)
+    # Per window: what the synchronising call sends (comm_bytes, the loss included).
+    assert rep.sent_per_window == pytest.approx(float(metrics["comm_bytes"]), rel=1e-6)
     # comm_bytes_hosts is per device; the report's across-hosts bytes are per host.
     assert rep.across_hosts_per_window * rep.hosts / n == pytest.approx(
-        float(metrics["comm_bytes_hosts"]) + _ring(LOSS_BYTES, n) * rep.hosts / n, rel=1e-6)
+        float(metrics["comm_bytes_hosts"]), rel=1e-6)
     # The no-sync program has no collective.
     assert ddp.report(state, batch, sync=False).collectives == ()
 

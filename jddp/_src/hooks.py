@@ -41,7 +41,7 @@ from jax import lax
 
 from jddp._src import options, vma
 from jddp._src.collectives import scatter_sum
-from jddp._src.tree import key_path_str, nbytes
+from jddp._src.tree import key_path_str, nbytes, ring_bytes
 
 try:  # The gathered value is the same on every replica; typed so under shard_map's check_vma.
     from jax._src.lax.parallel import all_gather_invariant as _all_gather
@@ -94,7 +94,9 @@ class CommHook(NamedTuple):
       scatter: ``scatter(rows, ctx) -> row``, the hook's reduce-scatter for the sharded stages
         (``zero_stage`` 2 and 3): ``rows`` is a bucket as an ``(N, K)`` matrix, one row per
         device; the result is the mean over devices of this device's row, shape ``(1, K)``.
-        ``None``: the hook cannot serve those stages.
+        Used only by stateless hooks (it takes no state); its bytes are counted as half
+        ``bytes_sent`` of the rows (a ring reduce-scatter). ``None``, or a hook with state: the
+        sharded stages reduce the bucket with ``reduce`` and keep this device's piece.
       bytes_by_level: ``bytes_by_level(leaves, hosts, local, step) -> (inside, across)``: bytes
         one device sends inside its host and to other hosts for a bucket on a two-level mesh of
         ``hosts`` x ``local`` devices; ``None`` means a flat ring over all devices, hosts in
@@ -143,12 +145,12 @@ def allreduce_mean() -> CommHook:
 
 def ring_allreduce_bytes(nbytes: float, axis_size: int) -> float:
     """Bytes one device sends in a ring all-reduce of ``nbytes``: ``2 (N-1)/N x nbytes``."""
-    return 2.0 * (axis_size - 1) / axis_size * nbytes if axis_size > 1 else 0.0
+    return ring_bytes("all-reduce", nbytes, axis_size)
 
 
 def ring_allgather_bytes(nbytes: float, axis_size: int) -> float:
     """Bytes one device sends in a ring all-gather of its ``nbytes``: ``(N-1) x nbytes``."""
-    return float(axis_size - 1) * nbytes
+    return ring_bytes("all-gather", nbytes, axis_size)
 
 
 def bucket_bytes_sent(hook: CommHook, leaves: Sequence[Any], axis_size: int, step: Any) -> Any:

@@ -102,19 +102,12 @@ def float_dtype(dtype: Any, name: str) -> np.dtype | None:
     return out
 
 
-def zero_stage(stage: Any, hook: Any) -> ZeroStage:
-    """``stage`` if it is 0-3 and ``hook`` can serve it (stages 2-3 reduce-scatter buckets)."""
+def zero_stage(stage: Any) -> ZeroStage:
+    """``stage`` if it is 0-3."""
     if isinstance(stage, bool) or not isinstance(stage, int | np.integer) or stage not in range(4):
         raise ValueError(
             f"zero_stage must be 0, 1, 2 or 3, got {stage!r}: 0 replicates everything (DDP), 1 "
             "shards the optimizer state, 2 also the gradients, 3 also the parameters."
-        )
-    if stage >= 2 and getattr(hook, "scatter", None) is None:
-        raise ValueError(
-            f"The communication hook {getattr(hook, 'name', hook)!r} cannot serve "
-            f"zero_stage={stage}: stages 2 and 3 reduce-scatter each bucket, and this hook has no "
-            "reduce-scatter (CommHook.scatter). Use zero_stage <= 1 with it, or the default hook, "
-            "jddp.fp16_compress() or jddp.bf16_compress()."
         )
     return int(stage)  # type: ignore[return-value]
 

@@ -56,12 +56,20 @@ from jddp._src import loss_scale as ls_lib
 from jddp._src import rng as rng_lib
 from jddp._src.checks import batch_size, check_batch, check_float_params, check_mask
 from jddp._src.config import StepConfig
-from jddp._src.hooks import init_hook_state, plan_bytes_by_level, plan_bytes_sent
+from jddp._src.hooks import init_hook_state
 from jddp._src.nonfinite import all_finite, select_tree
 from jddp._src.objective import Extras, LocalAux, Objective, mean_metrics
 from jddp._src.optimizer_metrics import add_optimizer_metrics, optimizer_metrics
 from jddp._src.planner import BucketPlan, plan_traced
-from jddp._src.reduction import Reduced, Sharded, bucketed_vjp, chain_dependency, resolve_chain
+from jddp._src.reduction import (
+    Bytes,
+    Reduced,
+    Sharded,
+    bucketed_vjp,
+    chain_dependency,
+    resolve_chain,
+    ring,
+)
 from jddp._src.state import AccumState, TrainState
 from jddp._src.tree import add_device_dim, broadcast_to_devices, strip_device_dim
 
@@ -217,6 +225,8 @@ class LocalResult(NamedTuple):
       accum: the new accumulator (or ``None``).
       synced: whether this call reduced (a bool scalar).
       nonempty: whether the window had real examples (always true unless ``weighted``).
+      comm: ``comm_bytes`` (and ``comm_bytes_hosts``): what this call's collectives sent, the
+        same on every device (static); ``None`` where the step reports its own.
       island: with local SGD, the island's means of the step's extras (what the averaging
         averages over replicas); ``None`` otherwise.
     """
@@ -230,6 +240,7 @@ class LocalResult(NamedTuple):
     synced: Any
     nonempty: Any
     island: Extras | None = None
+    comm: dict | None = None
 
 
 def _result_specs(cfg: StepConfig, lv: local_sgd.Levels, view: TrainState,
@@ -247,6 +258,7 @@ def _result_specs(cfg: StepConfig, lv: local_sgd.Levels, view: TrainState,
         hook_state=P(axis), accum=acc_lib.accum_specs(view.accum, axis),
         synced=P(), nonempty=glob,
         island=None if lv.replica is None else rep,  # type: ignore[arg-type]
+        comm=None if cfg.deterministic else P(),  # type: ignore[arg-type]
     )
 
 
@@ -434,22 +446,32 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
     def grad_fn(p: Any, ms: Any, b: Any, s: Any) -> Any:  # s: the side inputs, as split
         return grad_raw(p, ms, b, *s)
 
-    if cfg.zero_stage >= 3 and (m > 1 or state.accum is not None):
-        # Local gradients without a reduction (earlier micro-batches, no-sync calls) need whole
-        # parameters: gather every bucket once for them (chained, in first-use order).
-        whole = zero.gather_buckets(jax.tree.leaves(state.params), layout,
-                                    _bucket_groups(plan)[::-1], cfg.shard_axis,
-                                    _gather_chain(cfg))
-        params_v = jax.tree.unflatten(treedef, whole)
     return Prepared(traced, plan, traced.out_shapes[1], state.params, params_v, full_params, ms0,
                     micro, side_m, last, side_last, grad_fn, loss_scale, sharded, unit)
 
 
-def _head_sums(cfg: StepConfig, prep: Prepared, init: acc_lib.Sums) -> acc_lib.Sums:
-    """The local sums of this call's first ``m - 1`` micro-batches, added to ``init``."""
+def _local_params(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared) -> tuple[Any, Bytes]:
+    """The parameters local gradients (earlier micro-batches, no-sync calls) are taken at, and
+    the bytes of getting them: stage 3 gathers every bucket once (chained, in first-use order),
+    in the branch that needs them (so that a call that does not use them does not send them)."""
+    if prep.sharded is None or prep.sharded.stage < 3:
+        return prep.params_v, Bytes()
+    layout = prep.sharded.layout
+    whole = zero.gather_buckets(jax.tree.leaves(prep.params), layout,
+                                _bucket_groups(prep.plan)[::-1], cfg.shard_axis,
+                                _gather_chain(cfg))
+    return (jax.tree.unflatten(jax.tree.structure(prep.params), whole),
+            _gather_bytes(cfg, lv, prep.plan, layout))
+
+
+def _head_sums(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared,
+               init: acc_lib.Sums) -> tuple[acc_lib.Sums, Bytes]:
+    """The local sums of this call's first ``m - 1`` micro-batches, added to ``init``, and the
+    bytes of the parameters they needed."""
     m = cfg.microbatches
     head, side_head = jax.tree.map(lambda x: x[: m - 1], (prep.micro, prep.side))
-    return acc_lib.local_sums(prep.grad_fn, prep.params_v, head, side_head, init)
+    params, sent = _local_params(cfg, lv, prep)
+    return acc_lib.local_sums(prep.grad_fn, params, head, side_head, init), sent
 
 
 # ------------------------------------------------------------ phase 2: the reduction
@@ -479,7 +501,8 @@ def _reduce(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepare
     bucket."""
     hook_state = strip_device_dim(state.hook_state)
     if lv.axis is None:
-        out, grads = _reduce_locally(prep.traced, prep.params_v, args, seed, offset)
+        out, grads = _reduce_locally(prep.traced, _local_params(cfg, lv, prep)[0], args, seed,
+                                     offset)
         return Reduced(out, grads, tuple(hook_state), extras(out))
     return bucketed_vjp(
         prep.traced, jax.tree.leaves(prep.params), args, plan=prep.plan, axis_name=lv.axis,
@@ -490,11 +513,12 @@ def _reduce(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepare
     )
 
 
-def _window_start(cfg: StepConfig, prep: Prepared, acc: AccumState | None) -> tuple:
-    """``(offset, call, (loss0, weight0), model_state)``: the window's local gradient sums before
-    this call's last micro-batch (the accumulator, then this call's first ``m - 1``
-    micro-batches), this call's aux sums so far, the earlier calls' loss and weight, and the
-    model state the last micro-batch starts from."""
+def _window_start(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared,
+                  acc: AccumState | None) -> tuple:
+    """``(offset, call, (loss0, weight0), model_state, sent)``: the window's local gradient sums
+    before this call's last micro-batch (the accumulator, then this call's first ``m - 1``
+    micro-batches), this call's aux sums so far, the earlier calls' loss and weight, the model
+    state the last micro-batch starts from, and the bytes sent for them (stage 3's gather)."""
     call = _aux_zeros(prep.aux_shape, cfg.axis_name)
     if acc is not None:
         live_grads, live_loss, live_weight = acc_lib.live(acc)
@@ -503,24 +527,24 @@ def _window_start(cfg: StepConfig, prep: Prepared, acc: AccumState | None) -> tu
     else:
         offset = None
         window0 = (jnp.zeros((), jnp.float32),) * 2
-    ms_last = prep.ms0
+    ms_last, sent = prep.ms0, Bytes()
     if cfg.microbatches > 1:
         if offset is None:
             offset = acc_lib.varying_zeros(jax.tree.map(lambda p: jax.ShapeDtypeStruct(
                 jnp.shape(p), acc_lib.accumulator_dtype(jnp.result_type(p),
                                                         cfg.accumulator_dtype)),
                 prep.full_params), cfg.axis_name)
-        call = _head_sums(cfg, prep, call._replace(grads=offset, model_state=prep.ms0))
+        call, sent = _head_sums(cfg, lv, prep, call._replace(grads=offset, model_state=prep.ms0))
         offset, ms_last = call.grads, call.model_state
-    return offset, call, window0, ms_last
+    return offset, call, window0, ms_last, sent
 
 
 def _synchronise(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepared,
-                 phase: Any, state: TrainState) -> LocalResult:
+                 layout: zero.Layout, phase: Any, state: TrainState) -> LocalResult:
     """A synchronising call: the window's local sums, then the reducing evaluation of the last
     micro-batch (phase 2), its metrics and model state."""
     m, acc = cfg.microbatches, state.accum
-    offset, call, (loss0, weight0), ms_last = _window_start(cfg, prep, acc)
+    offset, call, (loss0, weight0), ms_last, gathered = _window_start(cfg, lv, prep, acc)
     # The mean over the window's micro-batches: a static count, or one read from the state
     # (a window cut short by an early sync=True still averages correctly).
     count = float(m) if acc is None else (acc.count + 1).astype(jnp.float32) * m
@@ -557,6 +581,9 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pr
         scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
     metrics = mean_metrics(mean, m, count, summed=cfg.sum_metrics, num_devices=lv.size)
+    # Stages 1-2 all-gather the updated pieces after the update (gather_params).
+    updated = _gather_bytes(cfg, lv, prep.plan, layout) if 1 <= cfg.zero_stage <= 2 else Bytes()
+    comm = _comm_bytes(cfg, red.sent + gathered + updated)
     local: dict = {}
     new_accum = None
     if acc is not None:
@@ -571,7 +598,7 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pr
         mean, red.out[1].model_state, lv.size)
     island = None if lv.replica is None else mean._replace(state=())
     return LocalResult(grads, metrics, local, new_ms, red.hook_state, new_accum,
-                       jnp.asarray(True), nonempty, island)
+                       jnp.asarray(True), nonempty, island, comm)
 
 
 def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepared,
@@ -581,7 +608,8 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pre
     acc = state.accum
     assert acc is not None
     live_grads, live_loss, live_weight = acc_lib.live(acc)
-    call = acc_lib.local_sums(prep.grad_fn, prep.params_v, prep.micro, prep.side,
+    params, gathered = _local_params(cfg, lv, prep)
+    call = acc_lib.local_sums(prep.grad_fn, params, prep.micro, prep.side,
                               _aux_zeros(prep.aux_shape, cfg.axis_name)
                               ._replace(grads=live_grads, model_state=prep.ms0))
     # Model state advances locally; TrainState.model_state stays the synchronised one until
@@ -610,6 +638,7 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pre
     return LocalResult(
         zeros, metrics, {"local_loss": loss[None]}, ms, strip_device_dim(state.hook_state),
         new_accum, jnp.asarray(False), jnp.asarray(True), island,
+        _comm_bytes(cfg, gathered),  # no reduction; stage 3 still gathers
     )
 
 
@@ -653,7 +682,7 @@ def _local_step(
     reduction over the island), or accumulation only; see the module docstring."""
     state = _island_state(cfg, lv, state)
     prep = _prepare(cfg, obj, observer, lv, layout, state, batch, weights, rng)
-    sync_fn = lambda s: _to_global(cfg, lv, _synchronise(cfg, obj, lv, prep, phase, s))
+    sync_fn = lambda s: _to_global(cfg, lv, _synchronise(cfg, obj, lv, prep, layout, phase, s))
     acc_fn = lambda s: _to_global(cfg, lv, _accumulate(cfg, obj, lv, prep, layout, s))
     if state.accum is None or sync is True:
         return sync_fn(state)
@@ -728,39 +757,24 @@ def _optimizer_update(
     return new, opt_state
 
 
-def _comm_bytes(cfg: StepConfig, lv: local_sgd.Levels, plan: BucketPlan, layout: zero.Layout,
-                step: Any) -> dict:
-    """``comm_bytes`` (what one device sends per synchronising step, a ring model) and, on a
-    two-level mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
-    two_level = cfg.data_axes.two_level
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
-    if lv.axis is None or (two_level and lv.hosts is None):
-        # An island: one device (nothing sent), or the devices of one host (nothing crosses).
-        inside: Any = 0.0
-        if lv.axis is not None:
-            inside = zero.bytes_sent(plan, layout, 1) if cfg.zero_stage >= 2 else (
-                plan_bytes_sent(cfg.hook, plan, lv.size, step)
-                + (zero.gather_bytes(plan, layout) if cfg.zero_stage == 1 else 0.0))
-        out = {"comm_bytes": f32(inside)}
-        if two_level:
-            out["comm_bytes_hosts"] = f32(0.0)
-        return out
-    n, hybrid = lv.size, lv.hybrid is not None
-    hosts = int(cfg.mesh.shape[cfg.data_axes.hosts]) if two_level else 1
-    if cfg.zero_stage >= 2:
-        out = {"comm_bytes": f32(zero.bytes_sent(plan, layout, hosts if hybrid else 1))}
-        if two_level:
-            out["comm_bytes_hosts"] = f32(zero.bytes_across_hosts(plan, layout, hosts, hybrid))
-        return out
-    # Stages 0 and 1 reduce the gradients with the hook (its own accounting); stage 1 then
-    # all-gathers the updated pieces over the shard axis (inside the host with hybrid_shard).
-    gather = zero.gather_bytes(plan, layout) if cfg.zero_stage == 1 else 0.0
-    if not two_level:
-        return {"comm_bytes": f32(plan_bytes_sent(cfg.hook, plan, n, step) + gather)}
-    within, across = plan_bytes_by_level(cfg.hook, plan, hosts, n // hosts, step)
-    gather_across = 0.0 if hybrid else gather * hosts / layout.n
-    return {"comm_bytes": f32(within + across + gather),
-            "comm_bytes_hosts": f32(across + gather_across)}
+def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
+    """``comm_bytes`` (what one device sends in this call, a ring model of its collectives) and,
+    on a two-level mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
+    out = {"comm_bytes": jnp.asarray(sent.total, jnp.float32)}
+    if cfg.data_axes.two_level:
+        out["comm_bytes_hosts"] = jnp.asarray(sent.across, jnp.float32)
+    return out
+
+
+def _gather_bytes(cfg: StepConfig, lv: local_sgd.Levels, plan: BucketPlan,
+                  layout: zero.Layout) -> Bytes:
+    """Bytes of one all-gather of every split parameter over the shard axis
+    (:func:`gather_params`, and stage 3's whole parameters for local gradients)."""
+    hosts_axis = cfg.data_axes.hosts
+    spans = hosts_axis is not None and hosts_axis in vma.axis_names(lv.shard_axis)
+    hosts = int(cfg.mesh.shape[hosts_axis]) if spans else 1
+    pieces = zero.split_bytes(layout, plan.dtypes, range(len(plan.shapes)))
+    return ring("all-gather", pieces, layout.n, hosts)
 
 
 def _bucket_groups(plan: BucketPlan) -> list[tuple[int, ...]]:
@@ -994,18 +1008,18 @@ def train_step(
     res = local(state, batch, weights, rng)
     plan = plans[-1]
     new_state, update_metrics = _apply_update(cfg, lv, state, res, sync, layout, plan)
-    comm = {} if cfg.deterministic else {  # the deterministic step reports its own bytes
-        k: jnp.where(res.synced, v, 0.0)
-        for k, v in _comm_bytes(cfg, lv, plan, layout, state.step).items()}
+    # The bytes each branch sent (the deterministic step reports its own in its metrics).
+    step_metrics = dict(res.metrics)
+    comm = dict(res.comm or {})
     if lv.replica is None:
-        metrics = {**res.metrics, **comm}
+        metrics = {**step_metrics, **comm}
     else:  # phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step)
         assert local_phase is not None and res.island is not None
         count = _window_count(cfg, state)
         report = lambda mean: mean_metrics(mean, cfg.microbatches, count,
                                            summed=cfg.sum_metrics, num_devices=cfg.num_devices)
         new_state, metrics = local_sgd.synchronise(cfg, lv, local_phase, plan, new_state, res.island,
-                                                   res.metrics, comm, report, res.synced, sync)
+                                                   step_metrics, comm, report, res.synced, sync)
     if state.accum is not None:
         metrics["synced"] = res.synced
     metrics = {**metrics, **res.local_metrics, **update_metrics}

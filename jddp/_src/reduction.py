@@ -17,6 +17,13 @@ Two details make this hold in compiled XLA:
   bucket's reduced result (see :func:`resolve_chain`); dependent collectives cannot be combined, so
   the plan's bucket boundaries survive compilation without XLA flags.
 
+What a bucket's backward does is a :class:`BucketReducer`: the hook's all-reduce
+(:class:`AllReduce`, stages 0-1), a reduce-scatter through the hook with its state
+(:class:`ReduceScatter`, stage 2), hybrid sharding (:class:`Hybrid`) and the stage-3 all-gather in
+forward (:class:`GatherInForward`); each also says the bytes it sends (:class:`Bytes`, one ring
+model). The evaluator (:class:`_Evaluation`) and the one custom VJP (:func:`_bucket_vjp`) know
+nothing of stages (docs/design.md, "Reducers").
+
 Gradient semantics under ``shard_map``: with ``check_vma=True`` the gradient of a replicated (``P()``)
 parameter would come back already summed by JAX. The hook's forward casts the parameters to
 "varying" and its backward performs the only reduction, so the result is one mean in every mode
@@ -25,9 +32,11 @@ parameter would come back already summed by JAX. The hook's forward casts the pa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +50,8 @@ from jddp._src.hooks import (
     CommHook,
     HookContext,
     allreduce_mean,
+    bucket_bytes_by_level,
+    bucket_bytes_sent,
     check_hook,
     gather_invariant,
     hook_name,
@@ -49,6 +60,7 @@ from jddp._src.hooks import (
     unflatten_like,
 )
 from jddp._src.planner import BucketPlan, plan_traced
+from jddp._src.tree import nbytes, ring_bytes
 
 
 def axis_size(axis_name: Any) -> int:
@@ -183,138 +195,357 @@ def _check_hook_state(hook: CommHook, old: Any, new: Any, index: int) -> None:
             )
 
 
-class _BucketSpec(NamedTuple):
-    """What the backward hook of one bucket needs to know, all static."""
+# ------------------------------------------------------------------------------------ bytes
 
-    bucket: int
+
+@dataclasses.dataclass(frozen=True)
+class Bytes:
+    """Bytes one device sends (the ring model of :func:`jddp._src.tree.ring_bytes`): in all, and
+    the part that goes to other hosts on a two-level mesh. Python floats, or traced scalars when
+    a hook chooses its formulation on the step (PowerSGD's start)."""
+
+    total: Any = 0.0
+    across: Any = 0.0
+
+    def __add__(self, other: Bytes) -> Bytes:
+        return Bytes(self.total + other.total, self.across + other.across)
+
+    def scaled(self, factor: float) -> Bytes:
+        return Bytes(self.total * factor, self.across * factor)
+
+
+def ring(kind: str, nbytes: float, group: int, hosts: int = 1) -> Bytes:
+    """One ring collective over ``group`` devices placed host by host on ``hosts`` hosts: of the
+    ring's ``group`` hops, ``hosts`` cross a host boundary (none on one host)."""
+    total = ring_bytes(kind, nbytes, group)
+    return Bytes(total, total * hosts / group if hosts > 1 else 0.0)
+
+
+def span(axis_name: Any, hosts_axis: str | None) -> tuple[int, int]:
+    """``(devices, hosts)`` that a collective over ``axis_name`` spans (inside shard_map)."""
+    names = vma.axis_names(axis_name)
+    hosts = lax.axis_size(hosts_axis) if hosts_axis is not None and hosts_axis in names else 1
+    return axis_size(axis_name), int(hosts)
+
+
+def hook_bytes(hook: CommHook, leaves: Sequence[Any], axis_name: Any, hosts_axis: str | None,
+               step: Any) -> Bytes:
+    """Bytes one device sends to reduce ``leaves`` with ``hook`` over ``axis_name``: the hook's
+    own accounting (``bytes_sent``, ``bytes_by_level``), or a ring all-reduce."""
+    group, hosts = span(axis_name, hosts_axis)
+    if 1 < hosts < group:
+        inside, across = bucket_bytes_by_level(hook, leaves, hosts, group // hosts, step)
+        return Bytes(inside + across, across)
+    total = bucket_bytes_sent(hook, leaves, group, step)
+    return Bytes(total, total if hosts > 1 else 0.0)
+
+
+def _f32_structs(structs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(jnp.shape(s), jnp.float32) for s in structs]
+
+
+# ----------------------------------------------------------------------------- the reducers
+
+
+def _exact_mean(extras: Sequence[jax.Array], after: Sequence[jax.Array], axis_name: Any) -> tuple:
+    """The mean of the extras over ``axis_name`` in float32: one all-reduce of their own, chained
+    after ``after`` (the bucket's reduced values), for a hook that cannot carry them exactly."""
+    if not extras:
+        return ()
+    dep = chain_dependency(after, "add")
+    summed = lax.psum(tuple(e + dep.astype(e.dtype) for e in extras), axis_name)
+    n = axis_size(axis_name)
+    return tuple(e / n for e in summed)
+
+
+class BucketReducer(Protocol):
+    """How a bucket's parameters reach the loss (``forward``) and how its gradients are reduced
+    (``backward``), and the bytes that costs (``bytes``). :func:`bucketed_vjp` puts one custom
+    VJP per bucket around any reducer; see docs/design.md, "Adding a reducer"."""
+
+    @property
+    def axis_name(self) -> Any: ...  # the axes the mean is over
+    @property
+    def prefetch(self) -> bool: ...  # the forward moves data: issue it one bucket ahead
+
+    def out_struct(self, i: int) -> jax.ShapeDtypeStruct: ...
+    def check(self, leaves: Sequence[Any]) -> None: ...
+    def forward(self, b: int, leaves: tuple) -> tuple: ...
+    def gathers(self, i: int) -> bool: ...
+    def unused(self, i: int, leaf: jax.Array) -> jax.Array: ...
+    def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
+                 step: jax.Array) -> tuple[tuple, tuple, tuple]: ...
+    def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Bytes: ...
+    def mean_bytes(self, extras: Sequence[Any]) -> Bytes: ...
+    def unused_bytes(self) -> Bytes: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AllReduce:
+    """All-reduce through a hook (stages 0 and 1): every device gets the bucket's mean, whole.
+
+    Attributes:
+      plan: the bucket plan.
+      hook: the communication hook (``hook.reduce`` with the bucket's hook state).
+      axis_name: the axes the mean is over.
+      hosts_axis: the name in ``axis_name`` that crosses hosts (``HookContext.hosts_axis``).
+      phase: the hook's static phase for this step.
+    """
+
+    plan: BucketPlan
     hook: CommHook
     axis_name: Any
-    last: bool
-    chain: str
-    prev_structs: tuple[jax.ShapeDtypeStruct, ...]
-    phase: Any
     hosts_axis: str | None = None
-    other_axes: tuple = ()
+    phase: Any = None
+    #: The forward pass moves data (stage 3): the evaluator issues it one bucket ahead.
+    prefetch: ClassVar[bool] = False
+
+    def out_struct(self, i: int) -> jax.ShapeDtypeStruct:
+        """What the reduction returns for leaf ``i`` (here: the whole mean gradient)."""
+        return jax.ShapeDtypeStruct(self.plan.shapes[i], self.plan.dtypes[i])
+
+    def check(self, leaves: Sequence[Any]) -> None:
+        self.plan.check_tree(jax.tree.unflatten(self.plan.treedef, list(leaves)))
+
+    def forward(self, b: int, leaves: tuple) -> tuple:
+        """The values the loss computes with: cast to varying, the backward reduces them once."""
+        del b
+        return tuple(vma.to_varying(x, self.axis_name) for x in leaves)
+
+    def gathers(self, i: int) -> bool:
+        """Whether the forward pass gathers leaf ``i`` (what a prefetch waits for)."""
+        del i
+        return False
+
+    def unused(self, i: int, leaf: jax.Array) -> jax.Array:
+        """How a leaf in no bucket is read (it gets no gradient)."""
+        del i
+        return leaf
+
+    def context(self, b: int, step: jax.Array) -> HookContext:
+        return HookContext(self.axis_name, axis_size(self.axis_name), step, b, self.phase,
+                           *_levels(self.axis_name, self.hosts_axis))
+
+    def fuses(self, b: int, extras: Sequence[Any]) -> bool:
+        """Whether the extras (float32 loss, metrics, model state) ride on bucket ``b``'s
+        collective: only on one that averages float32 exactly, never on a compressed one."""
+        del b
+        return bool(extras) and bool(getattr(self.hook, "fuses_extras", False))
+
+    def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
+                 step: jax.Array) -> tuple[tuple, tuple, tuple]:
+        """``(reduced, new_states, mean_extras)`` from bucket ``b``'s local gradients."""
+        hook, n = self.hook, len(grads)
+        ctx = self.context(b, step)
+        if self.fuses(b, extras):
+            both = grads + tuple(extras)
+            out = hook.reduce(both, tuple(states) + ((),) * len(extras), ctx)
+            both, new_states = _check_hook_output(hook, both, out, b)
+            reduced, mean_extras, new_states = both[:n], both[n:], new_states[:n]
+        else:
+            out = hook.reduce(grads, tuple(states), ctx)
+            reduced, new_states = _check_hook_output(hook, grads, out, b)
+            mean_extras = _exact_mean(extras, reduced, self.axis_name)
+        _check_reduced(hook, reduced, self.axis_name, b)
+        _check_hook_state(hook, tuple(states), new_states, b)
+        return reduced, new_states, mean_extras
+
+    def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Bytes:
+        """Bytes one device sends to reduce bucket ``b`` (and the extras, on the last)."""
+        leaves = self.plan.leaf_structs(b)
+        if self.fuses(b, extras):
+            return hook_bytes(self.hook, [*leaves, *_f32_structs(extras)], self.axis_name,
+                              self.hosts_axis, step)
+        return (hook_bytes(self.hook, leaves, self.axis_name, self.hosts_axis, step)
+                + self.mean_bytes(extras))
+
+    def mean_bytes(self, extras: Sequence[Any]) -> Bytes:
+        """Bytes of :func:`_exact_mean` of ``extras``."""
+        if not extras:
+            return Bytes()
+        group, hosts = span(self.axis_name, self.hosts_axis)
+        return ring("all-reduce", sum(nbytes(e) for e in _f32_structs(extras)), group, hosts)
+
+    def unused_bytes(self) -> Bytes:
+        return Bytes()
 
 
-def _levels(axis_name: Any, hosts_axis: str | None) -> tuple[str | None, Any]:
-    """``(hosts, local)`` of a reduction over ``axis_name`` for :class:`HookContext`."""
-    names = vma.axis_names(axis_name)
-    if hosts_axis is None or hosts_axis not in names or len(names) < 2:
-        return None, axis_name
-    local = tuple(a for a in names if a != hosts_axis)
-    return hosts_axis, local[0] if len(local) == 1 else local
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReduceScatter(AllReduce):
+    """Reduce-scatter through a hook (stage 2): each device keeps the mean of its piece of every
+    leaf (a leaf kept whole, whole; see :mod:`jddp._src.zero`).
 
+    With ``scatters`` (a stateless hook with ``CommHook.scatter``) the bucket is one
+    reduce-scatter of an ``(N, K)`` matrix. Otherwise (PowerSGD, error feedback, hierarchical)
+    the hook reduces the bucket with its state exactly as at stage 0 and each device keeps its
+    piece of the mean: the same numbers as stage 0, at the hook's bytes.
 
-def _in_bucket_scope(fn: Callable[..., Any], bucket: int) -> Callable[..., Any]:
-    """``fn`` under ``jax.named_scope`` of the bucket: its collectives carry the bucket's name in
-    the compiled program's ``op_name`` (``ddp.report``, the program check, profiler traces)."""
-
-    @functools.wraps(fn)
-    def scoped(*args: Any) -> Any:
-        with jax.named_scope(hlo.bucket_scope(bucket)):
-            return fn(*args)
-
-    return scoped
-
-
-def _bucket_hook(spec: _BucketSpec) -> Callable[..., Any]:
-    """The identity-with-reducing-VJP for one bucket.
-
-    Arguments of the returned function: ``(token, leaves, states, offset, step, sink)``.
-
-    - ``token = (dep, extras)``: in backward, ``dep`` carries the dependency on the previous
-      bucket (an always-zero scalar for ``"add"``, the previous bucket's reduced arrays for
-      ``"barrier"``) and ``extras`` the local values (metrics) to be averaged with the last bucket.
-    - ``states``: the hook state of each leaf. A custom VJP can return values only as cotangents,
-      so the new state leaves the backward pass as the "cotangent" of ``states``.
-    - ``offset``: local gradients added before the reduction (accumulated micro-steps), or ``()``.
-    - ``sink``: zeros shaped like ``extras``; on the last bucket its cotangent is the averaged
-      extras, which is how they leave the backward pass.
+    Attributes:
+      layout: how every leaf is split.
+      shard_axis: the axis the pieces are split over.
+      scatters: reduce-scatter through ``hook.scatter`` (else ``hook.reduce``, then the piece).
     """
-    axis_name, chain, hook = spec.axis_name, spec.chain, spec.hook
 
-    @jax.custom_vjp
-    def ident(token, leaves, states, offset, step, sink):
-        del states, offset, step, sink
-        token_out = (_dep_zeros(chain, spec.prev_structs, axis_name, spec.other_axes), token[1])
-        return token_out, tuple(vma.to_varying(x, axis_name) for x in leaves)
+    layout: zero.Layout
+    shard_axis: Any
+    scatters: bool = True
 
-    def fwd(token, leaves, states, offset, step, sink):
-        # The primal leaves are kept as residuals only to read their types in backward (they are
-        # the parameters themselves, alive anyway: no copy).
-        out = ident(token, leaves, states, offset, step, sink)
-        return out, (leaves, states, offset, step, token, sink)
+    def out_struct(self, i: int) -> jax.ShapeDtypeStruct:
+        lay = self.layout
+        return jax.ShapeDtypeStruct(zero.shard_shape(self.plan.shapes[i], lay.dims[i], lay.n),
+                                    self.plan.dtypes[i])
 
-    def bwd(res, cts):
-        leaves, states, offset, step, token, sink = res
-        varying = tuple(vma.varying_axes(x) for x in leaves)
-        (ct_dep, ct_extras), ct_leaves = cts
-        grads = tuple(ct_leaves)
-        if offset:
-            grads = tuple(g + o.astype(g.dtype) for g, o in zip(grads, offset, strict=True))
-        ctx = HookContext(axis_name, axis_size(axis_name), step, spec.bucket, spec.phase,
-                          *_levels(axis_name, spec.hosts_axis))
-        n = len(grads)
-        extras_out = tuple(jnp.zeros_like(s) for s in sink)
-        fuses = getattr(hook, "fuses_extras", False)
-        # Chain on the previous bucket (see the module docstring). JAX emits one all-reduce per
-        # leaf and XLA's combiner then merges independent ones, so every leaf needs the
-        # dependency: a scalar carried alongside would not keep the leaves apart.
-        if chain == "add":
-            grads = tuple(g + ct_dep.astype(g.dtype) for g in grads)
-        elif chain == "barrier" and ct_dep:
-            grads, _ = lax.optimization_barrier((grads, ct_dep))
-        if fuses and spec.last and ct_extras:
-            # The loss and metrics ride on the last bucket's all-reduce.
-            out = hook.reduce(grads + tuple(ct_extras), states + ((),) * len(ct_extras), ctx)
-            both, new_states = _check_hook_output(hook, grads + tuple(ct_extras), out, spec.bucket)
-            reduced, extras_out, new_states = both[:n], both[n:], new_states[:n]
-        else:
-            reduced, new_states = _check_hook_output(
-                hook, grads, hook.reduce(grads, states, ctx), spec.bucket
-            )
-        _check_reduced(hook, reduced, axis_name, spec.bucket)
-        _check_hook_state(hook, states, new_states, spec.bucket)
-        # The dependency is taken before casting back to varying: the token is replicated.
-        dep = chain_dependency(reduced, chain)
-        reduced = tuple(vma.match_varying(r, v, axis_name) for r, v in zip(reduced, varying, strict=True))
-        new_states = jax.tree.map(
-            lambda x, old: vma.match_varying(x, vma.varying_axes(old), axis_name),
-            tuple(new_states),
-            tuple(states),
-        )
-        if spec.last and ct_extras and not fuses:
-            # The hook cannot carry the extras: one more (chained) mean all-reduce for them.
-            summed = lax.psum(
-                tuple(e + chain_dependency(reduced, "add").astype(e.dtype) for e in ct_extras), axis_name
-            )
-            extras_out = tuple(e / ctx.axis_size for e in summed)
-        extras_out = tuple(
-            vma.match_varying(e, vma.varying_axes(s), axis_name)
-            for e, s in zip(extras_out, sink, strict=True)
-        )
-        if chain == "barrier":
-            dep_ct = tuple(vma.to_varying(r, axis_name) for r in dep)
-        else:
-            dep_ct = vma.match_varying(
-                dep.astype(jnp.result_type(token[0])), vma.varying_axes(token[0]), axis_name
-            )
-        ct_token = (
-            dep_ct,
-            tuple(jnp.zeros_like(e) for e in ct_extras) if spec.last else tuple(ct_extras),
-        )
-        return (
-            ct_token,
-            reduced,
-            new_states,
-            jax.tree.map(jnp.zeros_like, offset),
-            _float0_like(step),
-            extras_out,
-        )
+    def forward(self, b: int, leaves: tuple) -> tuple:
+        del b
+        return tuple(leaves)
 
-    ident.defvjp(fwd, _in_bucket_scope(bwd, spec.bucket))
-    return ident
+    def dims(self, b: int) -> tuple[int | None, ...]:
+        return tuple(self.layout.dims[i] for i in self.plan.buckets[b].indices)
+
+    def fuses(self, b: int, extras: Sequence[Any]) -> bool:
+        # On the reduce-scatter the extras are whole rows of the bucket's one float32 matrix.
+        return super().fuses(b, extras) and (not self.scatters or all(
+            self.plan.dtypes[i] == np.float32 for i in self.plan.buckets[b].indices))
+
+    def scatter_context(self, b: int, step: jax.Array) -> HookContext:
+        return HookContext(self.axis_name, self.layout.n, step, b, self.phase,
+                           *_levels(self.axis_name, self.hosts_axis))
+
+    def scatter(self, rows: jax.Array, ctx: HookContext) -> jax.Array:
+        """This device's mean row of an ``(N, K)`` matrix."""
+        return self.hook.scatter(rows, ctx)  # type: ignore[misc]  # scatters: it has one
+
+    def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
+                 step: jax.Array) -> tuple[tuple, tuple, tuple]:
+        dims, n = self.dims(b), self.layout.n
+        if not self.scatters:
+            reduced, new_states, mean_extras = super().backward(b, grads, states, extras, step)
+            index = lax.axis_index(self.shard_axis)
+            pieces = tuple(zero.local_piece(r, d, n, index)
+                           for r, d in zip(reduced, dims, strict=True))
+            return pieces, new_states, mean_extras
+        ctx = self.scatter_context(b, step)
+
+        def scatter(rows: jax.Array) -> jax.Array:
+            return self.scatter(rows, ctx)
+
+        if self.fuses(b, extras):
+            out = zero.reduce_scatter(grads + tuple(extras), dims + (None,) * len(extras), n,
+                                      self.shard_axis, scatter)
+            return tuple(out[: len(grads)]), tuple(states), tuple(out[len(grads):])
+        pieces = tuple(zero.reduce_scatter(grads, dims, n, self.shard_axis, scatter))
+        return pieces, tuple(states), _exact_mean(extras, pieces, self.axis_name)
+
+    def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Bytes:
+        if not self.scatters:
+            return super().bytes(b, extras, step)
+        fused = self.fuses(b, extras)
+        idx = self.plan.buckets[b].indices
+        width = sum(math.prod(self.out_struct(i).shape) for i in idx)
+        if fused:
+            width += sum(math.prod(jnp.shape(e)) for e in extras)
+        dtype = jnp.result_type(*(self.plan.dtypes[i] for i in idx))
+        rows = jax.ShapeDtypeStruct((self.layout.n, width), dtype)
+        sent = self.scatter_bytes(rows, step)
+        return sent if fused else sent + self.mean_bytes(extras)
+
+    def scatter_bytes(self, rows: jax.ShapeDtypeStruct, step: Any) -> Bytes:
+        """Bytes of :meth:`scatter`: a ring reduce-scatter sends half what a ring all-reduce of
+        the same rows does, so half the hook's own accounting of that all-reduce."""
+        return hook_bytes(self.hook, [rows], self.shard_axis, self.hosts_axis, step).scaled(0.5)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hybrid(ReduceScatter):
+    """Hybrid sharding (FSDP's ``HYBRID_SHARD``): the hook reduce-scatters each bucket inside the
+    host (``shard_axis``) and each device's piece is averaged across hosts (``replicas``), so the
+    slow link carries ``1/L`` of the bucket. A hook without a scatter reduces over every data
+    axis with its state, as in :class:`ReduceScatter`.
+
+    Attributes:
+      replicas: the axis across which the pieces are replicated (the hosts).
+    """
+
+    replicas: str
+
+    def scatter_context(self, b: int, step: jax.Array) -> HookContext:
+        return HookContext(self.shard_axis, self.layout.n, step, b, self.phase, None,
+                           self.shard_axis)
+
+    def scatter(self, rows: jax.Array, ctx: HookContext) -> jax.Array:
+        return lax.pmean(super().scatter(rows, ctx), self.replicas)
+
+    def scatter_bytes(self, rows: jax.ShapeDtypeStruct, step: Any) -> Bytes:
+        inside = hook_bytes(self.hook, [rows], self.shard_axis, None, step).scaled(0.5)
+        hosts = int(lax.axis_size(self.replicas))
+        row = rows.shape[1] * jnp.dtype(rows.dtype).itemsize
+        return inside + ring("all-reduce", row, hosts, hosts)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherInForward:
+    """Stage 3: the parameters come in as this device's pieces; the forward pass all-gathers each
+    bucket before its first use (issued one bucket ahead, as a prefetch) and the backward pass
+    reduces like ``inner``. A gathered bucket stays whole until the backward is done with it.
+
+    Attributes:
+      inner: the backward's reducer (:class:`ReduceScatter` or :class:`Hybrid`).
+    """
+
+    inner: ReduceScatter
+    prefetch: ClassVar[bool] = True
+
+    @property
+    def axis_name(self) -> Any:
+        return self.inner.axis_name
+
+    def out_struct(self, i: int) -> jax.ShapeDtypeStruct:
+        return self.inner.out_struct(i)
+
+    def check(self, leaves: Sequence[Any]) -> None:
+        del leaves  # pieces: their shapes were checked against the layout by the caller
+
+    def gathers(self, i: int) -> bool:
+        return self.inner.layout.dims[i] is not None
+
+    def _gather(self, indices: Sequence[int], pieces: Sequence[jax.Array]) -> list[jax.Array]:
+        lay, plan = self.inner.layout, self.inner.plan
+        split = [j for j, i in enumerate(indices) if lay.dims[i] is not None]
+        out = list(pieces)
+        if not split:
+            return out
+        full = zero.all_gather([pieces[j] for j in split],
+                               [lay.dims[indices[j]] for j in split],  # type: ignore[misc]
+                               [plan.shapes[indices[j]] for j in split], self.inner.shard_axis)
+        for j, f in zip(split, full, strict=True):
+            out[j] = f
+        return out
+
+    def forward(self, b: int, leaves: tuple) -> tuple:
+        return tuple(self._gather(self.inner.plan.buckets[b].indices, leaves))
+
+    def unused(self, i: int, leaf: jax.Array) -> jax.Array:
+        return self._gather((i,), (leaf,))[0]
+
+    def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
+                 step: jax.Array) -> tuple[tuple, tuple, tuple]:
+        return self.inner.backward(b, grads, states, extras, step)
+
+    def gather_bytes(self, indices: Sequence[int]) -> Bytes:
+        inner = self.inner
+        group, hosts = span(inner.shard_axis, inner.hosts_axis)
+        return ring("all-gather", zero.split_bytes(inner.layout, inner.plan.dtypes, indices),
+                    group, hosts)
+
+    def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Bytes:
+        return (self.inner.bytes(b, extras, step)
+                + self.gather_bytes(self.inner.plan.buckets[b].indices))
+
+    def mean_bytes(self, extras: Sequence[Any]) -> Bytes:
+        return self.inner.mean_bytes(extras)
+
+    def unused_bytes(self) -> Bytes:
+        return self.gather_bytes(self.inner.plan.unused)
 
 
 class Sharded(NamedTuple):
@@ -336,102 +567,196 @@ class Sharded(NamedTuple):
     replicas: str | None = None
 
 
-class _ScatterSpec(NamedTuple):
-    """A sharded stage's bucket: the all-reduce bucket's spec, and how its leaves are split."""
+def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
+                 sharded: Sharded | None = None, hosts_axis: str | None = None,
+                 phase: Any = None, stateful: bool = False) -> BucketReducer:
+    """The reducer of a step: the hook's all-reduce, or a sharded stage's (hybrid)
+    reduce-scatter, with the stage-3 all-gather in forward.
 
-    base: _BucketSpec
-    dims: tuple[int | None, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    stage: int
-    axis: Any = None  # the shard axis (``None``: the bucket's axis_name)
-    replicas: str | None = None
+    Args:
+      stateful: the hook keeps state for some leaf (it cannot reduce through ``scatter``).
+    """
+    if sharded is None:
+        return AllReduce(plan=plan, hook=hook, axis_name=axis_name, hosts_axis=hosts_axis,
+                         phase=phase)
+    common: dict[str, Any] = dict(
+        plan=plan, hook=hook, axis_name=axis_name, hosts_axis=hosts_axis, phase=phase,
+        layout=sharded.layout, shard_axis=axis_name if sharded.axis is None else sharded.axis,
+        scatters=getattr(hook, "scatter", None) is not None and not stateful,
+    )
+    inner = (ReduceScatter(**common) if sharded.replicas is None
+             else Hybrid(**common, replicas=sharded.replicas))
+    return GatherInForward(inner) if sharded.stage >= 3 else inner
 
 
-def _scatter_hook(spec: _ScatterSpec) -> Callable[..., Any]:
-    """The bucket hook of a sharded stage: reduce-scatter in backward (stage 3: all-gather in
-    forward too). Same arguments as :func:`_bucket_hook`'s, with ``carry`` in place of the hook
-    states: stage 2's pieces of the reduced gradient leave the backward pass as its cotangent
-    (the full parameters' own cotangent is zero, never used, and removed by XLA)."""
-    base = spec.base
-    axis_name, chain = base.axis_name, base.chain
-    shard_axis = axis_name if spec.axis is None else spec.axis
-    split = [i for i, d in enumerate(spec.dims) if d is not None]
+# ------------------------------------------------------------------- one VJP, one evaluator
 
-    def gather(leaves):
-        if spec.stage < 3 or not split:
-            return tuple(leaves)
-        full = zero.all_gather([leaves[i] for i in split], [spec.dims[i] for i in split],
-                               [spec.shapes[i] for i in split], shard_axis)
-        out = list(leaves)
-        for i, f in zip(split, full, strict=True):
-            out[i] = f
-        return tuple(out)
+
+class _Slot(NamedTuple):
+    """A bucket's place in the chain, all static."""
+
+    bucket: int
+    last: bool
+    chain: str
+    prev_structs: tuple[jax.ShapeDtypeStruct, ...]  # what the previous bucket's reduction gives
+    other_axes: tuple = ()
+
+
+def _zeros(x: Any) -> jax.Array:
+    """Zeros shaped, typed and varying like ``x``."""
+    return vma.to_varying(jnp.zeros(jnp.shape(x), jnp.result_type(x)),
+                          tuple(sorted(vma.varying_axes(x))))
+
+
+def _local_grads(ct_leaves: tuple, offset: Any, ct_dep: Any, chain: str) -> tuple:
+    """The bucket's local gradients: this micro-batch's, plus the offset, chained on the
+    previous bucket (see the module docstring)."""
+    grads = tuple(ct_leaves)
+    if offset:
+        grads = tuple(g + o.astype(g.dtype) for g, o in zip(grads, offset, strict=True))
+    # JAX emits one collective per leaf and XLA's combiner merges independent ones, so every
+    # leaf needs the dependency: a scalar carried alongside would not keep the leaves apart.
+    if chain == "add":
+        grads = tuple(g + ct_dep.astype(g.dtype) for g in grads)
+    elif chain == "barrier" and ct_dep:
+        grads, _ = lax.optimization_barrier((grads, ct_dep))
+    return grads
+
+
+def _dep_cotangent(dep: Any, token_dep: Any, chain: str, axis_name: Any) -> Any:
+    """The token's cotangent: what the next bucket in backward order waits for."""
+    if chain == "barrier":
+        return tuple(vma.to_varying(r, axis_name) for r in dep)
+    return vma.like(dep.astype(jnp.result_type(token_dep)), token_dep, axis_name)
+
+
+def _in_bucket_scope(fn: Callable[..., Any], bucket: int) -> Callable[..., Any]:
+    """``fn`` under ``jax.named_scope`` of the bucket: its collectives carry the bucket's name in
+    the compiled program's ``op_name`` (``ddp.report``, the program check, profiler traces)."""
+
+    @functools.wraps(fn)
+    def scoped(*args: Any) -> Any:
+        with jax.named_scope(hlo.bucket_scope(bucket)):
+            return fn(*args)
+
+    return scoped
+
+
+def _bucket_vjp(reducer: BucketReducer, slot: _Slot) -> Callable[..., Any]:
+    """The identity-with-reducing-VJP of one bucket (DDP's autograd hook), for any reducer.
+
+    Arguments: ``(token, leaves, states, carry, offset, step, sink)``; the forward returns
+    ``(token, reducer.forward(leaves))``. A custom VJP can return values only as cotangents:
+
+    - ``token = (dep, extras)``: in backward, ``dep`` carries the dependency on the previous
+      bucket and ``extras`` the local values (metrics) averaged with the last bucket;
+    - ``states``: the hook state of each leaf; its cotangent is the new state;
+    - ``carry``: zeros shaped like the reduction's result; its cotangent is the reduced
+      gradient (whole, or this device's pieces), so the parameters' own cotangent is unused;
+    - ``offset``: local gradients added before the reduction (accumulated micro-batches);
+    - ``sink``: zeros shaped like the extras; on the last bucket its cotangent is their mean.
+    """
+    axis_name, chain = reducer.axis_name, slot.chain
 
     @jax.custom_vjp
-    def ident(token, leaves, carry, offset, step, sink):
-        del carry, offset, step, sink
-        token_out = (_dep_zeros(chain, base.prev_structs, axis_name), token[1])
-        return token_out, gather(leaves)
+    def ident(token, leaves, states, carry, offset, step, sink):
+        del states, carry, offset, step, sink
+        token_out = (_dep_zeros(chain, slot.prev_structs, axis_name, slot.other_axes), token[1])
+        return token_out, reducer.forward(slot.bucket, tuple(leaves))
 
-    def fwd(token, leaves, carry, offset, step, sink):
-        return ident(token, leaves, carry, offset, step, sink), (leaves, carry, offset, step, sink)
+    def fwd(token, leaves, states, carry, offset, step, sink):
+        # The primal leaves and carry are residuals only for their types (no copy: the leaves
+        # are the parameters, alive anyway; the carry is zeros XLA never materialises).
+        out = ident(token, leaves, states, carry, offset, step, sink)
+        return out, (leaves, states, carry, offset, step, token, sink)
 
     def bwd(res, cts):
-        leaves, carry, offset, step, sink = res
-        (ct_dep, ct_extras), ct_full = cts
-        grads = tuple(ct_full)
-        if offset:
-            grads = tuple(g + o.astype(g.dtype) for g, o in zip(grads, offset, strict=True))
-        if chain == "add":
-            grads = tuple(g + ct_dep.astype(g.dtype) for g in grads)
-        elif chain == "barrier" and ct_dep:
-            grads, _ = lax.optimization_barrier((grads, ct_dep))
-        n = axis_size(shard_axis)
-        if spec.replicas is None:
-            ctx = HookContext(axis_name, n, step, base.bucket, base.phase,
-                              *_levels(axis_name, base.hosts_axis))
-        else:  # hybrid: the hook's reduce-scatter runs inside the host
-            ctx = HookContext(shard_axis, n, step, base.bucket, base.phase, None, shard_axis)
+        leaves, states, carry, offset, step, token, sink = res
+        (ct_dep, ct_extras), ct_leaves = cts
+        grads = _local_grads(tuple(ct_leaves), offset, ct_dep, chain)
+        extras = tuple(ct_extras) if slot.last else ()
+        reduced, new_states, mean_extras = reducer.backward(slot.bucket, grads, tuple(states),
+                                                            extras, step)
+        dep = chain_dependency(reduced, chain)  # before the casts: the token is replicated
+        like = lambda x, old: vma.like(x, old, axis_name)  # noqa: E731
+        ct_carry = tuple(like(r, c) for r, c in zip(reduced, carry, strict=True))
+        new_states = jax.tree.map(like, tuple(new_states), tuple(states))
+        mean_extras = tuple(like(e, s) for e, s in zip(
+            mean_extras or tuple(_zeros(s) for s in sink), sink, strict=True))
+        ct_token = (_dep_cotangent(dep, token[0], chain, axis_name),
+                    tuple(_zeros(e) for e in ct_extras) if slot.last else tuple(ct_extras))
+        return (ct_token, tuple(_zeros(x) for x in leaves), new_states, ct_carry,
+                jax.tree.map(_zeros, offset), _float0_like(step), mean_extras)
 
-        def scatter(rows: jax.Array) -> jax.Array:
-            mine = base.hook.scatter(rows, ctx)  # type: ignore[misc]  # checked in options
-            if spec.replicas is not None:
-                # Hybrid sharding: the host's mean of this piece, averaged across hosts (1/L of
-                # the bucket crosses the slow link).
-                mine = lax.pmean(mine, spec.replicas)
-            return mine
-
-        dims = spec.dims
-        extras = tuple(ct_extras) if base.last else ()
-        fused = extras and grads and all(g.dtype == jnp.float32 for g in grads)
-        if fused:
-            # The metrics ride on the bucket's reduce-scatter as whole (replicated) leaves.
-            out = zero.reduce_scatter(grads + extras, dims + (None,) * len(extras), n, shard_axis,
-                                      scatter)
-            pieces, extras_out = tuple(out[: len(grads)]), tuple(out[len(grads):])
-        else:
-            pieces = tuple(zero.reduce_scatter(grads, dims, n, shard_axis, scatter))
-            extras_out = tuple(jnp.zeros_like(s) for s in sink)
-            if extras:
-                # Another dtype than the metrics' float32: one more (chained) reduce-scatter.
-                dep = chain_dependency(pieces, "add")
-                extras_out = tuple(zero.reduce_scatter(
-                    tuple(e + dep for e in extras), (None,) * len(extras), n, shard_axis, scatter
-                ))
-        dep = chain_dependency(pieces, chain)
-        if spec.stage >= 3:
-            ct_leaves, ct_carry = pieces, carry
-        else:
-            ct_leaves, ct_carry = tuple(jnp.zeros_like(x) for x in leaves), pieces
-        ct_token = (
-            dep if chain == "barrier" else dep.astype(jnp.result_type(ct_dep)),
-            tuple(jnp.zeros_like(e) for e in ct_extras) if base.last else tuple(ct_extras),
-        )
-        return (ct_token, ct_leaves, ct_carry, jax.tree.map(jnp.zeros_like, offset),
-                _float0_like(step), extras_out)
-
-    ident.defvjp(_in_bucket_scope(fwd, base.bucket), _in_bucket_scope(bwd, base.bucket))
+    # The forward's collectives (stage 3's all-gathers) belong to the bucket too.
+    ident.defvjp(_in_bucket_scope(fwd, slot.bucket) if reducer.prefetch else fwd,
+                 _in_bucket_scope(bwd, slot.bucket))
     return ident
+
+
+class _Evaluation:
+    """The traced loss evaluated with each bucket's VJP inserted right before the first equation
+    that reads one of its parameters; buckets whose parameters no equation reads still reduce,
+    once. With a ``prefetch`` reducer (stage 3) bucket ``b - 1``'s forward is issued at bucket
+    ``b``'s first use, waiting for the previous gather and for that layer's inputs, so that it
+    runs while the layer computes. Knows nothing of stages: only the reducer's answers."""
+
+    def __init__(self, traced: jaxpr_lib.Traced, plan: BucketPlan, reducer: BucketReducer,
+                 vjps: Sequence[Callable[..., Any]], args: Sequence[Any], offset: Any,
+                 step: jax.Array, chain: str):
+        self.traced, self.plan, self.reducer, self.vjps = traced, plan, reducer, vjps
+        self.args, self.offset, self.step, self.chain = args, offset, step, chain
+        self.owner = {i: b for b, bucket in enumerate(plan.buckets) for i in bucket.indices}
+
+    def __call__(self, leaves, states, carry, token0, sink):
+        self.inputs, self.token, self.sink = (leaves, states, carry), token0, sink
+        self.hooked: dict[int, Any] = {}
+        self.gathered: list = []  # the last bucket's gathered leaves, which the next waits for
+        self.used: set[int] = set()  # buckets whose parameters an equation has read
+        for i in self.plan.unused:
+            # Unused leaves get a zero gradient, identical on every replica: nothing to reduce.
+            # They may still be read (aux outputs, integer paths): varying like the traced
+            # params, behind stop_gradient so that no implicit reduction is transposed.
+            leaf = self.reducer.unused(i, lax.stop_gradient(leaves[i]))
+            self.hooked[i] = vma.to_varying(leaf, self.reducer.axis_name)
+        out = jaxpr_lib.eval_with_hooks(self.traced, leaves, self.args, self.read)
+        for b in range(self.plan.num_buckets):
+            if self.plan.buckets[b].indices[0] not in self.hooked:
+                self.apply(b)
+        return (jax.tree.leaves(out)[0], self.token), out
+
+    def apply(self, b: int, context: tuple = ()) -> None:
+        leaves, states, carry = self.inputs
+        idx = self.plan.buckets[b].indices
+        leaves_b = tuple(leaves[i] for i in idx)
+        if self.reducer.prefetch and self.chain != "none":
+            # Wait for the previous gather (so XLA's all-gather combiner cannot merge them) and
+            # for the inputs of the layer before the first use (so the gather is a prefetch).
+            waits = [*self.gathered, *(c for c in context if hasattr(c, "dtype")
+                                       and jnp.issubdtype(c.dtype, jnp.inexact))]
+            if waits:
+                dep = lax.stop_gradient(chain_dependency(waits, "add"))
+                leaves_b = tuple(x + dep.astype(x.dtype) for x in leaves_b)
+        last = b == self.plan.num_buckets - 1
+        self.token, out = self.vjps[b](
+            self.token, leaves_b, tuple(states[i] for i in idx), tuple(carry[i] for i in idx),
+            tuple(self.offset[i] for i in idx) if self.offset is not None else (), self.step,
+            self.sink if last else tuple(jnp.zeros_like(s) for s in self.sink),
+        )
+        if self.reducer.prefetch:
+            self.gathered = [o for o, i in zip(out, idx, strict=True) if self.reducer.gathers(i)]
+        self.hooked.update(zip(idx, out, strict=True))
+
+    def read(self, i: int, context: tuple = ()) -> Any:
+        if i not in self.hooked:
+            self.apply(self.owner[i], context)
+        b = self.owner.get(i)
+        if self.reducer.prefetch and b is not None and b not in self.used:
+            self.used.add(b)
+            if b > 0 and self.plan.buckets[b - 1].indices[0] not in self.hooked:
+                # Prefetch the bucket used next (buckets are in reverse first-use order).
+                self.apply(b - 1, context)
+        return self.hooked[i]
 
 
 class Reduced(NamedTuple):
@@ -439,16 +764,27 @@ class Reduced(NamedTuple):
 
     Attributes:
       out: the traced function's output on this device (local values).
-      grads: gradient leaves (``jax.tree.leaves`` order), reduced over the axis; unused leaves
-        get zeros.
+      grads: gradient leaves (``jax.tree.leaves`` order), reduced over the axis (at the sharded
+        stages this device's pieces); unused leaves get zeros.
       hook_state: the hook's new per-leaf state.
       extras: the extras averaged over the axis (structure of ``extras_shape``).
+      sent: the bytes the reducers sent for it (gradients, extras, stage 3's forward gathers).
     """
 
     out: Any
     grads: list[Any]
     hook_state: tuple
     extras: Any
+    sent: Bytes = Bytes()
+
+
+def _levels(axis_name: Any, hosts_axis: str | None) -> tuple[str | None, Any]:
+    """``(hosts, local)`` of a reduction over ``axis_name`` for :class:`HookContext`."""
+    names = vma.axis_names(axis_name)
+    if hosts_axis is None or hosts_axis not in names or len(names) < 2:
+        return None, axis_name
+    local = tuple(a for a in names if a != hosts_axis)
+    return hosts_axis, local[0] if len(local) == 1 else local
 
 
 def bucketed_vjp(
@@ -488,8 +824,9 @@ def bucketed_vjp(
       offset: local gradient leaves (already scaled like ``seed``) added before the reduction,
         e.g. the sums of earlier micro-batches; ``None`` for none.
       extras_fn: ``extras_fn(out)`` gives float32 arrays (a pytree shaped like ``extras_shape``)
-        to be averaged over the axis; with a hook that ``fuses_extras`` they ride on the last
-        bucket's all-reduce. Called once, on the forward output.
+        to be averaged over the axis, exactly; they ride on the last bucket's collective when it
+        averages float32 exactly (``CommHook.fuses_extras``), else take one all-reduce of their
+        own. Called once, on the forward output.
       extras_shape: ``jax.ShapeDtypeStruct``s of what ``extras_fn`` returns.
       sharded: a sharded stage's reduction (reduce-scatter, and the forward all-gather at stage
         3); ``None`` for the hook's all-reduce. Stage 3 takes each split leaf's piece in
@@ -498,17 +835,14 @@ def bucketed_vjp(
       hosts_axis: the name in ``axis_name`` that crosses hosts on a two-level mesh, for the hook
         (``HookContext.hosts_axis``; see :func:`jddp.hooks.hierarchical`).
     """
-    if sharded is None or sharded.stage < 3:
-        plan.check_tree(jax.tree.unflatten(plan.treedef, list(param_leaves)))
-    # Hook state is per device by definition (error-feedback residuals differ between replicas).
-    hook_state = jax.tree.map(lambda x: vma.to_varying(x, axis_name), tuple(hook_state))
     if len(hook_state) != len(param_leaves):
         raise ValueError(
             f"hook_state has {len(hook_state)} entries for {len(param_leaves)} parameter leaves; "
             "build it with jddp.hooks.init_hook_state(hook, params)."
         )
-    owner = {i: b for b, bucket in enumerate(plan.buckets) for i in bucket.indices}
-    last = plan.num_buckets - 1
+    reducer = make_reducer(plan, hook, axis_name, sharded=sharded, hosts_axis=hosts_axis,
+                           phase=phase, stateful=bool(jax.tree.leaves(tuple(hook_state))))
+    reducer.check(param_leaves)
     mode = resolve_chain(chain)
     if sharded is not None and mode == "barrier":
         # A sharded stage copies each bucket into one (N, K) matrix anyway: the always-zero add
@@ -522,151 +856,88 @@ def bucketed_vjp(
     seen = frozenset().union(*(vma.varying_axes(x) for x in jax.tree.leaves(
         (tuple(param_leaves), tuple(args)))))
     other = tuple(a for a in sorted(seen) if a not in names)
-    everywhere = (*names, *other)
-    gathers = sharded is not None and sharded.stage >= 3  # stage 3: forward all-gathers
-    structs: Callable[[int], list[jax.ShapeDtypeStruct]]
-    if sharded is None:
-        structs = plan.leaf_structs
-        hooks = [
-            _bucket_hook(_BucketSpec(b, hook, axis_name, b == last, mode, tuple(structs(b - 1)),
-                                     phase, hosts_axis, other))
-            for b in range(plan.num_buckets)
-        ]
-    else:
-        lay = sharded.layout
+    run = _Run(traced, plan, reducer, mode, other, step, offset)
+    return run(param_leaves, hook_state, args, seed, extras_fn, extras_shape)
 
-        def piece_structs(b: int) -> list[jax.ShapeDtypeStruct]:
-            # What bucket b's reduction returns: each leaf's piece (whole leaves whole).
-            return [jax.ShapeDtypeStruct(zero.shard_shape(plan.shapes[i], lay.dims[i], lay.n),
-                                         plan.dtypes[i])
-                    for i in (plan.buckets[b].indices if b >= 0 else ())]
 
-        structs = piece_structs
+class _Run(NamedTuple):
+    """One reducing differentiation (see :func:`bucketed_vjp`), its static parts."""
 
-        hooks = [
-            _scatter_hook(_ScatterSpec(
-                _BucketSpec(b, hook, axis_name, b == last, mode, tuple(structs(b - 1)), phase,
-                            hosts_axis, other),
-                tuple(lay.dims[i] for i in plan.buckets[b].indices),
-                tuple(plan.shapes[i] for i in plan.buckets[b].indices), sharded.stage,
-                sharded.axis, sharded.replicas,
-            ))
-            for b in range(plan.num_buckets)
-        ]
-    extras_leaves_shape = jax.tree.leaves(extras_shape)
-    extras_zero = tuple(
-        vma.to_varying(jnp.zeros(e.shape, jnp.float32), everywhere) for e in extras_leaves_shape
-    )
+    traced: jaxpr_lib.Traced
+    plan: BucketPlan
+    reducer: BucketReducer
+    mode: str
+    other: tuple
+    step: jax.Array
+    offset: Sequence[Any] | None
 
-    def run(leaves_in, carry_in, token0, sink):
-        hooked: dict[int, Any] = {}
-        token = [token0]
-
-        gathered: list = []  # stage 3: the last bucket gathered, which the next gather waits for
-
-        def apply_bucket(b: int, context: tuple = ()) -> None:
-            idx = plan.buckets[b].indices
-            off = tuple(offset[i] for i in idx) if offset is not None else ()
-            leaves_b = tuple(leaves_in[i] for i in idx)
-            if gathers and mode != "none":
-                # Stage 3: each bucket's forward all-gather waits for the previous one (so XLA's
-                # all-gather combiner cannot merge them) and for the inputs of the layer before
-                # its first use (so it is a prefetch: it runs while that layer computes).
-                waits = [*gathered, *(c for c in context if hasattr(c, "dtype")
-                                      and jnp.issubdtype(c.dtype, jnp.inexact))]
-                if waits:
-                    dep = lax.stop_gradient(chain_dependency(waits, "add"))
-                    leaves_b = tuple(x + dep.astype(x.dtype) for x in leaves_b)
-            token[0], out = hooks[b](
-                token[0],
-                leaves_b,
-                tuple(carry_in[i] for i in idx),
-                off,
-                step,
-                sink if b == last else tuple(jnp.zeros_like(s) for s in sink),
-            )
-            if gathers:
-                gathered[:] = [o for o, i in zip(out, idx, strict=True)
-                               if sharded.layout.dims[i] is not None]  # type: ignore[union-attr]
-            hooked.update(zip(idx, out, strict=True))
-
-        used: set[int] = set()  # buckets whose parameters an equation has read
-
-        def read(i: int, context: tuple = ()) -> Any:
-            b = owner.get(i)
-            if i not in hooked:
-                apply_bucket(owner[i], context)
-            if gathers and b is not None and b not in used:
-                used.add(b)
-                if b > 0 and plan.buckets[b - 1].indices[0] not in hooked:
-                    # Prefetch the bucket used next (buckets are in reverse first-use order).
-                    apply_bucket(b - 1, context)
-            return hooked[i]
-
-        for i in plan.unused:
-            # Unused leaves get a zero gradient, identical on every replica: nothing to reduce.
-            # They may still be read (by aux outputs, integer paths): varying like the traced
-            # params, and behind stop_gradient so that no implicit reduction is transposed.
-            leaf = lax.stop_gradient(leaves_in[i])
-            if sharded is not None and sharded.stage >= 3 and sharded.layout.dims[i] is not None:
-                d = sharded.layout.dims[i]
-                leaf = zero.all_gather([leaf], [d], [plan.shapes[i]],
-                                       axis_name if sharded.axis is None else sharded.axis)[0]
-            hooked[i] = vma.to_varying(leaf, axis_name)
-        out = jaxpr_lib.eval_with_hooks(traced, leaves_in, args, read)
-        # Buckets whose parameters never reached an equation still reduce, exactly once.
+    def __call__(self, param_leaves: Sequence[jax.Array], hook_state: Sequence[Any],
+                 args: Sequence[Any], seed: Any, extras_fn: Callable[[Any], Any] | None,
+                 extras_shape: Any) -> Reduced:
+        plan, reducer, mode, other = self.plan, self.reducer, self.mode, self.other
+        axis_name = reducer.axis_name
+        # Hook state is per device by definition (error-feedback residuals differ by replica).
+        hook_state = jax.tree.map(lambda x: vma.to_varying(x, axis_name), tuple(hook_state))
+        last = plan.num_buckets - 1
+        vjps = [_bucket_vjp(reducer, _Slot(b, b == last, mode, self.out_structs(b - 1), other))
+                for b in range(plan.num_buckets)]
+        run = _Evaluation(self.traced, plan, reducer, vjps, args, self.offset, self.step, mode)
+        extras_structs = _f32_structs(jax.tree.leaves(extras_shape))
+        everywhere = (*vma.axis_names(axis_name), *other)
+        extras_zero = tuple(vma.to_varying(jnp.zeros(e.shape, e.dtype), everywhere)
+                            for e in extras_structs)
+        token0 = (_dep_zeros(mode, self.out_structs(last), axis_name, other), extras_zero)
+        sink0 = tuple(_vary(jnp.zeros(e.shape, e.dtype), other) for e in extras_structs)
+        (loss, _), vjp_fn, out = jax.vjp(run, tuple(param_leaves), hook_state,
+                                         self.carry(param_leaves), token0, sink0, has_aux=True)
+        extras = _extras(extras_fn, extras_shape, out, everywhere)
+        if seed is None:
+            seed = jnp.ones_like(loss)
+        seed = _vary(jnp.asarray(seed, loss.dtype), tuple(sorted(vma.varying_axes(loss))))
+        ct_token = (_dep_zeros(mode, [], axis_name, other),
+                    extras if plan.num_buckets else extras_zero)
+        _, new_states, grad_leaves, _, reduced = vjp_fn((seed, ct_token))
+        sent = reducer.unused_bytes()
         for b in range(plan.num_buckets):
-            if plan.buckets[b].indices[0] not in hooked:
-                apply_bucket(b)
-        loss = jax.tree.leaves(out)[0]
-        return (loss, token[0]), out
+            sent = sent + reducer.bytes(b, extras_structs if b == last and extras else (),
+                                        self.step)
+        if not plan.num_buckets:
+            reduced = tuple(lax.pmean(extras, axis_name)) if extras else ()
+            sent = sent + reducer.mean_bytes(extras_structs if extras else ())
+        # plan.unused leaves have no gradient path to the loss: state the zero explicitly, so
+        # that it is identical on every replica whatever autodiff materialises for them. Nor
+        # does their hook state reach a hook, so its "cotangent" is zero: keep the old state
+        # instead (a zeroed PowerSGD Q would stay zero).
+        unused = frozenset(plan.unused)
+        grad_leaves = [jnp.zeros_like(g) if i in unused else g for i, g in enumerate(grad_leaves)]
+        new_states = [hook_state[i] if i in unused else s for i, s in enumerate(new_states)]
+        mean_extras = jax.tree.unflatten(jax.tree.structure(extras_shape), list(reduced))
+        return Reduced(out, list(grad_leaves), tuple(new_states), mean_extras, sent)
 
-    token0 = (_dep_zeros(mode, structs(last), axis_name, other), extras_zero)
-    sink0 = tuple(_vary(jnp.zeros(e.shape, jnp.float32), other) for e in extras_leaves_shape)
-    if sharded is not None:
-        # Stage 2: the reduced pieces leave the backward pass as the cotangent of these zeros;
-        # stage 3: as the parameters' own (they come in as pieces). No hook state either way.
-        lay = sharded.layout
-        carry = tuple(
-            jnp.zeros(zero.shard_shape(plan.shapes[i], lay.dims[i], lay.n), plan.dtypes[i])
-            if sharded.stage < 3 else ()
-            for i in range(len(param_leaves))
+    def out_structs(self, b: int) -> tuple:
+        """What bucket ``b``'s reduction returns (none for ``b < 0``)."""
+        return tuple(self.reducer.out_struct(i)
+                     for i in (self.plan.buckets[b].indices if b >= 0 else ()))
+
+    def carry(self, param_leaves: Sequence[jax.Array]) -> tuple:
+        """Zeros shaped like each reduced leaf, typed like its parameter (see _bucket_vjp)."""
+        return tuple(
+            vma.to_varying(jnp.zeros(s.shape, s.dtype), tuple(sorted(vma.varying_axes(x))))
+            for s, x in zip(map(self.reducer.out_struct, range(len(param_leaves))),
+                            param_leaves, strict=True)
         )
-    else:
-        carry = tuple(hook_state)
-    (loss, _), vjp_fn, out = jax.vjp(
-        run, tuple(param_leaves), carry, token0, sink0, has_aux=True
-    )
-    extras: tuple = ()
-    if extras_fn is not None:
-        values = extras_fn(out)
-        if jax.tree.structure(values) != jax.tree.structure(extras_shape):  # type: ignore[operator]
-            raise AssertionError("extras_fn does not match extras_shape")  # a jddp bug, not user's
-        extras = tuple(
-            vma.to_varying(jnp.asarray(e, jnp.float32), everywhere)
-            for e in jax.tree.leaves(values)
-        )
-    if seed is None:
-        seed = jnp.ones_like(loss)
-    seed = _vary(jnp.asarray(seed, loss.dtype), tuple(sorted(vma.varying_axes(loss))))
-    ct_token = (_dep_zeros(mode, [], axis_name, other),
-                extras if plan.num_buckets else extras_zero)
-    grad_leaves, new_states, _, reduced = vjp_fn((seed, ct_token))
-    if sharded is not None:
-        if sharded.stage < 3:
-            grad_leaves = new_states
-        new_states = tuple(hook_state)
-    if not plan.num_buckets:
-        reduced = tuple(lax.pmean(extras, axis_name)) if extras else ()
-    # plan.unused leaves have no gradient path to the loss: state the zero explicitly, so that it is
-    # identical on every replica whatever autodiff materialises for them.
-    unused = frozenset(plan.unused)
-    grad_leaves = [jnp.zeros_like(g) if i in unused else g for i, g in enumerate(grad_leaves)]
-    # Nor does their hook state reach a hook, so its "cotangent" is zero: keep the old state
-    # instead (a zeroed PowerSGD Q would stay zero).
-    new_states = [hook_state[i] if i in unused else s for i, s in enumerate(new_states)]
-    mean_extras = jax.tree.unflatten(jax.tree.structure(extras_shape), list(reduced))
-    return Reduced(out, list(grad_leaves), tuple(new_states), mean_extras)
+
+
+def _extras(extras_fn: Callable[[Any], Any] | None, extras_shape: Any, out: Any,
+            axes: tuple) -> tuple:
+    """The extras of the forward output ``out``, as float32 values varying over ``axes``."""
+    if extras_fn is None:
+        return ()
+    values = extras_fn(out)
+    if jax.tree.structure(values) != jax.tree.structure(extras_shape):  # type: ignore[operator]
+        raise AssertionError("extras_fn does not match extras_shape")  # a jddp bug, not user's
+    return tuple(vma.to_varying(jnp.asarray(e, jnp.float32), axes)
+                 for e in jax.tree.leaves(values))
 
 
 # ------------------------------------------------------------ averaging values (local SGD)

@@ -7,10 +7,10 @@ reduction issued it, whether it sits in a loop or a branch), the bytes one devic
 under a ring model (:mod:`jddp._src.traffic`, the model ``metrics["comm_bytes"]`` uses), and the
 per-device sizes from ``compiled.memory_analysis()``.
 
-``metrics["comm_bytes"]`` counts the gradient bytes of the bucket plan; the report counts every
-operand of every collective, so it also holds the float32 loss and metrics that ride on the last
-bucket's all-reduce (4 bytes each) and collectives outside the buckets (an optimizer's global
-norm, a sharded stage's parameter all-gathers, SyncBN statistics).
+``metrics["comm_bytes"]`` counts the collectives jddp issues (the buckets, the loss and metrics
+with them or on their own, a sharded stage's parameter all-gathers); the report counts every
+operand of every collective, so it also holds collectives jddp does not issue (an optimizer's
+global norm over sharded leaves, SyncBN statistics).
 """
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ class Report(NamedTuple):
 
     @property
     def sent_per_window(self) -> float:
-        """Bytes one device sends per window (ring model; ``metrics["comm_bytes"]`` plus what
-        rides along, see the module docstring)."""
+        """Bytes one device sends per window (ring model; ``metrics["comm_bytes"]`` plus the
+        collectives jddp does not issue, see the module docstring)."""
         return self._total("sent")
 
     @property

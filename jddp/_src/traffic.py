@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from jddp._src.hlo import Collective, collectives
-from jddp._src.tree import fmt_bytes
+from jddp._src.tree import fmt_bytes, ring_bytes
 
 __all__ = ["CollectiveTraffic", "Traffic", "sent_per_device", "traffic"]
 
@@ -100,17 +100,9 @@ class Traffic(NamedTuple):
 
 def sent_per_device(kind: str, nbytes: float, group_size: int) -> float:
     """Bytes one device sends in a ring collective of ``kind`` over ``group_size`` devices whose
-    operands total ``nbytes`` per device (see the module docstring)."""
-    g = int(group_size)
-    if g <= 1:
-        return 0.0
-    if kind == "all-reduce":
-        return 2.0 * (g - 1) / g * nbytes
-    if kind in ("reduce-scatter", "all-to-all", "ragged-all-to-all"):
-        return (g - 1) / g * nbytes
-    if kind == "all-gather":
-        return float(g - 1) * nbytes
-    return float(nbytes)  # collective-permute, broadcast: one copy to a peer
+    operands total ``nbytes`` per device (see the module docstring; the same model as the
+    ``comm_bytes`` metric: :func:`jddp._src.tree.ring_bytes`)."""
+    return ring_bytes(kind, nbytes, group_size)
 
 
 def traffic(source: Any, host_of_device: Sequence[int]) -> Traffic:

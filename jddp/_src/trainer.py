@@ -237,7 +237,7 @@ class DataParallel:
             accumulate_steps=options.count(accumulate_steps, "accumulate_steps"),
             microbatches=options.count(microbatches, "microbatches"),
             accumulator_dtype=options.float_dtype(accumulator_dtype, "accumulator_dtype"),
-            zero_stage=options.zero_stage(zero_stage, hook),
+            zero_stage=options.zero_stage(zero_stage),
             hybrid_shard=options.flag(hybrid_shard, "hybrid_shard"),
             rng=options.flag(rng, "rng", " Pass the key itself to step(state, batch, rng=key)."),
             sum_metrics=summed,

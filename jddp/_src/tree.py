@@ -50,3 +50,24 @@ def strip_device_dim(tree: Any) -> Any:
 def broadcast_to_devices(tree: Any, n: int) -> Any:
     """Each leaf repeated ``n`` times on a new leading dimension (one copy per device)."""
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
+
+
+def ring_bytes(kind: str, nbytes: float, group: int) -> float:
+    """Bytes one device sends in a ring collective of ``kind`` over ``group`` devices.
+
+    The one byte model of every collective jddp reports (``comm_bytes``) or reads from a
+    compiled program (:mod:`jddp.perf.traffic`). ``nbytes`` is one device's operand: the whole
+    buffer for an all-reduce (``2 (g-1)/g x nbytes``: a reduce-scatter and an all-gather phase),
+    a reduce-scatter (``(g-1)/g x nbytes``) and an all-to-all (the same); this device's shard for
+    an all-gather (``(g-1) x nbytes``); anything else (a permute, a broadcast) sends one copy.
+    """
+    g = int(group)
+    if g <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2.0 * (g - 1) / g * nbytes
+    if kind in ("reduce-scatter", "all-to-all", "ragged-all-to-all"):
+        return (g - 1) / g * nbytes
+    if kind == "all-gather":
+        return float(g - 1) * nbytes
+    return float(nbytes)

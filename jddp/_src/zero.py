@@ -196,54 +196,17 @@ def gather_buckets(
     return out
 
 
-def _split_whole_bytes(plan: Any, layout: Layout) -> tuple[int, int]:
-    """Bytes of the plan's split leaves and of its whole ones."""
-    split = whole = 0
-    for b in plan.buckets:
-        for i in b.indices:
-            size = int(np.prod(plan.shapes[i])) * np.dtype(plan.dtypes[i]).itemsize
-            if layout.dims[i] is None:
-                whole += size
-            else:
-                split += size
-    return split, whole
+def local_piece(x: jax.Array, dim: int | None, n: int, index: Any) -> jax.Array:
+    """This device's piece of a whole leaf (row ``index`` of :func:`to_rows`, in the piece's
+    shape); a leaf kept whole, whole. Slicing moves no data."""
+    if dim is None:
+        return x
+    size = x.shape[dim] // n
+    return lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
 
 
-def gather_bytes(plan: Any, layout: Layout) -> float:
-    """Bytes one device sends to all-gather the split leaves once (ring: ``(n-1)/n`` of them)."""
-    split, _ = _split_whole_bytes(plan, layout)
-    return (layout.n - 1) / layout.n * split
-
-
-def bytes_sent(plan: Any, layout: Layout, hosts: int = 1) -> float:
-    """Bytes one device sends per step for the gradients and parameters at stages 2 and 3.
-
-    A model, not a measurement (ring collectives): a reduce-scatter or an all-gather of ``B``
-    bytes sends ``(N-1)/N B`` per device, an all-reduce twice that; whole leaves travel as ``N``
-    rows. Stage 2 reduce-scatters and all-gathers; stage 3 all-gathers in forward and
-    reduce-scatters: the same volume. With hybrid sharding over ``hosts`` (``layout.n`` devices
-    per host) a device also all-reduces its reduced pieces across hosts: ``2 (H-1)/H`` of ``1/L``
-    of the gradient. (Stage 1 reduces with the hook: its bytes are the hook's own accounting plus
-    :func:`gather_bytes`.)
-    """
-    n = layout.n
-    split, whole = _split_whole_bytes(plan, layout)
-    scatter = (n - 1) / n * split + (n - 1) * whole
-    across = 2 * (hosts - 1) / hosts * (split / n + whole)
-    return scatter + gather_bytes(plan, layout) + across
-
-
-def bytes_across_hosts(plan: Any, layout: Layout, hosts: int, hybrid: bool) -> float:
-    """Of :func:`bytes_sent`, what one device sends to other hosts on a ``hosts`` x ``L`` mesh.
-
-    Flat sharding (``layout.n`` = every device) runs its rings over all devices, host by host:
-    ``hosts`` of the ``N`` hops cross a host boundary. Hybrid sharding (``layout.n = L``) keeps
-    the reduce-scatters and all-gathers inside the host: only the all-reduce of the pieces
-    crosses.
-    """
-    if hosts <= 1:
-        return 0.0
-    if not hybrid:
-        return bytes_sent(plan, layout) * hosts / layout.n
-    split, whole = _split_whole_bytes(plan, layout)
-    return 2 * (hosts - 1) / hosts * (split / layout.n + whole)
+def split_bytes(layout: Layout, dtypes: Sequence[Any], indices: Sequence[int]) -> int:
+    """Bytes of one device's pieces of the split leaves among ``indices`` (what one all-gather of
+    them sends from each device)."""
+    return sum(int(np.prod(shard_shape(layout.shapes[i], layout.dims[i], layout.n)))
+               * np.dtype(dtypes[i]).itemsize for i in indices if layout.dims[i] is not None)

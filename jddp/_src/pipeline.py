@@ -59,7 +59,11 @@ from jddp._src.config import StepConfig
 from jddp._src.hooks import init_hook_state
 from jddp._src.nonfinite import all_finite, select_tree
 from jddp._src.objective import Extras, LocalAux, Objective, mean_metrics
-from jddp._src.optimizer_metrics import add_optimizer_metrics, optimizer_metrics
+from jddp._src.optimizer_metrics import (
+    add_optimizer_metrics,
+    merge_optimizer_metrics,
+    optimizer_metrics,
+)
 from jddp._src.planner import BucketPlan, plan_traced
 from jddp._src.reduction import (
     Bytes,
@@ -931,14 +935,7 @@ def _optimizer_metrics(lv: local_sgd.Levels, metrics: dict, opt_state: Any) -> d
     """``metrics`` with the optimizer's hyperparameters (one per replica with local SGD)."""
     if lv.replica is None:
         return add_optimizer_metrics(metrics, opt_state)
-    extra = _per_replica(lv, optimizer_metrics)(opt_state)
-    clash = sorted(set(extra) & set(metrics))
-    if clash:
-        raise ValueError(
-            f"The metrics {clash} come both from loss_fn (or the step) and from the optimizer's "
-            "optax.inject_hyperparams state; rename the aux metric."
-        )
-    return {**metrics, **extra}
+    return merge_optimizer_metrics(metrics, _per_replica(lv, optimizer_metrics)(opt_state))
 
 
 def _place_batch(cfg: StepConfig, batch: Any, weights: Any) -> tuple[Any, Any]:

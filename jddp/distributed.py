@@ -191,7 +191,7 @@ def _check_port_free(coordinator_address: str) -> None:
         ) from None
 
 
-def _start_watchdog(seconds: float, message: str) -> threading.Timer:
+def _start_watchdog(seconds: float, message: str, status: int = 1) -> threading.Timer:
     """Exits the process hard, with `message`, if not cancelled within `seconds`.
 
     Used while `jax.distributed.initialize` blocks in C++ (e.g. process 0 waiting for ranks that
@@ -202,7 +202,7 @@ def _start_watchdog(seconds: float, message: str) -> threading.Timer:
     def fire() -> None:
         sys.stderr.write(message + "\n")
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(status)
 
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
@@ -521,13 +521,38 @@ def hard_exit(status: int = 1) -> NoReturn:
     watchdog.flush_and_exit(status)
 
 
-def exit_for_resume() -> NoReturn:
+def exit_for_resume(leave_timeout_s: float = 30.0) -> NoReturn:
     """Ends this process with `EXIT_RESUME` (75): preempted, checkpoint saved, resume me.
 
     Call it on every process once the preemption checkpoint is saved
-    (`jddp.checkpoint.save_if_due` does). It skips JAX's shutdown barrier like `hard_exit`.
+    (`jddp.checkpoint.save_if_due` does). Every process reaches this point at the same step, so
+    in a multi-process job they leave `jax.distributed` together (its shutdown barrier) before
+    exiting: process 0 hosts the coordination service, and an abrupt exit there would cut off
+    the RPCs the others still have in flight (an orbax barrier's reply, their error polling),
+    which ends them with status 1 or an abort (134) instead of 75.
+
+    Args:
+      leave_timeout_s: bound on that shutdown; a process still waiting then (another process
+        never arrived) exits with 75 anyway.
     """
+    _leave_distributed(leave_timeout_s, EXIT_RESUME)
     hard_exit(EXIT_RESUME)
+
+
+def _leave_distributed(timeout_s: float, status: int) -> None:
+    """Disconnects from `jax.distributed` with its shutdown barrier, bounded by `timeout_s`."""
+    if _jax_distributed.global_state.client is None:
+        return
+    timer = _start_watchdog(
+        timeout_s, f"jddp: process {_jax_distributed.global_state.process_id} waited "
+        f"{timeout_s:.0f} s for the other processes to leave the job; exiting with {status}",
+        status=status)
+    try:
+        _jax_distributed.shutdown()
+    except Exception as e:  # a peer already gone: exiting is all that is left to do
+        sys.stderr.write(f"jddp: leaving jax.distributed: {e}\n")
+    finally:
+        timer.cancel()
 
 
 _sigterm_seen = threading.Event()  # single-process preemption notice (see reached_preemption_point)

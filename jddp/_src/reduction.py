@@ -45,6 +45,7 @@ from jax import lax
 
 from jddp._src import hlo, options, vma, zero
 from jddp._src import jaxpr as jaxpr_lib
+from jddp._src import precision as precision_lib
 from jddp._src.checks import check_float_params, check_scalar_loss
 from jddp._src.hooks import (
     CommHook,
@@ -490,9 +491,12 @@ class GatherInForward:
 
     Attributes:
       inner: the backward's reducer (:class:`ReduceScatter` or :class:`Hybrid`).
+      dtype: the dtype the pieces are cast to before they are gathered (a mixed-precision
+        policy's ``param_dtype``); ``None``: their own.
     """
 
     inner: ReduceScatter
+    dtype: Any = None
     prefetch: ClassVar[bool] = True
 
     @property
@@ -514,7 +518,8 @@ class GatherInForward:
         out = list(pieces)
         if not split:
             return out
-        full = zero.all_gather([pieces[j] for j in split],
+        cast = (lambda x: x) if self.dtype is None else (lambda x: x.astype(self.dtype))
+        full = zero.all_gather([cast(pieces[j]) for j in split],
                                [lay.dims[indices[j]] for j in split],  # type: ignore[misc]
                                [plan.shapes[indices[j]] for j in split], self.inner.shard_axis)
         for j, f in zip(split, full, strict=True):
@@ -534,8 +539,8 @@ class GatherInForward:
     def gather_bytes(self, indices: Sequence[int]) -> Bytes:
         inner = self.inner
         group, hosts = span(inner.shard_axis, inner.hosts_axis)
-        return ring("all-gather", zero.split_bytes(inner.layout, inner.plan.dtypes, indices),
-                    group, hosts)
+        dtypes = inner.plan.dtypes if self.dtype is None else [self.dtype] * len(inner.plan.dtypes)
+        return ring("all-gather", zero.split_bytes(inner.layout, dtypes, indices), group, hosts)
 
     def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Bytes:
         return (self.inner.bytes(b, extras, step)
@@ -569,16 +574,19 @@ class Sharded(NamedTuple):
 
 def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
                  sharded: Sharded | None = None, hosts_axis: str | None = None,
-                 phase: Any = None, stateful: bool = False) -> BucketReducer:
+                 phase: Any = None, stateful: bool = False,
+                 precision: precision_lib.MixedPrecision | None = None) -> BucketReducer:
     """The reducer of a step: the hook's all-reduce, or a sharded stage's (hybrid)
-    reduce-scatter, with the stage-3 all-gather in forward.
+    reduce-scatter, with the stage-3 all-gather in forward; under a mixed-precision policy, its
+    :class:`jddp._src.precision.Cast`.
 
     Args:
       stateful: the hook keeps state for some leaf (it cannot reduce through ``scatter``).
     """
     if sharded is None:
-        return AllReduce(plan=plan, hook=hook, axis_name=axis_name, hosts_axis=hosts_axis,
-                         phase=phase)
+        return precision_lib.wrap_reducer(AllReduce(
+            plan=plan, hook=hook, axis_name=axis_name, hosts_axis=hosts_axis, phase=phase),
+            precision)
     common: dict[str, Any] = dict(
         plan=plan, hook=hook, axis_name=axis_name, hosts_axis=hosts_axis, phase=phase,
         layout=sharded.layout, shard_axis=axis_name if sharded.axis is None else sharded.axis,
@@ -586,7 +594,9 @@ def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
     )
     inner = (ReduceScatter(**common) if sharded.replicas is None
              else Hybrid(**common, replicas=sharded.replicas))
-    return GatherInForward(inner) if sharded.stage >= 3 else inner
+    return precision_lib.wrap_reducer(
+        GatherInForward(inner, precision_lib.gather_dtype(precision)) if sharded.stage >= 3
+        else inner, precision)
 
 
 # ------------------------------------------------------------------- one VJP, one evaluator
@@ -673,7 +683,10 @@ def _bucket_vjp(reducer: BucketReducer, slot: _Slot) -> Callable[..., Any]:
     def bwd(res, cts):
         leaves, states, carry, offset, step, token, sink = res
         (ct_dep, ct_extras), ct_leaves = cts
-        grads = _local_grads(tuple(ct_leaves), offset, ct_dep, chain)
+        # Local gradients are summed and reduced in the dtype of the reduction's result (the
+        # parameters' own; under a mixed-precision policy the loss computed in another).
+        ct_leaves = tuple(g.astype(c.dtype) for g, c in zip(ct_leaves, carry, strict=True))
+        grads = _local_grads(ct_leaves, offset, ct_dep, chain)
         extras = tuple(ct_extras) if slot.last else ()
         reduced, new_states, mean_extras = reducer.backward(slot.bucket, grads, tuple(states),
                                                             extras, step)
@@ -805,6 +818,7 @@ def bucketed_vjp(
     extras_shape: Any = (),
     sharded: Sharded | None = None,
     hosts_axis: str | None = None,
+    precision: precision_lib.MixedPrecision | None = None,
 ) -> Reduced:
     """Differentiates the first output of ``traced`` with gradients reduced per bucket in backward.
 
@@ -841,7 +855,8 @@ def bucketed_vjp(
             "build it with jddp.hooks.init_hook_state(hook, params)."
         )
     reducer = make_reducer(plan, hook, axis_name, sharded=sharded, hosts_axis=hosts_axis,
-                           phase=phase, stateful=bool(jax.tree.leaves(tuple(hook_state))))
+                           phase=phase, stateful=bool(jax.tree.leaves(tuple(hook_state))),
+                           precision=precision)
     reducer.check(param_leaves)
     mode = resolve_chain(chain)
     if sharded is not None and mode == "barrier":

@@ -16,6 +16,7 @@ from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
 from jddp._src import model_state as ms_lib
+from jddp._src import precision as precision_lib
 from jddp._src import report as report_lib
 from jddp._src import verify as verify_lib
 from jddp._src.config import StepConfig
@@ -130,6 +131,10 @@ class DataParallel:
         (Flax's ``DynamicScale`` rule): the loss is scaled in the backward pass, the reduced
         gradients unscaled; a step with a non-finite gradient is skipped on every replica and
         the scale shrinks, it grows after ``growth_interval`` finite steps.
+      mixed_precision: ``jddp.precision.MixedPrecision(param_dtype=..., reduce_dtype=...)``
+        (FSDP2's ``MixedPrecisionPolicy``): float32 master parameters and optimizer state,
+        forward and backward in ``param_dtype`` (stage 3 gathers it), gradients reduced in
+        ``reduce_dtype``; see docs/precision.md.
         ``state.loss_scale`` holds the scale, ``metrics["loss_scale"]`` reports it.
       local_sgd: ``jddp.local_sgd.post_local_sgd(period, start_step)`` or
         ``jddp.local_sgd.diloco(period)``: replicas (the hosts of a two-level mesh, else every
@@ -186,6 +191,7 @@ class DataParallel:
         verify_every: int | None = None,
         deterministic: bool = False,
         group_size: int | None = None,
+        mixed_precision: precision_lib.MixedPrecision | None = None,
         **renamed: Any,
     ) -> None:
         for old, value in renamed.items():
@@ -208,7 +214,11 @@ class DataParallel:
         # "auto" picks the cap; the first bucket is then DDP's default 1 MiB unless given.
         cap, first = options.bucket_caps(None if auto is not None else bucket_cap_mb,
                                          first_bucket_mb)
-        hook = allreduce_mean() if hook is None else check_hook(hook)
+        det, groups = options.deterministic(deterministic, group_size)
+        policy = precision_lib.check_policy(mixed_precision)
+        hook = precision_lib.resolve_hook(policy, None if hook is None else check_hook(hook),
+                                          loss_scale=loss_scale, deterministic=det)
+        hook = allreduce_mean() if hook is None else hook
         det, groups = options.deterministic(deterministic, group_size)
         if det and auto is not None:
             raise ValueError("deterministic=True reduces without buckets, so bucket_cap_mb='auto' "
@@ -245,6 +255,7 @@ class DataParallel:
             local_sgd=local_sgd_options.check_local_sgd(local_sgd),
             deterministic=det,
             group_size=groups,
+            mixed_precision=policy,
         )
         local_sgd_lib.check_config(config)
         det_lib.check_config(config)
@@ -329,6 +340,7 @@ class DataParallel:
           model_state: optional non-differentiated model state (e.g. Flax ``batch_stats``).
         """
         checks.check_float_params(params)
+        precision_lib.check_master(self.config.mixed_precision, params)
         self._plans.expect(params)
         if self.config.fixed_plan is not None:
             self.config.fixed_plan.check_tree(params)

@@ -2,9 +2,9 @@
 
 The sync policy of the step (every step: ``local_sgd=None``; periodic parameter averaging:
 post-local SGD; DiLoCo's outer step; streaming DiLoCo's staggered fragments) as the option's value.
-The option is a leaf of the package (``config`` holds it, and :mod:`jddp._src.local_sgd`, which
+The option sits below ``config`` (``config`` holds it, and :mod:`jddp._src.local_sgd`, which
 runs the policy inside the step, reads the ``StepConfig``), so the two modules import without a
-cycle.
+cycle; it imports only :mod:`jddp._src.hooks` (the averaging's ``compress`` hook is validated here).
 """
 
 from __future__ import annotations

@@ -579,3 +579,50 @@ def test_streaming_diloco_equals_its_reference():
     whole = sum(np.prod(s) + (-np.prod(s)) % 4 for s in ddp.bucket_plan.shapes) * 4 / 4
     assert max(hosts_bytes) < 0.8 * whole and sum(hosts_bytes[:4]) == whole
     assert [x > 0 for x in hosts_bytes] == [bool(spec.due(s)) for s in range(8)]
+
+
+@pytest.mark.parametrize("hosts", [None, 2])
+def test_compressed_averaging(hosts):
+    """diloco(3, compress=hook): the outer gradients travel through a stateless hook. A float32
+    hook (allreduce_mean) gives the plain run's numbers; int8 (no error feedback) lands near them
+    but not on them, its averaging step moves int8 across (all-to-all + all-gather per bucket),
+    ``comm_bytes`` counts what the compiled program sends (the hook's bytes, about 0.27x float32's)
+    and the metrics riding beside it stay exact."""
+    sizes, caps = [16, 256, 64, 3], dict(bucket_cap_mb=0.05, first_bucket_mb=0.02)
+    batches = [regression_batch(i, 32, sizes[0], sizes[-1]) for i in range(6)]
+    params = mlp_params(0, sizes)
+
+    def run(**kw):
+        ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=_mesh(hosts),
+                                local_sgd=jddp.local_sgd.diloco(3, **kw), **caps)
+        state, ms = ddp.init(params), []
+        for b in batches:
+            state, m = ddp.step(state, b)
+            ms.append(m)
+        return ddp, state, ms
+
+    _, plain, m_plain = run()
+    _, f32, _ = run(compress=jddp.hooks.allreduce_mean())
+    ddp, q, m_q = run(compress=jddp.hooks.int8_compress(error_feedback=False))
+    assert max_abs_diff(f32.outer.params, plain.outer.params) < 1e-6
+    err = max_abs_diff(q.outer.params, plain.outer.params)
+    assert 1e-7 < err < 1e-2, err
+    # Step 2 averages first: its metrics (in their own exact psum) equal the plain run's.
+    assert float(m_q[2]["loss"]) == float(m_plain[2]["loss"])
+    key = "comm_bytes" if hosts is None else "comm_bytes_hosts"
+    ratio = float(m_q[2][key]) / float(m_plain[2][key])
+    assert 0.2 < ratio < 0.35, ratio
+    host = jddp.mesh.host_of_device(ddp.mesh)
+    text = ddp.lower(params, batches[0], step=2).compile().as_text()
+    t = traffic(text, host)
+    across = [c.collective for c in t.collectives if c.crosses or hosts is None]
+    buckets = ddp.bucket_plan.num_buckets
+    assert sorted(c.kind for c in across if "s8" in c.dtypes) == \
+        ["all-gather"] * buckets + ["all-to-all"] * buckets
+    floats = [c for c in across if "s8" not in c.dtypes]
+    assert sum(c.nbytes for c in floats) <= 64  # the metrics' exact psum only
+    n_hosts = len(set(host))
+    sent = (t.across if hosts else t.inside + t.across) * n_hosts / 8
+    assert float(m_q[2][key]) == pytest.approx(sent, rel=1e-3)  # + the metrics psum
+    with pytest.raises(ValueError, match="error_feedback=False"):
+        jddp.local_sgd.diloco(3, compress=jddp.hooks.int8_compress())

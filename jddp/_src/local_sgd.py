@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 from jddp._src import model_state as ms_lib
 from jddp._src import vma, zero
 from jddp._src.config import StepConfig
-from jddp._src.hooks import ring_allgather_bytes, ring_allreduce_bytes
+from jddp._src.hooks import bucket_bytes_sent, ring_allgather_bytes, ring_allreduce_bytes
 from jddp._src.local_sgd_options import AVERAGE, LOCAL, SYNC, LocalSGD
 from jddp._src.mesh import DataAxes
 from jddp._src.objective import Extras
@@ -234,19 +234,46 @@ def replica_view(state: TrainState) -> TrainState:
 def _averaging_bytes(cfg: StepConfig, plan: BucketPlan) -> tuple[float, float]:
     """``(inside, across)`` bytes one device sends to average the plan's leaves once: its ``1/L``
     slice of each bucket across replicas, then the all-gather of the slices inside the island
-    (at stage 3 each device averages the piece it holds, and nothing is gathered)."""
+    (at stage 3 each device averages the piece it holds, and nothing is gathered). With a
+    ``compress`` hook the across part is the hook's bytes, bucket by bucket."""
     r = num_replicas(cfg)
     local = cfg.num_devices // r
     sizes = [math.prod(s) for s in plan.shapes]
     items = [d.itemsize for d in plan.dtypes]
-    if local == 1:
-        return 0.0, ring_allreduce_bytes(sum(s * i for s, i in zip(sizes, items, strict=True)), r)
-    if cfg.zero_stage >= 3:
-        piece = sum((s // local if zero.shard_dim(shape, local) is not None else s) * i
-                    for s, i, shape in zip(sizes, items, plan.shapes, strict=True))
-        return 0.0, ring_allreduce_bytes(piece, r)
+    sent = _sent_sizes(cfg, plan, local)
+    hook = cfg.local_sgd.compress if cfg.local_sgd is not None else None
+    if hook is None:
+        across = ring_allreduce_bytes(sum(n * i for n, i in zip(sent, items, strict=True)), r)
+    else:
+        across = sum(
+            float(bucket_bytes_sent(hook, [jax.ShapeDtypeStruct((sent[i],), plan.dtypes[i])
+                                           for i in group], r, 0))
+            for group in _bucket_groups(plan)
+        )
+    if local == 1 or cfg.zero_stage >= 3:
+        return 0.0, across
     padded = sum((s + (-s) % local) * i for s, i in zip(sizes, items, strict=True))
-    return ring_allgather_bytes(padded / local, local), ring_allreduce_bytes(padded / local, r)
+    return ring_allgather_bytes(padded / local, local), across
+
+
+def _sent_sizes(cfg: StepConfig, plan: BucketPlan, local: int) -> list[int]:
+    """Per leaf, the elements one device averages across replicas (the whole leaf, its stage-3
+    piece, or its ``1/L`` slice of the island's copy)."""
+    sizes = [math.prod(s) for s in plan.shapes]
+    if local == 1:
+        return sizes
+    if cfg.zero_stage >= 3:
+        return [s // local if zero.shard_dim(shape, local) is not None else s
+                for s, shape in zip(sizes, plan.shapes, strict=True)]
+    return [(s + (-s) % local) // local for s in sizes]
+
+
+def _bucket_groups(plan: BucketPlan) -> list[list[int]]:
+    """The leaves of each collective of :func:`bucketed_mean` (unused leaves with the last)."""
+    groups = [list(b.indices) for b in plan.buckets]
+    if plan.unused:
+        groups = groups[:-1] + [(groups[-1] if groups else []) + list(plan.unused)]
+    return groups
 
 
 def fragments(plan: BucketPlan, count: int) -> list[tuple[int, ...]]:
@@ -290,7 +317,7 @@ def _replica_mean_specs(cfg: StepConfig, values: Any, diloco: bool) -> Any:
 
 
 def _average(cfg: StepConfig, plan: BucketPlan, values: Any, island: Extras,
-             model_state: Any) -> tuple[Any, Extras, Any]:
+             model_state: Any, step: Any) -> tuple[Any, Extras, Any]:
     """The mean over replicas of per-replica ``values``, of the island means of the step's
     metrics (riding on the last bucket) and of the model state (``model_state_sync``), in one
     ``shard_map``: one chained collective per bucket (:func:`bucketed_mean`)."""
@@ -302,13 +329,14 @@ def _average(cfg: StepConfig, plan: BucketPlan, values: Any, island: Extras,
     mode = cfg.model_state_sync
     per_rep = lambda tree: jax.tree.map(lambda _: P(rax), tree)
 
-    def per_device(vals: Any, isl: Extras, ms: Any) -> tuple[Any, Extras, Any]:
+    def per_device(vals: Any, isl: Extras, ms: Any, step: Any) -> tuple[Any, Extras, Any]:
         vals, isl, ms = strip_device_dim((vals, isl, ms))
         payload = () if ms is None else ms_lib.encode_state(ms, mode, rax, r)
         riders = [vma.to_varying(jnp.asarray(x, jnp.float32), rax)
                   for x in jax.tree.leaves((isl, payload))]
         means, ride = bucketed_mean(jax.tree.leaves(vals), plan, rax, local_axis=local_axis,
-                                    chain=cfg.chain, extras=tuple(riders))
+                                    chain=cfg.chain, extras=tuple(riders), hook=spec.compress,
+                                    step=step)
         k = len(jax.tree.leaves(isl))
         mean_isl = jax.tree.unflatten(jax.tree.structure(isl), list(ride[:k]))
         mean_payload = jax.tree.unflatten(jax.tree.structure(payload), list(ride[k:]))
@@ -318,11 +346,11 @@ def _average(cfg: StepConfig, plan: BucketPlan, values: Any, island: Extras,
         return (out if spec.diloco else add_device_dim(out)), mean_isl, new_ms
 
     in_specs = (_per_replica_specs(cfg, values, cfg.zero_stage >= 3), per_rep(island),
-                per_rep(model_state))
+                per_rep(model_state), P())
     out_specs = (_replica_mean_specs(cfg, values, spec.diloco),
                  jax.tree.map(lambda _: P(), island), per_rep(model_state))
     return jax.shard_map(per_device, mesh=cfg.mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=True)(values, island, model_state)
+                         check_vma=True)(values, island, model_state, step)
 
 
 def _outer_step(cfg: StepConfig, anchor: Any, opt_state: Any, mean_delta: Any,
@@ -366,7 +394,8 @@ def _streamed(cfg: StepConfig, plan: BucketPlan, due: tuple[int, ...], state: Tr
     ids = tuple(sorted(i for f in due for i in groups[f]))
     params, anchor = jax.tree.leaves(state.params), jax.tree.leaves(outer.params)
     deltas = [anchor[i][None].astype(params[i].dtype) - params[i] for i in ids]
-    means, mean, new_ms = _average(cfg, _sub_plan(plan, ids), deltas, island, ms)
+    means, mean, new_ms = _average(cfg, _sub_plan(plan, ids), deltas, island, ms,
+                                     state.step)
     opt = list(outer.opt_state)
     for i, m in zip(ids, means, strict=True):
         params[i], anchor[i], opt[i] = _outer_step(cfg, anchor[i], opt[i], m, params[i])
@@ -389,11 +418,11 @@ def _synced(cfg: StepConfig, plan: BucketPlan, due: tuple[int, ...], state: Trai
         assert outer is not None
         deltas = jax.tree.map(lambda g, p: g[None].astype(p.dtype) - p, outer.params,
                               state.params)
-        means, mean, new_ms = _average(cfg, plan, deltas, island, ms)
+        means, mean, new_ms = _average(cfg, plan, deltas, island, ms, state.step)
         params, anchor, opt = _outer_step(cfg, outer.params, outer.opt_state, means, state.params)
         outer = OuterState(anchor, opt)
     else:
-        params, mean, new_ms = _average(cfg, plan, state.params, island, ms)
+        params, mean, new_ms = _average(cfg, plan, state.params, island, ms, state.step)
     return Synced(params, outer, state.model_state if ms is None else new_ms, mean)
 
 

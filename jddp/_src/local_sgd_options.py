@@ -2,9 +2,9 @@
 
 The sync policy of the step (every step: ``local_sgd=None``; periodic parameter averaging:
 post-local SGD; DiLoCo's outer step; streaming DiLoCo's staggered fragments) as the option's value.
-The option is a leaf of the package (``config`` holds it, and :mod:`jddp._src.local_sgd`, which
+The option sits below ``config`` (``config`` holds it, and :mod:`jddp._src.local_sgd`, which
 runs the policy inside the step, reads the ``StepConfig``), so the two modules import without a
-cycle.
+cycle; it imports only :mod:`jddp._src.hooks` (the averaging's ``compress`` hook is validated here).
 """
 
 from __future__ import annotations
@@ -12,8 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+
+from jddp._src.hooks import CommHook, check_hook, hook_name
 
 # The kinds of step (static: one compiled program each).
 SYNC, LOCAL, AVERAGE = "sync", "local", "average"
@@ -38,12 +42,17 @@ class LocalSGD:
       fragments: streaming DiLoCo's ``F``: the parameters are cut into ``F`` fragments (groups of
         buckets), and fragment ``f`` is synchronised on its own schedule, offset by
         ``f * period // F`` steps, so one outer step moves ``1/F`` of the model (1: all at once).
+      compress: a stateless communication hook that carries the averaging across replicas
+        (DiLoCo's outer gradients, post-local SGD's parameters), e.g.
+        ``jddp.hooks.int8_compress(error_feedback=False)``; ``None``: float32 ``psum``. The
+        step's gradient reduction inside an island keeps the step's own ``hook``.
     """
 
     period: int
     start_step: int = 0
     outer_optimizer: optax.GradientTransformation | None = None
     fragments: int = 1
+    compress: CommHook | None = None
 
     def __post_init__(self) -> None:
         _check_int("period", self.period, 1)
@@ -67,6 +76,8 @@ class LocalSGD:
                 f"streaming DiLoCo syncs one fragment at a time, at most one per step: fragments="
                 f"{self.fragments} must be <= period={self.period}."
             )
+        if self.compress is not None:
+            _check_stateless(self.compress)
         if self.fragments > 1 and outer is None:
             raise ValueError(
                 "fragments > 1 is streaming DiLoCo: build it with jddp.local_sgd.diloco(period, "
@@ -98,7 +109,21 @@ class LocalSGD:
         return AVERAGE if k % self.period == 0 else LOCAL
 
 
-def post_local_sgd(period: int, start_step: int = 0) -> LocalSGD:
+def _check_stateless(hook: Any) -> None:
+    """The averaging keeps no per-replica hook state: a hook with state (error feedback) would
+    need a residual per replica carried from one averaging to the next."""
+    hook = check_hook(hook)
+    state = hook.init(jax.ShapeDtypeStruct((4,), jnp.float32))
+    if jax.tree.leaves(state):
+        raise ValueError(
+            f"local SGD's compress={hook_name(hook)!r} keeps state (error feedback); the "
+            "averaging takes stateless hooks only. Turn the state off (e.g. "
+            "jddp.hooks.int8_compress(error_feedback=False)) or use bf16_compress()/fp16_compress()."
+        )
+
+
+def post_local_sgd(period: int, start_step: int = 0, *,
+                   compress: CommHook | None = None) -> LocalSGD:
     """PyTorch's post-local SGD: DDP for ``start_step`` steps, then local steps whose parameters
     are averaged every ``period`` steps (``PostLocalSGDOptimizer`` + ``PeriodicModelAverager``).
 
@@ -106,12 +131,14 @@ def post_local_sgd(period: int, start_step: int = 0) -> LocalSGD:
       period: steps between averagings (PyTorch's ``period``).
       start_step: steps of plain gradient all-reduce first (``start_localSGD_iter`` and the
         averager's ``warmup_steps``).
+      compress: a stateless hook for the averaging (:attr:`LocalSGD.compress`).
     """
-    return LocalSGD(period, start_step, None)
+    return LocalSGD(period, start_step, None, compress=compress)
 
 
 def diloco(period: int, outer_optimizer: optax.GradientTransformation | None = None,
-           *, outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1) -> LocalSGD:
+           *, outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1,
+           compress: CommHook | None = None) -> LocalSGD:
     """DiLoCo: ``period`` inner steps per replica, then an outer step on the averaged delta.
 
     Args:
@@ -121,10 +148,12 @@ def diloco(period: int, outer_optimizer: optax.GradientTransformation | None = N
       fragments: streaming DiLoCo (Douillard et al., 2025): the buckets are cut into
         ``fragments`` groups, each synchronised every ``period`` steps at its own offset, so the
         peak cross-replica bytes of a step fall by about ``fragments``.
+      compress: a stateless hook for the outer gradients (:attr:`LocalSGD.compress`), e.g.
+        ``jddp.hooks.int8_compress(error_feedback=False)`` (Streaming DiLoCo quantizes them).
     """
     if outer_optimizer is None:
         outer_optimizer = optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)
-    return LocalSGD(period, 0, outer_optimizer, fragments)
+    return LocalSGD(period, 0, outer_optimizer, fragments, compress)
 
 
 def check_local_sgd(value: Any) -> LocalSGD | None:

@@ -966,6 +966,8 @@ def bucketed_mean(
     local_axis: Any = None,
     chain: options.Chain = "auto",
     extras: Sequence[jax.Array] = (),
+    hook: CommHook | None = None,
+    step: Any = 0,
 ) -> tuple[list[jax.Array], tuple]:
     """The mean over ``axis_name`` of per-replica values shaped like the plan's leaves (local
     SGD's parameters, DiLoCo's parameter deltas), one collective per bucket, in plan order (the
@@ -980,13 +982,18 @@ def bucketed_mean(
     sends the bucket's bytes across once, not ``L`` times. Must run inside ``shard_map`` over
     ``axis_name`` (and ``local_axis``).
 
+    Args:
+      hook: a stateless communication hook that averages each bucket (its slice with
+        ``local_axis``) over ``axis_name`` instead of the float32 ``psum`` (e.g.
+        ``int8_compress(error_feedback=False)``); ``extras`` then travel in their own exact
+        ``psum`` (metrics are never compressed), and the in-host gather stays float32.
+      step: the step number the hook's context carries (stochastic rounding keys on it).
+
     Returns:
       ``(means, extras_means)``: the leaves' means (in ``leaves`` order, no longer varying over
       the axes) and the extras' means.
     """
     mode = resolve_chain(chain)
-    n = axis_size(axis_name)
-    parts = 1 if local_axis is None else axis_size(local_axis)
     out: list[Any] = list(leaves)
     extras_out: tuple = tuple(extras)
     groups = [list(b.indices) for b in plan.buckets]
@@ -1005,30 +1012,44 @@ def bucketed_mean(
             vals = tuple(v + dep.astype(v.dtype) for v in vals)
         elif dep is not None and mode == "barrier" and vals:
             vals, _ = lax.optimization_barrier((vals, dep))
-        scaled = tuple(v * jnp.asarray(1.0 / n, v.dtype) for v in vals)
-        riders = tuple(e / n for e in extras) if last else ()
-        if local_axis is None:
-            summed = lax.psum(scaled + riders, axis_name)
-            means = summed[: len(vals)]
-        else:
-            # This device's 1/L slice of each leaf (equal on every device of the host, so the
-            # slices need no reduction inside the host), averaged across hosts, then gathered.
-            i = lax.axis_index(local_axis)
-            flats = [padded_flat(v, parts) for v in scaled]
-            shards = tuple(
-                lax.dynamic_slice_in_dim(f, i * (f.shape[0] // parts), f.shape[0] // parts)
-                for f in flats
-            )
-            summed = lax.psum(shards + riders, axis_name)
-            full = gather_invariant(summed[: len(vals)], local_axis, axis=0, tiled=True)
-            means = tuple(unflatten_like(f, v) for f, v in zip(full, vals, strict=True))
+        ctx = HookContext(axis_name, axis_size(axis_name), jnp.asarray(step, jnp.int32), b)
+        means, riders = _mean_bucket(vals, tuple(extras) if last else (), ctx, local_axis, hook)
         if last:
-            extras_out = tuple(summed[len(vals):])
+            extras_out = riders
         for j, m in zip(idx, means, strict=True):
             out[j] = m
         if means:
             dep = chain_dependency(means, mode) if mode != "none" else None
     return out, extras_out
+
+
+def _mean_bucket(vals: tuple, extras: tuple, ctx: HookContext, local_axis: Any,
+                 hook: CommHook | None) -> tuple[tuple, tuple]:
+    """One bucket of :func:`bucketed_mean`: ``(means of vals, means of extras)``."""
+    axis_name, n = ctx.axis_name, ctx.axis_size
+    if local_axis is not None:
+        # This device's 1/L slice of each leaf (equal on every device of the host, so the
+        # slices need no reduction inside the host), averaged across hosts, then gathered.
+        parts, i = axis_size(local_axis), lax.axis_index(local_axis)
+        flats = [padded_flat(v, parts) for v in vals]
+        sent = tuple(lax.dynamic_slice_in_dim(f, i * (f.shape[0] // parts), f.shape[0] // parts)
+                     for f in flats)
+    else:
+        sent = vals
+    riders = tuple(e / n for e in extras)
+    if hook is None:
+        summed = lax.psum(tuple(v * jnp.asarray(1.0 / n, v.dtype) for v in sent) + riders,
+                          axis_name)
+        reduced, riders = summed[: len(sent)], summed[len(sent):]
+    else:
+        out = hook.reduce(sent, tuple(() for _ in sent), ctx) if sent else ((), ())
+        reduced, _ = _check_hook_output(hook, sent, out, ctx.bucket_index)
+        _check_reduced(hook, reduced, axis_name, ctx.bucket_index)
+        riders = lax.psum(riders, axis_name) if riders else ()
+    if local_axis is None:
+        return tuple(reduced), tuple(riders)
+    full = gather_invariant(tuple(reduced), local_axis, axis=0, tiled=True)
+    return tuple(unflatten_like(f, v) for f, v in zip(full, vals, strict=True)), tuple(riders)
 
 
 # ----------------------------------------------------------------------------- the drop-in

@@ -182,7 +182,7 @@ def _digits_loss(p, b):
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
 
-def digits_losses(policy, stage, steps=30, batch_size=128):
+def digits_losses(policy, stage, steps=20, batch_size=128):
     """The training losses of a 64-128-128-10 MLP on scikit-learn's digits (Adam)."""
     x, y = _digits()
     k = jax.random.split(jax.random.PRNGKey(0), 3)

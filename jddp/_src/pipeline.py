@@ -670,7 +670,7 @@ def _scattered_call(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared, state
         plan=prep.plan, axis_name=lv.axis, hook=cfg.hook,
         hook_state=strip_device_dim(state.hook_state), step=state.step, phase=phase,
         chain=cfg.chain, seed=seed, offset=None if offset is None else jax.tree.leaves(offset),
-        sharded=prep.sharded, hosts_axis=lv.hosts,
+        sharded=prep.sharded, hosts_axis=lv.hosts, precision=cfg.mixed_precision,
     )
     aux: LocalAux = red.out[1]
     grads = acc_lib.add(live_grads, jax.tree.unflatten(jax.tree.structure(live_grads),

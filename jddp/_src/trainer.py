@@ -228,7 +228,6 @@ class DataParallel:
         hook = precision_lib.resolve_hook(policy, None if hook is None else check_hook(hook),
                                           loss_scale=loss_scale, deterministic=det)
         hook = allreduce_mean() if hook is None else hook
-        det, groups = options.deterministic(deterministic, group_size)
         if det and auto is not None:
             raise ValueError("deterministic=True reduces without buckets, so bucket_cap_mb='auto' "
                              "has nothing to tune: drop it.")

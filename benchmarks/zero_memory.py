@@ -78,12 +78,35 @@ def measure(params, loss_fn, data, caps) -> dict:
     return dict(P_mib=pbytes / MIB, variants=out)
 
 
+def step_times(params, loss_fn, data, caps, rounds: int) -> dict:
+    """Median step time (s) of stage 3 with and without resharding, alternated round by round."""
+    import time
+
+    runs = {}
+    for name, kw in VARIANTS[2:]:
+        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), **caps, **kw)
+        state = ddp.init(params)
+        state, _ = ddp.step(state, data)  # compile
+        runs[name] = [ddp, state, []]
+    for _ in range(rounds):
+        for name, r in runs.items():
+            t = time.perf_counter()
+            r[1], m = r[0].step(r[1], data)
+            jax.block_until_ready(m["loss"])
+            r[2].append(time.perf_counter() - t)
+    return {name: float(np.median(r[2])) for name, r in runs.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
+    p.add_argument("--rounds", type=int, default=20, help="alternated timing rounds")
     args = p.parse_args()
     results = {"12-layer MLP (width 384, one layer per bucket)": measure(*deep_mlp())}
     results["10.6M benchmark MLP (8 x 1152, default caps)"] = measure(*bench_mlp())
+    for r, model in zip(results.values(), (deep_mlp(), bench_mlp()), strict=True):
+        r["step_s"] = step_times(*model, args.rounds)
+        r["load"] = os.getloadavg()[0]
     for model, r in results.items():
         print(f"\n{model}: P = {r['P_mib']:.2f} MiB, 8 devices, Adam")
         print("| variant | buckets | arguments MiB | temporaries MiB | peak MiB | peak / stage 2 |")
@@ -92,6 +115,10 @@ def main() -> None:
         for name, v in r["variants"].items():
             print(f"| {name} | {v['buckets']} | {v['arguments']:.2f} | {v['temp']:.2f} | "
                   f"{v['peak']:.2f} | {v['peak'] / s2:.2f} |")
+        t = r["step_s"]
+        print(f"step time (median of {args.rounds} alternated rounds, load {r['load']:.1f}): "
+              + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items())
+              + f"; reshard / keep {t['stage 3, reshard'] / t['stage 3, keep']:.2f}")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:

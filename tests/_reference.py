@@ -8,6 +8,10 @@ mirror what a ``DataParallel`` step means:
   window; the step's gradient is the mean of the calls' gradients (equal shapes);
 - ``weighted``: ``loss_fn`` returns per-example losses and the objective is their mean weighted
   by ``masks`` (``sum(m l) / sum(m)``; all ones without a mask);
+- ``pooled``: with ``weighted``, a window's calls pool their real examples (the window's
+  ``sum(m l) / sum(m)`` over all its calls, what ``DataParallel(weighted=True,
+  accumulate_steps=k)`` means), so calls of different sizes or mask sums (an epoch's short last
+  window) weigh by their real rows, not as equal means;
 - ``rng_key``: ``loss_fn(params, batch, keys)`` with the keys of ``example_keys``;
 - ``model_state``: ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``, the state
   taken from the whole batch (what ``model_state_sync="broadcast"`` gives for batch-independent
@@ -69,6 +73,7 @@ def train(
     weighted: bool = False,
     rng_key: jax.Array | None = None,
     model_state: Any = None,
+    pooled: bool = False,
 ) -> Result:
     """Trains ``params`` on one device, one optax update per window of calls.
 
@@ -79,26 +84,34 @@ def train(
       weighted: ``loss_fn`` returns per-example losses (see the module docstring).
       rng_key: the key passed to every ``ddp.step(..., rng=key)``.
       model_state: the initial model state, for ``loss_fn(params, model_state, batch)``.
+      pooled: weigh a window's calls by their real rows (see the module docstring).
     """
+    if pooled and not weighted:
+        raise ValueError("pooled=True pools weighted calls: pass weighted=True")
     stateful = model_state is not None
     objective = _objective(loss_fn, weighted, rng_key, stateful)
     grad_fn = jax.jit(jax.value_and_grad(objective, has_aux=True))
     opt_state = optimizer.init(params)
     losses = []
     for step, window in enumerate(windows):
-        grads, total = None, 0.0
+        grads, total, rows = None, 0.0, 0.0
         for call, batch in enumerate(window):
             mask = None if masks is None else masks[step][call]
             (loss, new_state), g = grad_fn(params, model_state, batch, mask, step, call)
+            # pooled: the call's sum(m l) and its gradient (its weighted mean times sum(m)).
+            w = 1.0 if not pooled else float(np.sum(
+                np.ones(len(jax.tree.leaves(batch)[0])) if mask is None else mask))
+            g = jax.tree.map(lambda x, w=w: x * w, g)
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-            total += float(loss)
+            total += float(loss) * w
+            rows += w
             if stateful:
                 model_state = new_state
-        k = len(window)
+        k = rows if pooled else len(window)
         grads = jax.tree.map(lambda x, k=k: x / k, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        losses.append(total / len(window))
+        losses.append(total / k)
     return Result(params, losses, model_state)
 
 

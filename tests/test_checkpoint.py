@@ -217,6 +217,30 @@ def test_accumulator_restores_at_a_window_boundary_only(tmp_path):
         ckpt.restore(mngr, b.abstract_state(params), step=101, init_fn=lambda: b.init(params))
 
 
+def test_sharded_accumulator_checkpoints_like_the_per_device_one(tmp_path):
+    """Stage 3's sharded accumulator (split like the parameters): mid-window it restores on the
+    same device count and the window ends as if uninterrupted; on another device count the
+    existing error names the window; at a window boundary it restores anywhere."""
+    params, batches = mlp_params(3, SIZES), _batches(4)
+    a = _on(8, accumulate_steps=2, zero_stage=3)
+    assert a.config.shard_accumulator
+    mid = _run(a, a.init(params), batches[:1])
+    mngr = ckpt.manager(tmp_path / "c")
+    ckpt.save(mngr, mid, step=1)
+    reference = _run(a, mid, batches[1:2])
+    restored = ckpt.restore(mngr, a.abstract_state(params), step=1)
+    assert int(restored.accum.count) == 1
+    _assert_identical(_run(a, restored, batches[1:2]), reference)
+    b = _on(4, accumulate_steps=2, zero_stage=3)
+    with pytest.raises(ValueError, match=r"saved on 8 devices, restored on 4.*middle of a gradient "
+                                         r"accumulation window"):
+        ckpt.restore(mngr, b.abstract_state(params), step=1, init_fn=lambda: b.init(params))
+    ckpt.save(mngr, reference, step=2)  # a window boundary
+    restored = ckpt.restore(mngr, b.abstract_state(params), step=2, init_fn=lambda: b.init(params))
+    assert int(restored.accum.count) == 0 and int(restored.step) == 1
+    _run(b, restored, batches[2:4])  # and it trains
+
+
 def test_per_replica_model_state_does_not_restore_on_another_device_count(tmp_path):
     import jax.numpy as jnp
 

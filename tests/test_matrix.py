@@ -218,6 +218,13 @@ def _cells() -> list[Cell]:
         Cell("accumulate_steps=2", lambda: {"accumulate_steps": 2}, "1d", 0,
              equal("accumulate"), procs=2),
         Cell("accumulate_steps=2", lambda: {"accumulate_steps": 2}, "1d", 2, equal("accumulate")),
+        # stages 2-3 accumulate into a sharded accumulator by default; the per-device one:
+        Cell("accumulate_steps=2 shard_accumulator=False",
+             lambda: {"accumulate_steps": 2, "shard_accumulator": False}, "1d", 3,
+             equal("accumulate")),
+        Cell("accumulate_steps=2 + hybrid_shard (sharded accumulator)",
+             lambda: {"accumulate_steps": 2, "hybrid_shard": True}, "2l", 3,
+             equal("accumulate")),
         Cell("microbatches=2", lambda: {"microbatches": 2}, "1d", 0, equal("plain")),
         Cell("weighted + mask", lambda: {"weighted": True}, "1d", 0, equal("masked")),
         Cell("weighted + mask", lambda: {"weighted": True}, "1d", 2, equal("masked")),

@@ -151,12 +151,14 @@ def test_collectives_of_each_stage_in_the_compiled_step(stage):
 
 
 def test_accumulation_collectives_at_stage_2_and_3():
-    """No-sync calls reduce nothing (stage 3 still gathers the parameters it computes with); the
-    synchronising call reduce-scatters each bucket once for the whole window."""
+    """With the per-device accumulator (``shard_accumulator=False``) no-sync calls reduce nothing
+    (stage 3 still gathers the parameters it computes with); the synchronising call
+    reduce-scatters each bucket once for the whole window. (The sharded accumulator's:
+    tests/test_shard_accumulator.py.)"""
     params, batch = mlp_params(3, SIZES), _batches(1)[0]
     for stage in (2, 3):
         ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage,
-                                accumulate_steps=2, **SMALL_CAPS)
+                                accumulate_steps=2, shard_accumulator=False, **SMALL_CAPS)
         state = ddp.init(params)
         quiet = _collectives(ddp, state, batch, sync=False)
         loud = _collectives(ddp, state, batch, sync=True)
@@ -261,7 +263,9 @@ def _hlo_bytes(text):
 def test_comm_bytes_equal_the_compiled_collectives(stage):
     """``comm_bytes`` of a synchronising and of a no-sync (accumulating) call equals the ring
     bytes of the collectives in the compiled CPU program, for the plain and the PowerSGD hook
-    (compressed phase); bf16 in test_comm_bytes_of_bf16_equal_the_compiled_gpu_collectives."""
+    (compressed phase); bf16 in test_comm_bytes_of_bf16_equal_the_compiled_gpu_collectives. At
+    stages 2-3 the plain hook accumulates into the sharded accumulator (a no-sync call
+    reduce-scatters), PowerSGD into the per-device one."""
     params, batch = mlp_params(8, SIZES), _batches(1, seed=8)[0]
     sent = {}
     for name, hook in (("none", None), ("powersgd", jddp.powersgd(start_iter=0))):
@@ -274,7 +278,9 @@ def test_comm_bytes_equal_the_compiled_collectives(stage):
             sent[name, sync] = float(m["comm_bytes"])
             assert sent[name, sync] == pytest.approx(_hlo_bytes(compiled.as_text()), rel=1e-6), (
                 name, sync)
-    assert (sent["none", False] > 0) == (stage == 3)  # stage 3 gathers to compute locally
+    # Stage 3 gathers to compute locally; stages 2-3 reduce-scatter into the sharded accumulator.
+    assert (sent["none", False] > 0) == (stage >= 2)
+    assert (sent["powersgd", False] > 0) == (stage == 3)
     assert sent["powersgd", True] < sent["none", True]
     if stage == 3:  # scanned micro-batches: the whole parameters gathered once more
         ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=3, microbatches=2,

@@ -28,7 +28,8 @@ def accumulator_dtype(param_dtype: Any, override: Any = None) -> np.dtype:
 
 
 def init_accum(
-    params: Any, num_devices: int, dtype: Any = None, model_state: Any = None
+    params: Any, num_devices: int, dtype: Any = None, model_state: Any = None,
+    sharded: bool = False,
 ) -> AccumState:
     """An empty accumulator for ``params`` on ``num_devices`` devices (leading device dimension).
 
@@ -37,10 +38,12 @@ def init_accum(
       num_devices: the number of devices of the data mesh.
       dtype: the dtype of the sums (default: see :func:`accumulator_dtype`).
       model_state: the model state, if the model has one (its per-device slot between calls).
+      sharded: the gradient sums are reduced ones, shaped like the parameters (no device
+        dimension) and split over the devices like them (``shard_accumulator``).
     """
+    lead = () if sharded else (num_devices,)
     grads = jax.tree.map(
-        lambda p: jnp.zeros((num_devices, *jnp.shape(p)),
-                            accumulator_dtype(jnp.result_type(p), dtype)),
+        lambda p: jnp.zeros((*lead, *jnp.shape(p)), accumulator_dtype(jnp.result_type(p), dtype)),
         params,
     )
     return AccumState(
@@ -51,20 +54,29 @@ def init_accum(
     )
 
 
-def accum_specs(accum: AccumState | None, axis: Any) -> AccumState | None:
-    """Partition specs: the counter is replicated, the local sums and model state are per device."""
+def accum_specs(accum: AccumState | None, axis: Any,
+                grad_specs: Callable[[Any], Any] | None = None) -> AccumState | None:
+    """Partition specs: the counter is replicated, the local sums and model state are per device.
+
+    Args:
+      grad_specs: ``grad_specs(grads) -> specs`` of a sharded accumulator's gradient sums (split
+        like the parameters); ``None``: per device.
+    """
     if accum is None:
         return None
     per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
+    grads = per_device(accum.grads) if grad_specs is None else grad_specs(accum.grads)
     return AccumState(  # a tree of specs shaped like the state
-        count=P(), grads=per_device(accum.grads), loss=P(axis),  # type: ignore[arg-type]
+        count=P(), grads=grads, loss=P(axis),  # type: ignore[arg-type]
         weight=P(axis),  # type: ignore[arg-type]
         model_state=per_device(accum.model_state),
     )
 
 
-def check_accum(state: Any, accumulate_steps: int, num_devices: int) -> None:
-    """Trace-time checks that ``state.accum`` belongs to a trainer with ``accumulate_steps``."""
+def check_accum(state: Any, accumulate_steps: int, num_devices: int,
+                sharded: bool = False) -> None:
+    """Trace-time checks that ``state.accum`` belongs to a trainer with ``accumulate_steps``
+    (and ``shard_accumulator`` resolved to ``sharded``)."""
     if accumulate_steps == 1:
         if state.accum is not None:
             raise ValueError(
@@ -91,11 +103,13 @@ def check_accum(state: Any, accumulate_steps: int, num_devices: int) -> None:
         jax.tree_util.tree_flatten_with_path(state.params)[0],
         jax.tree.leaves(state.accum.grads), strict=True,
     ):
-        want = (num_devices, *jnp.shape(p))
+        want = (*(() if sharded else (num_devices,)), *jnp.shape(p))
         if jnp.shape(a) != want:
             raise ValueError(
                 f"Accumulator for {key_path_str(path)} has shape {jnp.shape(a)}, expected {want} "
-                f"(the state was built for another device count?); build the state with this "
+                f"(the state was built for another device count, or with another "
+                f"shard_accumulator setting: this DataParallel's accumulator is "
+                f"{'sharded' if sharded else 'per device'})? Build the state with this "
                 "DataParallel's init()."
             )
 

@@ -39,6 +39,9 @@ class StepConfig:
       accumulate_steps: calls per optimizer step (local accumulation in between).
       microbatches: micro-batches scanned inside each call.
       accumulator_dtype: dtype of the local gradient sums (``None``: at least float32).
+      shard_accumulator: every accumulating call reduce-scatters its gradients into an
+        accumulator split like the parameters (``P/N`` per device) instead of keeping a
+        full-size local sum (resolved by :func:`jddp._src.options.shard_accumulator`).
       zero_stage: 0 (DDP: everything replicated), 1 (optimizer state sharded), 2 (gradients
         too), 3 (parameters too); see :mod:`jddp._src.zero`.
       hybrid_shard: on a two-level mesh, shard over the devices of a host only and replicate
@@ -70,6 +73,7 @@ class StepConfig:
     accumulate_steps: int = 1
     microbatches: int = 1
     accumulator_dtype: np.dtype | None = None
+    shard_accumulator: bool = False
     zero_stage: options.ZeroStage = 0
     hybrid_shard: bool = False
     reshard_after_forward: bool = False

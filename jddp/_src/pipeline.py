@@ -102,7 +102,8 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
         hook_state=broadcast_to_devices(init_hook_state(cfg.hook, params), n),
         accum=None if not cfg.accumulates
         else det_lib.init_accum(cfg, params, model_state) if cfg.deterministic
-        else acc_lib.init_accum(params, n, cfg.accumulator_dtype, model_state),
+        else acc_lib.init_accum(params, n, cfg.accumulator_dtype, model_state,
+                                sharded=cfg.shard_accumulator),
         loss_scale=None if cfg.loss_scale is None else cfg.loss_scale.init(),
     )
     if cfg.local_sgd is not None:  # seam: local SGD / DiLoCo keep one copy per replica
@@ -126,7 +127,7 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
         opt_state=(split if cfg.zero_stage >= 1 else rep)(state.opt_state),
         model_state=(per_device if cfg.per_device_model_state else rep)(state.model_state),
         hook_state=per_device(state.hook_state),
-        accum=acc_lib.accum_specs(state.accum, axis),
+        accum=acc_lib.accum_specs(state.accum, axis, split if cfg.shard_accumulator else None),
         loss_scale=rep(state.loss_scale),
     )
     if cfg.local_sgd is not None:  # seam: local SGD / DiLoCo's per-replica leaves
@@ -178,7 +179,7 @@ def check_step_inputs(
         det_lib.check_accum(cfg, state)
         det_lib.check_call(cfg, size, sync, state.model_state)
     else:
-        acc_lib.check_accum(state, cfg.accumulate_steps, n)
+        acc_lib.check_accum(state, cfg.accumulate_steps, n, cfg.shard_accumulator)
     ls_lib.check_state(state, cfg.loss_scale)
     if cfg.rng and rng is None:
         raise ValueError(
@@ -259,11 +260,20 @@ def _result_specs(cfg: StepConfig, lv: local_sgd.Levels, view: TrainState,
     return LocalResult(
         grads=grads, metrics=glob, local_metrics=P(axis),  # type: ignore[arg-type]
         model_state=P(axis) if cfg.per_device_model_state else rep,
-        hook_state=P(axis), accum=acc_lib.accum_specs(view.accum, axis),
+        hook_state=P(axis), accum=acc_lib.accum_specs(view.accum, axis, _accum_split(cfg)),
         synced=P(), nonempty=glob,
         island=None if lv.replica is None else rep,  # type: ignore[arg-type]
         comm=None if cfg.deterministic else P(),  # type: ignore[arg-type]
     )
+
+
+def _accum_split(cfg: StepConfig) -> Callable[[Any], Any] | None:
+    """Specs of a sharded accumulator's sums (split like stage 3's parameters); ``None``: the
+    accumulator is per device."""
+    if not cfg.shard_accumulator:
+        return None
+    return lambda tree: jax.tree.map(
+        lambda x: zero.leaf_spec(jnp.shape(x), cfg.shard_count, cfg.shard_axis), tree)
 
 
 def _varying(tree: Any, axis: Any) -> Any:
@@ -527,7 +537,8 @@ def _window_start(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared,
     call = _aux_zeros(prep.aux_shape, cfg.axis_name)
     if acc is not None:
         live_grads, live_loss, live_weight = acc_lib.live(acc)
-        offset = strip_device_dim(live_grads)
+        # A sharded accumulator holds reduced sums: added after the reduction (_synchronise).
+        offset = None if cfg.shard_accumulator else strip_device_dim(live_grads)
         window0 = (live_loss[0] / prep.unit, live_weight[0] / prep.unit)
     else:
         offset = None
@@ -575,7 +586,12 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pr
     red = _reduce(cfg, obj, lv, prep, state, phase, (ms_last, prep.last, *prep.side_last),
                   loss_seed, offset_leaves, extras)
     mean: Extras = red.extras
-    grads = jax.tree.unflatten(jax.tree.structure(state.params), red.grads)
+    reduced = red.grads
+    if acc is not None and cfg.shard_accumulator:  # the earlier calls' reduced sums, scaled alike
+        assert seed is not None
+        reduced = [g + (a * jnp.asarray(seed / prep.unit, a.dtype)).astype(g.dtype) for g, a in
+                   zip(reduced, jax.tree.leaves(acc_lib.live(acc)[0]), strict=True)]
+    grads = jax.tree.unflatten(jax.tree.structure(state.params), reduced)
     if ls is not None:  # unscaled after the reduction: the same on every replica
         grads = ls_lib.unscale(grads, ls)
     nonempty = jnp.asarray(True)
@@ -606,28 +622,81 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pr
                        jnp.asarray(True), nonempty, island, comm)
 
 
-def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepared,
-                layout: zero.Layout, state: TrainState) -> LocalResult:
-    """A call that does not synchronise: its micro-batches' local gradients are added to the
-    accumulator, and no collective runs."""
-    acc = state.accum
-    assert acc is not None
-    live_grads, live_loss, live_weight = acc_lib.live(acc)
+class CallSums(NamedTuple):
+    """What an accumulating call adds to the window (see :func:`_accumulate`).
+
+    Attributes:
+      grads: the accumulator's new gradient sums (local, or reduced pieces when sharded).
+      loss: this device's loss sum over the call's micro-batches (the call's unit).
+      weight: its weight sum.
+      model_state: this device's model state after the call's last micro-batch.
+      sent: the bytes this call's collectives sent.
+    """
+
+    grads: Any
+    loss: jax.Array
+    weight: jax.Array
+    model_state: Any
+    sent: Bytes
+
+
+def _local_call(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared,
+                live_grads: Any) -> CallSums:
+    """The call's local gradients added to a per-device accumulator: no collective (stage 3
+    gathers the parameters it computes with)."""
     params, gathered = _local_params(cfg, lv, prep)
     call = acc_lib.local_sums(prep.grad_fn, params, prep.micro, prep.side,
                               _aux_zeros(prep.aux_shape, cfg.axis_name)
                               ._replace(grads=live_grads, model_state=prep.ms0))
+    return CallSums(call.grads, call.sums["loss"], call.weight, call.model_state, gathered)
+
+
+def _scattered_call(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared, state: TrainState,
+                    phase: Any, live_grads: Any) -> CallSums:
+    """The call's gradients reduce-scattered (one reduce-scatter per bucket, from inside the last
+    micro-batch's backward) and added to a sharded accumulator (``shard_accumulator``).
+
+    The accumulator then holds the window's earlier calls' sums averaged over the devices, in
+    pieces, scaled like ``grad_fn``'s gradients: :func:`_synchronise` adds it after its own
+    reduction, where the unsharded accumulator is added before it (the mean is linear).
+    """
+    offset, call, _, ms_last, gathered = _window_start(cfg, lv, prep, None)
+    ls = prep.loss_scale
+    seed = prep.unit if ls is None else ls * prep.unit  # grad_fn's scale (see _prepare)
+    red = bucketed_vjp(
+        prep.traced, jax.tree.leaves(prep.params), (ms_last, prep.last, *prep.side_last),
+        plan=prep.plan, axis_name=lv.axis, hook=cfg.hook,
+        hook_state=strip_device_dim(state.hook_state), step=state.step, phase=phase,
+        chain=cfg.chain, seed=seed, offset=None if offset is None else jax.tree.leaves(offset),
+        sharded=prep.sharded, hosts_axis=lv.hosts,
+    )
+    aux: LocalAux = red.out[1]
+    grads = acc_lib.add(live_grads, jax.tree.unflatten(jax.tree.structure(live_grads),
+                                                       red.grads))
+    return CallSums(grads, call.sums["loss"] + aux.sums["loss"], call.weight + aux.weight,
+                    aux.model_state, red.sent + gathered)
+
+
+def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepared,
+                layout: zero.Layout, phase: Any, state: TrainState) -> LocalResult:
+    """A call that does not synchronise: its micro-batches' gradients are added to the
+    accumulator, locally (no collective), or reduce-scattered into a sharded one."""
+    acc = state.accum
+    assert acc is not None
+    live_grads, live_loss, live_weight = acc_lib.live(acc)
+    call = (_scattered_call(cfg, lv, prep, state, phase, live_grads) if cfg.shard_accumulator
+            else _local_call(cfg, lv, prep, live_grads))
     # Model state advances locally; TrainState.model_state stays the synchronised one until
     # the window's sync call.
     new_accum = AccumState(
         count=acc.count + 1, grads=call.grads,
-        loss=live_loss + prep.unit * call.sums["loss"][None],
+        loss=live_loss + prep.unit * call.loss[None],
         weight=live_weight + prep.unit * call.weight[None],
         model_state=add_device_dim(call.model_state),
     )
     # The global metrics need a collective: "not computed" (see docs/accumulate.md).
     metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(prep.aux_shape)}
-    loss = jnp.where(call.weight > 0, call.sums["loss"] / call.weight, 0.0)
+    loss = jnp.where(call.weight > 0, call.loss / call.weight, 0.0)
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     if cfg.zero_stage >= 2:  # the reduced gradient comes in pieces
         zeros = jax.tree.unflatten(jax.tree.structure(state.params), [
@@ -643,7 +712,7 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pre
     return LocalResult(
         zeros, metrics, {"local_loss": loss[None]}, ms, strip_device_dim(state.hook_state),
         new_accum, jnp.asarray(False), jnp.asarray(True), island,
-        _comm_bytes(cfg, gathered),  # no reduction; stage 3 still gathers
+        _comm_bytes(cfg, call.sent),  # local: none, or stage 3's gather; sharded: the scatters
     )
 
 
@@ -688,7 +757,7 @@ def _local_step(
     state = _island_state(cfg, lv, state)
     prep = _prepare(cfg, obj, observer, lv, layout, state, batch, weights, rng)
     sync_fn = lambda s: _to_global(cfg, lv, _synchronise(cfg, obj, lv, prep, layout, phase, s))
-    acc_fn = lambda s: _to_global(cfg, lv, _accumulate(cfg, obj, lv, prep, layout, s))
+    acc_fn = lambda s: _to_global(cfg, lv, _accumulate(cfg, obj, lv, prep, layout, phase, s))
     if state.accum is None or sync is True:
         return sync_fn(state)
     if sync is False:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
@@ -105,6 +106,13 @@ class DataParallel:
         one step, with one reduction per bucket after the loop.
       accumulator_dtype: dtype of the local gradient sums (default float32, or the parameter dtype
         if wider).
+      shard_accumulator: at ``zero_stage`` 2-3 with ``accumulate_steps > 1``, every accumulating
+        call reduce-scatters its gradients (one reduce-scatter per bucket) into an accumulator
+        split like the parameters, ``P/N`` per device, instead of a full-size local sum on every
+        device: memory for bandwidth (``k`` reduce-scatters per window instead of one; FSDP2's
+        ``set_requires_gradient_sync`` trade). ``None`` (default): sharded at stages 2-3 when the
+        hook reduce-scatters without state and there is no local SGD or ``deterministic``;
+        ``False``: the local sum. See docs/accumulate.md.
       zero_stage: sharded data parallelism (ZeRO): 0 replicates parameters, gradients and
         optimizer state on every device (DDP, the default); 1 shards the optimizer state over the
         data axis (each device updates its piece of the parameters, then they are all-gathered);
@@ -182,6 +190,7 @@ class DataParallel:
         accumulate_steps: int = 1,
         microbatches: int = 1,
         accumulator_dtype: Any = None,
+        shard_accumulator: bool | None = None,
         zero_stage: options.ZeroStage = 0,
         hybrid_shard: bool = False,
         reshard_after_forward: bool | None = None,
@@ -243,6 +252,12 @@ class DataParallel:
             accumulate_steps=options.count(accumulate_steps, "accumulate_steps"),
             microbatches=options.count(microbatches, "microbatches"),
             accumulator_dtype=options.float_dtype(accumulator_dtype, "accumulator_dtype"),
+            shard_accumulator=options.shard_accumulator(
+                shard_accumulator, zero_stage=options.zero_stage(zero_stage),
+                accumulate_steps=options.count(accumulate_steps, "accumulate_steps"),
+                scatters=hook.scatter is not None and not jax.tree.leaves(
+                    hook.init(jax.ShapeDtypeStruct((8,), jnp.float32))),
+                plain=local_sgd is None and not det),
             zero_stage=options.zero_stage(zero_stage),
             hybrid_shard=options.flag(hybrid_shard, "hybrid_shard"),
             reshard_after_forward=options.reshard_after_forward(reshard_after_forward,

@@ -89,7 +89,7 @@ def step_times(params, loss_fn, data, caps, rounds: int) -> dict:
         state, _ = ddp.step(state, data)  # compile
         runs[name] = [ddp, state, []]
     for _ in range(rounds):
-        for name, r in runs.items():
+        for r in runs.values():
             t = time.perf_counter()
             r[1], m = r[0].step(r[1], data)
             jax.block_until_ready(m["loss"])

@@ -111,6 +111,26 @@ def test_report_levels_on_two_hosts_and_windows_with_accumulation():
     assert ddp.report(state, batch, sync=False).collectives == ()
 
 
+@pytest.mark.parametrize("stage,shard", [(3, False), (2, True), (3, True)])
+def test_window_totals_count_the_accumulating_branch_per_call(stage, shard):
+    """With ``sync=None`` both calls of a window are branches of one program: the accumulating
+    branch's collectives (stage 3's gathers, the sharded accumulator's reduce-scatters) run on
+    ``k - 1`` calls, the synchronising branch's once; the window's total is the sum of the
+    window's ``comm_bytes``."""
+    k = 3
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), bucket_cap_mb=0.01, first_bucket_mb=0.005,
+                            accumulate_steps=k, zero_stage=stage, shard_accumulator=shard)
+    state, batch = ddp.init(_params()), _batch(ddp.config.mesh)
+    rep = ddp.report(state, batch)
+    assert {c.branch for c in rep.collectives} == {0, 1}
+    total = 0.0
+    for _ in range(k):
+        state, metrics = ddp.step(state, batch)
+        total += float(metrics["comm_bytes"])
+    assert bool(metrics["synced"])
+    assert rep.sent_per_window == pytest.approx(total, rel=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not topologies.has_gpu_compiler(), reason="no CUDA compiler plugin")
 def test_report_on_a_compile_only_gpu_mesh_shows_overlap():

@@ -224,6 +224,22 @@ class Module:
                               for c in ins.calls)
 
     @functools.cached_property
+    def branch_index(self) -> Mapping[str, int]:
+        """For each computation inside a ``conditional``, the index of the branch that runs it
+        (the innermost conditional's; ``lax.cond(pred, true_fn, false_fn)`` lowers to branch 0
+        = ``false_fn``, branch 1 = ``true_fn``)."""
+        out: dict[str, int] = {}
+        for ins in self.instructions:
+            if ins.opcode != "conditional":
+                continue
+            # A predicate's conditional prints true_computation first: branch 1.
+            order = (1, 0) if "true_computation=" in ins.attrs else range(len(ins.calls))
+            for i, branch in zip(order, ins.calls, strict=False):
+                for name in self.reachable([branch]):
+                    out.setdefault(name, i)
+        return out
+
+    @functools.cached_property
     def async_wrapped_computations(self) -> frozenset[str]:
         """Computations wrapped by ``async-start`` ops: their ops belong to the start/done pair."""
         return frozenset(c for ins in self.instructions if ins.opcode == "async-start"
@@ -298,6 +314,7 @@ class Collective:
             computation they call).
         in_conditional: True if its computation runs inside a branch of a ``conditional``.
         instruction: the instruction (the start for a pair), for any other attribute.
+        branch: the index of that branch (:attr:`Module.branch_index`), ``None`` outside one.
     """
 
     kind: str
@@ -317,6 +334,7 @@ class Collective:
     in_loop: bool
     in_conditional: bool
     instruction: Instruction = dataclasses.field(repr=False, compare=False)
+    branch: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -831,6 +849,7 @@ def _read_computation(
                 in_loop=in_loop,
                 in_conditional=in_conditional,
                 instruction=ins,
+                branch=module.branch_index.get(name) if in_conditional else None,
             )
         )
     return ops, tuple(found), max_in_flight

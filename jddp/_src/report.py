@@ -42,7 +42,8 @@ class CollectiveReport(NamedTuple):
         read from the ``op_name`` jddp gives each bucket's reduction, or, where XLA drops it
         (GPU's asynchronous collectives), matched to the plan by bytes in order.
       in_loop: it runs inside a ``while`` loop (once per iteration; totals count it once).
-      in_branch: it runs inside a ``conditional`` (with accumulation: once per window).
+      in_branch: it runs inside a ``conditional`` (with accumulation and ``sync=None``: the
+        synchronising branch once per window, the accumulating one on the window's other calls).
       sent: bytes one device sends for it (ring model).
       across_hosts: bytes one host sends to other hosts for it (ring model, mean over hosts).
       mode: ``"sync"`` (a plain op), ``"async"`` (start/done pair) or ``"async*"`` (marked sync).
@@ -64,6 +65,7 @@ class CollectiveReport(NamedTuple):
     across_hosts: float
     mode: str
     overlapped_dots: int
+    branch: int | None = None  # the conditional's branch: 1 synchronises, 0 accumulates
 
 
 class MemoryReport(NamedTuple):
@@ -107,10 +109,15 @@ class Report(NamedTuple):
 
     def _total(self, field: str) -> float:
         """Per window: collectives outside a branch run on every call, those inside the
-        accumulation's branch once per window."""
+        synchronising branch once per window, those inside the accumulating branch (branch 0 of
+        ``lax.cond(synced, sync, accumulate)``: a sharded accumulator's reduce-scatters, stage
+        3's gathers) on the window's other ``window - 1`` calls."""
         every = sum(getattr(c, field) for c in self.collectives if not c.in_branch)
-        once = sum(getattr(c, field) for c in self.collectives if c.in_branch)
-        return (self.window * every + once) if self.window > 1 else every + once
+        once = sum(getattr(c, field) for c in self.collectives if c.in_branch and c.branch != 0)
+        rest = sum(getattr(c, field) for c in self.collectives if c.in_branch and c.branch == 0)
+        if self.window <= 1:
+            return every + once + rest
+        return self.window * every + once + (self.window - 1) * rest
 
     @property
     def bytes_per_window(self) -> float:
@@ -233,7 +240,7 @@ def collectives(source: Any, host_of_device: Sequence[int]) -> tuple[CollectiveR
             level="hosts" if t.crosses else "local", bucket=c.bucket, in_loop=c.in_loop,
             in_branch=c.in_conditional, sent=sent_per_device(c.kind, c.nbytes, len(groups[0])),
             across_hosts=t.across, mode=c.mode,
-            overlapped_dots=c.dots_between if c.asynchronous else 0,
+            overlapped_dots=c.dots_between if c.asynchronous else 0, branch=c.branch,
         ))
     return tuple(out)
 

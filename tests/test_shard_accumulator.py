@@ -127,7 +127,8 @@ def _collectives(ddp, state, batch, sync):
 def test_comm_bytes_and_collectives_of_each_call(stage):
     """An accumulating call runs one reduce-scatter per bucket (stage 3: and the all-gathers of
     the parameters, once per bucket in forward and again in backward), no all-reduce; its
-    ``comm_bytes`` equals the compiled collectives' ring bytes, as does the synchronising call's (whose collectives are those of the per-device accumulator's)."""
+    ``comm_bytes`` equals the compiled collectives' ring bytes, as does the synchronising call's
+    (whose collectives are those of the per-device accumulator's)."""
     params, batch = mlp_params(4, SIZES), _calls()[0]
     sent = {}
     for shard in (True, False):

@@ -543,6 +543,8 @@ def test_accumulator_model_state_must_match():
 @pytest.mark.parametrize("m,sizes,kw", [
     (1, (40, 24), {}), (1, (40, 24), {"zero_stage": 3}),
     (2, (48, 32), {"loss_scale": jddp.precision.DynamicScale(init_scale=2.0**10)}),
+    # the sharded accumulator (stage 2's default) under a loss scale
+    (1, (40, 24), {"zero_stage": 2, "loss_scale": jddp.precision.DynamicScale(init_scale=2.0**10)}),
 ])
 def test_weighted_window_of_uneven_shapes_equals_step_on_real_rows(m, sizes, kw):
     """The usual last window of an epoch: a full call, then a short one padded with a mask. The

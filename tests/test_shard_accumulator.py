@@ -177,3 +177,17 @@ def test_state_of_the_other_layout_is_a_clear_error():
         local.step(sharded.init(params), batch)
     with pytest.raises(ValueError, match="shard_accumulator setting.*sharded"):
         sharded.step(local.init(params), batch)
+
+
+def test_a_hook_with_state_for_some_leaves_is_refused():
+    """The option probes the hook on one small leaf; a hook with a ``scatter`` that keeps state
+    only for larger leaves is refused before compilation, naming the fix."""
+    import jax.numpy as jnp
+
+    base = jddp.hooks.allreduce_mean()
+    hook = base._replace(name="big_leaves_state", init=lambda leaf: (
+        {"r": jnp.zeros(leaf.shape, jnp.float32)} if len(leaf.shape) > 1 else ()))
+    ddp = _ddp(2, None, hook=hook)
+    assert ddp.config.shard_accumulator
+    with pytest.raises(ValueError, match="'big_leaves_state' keeps state.*shard_accumulator=False"):
+        ddp.step(ddp.init(mlp_params(6, SIZES)), _calls()[0])

@@ -180,6 +180,14 @@ def check_step_inputs(
         det_lib.check_call(cfg, size, sync, state.model_state)
     else:
         acc_lib.check_accum(state, cfg.accumulate_steps, n, cfg.shard_accumulator)
+    if cfg.shard_accumulator and jax.tree.leaves(state.hook_state):
+        # The option probed the hook on one small leaf; a hook with state for these params
+        # reduces with that state, which an accumulating call's reduce-scatter cannot carry.
+        raise ValueError(
+            f"shard_accumulator reduce-scatters every call through the hook's stateless "
+            f"scatter, but {cfg.hook.name!r} keeps state for these parameters. Pass "
+            "shard_accumulator=False."
+        )
     ls_lib.check_state(state, cfg.loss_scale)
     if cfg.rng and rng is None:
         raise ValueError(

@@ -612,11 +612,9 @@ class _PowerSGD:
             m = g.astype(jnp.float32)
             if self.error_feedback:
                 m = m + states[i]["residual"]
-            mats[i] = m.reshape(_matrix_shape(g.shape))
-            qs[i] = (
-                states[i]["q"] if self.warm_start
-                else _q_init(*mats[i].shape, r, self.seed, ctx.step)
-            )
+            rows, cols = _matrix_shape(g.shape)
+            mats[i] = m.reshape(rows, cols)
+            qs[i] = states[i]["q"] if self.warm_start else _q_init(rows, cols, r, self.seed, ctx.step)
         # One all-reduce for the uncompressed leaves and every P; one more for every Q.
         plain_idx = [i for i, r in enumerate(rs) if not r]
         ps = {i: mats[i] @ qs[i] for i in mats}

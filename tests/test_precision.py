@@ -34,11 +34,15 @@ def _batches(n, seed=0, size=32):
     return [regression_batch(seed + i, size, SIZES[0], SIZES[-1]) for i in range(n)]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_each_stage_equals_the_reference_with_the_same_casts(stage):
+@pytest.mark.parametrize("stage,opts", [(0, {}), (1, {}), (2, {}), (3, {}),
+                                        (3, {"reshard_after_forward": False})],
+                         ids=["0", "1", "2", "3", "3-keep-gathered"])
+def test_each_stage_equals_the_reference_with_the_same_casts(stage, opts):
+    """Stage 3 gathers bfloat16 pieces in forward and (reshard_after_forward, the default) again
+    in backward, where each equation's VJP is recomputed on bfloat16 leaves."""
     params, batches = mlp_params(0, SIZES), _batches(3)
     ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, mixed_precision=BF16,
-                            **SMALL_CAPS)
+                            **SMALL_CAPS, **opts)
     state = ddp.init(params)
     for b in batches:
         state, m = ddp.step(state, b)
@@ -81,34 +85,39 @@ def _hlo_bytes(text):
 
 
 @pytest.mark.skipif(not topologies.has_gpu_compiler(), reason="no CUDA compiler plugin")
-@pytest.mark.parametrize("policy", [None, BF16], ids=["float32", "bf16"])
-def test_stage_3_gathers_param_dtype_and_comm_bytes_match_the_gpu_program(policy):
+@pytest.mark.parametrize("policy,reshard", [(None, False), (BF16, False), (BF16, True)],
+                         ids=["float32", "bf16", "bf16-reshard"])
+def test_stage_3_gathers_param_dtype_and_comm_bytes_match_the_gpu_program(policy, reshard):
     """The stage-3 all-gathers of the step compiled for 8 H100s (compile-only) carry
-    ``param_dtype``: their bytes are the parameter pieces at 2 bytes per element under the bf16
-    policy, half of float32's; the reduce-scatters stay float32, and ``comm_bytes`` equals the
-    program's collectives. (XLA:CPU promotes a bfloat16 all-gather to float32 when it compiles
-    it, as it does all-reduces: on CPU the wire carries float32, see docs/precision.md.)"""
+    ``param_dtype``: one per bucket, whose bytes are the parameter pieces at 2 bytes per element
+    under the bf16 policy, half of float32's (with ``reshard_after_forward`` the backward's
+    gathers too); the reduce-scatters stay float32, and ``comm_bytes`` equals the program's
+    collectives. (XLA:CPU promotes a bfloat16 all-gather to float32 when it compiles it, as it
+    does all-reduces: on CPU the wire carries float32, see docs/precision.md.)"""
     params, batch = mlp_params(0, [64, 256, 256, 8]), regression_batch(0, 32, 64, 8)
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
-    cpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=3, mixed_precision=policy,
-                            **SMALL_CAPS)
+    opts = dict(zero_stage=3, mixed_precision=policy, reshard_after_forward=reshard,
+                **SMALL_CAPS)
+    cpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), **opts)
     _, m = cpu.step(cpu.init(params), batch)
-    gpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=3, mixed_precision=policy,
-                            mesh=topologies.gpu_mesh(N), **SMALL_CAPS)
+    gpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=topologies.gpu_mesh(N), **opts)
     text = gpu.lower(*like).compile().as_text()
     found = schedule.collectives(text)
     gathers = [a for c in found if c.kind == "all-gather" for a in c.operands]
     scatters = [a for c in found if c.kind == "reduce-scatter" for a in c.operands]
-    itemsize = 4 if policy is None else 2
-    pieces = sum(x.size for x in jax.tree.leaves(params) if zero.shard_dim(x.shape, N) is not None)
-    assert len(gathers) == cpu.bucket_plan.num_buckets > 1
     assert {a.dtype for a in gathers} == {"f32" if policy is None else "bf16"}
-    assert sum(a.nbytes for a in gathers) == pieces // N * itemsize
     assert {a.dtype for a in scatters} == {"f32"}
     assert float(m["comm_bytes"]) == pytest.approx(_hlo_bytes(text), rel=1e-6)
+    if not reshard:
+        itemsize = 4 if policy is None else 2
+        pieces = sum(x.size for x in jax.tree.leaves(params)
+                     if zero.shard_dim(x.shape, N) is not None)
+        assert len(gathers) == cpu.bucket_plan.num_buckets > 1
+        assert sum(a.nbytes for a in gathers) == pieces // N * itemsize
+    else:
+        assert len(gathers) > cpu.bucket_plan.num_buckets  # gathered again for backward
 
 
-@pytest.mark.parametrize("stage", [0, 3])
 def test_composes_with_accumulation(stage):
     """Local gradients of a window are summed in float32 (the accumulator), then reduced."""
     params, batches = mlp_params(0, SIZES), _batches(4)

@@ -223,3 +223,35 @@ def test_checker_finds_cycles_and_private_uses(tmp_path):
 def test_no_import_cycles_and_no_private_names_across_modules():
     found = sorted(JDDP.violations())
     assert not found, "dependency rule violations:\n" + "\n".join(found)
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(root: pathlib.Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``path:line name (N lines)`` for every function (methods and nested functions included,
+    from ``def`` through its last line) under ``root`` longer than ``limit`` lines."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(root.parent.parent)}:{node.lineno} "
+                                 f"{node.name} ({lines} lines)")
+    return found
+
+
+def test_the_length_check_counts_whole_functions(tmp_path):
+    src = tmp_path / "pkg" / "_src"
+    src.mkdir(parents=True)
+    body = "\n".join(f"    x{i} = {i}" for i in range(80))
+    (src / "m.py").write_text(f"def long():\n{body}\n\n\nclass C:\n    def ok(self):\n"
+                              "        def inner():\n            pass\n")
+    assert long_functions(src) == ["pkg/_src/m.py:1 long (81 lines)"]
+    assert long_functions(src, limit=81) == []
+
+
+def test_no_function_in_src_over_80_lines():
+    found = long_functions(ROOT / PACKAGE / "_src")
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines (split them):\n" + "\n".join(found)

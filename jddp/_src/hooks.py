@@ -30,6 +30,7 @@ the host, on a two-level mesh).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from collections.abc import Callable, Hashable, Sequence
@@ -569,6 +570,117 @@ def _q_init(n: int, m: int, r: int, seed: int, step: Any = None) -> jax.Array:
     return _orthogonalize(jax.random.normal(key, (m, r), jnp.float32))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _PowerSGD:
+    """The functions of a :func:`powersgd` hook, over its validated options (see there)."""
+
+    rank: int
+    start_iter: int
+    min_compression_rate: float
+    error_feedback: bool
+    warm_start: bool
+    seed: int
+
+    def ranks(self, leaves: Sequence[Any]) -> list[int]:
+        return [
+            _compressed_rank(jnp.shape(x), self.rank, self.min_compression_rate) for x in leaves
+        ]
+
+    def init(self, leaf: jax.ShapeDtypeStruct):
+        r = _compressed_rank(leaf.shape, self.rank, self.min_compression_rate)
+        if not r:
+            return ()
+        n, m = _matrix_shape(leaf.shape)
+        state = {}
+        if self.warm_start:
+            state["q"] = _q_init(n, m, r, self.seed)
+        if self.error_feedback:
+            state["residual"] = jnp.zeros(leaf.shape, jnp.float32)
+        return state
+
+    def plain(self, grads, states, ctx: HookContext):
+        summed = lax.psum(tuple(grads), ctx.axis_name)
+        return tuple(s / ctx.axis_size for s in summed), tuple(states)
+
+    def compressed(self, grads, states, ctx: HookContext):
+        rs = self.ranks(grads)
+        n_dev = ctx.axis_size
+        mats, qs = {}, {}
+        for i, (g, r) in enumerate(zip(grads, rs, strict=True)):
+            if not r:
+                continue
+            m = g.astype(jnp.float32)
+            if self.error_feedback:
+                m = m + states[i]["residual"]
+            rows, cols = _matrix_shape(g.shape)
+            mats[i] = m.reshape(rows, cols)
+            qs[i] = states[i]["q"] if self.warm_start else _q_init(rows, cols, r, self.seed, ctx.step)
+        # One all-reduce for the uncompressed leaves and every P; one more for every Q.
+        plain_idx = [i for i, r in enumerate(rs) if not r]
+        ps = {i: mats[i] @ qs[i] for i in mats}
+        summed = lax.psum((tuple(grads[i] for i in plain_idx), tuple(ps.values())), ctx.axis_name)
+        out: list[Any] = [None] * len(grads)
+        for i, s in zip(plain_idx, summed[0], strict=True):
+            out[i] = s / n_dev
+        ps = {i: _orthogonalize(p) for i, p in zip(ps, summed[1], strict=True)}
+        q_sum = lax.psum(tuple(mats[i].T @ ps[i] for i in ps), ctx.axis_name)
+        new_states = list(states)
+        for i, q in zip(ps, q_sum, strict=True):
+            q = q / n_dev
+            approx = ps[i] @ q.T
+            out[i] = approx.reshape(grads[i].shape).astype(grads[i].dtype)
+            new_states[i] = self._new_state(q, mats[i] - approx, grads[i], states[i], ctx)
+        return tuple(out), tuple(new_states)
+
+    def _new_state(self, q, residual, grad, state, ctx: HookContext) -> dict:
+        """One compressed leaf's next state: its ``Q`` (warm start) and residual (error
+        feedback), each varying over the axis like the state it replaces."""
+        st = {}
+        if self.warm_start:
+            st["q"] = vma.like(q, state["q"], ctx.axis_name)
+        if self.error_feedback:
+            st["residual"] = vma.like(
+                residual.reshape(grad.shape), state["residual"], ctx.axis_name
+            )
+        return st
+
+    def reduce(self, grads, states, ctx: HookContext):
+        if not any(self.ranks(grads)):
+            return self.plain(grads, states, ctx)
+        # The residual depends on local gradients: make the state vary like them in both branches.
+        states = jax.tree.map(lambda s: vma.like(s, grads[0], ctx.axis_name), tuple(states))
+        if self.start_iter <= 0 or ctx.phase == "compressed":
+            return self.compressed(grads, states, ctx)
+        if ctx.phase == "plain":
+            return self.plain(grads, states, ctx)
+        # No static phase (a caller that does not track the step on the host): switch in the
+        # graph. Both branches' collectives are compiled in; only one runs. XLA:CPU was seen to
+        # deadlock on collectives inside a conditional with many steps in flight, hence the phase.
+        return lax.cond(
+            ctx.step < self.start_iter,
+            lambda g, s: self.plain(g, s, ctx),
+            lambda g, s: self.compressed(g, s, ctx),
+            tuple(grads), tuple(states),
+        )
+
+    def bytes_sent(self, leaves, axis_size, step):
+        full = sum(nbytes(x) for x in leaves)
+        rs = self.ranks(leaves)
+        plain_b = sum(nbytes(x) for x, r in zip(leaves, rs, strict=True) if not r)
+        p_b = sum(4 * _matrix_shape(x.shape)[0] * r for x, r in zip(leaves, rs, strict=True) if r)
+        q_b = sum(4 * _matrix_shape(x.shape)[1] * r for x, r in zip(leaves, rs, strict=True) if r)
+        before = ring_allreduce_bytes(full, axis_size)
+        after = ring_allreduce_bytes(plain_b + p_b, axis_size) + (
+            ring_allreduce_bytes(q_b, axis_size) if q_b else 0.0
+        )
+        if not any(rs):
+            return before
+        return jnp.where(jnp.asarray(step) < self.start_iter, before, after)
+
+    def phase(self, step: int) -> str:
+        return "plain" if step < self.start_iter else "compressed"
+
+
 def powersgd(
     rank: int = 1,
     start_iter: int = 1000,
@@ -613,100 +725,10 @@ def powersgd(
     if min_compression_rate < 1:
         raise ValueError(f"min_compression_rate must be >= 1, got {min_compression_rate}.")
     start_iter = int(start_iter)
-
-    def ranks(leaves):
-        return [_compressed_rank(jnp.shape(x), rank, min_compression_rate) for x in leaves]
-
-    def init(leaf: jax.ShapeDtypeStruct):
-        r = _compressed_rank(leaf.shape, rank, min_compression_rate)
-        if not r:
-            return ()
-        n, m = _matrix_shape(leaf.shape)
-        state = {}
-        if warm_start:
-            state["q"] = _q_init(n, m, r, seed)
-        if error_feedback:
-            state["residual"] = jnp.zeros(leaf.shape, jnp.float32)
-        return state
-
-    def plain(grads, states, ctx):
-        summed = lax.psum(tuple(grads), ctx.axis_name)
-        return tuple(s / ctx.axis_size for s in summed), tuple(states)
-
-    def compressed(grads, states, ctx):
-        rs = ranks(grads)
-        n_dev = ctx.axis_size
-        mats, qs = {}, {}
-        for i, (g, r) in enumerate(zip(grads, rs, strict=True)):
-            if not r:
-                continue
-            m = g.astype(jnp.float32)
-            if error_feedback:
-                m = m + states[i]["residual"]
-            mats[i] = m.reshape(_matrix_shape(g.shape))
-            qs[i] = states[i]["q"] if warm_start else _q_init(*mats[i].shape, r, seed, ctx.step)
-        # One all-reduce for the uncompressed leaves and every P; one more for every Q.
-        plain_idx = [i for i, r in enumerate(rs) if not r]
-        ps = {i: mats[i] @ qs[i] for i in mats}
-        summed = lax.psum((tuple(grads[i] for i in plain_idx), tuple(ps.values())), ctx.axis_name)
-        out: list[Any] = [None] * len(grads)
-        for i, s in zip(plain_idx, summed[0], strict=True):
-            out[i] = s / n_dev
-        ps = {i: _orthogonalize(p) for i, p in zip(ps, summed[1], strict=True)}
-        q_sum = lax.psum(tuple(mats[i].T @ ps[i] for i in ps), ctx.axis_name)
-        new_states = list(states)
-        for i, q in zip(ps, q_sum, strict=True):
-            q = q / n_dev
-            approx = ps[i] @ q.T
-            out[i] = approx.reshape(grads[i].shape).astype(grads[i].dtype)
-            st = {}
-            if warm_start:
-                st["q"] = vma.like(q, states[i]["q"], ctx.axis_name)
-            if error_feedback:
-                st["residual"] = vma.like(
-                    (mats[i] - approx).reshape(grads[i].shape), states[i]["residual"], ctx.axis_name
-                )
-            new_states[i] = st
-        return tuple(out), tuple(new_states)
-
-    def reduce(grads, states, ctx: HookContext):
-        if not any(ranks(grads)):
-            return plain(grads, states, ctx)
-        # The residual depends on local gradients: make the state vary like them in both branches.
-        states = jax.tree.map(lambda s: vma.like(s, grads[0], ctx.axis_name), tuple(states))
-        if start_iter <= 0 or ctx.phase == "compressed":
-            return compressed(grads, states, ctx)
-        if ctx.phase == "plain":
-            return plain(grads, states, ctx)
-        # No static phase (a caller that does not track the step on the host): switch in the
-        # graph. Both branches' collectives are compiled in; only one runs. XLA:CPU was seen to
-        # deadlock on collectives inside a conditional with many steps in flight, hence the phase.
-        return lax.cond(
-            ctx.step < start_iter,
-            lambda g, s: plain(g, s, ctx),
-            lambda g, s: compressed(g, s, ctx),
-            tuple(grads), tuple(states),
-        )
-
-    def bytes_sent(leaves, axis_size, step):
-        full = sum(nbytes(x) for x in leaves)
-        rs = ranks(leaves)
-        plain_b = sum(nbytes(x) for x, r in zip(leaves, rs, strict=True) if not r)
-        p_b = sum(4 * _matrix_shape(x.shape)[0] * r for x, r in zip(leaves, rs, strict=True) if r)
-        q_b = sum(4 * _matrix_shape(x.shape)[1] * r for x, r in zip(leaves, rs, strict=True) if r)
-        before = ring_allreduce_bytes(full, axis_size)
-        after = ring_allreduce_bytes(plain_b + p_b, axis_size) + (
-            ring_allreduce_bytes(q_b, axis_size) if q_b else 0.0
-        )
-        if not any(rs):
-            return before
-        return jnp.where(jnp.asarray(step) < start_iter, before, after)
-
+    impl = _PowerSGD(rank, start_iter, min_compression_rate, error_feedback, warm_start, seed)
     name = f"powersgd(rank={rank}, start_iter={start_iter})"
-    def phase(step: int) -> str:
-        return "plain" if step < start_iter else "compressed"
-
-    return CommHook(init, reduce, name, fuses_extras=True, bytes_sent=bytes_sent, phase=phase)
+    return CommHook(impl.init, impl.reduce, name, fuses_extras=True, bytes_sent=impl.bytes_sent,
+                    phase=impl.phase)
 
 
 # --------------------------------------------------------------------------- hierarchical hook

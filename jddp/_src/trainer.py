@@ -30,6 +30,77 @@ from jddp._src.step import PlanLog, Step
 _RENAMED = {"skip_nonfinite": "skip_not_finite", "accum_dtype": "accumulator_dtype"}
 
 
+def _renamed_arguments(renamed: dict[str, Any], skip_not_finite: Any,
+                       accumulator_dtype: Any) -> tuple[Any, Any]:
+    """``(skip_not_finite, accumulator_dtype)`` after the deprecated names in ``renamed`` (each
+    warns); any other name in ``renamed`` is a ``TypeError``."""
+    for old, value in renamed.items():
+        if old not in _RENAMED:
+            raise TypeError(f"DataParallel() got an unexpected keyword argument {old!r}.")
+        new = _RENAMED[old]
+        # stacklevel 3: the warning points at the user's DataParallel(...) call.
+        warnings.warn(f"DataParallel({old}=...) is now {new}= (optax's name).",
+                      DeprecationWarning, stacklevel=3)
+        if new == "skip_not_finite":
+            skip_not_finite = value
+        else:
+            accumulator_dtype = value
+    return skip_not_finite, accumulator_dtype
+
+
+def _bucket_caps(bucket_cap_mb: Any, first_bucket_mb: Any,
+                 bucket_plan: BucketPlan | None) -> tuple[autocap.AutoCap | None, Any, Any]:
+    """``(auto, cap_bytes, first_bytes)``: the ``"auto"`` cap request (or None) and the checked
+    caps in bytes."""
+    auto = autocap.resolve(bucket_cap_mb)
+    if auto is not None and bucket_plan is not None:
+        raise ValueError("bucket_cap_mb='auto' chooses the bucket plan, and bucket_plan fixes "
+                         "one: pass only one of them.")
+    # "auto" picks the cap; the first bucket is then DDP's default 1 MiB unless given.
+    cap, first = options.bucket_caps(None if auto is not None else bucket_cap_mb,
+                                     first_bucket_mb)
+    return auto, cap, first
+
+
+def _deterministic(deterministic: Any, group_size: Any,
+                   auto: autocap.AutoCap | None) -> tuple[bool, int]:
+    """``options.deterministic``'s ``(deterministic, group_size)``, refusing ``"auto"`` caps with
+    the bucket-free deterministic reduction."""
+    det, groups = options.deterministic(deterministic, group_size)
+    if det and auto is not None:
+        raise ValueError("deterministic=True reduces without buckets, so bucket_cap_mb='auto' "
+                         "has nothing to tune: drop it.")
+    return det, groups
+
+
+def _sum_metrics(sum_metrics: Any, has_aux: Any) -> tuple[str, ...]:
+    """The checked ``sum_metrics`` names (aux metrics, so ``has_aux`` must be set)."""
+    summed = options.metric_names(sum_metrics, "sum_metrics")
+    check_metric_names(summed, "sum_metrics")
+    if summed and not has_aux:
+        raise ValueError(
+            f"sum_metrics={summed} names aux metrics, but has_aux=False: return (loss, "
+            "metrics) from loss_fn and pass has_aux=True."
+        )
+    return summed
+
+
+def _scatters_without_state(hook: CommHook) -> bool:
+    """Whether the sharded stages reduce-scatter through ``hook.scatter`` (a stateless hook
+    with a scatter)."""
+    return hook.scatter is not None and not jax.tree.leaves(
+        hook.init(jax.ShapeDtypeStruct((8,), jnp.float32)))
+
+
+def _verify_every(verify_every: Any) -> int:
+    """``verify_every`` checked: a positive int, or 0 for None (never verify)."""
+    if verify_every is not None and (isinstance(verify_every, bool) or not isinstance(
+            verify_every, int) or verify_every < 1):
+        raise ValueError(f"verify_every must be a positive int K (check the replicas every K "
+                         f"steps) or None, got {verify_every!r}.")
+    return verify_every or 0
+
+
 def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
     if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
         hint = " (call the factory, e.g. optax.adam(1e-3))" if callable(optimizer) else ""
@@ -128,6 +199,11 @@ class DataParallel:
         all-reduced across hosts, so the slow link carries ``1/L`` of the gradient bytes, and
         parameters are gathered inside the host only. Memory per device falls by the local
         device count ``L`` instead of ``N``. See docs/scaling.md.
+      reshard_after_forward: at ``zero_stage=3`` (default ``True``, FSDP's default): each
+        gathered parameter is dropped after its forward use and gathered again for the
+        backward, so the step's peak holds a few gathered layers, not the model; ``False``
+        keeps the gathered buckets from the forward pass until the backward is done (fewer
+        gathers, more memory). Not accepted at stages 0-2 (nothing is gathered there).
       rng: ``loss_fn`` takes a last argument ``rng``, one PRNG key per example of its shard, and
         ``step(state, batch, rng=key)`` takes the run's key; each example's key is derived from
         the key, ``state.step`` and the example's position in the global batch, so dropout masks
@@ -193,6 +269,7 @@ class DataParallel:
         shard_accumulator: bool | None = None,
         zero_stage: options.ZeroStage = 0,
         hybrid_shard: bool = False,
+        reshard_after_forward: bool | None = None,
         rng: bool = False,
         sum_metrics: tuple[str, ...] = (),
         loss_scale: ls_lib.DynamicScale | None = None,
@@ -203,41 +280,18 @@ class DataParallel:
         mixed_precision: precision_lib.MixedPrecision | None = None,
         **renamed: Any,
     ) -> None:
-        for old, value in renamed.items():
-            if old not in _RENAMED:
-                raise TypeError(f"DataParallel() got an unexpected keyword argument {old!r}.")
-            new = _RENAMED[old]
-            warnings.warn(f"DataParallel({old}=...) is now {new}= (optax's name).",
-                          DeprecationWarning, stacklevel=2)
-            if new == "skip_not_finite":
-                skip_not_finite = value
-            else:
-                accumulator_dtype = value
+        skip_not_finite, accumulator_dtype = _renamed_arguments(
+            renamed, skip_not_finite, accumulator_dtype)
         donate = options.flag(donate, "donate")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-        auto = autocap.resolve(bucket_cap_mb)
-        if auto is not None and bucket_plan is not None:
-            raise ValueError("bucket_cap_mb='auto' chooses the bucket plan, and bucket_plan fixes "
-                             "one: pass only one of them.")
-        # "auto" picks the cap; the first bucket is then DDP's default 1 MiB unless given.
-        cap, first = options.bucket_caps(None if auto is not None else bucket_cap_mb,
-                                         first_bucket_mb)
-        det, groups = options.deterministic(deterministic, group_size)
+        auto, cap, first = _bucket_caps(bucket_cap_mb, first_bucket_mb, bucket_plan)
+        det, groups = _deterministic(deterministic, group_size, auto)
         policy = precision_lib.check_policy(mixed_precision)
         hook = precision_lib.resolve_hook(policy, None if hook is None else check_hook(hook),
                                           loss_scale=loss_scale, deterministic=det)
         hook = allreduce_mean() if hook is None else hook
-        if det and auto is not None:
-            raise ValueError("deterministic=True reduces without buckets, so bucket_cap_mb='auto' "
-                             "has nothing to tune: drop it.")
-        summed = options.metric_names(sum_metrics, "sum_metrics")
-        check_metric_names(summed, "sum_metrics")
-        if summed and not has_aux:
-            raise ValueError(
-                f"sum_metrics={summed} names aux metrics, but has_aux=False: return (loss, "
-                "metrics) from loss_fn and pass has_aux=True."
-            )
+        summed = _sum_metrics(sum_metrics, has_aux)
         config = StepConfig(
             loss_fn=loss_fn,
             optimizer=check_optimizer(optimizer),
@@ -258,11 +312,12 @@ class DataParallel:
             shard_accumulator=options.shard_accumulator(
                 shard_accumulator, zero_stage=options.zero_stage(zero_stage),
                 accumulate_steps=options.count(accumulate_steps, "accumulate_steps"),
-                scatters=hook.scatter is not None and not jax.tree.leaves(
-                    hook.init(jax.ShapeDtypeStruct((8,), jnp.float32))),
+                scatters=_scatters_without_state(hook),
                 plain=local_sgd is None and not det),
             zero_stage=options.zero_stage(zero_stage),
             hybrid_shard=options.flag(hybrid_shard, "hybrid_shard"),
+            reshard_after_forward=options.reshard_after_forward(reshard_after_forward,
+                                                                zero_stage),
             rng=options.flag(rng, "rng", " Pass the key itself to step(state, batch, rng=key)."),
             sum_metrics=summed,
             loss_scale=ls_lib.check_loss_scale(loss_scale),
@@ -273,14 +328,16 @@ class DataParallel:
         )
         local_sgd_lib.check_config(config)
         det_lib.check_config(config)
+        every = _verify_every(verify_every)
+        self._install_step(config, auto, donate, compiler_options, every)
+
+    def _install_step(self, config: StepConfig, auto: autocap.AutoCap | None, donate: bool,
+                      compiler_options: dict[str, Any] | None, every: int) -> None:
+        """Sets ``config``, ``_plans``, ``step`` and ``_auto``: the compiled step of ``config``,
+        or with ``bucket_cap_mb="auto"`` the step that chooses its cap on the first call."""
         plans = PlanLog()
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "_plans", plans)
-        if verify_every is not None and (isinstance(verify_every, bool) or not isinstance(
-                verify_every, int) or verify_every < 1):
-            raise ValueError(f"verify_every must be a positive int K (check the replicas every K "
-                             f"steps) or None, got {verify_every!r}.")
-        every = verify_every or 0
 
         def make_step(cfg: StepConfig, observer: pipeline.PlanObserver) -> Step:
             return Step(cfg, donate=donate, compiler_options=compiler_options, observer=observer,

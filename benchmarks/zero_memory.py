@@ -6,7 +6,7 @@ Models: a 12-layer MLP of width 384 with one layer per bucket (P = 6.8 MiB), and
 benchmark MLP of benchmarks/_models.py (P = 40.5 MiB, default caps). Peak is ``arguments + outputs
 - aliased + temporaries`` (``ddp.report``'s definition), in MiB.
 
-    python benchmarks/zero_memory.py --json benchmarks/out/zero_memory.json
+    python benchmarks/zero_memory.py --gpu --json benchmarks/out/zero_memory.json
 """
 
 from __future__ import annotations
@@ -64,13 +64,17 @@ def bench_mlp(batch: int = 128):
     return params, mlp_loss, data, {}
 
 
-def measure(params, loss_fn, data, caps) -> dict:
+def measure(params, loss_fn, data, caps, mesh=None) -> dict:
+    """Memory per device of each variant; ``mesh``: a compile-only mesh (e.g. 8 H100s)."""
     out = {}
     pbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    like = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
     for name, kw in VARIANTS:
-        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), **caps, **kw)
-        state = ddp.init(params)
-        m = ddp.step.lower(state, data).compile().memory_analysis()
+        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=mesh, **caps, **kw)
+        if mesh is None:
+            m = ddp.step.lower(ddp.init(params), data).compile().memory_analysis()
+        else:
+            m = ddp.lower(like(params), like(data)).compile().memory_analysis()
         peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                 + m.temp_size_in_bytes)
         out[name] = dict(arguments=m.argument_size_in_bytes / MIB, temp=m.temp_size_in_bytes / MIB,
@@ -101,8 +105,16 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
     p.add_argument("--rounds", type=int, default=20, help="alternated timing rounds")
+    p.add_argument("--gpu", action="store_true", help="also the compile-only 8xH100 target")
     args = p.parse_args()
     results = {"12-layer MLP (width 384, one layer per bucket)": measure(*deep_mlp())}
+    if args.gpu:
+        from jddp.perf import topologies
+
+        gpu = measure(*deep_mlp(), mesh=topologies.gpu_mesh(8))
+        for name, v in gpu["variants"].items():
+            results["12-layer MLP (width 384, one layer per bucket)"]["variants"][name]["h100_peak"] = \
+                v["peak"]
     results["10.6M benchmark MLP (8 x 1152, default caps)"] = measure(*bench_mlp())
     for r, model in zip(results.values(), (deep_mlp(), bench_mlp()), strict=True):
         r["step_s"] = step_times(*model, args.rounds)
@@ -113,8 +125,9 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         s2 = r["variants"]["stage 2"]["peak"]
         for name, v in r["variants"].items():
+            h100 = f" (8xH100 compile-only peak {v['h100_peak']:.2f})" if "h100_peak" in v else ""
             print(f"| {name} | {v['buckets']} | {v['arguments']:.2f} | {v['temp']:.2f} | "
-                  f"{v['peak']:.2f} | {v['peak'] / s2:.2f} |")
+                  f"{v['peak']:.2f} | {v['peak'] / s2:.2f} |{h100}")
         t = r["step_s"]
         print(f"step time (median of {args.rounds} alternated rounds, load {r['load']:.1f}): "
               + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items())

@@ -458,6 +458,27 @@ def test_reshard_after_forward_memory_and_bytes():
         assert got == pytest.approx(compiled, rel=1e-6)
 
 
+def test_a_model_that_fits_only_with_resharding():
+    """A per-device memory limit between the compiled peaks of stage 3 without and with
+    reshard_after_forward (arguments + outputs - aliased + temporaries): only the resharding step
+    fits under it, and it trains (the loss falls over 3 Adam steps)."""
+    params, loss, batch, caps = _deep()
+    peaks, states = {}, {}
+    for reshard in (False, True):
+        ddp = jddp.DataParallel(loss, optax.adam(1e-3), zero_stage=3, donate=False,
+                                reshard_after_forward=reshard, **caps)
+        states[reshard] = (ddp, ddp.init(params))
+        peaks[reshard] = _peak(ddp, states[reshard][1], batch)
+    limit = (peaks[False] + peaks[True]) // 2
+    assert peaks[True] < limit < peaks[False], peaks
+    ddp, state = states[True]
+    losses = []
+    for _ in range(3):
+        state, metrics = ddp.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0], losses
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_reshard_after_forward_equals_stage_0(tied):
     """3 Adam steps at stage 3 with and without resharding equal stage 0 (1e-6), also when a

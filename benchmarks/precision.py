@@ -18,7 +18,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import jddp  # noqa: E402
@@ -61,8 +60,8 @@ def main():
     for stage in (0, 3):
         f32, bf16 = digits_losses(None, stage), digits_losses(BF16, stage)
         last = lambda v: sum(v[-5:]) / 5  # noqa: E731
-        print(f"digits stage {stage}: loss step 0 {f32[0]:.4f}; mean of the last 5 of "
-              f"{len(f32)} steps: float32 {last(f32):.4f}, bf16 {last(bf16):.4f} "
+        print(f"digits stage {stage}: loss step 0 {f32[0]:.5f}; mean of the last 5 of "
+              f"{len(f32)} steps: float32 {last(f32):.5f}, bf16 {last(bf16):.5f} "
               f"({100 * (last(bf16) / last(f32) - 1):+.2f}%)")
 
 

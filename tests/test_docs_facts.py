@@ -21,15 +21,21 @@ def test_sharded_stages_move_the_bytes_sharded_md_states():
     batch = regression_batch(0, 16, 64, 16)
     sent = {}
     for stage in range(4):
-        ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), zero_stage=stage, donate=False)
+        keep = dict(reshard_after_forward=False) if stage == 3 else {}
+        ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), zero_stage=stage, donate=False,
+                                **keep)
         sent[stage] = float(ddp.step(ddp.init(params), batch)[1]["comm_bytes"])
-    # The gradients' bytes are equal at stages 0, 2 and 3; the f32 loss rides on the last
-    # all-reduce (7 B) or reduce-scatter (as 8 rows: 28 B).
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), zero_stage=3, donate=False)
+    resharded = float(ddp.step(ddp.init(params), batch)[1]["comm_bytes"])
+    # The gradients' bytes are equal at stages 0, 2 and 3 (keeping the gathered parameters); the
+    # f32 loss rides on the last all-reduce (7 B) or reduce-scatter (as 8 rows: 28 B). Resharding
+    # gathers the kernels of layers 2 and 3 again for the backward (layer 1's VJP needs no kernel).
     assert (sent[0], sent[2], sent[3]) == (605_815, 605_836, 605_836)
+    assert resharded == 605_836 + (256 * 256 + 256 * 16) * 4 * 7 / 8 == 849_548
     assert sent[1] == 908_719 and sent[1] == pytest.approx(1.5 * sent[0], rel=1e-5)
     text = (ROOT / "docs" / "sharded.md").read_text()
     assert "Stage 1 moves 1.5× stage\n0's" in text
-    assert all(f"{b} B" in text for b in ("605,815", "605,836", "908,719"))
+    assert all(f"{b} B" in text for b in ("605,815", "605,836", "908,719", "849,548"))
     assert "Every stage moves the same bytes" not in text
 
 

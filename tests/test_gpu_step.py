@@ -226,10 +226,12 @@ def test_sharded_stages_reduce_scatter_each_bucket_overlapping_backward(stage, c
     """One async reduce-scatter per bucket, in bucket order, each carrying its bucket (the last
     also the loss, one row per GPU), with backward GEMMs between start and done for every bucket
     but the last; no all-reduce at all; one all-gather per bucket (stage 2: of the updated
-    parameters, after the backward pass; stage 3: in the forward pass, in first-use order)."""
+    parameters, after the backward pass; stage 3 with reshard_after_forward=False: in the
+    forward pass, in first-use order; resharding: test_stage_3_reshard_gathers_again_in_backward)."""
+    keep = dict(reshard_after_forward=False) if stage == 3 else {}
     ddp = jddp.DataParallel(
         loss_fn, optax.sgd(0.1), mesh=mesh(), bucket_cap_mb=cap, first_bucket_mb=min(1.0, cap),
-        zero_stage=stage,
+        zero_stage=stage, **keep,
     )
     sched = schedule.read_schedule(ddp.lower(params_like(), batch_like()).compile())
     plan = ddp.bucket_plan
@@ -254,3 +256,22 @@ def test_sharded_stages_reduce_scatter_each_bucket_overlapping_backward(stage, c
         for g in gathers[1:]:
             assert g.dots_between > 0, sched.table()
             assert all("transpose(" not in op.op_name for op in g.between if op.is_dot)
+
+
+def test_stage_3_reshard_gathers_again_in_backward():
+    """Stage 3's default (reshard_after_forward=True) on 8 H100s: the forward all-gathers each
+    bucket as before, and the backward gathers each kernel again, async, after the forward ones
+    and between the reduce-scatters, for every layer but the first (whose weight gradient needs
+    no kernel). Measured here, not asserted: the backward gathers wait for their layer's output
+    cotangent, so they have no GEMM between start and done (docs/sharded.md)."""
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(), bucket_cap_mb=1.0,
+                            first_bucket_mb=1.0, zero_stage=3)
+    sched = schedule.read_schedule(ddp.lower(params_like(), batch_like()).compile())
+    k = ddp.bucket_plan.num_buckets
+    gathers = sched.of_kind("all-gather")
+    scatters = sched.of_kind("reduce-scatter")
+    assert len(scatters) == k and len(gathers) == k + (k - 1), sched.table()
+    forward, backward = gathers[:k], gathers[k:]
+    assert max(g.index for g in forward) < scatters[0].index, sched.table()
+    assert all(g.asynchronous for g in backward)
+    assert all(scatters[0].index < g.index < scatters[-1].index for g in backward), sched.table()

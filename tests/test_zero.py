@@ -118,9 +118,11 @@ def _collectives(ddp, state, batch, **call):
 def test_collectives_of_each_stage_in_the_compiled_step(stage):
     """0: one all-reduce per bucket. 1: the same, and one all-gather per bucket of the updated
     pieces. 2: one reduce-scatter per bucket instead of the all-reduce, no all-reduce at all.
-    3: one reduce-scatter and one all-gather per bucket (the forward's), none in a loop."""
+    3 (reshard_after_forward=False): one reduce-scatter and one all-gather per bucket (the
+    forward's), none in a loop. (Resharding's backward gathers: test_reshard_after_forward.)"""
     params = mlp_params(2, SIZES)
-    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, **SMALL_CAPS)
+    keep = dict(reshard_after_forward=False) if stage == 3 else {}
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, **SMALL_CAPS, **keep)
     found = _collectives(ddp, ddp.init(params), _batches(1)[0])
     plan = ddp.bucket_plan
     k = plan.num_buckets
@@ -397,3 +399,110 @@ def test_a_model_that_fits_only_when_sharded():
         state, metrics = ddp.step(state, batch)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0]
+
+
+def _deep(layers=8, width=256, tied=False):
+    """An MLP of ``layers`` square layers, one per bucket; ``tied``: the first kernel is used
+    again, transposed, by a last layer (a shared embedding's pattern)."""
+    rng = np.random.default_rng(3)
+    params = {f"l{i}": {"w": jnp.asarray(rng.standard_normal((width, width)) / np.sqrt(width),
+                                         jnp.float32),
+                        "b": jnp.zeros((width,), jnp.float32)} for i in range(layers)}
+
+    def loss(p, b):
+        h = b["x"]
+        for i in range(layers):
+            h = jnp.tanh(h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+        if tied:
+            h = h @ p["l0"]["w"].T
+        return jnp.mean((h - b["y"]) ** 2)
+
+    data = {"x": jnp.asarray(rng.standard_normal((32, width)), jnp.float32),
+            "y": jnp.asarray(rng.standard_normal((32, width)), jnp.float32)}
+    mb = width * (width + 1) * 4 / 2**20
+    return params, loss, data, dict(bucket_cap_mb=mb, first_bucket_mb=mb)
+
+
+def _peak(ddp, state, batch):
+    m = ddp.step.lower(state, batch).compile().memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes)
+
+
+def test_reshard_after_forward_memory_and_bytes():
+    """Stage 3's default (reshard_after_forward=True) drops each gathered layer after its forward
+    use and gathers it again for the backward: the compiled peak per device is at most 0.6x stage
+    2's and 3P/N + 8 buckets + P/4, below the peak that keeps the gathered buckets (False); the
+    backward gathers are counted in comm_bytes exactly as the compiled program sends them (the
+    first layer's kernel and every bias are not gathered again: their VJPs do not read them)."""
+    params, loss, batch, caps = _deep()
+    p_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    peaks, sent, gathers = {}, {}, {}
+    for name, kw in [("s2", dict(zero_stage=2)), ("keep", dict(zero_stage=3,
+                                                               reshard_after_forward=False)),
+                     ("reshard", dict(zero_stage=3))]:
+        ddp = jddp.DataParallel(loss, optax.adam(1e-3), donate=False, **caps, **kw)
+        state = ddp.init(params)
+        peaks[name] = _peak(ddp, state, batch)
+        text = ddp.step.lower(state, batch).compile().as_text()
+        gathers[name] = sum(c.kind == "all-gather" for c in schedule.collectives(text))
+        sent[name] = (float(ddp.step(state, batch)[1]["comm_bytes"]), _hlo_bytes(text))
+    k = 8
+    assert peaks["reshard"] <= 0.6 * peaks["s2"], peaks
+    assert peaks["reshard"] <= 3 * p_bytes / N + 8 * p_bytes / k + p_bytes / 4, peaks
+    assert peaks["reshard"] < peaks["keep"], peaks
+    assert gathers["keep"] == k and gathers["reshard"] == k + (k - 1), gathers
+    layer = 256 * 256 * 4 * (N - 1) / N
+    assert sent["reshard"][0] == pytest.approx(sent["keep"][0] + (k - 1) * layer, abs=1.0)
+    for got, compiled in sent.values():
+        assert got == pytest.approx(compiled, rel=1e-6)
+
+
+def test_a_model_that_fits_only_with_resharding():
+    """A per-device memory limit between the compiled peaks of stage 3 without and with
+    reshard_after_forward (arguments + outputs - aliased + temporaries): only the resharding step
+    fits under it, and it trains (the loss falls over 3 Adam steps)."""
+    params, loss, batch, caps = _deep()
+    peaks, states = {}, {}
+    for reshard in (False, True):
+        ddp = jddp.DataParallel(loss, optax.adam(1e-3), zero_stage=3, donate=False,
+                                reshard_after_forward=reshard, **caps)
+        states[reshard] = (ddp, ddp.init(params))
+        peaks[reshard] = _peak(ddp, states[reshard][1], batch)
+    limit = (peaks[False] + peaks[True]) // 2
+    assert peaks[True] < limit < peaks[False], peaks
+    ddp, state = states[True]
+    losses = []
+    for _ in range(3):
+        state, metrics = ddp.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_reshard_after_forward_equals_stage_0(tied):
+    """3 Adam steps at stage 3 with and without resharding equal stage 0 (1e-6), also when a
+    kernel is read twice (tied: each use gathers it again in backward, its gradient is the sum
+    of both uses' and is reduce-scattered once, with its bucket)."""
+    params, loss, batch, caps = _deep(layers=4, width=64, tied=tied)
+    caps = dict(bucket_cap_mb=0.02, first_bucket_mb=0.02)
+    out = {}
+    for name, kw in [("s0", dict()), ("keep", dict(zero_stage=3, reshard_after_forward=False)),
+                     ("reshard", dict(zero_stage=3, reshard_after_forward=True))]:
+        ddp = jddp.DataParallel(loss, optax.adam(1e-2), donate=False, **caps, **kw)
+        state = ddp.init(params)
+        for _ in range(3):
+            state, m = ddp.step(state, batch)
+        out[name] = (jax.tree.map(np.asarray, state.params), float(m["loss"]))
+    for name in ("keep", "reshard"):
+        _close(out[name][0], out["s0"][0], rtol=1e-6, atol=1e-6)
+        assert out[name][1] == pytest.approx(out["s0"][1], rel=1e-6)
+
+
+def test_reshard_after_forward_option_errors():
+    with pytest.raises(ValueError, match="zero_stage=3 only"):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=2, reshard_after_forward=True)
+    with pytest.raises(ValueError, match="group size"):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=3, reshard_after_forward=2)
+    with pytest.raises(TypeError, match="True or False"):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=3, reshard_after_forward="yes")

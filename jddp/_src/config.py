@@ -46,6 +46,8 @@ class StepConfig:
         too), 3 (parameters too); see :mod:`jddp._src.zero`.
       hybrid_shard: on a two-level mesh, shard over the devices of a host only and replicate
         across hosts (FSDP's ``HYBRID_SHARD``).
+      reshard_after_forward: stage 3 gathers each parameter again for the backward instead of
+        keeping the forward's gathered copy (FSDP's ``reshard_after_forward``).
       rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
       sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
       loss_scale: dynamic loss scaling (``None``: off).
@@ -74,6 +76,7 @@ class StepConfig:
     shard_accumulator: bool = False
     zero_stage: options.ZeroStage = 0
     hybrid_shard: bool = False
+    reshard_after_forward: bool = False
     rng: bool = False
     sum_metrics: tuple[str, ...] = ()
     loss_scale: DynamicScale | None = None

@@ -246,6 +246,7 @@ def eval_with_hooks(
     param_leaves: Sequence[Any],
     args: Sequence[Any],
     hooked: Callable[[int, tuple], Any],
+    bind: Callable[[Any, list, tuple], list] | None = None,
 ) -> Any:
     """Evaluates ``traced`` on new inputs; parameter leaf ``i`` is read as ``hooked(i, context)``.
 
@@ -258,6 +259,9 @@ def eval_with_hooks(
     Args:
       param_leaves: the parameter leaves (their values are what ``hooked`` is expected to wrap).
       args: the other arguments, as the traced function took them (a pytree each).
+      bind: ``bind(eqn, invals, params) -> outs`` evaluates an equation that reads parameter
+        leaves (``params``: per input, the leaf index or ``None``) instead of binding its
+        primitive directly (stage 3's re-gathering wraps such equations); ``None``: bind.
 
     Returns:
       The output, with the traced function's structure.
@@ -266,12 +270,13 @@ def eval_with_hooks(
     closed = traced.jaxpr
     param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars[: traced.num_params])}
     outs = _eval(closed.jaxpr, closed.consts, [None] * traced.num_params + jax.tree.leaves(args),
-                 param_vars, hooked)
+                 param_vars, hooked, bind)
     return jax.tree.unflatten(traced.out_tree, outs)
 
 
 def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], param_vars: dict[Any, int],
-          hooked: Callable[[int, tuple], Any]) -> list[Any]:
+          hooked: Callable[[int, tuple], Any],
+          bind: Callable[[Any, list, tuple], list] | None = None) -> list[Any]:
     env: dict[Any, Any] = {}
 
     def read(v, context: tuple = ()):
@@ -300,7 +305,7 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], param_vars: di
                 None if iv in sub_vars else read(ov)
                 for ov, iv in zip(eqn.invars, inner.jaxpr.invars, strict=True)
             ]
-            outs = _eval(inner.jaxpr, inner.consts, inner_args, sub_vars, hooked)
+            outs = _eval(inner.jaxpr, inner.consts, inner_args, sub_vars, hooked, bind)
         elif name == "pvary" and all(
             all(a in vma.varying_axes(x) for a in vma.axis_names(eqn.params["axes"]))
             for x in (read(v) for v in eqn.invars)
@@ -311,15 +316,33 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], param_vars: di
             context = tuple(env[v] for v in eqn.invars
                             if not is_literal(v) and v not in param_vars)
             invals = [read(v, context) for v in eqn.invars]
-            # As jax.core.eval_jaxpr does: re-bind each primitive on the new values.
-            bind_params = eqn.primitive.get_bind_params(eqn.params)
-            with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
-                outs = eqn.primitive.bind(*invals, **bind_params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
+            params = tuple(None if is_literal(v) else param_vars.get(v) for v in eqn.invars)
+            if bind is not None and any(i is not None for i in params):
+                outs = bind(eqn, invals, params)
+            else:
+                outs = bind_eqn(eqn, invals)
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
+
+
+def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Binds ``eqn``'s primitive on ``invals`` (as ``jax.core.eval_jaxpr`` does); a list of outputs."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
+        outs = eqn.primitive.bind(*invals, **bind_params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def used_inputs(closed: Any) -> list[bool]:
+    """Which inputs of a closed jaxpr its outputs depend on (liveness, backwards; an equation
+    with a live output uses all its inputs)."""
+    jaxpr = closed.jaxpr
+    live = {v for v in jaxpr.outvars if not is_literal(v)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in live for v in eqn.outvars):
+            live.update(v for v in eqn.invars if not is_literal(v))
+    return [v in live for v in jaxpr.invars]
 
 
 def as_function(traced: Traced) -> Callable[..., Any]:

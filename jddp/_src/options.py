@@ -121,6 +121,30 @@ def step_sync(sync: Any) -> bool | None:
     return None if sync is None else bool(sync)
 
 
+def reshard_after_forward(value: Any, stage: Any) -> bool:
+    """``reshard_after_forward``: ``None`` is True at stage 3; a bool only at stage 3.
+
+    An int (ZeRO++'s hpZ: the backward gathers from a copy sharded over a sub-group) is refused:
+    not supported yet.
+    """
+    if value is None:
+        return stage == 3
+    if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
+        raise ValueError(
+            f"reshard_after_forward={value!r}: a group size (ZeRO++ hpZ, a secondary copy sharded "
+            "over a sub-group) is not supported yet; pass True (gather again for the backward) "
+            "or False (keep the gathered parameters from the forward)."
+        )
+    flag(value, "reshard_after_forward")
+    if stage != 3:
+        raise ValueError(
+            f"reshard_after_forward={value} applies to zero_stage=3 only (it frees the gathered "
+            f"parameters after the forward pass); zero_stage={stage} gathers no parameters. "
+            "Leave it unset, or pass zero_stage=3."
+        )
+    return bool(value)
+
+
 def flag(value: Any, name: str, hint: str = "") -> bool:
     """A bool option (``rng``, ``weighted``, ...); anything else is a clear error.
 

@@ -438,7 +438,8 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
     params_v = _varying(state.params, cfg.axis_name)
     sharded = None
     if cfg.zero_stage >= 2:
-        sharded = Sharded(cfg.zero_stage, layout, lv.shard_axis, lv.hybrid)
+        sharded = Sharded(cfg.zero_stage, layout, lv.shard_axis, lv.hybrid,
+                          cfg.reshard_after_forward)
         if cfg.zero_stage >= 3:
             # The parameters are pieces here; the loss is traced on whole ones (without vma
             # types: the sharded stages run shard_map with check_vma=False).

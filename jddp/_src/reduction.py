@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from jddp._src import hlo, options, vma, zero
 from jddp._src import jaxpr as jaxpr_lib
@@ -486,13 +487,19 @@ class Hybrid(ReduceScatter):
 class GatherInForward:
     """Stage 3: the parameters come in as this device's pieces; the forward pass all-gathers each
     bucket before its first use (issued one bucket ahead, as a prefetch) and the backward pass
-    reduces like ``inner``. A gathered bucket stays whole until the backward is done with it.
+    reduces like ``inner``.
 
     Attributes:
       inner: the backward's reducer (:class:`ReduceScatter` or :class:`Hybrid`).
+      reshard: FSDP's ``reshard_after_forward``: every equation that reads a gathered leaf runs
+        through :func:`_regathered`, which keeps only the pieces for its backward and gathers the
+        leaf again there, so a gathered bucket lives from its gather to its last forward use,
+        and again around each backward use. ``False``: a gathered bucket stays whole until the
+        backward is done with it (the user's operations keep it as a residual).
     """
 
     inner: ReduceScatter
+    reshard: bool = False
     prefetch: ClassVar[bool] = True
 
     @property
@@ -523,6 +530,10 @@ class GatherInForward:
 
     def forward(self, b: int, leaves: tuple) -> tuple:
         return tuple(self._gather(self.inner.plan.buckets[b].indices, leaves))
+
+    def regather(self, indices: Sequence[int], pieces: Sequence[jax.Array]) -> list[jax.Array]:
+        """The whole leaves ``indices`` from this device's ``pieces`` (a backward gather)."""
+        return self._gather(indices, pieces)
 
     def unused(self, i: int, leaf: jax.Array) -> jax.Array:
         return self._gather((i,), (leaf,))[0]
@@ -559,12 +570,14 @@ class Sharded(NamedTuple):
       replicas: with hybrid sharding, the axis across which the pieces are replicated (hosts):
         each bucket's pieces are then averaged over it after the reduce-scatter, so the slow
         link carries ``1/L`` of the bucket.
+      reshard: stage 3's ``reshard_after_forward`` (:class:`GatherInForward`).
     """
 
     stage: int
     layout: zero.Layout
     axis: Any = None
     replicas: str | None = None
+    reshard: bool = False
 
 
 def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
@@ -586,7 +599,7 @@ def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
     )
     inner = (ReduceScatter(**common) if sharded.replicas is None
              else Hybrid(**common, replicas=sharded.replicas))
-    return GatherInForward(inner) if sharded.stage >= 3 else inner
+    return GatherInForward(inner, sharded.reshard) if sharded.stage >= 3 else inner
 
 
 # ------------------------------------------------------------------- one VJP, one evaluator
@@ -694,6 +707,87 @@ def _bucket_vjp(reducer: BucketReducer, slot: _Slot) -> Callable[..., Any]:
     return ident
 
 
+def _regathered(eqn: Any, invals: list, pieces: dict[int, jax.Array], params: tuple,
+                reducer: GatherInForward, record: Callable[[Sequence[int]], None]) -> list:
+    """Evaluates ``eqn`` on its gathered parameter inputs, keeping only their pieces for the
+    backward, which gathers them again (``reshard_after_forward``).
+
+    A custom VJP whose residuals are the equation's other inputs and the pieces: the gathered
+    leaves it read are not kept. Its backward gathers only the leaves the equation's VJP needs
+    for the inputs that need a cotangent (an addition's VJP needs no operand; a first layer's
+    weight gradient needs only its input), after its output cotangent is there, so that XLA
+    cannot merge the gather with the forward's (its CSE would, and the leaf would stay whole).
+    It recomputes the equation's VJP on the gathered leaves (XLA drops the recomputed forward
+    output when the VJP does not need it, as for a matmul's).
+
+    Args:
+      pieces: per gathered leaf index, this device's piece (the step's input).
+      params: per input of ``eqn``, the parameter leaf it reads, or ``None``.
+      record: told the leaves the backward gathers (for ``comm_bytes``), when it is traced.
+    """
+    full_pos = [j for j, i in enumerate(params) if i is not None and i in pieces]
+    other_pos = [j for j, x in enumerate(invals)
+                 if j not in full_pos and isinstance(x, jax.Array | jax.core.Tracer)]
+    idx = tuple(params[j] for j in full_pos)
+    perturbed: list[bool] = []
+
+    def run(others: tuple, full: tuple) -> list:
+        vals = list(invals)
+        for j, x in zip(other_pos, others, strict=True):
+            vals[j] = x
+        for j, x in zip(full_pos, full, strict=True):
+            vals[j] = x
+        return jaxpr_lib.bind_eqn(eqn, vals)
+
+    @jax.custom_vjp
+    def op(others: tuple, full: tuple, pcs: tuple) -> list:
+        del pcs
+        return run(others, full)
+
+    def fwd(others: tuple, full: tuple, pcs: tuple) -> tuple:
+        perturbed[:] = [o.perturbed for o in others]
+        values = tuple(o.value for o in others)
+        return run(values, tuple(f.value for f in full)), (values, tuple(p.value for p in pcs))
+
+    def bwd(res: tuple, cts: list) -> tuple:
+        others, pcs = res
+        cts = [jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cts]
+        diff = [k for k, p in enumerate(perturbed) if p]
+
+        def grads(full: tuple) -> tuple:
+            def f(d_others: tuple, full: tuple) -> list:
+                vals = list(others)
+                for k, x in zip(diff, d_others, strict=True):
+                    vals[k] = x
+                return run(tuple(vals), full)
+            _, vjp = jax.vjp(f, tuple(others[k] for k in diff), full)
+            return vjp(list(cts))
+
+        structs = tuple(jax.ShapeDtypeStruct(zero_shape, dtype) for zero_shape, dtype in
+                        ((reducer.inner.plan.shapes[i], reducer.inner.plan.dtypes[i])
+                         for i in idx))
+        needed = jaxpr_lib.used_inputs(jax.make_jaxpr(grads)(structs))
+        need = [k for k in range(len(idx)) if needed[k]]
+        floats = [c for c in cts if jnp.issubdtype(jnp.result_type(c), jnp.inexact)]
+        if need and floats:
+            dep = lax.stop_gradient(chain_dependency(floats, "add"))
+            pcs = tuple(p + dep.astype(p.dtype) for p in pcs)
+        got = reducer.regather([idx[k] for k in need], [pcs[k] for k in need])
+        record([idx[k] for k in need])
+        full = [jnp.zeros(s.shape, s.dtype) for s in structs]
+        for k, x in zip(need, got, strict=True):
+            full[k] = x
+        d_diff, d_full = grads(tuple(full))
+        d_others: list[Any] = [None] * len(others)
+        for k, d in zip(diff, d_diff, strict=True):
+            d_others[k] = d
+        return tuple(d_others), tuple(d_full), tuple(None for _ in pcs)
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op(tuple(invals[j] for j in other_pos), tuple(invals[j] for j in full_pos),
+              tuple(pieces[i] for i in idx))
+
+
 class _Evaluation:
     """The traced loss evaluated with each bucket's VJP inserted right before the first equation
     that reads one of its parameters; buckets whose parameters no equation reads still reduce,
@@ -719,7 +813,9 @@ class _Evaluation:
             # params, behind stop_gradient so that no implicit reduction is transposed.
             leaf = self.reducer.unused(i, lax.stop_gradient(leaves[i]))
             self.hooked[i] = vma.to_varying(leaf, self.reducer.axis_name)
-        out = jaxpr_lib.eval_with_hooks(self.traced, leaves, self.args, self.read)
+        bind = self.bind if getattr(self.reducer, "reshard", False) else None
+        self.regathers: list[int] = []  # leaves gathered again in backward, once per use
+        out = jaxpr_lib.eval_with_hooks(self.traced, leaves, self.args, self.read, bind)
         for b in range(self.plan.num_buckets):
             if self.plan.buckets[b].indices[0] not in self.hooked:
                 self.apply(b)
@@ -746,6 +842,16 @@ class _Evaluation:
         if self.reducer.prefetch:
             self.gathered = [o for o, i in zip(out, idx, strict=True) if self.reducer.gathers(i)]
         self.hooked.update(zip(idx, out, strict=True))
+
+    def bind(self, eqn: Any, invals: list, params: tuple) -> list:
+        """An equation that reads parameters (``reshard_after_forward``: see _regathered)."""
+        reducer = self.reducer
+        assert isinstance(reducer, GatherInForward)
+        pieces = {i: self.inputs[0][i] for i in params
+                  if i is not None and i not in self.plan.unused and reducer.gathers(i)}
+        if not pieces:
+            return jaxpr_lib.bind_eqn(eqn, invals)
+        return _regathered(eqn, invals, pieces, params, reducer, self.regathers.extend)
 
     def read(self, i: int, context: tuple = ()) -> Any:
         if i not in self.hooked:
@@ -904,6 +1010,10 @@ class _Run(NamedTuple):
         if not plan.num_buckets:
             reduced = tuple(lax.pmean(extras, axis_name)) if extras else ()
             sent = sent + reducer.mean_bytes(extras_structs if extras else ())
+        if run.regathers:  # reshard_after_forward: each backward use gathers its leaf again
+            assert isinstance(reducer, GatherInForward)
+            for i in run.regathers:
+                sent = sent + reducer.gather_bytes((i,))
         # plan.unused leaves have no gradient path to the loss: state the zero explicitly, so
         # that it is identical on every replica whatever autodiff materialises for them. Nor
         # does their hook state reach a hook, so its "cotangent" is zero: keep the old state

@@ -198,6 +198,11 @@ class DataParallel:
         all-reduced across hosts, so the slow link carries ``1/L`` of the gradient bytes, and
         parameters are gathered inside the host only. Memory per device falls by the local
         device count ``L`` instead of ``N``. See docs/scaling.md.
+      reshard_after_forward: at ``zero_stage=3`` (default ``True``, FSDP's default): each
+        gathered parameter is dropped after its forward use and gathered again for the
+        backward, so the step's peak holds a few gathered layers, not the model; ``False``
+        keeps the gathered buckets from the forward pass until the backward is done (fewer
+        gathers, more memory). Not accepted at stages 0-2 (nothing is gathered there).
       rng: ``loss_fn`` takes a last argument ``rng``, one PRNG key per example of its shard, and
         ``step(state, batch, rng=key)`` takes the run's key; each example's key is derived from
         the key, ``state.step`` and the example's position in the global batch, so dropout masks
@@ -259,6 +264,7 @@ class DataParallel:
         shard_accumulator: bool | None = None,
         zero_stage: options.ZeroStage = 0,
         hybrid_shard: bool = False,
+        reshard_after_forward: bool | None = None,
         rng: bool = False,
         sum_metrics: tuple[str, ...] = (),
         loss_scale: ls_lib.DynamicScale | None = None,
@@ -301,6 +307,8 @@ class DataParallel:
                 plain=local_sgd is None and not det),
             zero_stage=options.zero_stage(zero_stage),
             hybrid_shard=options.flag(hybrid_shard, "hybrid_shard"),
+            reshard_after_forward=options.reshard_after_forward(reshard_after_forward,
+                                                                zero_stage),
             rng=options.flag(rng, "rng", " Pass the key itself to step(state, batch, rng=key)."),
             sum_metrics=summed,
             loss_scale=ls_lib.check_loss_scale(loss_scale),

@@ -10,8 +10,9 @@ pieces live (``zero_stage=``):
 - 3: the parameters too: the state holds 1/N of each leaf; the forward pass all-gathers each
   bucket before its first use (the planner's first-use order is the prefetch order: the next
   bucket's gather runs while the current layer computes) and the backward pass reduce-scatters
-  its gradient. A gathered bucket stays whole until the backward pass is done with it (no second
-  gather for the backward pass).
+  its gradient. With ``reshard_after_forward`` (the default) each gathered leaf is dropped after
+  its forward use and gathered again for the backward (``reduction._regathered``); without it a
+  gathered bucket stays whole until the backward pass is done with it.
 
 **Layout.** A leaf is split on one dimension that the device count divides (:func:`shard_dim`:
 dimension 0 if possible, which costs no transpose, else the largest such dimension); its pieces

@@ -1,4 +1,9 @@
-"""Mixed precision: dynamic loss scaling for float16 training.
+"""Mixed precision: a policy for low-precision compute, and dynamic loss scaling for float16.
+
+``jddp.DataParallel(loss_fn, tx, mixed_precision=jddp.precision.MixedPrecision(param_dtype=
+jnp.bfloat16, reduce_dtype=jnp.float32))`` keeps float32 master parameters and optimizer state,
+computes forward and backward with ``param_dtype`` copies (stage 3 all-gathers them in it) and
+reduces gradients in ``reduce_dtype`` (:class:`MixedPrecision`, docs/precision.md).
 
 ``jddp.DataParallel(loss_fn, tx, loss_scale=jddp.precision.DynamicScale())`` scales the loss in
 the backward pass, unscales the reduced gradients, skips steps with non-finite gradients on every
@@ -7,6 +12,7 @@ scale (:class:`LossScaleState`).
 """
 
 from jddp._src.loss_scale import DynamicScale
+from jddp._src.precision import MixedPrecision
 from jddp._src.state import LossScaleState
 
-__all__ = ["DynamicScale", "LossScaleState"]
+__all__ = ["DynamicScale", "LossScaleState", "MixedPrecision"]

@@ -16,6 +16,12 @@ mirror what a ``DataParallel`` step means:
 - ``model_state``: ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``, the state
   taken from the whole batch (what ``model_state_sync="broadcast"`` gives for batch-independent
   updates, and ``"mean"`` for updates linear in the batch);
+- ``param_dtype``: mixed precision (``MixedPrecision(param_dtype=...)``): the loss computes with
+  the float32 parameters cast to it, gradients come back (through the cast) and are averaged and
+  applied in float32;
+- ``shards``: each call's gradient is the mean of the gradients of ``shards`` equal slices of its
+  batch (what N devices compute before their float32 reduction: in a low ``param_dtype`` a
+  weight gradient summed over a slice rounds differently from one summed over the whole batch);
 - :func:`local_sgd` simulates the replicas of post-local SGD and DiLoCo (one per device on a 1-D
   mesh, one per host on a two-level one) on their slices of each global batch.
 """
@@ -42,10 +48,12 @@ class Result(NamedTuple):
     model_state: Any = None
 
 
-def _objective(loss_fn, weighted, rng_key, stateful):
+def _objective(loss_fn, weighted, rng_key, stateful, param_dtype=None):
     """``objective(params, model_state, batch, mask, step, call) -> (loss, new_model_state)``."""
 
     def objective(params, model_state, batch, mask, step, call):
+        if param_dtype is not None:
+            params = jax.tree.map(lambda w: w.astype(param_dtype), params)
         args: list[Any] = [params]
         if stateful:
             args.append(model_state)
@@ -63,6 +71,15 @@ def _objective(loss_fn, weighted, rng_key, stateful):
     return objective
 
 
+def _sharded_grad(grad_fn, params, batch, step, call, shards):
+    """The mean loss and gradient of ``shards`` equal slices of ``batch``."""
+    n = len(jax.tree.leaves(batch)[0]) // shards
+    parts = [grad_fn(params, None, jax.tree.map(lambda x, i=i: x[i * n:(i + 1) * n], batch),
+                     None, step, call) for i in range(shards)]
+    loss = sum(p[0][0] for p in parts) / shards
+    return loss, jax.tree.map(lambda *xs: sum(xs) / shards, *(p[1] for p in parts))
+
+
 def train(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -74,6 +91,8 @@ def train(
     rng_key: jax.Array | None = None,
     model_state: Any = None,
     pooled: bool = False,
+    param_dtype: Any = None,
+    shards: int = 1,
 ) -> Result:
     """Trains ``params`` on one device, one optax update per window of calls.
 
@@ -85,11 +104,13 @@ def train(
       rng_key: the key passed to every ``ddp.step(..., rng=key)``.
       model_state: the initial model state, for ``loss_fn(params, model_state, batch)``.
       pooled: weigh a window's calls by their real rows (see the module docstring).
+      param_dtype: compute with the parameters cast to this dtype (mixed precision).
+      shards: average the gradients of this many slices of each call's batch (see above).
     """
     if pooled and not weighted:
         raise ValueError("pooled=True pools weighted calls: pass weighted=True")
     stateful = model_state is not None
-    objective = _objective(loss_fn, weighted, rng_key, stateful)
+    objective = _objective(loss_fn, weighted, rng_key, stateful, param_dtype)
     grad_fn = jax.jit(jax.value_and_grad(objective, has_aux=True))
     opt_state = optimizer.init(params)
     losses = []
@@ -97,7 +118,12 @@ def train(
         grads, total, rows = None, 0.0, 0.0
         for call, batch in enumerate(window):
             mask = None if masks is None else masks[step][call]
-            (loss, new_state), g = grad_fn(params, model_state, batch, mask, step, call)
+            if shards > 1:
+                assert mask is None and not stateful and rng_key is None, "shards: plain only"
+                loss, g = _sharded_grad(grad_fn, params, batch, step, call, shards)
+                new_state = None
+            else:
+                (loss, new_state), g = grad_fn(params, model_state, batch, mask, step, call)
             # pooled: the call's sum(m l) and its gradient (its weighted mean times sum(m)).
             w = 1.0 if not pooled else float(np.sum(
                 np.ones(len(jax.tree.leaves(batch)[0])) if mask is None else mask))

@@ -117,6 +117,27 @@ def _rng_ref(_):
                      [[b] for b in _batches(3)], rng_key=jax.random.key(KEY)).params
 
 
+# Mixed precision: the same casts on one device, each of the 8 devices' shards its own bfloat16
+# gradient (reference shards=8), averaged and applied in float32 (measured agreement ~3e-8).
+MP = jnp.bfloat16
+
+
+def _mp_plain_ref(_):
+    return ref.train(mlp_loss, optax.adam(1e-2), mlp_params(0, SIZES),
+                     [[b] for b in _batches(3)], param_dtype=MP, shards=8).params
+
+
+def _mp_plain_sgd_ref(_):
+    return ref.train(mlp_loss, optax.sgd(0.1), mlp_params(0, SIZES),
+                     [[b] for b in _batches(3)], param_dtype=MP, shards=8).params
+
+
+def _mp_accumulate_ref(_):
+    micro = _batches(4, ROWS // 2)
+    return ref.train(mlp_loss, optax.adam(1e-2), mlp_params(0, SIZES),
+                     [micro[0:2], micro[2:4]], param_dtype=MP, shards=8).params
+
+
 def _post_local_ref(replicas):
     return ref.local_sgd(mlp_loss, optax.sgd(0.1), mlp_params(0, SIZES), _batches(3),
                          replicas=replicas, period=2).params
@@ -142,6 +163,11 @@ CASES = {
         {"batch": b, "mask": m} for b, m in zip(_batches(3), _masks(3), strict=True)], _masked_ref),
     "rng": Case(_dropout_loss, lambda: [{"batch": b, "rng": jax.random.key(KEY)}
                                         for b in _batches(3)], _rng_ref),
+    "mp_plain": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _mp_plain_ref),
+    "mp_plain_sgd": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)],
+                         _mp_plain_sgd_ref, lambda: optax.sgd(0.1)),
+    "mp_accumulate": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4, ROWS // 2)],
+                          _mp_accumulate_ref),
     "post_local": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _post_local_ref,
                        lambda: optax.sgd(0.1)),
     "diloco": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4)], _diloco_ref),
@@ -196,6 +222,10 @@ def refused(reason: str) -> tuple:
 
 BF16 = 1e-3  # bf16 on the wire (~3 significant digits of each gradient), SGD(0.1)
 INT8 = 2e-3  # int8 blocks of 256 with error feedback, SGD(0.1)
+
+
+def _mp(**kw):
+    return jddp.precision.MixedPrecision(**{"param_dtype": MP, **kw})
 
 
 def _cells() -> list[Cell]:
@@ -256,6 +286,30 @@ def _cells() -> list[Cell]:
         Cell("post_local_sgd(2)", lambda: {"local_sgd": post(2)}, "1d", 0, equal("post_local")),
         Cell("diloco(2)", lambda: {"local_sgd": diloco(2)}, "2l", 0, equal("diloco"), procs=2),
         # jddp.nnx with local SGD: tests/test_nnx.py (equal to the functional trainer's DiLoCo).
+        # mixed precision (jddp.precision.MixedPrecision; docs/precision.md)
+        Cell("mixed_precision", lambda: {"mixed_precision": _mp()}, "1d", 0, equal("mp_plain")),
+        Cell("mixed_precision", lambda: {"mixed_precision": _mp()}, "1d", 1, equal("mp_plain")),
+        Cell("mixed_precision", lambda: {"mixed_precision": _mp()}, "1d", 2, equal("mp_plain")),
+        Cell("mixed_precision", lambda: {"mixed_precision": _mp()}, "1d", 3, equal("mp_plain")),
+        Cell("mixed_precision + hybrid_shard", lambda: {"mixed_precision": _mp(),
+                                                        "hybrid_shard": True}, "2l", 3,
+             equal("mp_plain")),
+        Cell("mixed_precision + accumulate_steps=2", lambda: {"mixed_precision": _mp(),
+                                                              "accumulate_steps": 2}, "1d", 3,
+             equal("mp_accumulate")),
+        Cell("mixed_precision + bf16_compress", lambda: {"mixed_precision": _mp(),
+                                                         "hook": jddp.bf16_compress()}, "1d", 2,
+             equal("mp_plain_sgd", BF16)),
+        Cell("mixed_precision(reduce_dtype=bf16)", lambda: {"mixed_precision": _mp(
+            reduce_dtype=jnp.bfloat16)}, "1d", 0, equal("mp_plain_sgd", BF16)),
+        Cell("mixed_precision(reduce_dtype=bf16) + hook", lambda: {"mixed_precision": _mp(
+            reduce_dtype=jnp.bfloat16), "hook": jddp.powersgd()}, "1d", 0,
+             refused("the hook decides what the reduction sends")),
+        Cell("mixed_precision(float16) without loss_scale", lambda: {"mixed_precision": _mp(
+            param_dtype=jnp.float16)}, "1d", 0, refused("needs loss scaling")),
+        Cell("mixed_precision + deterministic", lambda: {"mixed_precision": _mp(),
+                                                         "deterministic": True}, "1d", 0,
+             refused("not supported with deterministic=True")),
         Cell("diloco + zero_stage > 0", lambda: {"local_sgd": diloco(2)}, "1d", 2,
              refused("on a 1-D mesh every device is a replica")),
     ]

@@ -16,6 +16,7 @@ from jddp._src.local_sgd_options import LocalSGD
 from jddp._src.loss_scale import DynamicScale
 from jddp._src.mesh import DataAxes, data_axes
 from jddp._src.planner import BucketPlan
+from jddp._src.precision import MixedPrecision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,7 @@ class StepConfig:
       loss_scale: dynamic loss scaling (``None``: off).
       deterministic: the same bits on any layout (:mod:`jddp._src.deterministic`).
       group_size: examples per group of the deterministic step.
+      mixed_precision: the mixed-precision policy (:mod:`jddp._src.precision`; ``None``: off).
       local_sgd: local SGD or DiLoCo (:mod:`jddp._src.local_sgd_options`): per-replica parameters,
         averaged every ``period`` steps; ``None`` for plain data parallelism.
     """
@@ -83,6 +85,7 @@ class StepConfig:
     local_sgd: LocalSGD | None = None
     deterministic: bool = False
     group_size: int = options.DEFAULT_GROUP_SIZE
+    mixed_precision: MixedPrecision | None = None
 
     def __post_init__(self) -> None:
         if self.hybrid_shard and self.zero_stage == 0:

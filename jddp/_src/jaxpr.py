@@ -192,6 +192,10 @@ def _inexact(v: Any) -> bool:
     return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
 
 
+def _inexact_value(x: Any) -> bool:
+    return bool(jax.numpy.issubdtype(jax.numpy.result_type(x), jax.numpy.floating))
+
+
 def _reaching_inputs(jaxpr: Any, live_outputs: Sequence[bool]) -> list[bool]:
     """For each input of ``jaxpr``: can it reach a ``live_outputs`` output through float values?"""
     live: set[Any] = {
@@ -349,8 +353,14 @@ def as_function(traced: Traced) -> Callable[..., Any]:
     """``traced`` as a function of ``(params, *args)`` again (evaluating its jaxpr, not the
     user's Python: differentiating or scanning it does not trace the loss a second time)."""
 
+    # Parameters traced in another floating dtype (a mixed-precision policy's param_dtype) are
+    # cast to it: the cast's transpose returns their gradients in the dtype given.
+    dtypes = [v.aval.dtype for v in traced.jaxpr.jaxpr.invars[: traced.num_params]]
+
     def fun(params: Any, *args: Any) -> Any:
-        leaves = jax.tree.leaves(params)
+        leaves = [x.astype(d) if _inexact_value(x) and jax.numpy.result_type(x) != d
+                  and jax.numpy.issubdtype(d, jax.numpy.floating) else x
+                  for x, d in zip(jax.tree.leaves(params), dtypes, strict=True)]
         return eval_with_hooks(traced, leaves, args, lambda i, _: leaves[i])
 
     return fun

@@ -53,6 +53,7 @@ from jddp._src import deterministic as det_lib
 from jddp._src import jaxpr as jaxpr_lib
 from jddp._src import local_sgd, vma, zero
 from jddp._src import loss_scale as ls_lib
+from jddp._src import precision as precision_lib
 from jddp._src import rng as rng_lib
 from jddp._src.checks import batch_size, check_batch, check_float_params, check_mask
 from jddp._src.config import StepConfig
@@ -455,7 +456,9 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
         last, side_last = batch, side
     # The one trace of the user's loss in this program: planning, the scanned micro-batches, the
     # accumulating branch and the reducing evaluation all read this jaxpr.
-    traced = jaxpr_lib.trace(obj, params_v, ms0, last, *side_last)
+    # Under a mixed-precision policy the loss is traced with param_dtype parameters.
+    traced = jaxpr_lib.trace(obj, precision_lib.compute_params(cfg.mixed_precision, params_v),
+                             ms0, last, *side_last)
     plan = _plan(cfg, traced, full_params, observer)
     loss_scale = None if state.loss_scale is None else state.loss_scale.scale
     # Sums kept for later (the accumulator, the scanned micro-batches) are plain sums, times the
@@ -532,7 +535,7 @@ def _reduce(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepare
         hook=cfg.hook, hook_state=hook_state, step=state.step, phase=phase, chain=cfg.chain,
         seed=seed, offset=offset, extras_fn=extras,
         extras_shape=obj.extras_shape(prep.aux_shape, lv.size, lv.axis), sharded=prep.sharded,
-        hosts_axis=lv.hosts,
+        hosts_axis=lv.hosts, precision=cfg.mixed_precision,
     )
 
 
@@ -676,7 +679,7 @@ def _scattered_call(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared, state
         plan=prep.plan, axis_name=lv.axis, hook=cfg.hook,
         hook_state=strip_device_dim(state.hook_state), step=state.step, phase=phase,
         chain=cfg.chain, seed=seed, offset=None if offset is None else jax.tree.leaves(offset),
-        sharded=prep.sharded, hosts_axis=lv.hosts,
+        sharded=prep.sharded, hosts_axis=lv.hosts, precision=cfg.mixed_precision,
     )
     aux: LocalAux = red.out[1]
     grads = acc_lib.add(live_grads, jax.tree.unflatten(jax.tree.structure(live_grads),

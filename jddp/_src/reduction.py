@@ -46,6 +46,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jddp._src import hlo, options, vma, zero
 from jddp._src import jaxpr as jaxpr_lib
+from jddp._src import precision as precision_lib
 from jddp._src.checks import check_float_params, check_scalar_loss
 from jddp._src.hooks import (
     CommHook,
@@ -496,10 +497,14 @@ class GatherInForward:
         leaf again there, so a gathered bucket lives from its gather to its last forward use,
         and again around each backward use. ``False``: a gathered bucket stays whole until the
         backward is done with it (the user's operations keep it as a residual).
+      dtype: the dtype the loss computes with (a mixed-precision policy's ``param_dtype``):
+        pieces are cast to it before they are gathered (forward and backward gathers), leaves
+        kept whole are cast too; ``None``: their own.
     """
 
     inner: ReduceScatter
     reshard: bool = False
+    dtype: Any = None
     prefetch: ClassVar[bool] = True
 
     @property
@@ -518,10 +523,10 @@ class GatherInForward:
     def _gather(self, indices: Sequence[int], pieces: Sequence[jax.Array]) -> list[jax.Array]:
         lay, plan = self.inner.layout, self.inner.plan
         split = [j for j, i in enumerate(indices) if lay.dims[i] is not None]
-        out = list(pieces)
+        out = list(pieces) if self.dtype is None else [p.astype(self.dtype) for p in pieces]
         if not split:
             return out
-        full = zero.all_gather([pieces[j] for j in split],
+        full = zero.all_gather([out[j] for j in split],
                                [lay.dims[indices[j]] for j in split],  # type: ignore[misc]
                                [plan.shapes[indices[j]] for j in split], self.inner.shard_axis)
         for j, f in zip(split, full, strict=True):
@@ -545,8 +550,8 @@ class GatherInForward:
     def gather_bytes(self, indices: Sequence[int]) -> Bytes:
         inner = self.inner
         group, hosts = span(inner.shard_axis, inner.hosts_axis)
-        return ring("all-gather", zero.split_bytes(inner.layout, inner.plan.dtypes, indices),
-                    group, hosts)
+        dtypes = inner.plan.dtypes if self.dtype is None else [self.dtype] * len(inner.plan.dtypes)
+        return ring("all-gather", zero.split_bytes(inner.layout, dtypes, indices), group, hosts)
 
     def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Bytes:
         return (self.inner.bytes(b, extras, step)
@@ -582,16 +587,19 @@ class Sharded(NamedTuple):
 
 def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
                  sharded: Sharded | None = None, hosts_axis: str | None = None,
-                 phase: Any = None, stateful: bool = False) -> BucketReducer:
+                 phase: Any = None, stateful: bool = False,
+                 precision: precision_lib.MixedPrecision | None = None) -> BucketReducer:
     """The reducer of a step: the hook's all-reduce, or a sharded stage's (hybrid)
-    reduce-scatter, with the stage-3 all-gather in forward.
+    reduce-scatter, with the stage-3 all-gather in forward; under a mixed-precision policy, its
+    :class:`jddp._src.precision.Cast`.
 
     Args:
       stateful: the hook keeps state for some leaf (it cannot reduce through ``scatter``).
     """
     if sharded is None:
-        return AllReduce(plan=plan, hook=hook, axis_name=axis_name, hosts_axis=hosts_axis,
-                         phase=phase)
+        return precision_lib.wrap_reducer(AllReduce(
+            plan=plan, hook=hook, axis_name=axis_name, hosts_axis=hosts_axis, phase=phase),
+            precision)
     common: dict[str, Any] = dict(
         plan=plan, hook=hook, axis_name=axis_name, hosts_axis=hosts_axis, phase=phase,
         layout=sharded.layout, shard_axis=axis_name if sharded.axis is None else sharded.axis,
@@ -599,7 +607,9 @@ def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
     )
     inner = (ReduceScatter(**common) if sharded.replicas is None
              else Hybrid(**common, replicas=sharded.replicas))
-    return GatherInForward(inner, sharded.reshard) if sharded.stage >= 3 else inner
+    if sharded.stage >= 3:  # casts to a policy's param_dtype itself, before its gathers
+        return GatherInForward(inner, sharded.reshard, precision_lib.gather_dtype(precision))
+    return precision_lib.wrap_reducer(inner, precision)
 
 
 # ------------------------------------------------------------------- one VJP, one evaluator
@@ -686,7 +696,10 @@ def _bucket_vjp(reducer: BucketReducer, slot: _Slot) -> Callable[..., Any]:
     def bwd(res, cts):
         leaves, states, carry, offset, step, token, sink = res
         (ct_dep, ct_extras), ct_leaves = cts
-        grads = _local_grads(tuple(ct_leaves), offset, ct_dep, chain)
+        # Local gradients are summed and reduced in the dtype of the reduction's result (the
+        # parameters' own; under a mixed-precision policy the loss computed in another).
+        ct_leaves = tuple(g.astype(c.dtype) for g, c in zip(ct_leaves, carry, strict=True))
+        grads = _local_grads(ct_leaves, offset, ct_dep, chain)
         extras = tuple(ct_extras) if slot.last else ()
         reduced, new_states, mean_extras = reducer.backward(slot.bucket, grads, tuple(states),
                                                             extras, step)
@@ -763,9 +776,10 @@ def _regathered(eqn: Any, invals: list, pieces: dict[int, jax.Array], params: tu
             _, vjp = jax.vjp(f, tuple(others[k] for k in diff), full)
             return vjp(list(cts))
 
+        # The leaves as the equation reads them: in a mixed-precision policy's dtype if any.
         structs = tuple(jax.ShapeDtypeStruct(zero_shape, dtype) for zero_shape, dtype in
-                        ((reducer.inner.plan.shapes[i], reducer.inner.plan.dtypes[i])
-                         for i in idx))
+                        ((reducer.inner.plan.shapes[i], reducer.inner.plan.dtypes[i]
+                          if reducer.dtype is None else reducer.dtype) for i in idx))
         needed = jaxpr_lib.used_inputs(jax.make_jaxpr(grads)(structs))
         need = [k for k in range(len(idx)) if needed[k]]
         floats = [c for c in cts if jnp.issubdtype(jnp.result_type(c), jnp.inexact)]
@@ -911,6 +925,7 @@ def bucketed_vjp(
     extras_shape: Any = (),
     sharded: Sharded | None = None,
     hosts_axis: str | None = None,
+    precision: precision_lib.MixedPrecision | None = None,
 ) -> Reduced:
     """Differentiates the first output of ``traced`` with gradients reduced per bucket in backward.
 
@@ -947,7 +962,8 @@ def bucketed_vjp(
             "build it with jddp.hooks.init_hook_state(hook, params)."
         )
     reducer = make_reducer(plan, hook, axis_name, sharded=sharded, hosts_axis=hosts_axis,
-                           phase=phase, stateful=bool(jax.tree.leaves(tuple(hook_state))))
+                           phase=phase, stateful=bool(jax.tree.leaves(tuple(hook_state))),
+                           precision=precision)
     reducer.check(param_leaves)
     mode = resolve_chain(chain)
     if sharded is not None and mode == "barrier":

@@ -17,6 +17,7 @@ from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
 from jddp._src import model_state as ms_lib
+from jddp._src import precision as precision_lib
 from jddp._src import report as report_lib
 from jddp._src import verify as verify_lib
 from jddp._src.config import StepConfig
@@ -214,6 +215,10 @@ class DataParallel:
         (Flax's ``DynamicScale`` rule): the loss is scaled in the backward pass, the reduced
         gradients unscaled; a step with a non-finite gradient is skipped on every replica and
         the scale shrinks, it grows after ``growth_interval`` finite steps.
+      mixed_precision: ``jddp.precision.MixedPrecision(param_dtype=..., reduce_dtype=...)``
+        (FSDP2's ``MixedPrecisionPolicy``): float32 master parameters and optimizer state,
+        forward and backward in ``param_dtype`` (stage 3 gathers it), gradients reduced in
+        ``reduce_dtype``; see docs/precision.md.
         ``state.loss_scale`` holds the scale, ``metrics["loss_scale"]`` reports it.
       local_sgd: ``jddp.local_sgd.post_local_sgd(period, start_step)`` or
         ``jddp.local_sgd.diloco(period)``: replicas (the hosts of a two-level mesh, else every
@@ -272,6 +277,7 @@ class DataParallel:
         verify_every: int | None = None,
         deterministic: bool = False,
         group_size: int | None = None,
+        mixed_precision: precision_lib.MixedPrecision | None = None,
         **renamed: Any,
     ) -> None:
         skip_not_finite, accumulator_dtype = _renamed_arguments(
@@ -280,8 +286,11 @@ class DataParallel:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
         auto, cap, first = _bucket_caps(bucket_cap_mb, first_bucket_mb, bucket_plan)
-        hook = allreduce_mean() if hook is None else check_hook(hook)
         det, groups = _deterministic(deterministic, group_size, auto)
+        policy = precision_lib.check_policy(mixed_precision)
+        hook = precision_lib.resolve_hook(policy, None if hook is None else check_hook(hook),
+                                          loss_scale=loss_scale, deterministic=det)
+        hook = allreduce_mean() if hook is None else hook
         summed = _sum_metrics(sum_metrics, has_aux)
         config = StepConfig(
             loss_fn=loss_fn,
@@ -315,6 +324,7 @@ class DataParallel:
             local_sgd=local_sgd_options.check_local_sgd(local_sgd),
             deterministic=det,
             group_size=groups,
+            mixed_precision=policy,
         )
         local_sgd_lib.check_config(config)
         det_lib.check_config(config)
@@ -401,6 +411,7 @@ class DataParallel:
           model_state: optional non-differentiated model state (e.g. Flax ``batch_stats``).
         """
         checks.check_float_params(params)
+        precision_lib.check_master(self.config.mixed_precision, params)
         self._plans.expect(params)
         if self.config.fixed_plan is not None:
             self.config.fixed_plan.check_tree(params)

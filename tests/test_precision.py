@@ -1,0 +1,218 @@
+"""Mixed precision (``mixed_precision=jddp.precision.MixedPrecision(...)``): float32 master
+parameters, bfloat16 compute, float32 reduction, at every ZeRO stage; stage 3 gathers bfloat16.
+
+Tolerances: against the single-device reference doing the same casts (tests/_reference.py with
+``param_dtype`` and ``shards=N``: each device's weight gradient is a bfloat16 sum over its shard,
+which rounds differently from one over the whole batch, so the reference averages N slices'
+gradients too), parameters after 3 Adam steps agree to 1e-6 (measured 3e-8; SGD 1.2e-7), while
+bfloat16 and float32 training differ by 6e-4 after the same steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jddp
+from jddp._src import zero
+from jddp.perf import schedule, topologies
+from jddp.perf.traffic import sent_per_device
+from jddp.precision import DynamicScale, MixedPrecision
+from tests import _reference
+from tests._models import mlp_loss, mlp_params, regression_batch
+
+SIZES = [8, 32, 24, 3]
+SMALL_CAPS = dict(bucket_cap_mb=0.001, first_bucket_mb=0.0002)  # one layer per bucket
+BF16 = MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+N = 8
+
+
+def _batches(n, seed=0, size=32):
+    return [regression_batch(seed + i, size, SIZES[0], SIZES[-1]) for i in range(n)]
+
+
+@pytest.mark.parametrize("stage,opts", [(0, {}), (1, {}), (2, {}), (3, {}),
+                                        (3, {"reshard_after_forward": False})],
+                         ids=["0", "1", "2", "3", "3-keep-gathered"])
+def test_each_stage_equals_the_reference_with_the_same_casts(stage, opts):
+    """Stage 3 gathers bfloat16 pieces in forward and (reshard_after_forward, the default) again
+    in backward, where each equation's VJP is recomputed on bfloat16 leaves."""
+    params, batches = mlp_params(0, SIZES), _batches(3)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, mixed_precision=BF16,
+                            **SMALL_CAPS, **opts)
+    state = ddp.init(params)
+    for b in batches:
+        state, m = ddp.step(state, b)
+    assert ddp.bucket_plan.num_buckets > 1
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.opt_state)
+               if jnp.issubdtype(x.dtype, jnp.floating))
+    ref = _reference.train(mlp_loss, optax.adam(1e-2), params, [[b] for b in batches],
+                           param_dtype=jnp.bfloat16, shards=N)
+    f32 = _reference.train(mlp_loss, optax.adam(1e-2), params, [[b] for b in batches])
+    got = jax.device_get(state.params)
+    assert _reference.max_abs_diff(got, ref.params) < 1e-6
+    # The casts are real: bf16 compute is further from float32 training than from its reference.
+    assert _reference.max_abs_diff(ref.params, f32.params) > 1e-4
+    assert float(m["loss"]) == pytest.approx(ref.losses[-1], rel=1e-2)
+
+
+def test_the_loss_computes_in_param_dtype_and_the_gradients_reduce_in_float32():
+    seen = []
+
+    def loss(p, b):
+        seen.append({jnp.result_type(x) for x in jax.tree.leaves(p)})
+        return mlp_loss(p, b)
+
+    params, batch = mlp_params(0, SIZES), _batches(1)[0]
+    for stage in (0, 2):
+        ddp = jddp.DataParallel(loss, optax.sgd(0.1), zero_stage=stage, mixed_precision=BF16,
+                                **SMALL_CAPS)
+        text = ddp.step.lower(ddp.init(params), batch).compile().as_text()
+        grads = [c for c in schedule.collectives(text) if c.kind in ("all-reduce",
+                                                                      "reduce-scatter")]
+        assert grads and all(a.dtype == "f32" for c in grads for a in c.operands)
+    assert seen == [{jnp.dtype(jnp.bfloat16)}] * 2  # traced once per program, in bfloat16
+
+
+def _hlo_bytes(text):
+    """Bytes one device sends for a compiled program's collectives (ring model)."""
+    return sum(sent_per_device(c.kind, c.nbytes, len(c.groups[0]) if c.groups else N)
+               for c in schedule.collectives(text))
+
+
+@pytest.mark.skipif(not topologies.has_gpu_compiler(), reason="no CUDA compiler plugin")
+@pytest.mark.parametrize("policy,reshard", [(None, False), (BF16, False), (BF16, True)],
+                         ids=["float32", "bf16", "bf16-reshard"])
+def test_stage_3_gathers_param_dtype_and_comm_bytes_match_the_gpu_program(policy, reshard):
+    """The stage-3 all-gathers of the step compiled for 8 H100s (compile-only) carry
+    ``param_dtype``: one per bucket, whose bytes are the parameter pieces at 2 bytes per element
+    under the bf16 policy, half of float32's (with ``reshard_after_forward`` the backward's
+    gathers too); the reduce-scatters stay float32, and ``comm_bytes`` equals the program's
+    collectives. (XLA:CPU promotes a bfloat16 all-gather to float32 when it compiles it, as it
+    does all-reduces: on CPU the wire carries float32, see docs/precision.md.)"""
+    params, batch = mlp_params(0, [64, 256, 256, 8]), regression_batch(0, 32, 64, 8)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+    opts = dict(zero_stage=3, mixed_precision=policy, reshard_after_forward=reshard,
+                **SMALL_CAPS)
+    cpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), **opts)
+    _, m = cpu.step(cpu.init(params), batch)
+    gpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=topologies.gpu_mesh(N), **opts)
+    text = gpu.lower(*like).compile().as_text()
+    found = schedule.collectives(text)
+    gathers = [a for c in found if c.kind == "all-gather" for a in c.operands]
+    scatters = [a for c in found if c.kind == "reduce-scatter" for a in c.operands]
+    assert {a.dtype for a in gathers} == {"f32" if policy is None else "bf16"}
+    assert {a.dtype for a in scatters} == {"f32"}
+    assert float(m["comm_bytes"]) == pytest.approx(_hlo_bytes(text), rel=1e-6)
+    if not reshard:
+        itemsize = 4 if policy is None else 2
+        pieces = sum(x.size for x in jax.tree.leaves(params)
+                     if zero.shard_dim(x.shape, N) is not None)
+        assert len(gathers) == cpu.bucket_plan.num_buckets > 1
+        assert sum(a.nbytes for a in gathers) == pieces // N * itemsize
+    else:
+        assert len(gathers) > cpu.bucket_plan.num_buckets  # gathered again for backward
+
+
+def test_composes_with_accumulation(stage):
+    """Local gradients of a window are summed in float32 (the accumulator), then reduced."""
+    params, batches = mlp_params(0, SIZES), _batches(4)
+    ref = _reference.train(mlp_loss, optax.adam(1e-2), params,
+                           [batches[0:2], batches[2:4]], param_dtype=jnp.bfloat16, shards=N)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, accumulate_steps=2,
+                            mixed_precision=BF16, **SMALL_CAPS)
+    state = ddp.init(params)
+    for b in batches:
+        state, _ = ddp.step(state, b)
+    assert _reference.max_abs_diff(jax.device_get(state.params), ref.params) < 1e-6
+
+
+def test_float16_with_loss_scaling_and_microbatches():
+    params, batches = mlp_params(0, SIZES), _batches(2)
+    fp16 = MixedPrecision(param_dtype=jnp.float16)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=2, microbatches=2,
+                            mixed_precision=fp16, loss_scale=DynamicScale(init_scale=2.0**8),
+                            **SMALL_CAPS)
+    state = ddp.init(params)
+    for b in batches:
+        state, m = ddp.step(state, b)
+    ref = _reference.train(mlp_loss, optax.adam(1e-2), params, [[b] for b in batches],
+                           param_dtype=jnp.float16, shards=2 * N)  # 2 micro-batches a device
+    assert float(state.loss_scale.scale) == 2.0**8  # no step skipped
+    assert _reference.max_abs_diff(jax.device_get(state.params), ref.params) < 1e-5
+
+
+def test_reduce_dtype_bfloat16_is_the_bf16_compress_hook():
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1),
+                            mixed_precision=MixedPrecision(reduce_dtype=jnp.bfloat16))
+    assert ddp.hook.name == jddp.bf16_compress().name
+    with pytest.raises(ValueError, match="hook decides"):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), hook=jddp.powersgd(),
+                          mixed_precision=MixedPrecision(reduce_dtype=jnp.bfloat16))
+    # A compressing hook with the default float32 reduce_dtype: the hook's wire dtype.
+    jddp.DataParallel(mlp_loss, optax.sgd(0.1), hook=jddp.bf16_compress(), mixed_precision=BF16)
+
+
+def test_clear_errors():
+    with pytest.raises(TypeError, match="floating dtype"):
+        MixedPrecision(param_dtype=jnp.int8)
+    with pytest.raises(TypeError, match="floating dtype"):
+        MixedPrecision(reduce_dtype="nonsense")
+    with pytest.raises(ValueError, match="wider"):
+        MixedPrecision(param_dtype=jnp.float64)
+    with pytest.raises(ValueError, match="loss_scale="):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1),
+                          mixed_precision=MixedPrecision(param_dtype=jnp.float16))
+    with pytest.raises(TypeError, match="MixedPrecision"):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), mixed_precision=jnp.bfloat16)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), mixed_precision=BF16)
+    bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), mlp_params(0, SIZES))
+    with pytest.raises(TypeError, match="master parameters"):
+        ddp.init(bf16_params)
+    with pytest.raises(ValueError, match="deterministic"):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), mixed_precision=BF16, deterministic=True)
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return (x / 16.0).astype(np.float32), y.astype(np.int32)
+
+
+def _digits_loss(p, b):
+    h = jax.nn.relu(b["x"] @ p["w1"] + p["b1"])
+    h = jax.nn.relu(h @ p["w2"] + p["b2"])
+    logits = (h @ p["w3"] + p["b3"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+
+def digits_losses(policy, stage, steps=20, batch_size=128):
+    """The training losses of a 64-128-128-10 MLP on scikit-learn's digits (Adam)."""
+    x, y = _digits()
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {
+        "w1": jax.random.normal(k[0], (64, 128)) * (2 / 64) ** 0.5, "b1": jnp.zeros(128),
+        "w2": jax.random.normal(k[1], (128, 128)) * (2 / 128) ** 0.5, "b2": jnp.zeros(128),
+        "w3": jax.random.normal(k[2], (128, 10)) * (1 / 128) ** 0.5, "b3": jnp.zeros(10),
+    }
+    ddp = jddp.DataParallel(_digits_loss, optax.adam(3e-3), zero_stage=stage,
+                            mixed_precision=policy, bucket_cap_mb=0.05, first_bucket_mb=0.01)
+    state, rng, losses = ddp.init(params), np.random.default_rng(1), []
+    for _ in range(steps):
+        idx = rng.choice(len(x), batch_size, replace=False)
+        state, m = ddp.step(state, {"x": x[idx], "y": y[idx]})
+        losses.append(float(m["loss"]))
+    return losses
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_digits_loss_within_2_percent_of_float32(stage):
+    f32, bf16 = digits_losses(None, stage), digits_losses(BF16, stage)
+    assert f32[-1] < 0.5 * f32[0]  # it trains
+    last = lambda v: float(np.mean(v[-5:]))  # noqa: E731
+    assert last(bf16) == pytest.approx(last(f32), rel=0.02), (last(bf16), last(f32))

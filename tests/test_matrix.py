@@ -240,10 +240,12 @@ def _cells() -> list[Cell]:
         Cell("bf16", lambda: {"hook": jddp.bf16_compress()}, "1d", 0, equal("plain_sgd", BF16)),
         Cell("bf16", lambda: {"hook": jddp.bf16_compress()}, "1d", 2, equal("plain_sgd", BF16)),
         Cell("fp16", lambda: {"hook": jddp.fp16_compress()}, "1d", 3, equal("plain_sgd", BF16)),
+        Cell("int8", lambda: {"hook": jddp.hooks.int8_compress()}, "1d", 0,
+             equal("plain_sgd", INT8), procs=2),
         Cell("powersgd before start", lambda: {"hook": jddp.powersgd(start_iter=100)}, "1d", 0,
              equal("plain")),
         Cell("powersgd", lambda: {"hook": jddp.powersgd(start_iter=100)}, "1d", 2,
-             equal("plain")),  # compressed steps at stages 2-3: tests/test_zero.py
+             equal("plain"), procs=2),  # compressed steps at stages 2-3: tests/test_zero.py
         # options x stages
         Cell("accumulate_steps=2", lambda: {"accumulate_steps": 2}, "1d", 0,
              equal("accumulate"), procs=2),
@@ -278,7 +280,7 @@ def _cells() -> list[Cell]:
              lambda: {"hook": jddp.hooks.hierarchical(inner=jddp.hooks.int8_compress())}, "2l", 0,
              equal("plain_sgd", INT8)),
         Cell("hierarchical", lambda: {"hook": jddp.hooks.hierarchical()}, "2l", 2,
-             equal("plain")),
+             equal("plain"), procs=2),
         Cell("hybrid_shard", lambda: {"hybrid_shard": True}, "2l", 2, equal("plain")),
         # local SGD
         Cell("post_local_sgd(2)", lambda: {"local_sgd": post(2)}, "1d", 0, equal("post_local")),
@@ -312,20 +314,21 @@ def _cells() -> list[Cell]:
              refused("on a 1-D mesh every device is a replica")),
     ]
     # DiLoCo composed with every option of the step (one island per host, DP/ZeRO inside).
-    for label, opts, stage, case in [
-        ("accumulate_steps=2", {"accumulate_steps": 2}, 0, "diloco_halves"),
-        ("microbatches=2", {"microbatches": 2}, 0, "diloco"),
-        ("weighted", {"weighted": True}, 0, "diloco_ones_mask"),
-        ("skip_not_finite", {"skip_not_finite": True}, 0, "diloco"),
-        ("zero_stage=1", {}, 1, "diloco"),
-        ("zero_stage=2", {}, 2, "diloco"),
-        ("zero_stage=3", {}, 3, "diloco"),
-        ("rng", {"rng": True}, 0, "diloco_keys"),
-        ("sum_metrics", {"sum_metrics": ("n",), "has_aux": True}, 0, "diloco_aux"),
-        ("loss_scale", {"loss_scale": jddp.precision.DynamicScale()}, 0, "diloco"),
+    # Rows with procs=2 also run as one island per process (DP/ZeRO inside, DiLoCo across).
+    for label, opts, stage, case, procs in [
+        ("accumulate_steps=2", {"accumulate_steps": 2}, 0, "diloco_halves", 2),
+        ("microbatches=2", {"microbatches": 2}, 0, "diloco", 1),
+        ("weighted", {"weighted": True}, 0, "diloco_ones_mask", 1),
+        ("skip_not_finite", {"skip_not_finite": True}, 0, "diloco", 1),
+        ("zero_stage=1", {}, 1, "diloco", 1),
+        ("zero_stage=2", {}, 2, "diloco", 2),
+        ("zero_stage=3", {}, 3, "diloco", 1),
+        ("rng", {"rng": True}, 0, "diloco_keys", 1),
+        ("sum_metrics", {"sum_metrics": ("n",), "has_aux": True}, 0, "diloco_aux", 1),
+        ("loss_scale", {"loss_scale": jddp.precision.DynamicScale()}, 0, "diloco", 1),
     ]:
         c.append(Cell(f"diloco + {label}", lambda o=opts: {"local_sgd": diloco(2), **o}, "2l",
-                      stage, equal(case)))
+                      stage, equal(case), procs=procs))
     return c
 
 
@@ -425,7 +428,7 @@ def test_matrix_is_declared_consistently():
             assert c.expect[1] in CASES and 0 < c.expect[2] < 1e-1
         else:
             assert c.expect[1] and c.procs == 1
-    assert sum(c.procs == 2 for c in CELLS) >= 5
+    assert sum(c.procs == 2 for c in CELLS) >= 11
 
 
 # --------------------------------------------------------------------------- the process rows

@@ -118,6 +118,7 @@ def test_stage_3_gathers_param_dtype_and_comm_bytes_match_the_gpu_program(policy
         assert len(gathers) > cpu.bucket_plan.num_buckets  # gathered again for backward
 
 
+@pytest.mark.parametrize("stage", [0, 3])
 def test_composes_with_accumulation(stage):
     """Local gradients of a window are summed in float32 (the accumulator), then reduced."""
     params, batches = mlp_params(0, SIZES), _batches(4)

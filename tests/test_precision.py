@@ -85,9 +85,11 @@ def _hlo_bytes(text):
 
 
 @pytest.mark.skipif(not topologies.has_gpu_compiler(), reason="no CUDA compiler plugin")
-@pytest.mark.parametrize("policy,reshard", [(None, False), (BF16, False), (BF16, True)],
-                         ids=["float32", "bf16", "bf16-reshard"])
-def test_stage_3_gathers_param_dtype_and_comm_bytes_match_the_gpu_program(policy, reshard):
+@pytest.mark.parametrize("policy,reshard,micro", [(None, False, 1), (BF16, False, 1),
+                                                  (BF16, True, 1), (BF16, True, 2)],
+                         ids=["float32", "bf16", "bf16-reshard", "bf16-microbatches"])
+def test_stage_3_gathers_param_dtype_and_comm_bytes_match_the_gpu_program(policy, reshard,
+                                                                          micro):
     """The stage-3 all-gathers of the step compiled for 8 H100s (compile-only) carry
     ``param_dtype``: one per bucket, whose bytes are the parameter pieces at 2 bytes per element
     under the bf16 policy, half of float32's (with ``reshard_after_forward`` the backward's
@@ -97,7 +99,7 @@ def test_stage_3_gathers_param_dtype_and_comm_bytes_match_the_gpu_program(policy
     params, batch = mlp_params(0, [64, 256, 256, 8]), regression_batch(0, 32, 64, 8)
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
     opts = dict(zero_stage=3, mixed_precision=policy, reshard_after_forward=reshard,
-                **SMALL_CAPS)
+                microbatches=micro, **SMALL_CAPS)
     cpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), **opts)
     _, m = cpu.step(cpu.init(params), batch)
     gpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=topologies.gpu_mesh(N), **opts)
@@ -114,22 +116,42 @@ def test_stage_3_gathers_param_dtype_and_comm_bytes_match_the_gpu_program(policy
                      if zero.shard_dim(x.shape, N) is not None)
         assert len(gathers) == cpu.bucket_plan.num_buckets > 1
         assert sum(a.nbytes for a in gathers) == pieces // N * itemsize
-    else:
-        assert len(gathers) > cpu.bucket_plan.num_buckets  # gathered again for backward
+    else:  # gathered again for backward (and, with micro-batches, once for the first ones)
+        assert len(gathers) > cpu.bucket_plan.num_buckets
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_composes_with_accumulation(stage):
-    """Local gradients of a window are summed in float32 (the accumulator), then reduced."""
+@pytest.mark.parametrize("stage,opts", [(0, {"accumulate_steps": 2}),
+                                        (3, {"accumulate_steps": 2}), (3, {"microbatches": 2})],
+                         ids=["0-accumulate", "3-accumulate", "3-microbatches"])
+def test_composes_with_accumulation(stage, opts):
+    """Local gradients of a window are summed in float32 (the accumulator), then reduced; at
+    stage 3 the micro-batches before the last compute on bfloat16 gathered parameters too."""
     params, batches = mlp_params(0, SIZES), _batches(4)
+    # The same micro-batches either way: two calls of 32 rows, or one of 64 split in two per
+    # device (rows i*8..i*8+3 of the first half, then of the second, for device i).
     ref = _reference.train(mlp_loss, optax.adam(1e-2), params,
                            [batches[0:2], batches[2:4]], param_dtype=jnp.bfloat16, shards=N)
-    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, accumulate_steps=2,
-                            mixed_precision=BF16, **SMALL_CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, mixed_precision=BF16,
+                            **SMALL_CAPS, **opts)
     state = ddp.init(params)
-    for b in batches:
+    if "microbatches" in opts:
+        calls = [_device_interleaved(batches[0], batches[1]),
+                 _device_interleaved(batches[2], batches[3])]
+    else:
+        calls = batches
+    for b in calls:
         state, _ = ddp.step(state, b)
     assert _reference.max_abs_diff(jax.device_get(state.params), ref.params) < 1e-6
+
+
+def _device_interleaved(a, b):
+    """One global batch whose device i's shard is a's shard i, then b's: with microbatches=2
+    its micro-batches are the calls a and b."""
+    def mix(x, y):
+        return np.concatenate([np.asarray(x).reshape(N, -1, *x.shape[1:]),
+                               np.asarray(y).reshape(N, -1, *y.shape[1:])], 1
+                              ).reshape(-1, *x.shape[1:])
+    return jax.tree.map(mix, a, b)
 
 
 def test_float16_with_loss_scaling_and_microbatches():

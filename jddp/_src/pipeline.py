@@ -479,15 +479,17 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
 def _local_params(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared) -> tuple[Any, Bytes]:
     """The parameters local gradients (earlier micro-batches, no-sync calls) are taken at, and
     the bytes of getting them: stage 3 gathers every bucket once (chained, in first-use order),
-    in the branch that needs them (so that a call that does not use them does not send them)."""
+    in the branch that needs them (so that a call that does not use them does not send them).
+    Under a mixed-precision policy the pieces are cast to its ``param_dtype`` before the gather."""
     if prep.sharded is None or prep.sharded.stage < 3:
         return prep.params_v, Bytes()
     layout = prep.sharded.layout
-    whole = zero.gather_buckets(jax.tree.leaves(prep.params), layout,
-                                _bucket_groups(prep.plan)[::-1], cfg.shard_axis,
+    pieces = jax.tree.leaves(precision_lib.compute_params(cfg.mixed_precision, prep.params))
+    whole = zero.gather_buckets(pieces, layout, _bucket_groups(prep.plan)[::-1], cfg.shard_axis,
                                 _gather_chain(cfg))
     return (jax.tree.unflatten(jax.tree.structure(prep.params), whole),
-            _gather_bytes(cfg, lv, prep.plan, layout))
+            _gather_bytes(cfg, lv, prep.plan, layout, precision_lib.gather_dtype(
+                cfg.mixed_precision)))
 
 
 def _head_sums(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared,
@@ -852,13 +854,15 @@ def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
 
 
 def _gather_bytes(cfg: StepConfig, lv: local_sgd.Levels, plan: BucketPlan,
-                  layout: zero.Layout) -> Bytes:
+                  layout: zero.Layout, dtype: Any = None) -> Bytes:
     """Bytes of one all-gather of every split parameter over the shard axis
-    (:func:`gather_params`, and stage 3's whole parameters for local gradients)."""
+    (:func:`gather_params`, and stage 3's whole parameters for local gradients), in ``dtype``
+    (``None``: the parameters' own)."""
     hosts_axis = cfg.data_axes.hosts
     spans = hosts_axis is not None and hosts_axis in vma.axis_names(lv.shard_axis)
     hosts = int(cfg.mesh.shape[hosts_axis]) if spans else 1
-    pieces = zero.split_bytes(layout, plan.dtypes, range(len(plan.shapes)))
+    dtypes = plan.dtypes if dtype is None else [dtype] * len(plan.dtypes)
+    pieces = zero.split_bytes(layout, dtypes, range(len(plan.shapes)))
     return ring("all-gather", pieces, layout.n, hosts)
 
 

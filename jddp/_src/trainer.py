@@ -62,6 +62,16 @@ def _bucket_caps(bucket_cap_mb: Any, first_bucket_mb: Any,
     return auto, cap, first
 
 
+def _policy_and_hook(mixed_precision: Any, hook: Any, loss_scale: Any,
+                     deterministic: bool) -> tuple[precision_lib.MixedPrecision | None, CommHook]:
+    """The mixed-precision policy, checked, and the hook it implies (the user's, a compression
+    hook for a narrow ``reduce_dtype``, or the default all-reduce)."""
+    policy = precision_lib.check_policy(mixed_precision)
+    hook = precision_lib.resolve_hook(policy, None if hook is None else check_hook(hook),
+                                      loss_scale=loss_scale, deterministic=deterministic)
+    return policy, allreduce_mean() if hook is None else hook
+
+
 def _deterministic(deterministic: Any, group_size: Any,
                    auto: autocap.AutoCap | None) -> tuple[bool, int]:
     """``options.deterministic``'s ``(deterministic, group_size)``, refusing ``"auto"`` caps with
@@ -287,11 +297,7 @@ class DataParallel:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
         auto, cap, first = _bucket_caps(bucket_cap_mb, first_bucket_mb, bucket_plan)
         det, groups = _deterministic(deterministic, group_size, auto)
-        policy = precision_lib.check_policy(mixed_precision)
-        hook = precision_lib.resolve_hook(policy, None if hook is None else check_hook(hook),
-                                          loss_scale=loss_scale, deterministic=det)
-        hook = allreduce_mean() if hook is None else hook
-        summed = _sum_metrics(sum_metrics, has_aux)
+        policy, hook = _policy_and_hook(mixed_precision, hook, loss_scale, det)
         config = StepConfig(
             loss_fn=loss_fn,
             optimizer=check_optimizer(optimizer),
@@ -319,12 +325,11 @@ class DataParallel:
             reshard_after_forward=options.reshard_after_forward(reshard_after_forward,
                                                                 zero_stage),
             rng=options.flag(rng, "rng", " Pass the key itself to step(state, batch, rng=key)."),
-            sum_metrics=summed,
+            sum_metrics=_sum_metrics(sum_metrics, has_aux),
             loss_scale=ls_lib.check_loss_scale(loss_scale),
             local_sgd=local_sgd_options.check_local_sgd(local_sgd),
             deterministic=det,
-            group_size=groups,
-            mixed_precision=policy,
+            group_size=groups, mixed_precision=policy,
         )
         local_sgd_lib.check_config(config)
         det_lib.check_config(config)

@@ -227,7 +227,13 @@ class DataParallel:
         gathered parameter is dropped after its forward use and gathered again for the
         backward, so the step's peak holds a few gathered layers, not the model; ``False``
         keeps the gathered buckets from the forward pass until the backward is done (fewer
-        gathers, more memory). Not accepted at stages 0-2 (nothing is gathered there).
+        gathers, more memory). An int ``k`` (ZeRO++'s hpZ, FSDP2's int): after the forward
+        each device keeps a ``1/k`` slice of every gathered parameter, and the backward gathers
+        it again over its group of ``k`` consecutive devices only; on a two-level mesh pass
+        the devices per host (or a divisor of it), so the backward gathers stay inside the
+        host. ``k`` must divide the devices the parameters are sharded over (and, on a
+        two-level mesh, the devices per host); ``1`` is ``False`` and that device count
+        ``True``. Not accepted at stages 0-2 (nothing is gathered there).
       rng: ``loss_fn`` takes a last argument ``rng``, one PRNG key per example of its shard, and
         ``step(state, batch, rng=key)`` takes the run's key; each example's key is derived from
         the key, ``state.step`` and the example's position in the global batch, so dropout masks
@@ -293,7 +299,7 @@ class DataParallel:
         shard_accumulator: bool | None = None,
         zero_stage: options.ZeroStage = 0,
         hybrid_shard: bool = False,
-        reshard_after_forward: bool | None = None,
+        reshard_after_forward: bool | int | None = None,
         rng: bool = False,
         sum_metrics: tuple[str, ...] = (),
         loss_scale: ls_lib.DynamicScale | None = None,

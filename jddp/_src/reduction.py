@@ -91,11 +91,10 @@ def resolve_chain(chain: options.Chain) -> str:
 
 
 def _platform() -> str:
-    """The platform being compiled for: the mesh's devices (compile-only ones too), else the
-    default backend (no mesh context, e.g. plain jit)."""
+    """The platform the step is traced for (the mesh's devices; else the default backend)."""
     try:
         return str(jax.sharding.get_abstract_mesh().abstract_device.platform)
-    except Exception:
+    except Exception:  # no mesh context (e.g. plain jit): the default backend decides
         return jax.default_backend()
 
 
@@ -513,11 +512,16 @@ class GatherInForward:
       dtype: the dtype the loss computes with (a mixed-precision policy's ``param_dtype``):
         pieces are cast to it before they are gathered (forward and backward gathers), leaves
         kept whole are cast too; ``None``: their own.
+      group: with ``reshard``, ZeRO++'s hpZ (an int ``reshard_after_forward``): the backward
+        gathers from a secondary copy, this device's ``1/group`` slice of the forward's gathered
+        leaf, over its group of ``group`` consecutive devices only (inside a host on a two-level
+        mesh); ``None``: from the step's pieces, over the whole shard axis.
     """
 
     inner: ReduceScatter
     reshard: bool = False
     dtype: Any = None
+    group: int | None = None
     prefetch: ClassVar[bool] = True
 
     @property
@@ -549,9 +553,37 @@ class GatherInForward:
     def forward(self, b: int, leaves: tuple) -> tuple:
         return tuple(self._gather(self.inner.plan.buckets[b].indices, leaves))
 
-    def regather(self, indices: Sequence[int], pieces: Sequence[jax.Array]) -> list[jax.Array]:
-        """The whole leaves ``indices`` from this device's ``pieces`` (a backward gather)."""
-        return self._gather(indices, pieces)
+    def keep(self, indices: Sequence[int], out: list, pieces: Sequence[jax.Array],
+             full: Sequence[jax.Array]) -> tuple[list, tuple]:
+        """``(out, kept)``: what the forward keeps of the gathered leaves ``indices`` (read by an
+        equation with outputs ``out``) for their backward gather: this device's ``pieces``, or
+        with ``group`` its slice of each gathered leaf ``full``, computed in the forward."""
+        if self.group is None:
+            return out, tuple(pieces)
+        dims = self.inner.layout.dims  # the gathered leaves are split ones (not None)
+        kept = tuple(zero.subgroup_piece(f, dims[i], self.group,  # type: ignore[arg-type]
+                                         self.inner.shard_axis)
+                     for i, f in zip(indices, full, strict=True))
+        return _in_forward(out, kept, self.inner.shard_axis)
+
+    def regather(self, indices: Sequence[int], kept: Sequence[jax.Array]) -> list[jax.Array]:
+        """The whole leaves ``indices`` from what :meth:`keep` kept (a backward gather)."""
+        if self.group is None or not indices:
+            return self._gather(indices, kept)
+        plan, dims = self.inner.plan, self.inner.layout.dims
+        return zero.all_gather(kept, [dims[i] for i in indices],  # type: ignore[misc]
+                               [plan.shapes[i] for i in indices], self.inner.shard_axis,
+                               self.group)
+
+    def regather_bytes(self, indices: Sequence[int]) -> Bytes:
+        """Bytes of :meth:`regather`: with ``group``, a ring all-gather of ``n / group`` pieces
+        per device over ``group`` devices of one host (nothing crosses hosts)."""
+        if self.group is None:
+            return self.gather_bytes(indices)
+        inner = self.inner
+        dtypes = inner.plan.dtypes if self.dtype is None else [self.dtype] * len(inner.plan.dtypes)
+        piece = zero.split_bytes(inner.layout, dtypes, indices)
+        return ring("all-gather", piece * inner.layout.n // self.group, self.group)
 
     def unused(self, i: int, leaf: jax.Array) -> jax.Array:
         return self._gather((i,), (leaf,))[0]
@@ -589,6 +621,7 @@ class Sharded(NamedTuple):
         each bucket's pieces are then averaged over it after the reduce-scatter, so the slow
         link carries ``1/L`` of the bucket.
       reshard: stage 3's ``reshard_after_forward`` (:class:`GatherInForward`).
+      group: hpZ's group size (an int ``reshard_after_forward``; :class:`GatherInForward`).
     """
 
     stage: int
@@ -596,6 +629,7 @@ class Sharded(NamedTuple):
     axis: Any = None
     replicas: str | None = None
     reshard: bool = False
+    group: int | None = None
 
 
 def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
@@ -621,7 +655,8 @@ def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
     inner = (ReduceScatter(**common) if sharded.replicas is None
              else Hybrid(**common, replicas=sharded.replicas))
     if sharded.stage >= 3:  # casts to a policy's param_dtype itself, before its gathers
-        return GatherInForward(inner, sharded.reshard, precision_lib.gather_dtype(precision))
+        return GatherInForward(inner, sharded.reshard, precision_lib.gather_dtype(precision),
+                               sharded.group)
     return precision_lib.wrap_reducer(inner, precision)
 
 
@@ -745,9 +780,9 @@ def _token_cotangent(dep: Any, token: Any) -> Any:
 def _regathered(eqn: Any, invals: list, pieces: dict[int, jax.Array], params: tuple,
                 reducer: GatherInForward, record: Callable[[Sequence[int]], None],
                 token: Any) -> tuple[list, Any]:
-    """Evaluates ``eqn`` on its gathered parameter inputs, keeping only their pieces for the
-    backward, which gathers them again (``reshard_after_forward``); returns its outputs and
-    the token for the next such equation.
+    """Evaluates ``eqn`` on its gathered parameter inputs, keeping only their pieces (hpZ: see
+    :meth:`GatherInForward.keep`) for the backward, which gathers them again; returns its
+    outputs and the token for the next such equation.
 
     A custom VJP whose residuals are the equation's other inputs and the pieces: the gathered
     leaves it read are not kept. Its backward gathers only the leaves the equation's VJP needs
@@ -795,9 +830,10 @@ def _regathered(eqn: Any, invals: list, pieces: dict[int, jax.Array], params: tu
 
     def fwd(others: tuple, full: tuple, pcs: tuple, tok: Any) -> tuple:
         perturbed[:] = [o.perturbed for o in others] + [tok is not None and tok.perturbed]
-        values, tok = tuple(o.value for o in others), None if tok is None else tok.value
-        return ((run(values, tuple(f.value for f in full)), tok),
-                (values, tuple(p.value for p in pcs), tok))
+        values, fulls = tuple(o.value for o in others), tuple(f.value for f in full)
+        tok = None if tok is None else tok.value
+        out, kept = reducer.keep(idx, run(values, fulls), [p.value for p in pcs], fulls)
+        return (out, tok), (values, kept, tok)
 
     def bwd(res: tuple, cts: tuple) -> tuple:
         others, pcs, tok = res
@@ -866,6 +902,24 @@ def _regathered_vjp(run: Callable[[tuple, tuple], list], others: tuple, cts: lis
     for k, d in zip(diff, d_diff, strict=True):
         d_others[k] = d
     return tuple(d_others), tuple(d_full), [idx[k] for k in need], after
+
+
+def _in_forward(out: list, kept: tuple, axis: Any) -> tuple[list, tuple]:
+    """``(out, kept)``, with ``kept`` (hpZ's secondary copy: slices of the forward's gathered
+    leaves) computed in the forward pass, before ``out`` is used: otherwise XLA fuses the slices
+    into the backward gather's operand, which then reads the gathered leaves, and they stay whole
+    until the backward. On GPU an optimization barrier says so (checked on the compiled H100
+    step; a conditional there would read its predicate on the host). XLA:CPU drops barriers
+    before scheduling, so elsewhere ``kept`` comes out of a conditional (which XLA neither fuses
+    nor sees through; its predicate is always true but not a constant) and ``out`` takes an
+    always-zero dependency on it (tests/test_hpz.py checks both peaks)."""
+    if _platform() in ("gpu", "cuda", "rocm"):
+        return lax.optimization_barrier((out, kept))
+    kept = lax.cond(lax.axis_index(axis) >= 0, lambda k: tuple(k),
+                    lambda k: tuple(jnp.zeros_like(x) for x in k), kept)
+    dep = chain_dependency(kept, "add")
+    return [o + dep.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact) else o
+            for o in out], kept
 
 
 class _Evaluation:
@@ -1103,7 +1157,7 @@ class _Run(NamedTuple):
         if run.regathers:  # reshard_after_forward: each backward use gathers its leaf again
             assert isinstance(reducer, GatherInForward)
             for i in run.regathers:
-                sent = sent + reducer.gather_bytes((i,))
+                sent = sent + reducer.regather_bytes((i,))
         # plan.unused leaves have no gradient path to the loss: state the zero explicitly, so
         # that it is identical on every replica whatever autodiff materialises for them. Nor
         # does their hook state reach a hook, so its "cotangent" is zero: keep the old state

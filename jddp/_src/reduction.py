@@ -790,17 +790,15 @@ def _regathered(eqn: Any, invals: list, pieces: dict[int, jax.Array], params: tu
     weight gradient needs only its input), then recomputes the equation's VJP on them (XLA
     drops the recomputed forward output when the VJP does not need it, as for a matmul's).
 
-    With a ``token`` the gather is prefetched one use ahead (FSDP's ``BACKWARD_PRE``; on GPU
-    and TPU, :func:`backward_prefetch`): ``token`` (a zero scalar) is the previous such
-    equation's token output, so in backward this equation returns the previous one's token
-    cotangent: an always-zero scalar that depends on this equation's output cotangent and on
-    its gathered leaves. A gather waits for its token cotangent, i.e. for the backward of the
-    next parameter-reading equation (in forward order) to start and for that equation's gather
-    (XLA's combiner cannot merge the two), and runs while that equation's GEMMs compute; an
-    equation that gathers nothing passes the cotangent it got on. The last such equation (the
-    first in backward), and every one without a token (CPU), waits for its own output
-    cotangent. Either way the gather waits for something of the backward pass, so that XLA
-    cannot merge it with the forward's (its CSE would, and the leaf would stay whole).
+    With a ``token`` (GPU, TPU: :func:`backward_prefetch`) the gather is prefetched one use
+    ahead (FSDP's ``BACKWARD_PRE``): ``token`` is the previous such equation's token output (a
+    zero scalar), whose cotangent this backward returns: an always-zero scalar depending on
+    this equation's output cotangent and gathered leaves. A gather waits for its token's
+    cotangent: for the next parameter-reading equation's backward to start and for its gather
+    (so XLA cannot combine the two), and runs while that equation's GEMMs compute; an equation
+    that gathers nothing passes the cotangent on. The last one (the first in backward), and all
+    without a token (CPU), wait for their own output cotangent. Either way the gather waits for
+    the backward pass, so XLA's CSE cannot merge it with the forward's (the leaf stays whole).
 
     Args:
       pieces: per gathered leaf index, this device's piece (the step's input).

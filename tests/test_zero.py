@@ -536,6 +536,35 @@ def test_reshard_after_forward_equals_stage_0(tied):
         assert out[name][1] == pytest.approx(out["s0"][1], rel=1e-6)
 
 
+def test_backward_prefetch_equals_stage_0(monkeypatch):
+    """The backward prefetch of resharded stage 3 (on where collectives are asynchronous, GPU
+    and TPU; tests/test_gpu_step.py checks its schedule) forced on here, on CPU: 3 Adam steps
+    still equal stage 0 (1e-6) with a kernel read twice (tied), every kernel but the first is
+    gathered again (no gather merged by the combiner, none dropped), and comm_bytes equals the
+    compiled program's collectives."""
+    from jddp._src import reduction
+
+    assert not reduction.backward_prefetch()  # off on CPU: a prefetch cannot overlap there
+    monkeypatch.setattr(reduction, "backward_prefetch", lambda: True)
+    params, loss, batch, _ = _deep(layers=4, width=64, tied=True)
+    caps = dict(bucket_cap_mb=0.02, first_bucket_mb=0.02)
+    out = {}
+    for name, kw in [("s0", dict()), ("reshard", dict(zero_stage=3))]:
+        ddp = jddp.DataParallel(loss, optax.adam(1e-2), donate=False, **caps, **kw)
+        state = ddp.init(params)
+        text = ddp.step.lower(state, batch).compile().as_text()
+        for _ in range(3):
+            state, m = ddp.step(state, batch)
+        out[name] = (jax.tree.map(np.asarray, state.params), float(m["loss"]))
+    _close(out["reshard"][0], out["s0"][0], rtol=1e-6, atol=1e-6)
+    assert out["reshard"][1] == pytest.approx(out["s0"][1], rel=1e-6)
+    k = ddp.bucket_plan.num_buckets
+    # Backward: the kernels of layers 1-3 (the tied use reads l0 through a transpose, whose
+    # VJP needs no operand: the user's dot keeps the transposed kernel).
+    assert sum(c.kind == "all-gather" for c in schedule.collectives(text)) == k + 3
+    assert float(m["comm_bytes"]) == pytest.approx(_hlo_bytes(text), rel=1e-6)
+
+
 def test_reshard_after_forward_option_errors():
     with pytest.raises(ValueError, match="zero_stage=3 only"):
         jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=2, reshard_after_forward=True)

@@ -11,10 +11,11 @@ pieces live (``zero_stage=``):
   bucket before its first use (the planner's first-use order is the prefetch order: the next
   bucket's gather runs while the current layer computes) and the backward pass reduce-scatters
   its gradient. With ``reshard_after_forward`` (the default) each gathered leaf is dropped after
-  its forward use and gathered again for the backward (``reduction._regathered``); without it a
-  gathered bucket stays whole until the backward pass is done with it. With an int ``k`` (ZeRO++'s
-  hpZ) the backward gathers from a ``1/k`` slice of the gathered leaf (:func:`subgroup_piece`)
-  over groups of ``k`` devices only (:func:`subgroups`).
+  its forward use and gathered again for the backward (``reduction._regathered``; on GPU and TPU
+  one use ahead, while the next use's backward computes); without it a gathered bucket stays
+  whole until the backward pass is done with it. With an int ``k`` (ZeRO++'s hpZ) the backward
+  gathers from a ``1/k`` slice of the gathered leaf (:func:`subgroup_piece`) over groups of ``k``
+  devices only (:func:`subgroups`).
 
 **Layout.** A leaf is split on one dimension that the device count divides (:func:`shard_dim`:
 dimension 0 if possible, which costs no transpose, else the largest such dimension); its pieces

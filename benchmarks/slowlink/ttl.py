@@ -26,7 +26,7 @@ own end) against jddp's model (``metrics["comm_bytes_hosts"]`` x devices per hos
 Usage (as root; ``--local`` runs the same loop in one process of 8 devices on 2 simulated hosts,
 no link, no root: for picking a target)::
 
-    python benchmarks/slowlink/ttl.py --rates 1gbit 300mbit --json benchmarks/out/slowlink_ttl.json
+    python benchmarks/slowlink/ttl.py --rates 300mbit 1gbit --json benchmarks/out/slowlink_ttl.json
     python benchmarks/slowlink/ttl.py --local --variants flat diloco --max-steps 96
 """
 
@@ -310,7 +310,8 @@ def _worker(args: argparse.Namespace) -> dict:
     import jddp
 
     if not args.local:
-        jddp.initialize(timeout_s=120)
+        # A generous heartbeat: a machine with a load of 50 once starved both ranks past 60 s.
+        jddp.initialize(timeout_s=120, heartbeat_timeout_s=600)
     mesh, link, params, batches, evaluate = _setup(args)
     ddps = {name: make(name, mesh, args) for name in args.variants}
     t0 = time.perf_counter()
@@ -337,6 +338,9 @@ def _worker(args: argparse.Namespace) -> dict:
                                            mesh.shape["local"])
         out["load"][rate] = {"start": load0, "end": os.getloadavg(),
                              "wall_s": time.perf_counter() - t0, "empty_window_b": link.empty}
+        if args.partial:  # each rate's results as soon as it is done
+            with open(f"{args.partial}.rank{out['rank']}", "w") as f:
+                json.dump(out, f)
     return out
 
 
@@ -356,6 +360,8 @@ def run(args: argparse.Namespace, timeout_s: float = 3600.0) -> dict:
 
 def _pass_through(args: argparse.Namespace) -> list[str]:
     out = ["--variants", *args.variants, "--rates", *args.rates]
+    if args.partial:
+        out += ["--partial", os.path.abspath(args.partial)]
     for key in ("target", "max_steps", "chunk", "eval_every", "eval_size", "batch", "lr", "seed",
                 "bucket_cap_mb", "context", "embed", "width", "depth", "period", "fragments"):
         out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
@@ -430,11 +436,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     p.add_argument("--rates", nargs="+", default=["1gbit", "300mbit"])
-    p.add_argument("--target", type=float, default=2.95, help="held-out loss (nats per byte)")
-    p.add_argument("--max-steps", type=int, default=80, help="per variant and rate")
+    p.add_argument("--target", type=float, default=3.0, help="held-out loss (nats per byte)")
+    p.add_argument("--max-steps", type=int, default=56, help="per variant and rate")
     p.add_argument("--chunk", type=int, default=8, help="steps of a variant per turn")
     p.add_argument("--eval-every", type=int, default=4)
-    p.add_argument("--eval-size", type=int, default=1024, help="held-out examples")
+    p.add_argument("--eval-size", type=int, default=512, help="held-out examples")
     p.add_argument("--batch", type=int, default=128, help="global batch (examples)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -448,6 +454,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--local", action="store_true",
                    help="one process, 8 devices on 2 simulated hosts, no link (no root)")
     p.add_argument("--json", default=None)
+    p.add_argument("--partial", default=None,
+                   help="each rank writes its results to PARTIAL.rankR after every rate")
+    p.add_argument("--merge-partial", default=None, metavar="PARTIAL",
+                   help="no run: merge the PARTIAL.rankR files of a run that ended early")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--devs", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -460,7 +470,14 @@ def main() -> None:
     if args.worker:
         print("RESULT " + json.dumps(_worker(args)), flush=True)
         return
-    if args.local:
+    if args.merge_partial:  # a run that ended early: the rates both ranks finished
+        parts = []
+        for rank in (0, 1):
+            with open(f"{args.merge_partial}.rank{rank}") as f:
+                parts.append(json.load(f))
+        args.rates = [r for r in args.rates if all(r in p["results"] for p in parts)]
+        result = merge(parts, args)
+    elif args.local:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_force_host_platform_device_count=8")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")

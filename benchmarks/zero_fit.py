@@ -213,7 +213,7 @@ def run(mesh, limit: int, step: int, models: list[str], log) -> dict:
 
 
 def table(results: dict, backend: str) -> str:
-    rows = [f"Largest width under 2 GiB per device ({backend}, 8 devices, Adam): width "
+    rows = [f"Largest width under 2 GiB per device ({backend}, Adam): width "
             "(compiled peak MiB)", ""]
     for name, res in results.items():
         rows += [f"{name}:", "", "| stage | float32 | bf16 params |", "|---|---|---|"]

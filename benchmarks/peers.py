@@ -239,12 +239,18 @@ def main():
                    if hasattr(v, "ddp")}
         print(f"\n{bm.name}: {bm.description}, {args.devices} simulated CPU devices, medians of "
               f"{iters} alternated rounds (load {os.getloadavg()[0]:.1f})")
+        # Per round, each variant over the best peer in the same round (drift cancels): median
+        # and range over the rounds.
+        paired = {k: [a / b for a, b in zip(v, times[best_peer], strict=True)]
+                  for k, v in times.items()}
         print(f"{'variant':<20} {'buckets':>7} {'median ms':>10} {'vs best peer':>12} "
-              f"{'vs no comm':>10} {'first call s':>12}")
+              f"{'paired (range)':>20} {'vs no comm':>10} {'first call s':>12}")
         for name in variants:
+            pr = paired[name]
             print(f"{name:<20} {buckets.get(name, '-')!s:>7} {med[name] * 1e3:>10.1f} "
-                  f"{med[name] / med[best_peer]:>12.3f} {med[name] / med['no comm']:>10.3f} "
-                  f"{first[name]:>12.2f}")
+                  f"{med[name] / med[best_peer]:>12.3f} "
+                  f"{statistics.median(pr):>8.3f} ({min(pr):.2f}-{max(pr):.2f}) "
+                  f"{med[name] / med['no comm']:>10.3f} {first[name]:>12.2f}")
         auto_says = ("" if choice is None else
                      f"auto chose {choice.cap_mb:g} MiB (tuning {choice.tune_s:.1f} s); ")
         print(f"best peer: {best_peer}; {auto_says}model chose {model.pin} "
@@ -254,6 +260,7 @@ def main():
             "first_call_s": first, "all_times_s": times, "buckets": buckets,
             "best_peer": best_peer, "best_fixed_jddp": best_fixed,
             "ratio_to_best_peer": {k: v / med[best_peer] for k, v in med.items()},
+            "paired_ratio_to_best_peer": {k: statistics.median(v) for k, v in paired.items()},
             "auto_choice": None if choice is None else choice._asdict(),
             "model_choice": {**model._asdict(), "pin": model.pin},
         }

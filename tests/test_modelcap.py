@@ -191,3 +191,19 @@ def test_bad_model_options():
     with pytest.raises(TypeError, match="ClusterSpec"):
         ModelCap(cluster="cpu")
     assert ModelCap(cluster=ClusterSpec(8), backward_s=0.1).backward_s == 0.1
+
+
+@pytest.mark.parametrize("opts", [{"zero_stage": 3}, {"accumulate_steps": 2}])
+def test_model_combines_with_sharded_stages_and_accumulation(opts):
+    """The chosen plan drives the other step layouts too (stage 3's gathers, accumulation's
+    synchronising call); training equals the pinned plan's to 1e-6."""
+    loss, params, batches = _two_layer()
+    states = []
+    for cap in ("model", 25.0):
+        ddp = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb=cap, **opts)
+        state = ddp.init(params)
+        for b in batches:
+            state, _ = ddp.step(state, b)
+        states.append(jax.tree.map(np.asarray, state.params))
+        assert ddp.bucket_plan.num_buckets == 1
+    assert max_abs_diff(states[0], states[1]) < 1e-6

@@ -316,6 +316,43 @@ def test_comm_bytes_of_bf16_equal_the_compiled_gpu_collectives():
         assert float(m["comm_bytes"]) == pytest.approx(_hlo_bytes(text), rel=1e-6), stage
 
 
+@pytest.mark.skipif(not topologies.has_gpu_compiler(), reason="no CUDA compiler plugin")
+def test_stage_1_comm_bytes_on_the_gpu_target():
+    """XLA:GPU's ``reduce-scatter-creator`` pass rewrites an all-reduce whose result each device
+    reads only through its own slice into a reduce-scatter. At stage 1 that is the last bucket's
+    (each earlier bucket's result is also read whole by the chain to the next bucket): its split
+    leaves become one reduce-scatter, its whole leaves and the loss stay an all-reduce. The
+    compiled 8xH100 program (compile-only) then sends ``comm_bytes`` minus half the ring
+    all-reduce of those split leaves, and exactly ``comm_bytes`` with the pass disabled
+    (``compiler_options={"xla_disable_hlo_passes": "reduce-scatter-creator"}``). XLA:CPU has no
+    such pass (test_comm_bytes_equal_the_compiled_collectives)."""
+    sizes = [64, 250, 256, 256, 8]  # the first layer's bias (250,) stays whole on 8 devices
+    params, batch = mlp_params(0, sizes), regression_batch(0, 32, 64, 8)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+    caps = dict(bucket_cap_mb=0.1, first_bucket_mb=0.1)
+    cpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=1, **caps)
+    _, m = cpu.step(cpu.init(params), batch)
+    plan = cpu.bucket_plan
+    last = plan.buckets[-1].indices
+    split = sum(4 * int(np.prod(plan.shapes[i])) for i in last
+                if zero.shard_dim(plan.shapes[i], N) is not None)
+    assert plan.num_buckets == 3 and split and any(zero.shard_dim(plan.shapes[i], N) is None
+                                                   for i in last)
+    texts = {}
+    for rewrite in (True, False):
+        opts = None if rewrite else {"xla_disable_hlo_passes": "reduce-scatter-creator"}
+        gpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=1, compiler_options=opts,
+                                mesh=topologies.gpu_mesh(N), **caps)
+        texts[rewrite] = gpu.lower(*like).compile().as_text()
+    found = schedule.collectives(texts[True])
+    assert [c.nbytes for c in found if c.kind == "reduce-scatter"] == [split]
+    assert sum(c.kind == "all-reduce" for c in found) == plan.num_buckets
+    comm = float(m["comm_bytes"])
+    saved = sent_per_device("all-reduce", split, N) / 2
+    assert _hlo_bytes(texts[True]) == pytest.approx(comm - saved, rel=1e-6)
+    assert _hlo_bytes(texts[False]) == pytest.approx(comm, rel=1e-6)
+
+
 @pytest.mark.parametrize("stage", [4, -1, "3", True, 2.0])
 def test_bad_stage_is_named(stage):
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):

@@ -254,6 +254,18 @@ def hook_bytes(hook: CommHook, leaves: Sequence[Any], axis_name: Any, hosts_axis
     return Bytes(total, total if hosts > 1 else 0.0)
 
 
+def scatter_bytes(hook: CommHook, rows: jax.ShapeDtypeStruct, axis_name: Any,
+                  hosts_axis: str | None, step: Any) -> Bytes:
+    """Bytes one device sends in ``hook.scatter`` of the ``(N, K)`` matrix ``rows`` over
+    ``axis_name``: the hook's ``scatter_bytes_by_level``, or half its all-reduce accounting."""
+    fn = getattr(hook, "scatter_bytes_by_level", None)
+    if fn is None:
+        return hook_bytes(hook, [rows], axis_name, hosts_axis, step).scaled(0.5)
+    group, hosts = span(axis_name, hosts_axis)
+    inside, across = fn(rows, hosts, group // hosts, step)
+    return Bytes(inside + across, across)
+
+
 def _f32_structs(structs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(jnp.shape(s), jnp.float32) for s in structs]
 
@@ -464,9 +476,10 @@ class ReduceScatter(AllReduce):
         return sent if fused else sent + self.mean_bytes(extras)
 
     def scatter_bytes(self, rows: jax.ShapeDtypeStruct, step: Any) -> Bytes:
-        """Bytes of :meth:`scatter`: a ring reduce-scatter sends half what a ring all-reduce of
-        the same rows does, so half the hook's own accounting of that all-reduce."""
-        return hook_bytes(self.hook, [rows], self.shard_axis, self.hosts_axis, step).scaled(0.5)
+        """Bytes of :meth:`scatter`: the hook's ``scatter_bytes_by_level``, or, as a ring
+        reduce-scatter sends half what a ring all-reduce of the same rows does, half the hook's
+        own accounting of that all-reduce."""
+        return scatter_bytes(self.hook, rows, self.shard_axis, self.hosts_axis, step)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -490,7 +503,7 @@ class Hybrid(ReduceScatter):
         return lax.pmean(super().scatter(rows, ctx), self.replicas)
 
     def scatter_bytes(self, rows: jax.ShapeDtypeStruct, step: Any) -> Bytes:
-        inside = hook_bytes(self.hook, [rows], self.shard_axis, None, step).scaled(0.5)
+        inside = scatter_bytes(self.hook, rows, self.shard_axis, None, step)
         hosts = int(lax.axis_size(self.replicas))
         row = rows.shape[1] * jnp.dtype(rows.dtype).itemsize
         return inside + ring("all-reduce", row, hosts, hosts)

@@ -12,9 +12,12 @@ the same global batch over the same 8 simulated CPU devices:
   on a leading device axis;
 - ``no comm``: the ``shard_map`` step with no collective at all (each device keeps its own
   gradients): the floor that communication is measured against;
-- ``jddp 25 MB`` (DDP's default cap) and ``jddp auto`` (``bucket_cap_mb="auto"``, which picks the
-  cap on its first call; ``--sweep`` adds fixed caps to compare the choice with, each cap whose
-  plan is not already in the table).
+- ``jddp 25 MB`` (``bucket_cap_mb=25``: DDP's cap, given explicitly, so no small first bucket),
+  ``jddp default`` (no cap given: DDP's default plan, a 1 MiB first bucket then 25 MiB),
+  ``jddp model`` (``bucket_cap_mb="model"``: the cost model's plan, nothing timed) and
+  ``jddp auto`` (``bucket_cap_mb="auto"``, which times candidate caps on its first call;
+  ``--no-auto`` leaves it out); ``--sweep`` adds fixed caps to compare the choices with, each cap
+  whose plan is not already in the table.
 
 Models (benchmarks/_models.py): an 11.5M-parameter MLP, a 3.2M-parameter conv net, Flax's
 ResNet-18 at width 8 with cross-replica (Sync) BatchNorm, a small Transformer LM. Cross-replica
@@ -53,12 +56,13 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--sweep", default="1,2,4,8,16,50",
                    help="extra fixed caps (MiB) for the MLP and the conv net ('' for none)")
+    p.add_argument("--no-auto", action="store_true", help="leave out the 'jddp auto' variant")
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None, help="plot (default next to --json)")
     return p.parse_args()
 
 
-def build_variants(bm, mesh, opt, sweep):
+def build_variants(bm, mesh, opt, sweep, auto=True):
     """name -> ``run()``: one step of the variant on its own state (returns the loss)."""
     import jax
     import numpy as np
@@ -149,7 +153,8 @@ def build_variants(bm, mesh, opt, sweep):
             return f_axis(p, None, b)[0]
 
     def make_jddp(cap):
-        ddp = jddp.DataParallel(loss_fn, opt, mesh=mesh, bucket_cap_mb=cap)
+        ddp = jddp.DataParallel(loss_fn, opt, mesh=mesh, **({} if cap is None else
+                                                           {"bucket_cap_mb": cap}))
         holder = [ddp.init(bm.params, bm.model_state)]
 
         def run():
@@ -160,9 +165,13 @@ def build_variants(bm, mesh, opt, sweep):
         return run
 
     variants["jddp 25 MB"] = make_jddp(25.0)
-    variants["jddp auto"] = make_jddp("auto")
+    variants["jddp default"] = make_jddp(None)
+    variants["jddp model"] = make_jddp("model")
+    if auto:
+        variants["jddp auto"] = make_jddp("auto")
     # Sweep caps whose plan is one already in the table would time the same program again.
-    plans = [variants["jddp 25 MB"].ddp.plan(bm.params, batch, bm.model_state)]
+    plans = [variants[k].ddp.plan(bm.params, batch, bm.model_state)
+             for k in ("jddp 25 MB", "jddp default", "jddp model")]
     for cap in sweep:
         run = make_jddp(cap)
         plan = run.ddp.plan(bm.params, batch, bm.model_state)
@@ -215,34 +224,45 @@ def main():
     for key in args.models.split(","):
         bm = _models.MODELS[key]()
         sweep = sweep_caps if key in ("mlp", "convnet") else []
-        variants = build_variants(bm, mesh, opt, sweep)
+        variants = build_variants(bm, mesh, opt, sweep, auto=not args.no_auto)
         first = first_calls(variants, args.warmup)
         iters = args.iters if key in ("mlp", "convnet") else args.small_iters
         times = alternate(variants, iters)
         med = {k: statistics.median(v) for k, v in times.items()}
         best_peer = min(PEERS, key=lambda k: med[k])
-        fixed = {k: v for k, v in med.items() if k.startswith("jddp") and k != "jddp auto"}
+        fixed = {k: v for k, v in med.items()
+                 if k.startswith("jddp") and k not in ("jddp auto", "jddp model")}
         best_fixed = min(fixed, key=fixed.get)
-        auto = variants["jddp auto"].ddp
-        choice = auto.cap_choice
+        choice = variants["jddp auto"].ddp.cap_choice if "jddp auto" in variants else None
+        model = variants["jddp model"].ddp.cap_choice
         buckets = {k: v.ddp.bucket_plan.num_buckets for k, v in variants.items()
                    if hasattr(v, "ddp")}
         print(f"\n{bm.name}: {bm.description}, {args.devices} simulated CPU devices, medians of "
               f"{iters} alternated rounds (load {os.getloadavg()[0]:.1f})")
+        # Per round, each variant over the best peer in the same round (drift cancels): median
+        # and range over the rounds.
+        paired = {k: [a / b for a, b in zip(v, times[best_peer], strict=True)]
+                  for k, v in times.items()}
         print(f"{'variant':<20} {'buckets':>7} {'median ms':>10} {'vs best peer':>12} "
-              f"{'vs no comm':>10} {'first call s':>12}")
+              f"{'paired (range)':>20} {'vs no comm':>10} {'first call s':>12}")
         for name in variants:
+            pr = paired[name]
             print(f"{name:<20} {buckets.get(name, '-')!s:>7} {med[name] * 1e3:>10.1f} "
-                  f"{med[name] / med[best_peer]:>12.3f} {med[name] / med['no comm']:>10.3f} "
-                  f"{first[name]:>12.2f}")
-        print(f"best peer: {best_peer}; auto chose {choice.cap_mb:g} MiB "
-              f"(tuning {choice.tune_s:.1f} s); best fixed jddp cap in this run: {best_fixed}")
+                  f"{med[name] / med[best_peer]:>12.3f} "
+                  f"{statistics.median(pr):>8.3f} ({min(pr):.2f}-{max(pr):.2f}) "
+                  f"{med[name] / med['no comm']:>10.3f} {first[name]:>12.2f}")
+        auto_says = ("" if choice is None else
+                     f"auto chose {choice.cap_mb:g} MiB (tuning {choice.tune_s:.1f} s); ")
+        print(f"best peer: {best_peer}; {auto_says}model chose {model.pin} "
+              f"({model.note}); best fixed jddp cap in this run: {best_fixed}")
         results[key] = {
             "model": bm.name, "description": bm.description, "iters": iters, "median_s": med,
             "first_call_s": first, "all_times_s": times, "buckets": buckets,
             "best_peer": best_peer, "best_fixed_jddp": best_fixed,
             "ratio_to_best_peer": {k: v / med[best_peer] for k, v in med.items()},
-            "auto_choice": choice._asdict(),
+            "paired_ratio_to_best_peer": {k: statistics.median(v) for k, v in paired.items()},
+            "auto_choice": None if choice is None else choice._asdict(),
+            "model_choice": {**model._asdict(), "pin": model.pin},
         }
     out = {"devices": args.devices, "jax": jax.__version__,
            "load_before": load0, "load_after": os.getloadavg()[0], "models": results}
@@ -258,17 +278,20 @@ def main():
 
 def markdown(out):
     """The README's table: median ms (ratio to the best peer) per model and variant."""
-    cols = [*PEERS, "no comm", "jddp 25 MB", "jddp auto"]
-    rows = ["| model | " + " | ".join(cols) + " | best fixed jddp cap | auto chose (tuning s) |",
-            "|---" * (len(cols) + 3) + "|"]
+    cols = [*PEERS, "no comm", "jddp 25 MB", "jddp default", "jddp model", "jddp auto"]
+    cols = [c for c in cols if all(c in r["median_s"] for r in out["models"].values())]
+    rows = ["| model | " + " | ".join(cols) + " | best fixed jddp cap | model chose | auto chose "
+            "(tuning s) |", "|---" * (len(cols) + 4) + "|"]
     for r in out["models"].values():
         med, ratio = r["median_s"], r["ratio_to_best_peer"]
         cells = [f"{med[c] * 1e3:.1f} ({ratio[c]:.2f})" for c in cols]
         best = r["best_fixed_jddp"]
         choice = r["auto_choice"]
+        auto = "-" if choice is None else f"{choice['cap_mb']:g} MB ({choice['tune_s']:.0f})"
+        model = r["model_choice"]
         rows.append(f"| {r['model']}, {r['description']} | " + " | ".join(cells)
                     + f" | {best.removeprefix('jddp ')} ({ratio[best]:.2f}) | "
-                    f"{choice['cap_mb']:g} MB ({choice['tune_s']:.0f}) |")
+                    f"`{model['pin']}` | {auto} |")
     return "\n".join(rows)
 
 
@@ -279,8 +302,10 @@ def plot(out, png):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    shown = [*PEERS, "no comm", "jddp 25 MB", "jddp auto"]
     models = list(out["models"])
+    shown = [c for c in (*PEERS, "no comm", "jddp 25 MB", "jddp default", "jddp model",
+                         "jddp auto")
+             if all(c in out["models"][m]["median_s"] for m in models)]
     fig, ax = plt.subplots(figsize=(9, 4))
     w = 0.8 / len(shown)
     for i, name in enumerate(shown):

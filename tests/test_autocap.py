@@ -136,7 +136,7 @@ def test_tuning_time_is_bounded_and_says_nothing_was_timed():
 
 def test_bad_auto_options():
     opt = optax.sgd(0.1)
-    with pytest.raises(ValueError, match="number of MiB or 'auto'"):
+    with pytest.raises(ValueError, match="number of MiB, 'auto'"):
         jddp.DataParallel(mlp_loss, opt, bucket_cap_mb="fast")
     plan = _planned(25.0)
     with pytest.raises(ValueError, match="pass only one"):

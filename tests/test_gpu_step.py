@@ -261,9 +261,10 @@ def test_sharded_stages_reduce_scatter_each_bucket_overlapping_backward(stage, c
 def test_stage_3_reshard_gathers_again_in_backward():
     """Stage 3's default (reshard_after_forward=True) on 8 H100s: the forward all-gathers each
     bucket as before, and the backward gathers each kernel again, async, after the forward ones
-    and between the reduce-scatters, for every layer but the first (whose weight gradient needs
-    no kernel). Measured here, not asserted: the backward gathers wait for their layer's output
-    cotangent, so they have no GEMM between start and done (docs/sharded.md)."""
+    and among the reduce-scatters, for every layer but the first (whose weight gradient needs
+    no kernel). The backward gathers are prefetched one use ahead: every one but the first (which
+    waits for the loss's cotangent) has a backward GEMM between its start and done, the previous
+    layer's input gradient, and no two are merged by XLA's combiner."""
     ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(), bucket_cap_mb=1.0,
                             first_bucket_mb=1.0, zero_stage=3)
     sched = schedule.read_schedule(ddp.lower(params_like(), batch_like()).compile())
@@ -274,4 +275,30 @@ def test_stage_3_reshard_gathers_again_in_backward():
     forward, backward = gathers[:k], gathers[k:]
     assert max(g.index for g in forward) < scatters[0].index, sched.table()
     assert all(g.asynchronous for g in backward)
-    assert all(scatters[0].index < g.index < scatters[-1].index for g in backward), sched.table()
+    # In the backward pass: after the forward's gathers, before the last reduce-scatter (the
+    # first one may precede the first reduce-scatter: the last layer's kernel gathers at once).
+    assert all(forward[-1].done_index < g.index < scatters[-1].index for g in backward), \
+        sched.table()
+    kernel = WIDTH * WIDTH * 4 // 8  # one kernel's piece per device
+    assert all(g.nbytes == kernel for g in backward), sched.table()
+    for g in backward[1:]:
+        assert g.dots_between > 0, sched.table()
+        assert all("transpose(" in op.op_name for op in g.between if op.is_dot), sched.table()
+
+
+def test_stage_3_backward_prefetch_control():
+    """The control: without the prefetch (the backward gathers wait for their own equation's
+    output cotangent, as on CPU) no backward gather has a GEMM between its start and done."""
+    from jddp._src import reduction
+
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(), bucket_cap_mb=1.0,
+                            first_bucket_mb=1.0, zero_stage=3)
+    prefetch = reduction.backward_prefetch
+    try:
+        reduction.backward_prefetch = lambda: False
+        sched = schedule.read_schedule(ddp.lower(params_like(), batch_like()).compile())
+    finally:
+        reduction.backward_prefetch = prefetch
+    k = ddp.bucket_plan.num_buckets
+    backward = sched.of_kind("all-gather")[k:]
+    assert backward and all(g.dots_between == 0 for g in backward), sched.table()

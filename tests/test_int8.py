@@ -138,6 +138,46 @@ def test_wire_is_int8_and_bytes_match_the_compiled_program(hosts):
         assert float(m["comm_bytes_hosts"]) * N / hosts_n == pytest.approx(t.across, rel=1e-6)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharded_stages_reduce_scatter_in_int8(stage):
+    """Without error feedback (stateless), zero stages 2-3 reduce-scatter each bucket in int8:
+    one s8 all-to-all and a local sum (half the bytes of the reduce-then-keep-the-piece path),
+    comm_bytes and comm_bytes_hosts equal to the compiled program's, and the step within int8
+    rounding of the float32 step at the same stage."""
+    params, batch = _mlp()
+    mesh = jddp.data_mesh(hosts=2)  # 2 x 4: the bytes that cross hosts are checked too
+    kw = dict(mesh=mesh, zero_stage=stage, bucket_cap_mb=0.05, first_bucket_mb=0.02)
+    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), **kw,
+                            hook=jddp.hooks.int8_compress(error_feedback=False))
+    state = ddp.init(params)
+    text = ddp.step.lower(state, batch).compile().as_text()
+    cols = collectives(text)
+    plan = ddp.plan(params, batch)
+    a2a = [c for c in cols if c.kind == "all-to-all"]
+    assert len(a2a) == plan.num_buckets and all(set(c.dtypes) == {"s8"} for c in a2a)
+    # No int8 all-gather of the mean (stage 3's all-gathers are of the float32 parameters).
+    assert not any("s8" in c.dtypes for c in cols if c.kind != "all-to-all")
+    state, m = ddp.step(state, batch)
+    host = jddp.mesh.host_of_device(mesh)
+    t = traffic(text, host)
+    assert float(m["comm_bytes"]) == pytest.approx((t.inside + t.across) * 2 / N, rel=1e-6)
+    assert float(m["comm_bytes_hosts"]) * N / 2 == pytest.approx(t.across, rel=1e-6)
+    # With error feedback (state) the bucket is reduced as at stage 0 and the piece kept: the
+    # same all-to-all plus an int8 all-gather of about its size, twice the gradient bytes.
+    a2a_sent = sum(c.nbytes for c in a2a) * (N - 1) / N
+    ef = jddp.DataParallel(_loss, optax.sgd(0.1), **kw, hook=jddp.hooks.int8_compress())
+    _, m_ef = ef.step(ef.init(params), batch)
+    extra = float(m_ef["comm_bytes"]) - float(m["comm_bytes"])
+    assert extra == pytest.approx(a2a_sent, rel=0.05), (extra, a2a_sent)
+    f32 = jddp.DataParallel(_loss, optax.sgd(0.1), **kw)
+    start = jax.tree.leaves(jax.device_get(f32.init(params).params))
+    ref, _ = f32.step(f32.init(params), batch)
+    got = jax.tree.leaves(jax.device_get(state.params))
+    for g, w, s in zip(got, jax.tree.leaves(jax.device_get(ref.params)), start, strict=True):
+        update = np.abs(np.asarray(w) - np.asarray(s)).max()
+        np.testing.assert_allclose(g, w, atol=0.02 * update + 1e-7)
+
+
 def test_trains_like_float32_on_digits():
     from sklearn.datasets import load_digits
 

@@ -282,6 +282,13 @@ def _cells() -> list[Cell]:
         Cell("hierarchical", lambda: {"hook": jddp.hooks.hierarchical()}, "2l", 2,
              equal("plain"), procs=2),
         Cell("hybrid_shard", lambda: {"hybrid_shard": True}, "2l", 2, equal("plain")),
+        # ZeRO++ hpZ (reshard_after_forward=k; docs/sharded.md): backward gathers over k devices
+        Cell("reshard_after_forward=4 (hpZ)", lambda: {"reshard_after_forward": 4}, "2l", 3,
+             equal("plain")),
+        Cell("reshard_after_forward=2 (hpZ)", lambda: {"reshard_after_forward": 2}, "1d", 3,
+             equal("plain")),
+        Cell("reshard_after_forward=3", lambda: {"reshard_after_forward": 3}, "1d", 3,
+             refused("must divide the 8 devices")),
         # local SGD
         Cell("post_local_sgd(2)", lambda: {"local_sgd": post(2)}, "1d", 0, equal("post_local")),
         Cell("diloco(2)", lambda: {"local_sgd": diloco(2)}, "2l", 0, equal("diloco"), procs=2),

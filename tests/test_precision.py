@@ -35,11 +35,13 @@ def _batches(n, seed=0, size=32):
 
 
 @pytest.mark.parametrize("stage,opts", [(0, {}), (1, {}), (2, {}), (3, {}),
-                                        (3, {"reshard_after_forward": False})],
-                         ids=["0", "1", "2", "3", "3-keep-gathered"])
+                                        (3, {"reshard_after_forward": False}),
+                                        (3, {"reshard_after_forward": 4})],
+                         ids=["0", "1", "2", "3", "3-keep-gathered", "3-hpz"])
 def test_each_stage_equals_the_reference_with_the_same_casts(stage, opts):
     """Stage 3 gathers bfloat16 pieces in forward and (reshard_after_forward, the default) again
-    in backward, where each equation's VJP is recomputed on bfloat16 leaves."""
+    in backward, where each equation's VJP is recomputed on bfloat16 leaves (with hpZ, k=4,
+    from the bfloat16 secondary copy)."""
     params, batches = mlp_params(0, SIZES), _batches(3)
     ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, mixed_precision=BF16,
                             **SMALL_CAPS, **opts)

@@ -110,3 +110,29 @@ def _resolve(host):
         return [i[4][0] for i in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
     except OSError:
         return []
+
+
+@pytest.mark.slow
+def test_streaming_diloco_peak_bytes_on_the_wire(available):
+    """benchmarks/slowlink/ttl.py end to end on a small model: each step's bytes on the veth
+    match jddp's model, and streaming DiLoCo (F = 4) sends the period's bytes in four steps, so
+    its peak step is about a quarter of DiLoCo's."""
+    from benchmarks.slowlink import ttl
+
+    args = ttl.parse_args(["--variants", "diloco", "streaming", "--rates", "1gbit",
+                           "--target", "0", "--max-steps", "8", "--eval-every", "8",
+                           "--eval-size", "64", "--batch", "32", "--context", "8",
+                           "--embed", "64", "--width", "512", "--depth", "4",
+                           "--bucket-cap-mb", "0.5"])
+    rows = ttl.run(args, timeout_s=300)["rates"]["1gbit"]
+    assert not _ours()
+    for name, r in rows.items():
+        assert r["steps_run"] == 8 and not r["reached"]
+        for peak in r["wire_bytes_peak_by_host"]:
+            assert peak == pytest.approx(r["model_bytes_peak"], rel=0.10), (name, r)
+        assert r["wire_bytes_mean"] == pytest.approx(r["model_bytes_mean"], rel=0.10), (name, r)
+    assert rows["streaming"]["wire_bytes_mean"] == pytest.approx(
+        rows["diloco"]["wire_bytes_mean"], rel=0.05)
+    assert rows["streaming"]["wire_bytes_peak"] < 0.35 * rows["diloco"]["wire_bytes_peak"]
+    sync_steps = [b for b in rows["streaming"]["period_wire_bytes"] if b > 1e5]
+    assert len(sync_steps) == 4

@@ -316,6 +316,43 @@ def test_comm_bytes_of_bf16_equal_the_compiled_gpu_collectives():
         assert float(m["comm_bytes"]) == pytest.approx(_hlo_bytes(text), rel=1e-6), stage
 
 
+@pytest.mark.skipif(not topologies.has_gpu_compiler(), reason="no CUDA compiler plugin")
+def test_stage_1_comm_bytes_on_the_gpu_target():
+    """XLA:GPU's ``reduce-scatter-creator`` pass rewrites an all-reduce whose result each device
+    reads only through its own slice into a reduce-scatter. At stage 1 that is the last bucket's
+    (each earlier bucket's result is also read whole by the chain to the next bucket): its split
+    leaves become one reduce-scatter, its whole leaves and the loss stay an all-reduce. The
+    compiled 8xH100 program (compile-only) then sends ``comm_bytes`` minus half the ring
+    all-reduce of those split leaves, and exactly ``comm_bytes`` with the pass disabled
+    (``compiler_options={"xla_disable_hlo_passes": "reduce-scatter-creator"}``). XLA:CPU has no
+    such pass (test_comm_bytes_equal_the_compiled_collectives)."""
+    sizes = [64, 250, 256, 256, 8]  # the first layer's bias (250,) stays whole on 8 devices
+    params, batch = mlp_params(0, sizes), regression_batch(0, 32, 64, 8)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+    caps = dict(bucket_cap_mb=0.1, first_bucket_mb=0.1)
+    cpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=1, **caps)
+    _, m = cpu.step(cpu.init(params), batch)
+    plan = cpu.bucket_plan
+    last = plan.buckets[-1].indices
+    split = sum(4 * int(np.prod(plan.shapes[i])) for i in last
+                if zero.shard_dim(plan.shapes[i], N) is not None)
+    assert plan.num_buckets == 3 and split and any(zero.shard_dim(plan.shapes[i], N) is None
+                                                   for i in last)
+    texts = {}
+    for rewrite in (True, False):
+        opts = None if rewrite else {"xla_disable_hlo_passes": "reduce-scatter-creator"}
+        gpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=1, compiler_options=opts,
+                                mesh=topologies.gpu_mesh(N), **caps)
+        texts[rewrite] = gpu.lower(*like).compile().as_text()
+    found = schedule.collectives(texts[True])
+    assert [c.nbytes for c in found if c.kind == "reduce-scatter"] == [split]
+    assert sum(c.kind == "all-reduce" for c in found) == plan.num_buckets
+    comm = float(m["comm_bytes"])
+    saved = sent_per_device("all-reduce", split, N) / 2
+    assert _hlo_bytes(texts[True]) == pytest.approx(comm - saved, rel=1e-6)
+    assert _hlo_bytes(texts[False]) == pytest.approx(comm, rel=1e-6)
+
+
 @pytest.mark.parametrize("stage", [4, -1, "3", True, 2.0])
 def test_bad_stage_is_named(stage):
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
@@ -499,10 +536,38 @@ def test_reshard_after_forward_equals_stage_0(tied):
         assert out[name][1] == pytest.approx(out["s0"][1], rel=1e-6)
 
 
+def test_backward_prefetch_equals_stage_0(monkeypatch):
+    """The backward prefetch of resharded stage 3 (on where collectives are asynchronous, GPU
+    and TPU; tests/test_gpu_step.py checks its schedule) forced on here, on CPU: 3 Adam steps
+    still equal stage 0 (1e-6) with a kernel read twice (tied), every kernel but the first is
+    gathered again (no gather merged by the combiner, none dropped), and comm_bytes equals the
+    compiled program's collectives."""
+    from jddp._src import reduction
+
+    assert not reduction.backward_prefetch()  # off on CPU: a prefetch cannot overlap there
+    monkeypatch.setattr(reduction, "backward_prefetch", lambda: True)
+    params, loss, batch, _ = _deep(layers=4, width=64, tied=True)
+    caps = dict(bucket_cap_mb=0.02, first_bucket_mb=0.02)
+    out = {}
+    for name, kw in [("s0", dict()), ("reshard", dict(zero_stage=3))]:
+        ddp = jddp.DataParallel(loss, optax.adam(1e-2), donate=False, **caps, **kw)
+        state = ddp.init(params)
+        text = ddp.step.lower(state, batch).compile().as_text()
+        for _ in range(3):
+            state, m = ddp.step(state, batch)
+        out[name] = (jax.tree.map(np.asarray, state.params), float(m["loss"]))
+    _close(out["reshard"][0], out["s0"][0], rtol=1e-6, atol=1e-6)
+    assert out["reshard"][1] == pytest.approx(out["s0"][1], rel=1e-6)
+    k = ddp.bucket_plan.num_buckets
+    # Backward: the kernels of layers 1-3 (the tied use reads l0 through a transpose, whose
+    # VJP needs no operand: the user's dot keeps the transposed kernel).
+    assert sum(c.kind == "all-gather" for c in schedule.collectives(text)) == k + 3
+    assert float(m["comm_bytes"]) == pytest.approx(_hlo_bytes(text), rel=1e-6)
+
+
 def test_reshard_after_forward_option_errors():
     with pytest.raises(ValueError, match="zero_stage=3 only"):
         jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=2, reshard_after_forward=True)
-    with pytest.raises(ValueError, match="group size"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=3, reshard_after_forward=2)
+    # An int group size (ZeRO++'s hpZ): tests/test_hpz.py.
     with pytest.raises(TypeError, match="True or False"):
         jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=3, reshard_after_forward="yes")

@@ -32,9 +32,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+
+if TYPE_CHECKING:
+    from benchmarks.slowlink.netns import SlowLink
 
 VARIANTS = ["flat", "hierarchical", "hierarchical+int8", "int8", "hybrid1", "hybrid2", "diloco8"]
 MIB = 2**20
@@ -151,19 +156,21 @@ def _shape_command(dev: str, rate: str) -> list[str]:
 # ------------------------------------------------------------------------------ the driver
 
 
-def run(args: argparse.Namespace, timeout_s: float = 3000.0) -> dict:
-    """Makes the link, runs the two ranks under the multi-node launcher, returns the merged
-    results (the link is removed, and every process inside it ended, however this ends)."""
+def launch(worker_argv: Callable[[SlowLink], list[str]], timeout_s: float) -> list[dict]:
+    """Makes the link, runs one rank per namespace under the multi-node launcher (``jddp-run
+    --nnodes 2``, 4 devices each), returns each rank's ``RESULT`` JSON (the link is removed, and
+    every process inside it ended, however this ends).
+
+    Args:
+      worker_argv: the link -> the script and arguments each rank runs.
+      timeout_s: the launcher's timeout (the job is ended after it).
+    """
     from benchmarks.slowlink.netns import SlowLink
     from jddp.launch import free_port
 
     with SlowLink() as link:
         master = f"{link.addresses[0]}:{free_port()}"
-        worker_args = [os.path.abspath(__file__), "--worker", "--devs", *link.devices,
-                       "--variants", *args.variants, "--rates", *args.rates,
-                       "--rounds", str(args.rounds), "--steps", str(args.steps),
-                       "--width", str(args.width), "--depth", str(args.depth),
-                       "--batch", str(args.batch)]
+        argv = worker_argv(link)
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
             [REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         outs: list[list[str]] = [[], []]
@@ -172,7 +179,7 @@ def run(args: argparse.Namespace, timeout_s: float = 3000.0) -> dict:
             p = link.run(side, [sys.executable, "-m", "jddp.launch", "--nnodes", "2",
                                 "--node-rank", str(side), "--master-addr", master, "-n", "1",
                                 "--devices-per-process", "4", "--timeout", str(timeout_s),
-                                *worker_args],
+                                *argv],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          cwd=REPO)
             t = threading.Thread(target=lambda p=p, o=outs[side]: o.extend(p.stdout), daemon=True)
@@ -188,7 +195,21 @@ def run(args: argparse.Namespace, timeout_s: float = 3000.0) -> dict:
             tail = "".join(outs[0][-40:]) + "".join(outs[1][-40:])
             raise RuntimeError(f"the ranks failed (status {[p.returncode for p, _ in procs]}):"
                                f"\n{tail}")
-    return _merge(results, args)
+    return results
+
+
+def run(args: argparse.Namespace, timeout_s: float = 3000.0) -> dict:
+    """Runs the benchmark's two ranks over the link (:func:`launch`), returns the merged
+    results."""
+
+    def argv(link: SlowLink) -> list[str]:
+        return [os.path.abspath(__file__), "--worker", "--devs", *link.devices,
+                "--variants", *args.variants, "--rates", *args.rates,
+                "--rounds", str(args.rounds), "--steps", str(args.steps),
+                "--width", str(args.width), "--depth", str(args.depth),
+                "--batch", str(args.batch)]
+
+    return _merge(launch(argv, timeout_s), args)
 
 
 def _merge(results: list[dict], args: argparse.Namespace) -> dict:

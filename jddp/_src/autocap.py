@@ -82,7 +82,7 @@ class AutoCap:
 
 
 class CapChoice(NamedTuple):
-    """What ``bucket_cap_mb="auto"`` chose, and from what.
+    """What ``bucket_cap_mb="auto"`` (timed) or ``"model"`` (predicted) chose, and from what.
 
     Attributes:
       cap_mb: the chosen cap (MiB); ``DataParallel(bucket_cap_mb=cap_mb)`` pins it.
@@ -97,7 +97,14 @@ class CapChoice(NamedTuple):
       spread: the max - min of that ratio over the rounds: the noise it was measured with. A
         candidate is kept only when ``1 - ratio`` exceeds both ``margin`` and ``spread``.
       rounds: timed rounds (0: nothing was timed, see ``note``).
-      note: why nothing was timed, or why timing stopped early (empty otherwise).
+      note: why nothing was timed, or why timing stopped early (empty otherwise); with
+        ``"model"``, the reason for the choice.
+      method: ``"timed"`` (``bucket_cap_mb="auto"``) or ``"model"`` (the cost model, nothing
+        timed: ``median_s`` is NaN, ``ratio`` is each prediction over the default's).
+      first_mb: with ``"model"``, each candidate's first bucket (MiB).
+      predicted_s: with ``"model"``, each candidate's predicted time (s; NaN without a
+        calibration for the platform).
+      chosen_first_mb: with ``"model"``, the chosen plan's first bucket (MiB).
     """
 
     cap_mb: float
@@ -110,8 +117,21 @@ class CapChoice(NamedTuple):
     spread: tuple[float, ...] = ()
     rounds: int = 0
     note: str = ""
+    method: str = "timed"
+    first_mb: tuple[float, ...] = ()
+    predicted_s: tuple[float, ...] = ()
+    chosen_first_mb: float = math.nan
+
+    @property
+    def pin(self) -> str:
+        """The ``DataParallel`` arguments that give the chosen plan without choosing again."""
+        if self.method != "model" or self.chosen_first_mb == self.cap_mb:
+            return f"bucket_cap_mb={self.cap_mb:g}"
+        return f"bucket_cap_mb={self.cap_mb:g}, first_bucket_mb={self.chosen_first_mb:g}"
 
     def table(self) -> str:
+        if self.method == "model":
+            return _model_table(self)
         rows = [f"bucket_cap_mb='auto' chose {self.cap_mb:g} MiB (pin it with "
                 f"bucket_cap_mb={self.cap_mb:g}); tuning took {self.tune_s:.1f} s, "
                 f"{self.rounds} timed round(s)",
@@ -130,6 +150,21 @@ class CapChoice(NamedTuple):
         return self.table()
 
 
+def _model_table(c: CapChoice) -> str:
+    """``CapChoice.table`` for ``bucket_cap_mb="model"``: each candidate's prediction."""
+    rows = [f"bucket_cap_mb='model' chose cap {c.cap_mb:g} MiB, first bucket "
+            f"{min(c.chosen_first_mb, c.cap_mb):g} MiB (pin it with {c.pin}); nothing timed: "
+            f"{c.note}",
+            f"{'cap MiB':>8} {'first MiB':>9} {'buckets':>7} {'predicted ms':>12} "
+            f"{'vs default':>10}"]
+    for cap, first, nb, p, r in zip(c.candidates_mb, c.first_mb, c.num_buckets, c.predicted_s,
+                                    c.ratio, strict=True):
+        mark = "  <- chosen" if (cap, first) == (c.cap_mb, c.chosen_first_mb) else ""
+        mark += "  (DDP's default)" if (cap, first) == (c.candidates_mb[0], c.first_mb[0]) else ""
+        rows.append(f"{cap:>8g} {min(first, cap):>9g} {nb:>7} {p * 1e3:>12.2f} {r:>10.3f}{mark}")
+    return "\n".join(rows)
+
+
 def resolve(bucket_cap_mb: Any) -> AutoCap | None:
     """The :class:`AutoCap` policy for ``"auto"`` or an ``AutoCap``; ``None`` for a number."""
     if isinstance(bucket_cap_mb, AutoCap):
@@ -137,7 +172,8 @@ def resolve(bucket_cap_mb: Any) -> AutoCap | None:
     if isinstance(bucket_cap_mb, str):
         if bucket_cap_mb != "auto":
             raise ValueError(
-                f"bucket_cap_mb must be a number of MiB or 'auto', got {bucket_cap_mb!r}."
+                f"bucket_cap_mb must be a number of MiB, 'auto' (timed) or 'model' (the cost "
+                f"model, no timing), got {bucket_cap_mb!r}."
             )
         return AutoCap()
     return None

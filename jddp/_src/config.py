@@ -48,7 +48,10 @@ class StepConfig:
       hybrid_shard: on a two-level mesh, shard over the devices of a host only and replicate
         across hosts (FSDP's ``HYBRID_SHARD``).
       reshard_after_forward: stage 3 gathers each parameter again for the backward instead of
-        keeping the forward's gathered copy (FSDP's ``reshard_after_forward``).
+        keeping the forward's gathered copy (FSDP's ``reshard_after_forward``); an int ``k``
+        (ZeRO++'s hpZ, FSDP2's int) keeps a copy split over groups of ``k`` devices for the
+        backward to gather from (resolved against the mesh by
+        :func:`jddp._src.options.reshard_group`: ``1`` is ``False``, the shard count ``True``).
       rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
       sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
       loss_scale: dynamic loss scaling (``None``: off).
@@ -78,7 +81,7 @@ class StepConfig:
     shard_accumulator: bool = False
     zero_stage: options.ZeroStage = 0
     hybrid_shard: bool = False
-    reshard_after_forward: bool = False
+    reshard_after_forward: bool | int = False
     rng: bool = False
     sum_metrics: tuple[str, ...] = ()
     loss_scale: DynamicScale | None = None
@@ -99,6 +102,10 @@ class StepConfig:
                 "host is: build it with jddp.data_mesh(hosts=...) (one row per process by "
                 f"default), got a mesh with axes {tuple(self.mesh.axis_names)}."
             )
+        axes = self.data_axes
+        in_host = int(self.mesh.shape[axes.local]) if axes.two_level else None
+        object.__setattr__(self, "reshard_after_forward", options.reshard_group(
+            self.reshard_after_forward, self.shard_count, in_host))
 
     @property
     def axis_name(self) -> Any:
@@ -136,6 +143,12 @@ class StepConfig:
     def replica_axis(self) -> str | None:
         """With ``hybrid_shard``, the axis across which the pieces are replicated (hosts)."""
         return self.data_axes.hosts if self.hybrid_shard else None
+
+    @property
+    def reshard_group(self) -> int | None:
+        """The group size of ZeRO++'s hpZ (an int ``reshard_after_forward``), else ``None``."""
+        k = self.reshard_after_forward
+        return None if isinstance(k, bool) else k
 
     @property
     def per_device_model_state(self) -> bool:

@@ -31,6 +31,7 @@ the host, on a two-level mesh).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import zlib
 from collections.abc import Callable, Hashable, Sequence
@@ -95,13 +96,18 @@ class CommHook(NamedTuple):
       scatter: ``scatter(rows, ctx) -> row``, the hook's reduce-scatter for the sharded stages
         (``zero_stage`` 2 and 3): ``rows`` is a bucket as an ``(N, K)`` matrix, one row per
         device; the result is the mean over devices of this device's row, shape ``(1, K)``.
-        Used only by stateless hooks (it takes no state); its bytes are counted as half
-        ``bytes_sent`` of the rows (a ring reduce-scatter). ``None``, or a hook with state: the
-        sharded stages reduce the bucket with ``reduce`` and keep this device's piece.
+        Used only by stateless hooks (it takes no state); its bytes are
+        ``scatter_bytes_by_level``'s, or half ``bytes_sent`` of the rows (a ring
+        reduce-scatter). ``None``, or a hook with state: the sharded stages reduce the bucket
+        with ``reduce`` and keep this device's piece.
       bytes_by_level: ``bytes_by_level(leaves, hosts, local, step) -> (inside, across)``: bytes
         one device sends inside its host and to other hosts for a bucket on a two-level mesh of
         ``hosts`` x ``local`` devices; ``None`` means a flat ring over all devices, hosts in
         order (:func:`ring_bytes_by_level`).
+      scatter_bytes_by_level: ``scatter_bytes_by_level(rows, hosts, local, step) -> (inside,
+        across)``: bytes one device sends in ``scatter`` of the ``(N, K)`` matrix ``rows`` over
+        ``hosts`` x ``local`` devices (``hosts`` is 1 on one level); ``None``: half of the hook's
+        all-reduce accounting of ``rows`` (a ring reduce-scatter).
     """
 
     init: Callable[[jax.ShapeDtypeStruct], Any]
@@ -114,6 +120,7 @@ class CommHook(NamedTuple):
     phase: Callable[[int], Hashable] | None = None
     scatter: Callable[[jax.Array, HookContext], jax.Array] | None = None
     bytes_by_level: Callable[[Sequence[jax.ShapeDtypeStruct], int, int, Any], Any] | None = None
+    scatter_bytes_by_level: Callable[[jax.ShapeDtypeStruct, int, int, Any], Any] | None = None
 
 
 def _no_state(leaf: jax.ShapeDtypeStruct) -> tuple:
@@ -408,6 +415,68 @@ def _int8_keys(seed: int, ctx: HookContext, stochastic: bool):
     return tuple(jax.random.split(key))
 
 
+def _int8_exchange(x: jax.Array, ctx: HookContext, block: int,
+                   key: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Phase 1, a reduce-scatter in int8: row ``j`` of ``x`` (``(N, chunk)`` float32) of every
+    device goes to device ``j``, which sums the ``N`` dequantized rows in float32 (an int8 sum
+    would overflow). Returns ``(this device's mean row, q, scale)`` (the latter two for the
+    rounding error)."""
+    q, scale = _quantize(x, block, key)
+    received = lax.all_to_all(_pack(q, scale), ctx.axis_name, 0, 0, tiled=True)
+    return _unpack(received, x.shape[1], block).sum(0) / ctx.axis_size, q, scale
+
+
+def _int8_width(leaves: Sequence[Any], axis_size: int, block: int) -> int:
+    """Bytes of one device's int8 row of a bucket of ``leaves``: its chunk and the scales."""
+    chunk = int8_chunk(sum(math.prod(x.shape) for x in leaves), axis_size, block)
+    return chunk + 4 * (chunk // block)
+
+
+def _int8_bytes_sent(leaves: Sequence[Any], axis_size: int, step: Any, *, block: int) -> float:
+    """:func:`int8_compress`'s ``bytes_sent``: all-to-all ((N-1)/N of N rows) + all-gather
+    ((N-1) x one row)."""
+    del step
+    live = [x for x in leaves if math.prod(x.shape)]
+    return 2.0 * (axis_size - 1) * _int8_width(live, axis_size, block) \
+        if live and axis_size > 1 else 0.0
+
+
+def _int8_bytes_by_level(leaves: Sequence[Any], hosts: int, local: int, step: Any, *,
+                         block: int) -> tuple[float, float]:
+    """:func:`int8_compress`'s ``bytes_by_level``: the all-to-all sends one row to every other
+    device directly, ``N-L`` of them on other hosts; the all-gather is a ring over the devices
+    in host order (:func:`ring_bytes_by_level`'s split)."""
+    del step
+    n = hosts * local
+    live = [x for x in leaves if math.prod(x.shape)]
+    if not live or n == 1:
+        return 0.0, 0.0
+    w = _int8_width(live, n, block)
+    gather_in, gather_across = ring_bytes_by_level(1.0, hosts, local)
+    share = gather_across / (gather_in + gather_across)
+    return ((local - 1) * w + (n - 1) * w * (1 - share), (n - local) * w + (n - 1) * w * share)
+
+
+def _int8_scatter_bytes_by_level(rows: Any, hosts: int, local: int, step: Any, *,
+                                 block: int) -> tuple[float, float]:
+    """:func:`int8_compress`'s ``scatter_bytes_by_level``: the all-to-all alone, one padded row
+    to each other device, ``N-L`` of them on other hosts."""
+    del step
+    w = _int8_width([rows], hosts * local, block)
+    return float((local - 1) * w), float((hosts - 1) * local * w)
+
+
+def _int8_scatter(rows: jax.Array, ctx: HookContext, block: int, stochastic: bool,
+                  seed: int) -> jax.Array:
+    """:func:`int8_compress`'s reduce-scatter for the sharded stages (no error feedback): phase
+    1 alone on the ``(N, K)`` bucket, each row zero-padded to whole blocks; ``(1, K)``."""
+    k = rows.shape[1]
+    chunk = -(-k // block) * block
+    x = jnp.pad(rows.astype(jnp.float32), ((0, 0), (0, chunk - k)))
+    mine, _, _ = _int8_exchange(x, ctx, block, _int8_keys(seed, ctx, stochastic)[0])
+    return mine[None, :k].astype(rows.dtype)
+
+
 def _int8_reduce(grads, states, ctx: HookContext, block: int, stochastic: bool,
                  error_feedback: bool, seed: int):
     n = ctx.axis_size
@@ -424,11 +493,7 @@ def _int8_reduce(grads, states, ctx: HookContext, block: int, stochastic: bool,
     chunk = int8_chunk(total, n, block)
     x = jnp.concatenate(flats + [jnp.zeros((n * chunk - total,), jnp.float32)]).reshape(n, chunk)
     key1, key2 = _int8_keys(seed, ctx, stochastic)
-    # Phase 1 (a reduce-scatter in int8): row j of every device goes to device j, which sums
-    # the N dequantized rows in float32 (an int8 sum would overflow).
-    q, scale = _quantize(x, block, key1)
-    received = lax.all_to_all(_pack(q, scale), ctx.axis_name, 0, 0, tiled=True)
-    mine = _unpack(received, chunk, block).sum(0) / n
+    mine, q, scale = _int8_exchange(x, ctx, block, key1)
     # Phase 2 (an all-gather in int8) of each device's mean chunk.
     q2, scale2 = _quantize(mine[None], block, key2)
     gathered = _all_gather(_pack(q2, scale2)[0], ctx.axis_name, axis=0, tiled=False)
@@ -476,7 +541,9 @@ def int8_compress(
     Why not simpler forms: an int8 ``psum`` would overflow (and XLA sums in the wire type); an
     all-gather of every device's whole quantized bucket sends ``(N-1)/4`` of the float32 bytes
     (1.75x at N=8: no saving). The values and scales travel as one int8 payload, so a bucket
-    is two collectives.
+    is two collectives. Without error feedback the hook also has a ``scatter`` for zero stages
+    2-3: phase 1 alone (one int8 all-to-all, half the bytes); with it, those stages reduce the
+    bucket and keep their piece.
 
     ``reduce`` works on any tuple of arrays over whatever axis ``ctx.axis_name`` names (one axis,
     a tuple of axes, or the hosts axis of a hierarchical reduction's cross-host leg): it returns
@@ -503,32 +570,16 @@ def int8_compress(
     def reduce(grads, states, ctx: HookContext):
         return _int8_reduce(grads, states, ctx, block_size, stochastic, error_feedback, seed)
 
-    def width(leaves, axis_size):
-        chunk = int8_chunk(sum(math.prod(x.shape) for x in leaves), axis_size, block_size)
-        return chunk + 4 * (chunk // block_size)
-
-    def bytes_sent(leaves, axis_size, step):
-        del step
-        live = [x for x in leaves if math.prod(x.shape)]
-        # all-to-all ((N-1)/N of N rows) + all-gather ((N-1) x one row).
-        return 2.0 * (axis_size - 1) * width(live, axis_size) if live and axis_size > 1 else 0.0
-
-    def bytes_by_level(leaves, hosts, local, step):
-        del step
-        n = hosts * local
-        live = [x for x in leaves if math.prod(x.shape)]
-        if not live or n == 1:
-            return 0.0, 0.0
-        w = width(live, n)
-        # all-to-all: one row to every other device directly, N-L of them on other hosts;
-        # all-gather: a ring over the devices in host order (ring_bytes_by_level's split).
-        gather_in, gather_across = ring_bytes_by_level(1.0, hosts, local)
-        share = gather_across / (gather_in + gather_across)
-        return ((local - 1) * w + (n - 1) * w * (1 - share), (n - local) * w + (n - 1) * w * share)
+    def scatter(rows, ctx: HookContext):
+        return _int8_scatter(rows, ctx, block_size, stochastic, seed)
 
     name = f"int8_compress(block={block_size}, {rounding})"
-    return CommHook(init, reduce, name, fuses_extras=False, bytes_sent=bytes_sent,
-                    bytes_by_level=bytes_by_level)
+    scatter_bytes = functools.partial(_int8_scatter_bytes_by_level, block=block_size)
+    return CommHook(init, reduce, name, fuses_extras=False,
+                    bytes_sent=functools.partial(_int8_bytes_sent, block=block_size),
+                    bytes_by_level=functools.partial(_int8_bytes_by_level, block=block_size),
+                    scatter=None if error_feedback else scatter,
+                    scatter_bytes_by_level=None if error_feedback else scatter_bytes)
 
 
 # ----------------------------------------------------------------------------------- PowerSGD

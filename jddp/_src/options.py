@@ -121,28 +121,65 @@ def step_sync(sync: Any) -> bool | None:
     return None if sync is None else bool(sync)
 
 
-def reshard_after_forward(value: Any, stage: Any) -> bool:
-    """``reshard_after_forward``: ``None`` is True at stage 3; a bool only at stage 3.
-
-    An int (ZeRO++'s hpZ: the backward gathers from a copy sharded over a sub-group) is refused:
-    not supported yet.
-    """
+def reshard_after_forward(value: Any, stage: Any) -> bool | int:
+    """``reshard_after_forward``: ``None`` is True at stage 3; a bool or a positive int group size
+    (ZeRO++'s hpZ, FSDP2's int) only at stage 3. The group size is checked against the mesh by
+    :func:`reshard_group`."""
     if value is None:
         return stage == 3
     if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
-        raise ValueError(
-            f"reshard_after_forward={value!r}: a group size (ZeRO++ hpZ, a secondary copy sharded "
-            "over a sub-group) is not supported yet; pass True (gather again for the backward) "
-            "or False (keep the gathered parameters from the forward)."
-        )
-    flag(value, "reshard_after_forward")
+        if value < 1:
+            raise ValueError(
+                f"reshard_after_forward={value!r}: a group size must be a positive int (the "
+                "devices the gathered parameters stay sharded over after the forward pass), "
+                "or pass True or False."
+            )
+        value = int(value)
+    else:
+        flag(value, "reshard_after_forward",
+             " An int k keeps the gathered parameters sharded over groups of k devices.")
     if stage != 3:
         raise ValueError(
             f"reshard_after_forward={value} applies to zero_stage=3 only (it frees the gathered "
             f"parameters after the forward pass); zero_stage={stage} gathers no parameters. "
             "Leave it unset, or pass zero_stage=3."
         )
-    return bool(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else bool(value)
+
+
+def reshard_group(value: bool | int, shard_count: int, in_host: int | None) -> bool | int:
+    """An int ``reshard_after_forward`` checked against the mesh; ``1`` and ``shard_count`` become
+    ``False`` and ``True`` (FSDP2's rule), a bool is returned as it is.
+
+    Args:
+      value: what :func:`reshard_after_forward` returned.
+      shard_count: the devices each split leaf is cut into (the forward gather's group).
+      in_host: the devices of a host on a two-level mesh (``None``: a 1-D mesh), which a
+        backward gather's group must stay inside.
+    """
+    if isinstance(value, bool):
+        return value
+    divisors = [d for d in range(2, shard_count) if shard_count % d == 0
+                and (in_host is None or in_host % d == 0)]
+    hint = f"pass one of {divisors}" if divisors else "pass True or False"
+    if divisors and in_host is not None and in_host < shard_count:
+        hint += (f" ({in_host}, the devices per host, keeps every backward gather inside its "
+                 "host with the smallest secondary copy)")
+    if shard_count % value:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the {shard_count} devices the parameters "
+            f"are sharded over (each group of {value} holds one copy, split {value} ways): "
+            f"{hint}; True gathers over all {shard_count}, False keeps them whole."
+        )
+    if value == 1 or value == shard_count:
+        return value == shard_count
+    if in_host is not None and in_host % value:
+        raise ValueError(
+            f"reshard_after_forward={value}: on this two-level mesh a group of {value} devices "
+            f"would span hosts ({in_host} devices per host), so the backward gathers would cross "
+            f"the slow link: {hint}."
+        )
+    return value
 
 
 def flag(value: Any, name: str, hint: str = "") -> bool:

@@ -440,7 +440,7 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
     sharded = None
     if cfg.zero_stage >= 2:
         sharded = Sharded(cfg.zero_stage, layout, lv.shard_axis, lv.hybrid,
-                          cfg.reshard_after_forward)
+                          bool(cfg.reshard_after_forward), cfg.reshard_group)
         if cfg.zero_stage >= 3:
             # The parameters are pieces here; the loss is traced on whole ones (without vma
             # types: the sharded stages run shard_map with check_vma=False).

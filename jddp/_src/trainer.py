@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from jddp._src import autocap, checks, local_sgd_options, options, pipeline, watchdog
+from jddp._src import autocap, checks, local_sgd_options, modelcap, options, pipeline, watchdog
 from jddp._src import deterministic as det_lib
 from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import loss_scale as ls_lib
@@ -48,14 +48,22 @@ def _renamed_arguments(renamed: dict[str, Any], skip_not_finite: Any,
     return skip_not_finite, accumulator_dtype
 
 
+Chooser = autocap.AutoCap | modelcap.ModelCap
+
+
 def _bucket_caps(bucket_cap_mb: Any, first_bucket_mb: Any,
-                 bucket_plan: BucketPlan | None) -> tuple[autocap.AutoCap | None, Any, Any]:
-    """``(auto, cap_bytes, first_bytes)``: the ``"auto"`` cap request (or None) and the checked
-    caps in bytes."""
-    auto = autocap.resolve(bucket_cap_mb)
+                 bucket_plan: BucketPlan | None) -> tuple[Chooser | None, Any, Any]:
+    """``(chooser, cap_bytes, first_bytes)``: the ``"auto"`` or ``"model"`` request (or None)
+    and the checked caps in bytes (DDP's defaults for a chooser: the plan to beat)."""
+    auto: Chooser | None = modelcap.resolve(bucket_cap_mb) or autocap.resolve(bucket_cap_mb)
+    name = "'model'" if isinstance(auto, modelcap.ModelCap) else "'auto'"
     if auto is not None and bucket_plan is not None:
-        raise ValueError("bucket_cap_mb='auto' chooses the bucket plan, and bucket_plan fixes "
+        raise ValueError(f"bucket_cap_mb={name} chooses the bucket plan, and bucket_plan fixes "
                          "one: pass only one of them.")
+    if isinstance(auto, modelcap.ModelCap) and first_bucket_mb is not None:
+        raise ValueError("bucket_cap_mb='model' chooses the first bucket too: drop "
+                         "first_bucket_mb, or pin a plan with numbers (bucket_cap_mb=8.0, "
+                         "first_bucket_mb=1.0).")
     # "auto" picks the cap; the first bucket is then DDP's default 1 MiB unless given.
     cap, first = options.bucket_caps(None if auto is not None else bucket_cap_mb,
                                      first_bucket_mb)
@@ -73,13 +81,14 @@ def _policy_and_hook(mixed_precision: Any, hook: Any, loss_scale: Any,
 
 
 def _deterministic(deterministic: Any, group_size: Any,
-                   auto: autocap.AutoCap | None) -> tuple[bool, int]:
-    """``options.deterministic``'s ``(deterministic, group_size)``, refusing ``"auto"`` caps with
-    the bucket-free deterministic reduction."""
+                   auto: Chooser | None) -> tuple[bool, int]:
+    """``options.deterministic``'s ``(deterministic, group_size)``, refusing ``"auto"`` and
+    ``"model"`` caps with the bucket-free deterministic reduction."""
     det, groups = options.deterministic(deterministic, group_size)
     if det and auto is not None:
-        raise ValueError("deterministic=True reduces without buckets, so bucket_cap_mb='auto' "
-                         "has nothing to tune: drop it.")
+        name = "'model'" if isinstance(auto, modelcap.ModelCap) else "'auto'"
+        raise ValueError(f"deterministic=True reduces without buckets, so bucket_cap_mb={name} "
+                         "has nothing to choose: drop it.")
     return det, groups
 
 
@@ -153,7 +162,12 @@ class DataParallel:
         only when it beats 25 MiB by more than 3% and by more than the spread of its own rounds
         (else 25 MiB), within ``max_tune_s`` (120 s); ``cap_choice`` reports the ratios, the
         spreads and the number that pins the choice. A ``jddp.buckets.AutoCap(...)`` changes
-        the candidates, rounds, margin and time bound.
+        the candidates, rounds, margin and time bound. Or ``"model"``: the cost model picks
+        the plan (cap and first bucket) from the traced gradient sizes, with no timing, on the
+        first call of ``step``, ``lower`` or ``plan``; on XLA:CPU from a built-in table, on
+        GPU/TPU DDP's plan unless a ``jddp.buckets.ModelCap(cluster=..., backward_s=...)``
+        describes the machine. Deterministic: every process picks the same plan. See
+        docs/performance.md.
       first_bucket_mb: cap of the first bucket in MiB. By default PyTorch DDP's rule: 1 MiB
         when ``bucket_cap_mb`` is not given (or is ``"auto"``), none (the first bucket is capped
         like the others) when it is given; pass ``first_bucket_mb=1.0`` to keep a small one.
@@ -213,7 +227,13 @@ class DataParallel:
         gathered parameter is dropped after its forward use and gathered again for the
         backward, so the step's peak holds a few gathered layers, not the model; ``False``
         keeps the gathered buckets from the forward pass until the backward is done (fewer
-        gathers, more memory). Not accepted at stages 0-2 (nothing is gathered there).
+        gathers, more memory). An int ``k`` (ZeRO++'s hpZ, FSDP2's int): after the forward
+        each device keeps a ``1/k`` slice of every gathered parameter, and the backward gathers
+        it again over its group of ``k`` consecutive devices only; on a two-level mesh pass
+        the devices per host (or a divisor of it), so the backward gathers stay inside the
+        host. ``k`` must divide the devices the parameters are sharded over (and, on a
+        two-level mesh, the devices per host); ``1`` is ``False`` and that device count
+        ``True``. Not accepted at stages 0-2 (nothing is gathered there).
       rng: ``loss_fn`` takes a last argument ``rng``, one PRNG key per example of its shard, and
         ``step(state, batch, rng=key)`` takes the run's key; each example's key is derived from
         the key, ``state.step`` and the example's position in the global batch, so dropout masks
@@ -279,7 +299,7 @@ class DataParallel:
         shard_accumulator: bool | None = None,
         zero_stage: options.ZeroStage = 0,
         hybrid_shard: bool = False,
-        reshard_after_forward: bool | None = None,
+        reshard_after_forward: bool | int | None = None,
         rng: bool = False,
         sum_metrics: tuple[str, ...] = (),
         loss_scale: ls_lib.DynamicScale | None = None,
@@ -336,10 +356,10 @@ class DataParallel:
         every = _verify_every(verify_every)
         self._install_step(config, auto, donate, compiler_options, every)
 
-    def _install_step(self, config: StepConfig, auto: autocap.AutoCap | None, donate: bool,
+    def _install_step(self, config: StepConfig, auto: Chooser | None, donate: bool,
                       compiler_options: dict[str, Any] | None, every: int) -> None:
         """Sets ``config``, ``_plans``, ``step`` and ``_auto``: the compiled step of ``config``,
-        or with ``bucket_cap_mb="auto"`` the step that chooses its cap on the first call."""
+        or with ``bucket_cap_mb="auto"``/``"model"`` the step that chooses its plan first."""
         plans = PlanLog()
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "_plans", plans)
@@ -348,14 +368,19 @@ class DataParallel:
             return Step(cfg, donate=donate, compiler_options=compiler_options, observer=observer,
                         verify_every=every)
 
-        step: Step | autocap.AutoStep = make_step(config, plans)
-        if auto is not None:
-            # bucket_cap_mb="auto": the cap is chosen on the first step, then fixed; the
-            # configuration takes the chosen cap (see _src/autocap.py).
-            def chosen(cfg: StepConfig, _: autocap.CapChoice) -> None:
-                object.__setattr__(self, "config", cfg)
+        def chosen(cfg: StepConfig, _: autocap.CapChoice) -> None:
+            object.__setattr__(self, "config", cfg)
 
+        # bucket_cap_mb="auto" / "model": the plan is chosen on the first step (timed, see
+        # _src/autocap.py; predicted, see _src/modelcap.py), then fixed; the configuration takes
+        # the chosen caps.
+        step: Step | autocap.AutoStep | modelcap.ModelStep
+        if isinstance(auto, modelcap.ModelCap):
+            step = modelcap.ModelStep(config, auto, make_step, plans, chosen)
+        elif auto is not None:
             step = autocap.AutoStep(config, auto, make_step, plans, chosen)
+        else:
+            step = make_step(config, plans)
         object.__setattr__(self, "_auto", step if auto is not None else None)
         # Under jddp-run, each call reports its completed step to the launcher's watchdog (a
         # queue append, about 0.6 us); elsewhere this is the step itself.
@@ -363,8 +388,8 @@ class DataParallel:
 
     config: StepConfig
     _plans: PlanLog
-    _auto: autocap.AutoStep | None
-    step: Step | autocap.AutoStep
+    _auto: autocap.AutoStep | modelcap.ModelStep | None
+    step: Step | autocap.AutoStep | modelcap.ModelStep
     """The compiled step: ``step(state, batch, mask=None, *, sync=None, rng=None) -> (state,
     metrics)``; ``step.lower(...)`` gives its program."""
 
@@ -391,7 +416,10 @@ class DataParallel:
     def bucket_plan(self) -> BucketPlan | None:
         """The bucket plan of the most recently traced step (``None`` before the first step)."""
         plan, choice = self._plans.latest, self.cap_choice
-        if plan is not None and choice is not None:
+        if plan is not None and choice is not None and choice.method == "model":
+            plan = plan._replace(note=f"chosen by bucket_cap_mb='model' (cost model, nothing "
+                                      f"timed): {choice.note}; pin it with {choice.pin}")
+        elif plan is not None and choice is not None:
             n = len(choice.candidates_mb)
             how = (f"from {n} timed caps" if n > 1 else
                    "without timing: every candidate cap gives this one plan")
@@ -401,8 +429,9 @@ class DataParallel:
 
     @property
     def cap_choice(self) -> autocap.CapChoice | None:
-        """What ``bucket_cap_mb="auto"`` chose (``None`` before the first step, or for a fixed
-        cap); ``print`` it for the timings and the number that pins the choice."""
+        """What ``bucket_cap_mb="auto"`` or ``"model"`` chose (``None`` before the choice, or
+        for a fixed cap); ``print`` it for the timings or predictions, the reason and the
+        arguments that pin the choice (``cap_choice.pin``)."""
         return None if self._auto is None else self._auto.choice
 
     def init(self, params: Any, model_state: Any = None) -> TrainState:
@@ -443,13 +472,14 @@ class DataParallel:
         The same planning code as the step's (it traces the step, without compiling it), so it
         works for models that communicate in their forward pass too (cross-replica BatchNorm).
         ``params``, ``batch`` and ``mask`` may be arrays or ``jax.ShapeDtypeStruct``s. With
-        ``bucket_cap_mb="auto"``, only once the cap is chosen.
+        ``bucket_cap_mb="auto"``, only once the cap is chosen; with ``"model"``, the cost model
+        chooses here if no step has (``cap_choice`` says why).
         """
-        if self._auto is not None:
+        if isinstance(self._auto, modelcap.ModelStep):
+            self._auto.choose(self.abstract_state(params, model_state), batch, mask)
+        elif self._auto is not None:
             self._auto.chosen_step("plan")
-        return pipeline.plan(
-            self.config, self.abstract_state(params, model_state), batch, mask
-        )
+        return pipeline.plan(self.config, self.abstract_state(params, model_state), batch, mask)
 
     def lower(
         self,

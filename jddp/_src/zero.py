@@ -11,8 +11,11 @@ pieces live (``zero_stage=``):
   bucket before its first use (the planner's first-use order is the prefetch order: the next
   bucket's gather runs while the current layer computes) and the backward pass reduce-scatters
   its gradient. With ``reshard_after_forward`` (the default) each gathered leaf is dropped after
-  its forward use and gathered again for the backward (``reduction._regathered``); without it a
-  gathered bucket stays whole until the backward pass is done with it.
+  its forward use and gathered again for the backward (``reduction._regathered``; on GPU and TPU
+  one use ahead, while the next use's backward computes); without it a gathered bucket stays
+  whole until the backward pass is done with it. With an int ``k`` (ZeRO++'s hpZ) the backward
+  gathers from a ``1/k`` slice of the gathered leaf (:func:`subgroup_piece`) over groups of ``k``
+  devices only (:func:`subgroups`).
 
 **Layout.** A leaf is split on one dimension that the device count divides (:func:`shard_dim`:
 dimension 0 if possible, which costs no transpose, else the largest such dimension); its pieces
@@ -155,18 +158,46 @@ def reduce_scatter(
 
 
 def all_gather(
-    pieces: Sequence[jax.Array], dims: Sequence[int], shapes: Sequence[Sequence[int]], axis: Any
+    pieces: Sequence[jax.Array], dims: Sequence[int], shapes: Sequence[Sequence[int]], axis: Any,
+    group: int | None = None,
 ) -> list[jax.Array]:
-    """One all-gather of a bucket's split leaves: every device gets every leaf whole."""
+    """One all-gather of a bucket's split leaves: every device gets every leaf whole.
+
+    Args:
+      group: gather inside each group of ``group`` consecutive devices along ``axis`` only (the
+        pieces are then :func:`subgroup_piece` s); ``None``: over all of ``axis``.
+    """
     rows = [piece_row(p, d) for p, d in zip(pieces, dims, strict=True)]
     widths = [r.shape[1] for r in rows]
+    groups = None if group is None else subgroups(axis_count(axis), group)
     gathered = lax.all_gather(
-        jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0], axis, axis=0, tiled=True
+        jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0], axis, axis=0, tiled=True,
+        axis_index_groups=groups,
     )
     return [
         from_rows(c, d, s)
         for c, d, s in zip(_split_columns(gathered, widths), dims, shapes, strict=True)
     ]
+
+
+def axis_count(axis: Any) -> int:
+    """Devices along ``axis`` (a name or a tuple of names), inside shard_map."""
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return int(np.prod([lax.axis_size(a) for a in names]))
+
+
+def subgroups(n: int, group: int) -> list[list[int]]:
+    """The ``n // group`` groups of ``group`` consecutive indices along an axis of ``n``: on a
+    two-level mesh whose in-host count ``group`` divides, each lies inside one host."""
+    return [list(range(g, g + group)) for g in range(0, n, group)]
+
+
+def subgroup_piece(full: jax.Array, dim: int, group: int, axis: Any) -> jax.Array:
+    """This device's ``1/group`` slice of a whole leaf, split on ``dim`` over its group of
+    :func:`subgroups` (ZeRO++'s hpZ secondary copy); :func:`all_gather` with ``group`` inverts
+    it."""
+    index = lax.axis_index(axis) % group
+    return local_piece(full, dim, group, index)
 
 
 def gather_buckets(

@@ -39,8 +39,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from jddp._src.planner import BucketPlan, assign_buckets
 from jddp._src.tree import MiB
-from jddp.buckets import BucketPlan, assign_buckets
 
 __all__ = [
     "STRATEGIES",

@@ -1,0 +1,209 @@
+"""bucket_cap_mb="model": the cost model picks the plan from the traced gradient sizes, no timing."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import max_abs_diff
+
+import jddp
+from jddp._src import modelcap
+from jddp.buckets import CapChoice, ModelCap, assign_buckets, make_plan
+from jddp.perf.costmodel import ClusterSpec
+
+MiB = 2**20
+DEFAULT = (25.0, 1.0)
+
+
+def _plan(sizes, dtypes=None):
+    """A plan over leaves of ``sizes`` bytes (float32 unless ``dtypes``), used in list order."""
+    dtypes = dtypes or [jnp.float32] * len(sizes)
+    params = [jax.ShapeDtypeStruct((max(1, s // np.dtype(d).itemsize),), d)
+              for s, d in zip(sizes, dtypes, strict=True)]
+    return make_plan(params, list(range(len(params))))
+
+
+def _decide(plan, platform="cpu", n=8, policy=None):
+    return modelcap.decide(plan, platform, n, policy or ModelCap(), DEFAULT)
+
+
+def _k(c):
+    """The chosen candidate's index (a cap can appear twice: with and without a first bucket)."""
+    return list(zip(c.candidates_mb, c.first_mb, strict=True)).index((c.cap_mb, c.chosen_first_mb))
+
+
+def _sizes(nbytes, dtypes, cap_mb, first_mb):
+    cap = int(cap_mb * MiB)
+    first = min(int(first_mb * MiB), cap)
+    return tuple(sum(nbytes[k] for k in b) for b in assign_buckets(nbytes, dtypes, cap, first))
+
+
+def test_the_rules_hold_on_random_models():
+    """Property-style, 150 random models: the choice is the cheapest prediction, replaces DDP's
+    plan only above the margin, is pinned by its own arguments, and is the same every time."""
+    rng = np.random.default_rng(0)
+    replaced = 0
+    for _ in range(150):
+        n = int(rng.integers(1, 25))
+        sizes = [int(x) for x in np.exp(rng.uniform(np.log(1e3), np.log(40 * MiB), n))]
+        dtypes = [jnp.float32 if rng.random() < 0.8 else jnp.bfloat16 for _ in range(n)]
+        plan = _plan(sizes, dtypes)
+        c = _decide(plan)
+        again = _decide(plan)
+        assert c._replace(tune_s=0) == again._replace(tune_s=0)
+        assert (c.candidates_mb[0], c.first_mb[0]) == DEFAULT and c.method == "model"
+        nbytes, dts = modelcap.backward_sizes(plan)
+        plans = [_sizes(nbytes, dts, cap, first)
+                 for cap, first in zip(c.candidates_mb, c.first_mb, strict=True)]
+        assert len(set(plans)) == len(plans)  # distinct candidates
+        assert [len(p) for p in plans] == list(c.num_buckets)
+        k = _k(c)
+        preds = c.predicted_s
+        assert preds[k] <= preds[0]
+        if k:
+            replaced += 1
+            assert preds[k] == min(preds)
+            assert 1 - preds[k] / preds[0] > ModelCap().margin
+            assert "DDP's plan (" in c.note
+        else:
+            assert min(preds) >= preds[0] * (1 - ModelCap().margin)
+            assert "kept" in c.note
+        # The pin reproduces the plan: an explicit cap alone caps the first bucket too.
+        kw = dict(bucket_cap_mb=c.cap_mb)
+        if "first_bucket_mb" in c.pin:
+            kw["first_bucket_mb"] = c.chosen_first_mb
+        assert c.pin == ", ".join(f"{a}={b:g}" for a, b in kw.items())
+        pinned = make_plan([jax.ShapeDtypeStruct(s, d) for s, d in
+                            zip(plan.shapes, plan.dtypes, strict=True)],
+                           list(range(n)), **kw)
+        assert sorted(b.nbytes for b in pinned.buckets) == sorted(plans[k])
+    assert replaced > 30  # the rule is exercised both ways
+
+
+def test_benchmark_shapes():
+    """The peers.py models' gradient shapes: the 11.5M MLP (8 x 5.5 MiB kernels) gets buckets of
+    at most ~16.5 MiB, not DDP's 27.5 MiB middle bucket; the conv net (one 12 MiB dense kernel
+    and 0.36 MiB of convolutions) gets one bucket; the small ResNet keeps DDP's one bucket."""
+    mlp = []
+    for _ in range(8):
+        mlp += [1200 * 4, 1200 * 1200 * 4]
+    c = _decide(_plan(mlp[::-1]))
+    assert _k(c) and max(_sizes(*modelcap.backward_sizes(_plan(mlp[::-1])), c.cap_mb,
+                            c.chosen_first_mb)) < 17 * MiB
+    conv = [40, 15360, 1536, 8192 * 384 * 4, 512, 294912, 256, 73728, 128, 3456]
+    c = _decide(_plan(conv[::-1]))
+    assert c.num_buckets[_k(c)] == 1 and c.num_buckets[0] == 2
+    assert c.pin == "bucket_cap_mb=25"
+    small = _decide(_plan([700_000 // 60] * 60))
+    assert small.cap_mb == 25.0 and small.chosen_first_mb == 1.0 and "kept" in small.note
+
+
+def test_no_calibration_or_one_device_keeps_ddps_plan():
+    plan = _plan([8 * MiB] * 6)
+    gpu = _decide(plan, platform="gpu")
+    assert (gpu.cap_mb, gpu.chosen_first_mb) == DEFAULT and math.isnan(gpu.predicted_s[0])
+    assert "no built-in calibration for platform 'gpu'" in gpu.note
+    one = _decide(plan, n=1)
+    assert (one.cap_mb, one.chosen_first_mb) == DEFAULT and "nothing to reduce" in one.note
+    # A described machine is used on any platform: a slow-latency serial cluster wants few,
+    # large buckets.
+    slow = ClusterSpec(8, async_collectives=False, allreduce_table=((0, 1.0), (64 * MiB, 1.1)))
+    c = _decide(plan, platform="gpu", policy=ModelCap(cluster=slow))
+    assert c.num_buckets[_k(c)] == 1
+
+
+def _two_layer():
+    """A 1.25 MiB and a 0.25 MiB kernel: DDP's plan is 2 buckets, the CPU model's is one."""
+    params = {"a": jnp.full((256, 256), 0.01, jnp.float32),
+              "b": jnp.full((256, 1280), 0.01, jnp.float32)}
+
+    def loss(p, batch):
+        h = jnp.tanh(batch["x"] @ p["a"])
+        return jnp.mean((h @ p["b"] - batch["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    batches = [{"x": jnp.asarray(rng.normal(size=(16, 256)), jnp.float32),
+                "y": jnp.asarray(rng.normal(size=(16, 1280)), jnp.float32)} for _ in range(2)]
+    return loss, params, batches
+
+
+def test_model_step_plans_before_running_trains_like_ddp_and_is_deterministic():
+    loss, params, batches = _two_layer()
+    ddp = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb="model")
+    fixed = jddp.DataParallel(loss, optax.adam(1e-2))
+    assert ddp.cap_choice is None
+    plan = ddp.plan(params, batches[0])  # chosen here, from the trace: nothing compiled or run
+    choice = ddp.cap_choice
+    assert isinstance(choice, CapChoice) and choice.method == "model" and choice.rounds == 0
+    assert plan.num_buckets == 1 and fixed.plan(params, batches[0]).num_buckets == 2
+    assert choice.pin == "bucket_cap_mb=25" and ddp.config.first_bytes == 25 * MiB
+    assert "bucket_cap_mb='model' chose" in str(choice) and "<- chosen" in str(choice)
+    # The same plan when computed again, by another trainer, and on a two-host layout (the
+    # device count is what the choice reads, not the process or host count).
+    again = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb="model")
+    hosts = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb="model",
+                              mesh=jddp.data_mesh(hosts=2))
+    for other in (again, hosts):
+        assert other.plan(params, batches[0]).buckets == plan.buckets
+        assert other.cap_choice._replace(tune_s=0) == choice._replace(tune_s=0)
+    assert ddp.plan(params, batches[0]).buckets == plan.buckets
+    pinned = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb=25.0)
+    assert pinned.plan(params, batches[0]).buckets == plan.buckets
+    # Training equals DDP's plan (a bucket changes only which leaves share an all-reduce).
+    sm, sf = ddp.init(params), fixed.init(params)
+    for b in batches:
+        sm, mm = ddp.step(sm, b)
+        sf, mf = fixed.step(sf, b)
+        np.testing.assert_allclose(float(mm["loss"]), float(mf["loss"]), rtol=1e-6)
+    assert max_abs_diff(sm.params, sf.params) < 1e-6
+    assert ddp.step.cache_size() == 1 and ddp.cap_choice is choice
+    assert "bucket_cap_mb='model'" in str(ddp.bucket_plan) and ddp.bucket_plan.num_buckets == 1
+
+
+def test_lower_chooses_first():
+    loss, params, batches = _two_layer()
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1), bucket_cap_mb="model")
+    text = ddp.lower(params, batches[0]).as_text()
+    assert ddp.cap_choice is not None and text.count("all_reduce") >= 1
+
+
+def test_bad_model_options():
+    loss, params, _ = _two_layer()
+    opt = optax.sgd(0.1)
+    with pytest.raises(ValueError, match="chooses the first bucket too"):
+        jddp.DataParallel(loss, opt, bucket_cap_mb="model", first_bucket_mb=1.0)
+    with pytest.raises(ValueError, match="bucket_cap_mb='model' chooses the bucket plan"):
+        jddp.DataParallel(loss, opt, bucket_cap_mb="model",
+                          bucket_plan=jddp.DataParallel(loss, opt).plan(params, _two_layer()[2][0]))
+    with pytest.raises(ValueError, match="bucket_cap_mb='model' has nothing to choose"):
+        jddp.DataParallel(loss, opt, bucket_cap_mb="model", deterministic=True)
+    with pytest.raises(ValueError, match="'auto' \\(timed\\) or 'model'"):
+        jddp.DataParallel(loss, opt, bucket_cap_mb="models")
+    with pytest.raises(ValueError, match="margin"):
+        ModelCap(margin=1.0)
+    with pytest.raises(ValueError, match="candidates_mb"):
+        ModelCap(candidates_mb=(1.0, -2.0))
+    with pytest.raises(ValueError, match="backward_s"):
+        ModelCap(cluster=ClusterSpec(8))
+    with pytest.raises(TypeError, match="ClusterSpec"):
+        ModelCap(cluster="cpu")
+    assert ModelCap(cluster=ClusterSpec(8), backward_s=0.1).backward_s == 0.1
+
+
+@pytest.mark.parametrize("opts", [{"zero_stage": 3}, {"accumulate_steps": 2}])
+def test_model_combines_with_sharded_stages_and_accumulation(opts):
+    """The chosen plan drives the other step layouts too (stage 3's gathers, accumulation's
+    synchronising call); training equals the pinned plan's to 1e-6."""
+    loss, params, batches = _two_layer()
+    states = []
+    for cap in ("model", 25.0):
+        ddp = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb=cap, **opts)
+        state = ddp.init(params)
+        for b in batches:
+            state, _ = ddp.step(state, b)
+        states.append(jax.tree.map(np.asarray, state.params))
+        assert ddp.bucket_plan.num_buckets == 1
+    assert max_abs_diff(states[0], states[1]) < 1e-6

@@ -4,15 +4,17 @@ import os
 
 import chex
 
-# LLVM's optimisation level for XLA:CPU's generated code: 0 in the tests, for this process and
-# every subprocess that inherits the environment. Compilation dominates the suite (many small
-# programs, each run a few times): level 0 takes ~36% less CPU time on tests/test_zero.py. What the
-# tests check does not depend on it: the HLO (every collective, its bytes, the schedule) is
-# optimised by XLA's own passes before code generation, and results are compared to tolerances,
-# or bitwise between programs compiled the same way. The bitwise deterministic-mode tests set
-# their own XLA_FLAGS for their children (the level users run); a flag already set wins.
+# LLVM's optimisation level for XLA:CPU's generated code: 0 (and no expensive passes) in the tests,
+# for this process and every subprocess that inherits the environment. Compilation dominates the
+# suite (many small programs, each run a few times): level 0 takes ~36% less CPU time on
+# tests/test_zero.py. What the tests check does not depend on it: the HLO (every collective, its
+# bytes, the schedule) is optimised by XLA's own passes before code generation, and results are
+# compared to tolerances, or bitwise between programs compiled the same way. The bitwise
+# deterministic-mode tests set their own XLA_FLAGS for their children (the level users run; code at
+# level 0 also runs the FMA-free AVX build ~2.5x slower); a flag already set wins.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_backend_optimization_level=0").strip()
+                               + " --xla_backend_optimization_level=0"
+                               + " --xla_llvm_disable_expensive_passes=true").strip()
 
 chex.set_n_cpu_devices(8)

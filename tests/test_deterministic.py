@@ -155,7 +155,7 @@ def test_digits_example_on_8_and_2_devices_gives_the_same_bits(tmp_path):
         proc = subprocess.run(
             [sys.executable, "examples/train_digits.py", "--deterministic", "--devices", str(n),
              "--epochs", "1", "--no-progress", "--json", str(out)],
-            cwd=REPO, env=child_env(JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+            cwd=REPO, env=child_env(**AVX), capture_output=True, text=True,
             timeout=400,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -88,7 +88,7 @@ def _deterministic(deterministic: Any, group_size: Any,
     if det and auto is not None:
         name = "'model'" if isinstance(auto, modelcap.ModelCap) else "'auto'"
         raise ValueError(f"deterministic=True reduces without buckets, so bucket_cap_mb={name} "
-                         "has nothing to tune or choose: drop it.")
+                         "has nothing to choose (nothing to tune): drop it.")
     return det, groups
 
 

@@ -273,12 +273,13 @@ class _Forward:
             self.target(plan)
 
 
-class AutoStep:
-    """``ddp.step`` when ``bucket_cap_mb="auto"``: chooses the cap on the first call, then is the
-    chosen :class:`Step`.
+class ChoosingStep:
+    """A ``ddp.step`` that picks its bucket plan once, on the first call, then is the chosen
+    :class:`Step`: what ``bucket_cap_mb="auto"`` (:class:`AutoStep`) and ``"model"``
+    (``modelcap.ModelStep``) share.
 
     Args:
-      cfg: the configuration with the default cap (the one the choice is compared against).
+      cfg: the configuration with the default caps (the plan a choice is compared against).
       policy: how to choose.
       make_step: builds a :class:`Step` for a configuration, reporting plans to an observer.
       observer: the trainer's plan log.
@@ -288,7 +289,7 @@ class AutoStep:
     def __init__(
         self,
         cfg: StepConfig,
-        policy: AutoCap,
+        policy: Any,
         make_step: Callable[[StepConfig, pipeline.PlanObserver], Step],
         observer: pipeline.PlanObserver,
         on_choice: Callable[[StepConfig, CapChoice], None],
@@ -300,6 +301,18 @@ class AutoStep:
         self._on_choice = on_choice
         self._step: Step | None = None
         self.choice: CapChoice | None = None
+
+    def cache_size(self) -> int:
+        """Programs the chosen step has compiled (0 before the choice)."""
+        return 0 if self._step is None else self._step.cache_size()
+
+
+class AutoStep(ChoosingStep):
+    """``ddp.step`` when ``bucket_cap_mb="auto"``: chooses the cap on the first call (timing the
+    candidates), then is the chosen :class:`Step`. Arguments as :class:`ChoosingStep`'s, with an
+    :class:`AutoCap` policy."""
+
+    _policy: AutoCap
 
     def tune(self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
              rng: Any = None) -> CapChoice:
@@ -377,7 +390,3 @@ class AutoStep:
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The chosen step's :meth:`Step.lower` (after the choice)."""
         return self.chosen_step("lower").lower(*args, **kwargs)
-
-    def cache_size(self) -> int:
-        """Programs the chosen step has compiled (0 before the choice)."""
-        return 0 if self._step is None else self._step.cache_size()

@@ -31,15 +31,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from jddp._src import options, pipeline
-from jddp._src.autocap import CapChoice
-from jddp._src.config import StepConfig
+from jddp._src.autocap import CapChoice, ChoosingStep
 from jddp._src.planner import BucketPlan, assign_buckets
 from jddp._src.step import Step
 from jddp._src.tree import MiB
@@ -205,34 +204,12 @@ def _pick(preds: Sequence[float], buckets: Sequence[int], margin: float) -> tupl
                   f"DDP's plan ({gain:.0%} less)")
 
 
-class ModelStep:
+class ModelStep(ChoosingStep):
     """``ddp.step`` when ``bucket_cap_mb="model"``: the first call (or ``lower``, ``choose``,
     ``ddp.plan``) traces the loss and lets the cost model pick the plan; then it is that
-    :class:`Step`.
+    :class:`Step`. Arguments as :class:`ChoosingStep`'s, with a :class:`ModelCap` policy."""
 
-    Args:
-      cfg: the configuration with DDP's default caps (the plan a candidate must beat).
-      policy: how to choose.
-      make_step: builds a :class:`Step` for a configuration, reporting plans to an observer.
-      observer: the trainer's plan log.
-      on_choice: called once with the chosen configuration and the :class:`CapChoice`.
-    """
-
-    def __init__(
-        self,
-        cfg: StepConfig,
-        policy: ModelCap,
-        make_step: Callable[[StepConfig, pipeline.PlanObserver], Step],
-        observer: pipeline.PlanObserver,
-        on_choice: Callable[[StepConfig, CapChoice], None],
-    ) -> None:
-        self._cfg = cfg
-        self._policy = policy
-        self._make_step = make_step
-        self._observer = observer
-        self._on_choice = on_choice
-        self._step: Step | None = None
-        self.choice: CapChoice | None = None
+    _policy: ModelCap
 
     def choose(self, state: Any, batch: Any, mask: Any = None, rng: Any = None) -> CapChoice:
         """Picks the plan for these inputs (arrays or shape structs; nothing runs); once only."""
@@ -266,7 +243,3 @@ class ModelStep:
         """The chosen step's :meth:`Step.lower` (choosing first if needed)."""
         return self.chosen_step(state, batch, mask, rng).lower(state, batch, mask, sync=sync,
                                                                 step=step, rng=rng)
-
-    def cache_size(self) -> int:
-        """Programs the chosen step has compiled (0 before the choice)."""
-        return 0 if self._step is None else self._step.cache_size()

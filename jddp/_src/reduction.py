@@ -87,7 +87,7 @@ def resolve_chain(chain: options.Chain) -> str:
     options.chain(chain)
     if chain != "auto":
         return chain
-    return "barrier" if _platform() in ("gpu", "cuda", "rocm") else "add"
+    return "barrier" if _on_gpu() else "add"
 
 
 def _platform() -> str:
@@ -96,6 +96,11 @@ def _platform() -> str:
         return str(jax.sharding.get_abstract_mesh().abstract_device.platform)
     except Exception:  # no mesh context (e.g. plain jit): the default backend decides
         return jax.default_backend()
+
+
+def _on_gpu() -> bool:
+    """Whether the step is traced for a GPU (the platforms XLA:GPU answers to)."""
+    return _platform() in ("gpu", "cuda", "rocm")
 
 
 def backward_prefetch() -> bool:
@@ -924,7 +929,7 @@ def _in_forward(out: list, kept: tuple, axis: Any) -> tuple[list, tuple]:
     before scheduling, so elsewhere ``kept`` comes out of a conditional (which XLA neither fuses
     nor sees through; its predicate is always true but not a constant) and ``out`` takes an
     always-zero dependency on it (tests/test_hpz.py checks both peaks)."""
-    if _platform() in ("gpu", "cuda", "rocm"):
+    if _on_gpu():
         return lax.optimization_barrier((out, kept))
     kept = lax.cond(lax.axis_index(axis) >= 0, lambda k: tuple(k),
                     lambda k: tuple(jnp.zeros_like(x) for x in k), kept)

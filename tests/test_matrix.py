@@ -242,6 +242,9 @@ def _cells() -> list[Cell]:
         Cell("fp16", lambda: {"hook": jddp.fp16_compress()}, "1d", 3, equal("plain_sgd", BF16)),
         Cell("int8", lambda: {"hook": jddp.hooks.int8_compress()}, "1d", 0,
              equal("plain_sgd", INT8), procs=2),
+        Cell("int8 no error feedback (int8 reduce-scatter)",
+             lambda: {"hook": jddp.hooks.int8_compress(error_feedback=False)}, "1d", 2,
+             equal("plain_sgd", INT8), procs=2),
         Cell("powersgd before start", lambda: {"hook": jddp.powersgd(start_iter=100)}, "1d", 0,
              equal("plain")),
         Cell("powersgd", lambda: {"hook": jddp.powersgd(start_iter=100)}, "1d", 2,
@@ -284,7 +287,7 @@ def _cells() -> list[Cell]:
         Cell("hybrid_shard", lambda: {"hybrid_shard": True}, "2l", 2, equal("plain")),
         # ZeRO++ hpZ (reshard_after_forward=k; docs/sharded.md): backward gathers over k devices
         Cell("reshard_after_forward=4 (hpZ)", lambda: {"reshard_after_forward": 4}, "2l", 3,
-             equal("plain")),
+             equal("plain"), procs=2),
         Cell("reshard_after_forward=2 (hpZ)", lambda: {"reshard_after_forward": 2}, "1d", 3,
              equal("plain")),
         Cell("reshard_after_forward=3", lambda: {"reshard_after_forward": 3}, "1d", 3,

@@ -121,6 +121,16 @@ def _verify_every(verify_every: Any) -> int:
     return verify_every or 0
 
 
+def _checked(config: StepConfig, plan_given: bool) -> StepConfig:
+    """``config`` after the checks across options, with the default plan's policy
+    (:func:`jddp._src.modelcap.default_plan`) unless a cap, first bucket or plan was given."""
+    local_sgd_lib.check_config(config)
+    det_lib.check_config(config)
+    if plan_given:
+        return config
+    return dataclasses.replace(config, default_plan=modelcap.default_plan(config))
+
+
 def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
     if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
         hint = " (call the factory, e.g. optax.adam(1e-3))" if callable(optimizer) else ""
@@ -358,10 +368,7 @@ class DataParallel:
             deterministic=det,
             group_size=groups, mixed_precision=policy,
         )
-        if bucket_cap_mb is None and first_bucket_mb is None and bucket_plan is None:
-            config = dataclasses.replace(config, default_plan=modelcap.default_plan(config))
-        local_sgd_lib.check_config(config)
-        det_lib.check_config(config)
+        config = _checked(config, (bucket_cap_mb, first_bucket_mb, bucket_plan) != (None,) * 3)
         every = _verify_every(verify_every)
         self._install_step(config, auto, donate, compiler_options, every)
 

@@ -82,7 +82,8 @@ class AutoCap:
 
 
 class CapChoice(NamedTuple):
-    """What ``bucket_cap_mb="auto"`` (timed) or ``"model"`` (predicted) chose, and from what.
+    """What ``bucket_cap_mb="auto"`` (timed), ``"model"`` (predicted) or the default plan (the
+    same prediction, no cap given) chose, and from what.
 
     Attributes:
       cap_mb: the chosen cap (MiB); ``DataParallel(bucket_cap_mb=cap_mb)`` pins it.

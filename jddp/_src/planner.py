@@ -55,7 +55,8 @@ class BucketPlan(NamedTuple):
       paths: every leaf's key path, in tree-leaf order.
       cap_bytes: the bucket cap.
       first_bytes: the cap of the first bucket (per dtype).
-      note: how the cap was chosen, printed with the table (``bucket_cap_mb="auto"``).
+      note: how the cap was chosen, printed with the table (``bucket_cap_mb="auto"``, or the
+        default plan when it is not DDP's).
     """
 
     buckets: tuple[Bucket, ...]
@@ -272,11 +273,15 @@ def plan_buckets(
 
     Leaves with no gradient path to the output go to ``plan.unused`` and into no bucket, unless
     ``keep_unused``. For a :class:`jddp.DataParallel` step, ``ddp.plan(params, batch)`` gives the
-    plan the step uses (same planner, the step's own loss).
+    plan the step uses (same planner, the step's own loss; with no cap given, the cost model's
+    plan, where this function keeps DDP's default caps).
 
     Args:
       fun: the loss function; it is traced (not run) on ``params`` and ``args``, which may be arrays
         or ``jax.ShapeDtypeStruct``s. Every output counts as loss.
+      bucket_cap_mb: the bucket cap in MiB (default: DDP's 25).
+      first_bucket_mb: the first bucket's cap in MiB (default: DDP's rule, see
+        :class:`jddp.DataParallel`).
       keep_unused: put every leaf in a bucket, even those whose gradient is zero by construction
         (they are reduced last).
     """

@@ -1331,7 +1331,10 @@ def value_and_grad(
     Args:
       fun: ``fun(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``); differentiated with
         respect to its first argument.
-      bucket_cap_mb: bucket cap in MiB (DDP's ``bucket_cap_mb``).
+      bucket_cap_mb: bucket cap in MiB (DDP's ``bucket_cap_mb``). Not given: DDP's default
+        plan (25 MiB after a 1 MiB first bucket) — not the cost model's plan that
+        :class:`jddp.DataParallel` takes when no cap is given; pass the caps its
+        ``cap_choice.pin`` names for the same plan.
       first_bucket_mb: cap of the first bucket in MiB (default: DDP's rule, see
         :class:`jddp.DataParallel`).
       hook: a stateless communication hook for each bucket (stateful hooks need

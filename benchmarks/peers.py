@@ -13,11 +13,12 @@ the same global batch over the same 8 simulated CPU devices:
 - ``no comm``: the ``shard_map`` step with no collective at all (each device keeps its own
   gradients): the floor that communication is measured against;
 - ``jddp 25 MB`` (``bucket_cap_mb=25``: DDP's cap, given explicitly, so no small first bucket),
-  ``jddp default`` (no cap given: DDP's default plan, a 1 MiB first bucket then 25 MiB),
-  ``jddp model`` (``bucket_cap_mb="model"``: the cost model's plan, nothing timed) and
-  ``jddp auto`` (``bucket_cap_mb="auto"``, which times candidate caps on its first call;
-  ``--no-auto`` leaves it out); ``--sweep`` adds fixed caps to compare the choices with, each cap
-  whose plan is not already in the table.
+  ``jddp DDP 25/1`` (``bucket_cap_mb=25, first_bucket_mb=1``: DDP's default plan, a 1 MiB first
+  bucket then 25 MiB, which was jddp's default before #28), ``jddp default`` (no cap given: the
+  cost model's plan, chosen in the step's trace, nothing timed; ``bucket_cap_mb="model"`` picks
+  the same plan, so it is not timed again) and ``jddp auto`` (``bucket_cap_mb="auto"``, which
+  times candidate caps on its first call; ``--no-auto`` leaves it out); ``--sweep`` adds fixed
+  caps to compare the choices with, each cap whose plan is not already in the table.
 
 Models (benchmarks/_models.py): an 11.5M-parameter MLP, a 3.2M-parameter conv net, Flax's
 ResNet-18 at width 8 with cross-replica (Sync) BatchNorm, a small Transformer LM. Cross-replica
@@ -152,9 +153,10 @@ def build_variants(bm, mesh, opt, sweep, auto=True):
         def loss_fn(p, b):
             return f_axis(p, None, b)[0]
 
-    def make_jddp(cap):
-        ddp = jddp.DataParallel(loss_fn, opt, mesh=mesh, **({} if cap is None else
-                                                           {"bucket_cap_mb": cap}))
+    def make_jddp(cap, first=None):
+        kw = {} if cap is None else {"bucket_cap_mb": cap}
+        kw.update({} if first is None else {"first_bucket_mb": first})
+        ddp = jddp.DataParallel(loss_fn, opt, mesh=mesh, **kw)
         holder = [ddp.init(bm.params, bm.model_state)]
 
         def run():
@@ -165,13 +167,13 @@ def build_variants(bm, mesh, opt, sweep, auto=True):
         return run
 
     variants["jddp 25 MB"] = make_jddp(25.0)
+    variants["jddp DDP 25/1"] = make_jddp(25.0, 1.0)
     variants["jddp default"] = make_jddp(None)
-    variants["jddp model"] = make_jddp("model")
     if auto:
         variants["jddp auto"] = make_jddp("auto")
     # Sweep caps whose plan is one already in the table would time the same program again.
     plans = [variants[k].ddp.plan(bm.params, batch, bm.model_state)
-             for k in ("jddp 25 MB", "jddp default", "jddp model")]
+             for k in ("jddp 25 MB", "jddp DDP 25/1", "jddp default")]
     for cap in sweep:
         run = make_jddp(cap)
         plan = run.ddp.plan(bm.params, batch, bm.model_state)
@@ -231,10 +233,10 @@ def main():
         med = {k: statistics.median(v) for k, v in times.items()}
         best_peer = min(PEERS, key=lambda k: med[k])
         fixed = {k: v for k, v in med.items()
-                 if k.startswith("jddp") and k not in ("jddp auto", "jddp model")}
+                 if k.startswith("jddp") and k not in ("jddp auto", "jddp default")}
         best_fixed = min(fixed, key=fixed.get)
         choice = variants["jddp auto"].ddp.cap_choice if "jddp auto" in variants else None
-        model = variants["jddp model"].ddp.cap_choice
+        model = variants["jddp default"].ddp.cap_choice
         buckets = {k: v.ddp.bucket_plan.num_buckets for k, v in variants.items()
                    if hasattr(v, "ddp")}
         print(f"\n{bm.name}: {bm.description}, {args.devices} simulated CPU devices, medians of "
@@ -253,8 +255,14 @@ def main():
                   f"{med[name] / med['no comm']:>10.3f} {first[name]:>12.2f}")
         auto_says = ("" if choice is None else
                      f"auto chose {choice.cap_mb:g} MiB (tuning {choice.tune_s:.1f} s); ")
-        print(f"best peer: {best_peer}; {auto_says}model chose {model.pin} "
+        print(f"best peer: {best_peer}; {auto_says}the default chose {model.pin} "
               f"({model.note}); best fixed jddp cap in this run: {best_fixed}")
+        # The default against plain shard_map and DDP's plan, round by round (#28's criteria).
+        versus = {ref: [a / b for a, b in zip(times["jddp default"], times[ref], strict=True)]
+                  for ref in ("shard_map", "jddp DDP 25/1")}
+        for ref, r in versus.items():
+            print(f"jddp default / {ref}, per round: median {statistics.median(r):.3f}, range "
+                  f"{min(r):.3f}-{max(r):.3f}, {sum(x < 1 for x in r)} of {len(r)} rounds faster")
         results[key] = {
             "model": bm.name, "description": bm.description, "iters": iters, "median_s": med,
             "first_call_s": first, "all_times_s": times, "buckets": buckets,
@@ -263,6 +271,7 @@ def main():
             "paired_ratio_to_best_peer": {k: statistics.median(v) for k, v in paired.items()},
             "auto_choice": None if choice is None else choice._asdict(),
             "model_choice": {**model._asdict(), "pin": model.pin},
+            "default_per_round": versus,
         }
     out = {"devices": args.devices, "jax": jax.__version__,
            "load_before": load0, "load_after": os.getloadavg()[0], "models": results}
@@ -278,9 +287,9 @@ def main():
 
 def markdown(out):
     """The README's table: median ms (ratio to the best peer) per model and variant."""
-    cols = [*PEERS, "no comm", "jddp 25 MB", "jddp default", "jddp model", "jddp auto"]
+    cols = [*PEERS, "no comm", "jddp 25 MB", "jddp DDP 25/1", "jddp default", "jddp auto"]
     cols = [c for c in cols if all(c in r["median_s"] for r in out["models"].values())]
-    rows = ["| model | " + " | ".join(cols) + " | best fixed jddp cap | model chose | auto chose "
+    rows = ["| model | " + " | ".join(cols) + " | best fixed jddp cap | default chose | auto chose "
             "(tuning s) |", "|---" * (len(cols) + 4) + "|"]
     for r in out["models"].values():
         med, ratio = r["median_s"], r["ratio_to_best_peer"]
@@ -303,7 +312,7 @@ def plot(out, png):
     import numpy as np
 
     models = list(out["models"])
-    shown = [c for c in (*PEERS, "no comm", "jddp 25 MB", "jddp default", "jddp model",
+    shown = [c for c in (*PEERS, "no comm", "jddp 25 MB", "jddp DDP 25/1", "jddp default",
                          "jddp auto")
              if all(c in out["models"][m]["median_s"] for m in models)]
     fig, ax = plt.subplots(figsize=(9, 4))

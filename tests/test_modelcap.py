@@ -1,7 +1,10 @@
-"""bucket_cap_mb="model": the cost model picks the plan from the traced gradient sizes, no timing."""
+"""bucket_cap_mb="model" and the default plan: the cost model picks the plan from the traced
+gradient sizes, no timing."""
 
+import dataclasses
 import math
 
+import _models
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +13,7 @@ import pytest
 from _models import max_abs_diff
 
 import jddp
-from jddp._src import modelcap
+from jddp._src import hlo, modelcap
 from jddp.buckets import CapChoice, ModelCap, assign_buckets, make_plan
 from jddp.perf.costmodel import ClusterSpec
 
@@ -133,7 +136,8 @@ def _two_layer():
 def test_model_step_plans_before_running_trains_like_ddp_and_is_deterministic():
     loss, params, batches = _two_layer()
     ddp = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb="model")
-    fixed = jddp.DataParallel(loss, optax.adam(1e-2))
+    # DDP's default plan, pinned (given no cap, DataParallel takes the model's plan too).
+    fixed = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb=25.0, first_bucket_mb=1.0)
     assert ddp.cap_choice is None
     plan = ddp.plan(params, batches[0])  # chosen here, from the trace: nothing compiled or run
     choice = ddp.cap_choice
@@ -207,3 +211,131 @@ def test_model_combines_with_sharded_stages_and_accumulation(opts):
         states.append(jax.tree.map(np.asarray, state.params))
         assert ddp.bucket_plan.num_buckets == 1
     assert max_abs_diff(states[0], states[1]) < 1e-6
+
+
+# ------------------------------------------------------------- the default plan (no cap given)
+
+
+def _bench_mlp():
+    """benchmarks/_mlp.py's 11.5M-parameter MLP (width 1200, 8 layers), as shape structs, with
+    a loss that counts its traces, and DDP's own packing of its leaves (25 MiB, 1 MiB first)."""
+    calls = []
+
+    def loss(p, b):
+        calls.append(1)
+        x = b["x"]
+        for i in range(len(p)):
+            x = x @ p[f"Dense_{i}"]["kernel"] + p[f"Dense_{i}"]["bias"]
+            x = jnp.tanh(x) if i < len(p) - 1 else x
+        return jnp.mean((x - b["y"]) ** 2)
+
+    f32 = jnp.float32
+    params = {f"Dense_{i}": {"kernel": jax.ShapeDtypeStruct((1200, 1200), f32),
+                             "bias": jax.ShapeDtypeStruct((1200,), f32)} for i in range(8)}
+    batch = {"x": jax.ShapeDtypeStruct((256, 1200), f32),
+             "y": jax.ShapeDtypeStruct((256, 1200), f32)}
+    return loss, calls, params, batch
+
+
+def test_default_is_the_models_plan_chosen_in_the_steps_one_trace():
+    """No cap given: the 11.5M MLP gets the cost model's plan (4 buckets of 11 MiB, where DDP's
+    default makes 1, 27.5 and 16.5 MiB), chosen inside the step's trace: lowering the step runs
+    the user's loss once, and the program has one all-reduce per chosen bucket."""
+    loss, calls, params, batch = _bench_mlp()
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1, momentum=0.9))
+    assert ddp.cap_choice is None and isinstance(ddp.config.default_plan, modelcap.DefaultPlan)
+    compiled = ddp.step.lower(ddp.abstract_state(params), batch).compile()
+    assert len(calls) == 1
+    plan, choice = ddp.bucket_plan, ddp.cap_choice
+    assert choice.method == "default" and choice.pin == "bucket_cap_mb=8"
+    assert [b.nbytes for b in plan.buckets] == [2 * (1200 * 1200 + 1200) * 4] * 4
+    assert "the default plan, chosen by the cost model" in plan.note and choice.pin in plan.note
+    assert "the default plan (no cap given) chose cap 8 MiB" in str(choice)
+    ddps = jddp.DataParallel(loss, optax.sgd(0.1, momentum=0.9), bucket_cap_mb=25.0,
+                             first_bucket_mb=1.0)
+    ddps_compiled = ddps.step.lower(ddps.abstract_state(params), batch).compile()
+    assert ddps.bucket_plan.num_buckets == 3 and ddps.cap_choice is None
+    # One all-reduce per bucket (the loss rides on the last: 4 bytes).
+    reduced = lambda c: [x.nbytes for x in hlo.collectives(c, "all-reduce")]
+    assert reduced(compiled) == [b.nbytes for b in plan.buckets[:-1]] + [plan.buckets[-1].nbytes + 4]
+    assert reduced(ddps_compiled) == [5764800, 28824000, 11529604]
+    # ddp.plan reports the same plan (its own trace, as before); "model" and the pin agree.
+    assert ddp.plan(params, batch) == plan
+    model = jddp.DataParallel(loss, optax.sgd(0.1), bucket_cap_mb="model")
+    assert model.plan(params, batch).buckets == plan.buckets
+    assert model.cap_choice._replace(tune_s=0, method="default") == choice._replace(tune_s=0)
+    pinned = jddp.DataParallel(loss, optax.sgd(0.1), bucket_cap_mb=8.0)
+    assert pinned.plan(params, batch).buckets == plan.buckets
+
+
+def test_a_given_cap_keeps_ddps_rule():
+    """bucket_cap_mb=25 packs by DDP's rule exactly (no first bucket, torch's partition), with
+    no policy; first_bucket_mb alone also fixes DDP's default; bucket_plan is used as given."""
+    loss, _, params, batch = _bench_mlp()
+    opt = optax.sgd(0.1)
+    for kw, sizes in (({"bucket_cap_mb": 25.0}, [10, 6]), ({"first_bucket_mb": 1.0}, [2, 10, 4]),
+                      ({"bucket_cap_mb": 25.0, "first_bucket_mb": 1.0}, [2, 10, 4])):
+        ddp = jddp.DataParallel(loss, opt, **kw)
+        plan = ddp.plan(params, batch)
+        assert ddp.config.default_plan is None and ddp.cap_choice is None and plan.note == ""
+        assert [len(b.indices) for b in plan.buckets] == sizes
+        assert plan == jddp.plan_buckets(loss, params, batch, **kw)
+    fixed = jddp.DataParallel(loss, opt, bucket_plan=plan)
+    assert fixed.config.default_plan is None and fixed.plan(params, batch) == plan
+
+
+def test_small_models_keep_ddps_plan():
+    """A model whose gradients fit DDP's first bucket: the default plan is DDP's, bit for bit
+    (no note), and the choice says so."""
+    sizes = [6, 64, 64, 3]
+    params, batch = _models.mlp_params(0, sizes), _models.regression_batch(0, 32, 6, 3)
+    ddp = jddp.DataParallel(_models.mlp_loss, optax.sgd(0.1))
+    plan = ddp.plan(params, batch)
+    assert plan == jddp.plan_buckets(_models.mlp_loss, params, batch)
+    assert plan.num_buckets == 1 and "DDP's plan is kept" in ddp.cap_choice.note
+
+
+@pytest.mark.parametrize("opts", [{"zero_stage": 1}, {"hook": jddp.bf16_compress()},
+                                  {"local_sgd": jddp.local_sgd.diloco(4)}])
+def test_default_is_ddps_plan_where_the_table_was_not_measured(opts):
+    """Sharded stages, other hooks, local SGD (and the deterministic step, which has no
+    buckets) keep DDP's 25 MiB plan with a 1 MiB first bucket by default."""
+    loss, params, batches = _two_layer()
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1), **opts)
+    assert ddp.config.default_plan is None and ddp.config.cap_bytes == 25 * MiB
+    assert ddp.config.first_bytes == MiB and ddp.cap_choice is None
+    assert ddp.plan(params, batches[0]).num_buckets == 2
+    plain = jddp.DataParallel(loss, optax.sgd(0.1)).config
+    assert modelcap.default_plan(dataclasses.replace(plain, deterministic=True)) is None
+    assert modelcap.default_plan(plain) == modelcap.DefaultPlan()
+
+
+def test_default_keeps_ddps_plan_without_calibration_and_is_a_pure_function():
+    """On GPU/TPU (no built-in table) the policy returns DDP's plan itself and bounds XLA's
+    combine thresholds by DDP's cap; on CPU the same inputs give the same plan every time and
+    on a two-host 8-device layout (what every process of a job computes, with no exchange)."""
+    loss, params, batches = _two_layer()
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1), bucket_cap_mb=25.0, first_bucket_mb=1.0)
+    ddps = ddp.plan(params, batches[0])
+    policy = modelcap.DefaultPlan()
+    packed = []
+
+    def pack(cap, first):
+        packed.append((cap, first))
+        return ddps._replace(cap_bytes=cap, first_bytes=first)
+
+    for platform in ("gpu", "tpu"):
+        assert policy.repack(ddps, pack, platform, 8) is ddps and not packed
+        assert "no built-in calibration" in policy.latest.note
+        assert policy.max_cap_bytes(platform) == 25 * MiB
+    assert policy.max_cap_bytes("cpu") == 100 * MiB
+    first = policy.repack(ddps, pack, "cpu", 8)
+    choice = policy.latest
+    assert policy.repack(ddps, pack, "cpu", 8) == first and packed == [(25 * MiB, 25 * MiB)] * 2
+    assert policy.latest._replace(tune_s=0) == choice._replace(tune_s=0)
+    one, two = (jddp.DataParallel(loss, optax.sgd(0.1), mesh=m)
+                for m in (jddp.data_mesh(), jddp.data_mesh(hosts=2)))
+    assert one.plan(params, batches[0]) == two.plan(params, batches[0])
+    assert one.plan(params, batches[0]).num_buckets == 1 and ddps.num_buckets == 2
+    assert one.cap_choice._replace(tune_s=0) == two.cap_choice._replace(tune_s=0)
+    assert one.config.largest_cap_bytes == 100 * MiB

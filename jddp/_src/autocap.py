@@ -99,8 +99,9 @@ class CapChoice(NamedTuple):
       rounds: timed rounds (0: nothing was timed, see ``note``).
       note: why nothing was timed, or why timing stopped early (empty otherwise); with
         ``"model"``, the reason for the choice.
-      method: ``"timed"`` (``bucket_cap_mb="auto"``) or ``"model"`` (the cost model, nothing
-        timed: ``median_s`` is NaN, ``ratio`` is each prediction over the default's).
+      method: ``"timed"`` (``bucket_cap_mb="auto"``), ``"model"`` (the cost model, nothing
+        timed: ``median_s`` is NaN, ``ratio`` is each prediction over the default's) or
+        ``"default"`` (the same cost model, for a ``DataParallel`` given no cap).
       first_mb: with ``"model"``, each candidate's first bucket (MiB).
       predicted_s: with ``"model"``, each candidate's predicted time (s; NaN without a
         calibration for the platform).
@@ -125,12 +126,12 @@ class CapChoice(NamedTuple):
     @property
     def pin(self) -> str:
         """The ``DataParallel`` arguments that give the chosen plan without choosing again."""
-        if self.method != "model" or self.chosen_first_mb == self.cap_mb:
+        if self.method == "timed" or self.chosen_first_mb == self.cap_mb:
             return f"bucket_cap_mb={self.cap_mb:g}"
         return f"bucket_cap_mb={self.cap_mb:g}, first_bucket_mb={self.chosen_first_mb:g}"
 
     def table(self) -> str:
-        if self.method == "model":
+        if self.method != "timed":
             return _model_table(self)
         rows = [f"bucket_cap_mb='auto' chose {self.cap_mb:g} MiB (pin it with "
                 f"bucket_cap_mb={self.cap_mb:g}); tuning took {self.tune_s:.1f} s, "
@@ -151,8 +152,10 @@ class CapChoice(NamedTuple):
 
 
 def _model_table(c: CapChoice) -> str:
-    """``CapChoice.table`` for ``bucket_cap_mb="model"``: each candidate's prediction."""
-    rows = [f"bucket_cap_mb='model' chose cap {c.cap_mb:g} MiB, first bucket "
+    """``CapChoice.table`` for ``bucket_cap_mb="model"`` and the default plan: each candidate's
+    prediction."""
+    who = "bucket_cap_mb='model'" if c.method == "model" else "the default plan (no cap given)"
+    rows = [f"{who} chose cap {c.cap_mb:g} MiB, first bucket "
             f"{min(c.chosen_first_mb, c.cap_mb):g} MiB (pin it with {c.pin}); nothing timed: "
             f"{c.note}",
             f"{'cap MiB':>8} {'first MiB':>9} {'buckets':>7} {'predicted ms':>12} "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import optax
@@ -17,6 +17,21 @@ from jddp._src.loss_scale import DynamicScale
 from jddp._src.mesh import DataAxes, data_axes
 from jddp._src.planner import BucketPlan
 from jddp._src.precision import MixedPrecision
+
+
+class PlanPolicy(Protocol):
+    """Picks the caps of a step's default bucket plan from the traced plan (implemented by
+    :class:`jddp._src.modelcap.DefaultPlan`; the step calls it inside its own trace)."""
+
+    def repack(self, plan: BucketPlan, pack: Callable[[int, int], BucketPlan], platform: str,
+               num_devices: int) -> BucketPlan:
+        """The plan to use, given ``plan`` (DDP's default caps) and ``pack(cap_bytes,
+        first_bytes)``, which re-packs the same traced leaves under other caps."""
+        ...
+
+    def max_cap_bytes(self, platform: str) -> int:
+        """The largest cap :meth:`repack` can pick on ``platform``."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +48,9 @@ class StepConfig:
       cap_bytes: the bucket cap.
       first_bytes: the first bucket's cap.
       fixed_plan: a bucket plan to use instead of planning from the traced loss.
+      default_plan: with no cap, first bucket or plan given, the policy that re-packs the
+        traced plan (the cost model's, :func:`jddp._src.modelcap.default_plan`); ``None``:
+        ``cap_bytes`` and ``first_bytes`` as they are.
       keep_unused: keep parameters without a gradient path in the buckets.
       model_state_sync: how new model state is made consistent across replicas.
       weighted: ``loss_fn`` returns unreduced losses, weighted by the step's mask.
@@ -71,6 +89,7 @@ class StepConfig:
     cap_bytes: int = int(options.DEFAULT_BUCKET_CAP_MB * 2**20)
     first_bytes: int = int(options.DEFAULT_FIRST_BUCKET_MB * 2**20)
     fixed_plan: BucketPlan | None = None
+    default_plan: PlanPolicy | None = None
     keep_unused: bool = False
     model_state_sync: options.ModelStateSync = "broadcast"
     weighted: bool = False
@@ -121,6 +140,15 @@ class StepConfig:
     @property
     def num_devices(self) -> int:
         return int(self.mesh.size)
+
+    @property
+    def largest_cap_bytes(self) -> int:
+        """The largest bucket cap a plan of this step can have: ``cap_bytes``, or the largest
+        the default-plan policy can pick on this platform."""
+        if self.default_plan is None:
+            return self.cap_bytes
+        platform = self.mesh.devices.flat[0].platform
+        return max(self.cap_bytes, self.default_plan.max_cap_bytes(platform))
 
     @property
     def _shards_in_host(self) -> bool:

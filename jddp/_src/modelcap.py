@@ -24,6 +24,15 @@ call); ``"model"`` predicts them instead, from the traced gradient sizes alone:
 The choice is a pure function of the traced gradient sizes and dtypes, the platform, the device
 count and the policy: every process of a job computes the same plan with no communication, no
 file and no clock, and computing it again gives the same plan.
+
+The same choice is the **default plan** of a ``DataParallel`` given none of ``bucket_cap_mb``,
+``first_bucket_mb`` and ``bucket_plan`` (:func:`default_plan`, :class:`DefaultPlan`), where the
+CPU table describes the step: stage 0 with the default all-reduce hook, not ``deterministic``, no
+local SGD (elsewhere, and on GPU/TPU, the default stays DDP's 25 MiB plan with a 1 MiB first
+bucket). There it is made inside the step's own trace (:func:`jddp._src.pipeline.plan`'s planner
+re-packs the traced leaves under the chosen caps: the loss is traced once, as for any step), so
+it costs no extra trace and no call of its own; ``ddp.cap_choice`` reports it. A cap the user
+gives keeps DDP's packing rule exactly.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -39,6 +48,8 @@ import numpy as np
 
 from jddp._src import options, pipeline
 from jddp._src.autocap import CapChoice, ChoosingStep
+from jddp._src.config import StepConfig
+from jddp._src.hooks import allreduce_mean
 from jddp._src.planner import BucketPlan, assign_buckets
 from jddp._src.step import Step
 from jddp._src.tree import MiB
@@ -161,14 +172,16 @@ def predict(nbytes: Sequence[int], dtypes: Sequence[Any], cap_mb: float, first_m
 
 
 def decide(plan: BucketPlan, platform: str, num_devices: int, policy: ModelCap,
-           default: tuple[float, float]) -> CapChoice:
+           default: tuple[float, float], method: str = "model") -> CapChoice:
     """The plan the cost model picks for ``plan``'s gradient leaves (see the module docstring).
 
     Args:
-      plan: any plan of the step (only its leaves' sizes, dtypes and order are read).
+      plan: a plan of the step under DDP's default caps (only its leaves' sizes, dtypes and
+        order are read).
       platform: the devices' platform (``"cpu"``, ``"gpu"``, ``"tpu"``).
       num_devices: the data-parallel device count.
       default: DDP's default ``(cap_mb, first_mb)``, which a candidate must beat.
+      method: ``CapChoice.method``: ``"model"``, or ``"default"`` for the default plan.
     """
     t0 = time.perf_counter()
     nbytes, dtypes = backward_sizes(plan)
@@ -187,7 +200,7 @@ def decide(plan: BucketPlan, platform: str, num_devices: int, policy: ModelCap,
         num_buckets=tuple(len(s) for _, _, s in found), median_s=(math.nan,) * len(found),
         default_mb=default[0], tune_s=time.perf_counter() - t0,
         ratio=tuple(p / preds[0] if preds[0] > 0 else math.nan for p in preds),
-        note=note, method="model", first_mb=tuple(f for _, f, _ in found),
+        note=note, method=method, first_mb=tuple(f for _, f, _ in found),
         predicted_s=tuple(preds), chosen_first_mb=found[best][1])
 
 
@@ -202,6 +215,62 @@ def _pick(preds: Sequence[float], buckets: Sequence[int], margin: float) -> tupl
                    f"(best: {gain:.0%}): DDP's plan is kept")
     return best, (f"predicted {preds[best] * 1e3:.1f} ms against {preds[0] * 1e3:.1f} ms for "
                   f"DDP's plan ({gain:.0%} less)")
+
+
+def default_plan(cfg: StepConfig) -> DefaultPlan | None:
+    """The default-plan policy of a step given no cap, first bucket or plan: the cost model's
+    where its CPU table was measured (stage 0, the default all-reduce hook, not
+    ``deterministic``, no local SGD); ``None`` elsewhere, which keeps DDP's 25 MiB plan with a
+    1 MiB first bucket (sharded stages, compression and hierarchical hooks, the deterministic
+    and local-SGD steps reduce otherwise than the table's steps)."""
+    measured = (cfg.zero_stage == 0 and cfg.hook == allreduce_mean() and not cfg.deterministic
+                and cfg.local_sgd is None and cfg.fixed_plan is None)
+    return DefaultPlan() if measured else None
+
+
+class DefaultPlan:
+    """The plan of a ``DataParallel`` given no ``bucket_cap_mb`` (a :class:`PlanPolicy
+    <jddp._src.config.PlanPolicy>`): :func:`decide` on the plan traced under DDP's default
+    caps, re-packed under the chosen ones inside the same trace. On a platform without a
+    built-in calibration (GPU, TPU) :func:`decide` keeps DDP's plan.
+
+    Args:
+      policy: the candidates and margin (:class:`ModelCap`; the built-in cluster only).
+
+    Attributes:
+      latest: the :class:`CapChoice` of the latest trace (``ddp.cap_choice``); ``None`` before.
+    """
+
+    def __init__(self, policy: ModelCap | None = None) -> None:
+        self.policy = policy or ModelCap()
+        self.latest: CapChoice | None = None
+
+    def max_cap_bytes(self, platform: str) -> int:
+        """The largest cap :meth:`repack` can pick on ``platform`` (DDP's where uncalibrated)."""
+        caps: tuple[float, ...] = (options.DEFAULT_BUCKET_CAP_MB,)
+        if platform_cluster(platform, 2) is not None:
+            caps += self.policy.candidates_mb
+        return max(options.cap_bytes(c, "bucket_cap_mb") for c in caps)
+
+    def __eq__(self, other: object) -> bool:  # the policy, not the record of the latest choice
+        return isinstance(other, DefaultPlan) and other.policy == self.policy
+
+    def __hash__(self) -> int:
+        return hash(("DefaultPlan", self.policy))
+
+    def repack(self, plan: BucketPlan, pack: Callable[[int, int], BucketPlan], platform: str,
+               num_devices: int) -> BucketPlan:
+        """The chosen plan: ``plan`` itself when DDP's is kept, else ``pack(cap, first)`` with a
+        note that says why and how to pin it."""
+        default = (options.DEFAULT_BUCKET_CAP_MB, options.DEFAULT_FIRST_BUCKET_MB)
+        choice = decide(plan, platform, num_devices, self.policy, default, method="default")
+        self.latest = choice
+        cap = options.cap_bytes(choice.cap_mb, "bucket_cap_mb")
+        first = min(options.cap_bytes(choice.chosen_first_mb, "first_bucket_mb"), cap)
+        if (cap, first) == (plan.cap_bytes, plan.first_bytes):
+            return plan
+        return pack(cap, first)._replace(note=f"the default plan, chosen by the cost model (no cap given, "
+                                    f"nothing timed): {choice.note}; pin it with {choice.pin}")
 
 
 class ModelStep(ChoosingStep):

@@ -334,13 +334,26 @@ def _plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any,
         cfg.fixed_plan.check_tree(params)
         plan = cfg.fixed_plan
     else:
-        plan = plan_traced(
-            traced, params, cap_bytes=cfg.cap_bytes, first_bytes=cfg.first_bytes,
-            keep_unused=cfg.keep_unused, loss_outputs=1,
-        )
+        plan = _traced_plan(cfg, traced, params)
     if observer is not None:
         observer(plan)
     return plan
+
+
+def _traced_plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any) -> BucketPlan:
+    """The plan read from the traced loss under the configured caps; with a default-plan policy
+    (no cap given), re-packed under the caps it picks from that plan's gradient sizes (the same
+    jaxpr: the loss is not traced again)."""
+
+    def pack(cap_bytes: int, first_bytes: int) -> BucketPlan:
+        return plan_traced(traced, params, cap_bytes=cap_bytes, first_bytes=first_bytes,
+                           keep_unused=cfg.keep_unused, loss_outputs=1)
+
+    plan = pack(cfg.cap_bytes, cfg.first_bytes)
+    if cfg.default_plan is None:
+        return plan
+    return cfg.default_plan.repack(plan, pack, cfg.mesh.devices.flat[0].platform,
+                                   cfg.num_devices)
 
 
 def _aux_zeros(aux_shape: LocalAux, axis: Any) -> acc_lib.Sums:

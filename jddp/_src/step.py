@@ -148,7 +148,7 @@ class Step:
                 largest = max((b.nbytes for b in cfg.fixed_plan.buckets), default=0)
             else:
                 largest = xla_options.largest_bucket_bound(
-                    xla_options.leaf_bytes(getattr(state, "params", None)), cfg.cap_bytes)
+                    xla_options.leaf_bytes(getattr(state, "params", None)), cfg.largest_cap_bytes)
             options_ = xla_options.step_options(
                 cfg.mesh.devices.flat[0].platform, largest, sharded=cfg.zero_stage >= 1,
                 given=given)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -120,6 +121,16 @@ def _verify_every(verify_every: Any) -> int:
     return verify_every or 0
 
 
+def _checked(config: StepConfig, plan_given: bool) -> StepConfig:
+    """``config`` after the checks across options, with the default plan's policy
+    (:func:`jddp._src.modelcap.default_plan`) unless a cap, first bucket or plan was given."""
+    local_sgd_lib.check_config(config)
+    det_lib.check_config(config)
+    if plan_given:
+        return config
+    return dataclasses.replace(config, default_plan=modelcap.default_plan(config))
+
+
 def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
     if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
         hint = " (call the factory, e.g. optax.adam(1e-3))" if callable(optimizer) else ""
@@ -156,7 +167,13 @@ class DataParallel:
       optimizer: an optax ``GradientTransformation``; it sees the averaged gradients, so
         transforms such as ``clip_by_global_norm`` act on the global gradient.
       mesh: the data mesh (default: ``jddp.data_mesh()``, every device).
-      bucket_cap_mb: bucket cap in MiB (default 25, DDP's), or ``"auto"``: the first call of
+      bucket_cap_mb: bucket cap in MiB, packed by DDP's rule (``jddp.buckets.assign_buckets``),
+        or ``"auto"`` or ``"model"`` (below). Not given (nor ``first_bucket_mb``, nor
+        ``bucket_plan``): the plan ``"model"`` would pick, chosen inside the step's own trace
+        (no timing, no extra trace; ``cap_choice`` says why and how to pin it), for stage 0
+        with the default all-reduce hook, not ``deterministic``, no ``local_sgd``, on XLA:CPU
+        (its built-in table); elsewhere, and on GPU/TPU, DDP's default: 25 MiB buckets after
+        a 1 MiB first one. ``"auto"``: the first call of
         ``step`` times the step at the caps that give different bucket plans for this model
         (on copies of the state; one compile each), each round against 25 MiB, and keeps a cap
         only when it beats 25 MiB by more than 3% and by more than the spread of its own rounds
@@ -351,8 +368,7 @@ class DataParallel:
             deterministic=det,
             group_size=groups, mixed_precision=policy,
         )
-        local_sgd_lib.check_config(config)
-        det_lib.check_config(config)
+        config = _checked(config, (bucket_cap_mb, first_bucket_mb, bucket_plan) != (None,) * 3)
         every = _verify_every(verify_every)
         self._install_step(config, auto, donate, compiler_options, every)
 
@@ -416,6 +432,8 @@ class DataParallel:
     def bucket_plan(self) -> BucketPlan | None:
         """The bucket plan of the most recently traced step (``None`` before the first step)."""
         plan, choice = self._plans.latest, self.cap_choice
+        if self._auto is None:  # a fixed cap, or the default plan (its note is its own)
+            return plan
         if plan is not None and choice is not None and choice.method == "model":
             plan = plan._replace(note=f"chosen by bucket_cap_mb='model' (cost model, nothing "
                                       f"timed): {choice.note}; pin it with {choice.pin}")
@@ -431,8 +449,12 @@ class DataParallel:
     def cap_choice(self) -> autocap.CapChoice | None:
         """What ``bucket_cap_mb="auto"`` or ``"model"`` chose (``None`` before the choice, or
         for a fixed cap); ``print`` it for the timings or predictions, the reason and the
-        arguments that pin the choice (``cap_choice.pin``)."""
-        return None if self._auto is None else self._auto.choice
+        arguments that pin the choice (``cap_choice.pin``). With no cap given, the default
+        plan's choice (``method="default"``), made when the step (or ``plan``) is traced."""
+        if self._auto is not None:
+            return self._auto.choice
+        policy = self.config.default_plan
+        return policy.latest if isinstance(policy, modelcap.DefaultPlan) else None
 
     def init(self, params: Any, model_state: Any = None) -> TrainState:
         """Builds the replicated initial state: params, optimizer state, hook state, step 0.

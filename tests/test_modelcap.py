@@ -33,6 +33,29 @@ def _decide(plan, platform="cpu", n=8, policy=None):
     return modelcap.decide(plan, platform, n, policy or ModelCap(), DEFAULT)
 
 
+def test_the_default_never_merges_ddps_buckets():
+    """Property-style, 150 random models: the default's policy (ModelCap(merge=False)) never
+    picks fewer buckets than DDP's plan, and picks what "model" picks whenever that has at least
+    as many; where "model" merges DDP's buckets, the default keeps a plan with at least as many."""
+    rng = np.random.default_rng(1)
+    merged = 0
+    policy = modelcap.DefaultPlan().policy
+    assert policy.merge is False and ModelCap().merge is True
+    for _ in range(150):
+        n = int(rng.integers(1, 25))
+        sizes = [int(x) for x in np.exp(rng.uniform(np.log(1e3), np.log(40 * MiB), n))]
+        plan = _plan(sizes)
+        free, kept = _decide(plan), _decide(plan, policy=policy)
+        assert kept.num_buckets[_k(kept)] >= kept.num_buckets[0]
+        if free.num_buckets[_k(free)] >= free.num_buckets[0]:
+            assert (kept.cap_mb, kept.chosen_first_mb) == (free.cap_mb, free.chosen_first_mb)
+        else:
+            merged += 1
+    assert merged > 0  # the rule was exercised
+    with pytest.raises(TypeError, match="ModelCap.merge must be True or False"):
+        ModelCap(merge="no")
+
+
 def _k(c):
     """The chosen candidate's index (a cap can appear twice: with and without a first bucket)."""
     return list(zip(c.candidates_mb, c.first_mb, strict=True)).index((c.cap_mb, c.chosen_first_mb))
@@ -119,7 +142,8 @@ def test_no_calibration_or_one_device_keeps_ddps_plan():
 
 
 def _two_layer():
-    """A 1.25 MiB and a 0.25 MiB kernel: DDP's plan is 2 buckets, the CPU model's is one."""
+    """A 1.25 MiB and a 0.25 MiB kernel: DDP's plan is 2 buckets, the CPU model's is one (which
+    the default plan, never merging, does not take)."""
     params = {"a": jnp.full((256, 256), 0.01, jnp.float32),
               "b": jnp.full((256, 1280), 0.01, jnp.float32)}
 
@@ -329,13 +353,16 @@ def test_default_keeps_ddps_plan_without_calibration_and_is_a_pure_function():
         assert "no built-in calibration" in policy.latest.note
         assert policy.max_cap_bytes(platform) == 25 * MiB
     assert policy.max_cap_bytes("cpu") == 100 * MiB
-    first = policy.repack(ddps, pack, "cpu", 8)
-    choice = policy.latest
-    assert policy.repack(ddps, pack, "cpu", 8) == first and packed == [(25 * MiB, 25 * MiB)] * 2
-    assert policy.latest._replace(tune_s=0) == choice._replace(tune_s=0)
+    # On CPU the model would merge DDP's two buckets into one; the default never merges.
+    assert policy.repack(ddps, pack, "cpu", 8) is ddps and not packed
+    assert "with at least DDP's 2 bucket(s)" in policy.latest.note
+    merging = modelcap.DefaultPlan(ModelCap())
+    first = merging.repack(ddps, pack, "cpu", 8)
+    choice = merging.latest
+    assert merging.repack(ddps, pack, "cpu", 8) == first and packed == [(25 * MiB, 25 * MiB)] * 2
+    assert merging.latest._replace(tune_s=0) == choice._replace(tune_s=0)
     one, two = (jddp.DataParallel(loss, optax.sgd(0.1), mesh=m)
                 for m in (jddp.data_mesh(), jddp.data_mesh(hosts=2)))
-    assert one.plan(params, batches[0]) == two.plan(params, batches[0])
-    assert one.plan(params, batches[0]).num_buckets == 1 and ddps.num_buckets == 2
+    assert one.plan(params, batches[0]) == two.plan(params, batches[0]) == ddps
     assert one.cap_choice._replace(tune_s=0) == two.cap_choice._replace(tune_s=0)
     assert one.config.largest_cap_bytes == 100 * MiB

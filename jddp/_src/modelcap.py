@@ -25,7 +25,9 @@ The choice is a pure function of the traced gradient sizes and dtypes, the platf
 count and the policy: every process of a job computes the same plan with no communication, no
 file and no clock, and computing it again gives the same plan.
 
-The same choice is the **default plan** of a ``DataParallel`` given none of ``bucket_cap_mb``,
+The same choice, among the candidates with at least as many buckets as DDP's plan
+(``ModelCap(merge=False)``: merging DDP's buckets was measured slower on the benchmark LM), is
+the **default plan** of a ``DataParallel`` given none of ``bucket_cap_mb``,
 ``first_bucket_mb`` and ``bucket_plan`` (:func:`default_plan`, :class:`DefaultPlan`), where the
 CPU table describes the step: stage 0 with the default all-reduce hook, not ``deterministic``, no
 local SGD (elsewhere, and on GPU/TPU, the default stays DDP's 25 MiB plan with a 1 MiB first
@@ -81,12 +83,18 @@ class ModelCap:
         built-in one for the platform (XLA:CPU only; elsewhere DDP's plan is kept).
       backward_s: one device's backward time in seconds, spread over the leaves by size; needed
         with an asynchronous ``cluster`` (overlap is weighed against it), else unused.
+      merge: whether a candidate may have fewer buckets than DDP's plan. The default plan
+        (:class:`DefaultPlan`) sets it False: the CPU table charges each blocking collective a
+        fixed cost that overstates it where the simulated devices' threads overlap, and a plan
+        that merged DDP's buckets was measured slower than DDP's (the Transformer LM of
+        ``benchmarks/peers.py``: one bucket 1.07-1.17x DDP's two, four smaller ones 0.84-0.86x).
     """
 
     candidates_mb: tuple[float, ...] = DEFAULT_CANDIDATES_MB
     margin: float = 0.05
     cluster: costmodel.ClusterSpec | None = None
     backward_s: float | None = None
+    merge: bool = True
 
     def __post_init__(self) -> None:
         caps = tuple(float(c) for c in self.candidates_mb)
@@ -95,6 +103,7 @@ class ModelCap:
         for c in caps:
             options.cap_bytes(c, "ModelCap.candidates_mb")
         object.__setattr__(self, "candidates_mb", caps)
+        object.__setattr__(self, "merge", options.flag(self.merge, "ModelCap.merge"))
         if not (0.0 <= float(self.margin) < 1.0):
             raise ValueError(f"ModelCap.margin must be in [0, 1), got {self.margin!r}.")
         if self.cluster is not None and not isinstance(self.cluster, costmodel.ClusterSpec):
@@ -194,7 +203,7 @@ def decide(plan: BucketPlan, platform: str, num_devices: int, policy: ModelCap,
                          "backward_s=...) or use bucket_cap_mb='auto'")
     else:
         preds = [predict(nbytes, dtypes, c, f, cluster, policy.backward_s) for c, f, _ in found]
-        best, note = _pick(preds, [len(s) for _, _, s in found], policy.margin)
+        best, note = _pick(preds, [len(s) for _, _, s in found], policy.margin, policy.merge)
     return CapChoice(
         cap_mb=found[best][0], candidates_mb=tuple(c for c, _, _ in found),
         num_buckets=tuple(len(s) for _, _, s in found), median_s=(math.nan,) * len(found),
@@ -204,15 +213,19 @@ def decide(plan: BucketPlan, platform: str, num_devices: int, policy: ModelCap,
         predicted_s=tuple(preds), chosen_first_mb=found[best][1])
 
 
-def _pick(preds: Sequence[float], buckets: Sequence[int], margin: float) -> tuple[int, str]:
-    """The index of the chosen candidate (0 is DDP's default) and the reason."""
-    best = min(range(len(preds)), key=lambda i: (preds[i], buckets[i], i))
+def _pick(preds: Sequence[float], buckets: Sequence[int], margin: float,
+          merge: bool = True) -> tuple[int, str]:
+    """The index of the chosen candidate (0 is DDP's default) and the reason; without
+    ``merge``, only candidates with at least DDP's number of buckets are eligible."""
+    eligible = [i for i in range(len(preds)) if merge or buckets[i] >= buckets[0]]
+    best = min(eligible, key=lambda i: (preds[i], buckets[i], i))
     if preds[0] <= 0.0:
         return 0, "nothing to reduce across devices: DDP's plan is kept"
     gain = 1.0 - preds[best] / preds[0]
+    among = "" if merge else f" with at least DDP's {buckets[0]} bucket(s)"
     if best == 0 or gain <= margin:
-        return 0, (f"no candidate is predicted more than {margin:.0%} faster than DDP's plan "
-                   f"(best: {gain:.0%}): DDP's plan is kept")
+        return 0, (f"no candidate{among} is predicted more than {margin:.0%} faster than DDP's "
+                   f"plan (best: {gain:.0%}): DDP's plan is kept")
     return best, (f"predicted {preds[best] * 1e3:.1f} ms against {preds[0] * 1e3:.1f} ms for "
                   f"DDP's plan ({gain:.0%} less)")
 
@@ -242,7 +255,9 @@ class DefaultPlan:
     """
 
     def __init__(self, policy: ModelCap | None = None) -> None:
-        self.policy = policy or ModelCap()
+        # Never fewer buckets than DDP's plan (ModelCap.merge): a default must not be slower
+        # than the plan it replaces, and merging is where the CPU table was measured wrong.
+        self.policy = policy or ModelCap(merge=False)
         self.latest: CapChoice | None = None
 
     def max_cap_bytes(self, platform: str) -> int:

@@ -169,7 +169,8 @@ class DataParallel:
       mesh: the data mesh (default: ``jddp.data_mesh()``, every device).
       bucket_cap_mb: bucket cap in MiB, packed by DDP's rule (``jddp.buckets.assign_buckets``),
         or ``"auto"`` or ``"model"`` (below). Not given (nor ``first_bucket_mb``, nor
-        ``bucket_plan``): the plan ``"model"`` would pick, chosen inside the step's own trace
+        ``bucket_plan``): the plan ``"model"`` would pick among those with at least DDP's
+        number of buckets, chosen inside the step's own trace
         (no timing, no extra trace; ``cap_choice`` says why and how to pin it), for stage 0
         with the default all-reduce hook, not ``deterministic``, no ``local_sgd``, on XLA:CPU
         (its built-in table); elsewhere, and on GPU/TPU, DDP's default: 25 MiB buckets after

@@ -65,7 +65,7 @@ from jddp._src.optimizer_metrics import (
     merge_optimizer_metrics,
     optimizer_metrics,
 )
-from jddp._src.planner import BucketPlan, plan_traced
+from jddp._src.planner import BucketPlan, build_plan, traced_use_times
 from jddp._src.reduction import (
     Bytes,
     Reduced,
@@ -343,11 +343,11 @@ def _plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any,
 def _traced_plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any) -> BucketPlan:
     """The plan read from the traced loss under the configured caps; with a default-plan policy
     (no cap given), re-packed under the caps it picks from that plan's gradient sizes (the same
-    jaxpr: the loss is not traced again)."""
+    jaxpr, read once: the loss is not traced again)."""
+    times = traced_use_times(traced, keep_unused=cfg.keep_unused, loss_outputs=1)
 
     def pack(cap_bytes: int, first_bytes: int) -> BucketPlan:
-        return plan_traced(traced, params, cap_bytes=cap_bytes, first_bytes=first_bytes,
-                           keep_unused=cfg.keep_unused, loss_outputs=1)
+        return build_plan(params, times, cap_bytes, first_bytes)
 
     plan = pack(cfg.cap_bytes, cfg.first_bytes)
     if cfg.default_plan is None:

@@ -194,12 +194,13 @@ def make_plan(
         :class:`jddp.DataParallel`).
     """
     cap, first = options.bucket_caps(bucket_cap_mb, first_bucket_mb)
-    return _build_plan(params, use_times, cap, first)
+    return build_plan(params, use_times, cap, first)
 
 
-def _build_plan(
+def build_plan(
     params: Any, use_times: Sequence[int | None], cap_bytes: int, first_bytes: int
 ) -> BucketPlan:
+    """The plan from each leaf's first-use time (``None``: unused), caps in bytes."""
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = [leaf for _, leaf in path_leaves]
     paths = tuple(key_path_str(p) for p, _ in path_leaves)
@@ -244,6 +245,15 @@ def plan_traced(
       loss_outputs: how many leading outputs are differentiated (default: all); the rest (metrics,
         model state) do not make a parameter used.
     """
+    times = traced_use_times(traced, keep_unused=keep_unused, loss_outputs=loss_outputs)
+    return build_plan(params, times, cap_bytes, first_bytes)
+
+
+def traced_use_times(
+    traced: jaxpr_lib.Traced, *, keep_unused: bool = False, loss_outputs: int | None = None
+) -> list[int | None]:
+    """Each parameter leaf's first-use time in the traced loss (``None``: no gradient path),
+    what :func:`build_plan` packs; arguments as :func:`plan_traced`'s."""
     jx = traced.jaxpr.jaxpr
     n = traced.num_params
     live = None
@@ -254,11 +264,10 @@ def plan_traced(
     # A leaf that can reach the loss without a first use (a custom derivative that the primal does
     # not read) is reduced last; time 0 puts it in the last bucket. Likewise every leaf with
     # keep_unused.
-    times = [
+    return [
         (0 if t is None else t) if (r or keep_unused) else None
         for t, r in zip(times, reach, strict=True)
     ]
-    return _build_plan(params, times, cap_bytes, first_bytes)
 
 
 def plan_buckets(

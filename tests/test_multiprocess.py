@@ -9,13 +9,14 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch_util import REPO, child_env, run_launcher
+from tests.launch_util import REPO, child_env, compile_cache, run_launcher
 
 SCRIPT = r'''
-import sys
+import os, sys
 import numpy as np
 
-mode, ckdir, out, stage = sys.argv[1:5]
+mode, ckdir, out = sys.argv[1:4]
+stages = [int(x) for x in sys.argv[4].split(",")]
 import jax
 import jddp
 if mode == "single":
@@ -25,6 +26,7 @@ else:
 import jax.numpy as jnp
 import optax
 import jddp.checkpoint as ckpt
+from jax.experimental import multihost_utils
 
 rng = np.random.default_rng(0)
 sizes = [5, 16, 16, 3]
@@ -43,26 +45,26 @@ def loss_fn(p, b):
 
 mesh = jddp.data_mesh()
 assert mesh.size == 4
-ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh, bucket_cap_mb=0.001,
-                        first_bucket_mb=0.0005, zero_stage=int(stage))
-mngr = ckpt.manager(ckdir)
-if mode == "resume":
-    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    state = ckpt.restore(mngr, ddp.abstract_state(like))
-    todo = batches[int(state.step):]
-else:
-    state, todo = ddp.init(params), batches
-for b in todo:
-    state, _ = ddp.step(state, jddp.shard_global_batch(b, mesh))
-    if mode == "full" and int(state.step) == 3:
-        ckpt.save(mngr, state)
-from jax.experimental import multihost_utils
-# Whole leaves on every process (at stage 3 each process holds pieces of them).
-flat = {str(i): np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-        for i, leaf in enumerate(jax.tree.leaves(state.params))}
-if jax.process_index() == 0:
-    np.savez(out, step=int(state.step), **flat)
-print("DONE", int(state.step), jax.process_count())
+for stage in stages:  # each stage: its own DataParallel, checkpoint directory and output
+    ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh, bucket_cap_mb=0.001,
+                            first_bucket_mb=0.0005, zero_stage=stage)
+    mngr = ckpt.manager(os.path.join(ckdir, str(stage)))
+    if mode == "resume":
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        state = ckpt.restore(mngr, ddp.abstract_state(like))
+        todo = batches[int(state.step):]
+    else:
+        state, todo = ddp.init(params), batches
+    for b in todo:
+        state, _ = ddp.step(state, jddp.shard_global_batch(b, mesh))
+        if mode == "full" and int(state.step) == 3:
+            ckpt.save(mngr, state)
+    # Whole leaves on every process (at stage 3 each process holds pieces of them).
+    flat = {str(i): np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+            for i, leaf in enumerate(jax.tree.leaves(state.params))}
+    if jax.process_index() == 0:
+        np.savez(f"{out}.{stage}.npz", step=int(state.step), **flat)
+    print("DONE", stage, int(state.step), jax.process_count())
 '''
 
 
@@ -72,38 +74,47 @@ def _load(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["0", "3"])
-def test_two_processes_match_one_process_and_resume_bit_identically(tmp_path, stage):
+def test_two_processes_match_one_process_and_resume_bit_identically(tmp_path):
+    """ZeRO stages 0 and 3, one after the other in the same processes (one process start-up for
+    both): 2x2 over Gloo equals 1x4, and resuming the 2x2 job from its step-3 checkpoint ends
+    exactly where the uninterrupted 2x2 job ended."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     ck = tmp_path / "ckpt"
+    stages = ("0", "3")
 
     single = subprocess.run(
         [sys.executable, str(script), "single", str(tmp_path / "ck_single"),
-         str(tmp_path / "single.npz"), stage],
+         str(tmp_path / "single"), ",".join(stages)],
         env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert single.returncode == 0, single.stderr[-3000:]
 
     launch = ["-n", "2", "--devices-per-process", "2", "--timeout", "100", str(script)]
-    rc, out, err, _ = run_launcher([*launch, "full", str(ck), str(tmp_path / "full.npz"), stage],
-                                   timeout=110)
+    # The resumed job compiles the full job's programs again: it loads them from this cache.
+    env = child_env(**compile_cache(tmp_path / "jax-cache"))
+    rc, out, err, _ = run_launcher(
+        [*launch, "full", str(ck), str(tmp_path / "full"), ",".join(stages)], timeout=110, env=env)
     assert rc == 0, (out[-2000:], err[-3000:])
-    assert "[rank0] DONE 6 2" in out and "[rank1] DONE 6 2" in out
+    for stage in stages:
+        assert f"[rank0] DONE {stage} 6 2" in out and f"[rank1] DONE {stage} 6 2" in out
 
     rc, out, err, _ = run_launcher(
-        [*launch, "resume", str(ck), str(tmp_path / "resume.npz"), stage], timeout=110
-    )
+        [*launch, "resume", str(ck), str(tmp_path / "resume"), ",".join(stages)], timeout=110,
+        env=env)
     assert rc == 0, (out[-2000:], err[-3000:])
 
-    step_s, single_p = _load(tmp_path / "single.npz")
-    step_f, full_p = _load(tmp_path / "full.npz")
-    step_r, resume_p = _load(tmp_path / "resume.npz")
-    assert step_s == step_f == step_r == 6
-    # Same global batches, same mesh size: 2x2 over Gloo equals 1x4 in one process (summation
-    # order may differ between the two collectives implementations, hence a tolerance).
-    for a, b in zip(single_p, full_p, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    # Restoring the step-3 checkpoint and continuing reproduces the uninterrupted run exactly.
-    for a, b in zip(full_p, resume_p, strict=True):
-        np.testing.assert_array_equal(a, b)
+    for stage in stages:
+        step_s, single_p = _load(tmp_path / f"single.{stage}.npz")
+        step_f, full_p = _load(tmp_path / f"full.{stage}.npz")
+        step_r, resume_p = _load(tmp_path / f"resume.{stage}.npz")
+        assert step_s == step_f == step_r == 6, stage
+        # Same global batches, same mesh size: 2x2 over Gloo equals 1x4 in one process
+        # (summation order may differ between the two collectives implementations, hence a
+        # tolerance).
+        for a, b in zip(single_p, full_p, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"stage {stage}")
+        # Restoring the step-3 checkpoint and continuing reproduces the uninterrupted run
+        # exactly.
+        for a, b in zip(full_p, resume_p, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"stage {stage}")

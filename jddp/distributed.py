@@ -617,8 +617,8 @@ def allgather(tree: PyTree) -> PyTree:
     `multihost_utils.process_allgather`: this runs over one device per process and returns when
     all of it is done. JAX's runs one collective per local device and returns once the first is
     done; a script that ends right after may then never exit (seen with 8 CPU devices per process
-    over Gloo, about 1 job in 30 on a loaded machine). Every process must call it with a tree of
-    the same structure, shapes and dtypes; one process gets a leading axis of 1.
+    over Gloo on a loaded machine, in a few jobs of a hundred). Every process must call it with a
+    tree of the same structure, shapes and dtypes; one process gets a leading axis of 1.
     """
     return hostsync.allgather(tree)
 

@@ -169,7 +169,7 @@ global_batch = np.arange(16, dtype=np.int32).reshape(8, 2) * (1 + np.arange(2, d
 local = dist.local_slice(global_batch, mesh)
 arr = dist.global_batch_from_local(local, mesh)
 gathered = multihost_utils.process_allgather(arr, tiled=True)
-ranks = multihost_utils.process_allgather(np.int32(info.process_id))
+ranks = dist.allgather(np.int32(info.process_id))
 print("LOCAL", info.process_id, local[:, 0].tolist(), "SHAPE", arr.shape,
       "OK", bool(np.array_equal(gathered, global_batch)), "RANKS", ranks.tolist(),
       "MAIN", dist.is_main_process())

@@ -81,10 +81,10 @@ def _two_node_job(link, script, env_of_side=lambda side: {}):
 
     One device, not the 8 every test process inherits (conftest's XLA_FLAGS): with 8 per process,
     JAX's ``process_allgather`` runs 8 two-device Gloo cliques, returns once device 0's is done,
-    and the script may end while the others still connect; about 1 such job in 30 under load
-    then never exits (both processes in JAX's exit with 6 of 8 cliques connected: seen in CI and
-    reproduced here). That is JAX's, not what this test checks; jddp's own host-level exchanges
-    avoid it (see ``jddp.distributed``)."""
+    and the script may end while the others still connect; a few such jobs under load (1 of 23
+    beside the suite, 1 of 114 beside busy loops, once in CI) then never exit: both processes in
+    JAX's exit with 6 of 8 cliques connected. That is JAX's, not what this test checks; jddp's
+    own host-level exchanges avoid it (``jddp.distributed.allgather``)."""
     master = f"{link.addresses[0]}:{free_port()}"
     procs = [link.run(side, [sys.executable, "-m", "jddp.launch", "--nnodes", "2",
                              "--node-rank", str(side), "--master-addr", master, "-n", "1",

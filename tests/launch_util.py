@@ -23,6 +23,23 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def compile_cache(directory: Path | str) -> dict[str, str]:
+    """Environment that turns on JAX's persistent compilation cache in `directory`.
+
+    For the subprocesses of one test that compile the same programs again (a job run twice, the
+    ranks of a restarted job): the later processes load the executables the first ones compiled
+    instead of compiling them again. Every program is still traced and lowered in each process;
+    only XLA's compile is skipped, and a cached executable is the one the compiler produced for
+    the same HLO, flags and devices (they are in the cache key). Pass it per test (a directory
+    under tmp_path), so that no test depends on what another one compiled.
+    """
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(directory),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
 def run_launcher(args: list[str], timeout: float = 50.0, **popen_kw) -> tuple[int, str, str, float]:
     """Runs `python -m jddp.launch ARGS`; returns (status, stdout, stderr, seconds).
 

@@ -15,7 +15,14 @@ import time
 import numpy as np
 import pytest
 
-from tests.launch_util import REPO, child_env, rank_pids, run_launcher, wait_all_dead
+from tests.launch_util import (
+    REPO,
+    child_env,
+    compile_cache,
+    rank_pids,
+    run_launcher,
+    wait_all_dead,
+)
 
 
 @pytest.mark.slow
@@ -45,12 +52,12 @@ def test_digits_example_reaches_95_percent(tmp_path):
 def test_digits_example_under_launcher_matches_single_process(tmp_path):
     """2 processes x 4 devices train exactly like 1 process x 8 devices (same epoch losses)."""
     args = ["examples/train_digits.py", "--epochs", "2", "--no-progress"]
-    single = subprocess.run([sys.executable, *args, "--devices", "8"], cwd=REPO,
-                            env=child_env(JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-                            timeout=300)
+    env = child_env(JAX_PLATFORMS="cpu", **compile_cache(tmp_path / "jax-cache"))
+    single = subprocess.run([sys.executable, *args, "--devices", "8"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
     rc, out, err, _ = run_launcher(["-n", "2", "--devices-per-process", "4", "--timeout", "200",
-                                    *args], timeout=210, env=child_env(JAX_PLATFORMS="cpu"))
+                                    *args], timeout=210, env=env)
     assert rc == 0, (out[-2000:], err[-3000:])
     assert "[rank0] jddp digits:" in out and "8 devices (2 process(es))" in out
     # jddp.data.Loader: each process reads only its half of every global batch of 128.
@@ -68,7 +75,9 @@ def test_digits_example_survives_preemption_of_a_rank_bit_identically(tmp_path):
     as an uninterrupted run."""
     args = ["-n", "2", "--devices-per-process", "2", "--timeout", "250", "examples/train_digits.py",
             "--epochs", "1", "--no-progress"]
-    env = child_env(JAX_PLATFORMS="cpu")
+    # The plain run, the preempted attempt and the restarted one compile the same programs: the
+    # later ranks load them from this test's compilation cache.
+    env = child_env(JAX_PLATFORMS="cpu", **compile_cache(tmp_path / "jax-cache"))
     rc, out, err, _ = run_launcher([*args, "--json", str(tmp_path / "plain.json")], timeout=260,
                                    env=env)
     assert rc == 0, (out[-2000:], err[-3000:])
@@ -105,11 +114,12 @@ def test_digits_example_survives_preemption_of_a_rank_bit_identically(tmp_path):
     assert wait_all_dead(pids) == []
 
 
-def _run_example(args, tmp_path, name):
+def _run_example(args, tmp_path, name, **env):
     out = tmp_path / f"{name}.json"
     proc = subprocess.run(
         [sys.executable, *args, "--no-progress", "--json", str(out)],
-        cwd=REPO, env=child_env(JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=child_env(JAX_PLATFORMS="cpu", **env), capture_output=True, text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -143,8 +153,10 @@ def test_lm_example_trains_and_resumes_bit_identically(tmp_path):
     step-6 checkpoint, it ends exactly where the uninterrupted run ended (batches and dropout
     keys follow from the step)."""
     ckpt = tmp_path / "ckpt"
+    # The resumed run compiles the same programs: it loads them from this test's cache.
+    cache = compile_cache(tmp_path / "jax-cache")
     result, out = _run_example([*LM_TINY, "--checkpoint-dir", str(ckpt), "--save-every", "6"],
-                               tmp_path, "lm")
+                               tmp_path, "lm", **cache)
     assert result["steps"] == 12 and result["resumed_from_step"] == 0
     losses = [r["loss"] for r in result["steps_log"]]
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
@@ -152,7 +164,8 @@ def test_lm_example_trains_and_resumes_bit_identically(tmp_path):
     assert sum(r["tokens"] for r in result["steps_log"]) > 0
     assert "perplexity" in out
     shutil.rmtree(ckpt / "12")  # as if the job had died after step 6's checkpoint
-    resumed, out = _run_example([*LM_TINY, "--checkpoint-dir", str(ckpt)], tmp_path, "resumed")
+    resumed, out = _run_example([*LM_TINY, "--checkpoint-dir", str(ckpt)], tmp_path, "resumed",
+                                **cache)
     assert resumed["resumed_from_step"] == 6 and "resumed from the checkpoint of step 6" in out
     assert resumed["final_eval_loss"] == result["final_eval_loss"]
     assert resumed["sample"] == result["sample"]

@@ -76,13 +76,12 @@ def _worker(args: argparse.Namespace) -> None:
     import jax
     import numpy as np
     import optax
-    from jax.experimental import multihost_utils
 
     from benchmarks._mlp import mlp_loss, mlp_params
     from jddp.perf.traffic import traffic
 
     me = os.getpid()
-    ranks = {int(p) for p in np.asarray(multihost_utils.process_allgather(np.array([me])))
+    ranks = {int(p) for p in np.asarray(jddp.distributed.allgather(np.array([me])))
              .ravel()}
     mesh1 = jddp.data_mesh()
     mesh2 = jddp.data_mesh(hosts="process")
@@ -117,7 +116,7 @@ def _worker(args: argparse.Namespace) -> None:
     for _ in range(args.rounds):
         for name in args.variants:
             r = runs[name]
-            multihost_utils.sync_global_devices("round")
+            jddp.distributed.barrier("round")
             a0, i0 = _sent_by_peer(me, ranks)
             t = time.perf_counter()
             state = r["state"]
@@ -128,7 +127,7 @@ def _worker(args: argparse.Namespace) -> None:
                 jax.block_until_ready(m)
             r["times"].append((time.perf_counter() - t) / args.steps)
             r["state"] = state
-            multihost_utils.sync_global_devices("round end")
+            jddp.distributed.barrier("round end")
             a1, i1 = _sent_by_peer(me, ranks)
             r["across"].append((a1 - a0) / args.steps)
             r["inside"].append((i1 - i0) / args.steps)

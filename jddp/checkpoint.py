@@ -49,9 +49,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jddp import distributed
+from jddp._src import hostsync
 
 __all__ = ["manager", "restore", "restore_or_init", "save", "save_if_due", "wait"]
 
@@ -386,7 +386,7 @@ def restore_or_init(
     """
     step = mngr.latest_step()
     if jax.process_count() > 1:
-        steps = multihost_utils.process_allgather(np.int64(-1 if step is None else step))
+        steps = hostsync.allgather(np.int64(-1 if step is None else step))
         if len(set(np.ravel(steps).tolist())) != 1:
             raise RuntimeError(
                 f"processes see different latest checkpoints in {mngr.directory} (by process: "

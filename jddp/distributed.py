@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+import zlib
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -44,8 +45,8 @@ from jax._src import distributed as _jax_distributed  # read-only: the coordinat
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jddp._src import hostsync, watchdog
 from jddp._src import mesh as mesh_lib
-from jddp._src import watchdog
 from jddp._src.watchdog import report_progress
 
 __all__ = [
@@ -60,6 +61,8 @@ __all__ = [
     "CoordinatorTimeoutError",
     "GlooAddressError",
     "ProcessInfo",
+    "allgather",
+    "barrier",
     "exit_for_resume",
     "global_batch_from_local",
     "hard_exit",
@@ -605,6 +608,36 @@ def process_count() -> int:
 def is_main_process() -> bool:
     """True on process 0, the one that should log, print and write checkpoints."""
     return jax.process_index() == 0
+
+
+def allgather(tree: PyTree) -> PyTree:
+    """Every process's host values, stacked on a new leading axis in process order (numpy).
+
+    For small host values (step numbers, flags, metrics), in place of JAX's
+    `multihost_utils.process_allgather`: this runs over one device per process and returns when
+    all of it is done. JAX's runs one collective per local device and returns once the first is
+    done; a script that ends right after may then never exit (seen with 8 CPU devices per process
+    over Gloo on a loaded machine, in a few jobs of a hundred). Every process must call it with a
+    tree of the same structure, shapes and dtypes; one process gets a leading axis of 1.
+    """
+    return hostsync.allgather(tree)
+
+
+def barrier(name: str) -> None:
+    """Returns once every process has reached `barrier(name)`.
+
+    jddp's `multihost_utils.sync_global_devices`, over one device per process (see `allgather`).
+
+    Raises:
+      RuntimeError: the processes reached barriers of different names (their code diverged).
+    """
+    mine = np.uint32(zlib.crc32(name.encode()))
+    seen = np.ravel(allgather(mine))
+    if not (seen == mine).all():
+        raise RuntimeError(
+            f"barrier {name!r}: the processes reached barriers of different names (crc32 by "
+            f"process: {seen.tolist()}); every process must reach the same barriers in the same "
+            "order.")
 
 
 def _data_axis(mesh: Mesh, axis: Any) -> Any:

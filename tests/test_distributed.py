@@ -169,10 +169,18 @@ global_batch = np.arange(16, dtype=np.int32).reshape(8, 2) * (1 + np.arange(2, d
 local = dist.local_slice(global_batch, mesh)
 arr = dist.global_batch_from_local(local, mesh)
 gathered = multihost_utils.process_allgather(arr, tiled=True)
-ranks = multihost_utils.process_allgather(np.int32(info.process_id))
+ranks = dist.allgather(np.int32(info.process_id))
 print("LOCAL", info.process_id, local[:, 0].tolist(), "SHAPE", arr.shape,
       "OK", bool(np.array_equal(gathered, global_batch)), "RANKS", ranks.tolist(),
       "MAIN", dist.is_main_process())
+
+from jddp._src import hostsync
+me = info.process_id
+g = hostsync.allgather({"a": np.int32(me + 5), "b": np.full((3,), me, np.float32)})
+b = hostsync.broadcast_from_process0({"x": np.arange(4.0) * (me + 1), "k": np.int64(7 + me),
+                                      "t": np.array([me == 0, me == 1])})
+print("HOST", me, g["a"].tolist(), g["b"][:, 0].tolist(), g["b"].dtype, b["x"].tolist(),
+      int(b["k"]), b["t"].tolist(), [d.process_index for d in hostsync.leaders_mesh().devices.flat])
 """
 
 
@@ -185,3 +193,8 @@ def test_batch_helpers_across_two_processes(tmp_path):
     assert rc == 0, (out, err)
     assert "[rank0] LOCAL 0 [0, 2, 4, 6] SHAPE (8, 2) OK True RANKS [0, 1] MAIN True" in out
     assert "[rank1] LOCAL 1 [8, 10, 12, 14] SHAPE (8, 2) OK True RANKS [0, 1] MAIN False" in out
+    # jddp's own host exchanges (one device per process): rows in process order, process 0's
+    # values broadcast exactly, in their dtypes.
+    for rank in (0, 1):
+        assert (f"[rank{rank}] HOST {rank} [5, 6] [0.0, 1.0] float32 [0.0, 1.0, 2.0, 3.0] 7 "
+                "[True, False] [0, 1]") in out, out

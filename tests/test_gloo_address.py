@@ -59,11 +59,10 @@ def test_gloo_interface_or_address_not_on_this_host(loopback_hostname, monkeypat
 GLOO_SCRIPT = """
 import os, subprocess
 import jax, numpy as np
-from jax.experimental import multihost_utils
 import jddp.distributed as dist
 
 dist.initialize(timeout_s=30)
-total = multihost_utils.process_allgather(np.int32(jax.process_index() + 1)).sum()
+total = dist.allgather(np.int32(jax.process_index() + 1)).sum()
 listen = subprocess.run(["ss", "-tlnpH"], capture_output=True, text=True).stdout
 mine = [ln.split()[3] for ln in listen.splitlines() if f"pid={os.getpid()}," in ln]
 print("RANK", jax.process_index(), "SUM", int(total), "GLOO",

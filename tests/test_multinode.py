@@ -20,13 +20,12 @@ import numpy as np
 import jddp.distributed as dist
 dist.initialize(timeout_s=60)
 import jax
-from jax.experimental import multihost_utils
 rank, attempt = jax.process_index(), int(os.environ["JDDP_RESTART_COUNT"])
 with open(os.path.join(sys.argv[1], f"pids.{attempt}.{rank}"), "w") as f:
     f.write(f"{os.getpid()}\\n")
 mode = sys.argv[2]
 for step in range(1, 6):
-    total = multihost_utils.process_allgather(np.int32(rank + step)).sum()
+    total = dist.allgather(np.int32(rank + step)).sum()
     dist.report_progress(step)
     if mode == "stuck" and attempt == 0 and rank == 1 and step == 2:
         time.sleep(1000)  # outside any collective: rank 0 waits for it in the next one

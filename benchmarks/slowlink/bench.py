@@ -83,7 +83,6 @@ def _worker(args: argparse.Namespace) -> None:
     jddp.initialize(timeout_s=120)
     import jax
     import numpy as np
-    from jax.experimental import multihost_utils
 
     from benchmarks._mlp import mlp_loss, mlp_params
     from jddp.perf.traffic import traffic
@@ -116,13 +115,13 @@ def _worker(args: argparse.Namespace) -> None:
     out: dict = {"rank": me, "results": {}}
     for rate in args.rates:
         subprocess.run(_shape_command(dev, rate), capture_output=True, check=rate != "none")
-        multihost_utils.sync_global_devices(f"rate {rate}")
+        jddp.distributed.barrier(f"rate {rate}")
         t0, b0 = time.perf_counter(), _tx(dev)
         time.sleep(1.0)
         idle = (_tx(dev) - b0) / (time.perf_counter() - t0)
         for rnd in range(args.rounds):
             for name, r in runs.items():
-                multihost_utils.sync_global_devices(f"{rate} {rnd} {name}")
+                jddp.distributed.barrier(f"{rate} {rnd} {name}")
                 b0, t0 = _tx(dev), time.perf_counter()
                 state, model, losses = r["state"], 0.0, []
                 for _ in range(r["steps"]):
@@ -132,7 +131,7 @@ def _worker(args: argparse.Namespace) -> None:
                     losses.append(float(m["loss"]))
                 dt = time.perf_counter() - t0
                 # Every byte of the window's last step has crossed once both ranks are here.
-                multihost_utils.sync_global_devices(f"{rate} {rnd} {name} end")
+                jddp.distributed.barrier(f"{rate} {rnd} {name} end")
                 sent = _tx(dev) - b0 - idle * (time.perf_counter() - t0)
                 r["state"] = state
                 rec = out["results"].setdefault(rate, {}).setdefault(name, {

@@ -146,10 +146,10 @@ class _Link:
 
     def barrier(self) -> None:
         if self.dev is not None:
-            from jax.experimental import multihost_utils
+            import jddp.distributed
 
             self.count += 1
-            multihost_utils.sync_global_devices(f"ttl {self.count}")
+            jddp.distributed.barrier(f"ttl {self.count}")
 
     def tx(self) -> int:
         if self.dev is None:

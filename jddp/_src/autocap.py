@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jddp._src import options, pipeline
+from jddp._src import hostsync, options, pipeline
 from jddp._src.config import StepConfig
 from jddp._src.planner import BucketPlan, assign_buckets
 from jddp._src.step import Step
@@ -252,9 +252,7 @@ def _agree(value: float) -> float:
     """Process 0's value on every process (the same cap compiles the same program everywhere)."""
     if jax.process_count() == 1:
         return value
-    from jax.experimental import multihost_utils
-
-    return float(multihost_utils.broadcast_one_to_all(np.float64(value)))
+    return float(hostsync.broadcast_from_process0(np.float64(value)))
 
 
 def _copier(state: Any) -> Callable[[Any], Any]:

@@ -25,6 +25,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jddp._src import hostsync
 from jddp._src import mesh as mesh_lib
 from jddp._src.tree import key_path_str
 
@@ -119,16 +120,14 @@ def check_processes_agree(tree: Any, what: str, fix: str) -> None:
     """
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
     desc = describe(tree)
     prints = fingerprint(desc)
-    lengths = np.asarray(multihost_utils.process_allgather(np.array([len(prints)], np.int32)))
+    lengths = np.asarray(hostsync.allgather(np.array([len(prints)], np.int32)))
     width = int(lengths.max())
     padded = np.full((width + 1,), -1, np.int32)
     padded[0] = len(prints)
     padded[1:len(prints) + 1] = prints
-    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, width + 1)
+    gathered = np.asarray(hostsync.allgather(padded)).reshape(-1, width + 1)
     all_prints = [row[1:row[0] + 1].tolist() for row in gathered]
     check_same_structure(desc, all_prints, what, fix=fix)
 
@@ -140,13 +139,11 @@ def sync_from_process0(tree: Any, what: str = "params") -> Any:
     """
     if jax.process_count() == 1:
         return tree
-    from jax.experimental import multihost_utils
-
     check_processes_agree(
         tree, what, "Every process must build the same model (same code, config and dtypes) "
         "before init."
     )
-    return multihost_utils.broadcast_one_to_all(tree)
+    return hostsync.broadcast_from_process0(tree)
 
 
 # ----------------------------------------------------------------------------- replica check

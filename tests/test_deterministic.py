@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 import jddp
 from jddp._src import deterministic as det_lib
-from tests.launch_util import REPO, child_env, run_launcher
+from tests.launch_util import REPO, child_env, compile_cache, run_launcher
 
 AVX = {"XLA_FLAGS": "--xla_cpu_max_isa=AVX", "JAX_PLATFORMS": "cpu"}
 JOB = "tests/_deterministic_job.py"
@@ -51,8 +51,12 @@ def test_layout_matrix_and_two_processes_are_bitwise_identical(tmp_path):
     meshes): one SHA-256 of params, model state and Adam state after 3 steps (weighted masks,
     per-example dropout, model state)."""
     out = tmp_path / "matrix.json"
+    # Layouts that build the same program again (the checkpoint's 8 and 2 devices) load it from
+    # this test's compilation cache.
+    cache = compile_cache(tmp_path / "jax-cache")
     proc = subprocess.run([sys.executable, JOB, "matrix", str(out)], cwd=REPO,
-                          env=child_env(**AVX), capture_output=True, text=True, timeout=400)
+                          env=child_env(**AVX, **cache), capture_output=True, text=True,
+                          timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     default = {k: res.pop(k) for k in ("default 1", "default 8")}

@@ -402,7 +402,7 @@ print("PLAN", [b.nbytes for b in ddp.bucket_plan.buckets], ddp.cap_choice.method
 @pytest.mark.slow
 def test_default_plan_on_two_processes(tmp_path):
     """The default plan where it is not DDP's (a 6-layer 1024-wide MLP: 16 + 8 MiB, where DDP's
-    makes 1 + 23 MiB) on 2 processes x 4 devices over Gloo: the same plan as on 1 x 8, two runs
+    makes 4 + 20 MiB) on 2 processes x 4 devices over Gloo: the same plan as on 1 x 8, two runs
     bitwise equal, equal to the 1 x 8 run and to the one-device reference."""
     from benchmarks._mlp import mlp_loss, mlp_params
 

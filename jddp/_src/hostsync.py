@@ -46,6 +46,15 @@ def _read(x: jax.Array) -> np.ndarray:
     return np.asarray(x.addressable_data(0))
 
 
+# Module-level, so that jit's cache serves every call after the first of each shape.
+def _identity(tree: Any) -> Any:
+    return tree
+
+
+def _sum_rows(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a.sum(0, dtype=a.dtype), tree)
+
+
 def allgather(tree: Any) -> Any:
     """Every process's leaves, stacked on a new leading axis in process order (numpy).
 
@@ -56,7 +65,7 @@ def allgather(tree: Any) -> Any:
         return jax.tree.map(lambda x: np.expand_dims(np.asarray(x), 0), tree)
     mesh = leaders_mesh()
     rows = jax.tree.map(lambda x: _to_global(x, mesh), tree)
-    out = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
+    out = jax.jit(_identity, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
     return jax.tree.map(_read, out)
 
 
@@ -73,6 +82,5 @@ def broadcast_from_process0(tree: Any) -> Any:
     mesh = leaders_mesh()
     rows = jax.tree.map(
         lambda x: _to_global(np.asarray(x) if source else np.zeros_like(x), mesh), tree)
-    out = jax.jit(lambda t: jax.tree.map(lambda a: a.sum(0, dtype=a.dtype), t),
-                  out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
+    out = jax.jit(_sum_rows, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
     return jax.tree.map(_read, out)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.getcwd())
 
@@ -31,6 +30,7 @@ def main(rounds: int = 40) -> None:
 
     import jddp
     from benchmarks import _models
+    from jddp.perf.calibrate import alternate_samples
 
     bm = _models.MODELS["lm"]()
     mesh = jddp.data_mesh()
@@ -53,12 +53,8 @@ def main(rounds: int = 40) -> None:
             jax.block_until_ready(run())
         print(name, [round(b.nbytes / 2**20, 3) for b in ddp.bucket_plan.buckets], flush=True)
         runs[name] = run
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, r in runs.items():
-            t = time.perf_counter()
-            jax.block_until_ready(r())
-            times[k].append(time.perf_counter() - t)
+    # Warmed up above: alternated rounds only (the project's own round-robin timer).
+    times = alternate_samples(runs, repeats=rounds, warmup=0)
     ref = times["DDP 25/1"]
     for k, v in times.items():
         x = [a / b for a, b in zip(v, ref, strict=True)]

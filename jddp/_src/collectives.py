@@ -21,6 +21,15 @@ from jax import lax
 
 from jddp._src import vma
 
+
+def traced_platform() -> str:
+    """The platform the step is traced for (the mesh's devices; else the default backend)."""
+    try:
+        return str(jax.sharding.get_abstract_mesh().abstract_device.platform)
+    except Exception:  # no mesh context (e.g. plain jit): the default backend decides
+        return jax.default_backend()
+
+
 #: Tests set this to force (True) or forbid (False) the all-to-all form; ``None``: decide.
 FORCE_ALL_TO_ALL: bool | None = None
 

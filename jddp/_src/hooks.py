@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jddp._src import options, vma
-from jddp._src.collectives import scatter_sum
+from jddp._src.collectives import scatter_sum, traced_platform
 from jddp._src.tree import key_path_str, nbytes, ring_bytes
 
 try:  # The gathered value is the same on every replica; typed so under shard_map's check_vma.
@@ -128,11 +128,28 @@ def _no_state(leaf: jax.ShapeDtypeStruct) -> tuple:
     return ()
 
 
+def _divide_after_sum(grads: Sequence[jax.Array], n: int) -> bool:
+    """Whether the mean over ``n`` replicas is taken after the sum rather than before.
+
+    On CPU only: XLA:CPU's GEMMs and convolutions are library calls, so a scale before the
+    all-reduce is a pass of its own over every gradient, while after it the scale fuses into the
+    optimizer's update. Elsewhere it fuses into the gradient's producer, and the ``"barrier"``
+    chain between buckets keeps XLA's GPU combiner apart only when it ties the next bucket to the
+    all-reduce results themselves, not to values computed from them. Only where the two orders
+    give the same bits: ``n`` a power of two (dividing by it is exact; DDP divides first, which
+    elsewhere rounds differently) and a dtype with float32's range (a float16 sum can overflow
+    where the sum of the quotients does not).
+    """
+    exact = n & (n - 1) == 0 and all(
+        jnp.result_type(g) in (jnp.float32, jnp.bfloat16, jnp.float64) for g in grads)
+    return exact and traced_platform() == "cpu"
+
+
 def _allreduce_mean(grads, state, ctx: HookContext):
-    # Divide before the sum, so the hook's outputs are the all-reduce's own outputs: the
-    # "barrier" chain between buckets only keeps XLA's GPU/TPU combiners apart when it ties the
-    # next bucket to the all-reduce results themselves, not to values computed from them.
     scale = 1.0 / ctx.axis_size
+    if _divide_after_sum(grads, ctx.axis_size):
+        summed = lax.psum(tuple(grads), ctx.axis_name)
+        return tuple(s * jnp.asarray(scale, s.dtype) for s in summed), state
     return lax.psum(tuple(g * jnp.asarray(scale, g.dtype) for g in grads), ctx.axis_name), state
 
 

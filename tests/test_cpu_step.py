@@ -1,0 +1,112 @@
+"""The compiled CPU step does no per-element work that plain ``shard_map`` does not: the bucket
+chain's zero is computed once, no parameter is copied, and the mean divides after the sum where
+that gives the same bits. (Each was a pass over the gradients, 17-38% of the benchmark conv net's
+step: benchmarks/out/cpu_step/README.md.)"""
+
+import _models
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import jddp
+from jddp._src import hlo
+
+WIDTH, LAYERS = 256, 4
+KERNEL = f"f32[{WIDTH},{WIDTH}]"
+
+
+def _setup(n=8, seed=0):
+    mesh = jddp.data_mesh(jax.devices()[:n])
+    rng = np.random.default_rng(seed)
+    params = [{"b": jnp.asarray(rng.normal(size=(WIDTH,)) * 0.1, jnp.float32),
+               "w": jnp.asarray(rng.normal(size=(WIDTH, WIDTH)) / 16, jnp.float32)}
+              for _ in range(LAYERS)]
+    batch = {"x": rng.normal(size=(8 * n, WIDTH)).astype(np.float32),
+             "y": rng.normal(size=(8 * n, WIDTH)).astype(np.float32)}
+    return mesh, params, batch
+
+
+def _ddp(mesh, **kw):
+    # One layer per bucket (a 256 KiB kernel and its bias): four buckets, three chain links.
+    kw.setdefault("bucket_cap_mb", 0.2)
+    kw.setdefault("first_bucket_mb", 0.2)
+    return jddp.DataParallel(_models.layer_list_loss, optax.sgd(0.1, momentum=0.9), mesh=mesh,
+                             **kw)
+
+
+def _module(ddp, params, batch):
+    return hlo.read_module(ddp.lower(params, batch).compile())
+
+
+def _kernel_fusions(module):
+    """ENTRY fusions shaped like a layer's kernel, with the instructions they compute."""
+    out = []
+    for ins in module.computation():
+        if ins.opcode == "fusion" and ins.shape.startswith(KERNEL):
+            body = [i for c in module.reachable(ins.calls) for i in module.computation(c)]
+            out.append((ins, body))
+    return out
+
+
+def test_chain_zero_is_computed_once():
+    """The always-zero scalar that chains the buckets is one small fusion per link (its square
+    root keeps XLA from fusing it into consumers); no kernel-sized fusion slices a gradient."""
+    mesh, params, batch = _setup()
+    module = _module(_ddp(mesh), params, batch)
+    assert len([c for c in hlo.collectives(module) if c.kind == "all-reduce"]) == LAYERS
+    for ins, body in _kernel_fusions(module):
+        assert not [i for i in body if i.opcode == "slice"], ins.name
+    roots = [ins for ins in module.computation() if ins.opcode == "fusion" and ins.shape.startswith(
+        "f32[]") and any(i.opcode == "sqrt" for c in module.reachable(ins.calls)
+                         for i in module.computation(c))]
+    assert len(roots) == LAYERS  # one per chain link, and one after the last bucket
+
+
+def test_updates_wait_for_the_backward_no_parameter_copy():
+    """A bucket reduced early does not let its parameters' update run while the backward still
+    reads them (which made XLA copy each such parameter first)."""
+    mesh, params, batch = _setup()
+    module = _module(_ddp(mesh), params, batch)
+    entry = {i.name: i for i in module.computation()}
+    params_in = {i.name for i in entry.values() if i.opcode == "parameter"}
+    copies = [i for i in entry.values() if i.opcode == "copy" and i.shape.startswith(KERNEL)
+              and i.operands[0] in params_in]
+    assert not copies, [c.name for c in copies]
+    # The same program without the chain (XLA merges the buckets): no copies there either.
+    merged = _module(_ddp(mesh, chain="none"), params, batch)
+    assert not [i for i in merged.computation() if i.opcode == "copy"
+                and i.shape.startswith(KERNEL)]
+
+
+@pytest.mark.parametrize("n", [8, 6])
+def test_mean_divides_after_the_sum_only_where_exact(n):
+    """On 8 replicas the all-reduce takes the gradients as computed (the 1/8 fuses into the
+    update), bit-equal to DDP's divide-first order; on 6 the default divides first, as DDP."""
+    mesh, params, batch = _setup(n)
+
+    def divide_first(grads, state, ctx):
+        scale = 1.0 / ctx.axis_size
+        return lax.psum(tuple(g * jnp.asarray(scale, g.dtype) for g in grads),
+                        ctx.axis_name), state
+
+    ddp = _ddp(mesh)
+    first = _ddp(mesh, hook=jddp.hooks.CommHook(lambda leaf: (), divide_first, "divide_first",
+                                               fuses_extras=True))
+    module = _module(ddp, params, batch)
+    operands = {o for c in module.computation() if c.opcode == "all-reduce" for o in c.operands}
+    entry = {i.name: i for i in module.computation()}
+    kernel_operands = [entry[o] for o in operands if entry[o].shape.startswith(KERNEL)]
+    assert len(kernel_operands) == LAYERS
+    scaled = [i for i in kernel_operands if i.opcode == "fusion" and any(
+        j.opcode == "multiply" for c in module.reachable(i.calls) for j in module.computation(c))]
+    assert len(scaled) == (0 if n == 8 else LAYERS)
+    s1, s2 = ddp.init(params), first.init(params)
+    for _ in range(3):
+        s1, m1 = ddp.step(s1, batch)
+        s2, m2 = first.step(s2, batch)
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(m1["loss"]) == float(m2["loss"])

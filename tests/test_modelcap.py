@@ -35,19 +35,20 @@ def _decide(plan, platform="cpu", n=8, policy=None):
     return modelcap.decide(plan, platform, n, policy or ModelCap(), DEFAULT)
 
 
-def test_the_default_never_merges_ddps_buckets():
-    """Property-style, 150 random models: the default's policy (ModelCap(merge=False)) never
-    picks fewer buckets than DDP's plan, and picks what "model" picks whenever that has at least
-    as many; where "model" merges DDP's buckets, the default keeps a plan with at least as many."""
+def test_merge_false_never_merges_ddps_buckets():
+    """Property-style, 150 random models: ModelCap(merge=False) never picks fewer buckets than
+    DDP's plan, and picks what the default policy picks whenever that has at least as many;
+    the default policy (the default plan's) may merge."""
     rng = np.random.default_rng(1)
     merged = 0
     policy = modelcap.DefaultPlan().policy
-    assert policy.merge is False and ModelCap().merge is True
+    assert policy.merge is True and policy == ModelCap()
+    keep = ModelCap(merge=False)
     for _ in range(150):
         n = int(rng.integers(1, 25))
         sizes = [int(x) for x in np.exp(rng.uniform(np.log(1e3), np.log(40 * MiB), n))]
         plan = _plan(sizes)
-        free, kept = _decide(plan), _decide(plan, policy=policy)
+        free, kept = _decide(plan, policy=policy), _decide(plan, policy=keep)
         assert kept.num_buckets[_k(kept)] >= kept.num_buckets[0]
         if free.num_buckets[_k(free)] >= free.num_buckets[0]:
             assert (kept.cap_mb, kept.chosen_first_mb) == (free.cap_mb, free.chosen_first_mb)
@@ -355,17 +356,21 @@ def test_default_keeps_ddps_plan_without_calibration_and_is_a_pure_function():
         assert "no built-in calibration" in policy.latest.note
         assert policy.max_cap_bytes(platform) == 25 * MiB
     assert policy.max_cap_bytes("cpu") == 100 * MiB
-    # On CPU the model would merge DDP's two buckets into one; the default never merges.
-    assert policy.repack(ddps, pack, "cpu", 8) is ddps and not packed
-    assert "with at least DDP's 2 bucket(s)" in policy.latest.note
-    merging = modelcap.DefaultPlan(ModelCap())
-    first = merging.repack(ddps, pack, "cpu", 8)
-    choice = merging.latest
-    assert merging.repack(ddps, pack, "cpu", 8) == first and packed == [(25 * MiB, 25 * MiB)] * 2
-    assert merging.latest._replace(tune_s=0) == choice._replace(tune_s=0)
+    # On CPU the model merges DDP's two buckets into one (ModelCap(merge=False) would not).
+    keeping = modelcap.DefaultPlan(ModelCap(merge=False))
+    assert keeping.repack(ddps, pack, "cpu", 8) is ddps and not packed
+    assert "with at least DDP's 2 bucket(s)" in keeping.latest.note
+    first = policy.repack(ddps, pack, "cpu", 8)
+    choice = policy.latest
+    assert policy.repack(ddps, pack, "cpu", 8) == first and packed == [(25 * MiB, 25 * MiB)] * 2
+    assert policy.latest._replace(tune_s=0) == choice._replace(tune_s=0)
     one, two = (jddp.DataParallel(loss, optax.sgd(0.1), mesh=m)
                 for m in (jddp.data_mesh(), jddp.data_mesh(hosts=2)))
-    assert one.plan(params, batches[0]) == two.plan(params, batches[0]) == ddps
+    pinned = jddp.DataParallel(loss, optax.sgd(0.1), bucket_cap_mb=choice.cap_mb,
+                               first_bucket_mb=choice.chosen_first_mb).plan(params, batches[0])
+    assert one.plan(params, batches[0]) == two.plan(params, batches[0])
+    assert one.plan(params, batches[0]).buckets == pinned.buckets
+    assert pinned.num_buckets == 1 < ddps.num_buckets
     assert one.cap_choice._replace(tune_s=0) == two.cap_choice._replace(tune_s=0)
     assert one.config.largest_cap_bytes == 100 * MiB
 

@@ -117,10 +117,7 @@ def chain_dependency(reduced: Sequence[jax.Array], chain: str) -> Any:
         (jnp.ravel(r)[0].astype(jnp.float32) for r in reduced if np.size(r)),
         jnp.zeros((), jnp.float32),
     )
-    # The square root (of a zero: exact) is what XLA counts as expensive: it then computes the
-    # scalar once instead of fusing it into every consumer, where each element of a gradient
-    # would recompute the slices and adds above.
-    return lax.sqrt(jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0))
+    return jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0)
 
 
 def _dep_zeros(chain: str, structs: Sequence[jax.ShapeDtypeStruct], axis_name: Any,
@@ -1118,23 +1115,8 @@ def bucketed_vjp(
     seen = frozenset().union(*(vma.varying_axes(x) for x in jax.tree.leaves(
         (tuple(param_leaves), tuple(args)))))
     other = tuple(a for a in sorted(seen) if a not in names)
-    run = _Run(traced, plan, reducer, mode, other, step, offset,
-               wait=sharded is None and mode == "add" and plan.num_buckets > 1)
+    run = _Run(traced, plan, reducer, mode, other, step, offset)
     return run(param_leaves, hook_state, args, seed, extras_fn, extras_shape)
-
-
-def _after_backward(grads: Sequence[jax.Array], final_dep: Any, plan: BucketPlan) -> list:
-    """``grads`` made to depend on the last bucket's reduction (``final_dep``, the chain's
-    always-zero scalar), so that no parameter is updated before the backward pass has ended.
-
-    Without it, a bucket reduced early lets XLA schedule that leaf's optimizer update while the
-    backward still reads the parameter (the input gradient of its layer); the update writes into
-    the donated parameter's buffer, so XLA copies the parameter first: on the benchmark conv net
-    a 12 MiB copy per device and step. The add fuses into the update's elementwise loop (no pass
-    of its own); the value is unchanged (``final_dep`` is exactly 0).
-    """
-    late = frozenset(plan.buckets[-1].indices)
-    return [g if i in late else g + final_dep.astype(g.dtype) for i, g in enumerate(grads)]
 
 
 class _Run(NamedTuple):
@@ -1147,7 +1129,6 @@ class _Run(NamedTuple):
     other: tuple
     step: jax.Array
     offset: Sequence[Any] | None
-    wait: bool = False  # the reduced gradients wait for the last bucket (_after_backward)
 
     def __call__(self, param_leaves: Sequence[jax.Array], hook_state: Sequence[Any],
                  args: Sequence[Any], seed: Any, extras_fn: Callable[[Any], Any] | None,
@@ -1174,9 +1155,7 @@ class _Run(NamedTuple):
         seed = _vary(jnp.asarray(seed, loss.dtype), tuple(sorted(vma.varying_axes(loss))))
         ct_token = (_dep_zeros(mode, [], axis_name, other),
                     extras if plan.num_buckets else extras_zero)
-        _, new_states, grad_leaves, ct_token0, reduced = vjp_fn((seed, ct_token))
-        if self.wait:
-            grad_leaves = _after_backward(grad_leaves, ct_token0[0], plan)
+        _, new_states, grad_leaves, _, reduced = vjp_fn((seed, ct_token))
         sent = reducer.unused_bytes()
         for b in range(plan.num_buckets):
             sent = sent + reducer.bytes(b, extras_structs if b == last and extras else (),

@@ -40,6 +40,13 @@ def _module(ddp, params, batch):
     return hlo.read_module(ddp.lower(params, batch).compile())
 
 
+def _is_constant(ins, value):
+    """Whether ``ins`` is a scalar constant equal to ``value`` in float32."""
+    if ins.opcode != "constant" or ins.shape != "f32[]" or len(ins.operands) != 1:
+        return False
+    return np.float32(float(ins.operands[0])) == np.float32(value)
+
+
 @pytest.mark.parametrize("n", [8, 6])
 def test_mean_divides_after_the_sum_only_where_exact(n):
     """On 8 replicas the all-reduce takes the gradients as computed (the 1/8 fuses into the
@@ -54,14 +61,18 @@ def test_mean_divides_after_the_sum_only_where_exact(n):
     ddp = _ddp(mesh)
     first = _ddp(mesh, hook=jddp.hooks.CommHook(lambda leaf: (), divide_first, "divide_first",
                                                fuses_extras=True))
-    module = _module(ddp, params, batch)
+    # Without the chain (whose zero, computed from the previous bucket's results, also reads
+    # them scaled), the all-reduce's operands show what is done to the gradients before it.
+    module = _module(_ddp(mesh, chain="none"), params, batch)
     operands = {o for c in module.computation() if c.opcode == "all-reduce" for o in c.operands}
     entry = {i.name: i for i in module.computation()}
     kernel_operands = [entry[o] for o in operands if entry[o].shape.startswith(KERNEL)]
     assert len(kernel_operands) == LAYERS
     scaled = [i for i in kernel_operands if i.opcode == "fusion" and any(
-        j.opcode == "multiply" for c in module.reachable(i.calls) for j in module.computation(c))]
+        _is_constant(j, 1.0 / n) for c in module.reachable(i.calls)
+        for j in module.computation(c))]
     assert len(scaled) == (0 if n == 8 else LAYERS)
+    assert all(i.opcode == "dot" for i in kernel_operands) is (n == 8)
     s1, s2 = ddp.init(params), first.init(params)
     for _ in range(3):
         s1, m1 = ddp.step(s1, batch)

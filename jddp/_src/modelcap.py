@@ -253,9 +253,9 @@ class DefaultPlan:
     """
 
     def __init__(self, policy: ModelCap | None = None) -> None:
-        # Merging DDP's buckets is allowed: with the step's chain computed once (no pass of its
-        # own over the gradients) one bucket beat DDP's two on the benchmark conv net
-        # (0.81-0.92x) and LM (0.93-0.95x) on the idle machine (performance.md).
+        # Merging DDP's buckets is allowed: on the idle machine one bucket beat DDP's two on
+        # the benchmark conv net and LM (docs/performance.md); the measurement that had ruled
+        # it out was taken with other jobs loading the cores.
         self.policy = policy or ModelCap()
         self.latest: CapChoice | None = None
 

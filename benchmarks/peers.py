@@ -26,8 +26,9 @@ BatchNorm averages its statistics over the data axis in every peer with an axis 
 computes them over the global batch directly; the no-comm step uses per-device statistics).
 
 Timing: variants of one model are compiled and warmed up, then run round-robin for ``--iters``
-rounds (medians); "first call" is compile plus the first step (for ``jddp auto``, also the cap's
-tuning). Ratios are to the best peer (the fastest of jit, shard_map and pmap).
+rounds (medians), each round starting one variant later than the one before; "first call" is
+compile plus the first step (for ``jddp auto``, also the cap's tuning). Ratios are to the best
+peer (the fastest of jit, shard_map and pmap).
 
     python benchmarks/peers.py --json benchmarks/out/peers.json
 """
@@ -200,8 +201,13 @@ def alternate(variants, iters):
     import jax
 
     times = {name: [] for name in variants}
-    for _ in range(iters):
-        for name, run in variants.items():
+    names = list(variants)
+    for r in range(iters):
+        # Each round starts one variant later, so every variant runs in every position equally
+        # often: a variant timed right after a slower one was seen to run 5-7% slower than the
+        # same program timed elsewhere in the round.
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            run = variants[name]
             t0 = time.perf_counter()
             jax.block_until_ready(run())
             times[name].append(time.perf_counter() - t0)

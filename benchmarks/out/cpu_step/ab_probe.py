@@ -8,6 +8,7 @@ here). Each variant is the compiled executable called directly, compiled under i
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -65,10 +66,18 @@ def main(models: str = "mlp,convnet", rounds: int = 12) -> None:
             return loss
 
         variants = {"shard_map": run_sm}
+        variants_ddp = []
         for plan, kw in (("default", {}), ("DDP 25/1", {"bucket_cap_mb": 25.0,
                                                         "first_bucket_mb": 1.0})):
             for order, hook in (("divide after", None), ("divide first", first_hook)):
+                if hook is not None and not kw:
+                    # A custom hook keeps DDP's plan: pin the default's choice instead.
+                    choice = variants_ddp[-1].cap_choice
+                    kw = {"bucket_cap_mb": choice.cap_mb}
+                    if not math.isnan(choice.chosen_first_mb):
+                        kw["first_bucket_mb"] = choice.chosen_first_mb
                 ddp = jddp.DataParallel(loss_fn, opt, mesh=mesh, hook=hook, **kw)
+                variants_ddp.append(ddp)
                 holder = [ddp.init(bm.params, bm.model_state)]
                 compiled = ddp.lower(bm.params, batch, bm.model_state).compile()
                 buckets = ddp.plan(bm.params, batch, bm.model_state).num_buckets

@@ -80,8 +80,11 @@ def test_digits_example_survives_preemption_of_a_rank_bit_identically(tmp_path):
     """jddp-run --max-restarts: SIGTERM to rank 1 mid-training -> both ranks save at the same step
     and exit 75 -> the launcher restarts the job -> it resumes and ends with the same parameters
     as an uninterrupted run."""
+    # Three epochs (33 steps, ~0.4 s of training after the first save): with one, the 8 steps
+    # left after step 3's checkpoint appeared sometimes ended before the SIGTERM arrived, and
+    # the job finished unpreempted (seen once in a clean clone's suite).
     args = ["-n", "2", "--devices-per-process", "2", "--timeout", "250", "examples/train_digits.py",
-            "--epochs", "1", "--no-progress"]
+            "--epochs", "3", "--no-progress"]
     # The plain run, the preempted attempt and the restarted one compile the same programs: the
     # later ranks load them from this test's compilation cache.
     env = child_env(JAX_PLATFORMS="cpu", **compile_cache(tmp_path / "jax-cache"))

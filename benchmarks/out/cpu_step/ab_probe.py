@@ -12,7 +12,6 @@ import math
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.getcwd())
 
@@ -29,6 +28,7 @@ def main(models: str = "mlp,convnet", rounds: int = 12) -> None:
 
     import jddp
     from benchmarks import _models
+    from jddp.perf.calibrate import alternate_samples
 
     def divide_first(grads, state, ctx):
         scale = 1.0 / ctx.axis_size
@@ -87,15 +87,7 @@ def main(models: str = "mlp,convnet", rounds: int = 12) -> None:
                     return metrics["loss"]
 
                 variants[f"jddp {plan} ({buckets}b), {order}"] = run
-        for run in variants.values():
-            for _ in range(2):
-                jax.block_until_ready(run())
-        times = {name: [] for name in variants}
-        for _ in range(rounds):
-            for name, run in variants.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(run())
-                times[name].append(time.perf_counter() - t0)
+        times = alternate_samples(variants, repeats=rounds, warmup=2)
         for name, t in times.items():
             ratios = [a / b for a, b in zip(t, times["shard_map"], strict=True)]
             print(f"{key:<8} {name:<34} median {statistics.median(t) * 1e3:7.1f} ms  "

@@ -21,7 +21,6 @@ import os
 import re
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.getcwd())
 
@@ -37,6 +36,7 @@ def main(rounds: int = 30) -> None:
 
     import jddp
     from benchmarks import _models
+    from jddp.perf.calibrate import alternate_samples
 
     mesh = jddp.data_mesh()
     opt = optax.sgd(1e-3, momentum=0.9)
@@ -88,14 +88,10 @@ def main(rounds: int = 30) -> None:
         entry = text[text.index("\nENTRY"):]
         fusions = len(re.findall(r"^\s*\S+ = \S+ fusion\(", entry, re.M))
         print(f"{name:<22} {fusions} fusions in the step", flush=True)
-        for _ in range(3):
+        for _ in range(3):  # warm-up
             jax.block_until_ready(run())
-    times = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, (run, _) in variants.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(run())
-            times[name].append(time.perf_counter() - t0)
+    times = alternate_samples({k: run for k, (run, _) in variants.items()}, repeats=rounds,
+                              warmup=0)
     for name, t in times.items():
         ratios = [a / b for a, b in zip(t, times["shard_map"], strict=True)]
         print(f"{name:<22} median {statistics.median(t) * 1e3:6.1f} ms  / shard_map paired "

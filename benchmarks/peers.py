@@ -26,7 +26,7 @@ BatchNorm averages its statistics over the data axis in every peer with an axis 
 computes them over the global batch directly; the no-comm step uses per-device statistics).
 
 Timing: variants of one model are compiled and warmed up, then run round-robin for ``--iters``
-rounds (medians), each round starting one variant later than the one before; "first call" is
+rounds (medians), in a new (seeded) order each round; "first call" is
 compile plus the first step (for ``jddp auto``, also the cap's tuning). Ratios are to the best
 peer (the fastest of jit, shard_map and pmap).
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -201,12 +202,14 @@ def alternate(variants, iters):
     import jax
 
     times = {name: [] for name in variants}
-    names = list(variants)
-    for r in range(iters):
-        # Each round starts one variant later, so every variant runs in every position equally
-        # often: a variant timed right after a slower one was seen to run 5-7% slower than the
-        # same program timed elsewhere in the round.
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    order = list(variants)
+    shuffle = random.Random(0).shuffle
+    for _ in range(iters):
+        # A new order each round (seeded): a variant timed right after DDP's two-bucket conv net
+        # step ran 5-7% slower than the same program timed after others, and rotating the order
+        # keeps each variant's predecessor.
+        shuffle(order)
+        for name in order:
             run = variants[name]
             t0 = time.perf_counter()
             jax.block_until_ready(run())

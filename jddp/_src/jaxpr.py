@@ -17,7 +17,7 @@ custom derivatives, so a model wrapped in one ``jit`` still has a per-layer orde
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 from jax._src import source_info_util  # only to keep user tracebacks in re-traced equations
@@ -118,7 +118,7 @@ def is_literal(v: Any) -> bool:
     return isinstance(v, jex_core.Literal)
 
 
-def _sub_jaxprs(eqn: Any) -> list[tuple[Any, list[Any]]]:
+def sub_jaxprs(eqn: Any) -> list[tuple[Any, list[Any]]]:
     """The sub-jaxprs of an equation, each with the outer variables bound to its inputs."""
     params = eqn.params
     name = eqn.primitive.name
@@ -157,7 +157,7 @@ def first_use_order(jaxpr: Any, num_params: int) -> list[int | None]:
     def walk(jx: Any, binding: dict[Any, int]) -> None:
         for eqn in jx.eqns:
             clock[0] += 1
-            subs = _sub_jaxprs(eqn)
+            subs = sub_jaxprs(eqn)
             used_here = [v for v in eqn.invars if not is_literal(v) and v in binding]
             if not subs:
                 for v in used_here:
@@ -251,6 +251,7 @@ def eval_with_hooks(
     args: Sequence[Any],
     hooked: Callable[[int, tuple], Any],
     bind: Callable[[Any, list, tuple], list] | None = None,
+    casts: Casts | None = None,
 ) -> Any:
     """Evaluates ``traced`` on new inputs; parameter leaf ``i`` is read as ``hooked(i, context)``.
 
@@ -266,6 +267,8 @@ def eval_with_hooks(
       bind: ``bind(eqn, invals, params) -> outs`` evaluates an equation that reads parameter
         leaves (``params``: per input, the leaf index or ``None``) instead of binding its
         primitive directly (stage 3's re-gathering wraps such equations); ``None``: bind.
+      casts: where replicated values become per-device ones, when ``hooked`` returns some
+        parameters replicated (:class:`jddp._src.replicated.LateCasts`); ``None``: as traced.
 
     Returns:
       The output, with the traced function's structure.
@@ -274,13 +277,25 @@ def eval_with_hooks(
     closed = traced.jaxpr
     param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars[: traced.num_params])}
     outs = _eval(closed.jaxpr, closed.consts, [None] * traced.num_params + jax.tree.leaves(args),
-                 param_vars, hooked, bind)
+                 param_vars, hooked, bind, casts)
+    if casts is not None:
+        outs = casts.final(closed.jaxpr.outvars, outs)
     return jax.tree.unflatten(traced.out_tree, outs)
+
+
+class Casts(Protocol):
+    """Where :func:`eval_with_hooks` casts replicated values to per-device ones (its ``pvary``
+    equations are then deferred to the equations that meet per-device values)."""
+
+    def inputs(self, eqn: Any, invals: Sequence[Any]) -> list[Any]: ...  # cast as needed
+    def outputs(self, eqn: Any, invals: Sequence[Any], outs: Sequence[Any]) -> None: ...
+    def final(self, outvars: Sequence[Any], outs: Sequence[Any]) -> list[Any]: ...
 
 
 def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], param_vars: dict[Any, int],
           hooked: Callable[[int, tuple], Any],
-          bind: Callable[[Any, list, tuple], list] | None = None) -> list[Any]:
+          bind: Callable[[Any, list, tuple], list] | None = None,
+          casts: Casts | None = None) -> list[Any]:
     env: dict[Any, Any] = {}
 
     def read(v, context: tuple = ()):
@@ -309,7 +324,9 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], param_vars: di
                 None if iv in sub_vars else read(ov)
                 for ov, iv in zip(eqn.invars, inner.jaxpr.invars, strict=True)
             ]
-            outs = _eval(inner.jaxpr, inner.consts, inner_args, sub_vars, hooked, bind)
+            outs = _eval(inner.jaxpr, inner.consts, inner_args, sub_vars, hooked, bind, casts)
+        elif name == "pvary" and casts is not None:
+            outs = [read(v) for v in eqn.invars]  # cast where the value meets a varying one
         elif name == "pvary" and all(
             all(a in vma.varying_axes(x) for a in vma.axis_names(eqn.params["axes"]))
             for x in (read(v) for v in eqn.invars)
@@ -320,11 +337,15 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], param_vars: di
             context = tuple(env[v] for v in eqn.invars
                             if not is_literal(v) and v not in param_vars)
             invals = [read(v, context) for v in eqn.invars]
+            if casts is not None:
+                invals = casts.inputs(eqn, invals)
             params = tuple(None if is_literal(v) else param_vars.get(v) for v in eqn.invars)
             if bind is not None and any(i is not None for i in params):
                 outs = bind(eqn, invals, params)
             else:
                 outs = bind_eqn(eqn, invals)
+            if casts is not None:
+                casts.outputs(eqn, invals, outs)
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]

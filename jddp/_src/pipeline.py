@@ -54,10 +54,11 @@ from jddp._src import jaxpr as jaxpr_lib
 from jddp._src import local_sgd, vma, zero
 from jddp._src import loss_scale as ls_lib
 from jddp._src import precision as precision_lib
+from jddp._src import replicated
 from jddp._src import rng as rng_lib
 from jddp._src.checks import batch_size, check_batch, check_float_params, check_mask
 from jddp._src.config import StepConfig
-from jddp._src.hooks import init_hook_state
+from jddp._src.hooks import allreduce_mean, init_hook_state
 from jddp._src.nonfinite import all_finite, select_tree
 from jddp._src.objective import Extras, LocalAux, Objective, mean_metrics
 from jddp._src.optimizer_metrics import (
@@ -345,15 +346,31 @@ def _traced_plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any) -> Buck
     (no cap given), re-packed under the caps it picks from that plan's gradient sizes (the same
     jaxpr, read once: the loss is not traced again)."""
     times = traced_use_times(traced, keep_unused=cfg.keep_unused, loss_outputs=1)
+    implicit = replicated.replicated_leaves(traced) if jax_reduces(cfg) else ()
 
     def pack(cap_bytes: int, first_bytes: int) -> BucketPlan:
-        return build_plan(params, times, cap_bytes, first_bytes)
+        return build_plan(params, times, cap_bytes, first_bytes, implicit)
 
     plan = pack(cfg.cap_bytes, cfg.first_bytes)
     if cfg.default_plan is None:
         return plan
     return cfg.default_plan.repack(plan, pack, cfg.mesh.devices.flat[0].platform,
                                    cfg.num_devices)
+
+
+def jax_reduces(cfg: StepConfig) -> bool:
+    """Whether the plan may leave to JAX the leaves it reduces better itself
+    (:mod:`jddp._src.replicated`): the default plan (no cap or plan given; a given cap keeps
+    DDP's rule for every leaf) on CPU, where it was measured (elsewhere the default plan is
+    DDP's), with what reads no bucket anyway: the default hook (a hook sees every gradient),
+    stage 0 (a sharded stage splits every leaf's reduction), every call synchronising
+    (``no_sync`` must not communicate, and JAX's reduction would run per micro-batch), no
+    mixed-precision policy, no local SGD, and ``shard_map`` with vma types (checked on the
+    trace: :func:`jddp._src.replicated.replicated_leaves`)."""
+    return (cfg.default_plan is not None and cfg.mesh.devices.flat[0].platform == "cpu"
+            and cfg.hook == allreduce_mean() and cfg.zero_stage == 0 and not cfg.deterministic
+            and not cfg.accumulates and cfg.microbatches == 1 and cfg.mixed_precision is None
+            and cfg.local_sgd is None)
 
 
 def _aux_zeros(aux_shape: LocalAux, axis: Any) -> acc_lib.Sums:

@@ -57,6 +57,10 @@ class BucketPlan(NamedTuple):
       first_bytes: the cap of the first bucket (per dtype).
       note: how the cap was chosen, printed with the table (``bucket_cap_mb="auto"``, or the
         default plan when it is not DDP's).
+      implicit: indices of leaves in no bucket that are read replicated, so that JAX's own
+        transpose reduces their gradients where their computation meets per-device values
+        (the default plan's parameters first combined with the model's cross-replica
+        statistics, SyncBatchNorm's scales: :mod:`jddp._src.replicated`).
     """
 
     buckets: tuple[Bucket, ...]
@@ -68,6 +72,7 @@ class BucketPlan(NamedTuple):
     cap_bytes: int
     first_bytes: int
     note: str = ""
+    implicit: tuple[int, ...] = ()
 
     @property
     def num_buckets(self) -> int:
@@ -118,6 +123,12 @@ class BucketPlan(NamedTuple):
             rows.append(
                 f"{i:>3}  {fmt_bytes(b.nbytes):>10}  {str(b.dtype):<9} {len(b.indices):>6}  {names}"
             )
+        if self.implicit:
+            names = ", ".join(self.paths[i] for i in self.implicit)
+            if len(names) > 90:
+                names = names[:87] + "..."
+            rows.append(f"  -  {len(self.implicit)} leaves reduced by JAX where they meet "
+                        f"per-device values (no bucket): {names}")
         if self.unused:
             rows.append(
                 "unused (no gradient, not reduced): "
@@ -198,9 +209,11 @@ def make_plan(
 
 
 def build_plan(
-    params: Any, use_times: Sequence[int | None], cap_bytes: int, first_bytes: int
+    params: Any, use_times: Sequence[int | None], cap_bytes: int, first_bytes: int,
+    implicit: Sequence[int] = (),
 ) -> BucketPlan:
-    """The plan from each leaf's first-use time (``None``: unused), caps in bytes."""
+    """The plan from each leaf's first-use time (``None``: unused), caps in bytes; the used
+    leaves in ``implicit`` go in no bucket (``BucketPlan.implicit``)."""
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = [leaf for _, leaf in path_leaves]
     paths = tuple(key_path_str(p) for p, _ in path_leaves)
@@ -209,7 +222,8 @@ def build_plan(
     nbytes = [int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in zip(shapes, dtypes, strict=True)]
     if len(use_times) != len(leaves):
         raise ValueError(f"{len(use_times)} use times for {len(leaves)} leaves.")
-    used = [i for i, t in enumerate(use_times) if t is not None]
+    implicit = tuple(sorted(i for i in set(implicit) if use_times[i] is not None))
+    used = [i for i, t in enumerate(use_times) if t is not None and i not in implicit]
     unused = tuple(i for i, t in enumerate(use_times) if t is None)
     order = sorted(used, key=lambda i: (use_times[i], i), reverse=True)
     groups = assign_buckets(
@@ -224,7 +238,8 @@ def build_plan(
         )
         for g in groups
     )
-    return BucketPlan(buckets, unused, treedef, shapes, dtypes, paths, cap_bytes, first_bytes)
+    return BucketPlan(buckets, unused, treedef, shapes, dtypes, paths, cap_bytes, first_bytes,
+                      implicit=implicit)
 
 
 def plan_traced(

@@ -44,7 +44,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jddp._src import hlo, options, vma, zero
+from jddp._src import hlo, options, replicated, vma, zero
 from jddp._src import jaxpr as jaxpr_lib
 from jddp._src import precision as precision_lib
 from jddp._src.checks import check_float_params, check_scalar_loss
@@ -956,6 +956,11 @@ class _Evaluation:
             # params, behind stop_gradient so that no implicit reduction is transposed.
             leaf = self.reducer.unused(i, lax.stop_gradient(leaves[i]))
             self.hooked[i] = vma.to_varying(leaf, self.reducer.axis_name)
+        # Leaves JAX reduces itself are read replicated (see jddp._src.replicated).
+        self.casts = replicated.LateCasts() if self.plan.implicit else None
+        for i in self.plan.implicit:
+            assert self.casts is not None and not vma.varying_axes(leaves[i])
+            self.hooked[i] = self.casts.replicated(leaves[i])
         bind = self.bind if getattr(self.reducer, "reshard", False) else None
         self.regathers: list[int] = []  # leaves gathered again in backward, once per use
         # The backward prefetch's token, passed from one parameter-reading equation to the next
@@ -964,7 +969,8 @@ class _Evaluation:
             (tuple(leaves), tuple(self.args)))))
         self.prefetch_token = (_vary(jnp.zeros((), jnp.float32), tuple(sorted(axes)))
                                if bind is not None and backward_prefetch() else None)
-        out = jaxpr_lib.eval_with_hooks(self.traced, leaves, self.args, self.read, bind)
+        out = jaxpr_lib.eval_with_hooks(self.traced, leaves, self.args, self.read, bind,
+                                        self.casts)
         for b in range(self.plan.num_buckets):
             if self.plan.buckets[b].indices[0] not in self.hooked:
                 self.apply(b)
@@ -1173,7 +1179,11 @@ class _Run(NamedTuple):
         # instead (a zeroed PowerSGD Q would stay zero).
         unused = frozenset(plan.unused)
         grad_leaves = [jnp.zeros_like(g) if i in unused else g for i, g in enumerate(grad_leaves)]
-        new_states = [hook_state[i] if i in unused else s for i, s in enumerate(new_states)]
+        if run.casts is not None:
+            grad_leaves, jax_sent = _jax_reduced(plan, reducer, run.casts, grad_leaves)
+            sent = sent + jax_sent
+        kept = unused | frozenset(plan.implicit)  # no hook reads their state
+        new_states = [hook_state[i] if i in kept else s for i, s in enumerate(new_states)]
         mean_extras = jax.tree.unflatten(jax.tree.structure(extras_shape), list(reduced))
         return Reduced(out, list(grad_leaves), tuple(new_states), mean_extras, sent)
 
@@ -1189,6 +1199,21 @@ class _Run(NamedTuple):
             for s, x in zip(map(self.reducer.out_struct, range(len(param_leaves))),
                             param_leaves, strict=True)
         )
+
+
+def _jax_reduced(plan: BucketPlan, reducer: BucketReducer, casts: replicated.LateCasts,
+                 grads: Sequence[Any]) -> tuple[list[Any], Bytes]:
+    """The gradients with ``plan.implicit``'s means (JAX summed them over the axis, one ``psum``
+    per cast in ``casts``), and the bytes of those psums."""
+    axis_name = reducer.axis_name
+    n = axis_size(axis_name)
+    grads = [g / jnp.asarray(n, g.dtype) if i in plan.implicit else g
+             for i, g in enumerate(grads)]
+    group, hosts = span(axis_name, reducer.hosts_axis if isinstance(reducer, AllReduce) else None)
+    sent = Bytes()
+    for s in casts.casts:
+        sent = sent + ring("all-reduce", nbytes(s), group, hosts)
+    return grads, sent
 
 
 def _extras(extras_fn: Callable[[Any], Any] | None, extras_shape: Any, out: Any,

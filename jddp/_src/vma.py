@@ -21,7 +21,11 @@ def axis_names(axis_name: Any) -> tuple:
 
 def varying_axes(x: Any) -> frozenset:
     """The manual mesh axes ``x`` varies over (empty outside shard_map or with check_vma off)."""
-    aval = jax.typeof(x)
+    return aval_varying_axes(jax.typeof(x))
+
+
+def aval_varying_axes(aval: Any) -> frozenset:
+    """The manual mesh axes a value of abstract type ``aval`` (a jaxpr variable's) varies over."""
     mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
     varying = getattr(mat, "varying", None)
     if varying is None:

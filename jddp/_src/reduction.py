@@ -1161,7 +1161,9 @@ class _Run(NamedTuple):
         seed = _vary(jnp.asarray(seed, loss.dtype), tuple(sorted(vma.varying_axes(loss))))
         ct_token = (_dep_zeros(mode, [], axis_name, other),
                     extras if plan.num_buckets else extras_zero)
-        _, new_states, grad_leaves, _, reduced = vjp_fn((seed, ct_token))
+        # The buckets' reduced gradients come back as the carry's cotangent (see _bucket_vjp);
+        # the parameters' own is JAX's reduction of the leaves read replicated (plan.implicit).
+        leaf_cts, new_states, grad_leaves, _, reduced = vjp_fn((seed, ct_token))
         sent = reducer.unused_bytes()
         for b in range(plan.num_buckets):
             sent = sent + reducer.bytes(b, extras_structs if b == last and extras else (),
@@ -1180,7 +1182,8 @@ class _Run(NamedTuple):
         unused = frozenset(plan.unused)
         grad_leaves = [jnp.zeros_like(g) if i in unused else g for i, g in enumerate(grad_leaves)]
         if run.casts is not None:
-            grad_leaves, jax_sent = _jax_reduced(plan, reducer, run.casts, grad_leaves)
+            grad_leaves, jax_sent = _jax_reduced(plan, reducer, run.casts, grad_leaves,
+                                                 leaf_cts)
             sent = sent + jax_sent
         kept = unused | frozenset(plan.implicit)  # no hook reads their state
         new_states = [hook_state[i] if i in kept else s for i, s in enumerate(new_states)]
@@ -1202,13 +1205,14 @@ class _Run(NamedTuple):
 
 
 def _jax_reduced(plan: BucketPlan, reducer: BucketReducer, casts: replicated.LateCasts,
-                 grads: Sequence[Any]) -> tuple[list[Any], Bytes]:
-    """The gradients with ``plan.implicit``'s means (JAX summed them over the axis, one ``psum``
-    per cast in ``casts``), and the bytes of those psums."""
+                 grads: Sequence[Any], sums: Sequence[Any]) -> tuple[list[Any], Bytes]:
+    """``grads`` with ``plan.implicit``'s means, from ``sums`` (the parameters' cotangents:
+    JAX summed those leaves' over the axis, one ``psum`` per cast in ``casts``), and the bytes
+    of those psums."""
     axis_name = reducer.axis_name
     n = axis_size(axis_name)
-    grads = [g / jnp.asarray(n, g.dtype) if i in plan.implicit else g
-             for i, g in enumerate(grads)]
+    grads = [s / jnp.asarray(n, s.dtype) if i in plan.implicit else g
+             for i, (g, s) in enumerate(zip(grads, sums, strict=True))]
     group, hosts = span(axis_name, reducer.hosts_axis if isinstance(reducer, AllReduce) else None)
     sent = Bytes()
     for s in casts.casts:

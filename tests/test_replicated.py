@@ -1,0 +1,179 @@
+"""The default plan leaves to JAX the leaves first combined with cross-replica statistics
+(SyncBatchNorm's scales, ``BucketPlan.implicit``; jddp/_src/replicated.py): which leaves, where
+(only where nothing else reads a bucket), equal training to the one-device reference and to the
+all-bucket program, the same bytes, and 2 processes x 4 devices."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from tests._models import max_abs_diff
+
+import jddp
+from tests.launch_util import run_launcher
+
+
+class _Net(nn.Module):
+    axis_name: str | None = "data"
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9,  # noqa: E731
+                                    axis_name=self.axis_name)
+        x = nn.relu(norm()(nn.Dense(16)(x)))
+        x = nn.relu(norm()(nn.Dense(16)(x)))
+        return nn.Dense(3)(x)
+
+
+def _setup(seed=0, n=32):
+    rng = np.random.default_rng(seed)
+    # Shards that differ in distribution (sorted by the first feature), so per-shard statistics
+    # are far from the batch's.
+    x = rng.normal(size=(n, 6)).astype(np.float32)
+    x = x[np.argsort(x[:, 0])]
+    y = rng.normal(size=(n, 3)).astype(np.float32)
+    variables = _Net(None).init(jax.random.key(seed), x[:2], train=False)
+    return {"x": x, "y": y}, variables["params"], {"batch_stats": variables["batch_stats"]}
+
+
+def _loss_fn(net):
+    def loss(params, model_state, batch):
+        out, updates = net.apply({"params": params, **model_state}, batch["x"],
+                                 mutable=["batch_stats"])
+        return jnp.mean((out - batch["y"]) ** 2), updates
+
+    return loss
+
+
+def _scales(plan):
+    return tuple(i for i, p in enumerate(plan.paths) if "BatchNorm" in p and p.endswith("scale"))
+
+
+def test_default_plan_leaves_syncbn_scales_to_jax_and_trains_the_same():
+    batch, params, ms = _setup()
+    opt = optax.sgd(0.1, momentum=0.9)
+    ddp = jddp.DataParallel(_loss_fn(_Net()), opt)  # no cap: the default plan
+    given = jddp.DataParallel(_loss_fn(_Net()), opt, bucket_cap_mb=25)  # DDP's rule, every leaf
+    plan = ddp.plan(params, batch, ms)
+    # The scales meet rsqrt(var) (a pmean) first; the biases and kernels meet activations.
+    assert plan.implicit == _scales(plan) and len(plan.implicit) == 2
+    assert not set(plan.implicit) & {i for b in plan.buckets for i in b.indices}
+    assert "2 leaves reduced by JAX" in str(plan) and "BatchNorm_0.scale" in str(plan)
+    assert given.plan(params, batch, ms).implicit == ()
+
+    state, other = ddp.init(params, ms), given.init(params, ms)
+    single = _loss_fn(_Net(None))  # one device: BatchNorm over the whole batch
+    ref_p, ref_ms, ref_opt = params, ms, opt.init(params)
+    for _ in range(3):
+        state, metrics = ddp.step(state, batch)
+        other, other_metrics = given.step(other, batch)
+        (loss, ref_ms), grads = jax.value_and_grad(single, has_aux=True)(ref_p, ref_ms, batch)
+        updates, ref_opt = opt.update(grads, ref_opt, ref_p)
+        ref_p = optax.apply_updates(ref_p, updates)
+        np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
+        # JAX's psum of rsqrt(var) * scale's cotangent, the buckets' psum of the scale's: the
+        # same bytes (both [16] floats a layer).
+        assert float(metrics["comm_bytes"]) == float(other_metrics["comm_bytes"])
+    assert max_abs_diff(state.params, ref_p) < 2e-5
+    assert max_abs_diff(state.model_state, ref_ms) < 2e-5
+    # Other summation points than the bucket's, float32 rounding apart.
+    assert max_abs_diff(state.params, other.params) < 1e-6
+
+    # The compiled programs: the buckets no longer hold the scales; the step sends what
+    # comm_bytes says plus the model's own collectives: per layer the statistics' pmean
+    # ([2, 16] floats) and the psum of the mean's cotangent ([1, 16]). The all-bucket program
+    # also sums rsqrt(var)'s cotangent ([1, 16]): the replicated scale made it per-device.
+    ring = lambda nbytes: 2 * 7 / 8 * nbytes  # noqa: E731  # one device's ring all-reduce
+    rep, rep_given = ddp.report(state, batch), given.report(other, batch)
+    bucketed = sum(c.bytes for c in rep.collectives if c.bucket is not None)
+    bucketed_given = sum(c.bytes for c in rep_given.collectives if c.bucket is not None)
+    assert bucketed == bucketed_given - 2 * 16 * 4
+    model = 2 * ring(2 * 16 * 4 + 16 * 4)
+    assert rep.sent_per_step == pytest.approx(float(metrics["comm_bytes"]) + model, rel=1e-9)
+    assert rep_given.sent_per_step == pytest.approx(
+        float(other_metrics["comm_bytes"]) + model + 2 * ring(16 * 4), rel=1e-9)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"bucket_cap_mb": 25},
+    {"hook": jddp.hooks.fp16_compress()},
+    {"accumulate_steps": 2},
+    {"microbatches": 2},
+    {"zero_stage": 1},
+    {"mixed_precision": jddp.precision.MixedPrecision(param_dtype=jnp.bfloat16)},
+])
+def test_every_leaf_is_bucketed_where_something_else_reads_the_buckets(kwargs):
+    """A cap given keeps DDP's rule for every leaf; a hook sees every gradient; no_sync calls
+    must not communicate (JAX would reduce per micro-batch); a sharded stage splits every
+    leaf; a mixed-precision policy casts the parameters first."""
+    batch, params, ms = _setup()
+    ddp = jddp.DataParallel(_loss_fn(_Net()), optax.sgd(0.1), **kwargs)
+    plan = ddp.plan(params, batch, ms)
+    assert plan.implicit == ()
+    assert sorted(i for b in plan.buckets for i in b.indices) == list(range(len(plan.paths)))
+
+
+def test_per_device_batchnorm_and_plain_layers_keep_every_leaf_in_a_bucket():
+    batch, params, ms = _setup()
+    ddp = jddp.DataParallel(_loss_fn(_Net(None)), optax.sgd(0.1), model_state_sync="mean")
+    assert ddp.plan(params, batch, ms).implicit == ()
+
+
+SYNCBN_JOB = r"""
+import sys
+import numpy as np
+import jax
+import jddp
+jddp.initialize(timeout_s=60)
+import optax
+sys.path.insert(0, sys.argv[2])
+from test_replicated import _Net, _loss_fn, _setup
+
+batch, params, ms = _setup()
+mesh = jddp.data_mesh()
+ddp = jddp.DataParallel(_loss_fn(_Net()), optax.sgd(0.1, momentum=0.9), mesh=mesh)
+runs = []
+for _ in range(2):  # the second run reuses the compiled step
+    state = ddp.init(params, ms)
+    for _ in range(3):
+        state, _ = ddp.step(state, jddp.shard_global_batch(batch, mesh))
+    runs += [np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(state.params)]
+if jax.process_index() == 0:
+    np.savez(sys.argv[1], *runs)
+print("IMPLICIT", ddp.bucket_plan.implicit)
+"""
+
+
+@pytest.mark.slow
+def test_syncbn_default_plan_on_two_processes(tmp_path):
+    """2 processes x 4 devices over Gloo: the same leaves left to JAX on both, two runs bitwise
+    equal, equal to the 1 x 8 run."""
+    import os
+
+    script = tmp_path / "job.py"
+    script.write_text(SYNCBN_JOB)
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    rc, out, err, _ = run_launcher(["-n", "2", "--devices-per-process", "4", "--timeout", "120",
+                                    str(script), str(tmp_path / "out.npz"), tests_dir],
+                                   timeout=130)
+    assert rc == 0, (out[-2000:], err[-3000:])
+    batch, params, ms = _setup()
+    ddp = jddp.DataParallel(_loss_fn(_Net()), optax.sgd(0.1, momentum=0.9))
+    state = ddp.init(params, ms)
+    for _ in range(3):
+        state, _ = ddp.step(state, batch)
+    one = [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    implicit = ddp.bucket_plan.implicit
+    assert len(implicit) == 2
+    for rank in (0, 1):
+        assert f"[rank{rank}] IMPLICIT {implicit}" in out, out[-2000:]
+    with np.load(tmp_path / "out.npz") as z:
+        got = [z[f"arr_{i}"] for i in range(len(z.files))]
+    first, second = got[:len(one)], got[len(one):]
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert max_abs_diff(first, one) < 1e-6

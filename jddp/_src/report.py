@@ -8,7 +8,8 @@ under a ring model (:mod:`jddp._src.traffic`, the model ``metrics["comm_bytes"]`
 per-device sizes from ``compiled.memory_analysis()``.
 
 ``metrics["comm_bytes"]`` counts the collectives jddp issues (the buckets, the loss and metrics
-with them or on their own, a sharded stage's parameter all-gathers); the report counts every
+with them or on their own, a sharded stage's parameter all-gathers, the psums JAX issues for the
+leaves the default plan leaves to it: ``BucketPlan.implicit``); the report counts every
 operand of every collective, so it also holds collectives jddp does not issue (an optimizer's
 global norm over sharded leaves, SyncBN statistics).
 """

@@ -177,3 +177,25 @@ def test_syncbn_default_plan_on_two_processes(tmp_path):
     for a, b in zip(first, second, strict=True):
         np.testing.assert_array_equal(a, b)
     assert max_abs_diff(first, one) < 1e-6
+
+
+def test_a_metric_that_reads_a_scale_adds_no_bytes():
+    """A metric computed from a scale read replicated is cast to per-device for the metrics'
+    mean, but no gradient flows through that cast: no psum, nothing counted."""
+    batch, params, ms = _setup()
+    inner = _loss_fn(_Net())
+
+    def loss_fn(params, model_state, batch):
+        loss, updates = inner(params, model_state, batch)
+        return loss, (updates, {"scale_sq": jnp.sum(params["BatchNorm_0"]["scale"] ** 2)})
+
+    runs = {}
+    for name, kwargs in {"default": {}, "given": {"bucket_cap_mb": 25}}.items():
+        ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), has_aux=True, **kwargs)
+        state, metrics = ddp.step(ddp.init(params, ms), batch)
+        runs[name] = (ddp.bucket_plan.implicit, metrics, state)
+    (implicit, metrics, state), (given, given_metrics, given_state) = runs["default"], runs["given"]
+    assert len(implicit) == 2 and given == ()
+    assert float(metrics["comm_bytes"]) == float(given_metrics["comm_bytes"])
+    assert float(metrics["scale_sq"]) == float(given_metrics["scale_sq"]) == 16.0
+    assert max_abs_diff(state.params, given_state.params) < 1e-6

@@ -198,6 +198,13 @@ def _inexact_value(x: Any) -> bool:
 
 def _reaching_inputs(jaxpr: Any, live_outputs: Sequence[bool]) -> list[bool]:
     """For each input of ``jaxpr``: can it reach a ``live_outputs`` output through float values?"""
+    live = gradient_vars(jaxpr, live_outputs)
+    return [v in live for v in jaxpr.invars]
+
+
+def gradient_vars(jaxpr: Any, live_outputs: Sequence[bool]) -> set[Any]:
+    """The variables of ``jaxpr``, and of the plain calls in it, that can reach a
+    ``live_outputs`` output through float values (a gradient may flow through them)."""
     live: set[Any] = {
         v for v, on in zip(jaxpr.outvars, live_outputs, strict=True)
         if on and not is_literal(v) and _inexact(v)
@@ -211,14 +218,16 @@ def _reaching_inputs(jaxpr: Any, live_outputs: Sequence[bool]) -> list[bool]:
         inner = getattr(inner, "jaxpr", inner)
         if inner is not None and len(inner.invars) == len(eqn.invars):
             # A plain call: look inside, so that a model under one jit is not all-or-nothing.
-            reach = _reaching_inputs(inner, outs)
+            inner_live = gradient_vars(inner, outs)
+            live |= inner_live
+            reach = [v in inner_live for v in inner.invars]
         else:
             # Loops, branches, custom rules: assume every input reaches every output.
             reach = [True] * len(eqn.invars)
         for v, r in zip(eqn.invars, reach, strict=True):
             if r and not is_literal(v) and _inexact(v):
                 live.add(v)
-    return [v in live for v in jaxpr.invars]
+    return live
 
 
 def grad_reachable(

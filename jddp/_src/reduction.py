@@ -957,7 +957,7 @@ class _Evaluation:
             leaf = self.reducer.unused(i, lax.stop_gradient(leaves[i]))
             self.hooked[i] = vma.to_varying(leaf, self.reducer.axis_name)
         # Leaves JAX reduces itself are read replicated (see jddp._src.replicated).
-        self.casts = replicated.LateCasts() if self.plan.implicit else None
+        self.casts = replicated.LateCasts(self.traced) if self.plan.implicit else None
         for i in self.plan.implicit:
             assert self.casts is not None and not vma.varying_axes(leaves[i])
             self.hooked[i] = self.casts.replicated(leaves[i])

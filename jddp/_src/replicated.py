@@ -121,12 +121,18 @@ class LateCasts:
     derivative gets its inputs as varying as traced), once per value, so that its cotangents
     are summed before the one ``psum`` its cast transposes to.
 
+    Args:
+      traced: the jaxpr evaluated; its first output is the one differentiated.
+
     Attributes:
-      casts: shape structs of the cast values computed from :meth:`replicated` parameters, in
-        order: one ``psum`` each in the backward.
+      casts: shape structs of the cast values computed from :meth:`replicated` parameters
+        that a gradient flows through, in order: one ``psum`` each in the backward.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, traced: jaxpr_lib.Traced) -> None:
+        outvars = traced.jaxpr.jaxpr.outvars
+        self._live = jaxpr_lib.gradient_vars(traced.jaxpr.jaxpr,
+                                             [i == 0 for i in range(len(outvars))])
         self.casts: list[jax.ShapeDtypeStruct] = []
         self._from_params: dict[int, Any] = {}  # id -> value computed from replicated params
         self._memo: dict[tuple[int, frozenset], tuple[Any, Any]] = {}
@@ -146,10 +152,11 @@ class LateCasts:
             return x
         key = (id(x), frozenset(missing))
         if key not in self._memo:
-            if self._tracked(x):
+            if self._tracked(x) and v in self._live:
                 self.casts.append(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)))
             # A deferred pvary of a literal leaves a numpy scalar: typed as traced.
-            cast = lax.pcast(jnp.asarray(x, v.aval.dtype), missing, to="varying")
+            value = x if isinstance(x, jax.Array) else jnp.asarray(x, v.aval.dtype)
+            cast = lax.pcast(value, missing, to="varying")
             self._memo[key] = (x, cast)
         return self._memo[key][1]
 

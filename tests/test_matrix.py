@@ -65,6 +65,30 @@ def _stateful_loss(p, ms, b):
 MODEL_STATE = {"mu": np.full((SIZES[1],), 0.1, np.float32)}
 
 
+def _syncbn_loss(axis):
+    """The MLP with a cross-replica BatchNorm after the first layer (statistics ``pmean``ed
+    over ``axis``; ``None``: one device, the whole batch's) and its running mean as model state:
+    the default plan leaves its scale to JAX (``BucketPlan.implicit``, tests/test_replicated.py)."""
+    def loss(p, ms, b):
+        h = b["x"] @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"]
+        mean, sq = jnp.mean(h, 0), jnp.mean(h * h, 0)
+        if axis is not None:
+            mean, sq = jax.lax.pmean((mean, sq), axis)
+        h = (h - mean) * (jax.lax.rsqrt(sq - mean**2 + 1e-5) * p["BN"]["scale"]) + p["BN"]["bias"]
+        h = jnp.tanh(jnp.tanh(h) @ p["Dense_1"]["kernel"] + p["Dense_1"]["bias"])
+        out = h @ p["Dense_2"]["kernel"] + p["Dense_2"]["bias"]
+        return jnp.mean((out - b["y"]) ** 2), {"mu": 0.9 * ms["mu"] + 0.1 * mean}
+
+    return loss
+
+
+def _syncbn_params():
+    rng = np.random.default_rng(5)
+    return {**mlp_params(0, SIZES), "BN": {
+        "scale": jnp.asarray(1 + 0.1 * rng.normal(size=SIZES[1]), jnp.float32),
+        "bias": jnp.asarray(0.1 * rng.normal(size=SIZES[1]), jnp.float32)}}
+
+
 def _batches(n, rows=ROWS, seed=0):
     return [regression_batch(100 * seed + i, rows, SIZES[0], SIZES[-1]) for i in range(n)]
 
@@ -83,6 +107,7 @@ class Case:
     reference: Callable[[int], Any]
     optimizer: Callable[[], optax.GradientTransformation] = lambda: optax.adam(1e-2)
     model_state: Any = None
+    params: Callable[[], Any] = lambda: mlp_params(0, SIZES)
 
 
 def _plain_ref(_):
@@ -104,6 +129,17 @@ def _accumulate_ref(_):
 def _model_state_ref(_):
     return ref.train(_stateful_loss, optax.adam(1e-2), mlp_params(0, SIZES),
                      [[b] for b in _batches(3)], model_state=MODEL_STATE).params
+
+
+def _syncbn_ref(_):
+    return ref.train(_syncbn_loss(None), optax.sgd(0.1), _syncbn_params(),
+                     [[b] for b in _batches(3)], model_state=MODEL_STATE).params
+
+
+def _syncbn_accumulate_ref(_):
+    micro = _batches(4, ROWS // 2)
+    return ref.train(_syncbn_loss(None), optax.sgd(0.1), _syncbn_params(),
+                     [micro[0:2], micro[2:4]], model_state=MODEL_STATE).params
 
 
 def _masked_ref(_):
@@ -159,6 +195,14 @@ CASES = {
                        _accumulate_ref),
     "model_state": Case(_stateful_loss, lambda: [{"batch": b} for b in _batches(3)],
                         _model_state_ref, model_state=MODEL_STATE),
+    # SGD: the first layer's bias has a zero gradient under BatchNorm (the mean subtracts it),
+    # which Adam would turn into updates of +-lr from float32 rounding.
+    "syncbn": Case(_syncbn_loss("data"), lambda: [{"batch": b} for b in _batches(3)],
+                   _syncbn_ref, lambda: optax.sgd(0.1), model_state=MODEL_STATE,
+                   params=_syncbn_params),
+    "syncbn_accumulate": Case(_syncbn_loss("data"), lambda: [
+        {"batch": b} for b in _batches(4, ROWS // 2)], _syncbn_accumulate_ref,
+        lambda: optax.sgd(0.1), model_state=MODEL_STATE, params=_syncbn_params),
     "masked": Case(_per_example, lambda: [
         {"batch": b, "mask": m} for b, m in zip(_batches(3), _masks(3), strict=True)], _masked_ref),
     "rng": Case(_dropout_loss, lambda: [{"batch": b, "rng": jax.random.key(KEY)}
@@ -200,7 +244,8 @@ def _device_halves(batch, devices=8):
 class Cell:
     """One combination: ``options()`` for ``DataParallel`` (fresh hooks each call), the mesh
     (``"1d"`` or ``"2l"``: hosts x local), the ZeRO stage, the processes it runs on (1, or also
-    2), and what is expected: ``("equal", case, tol)`` or ``("refused", regex)``."""
+    2), and what is expected: ``("equal", case, tol)`` or ``("refused", regex)``. Cells run
+    with the small ``CAPS`` (several buckets) unless ``extra={"default_plan": True}``."""
 
     name: str
     options: Callable[[], dict]
@@ -270,6 +315,20 @@ def _cells() -> list[Cell]:
              equal("model_state")),
         Cell("model state mean", lambda: {"model_state_sync": "mean"}, "2l", 2,
              equal("model_state")),
+        # the default plan (no cap given) with a cross-replica BatchNorm: its scale left to
+        # JAX where nothing else reads the buckets (stage 0, default hook, every call syncs),
+        # in a bucket elsewhere
+        Cell("syncbn default plan", dict, "1d", 0, equal("syncbn"), procs=2,
+             extra={"default_plan": True}),
+        Cell("syncbn default plan + skip_not_finite", lambda: {"skip_not_finite": True}, "1d",
+             0, equal("syncbn"), extra={"default_plan": True}),
+        Cell("syncbn default plan + loss_scale",
+             lambda: {"loss_scale": jddp.precision.DynamicScale()}, "1d", 0, equal("syncbn"),
+             extra={"default_plan": True}),
+        Cell("syncbn default plan + accumulate_steps=2", lambda: {"accumulate_steps": 2}, "1d",
+             0, equal("syncbn_accumulate"), procs=2, extra={"default_plan": True}),
+        Cell("syncbn default plan", dict, "1d", 2, equal("syncbn"),
+             extra={"default_plan": True}),
         # two-level mesh
         Cell("plain", dict, "2l", 0, equal("plain")),
         Cell("hierarchical", lambda: {"hook": jddp.hooks.hierarchical()}, "2l", 0,
@@ -375,7 +434,8 @@ def run_cell(cell: Cell, multi: bool = False, repeats: int = 1) -> Any:
     _, case_name, _ = cell.expect if cell.expect[0] == "equal" else (None, "plain", None)
     case = CASES[case_name]
     mesh = mesh_for(cell.topology, multi)
-    opts = dict(cell.options(), zero_stage=cell.stage, **CAPS)
+    caps = {} if cell.extra.get("default_plan") else CAPS
+    opts = dict(cell.options(), zero_stage=cell.stage, **caps)
     if cell.api == "nnx":
         from flax import nnx
 
@@ -387,9 +447,9 @@ def run_cell(cell: Cell, multi: bool = False, repeats: int = 1) -> Any:
     runs = []
     for _ in range(repeats):
         if case.model_state is None:
-            state = ddp.init(mlp_params(0, SIZES))
+            state = ddp.init(case.params())
         else:
-            state = ddp.init(mlp_params(0, SIZES), case.model_state)
+            state = ddp.init(case.params(), case.model_state)
         for call in case.calls():
             batch = jddp.shard_global_batch(call["batch"], mesh)
             kw = {"rng": call["rng"]} if "rng" in call else {}
@@ -425,6 +485,29 @@ def test_cell(index):
     _, case, tol = cell.expect
     got = _one_process(index)
     assert ref.max_abs_diff(got, _reference(case, _replicas(cell))) < tol
+
+
+def test_syncbn_cells_leave_the_scale_to_jax_where_declared():
+    """The default-plan SyncBN cells run the path they are declared for: the scale in no
+    bucket at stage 0 with every call synchronising, in a bucket with accumulation or ZeRO."""
+    batch = jddp.shard_global_batch(_batches(1)[0], jddp.data_mesh())
+    seen = {}
+    for cell in CELLS:
+        if not cell.name.startswith("syncbn"):
+            continue
+        case = CASES[cell.expect[1]]
+        ddp = jddp.DataParallel(case.loss, case.optimizer(), zero_stage=cell.stage,
+                                **cell.options())
+        plan = ddp.plan(case.params(), batch, case.model_state)
+        seen[cell_id(cell)] = tuple(plan.paths[i] for i in plan.implicit)
+    scale = ("BN.scale",)
+    assert seen == {
+        "syncbn default plan|1d|stage0|functional": scale,
+        "syncbn default plan + skip_not_finite|1d|stage0|functional": scale,
+        "syncbn default plan + loss_scale|1d|stage0|functional": scale,
+        "syncbn default plan + accumulate_steps=2|1d|stage0|functional": (),
+        "syncbn default plan|1d|stage2|functional": (),
+    }
 
 
 def test_matrix_is_declared_consistently():

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tests._models import max_abs_diff
 
 import jddp
+from tests._models import max_abs_diff
 from tests.launch_util import run_launcher
 
 

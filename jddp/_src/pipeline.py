@@ -51,10 +51,9 @@ from jax.sharding import PartitionSpec as P
 from jddp._src import accumulation as acc_lib
 from jddp._src import deterministic as det_lib
 from jddp._src import jaxpr as jaxpr_lib
-from jddp._src import local_sgd, vma, zero
+from jddp._src import local_sgd, replicated, vma, zero
 from jddp._src import loss_scale as ls_lib
 from jddp._src import precision as precision_lib
-from jddp._src import replicated
 from jddp._src import rng as rng_lib
 from jddp._src.checks import batch_size, check_batch, check_float_params, check_mask
 from jddp._src.config import StepConfig

@@ -199,3 +199,80 @@ def test_a_metric_that_reads_a_scale_adds_no_bytes():
     assert float(metrics["comm_bytes"]) == float(given_metrics["comm_bytes"])
     assert float(metrics["scale_sq"]) == float(given_metrics["scale_sq"]) == 16.0
     assert max_abs_diff(state.params, given_state.params) < 1e-6
+
+
+def _stats(h, axis="data"):
+    mean, sq = jnp.mean(h, 0), jnp.mean(h * h, 0)
+    mean, sq = jax.lax.pmean((mean, sq), axis)
+    return mean, jax.lax.rsqrt(sq - mean**2 + 1e-5)
+
+
+def _norm_plain(p, h):
+    mean, inv = _stats(h)
+    return (h - mean) * (inv * p["scale"]) + p["bias"]
+
+
+def _norm_twice(p, h):  # the scale meets the statistic and, again, the activations
+    mean, inv = _stats(h)
+    return (h - mean) * (inv * p["scale"]) + 0.1 * h * p["scale"] + p["bias"]
+
+
+_norm_jit = jax.jit(_norm_plain)  # a plain call: walked into
+
+
+def _norm_remat(p, h):  # a checkpointed block: cast at its boundary
+    return jax.checkpoint(_norm_plain)(p, h)
+
+
+def _norm_relu(p, h):  # a custom_jvp (relu) between the scale and the statistic
+    mean, inv = _stats(h)
+    return (h - mean) * (inv * jax.nn.relu(p["scale"])) + p["bias"]
+
+
+def _norm_cond(p, h):  # a branch on a replicated statistic, the scale inside it
+    mean, inv = _stats(h)
+    factor = jax.lax.cond(jnp.sum(mean) > 0, lambda s: inv * s, lambda s: inv * s * 0.5,
+                          p["scale"])
+    return (h - mean) * factor + p["bias"]
+
+
+@pytest.mark.parametrize("norm,expect", [
+    (_norm_plain, ("scale",)), (_norm_twice, ("scale",)), (_norm_jit, ("scale",)),
+    (_norm_remat, ()), (_norm_relu, ()), (_norm_cond, ()),
+])
+def test_late_casts_train_like_the_buckets(norm, expect):
+    """Scales met by the statistic in plain code, twice, under jit, or beyond a checkpoint, a
+    custom derivative or a branch: the leaves left to JAX are the ones the walk can see, and
+    every variant trains like the all-bucket program; the program sends no more bytes, and
+    comm_bytes counts JAX's psums for those leaves."""
+    rng = np.random.default_rng(1)
+    params = {"w": jnp.asarray(rng.normal(size=(6, 16)) / 3, jnp.float32),
+              "scale": jnp.asarray(1 + 0.1 * rng.normal(size=16), jnp.float32),
+              "bias": jnp.asarray(0.1 * rng.normal(size=16), jnp.float32),
+              "out": jnp.asarray(rng.normal(size=(16, 3)) / 4, jnp.float32)}
+    batch = {"x": rng.normal(size=(32, 6)).astype(np.float32),
+             "y": rng.normal(size=(32, 3)).astype(np.float32)}
+
+    def loss(p, b):
+        h = jnp.tanh(norm(p, b["x"] @ p["w"]))
+        return jnp.mean((h @ p["out"] - b["y"]) ** 2)
+
+    runs = {}
+    for name, kwargs in {"default": {}, "given": {"bucket_cap_mb": 25}}.items():
+        ddp = jddp.DataParallel(loss, optax.sgd(0.1, momentum=0.9), **kwargs)
+        state = ddp.init(params)
+        for _ in range(3):
+            state, metrics = ddp.step(state, batch)
+        runs[name] = (ddp.bucket_plan, state.params, float(metrics["comm_bytes"]),
+                      ddp.report(state, batch).sent_per_step)
+    (plan, got, sent, total), (_, want, sent_given, total_given) = runs["default"], runs["given"]
+    assert tuple(plan.paths[i] for i in plan.implicit) == expect
+    assert max_abs_diff(got, want) < 1e-6
+    if not expect:  # every leaf bucketed: the same program
+        assert (sent, total) == (sent_given, total_given)
+        return
+    # The program sends no more; what it sends beyond comm_bytes is the model's own: the
+    # statistics' pmean ([2, 16] floats) and the psum of the mean's cotangent ([16]). A scale
+    # also used on the activations is cast (and summed) there too: counted in comm_bytes.
+    assert total <= total_given
+    assert total - sent == pytest.approx(2 * 7 / 8 * (2 * 16 * 4 + 16 * 4), rel=1e-9)

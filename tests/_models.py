@@ -64,3 +64,23 @@ def layer_list_like(layers: int, width: int) -> list:
         }
         for _ in range(layers)
     ]
+
+
+def sorted_regression_batch(seed: int, n: int = 32, d_in: int = 6, d_out: int = 3) -> dict:
+    """A regression batch sorted by its first feature: the shards differ in distribution, so
+    per-shard (BatchNorm) statistics are far from the batch's."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d_in)).astype(np.float32)
+    x = x[np.argsort(x[:, 0])]
+    return {"x": x, "y": rng.normal(size=(n, d_out)).astype(np.float32)}
+
+
+def batch_stats_loss(net):
+    """``loss(params, model_state, batch)`` of a Flax ``net`` with ``batch_stats``: mean squared
+    error, the new model state as aux."""
+    def loss(params, model_state, batch):
+        out, updates = net.apply({"params": params, **model_state}, batch["x"],
+                                 mutable=["batch_stats"])
+        return jnp.mean((out - batch["y"]) ** 2), updates
+
+    return loss

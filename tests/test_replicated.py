@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jddp
-from tests._models import max_abs_diff
+from tests._models import batch_stats_loss, max_abs_diff, sorted_regression_batch
 from tests.launch_util import run_launcher
 
 
@@ -30,23 +30,12 @@ class _Net(nn.Module):
 
 
 def _setup(seed=0, n=32):
-    rng = np.random.default_rng(seed)
-    # Shards that differ in distribution (sorted by the first feature), so per-shard statistics
-    # are far from the batch's.
-    x = rng.normal(size=(n, 6)).astype(np.float32)
-    x = x[np.argsort(x[:, 0])]
-    y = rng.normal(size=(n, 3)).astype(np.float32)
-    variables = _Net(None).init(jax.random.key(seed), x[:2], train=False)
-    return {"x": x, "y": y}, variables["params"], {"batch_stats": variables["batch_stats"]}
+    batch = sorted_regression_batch(seed, n)
+    variables = _Net(None).init(jax.random.key(seed), batch["x"][:2], train=False)
+    return batch, variables["params"], {"batch_stats": variables["batch_stats"]}
 
 
-def _loss_fn(net):
-    def loss(params, model_state, batch):
-        out, updates = net.apply({"params": params, **model_state}, batch["x"],
-                                 mutable=["batch_stats"])
-        return jnp.mean((out - batch["y"]) ** 2), updates
-
-    return loss
+_loss_fn = batch_stats_loss
 
 
 def _scales(plan):
@@ -276,3 +265,23 @@ def test_late_casts_train_like_the_buckets(norm, expect):
     # also used on the activations is cast (and summed) there too: counted in comm_bytes.
     assert total <= total_given
     assert total - sent == pytest.approx(2 * 7 / 8 * (2 * 16 * 4 + 16 * 4), rel=1e-9)
+
+
+def test_two_level_mesh():
+    """Statistics over both axes of a hosts x local mesh: the scales left to JAX, equal
+    training to the all-bucket program, and the same bytes in all and across hosts."""
+    batch, params, ms = _setup()
+    mesh = jddp.data_mesh(hosts=2)
+    loss = _loss_fn(_Net(("hosts", "local")))
+    runs = {}
+    for name, kwargs in {"default": {}, "given": {"bucket_cap_mb": 25}}.items():
+        ddp = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh, **kwargs)
+        state = ddp.init(params, ms)
+        for _ in range(2):
+            state, metrics = ddp.step(state, jddp.shard_global_batch(batch, mesh))
+        runs[name] = (ddp.bucket_plan.implicit, state.params,
+                      float(metrics["comm_bytes"]), float(metrics["comm_bytes_hosts"]))
+    (implicit, got, sent, hosts), (given, want, sent_given, hosts_given) = runs.values()
+    assert len(implicit) == 2 and given == ()
+    assert max_abs_diff(got, want) < 1e-6
+    assert (sent, hosts) == (sent_given, hosts_given) and hosts > 0

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import jddp
-from tests._models import max_abs_diff
+from tests._models import batch_stats_loss, max_abs_diff, sorted_regression_batch
 
 
 class _Net(nn.Module):
@@ -26,23 +25,12 @@ class _Net(nn.Module):
 
 
 def _setup(seed=0, n=32):
-    rng = np.random.default_rng(seed)
-    # Shards that differ in distribution (sorted by the first feature), so per-shard statistics
-    # are far from the batch's.
-    x = rng.normal(size=(n, 6)).astype(np.float32)
-    x = x[np.argsort(x[:, 0])]
-    y = rng.normal(size=(n, 3)).astype(np.float32)
-    variables = _Net(None).init(jax.random.key(seed), x[:2], train=False)
-    return {"x": x, "y": y}, variables["params"], {"batch_stats": variables["batch_stats"]}
+    batch = sorted_regression_batch(seed, n)
+    variables = _Net(None).init(jax.random.key(seed), batch["x"][:2], train=False)
+    return batch, variables["params"], {"batch_stats": variables["batch_stats"]}
 
 
-def _loss_fn(net):
-    def loss(params, model_state, batch):
-        out, updates = net.apply({"params": params, **model_state}, batch["x"],
-                                 mutable=["batch_stats"])
-        return jnp.mean((out - batch["y"]) ** 2), updates
-
-    return loss
+_loss_fn = batch_stats_loss
 
 
 def test_axis_name_that_is_not_the_meshs_is_a_clear_error():

@@ -285,3 +285,43 @@ def test_two_level_mesh():
     assert len(implicit) == 2 and given == ()
     assert max_abs_diff(got, want) < 1e-6
     assert (sent, hosts) == (sent_given, hosts_given) and hosts > 0
+
+
+def test_nnx_syncbn():
+    """``jddp.nnx``: an ``nnx.BatchNorm(axis_name="data")`` scale left to JAX, training equal to
+    the all-bucket program and to one device with the whole batch's statistics."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, axis_name, rngs):
+            self.l1 = nnx.Linear(6, 16, rngs=rngs)
+            self.bn = nnx.BatchNorm(16, momentum=0.9, axis_name=axis_name, rngs=rngs)
+            self.out = nnx.Linear(16, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.bn(self.l1(x))))
+
+    def mse(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    batch = sorted_regression_batch(3)
+    runs = {}
+    for name, kwargs in {"default": {}, "given": {"bucket_cap_mb": 25}}.items():
+        ddp = jddp.nnx.DataParallel(Net("data", nnx.Rngs(0)), optax.sgd(0.1), loss_fn=mse,
+                                    **kwargs)
+        state = ddp.init()
+        for _ in range(3):
+            state, _ = ddp.step(state, batch)
+        plan = ddp.bucket_plan
+        runs[name] = ([plan.paths[i] for i in plan.implicit], state.params)
+    (implicit, got), (given, want) = runs["default"], runs["given"]
+    assert implicit == ["bn.scale.value"]
+    assert given == []
+    assert max_abs_diff(got, want) < 1e-6
+
+    model = Net(None, nnx.Rngs(0))  # one device: the whole batch's statistics
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    for _ in range(3):
+        grads = nnx.grad(mse)(model, batch)
+        opt.update(model, grads)
+    assert max_abs_diff(jax.tree.leaves(got), jax.tree.leaves(nnx.state(model, nnx.Param))) < 2e-5

@@ -117,18 +117,14 @@ class BucketPlan(NamedTuple):
         ]
         rows.append(f"{'#':>3}  {'bytes':>10}  {'dtype':<9} {'leaves':>6}  parameters")
         for i, b in enumerate(self.buckets):
-            names = ", ".join(b.paths)
-            if len(names) > 90:
-                names = names[:87] + "..."
             rows.append(
-                f"{i:>3}  {fmt_bytes(b.nbytes):>10}  {str(b.dtype):<9} {len(b.indices):>6}  {names}"
+                f"{i:>3}  {fmt_bytes(b.nbytes):>10}  {str(b.dtype):<9} {len(b.indices):>6}  "
+                f"{_clipped(b.paths)}"
             )
         if self.implicit:
-            names = ", ".join(self.paths[i] for i in self.implicit)
-            if len(names) > 90:
-                names = names[:87] + "..."
             rows.append(f"  -  {len(self.implicit)} leaves reduced by JAX where they meet "
-                        f"per-device values (no bucket): {names}")
+                        f"per-device values (no bucket): "
+                        f"{_clipped([self.paths[i] for i in self.implicit])}")
         if self.unused:
             rows.append(
                 "unused (no gradient, not reduced): "
@@ -138,6 +134,12 @@ class BucketPlan(NamedTuple):
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _clipped(paths: Sequence[str], width: int = 90) -> str:
+    """``paths`` joined for one table row, cut to ``width`` characters."""
+    names = ", ".join(paths)
+    return names if len(names) <= width else names[: width - 3] + "..."
 
 
 def assign_buckets(

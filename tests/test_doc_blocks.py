@@ -65,7 +65,7 @@ def blocks_of(path: pathlib.Path) -> list[Block]:
         end = i + 1
         while end < len(lines) and lines[end].strip() != ticks:
             end += 1
-        body = [ln[indent:] if ln[:indent].isspace() else ln.lstrip() for ln in lines[i + 1:end]]
+        body = [ln[indent:] if not ln[:indent].strip() else ln.lstrip() for ln in lines[i + 1:end]]
         found.append(Block(rel, i + 1, m["info"].strip(), "\n".join(body) + "\n"))
         i = end + 1
     return found

@@ -115,3 +115,19 @@ def test_documented_arguments_sit_in_their_args_section():
     for p in inspect.signature(jddp.DataParallel.__init__).parameters:
         if p not in ("self", "renamed"):
             assert re.search(rf"^\s{{2,4}}{p}: ", args, re.MULTILINE), p
+
+
+def test_site_hooks_render_notest_fences_as_python_and_roles_as_code():
+    """The docs site's two source filters (mkdocs.yml loads them; skipped without the docs extra)."""
+    import pytest
+
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("griffe")
+    hooks = _script("mkdocs_hooks")
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_uri="x.md"))
+    md = "```python notest\n# notest: why\n```\n![plot](../benchmarks/out/peers.png)\n"
+    assert hooks.on_page_markdown(md, page=page) == (
+        "```python\n# notest: why\n```\n![plot](benchmarks/out/peers.png)\n")
+    rst = _script("griffe_rst")
+    assert rst.markdown("See :func:`plan_buckets` and :class:`~jddp.BucketPlan`. Example::\n") == (
+        "See `plan_buckets` and `jddp.BucketPlan`. Example:\n")

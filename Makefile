@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # without those devices; jddp's own runs here use the CPU backend.
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: train test lint bench clean
+.PHONY: train test lint docs bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ $(VENV)/.train-deps: pyproject.toml | $(VENV)/bin/python
 # The tests also need the dev tools and the compile-only GPU/TPU compilers (about 350 MB).
 $(VENV)/.test-deps: pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e ".[dev,xla-compile]"
+	touch $@
+
+# The docs site's tools (mkdocs, mkdocs-material, mkdocstrings-python).
+$(VENV)/.docs-deps: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e ".[docs]"
 	touch $@
 
 # A real data-parallel training run on 8 simulated CPU devices, with a progress bar and a result.
@@ -38,7 +43,12 @@ test: $(VENV)/.test-deps
 lint: $(VENV)/.test-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) docs/gen_api.py --check
+	$(PY) scripts/module_map.py --check
+
+# The docs site (mkdocs.yml) in site/; --strict: a warning, a broken link or a missing reference
+# fails the build. The API pages are rendered from the docstrings.
+docs: $(VENV)/.docs-deps
+	$(VENV)/bin/mkdocs build --strict
 
 # Every benchmark: tables on stdout, JSON and PNG under benchmarks/out/ (about 45 minutes on 2
 # cores; the GPU overlap report alone takes 3-6, the local SGD convergence runs about 10).
@@ -58,4 +68,4 @@ bench: $(VENV)/.test-deps
 	$(PY) benchmarks/scaling_hosts.py --json $(OUT)/scaling_hosts.json --png $(OUT)/scaling_hosts.png
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) out site .pytest_cache

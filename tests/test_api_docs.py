@@ -1,31 +1,49 @@
-"""docs/api.md is generated from the docstrings (docs/gen_api.py) and must be current."""
+"""The API reference (docs/api/, rendered by mkdocstrings from the docstrings) covers the public
+API, and the module map of docs/design.md (scripts/module_map.py) is current."""
 
+import importlib
 import importlib.util
+import inspect
 import pathlib
+import pkgutil
+import re
+import types
 
 import jddp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+API = ROOT / "docs" / "api"
+_DIRECTIVE = re.compile(r"^::: ([\w.]+)", re.MULTILINE)
 
 
-def _gen_api():
-    spec = importlib.util.spec_from_file_location("gen_api", ROOT / "docs" / "gen_api.py")
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_api_md_is_up_to_date():
-    expected = _gen_api().render()
-    current = (ROOT / "docs" / "api.md").read_text()
-    assert current == expected, "docs/api.md is out of date: run python docs/gen_api.py"
+def _public_modules(package):
+    """The public modules of ``package`` (no leading ``_``, subpackages included), by name."""
+    pkg = importlib.import_module(package)
+    names = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+    return [importlib.import_module(f"{package}.{n}") for n in names]
+
+
+def _directives():
+    """Every ``::: name`` of docs/api/*.md, and the pages that hold them."""
+    found = {}
+    for page in sorted(API.glob("*.md")):
+        for name in _DIRECTIVE.findall(page.read_text()):
+            found.setdefault(name, []).append(page.name)
+    return found
 
 
 def test_design_module_map_is_up_to_date():
-    gen = _gen_api()
+    gen = _script("module_map")
     current = (ROOT / "docs" / "design.md").read_text()
     assert current == gen.render_design(current), (
-        "the module map in docs/design.md is out of date: run python docs/gen_api.py"
+        "the module map in docs/design.md is out of date: run python scripts/module_map.py"
     )
     for path in (ROOT / "jddp").rglob("*.py"):  # every module is in it
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -33,20 +51,35 @@ def test_design_module_map_is_up_to_date():
         assert f"| `{name}` |" in current, name
 
 
-def test_every_public_name_is_documented():
-    text = (ROOT / "docs" / "api.md").read_text()
-    for name in jddp.__all__:
-        assert f"jddp.{name}" in text
-    public = _gen_api().public_modules("jddp")
-    assert {m.__name__ for m in public} >= {"jddp.hooks", "jddp.mesh", "jddp.nnx", "jddp.trainer"}
-    for module in public:
-        for name in module.__all__:
-            assert f"{module.__name__}.{name}" in text
-    modules = _gen_api().subpackage_modules("jddp.perf")
-    assert {m.__name__ for m in modules} >= {"jddp.perf.costmodel", "jddp.perf.schedule"}
+def test_every_public_module_has_its_api_section():
+    """mkdocstrings renders a module's ``__all__``; each public module needs one directive."""
+    found = _directives()
+    modules = [jddp, *_public_modules("jddp"), *_public_modules("jddp.perf")]
+    assert {m.__name__ for m in modules} >= {"jddp.hooks", "jddp.trainer", "jddp.perf.costmodel"}
+    missing = [m.__name__ for m in modules if m.__name__ not in found]
+    assert not missing, f"no '::: name' section in docs/api/ for {missing}"
     for module in modules:
-        for name in module.__all__:
-            assert f"{module.__name__}.{name}" in text
+        names = getattr(module, "__all__", None)
+        if module.__name__ != "jddp.perf":  # the subpackage's modules are its API
+            assert names, f"{module.__name__} has no __all__ (mkdocstrings would guess its API)"
+        for name in names or ():
+            assert hasattr(module, name), f"{module.__name__}.__all__ names missing {name!r}"
+    stale = [n for n in found if n != "jddp" and not _importable(n)]
+    assert not stale, f"docs/api/ documents names that do not exist: {stale}"
+
+
+def _importable(name):
+    module, _, attr = name.rpartition(".")
+    try:
+        return isinstance(importlib.import_module(name), types.ModuleType)
+    except ImportError:
+        return hasattr(importlib.import_module(module), attr)
+
+
+def test_every_api_page_is_in_the_nav():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in API.glob("*.md"):
+        assert f"api/{page.name}" in nav, page.name
 
 
 def test_package_is_typed():
@@ -55,10 +88,8 @@ def test_package_is_typed():
 
 def test_documented_arguments_sit_in_their_args_section():
     """An argument documented after another section (DataParallel's local_sgd once followed the
-    Metrics paragraph) renders as loose text in api.md, outside the argument list."""
-    import inspect
-    import re
-
+    Metrics paragraph) renders as loose text, outside the argument list; and every argument of
+    DataParallel is in its Args (the API page is where the options are listed)."""
     for name in jddp.__all__:
         obj = getattr(jddp, name)
         doc = inspect.getdoc(obj)
@@ -79,8 +110,24 @@ def test_documented_arguments_sit_in_their_args_section():
             if m and m.group(1) in params:
                 assert section in ("Args", "Attributes"), (
                     f"{name}: argument {m.group(1)!r} documented outside Args")
-    api = (ROOT / "docs" / "api.md").read_text()
-    block = api.split("### `jddp.DataParallel`", 1)[1].split("\n### ", 1)[0]
+    doc = inspect.getdoc(jddp.DataParallel)
+    args = doc.split("\nArgs:\n", 1)[1]
     for p in inspect.signature(jddp.DataParallel.__init__).parameters:
         if p not in ("self", "renamed"):
-            assert f"\n- {p}: " in block, p
+            assert re.search(rf"^\s{{2,4}}{p}: ", args, re.MULTILINE), p
+
+
+def test_site_hooks_render_notest_fences_as_python_and_roles_as_code():
+    """The docs site's two source filters (mkdocs.yml loads them; skipped without the docs extra)."""
+    import pytest
+
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("griffe")
+    hooks = _script("mkdocs_hooks")
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_uri="x.md"))
+    md = "```python notest\n# notest: why\n```\n![plot](../benchmarks/out/peers.png)\n"
+    assert hooks.on_page_markdown(md, page=page) == (
+        "```python\n# notest: why\n```\n![plot](benchmarks/out/peers.png)\n")
+    rst = _script("griffe_rst")
+    assert rst.markdown("See :func:`plan_buckets` and :class:`~jddp.BucketPlan`. Example::\n") == (
+        "See `plan_buckets` and `jddp.BucketPlan`. Example:\n")

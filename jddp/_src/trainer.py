@@ -144,10 +144,12 @@ def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
 class DataParallel:
     """Data-parallel training of ``loss_fn`` with ``optimizer`` over a data mesh.
 
-    Parameters are replicated on every device, the global batch is split on its leading dimension,
-    each device computes gradients of its shard, and the gradients are averaged across devices in
-    size-capped buckets reduced from inside the backward pass (like PyTorch DDP). A step on N
-    devices equals a single-device step of ``loss_fn`` on the whole batch.
+    Parameters are replicated on every device, the global batch is split on its leading
+    dimension, and gradients are averaged across devices in size-capped buckets reduced from
+    inside the backward pass (like PyTorch DDP): a step on N devices equals a single-device step
+    of ``loss_fn`` on the whole batch. ``step`` consumes (donates) its input state: keep using the
+    state it returns. Guide: [Getting started](../getting-started.md); how a step runs:
+    [Concepts](../concepts.md).
 
     Example::
 
@@ -155,142 +157,61 @@ class DataParallel:
         state = ddp.init(params)
         state, metrics = ddp.step(state, batch)   # batch: leading dim = global batch
 
-    ``step`` consumes (donates) its input state: keep using the state it returns.
-
     Args:
-      loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss over its shard of the batch; with
-        ``has_aux``, ``(loss, metrics)`` where ``metrics`` is a dict of float scalars (averaged over
-        devices and returned with the loss). When ``init`` is given ``model_state``:
-        ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``, or with ``has_aux``
-        ``(loss, (new_model_state, metrics))``. With ``weighted``, ``loss`` is the unreduced
-        losses of the shard (per example, or per token). See docs/model_state.md.
-      optimizer: an optax ``GradientTransformation``; it sees the averaged gradients, so
-        transforms such as ``clip_by_global_norm`` act on the global gradient.
+      loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss of its shard; with ``has_aux``,
+        ``(loss, metrics)``; with model state, ``loss_fn(params, model_state, batch) -> (loss,
+        new_model_state)``; with ``weighted``, unreduced losses; with ``rng``, a last argument.
+      optimizer: an optax ``GradientTransformation``; it sees the averaged (global) gradients.
       mesh: the data mesh (default: ``jddp.data_mesh()``, every device).
-      bucket_cap_mb: bucket cap in MiB, packed by DDP's rule (``jddp.buckets.assign_buckets``),
-        or ``"auto"`` or ``"model"`` (below). Not given (nor ``first_bucket_mb``, nor
-        ``bucket_plan``): the plan ``"model"`` would pick among those with at least DDP's
-        number of buckets, chosen inside the step's own trace
-        (no timing, no extra trace; ``cap_choice`` says why and how to pin it), for stage 0
-        with the default all-reduce hook, not ``deterministic``, no ``local_sgd``, on XLA:CPU
-        (its built-in table); elsewhere, and on GPU/TPU, DDP's default: 25 MiB buckets after
-        a 1 MiB first one. ``"auto"``: the first call of
-        ``step`` times the step at the caps that give different bucket plans for this model
-        (on copies of the state; one compile each), each round against 25 MiB, and keeps a cap
-        only when it beats 25 MiB by more than 3% and by more than the spread of its own rounds
-        (else 25 MiB), within ``max_tune_s`` (120 s); ``cap_choice`` reports the ratios, the
-        spreads and the number that pins the choice. A ``jddp.buckets.AutoCap(...)`` changes
-        the candidates, rounds, margin and time bound. Or ``"model"``: the cost model picks
-        the plan (cap and first bucket) from the traced gradient sizes, with no timing, on the
-        first call of ``step``, ``lower`` or ``plan``; on XLA:CPU from a built-in table, on
-        GPU/TPU DDP's plan unless a ``jddp.buckets.ModelCap(cluster=..., backward_s=...)``
-        describes the machine. Deterministic: every process picks the same plan. See
-        docs/performance.md.
-      first_bucket_mb: cap of the first bucket in MiB. By default PyTorch DDP's rule: 1 MiB
-        when ``bucket_cap_mb`` is not given (or is ``"auto"``), none (the first bucket is capped
-        like the others) when it is given; pass ``first_bucket_mb=1.0`` to keep a small one.
-      has_aux: ``loss_fn`` also returns a dict of metrics.
+      bucket_cap_mb: bucket cap in MiB (DDP's packing), ``"auto"`` (timed on the first step) or
+        ``"model"`` (the cost model's plan). Default: the cost model's plan on XLA:CPU, else DDP's
+        1 MiB then 25 MiB; ``ddp.cap_choice`` says which ([Bucket caps](../performance.md)).
+      first_bucket_mb: cap of the first bucket in MiB (DDP's rule: 1 MiB when no cap is given).
+      has_aux: ``loss_fn`` also returns a dict of scalar metrics (averaged over devices).
       hook: communication hook for each bucket (default: mean all-reduce), e.g.
-        ``jddp.fp16_compress()`` or ``jddp.powersgd(rank=1)``.
-      bucket_plan: a fixed plan to use instead of planning from the traced use order.
-      chain: how buckets are kept apart in the compiled step: ``"auto"`` (``"barrier"`` on GPU,
-        ``"add"`` on CPU and TPU), ``"add"``, ``"barrier"``, or ``"none"`` to let XLA's combiner
-        merge all-reduces as it likes.
+        ``jddp.fp16_compress()`` or ``jddp.powersgd(rank=1)`` ([hooks](../hooks.md)).
+      bucket_plan: a fixed plan instead of one planned from the traced use order.
+      chain: how buckets are kept apart in the compiled step: ``"auto"``, ``"add"``,
+        ``"barrier"`` or ``"none"`` (XLA's combiner merges as it likes).
       donate: donate the old state's buffers to the new one (default True).
-      model_state_sync: how new model state is made consistent across replicas: ``"broadcast"``
-        (replica 0's, bit-exact; DDP's ``broadcast_buffers``), ``"mean"`` (averaged; integer leaves
-        broadcast) or ``"none"`` (one state per replica). No extra collective: it rides on the last
-        bucket's all-reduce.
-      weighted: ``loss_fn`` returns unreduced losses and ``step`` takes an optional ``mask`` (or
-        weights) of their shape; the step averages over real entries only, across devices and
-        accumulated micro-batches (uneven final batches, padding tokens; see ``jddp.pad_batch``).
-        A step whose mask has no real entry is skipped (``metrics["skipped"]``).
-      keep_unused: keep parameters without a gradient path to the loss in the buckets (by
-        default they are left out, with a one-time warning naming them, and get zero gradients).
-      skip_not_finite: skip the update (params, optimizer, model and hook state, ``state.step``)
-        when the reduced gradient has a NaN or Inf; ``metrics["skipped"]`` is 1.0 for a skipped
-        step, else 0.0. With accumulation the decision is taken on the synchronising call, on the
-        whole window's reduced gradient; a skipped window is still consumed.
-      compiler_options: XLA options for compiling the step (``jax.jit(compiler_options=...)``),
-        e.g. ``jddp.perf.xla_flags.recommended("gpu", cap).compiler_options``.
-      accumulate_steps: ``k > 1`` accumulates local gradients over ``k`` calls of ``step`` and
-        reduces once, on the ``k``-th (DDP's ``no_sync``); ``step(state, batch, sync=...)``
-        chooses explicitly. See docs/accumulate.md.
-      microbatches: ``m > 1`` splits each device's batch into ``m`` micro-batches scanned inside
-        one step, with one reduction per bucket after the loop.
-      accumulator_dtype: dtype of the local gradient sums (default float32, or the parameter dtype
-        if wider).
-      shard_accumulator: at ``zero_stage`` 2-3 with ``accumulate_steps > 1``, every accumulating
-        call reduce-scatters its gradients (one reduce-scatter per bucket) into an accumulator
-        split like the parameters, ``P/N`` per device, instead of a full-size local sum on every
-        device: memory for bandwidth (``k`` reduce-scatters per window instead of one; FSDP2's
-        ``set_requires_gradient_sync`` trade). ``None`` (default): sharded at stages 2-3 when the
-        hook reduce-scatters without state and there is no local SGD or ``deterministic``;
-        ``False``: the local sum. See docs/accumulate.md.
-      zero_stage: sharded data parallelism (ZeRO): 0 replicates parameters, gradients and
-        optimizer state on every device (DDP, the default); 1 shards the optimizer state over the
-        data axis (each device updates its piece of the parameters, then they are all-gathered);
-        2 also reduce-scatters each bucket's gradients from inside the backward pass; 3 also
-        keeps only a piece of each parameter, all-gathering each bucket right before its first
-        use. Training is the same at every stage, for any optax transformation. See
-        docs/sharded.md.
-      hybrid_shard: with ``zero_stage >= 1`` on a two-level mesh (``data_mesh(hosts=...)``),
-        split the sharded state over the devices of each host only and replicate it across
-        hosts (PyTorch FSDP's ``HYBRID_SHARD``, MaxText's FSDP inside a slice and data
-        parallelism across): each bucket is reduce-scattered inside the host and its pieces
-        all-reduced across hosts, so the slow link carries ``1/L`` of the gradient bytes, and
-        parameters are gathered inside the host only. Memory per device falls by the local
-        device count ``L`` instead of ``N``. See docs/scaling.md.
-      reshard_after_forward: at ``zero_stage=3`` (default ``True``, FSDP's default): each
-        gathered parameter is dropped after its forward use and gathered again for the
-        backward, so the step's peak holds a few gathered layers, not the model; ``False``
-        keeps the gathered buckets from the forward pass until the backward is done (fewer
-        gathers, more memory). An int ``k`` (ZeRO++'s hpZ, FSDP2's int): after the forward
-        each device keeps a ``1/k`` slice of every gathered parameter, and the backward gathers
-        it again over its group of ``k`` consecutive devices only; on a two-level mesh pass
-        the devices per host (or a divisor of it), so the backward gathers stay inside the
-        host. ``k`` must divide the devices the parameters are sharded over (and, on a
-        two-level mesh, the devices per host); ``1`` is ``False`` and that device count
-        ``True``. Not accepted at stages 0-2 (nothing is gathered there).
-      rng: ``loss_fn`` takes a last argument ``rng``, one PRNG key per example of its shard, and
-        ``step(state, batch, rng=key)`` takes the run's key; each example's key is derived from
-        the key, ``state.step`` and the example's position in the global batch, so dropout masks
-        differ across devices and steps and equal a single device's (``jddp.random``).
-      sum_metrics: names of aux metrics to sum over devices and micro-batches instead of
-        averaging (counts, token totals); with ``weighted``, arrays shaped like the loss are
-        summed over the real entries. No extra collective.
-      loss_scale: dynamic loss scaling for float16 training, ``jddp.precision.DynamicScale()``
-        (Flax's ``DynamicScale`` rule): the loss is scaled in the backward pass, the reduced
-        gradients unscaled; a step with a non-finite gradient is skipped on every replica and
-        the scale shrinks, it grows after ``growth_interval`` finite steps.
+      model_state_sync: ``"broadcast"`` (replica 0's, DDP's ``broadcast_buffers``), ``"mean"`` or
+        ``"none"`` ([model state](../model_state.md)).
+      weighted: ``loss_fn`` returns unreduced losses and ``step`` takes a ``mask`` of their shape;
+        the step averages over real entries only (uneven batches, padding tokens).
+      keep_unused: keep parameters without a gradient path to the loss in the buckets.
+      skip_not_finite: skip the update on every replica when the reduced gradient has a NaN or
+        Inf (``metrics["skipped"]``).
+      compiler_options: XLA options for compiling the step (``jax.jit(compiler_options=...)``).
+      accumulate_steps: ``k > 1`` accumulates over ``k`` calls of ``step`` and reduces on the
+        ``k``-th (DDP's ``no_sync``; [accumulation](../accumulate.md)).
+      microbatches: ``m > 1`` scans ``m`` micro-batches inside one step, one reduction after.
+      accumulator_dtype: dtype of the local gradient sums (default float32, or wider params').
+      shard_accumulator: at ``zero_stage`` 2-3 with accumulation, reduce-scatter every call into
+        an accumulator split like the parameters (default: when the hook allows it).
+      zero_stage: 0 replicates everything (DDP); 1 shards the optimizer state, 2 also the
+        gradients, 3 also the parameters ([ZeRO](../sharded.md)).
+      hybrid_shard: with ``zero_stage >= 1`` on a two-level mesh, shard inside each host and
+        replicate across hosts (FSDP's ``HYBRID_SHARD``; [slow links](../scaling.md)).
+      reshard_after_forward: at ``zero_stage=3``: ``True`` (default) gathers each parameter again
+        for the backward, ``False`` keeps the forward's gathers, an int ``k`` is ZeRO++'s hpZ.
+      rng: ``loss_fn`` takes one PRNG key per example and ``step(state, batch, rng=key)`` the
+        run's key (dropout equal to a single device's).
+      sum_metrics: names of aux metrics summed over devices instead of averaged.
+      loss_scale: ``jddp.precision.DynamicScale()`` for float16 training; ``state.loss_scale``
+        holds the scale, ``metrics["loss_scale"]`` reports it.
       mixed_precision: ``jddp.precision.MixedPrecision(param_dtype=..., reduce_dtype=...)``
-        (FSDP2's ``MixedPrecisionPolicy``): float32 master parameters and optimizer state,
-        forward and backward in ``param_dtype`` (stage 3 gathers it), gradients reduced in
-        ``reduce_dtype``; see docs/precision.md.
-        ``state.loss_scale`` holds the scale, ``metrics["loss_scale"]`` reports it.
+        ([mixed precision](../precision.md)).
       local_sgd: ``jddp.local_sgd.post_local_sgd(period, start_step)`` or
-        ``jddp.local_sgd.diloco(period)``: replicas (the hosts of a two-level mesh, else every
-        device) train apart and average their parameters every ``period`` steps; gradients are
-        still reduced inside a host every step. ``state.params`` then holds one copy per replica
-        (read :meth:`global_params` to evaluate). See docs/scaling.md.
-      deterministic: the same parameters, bit for bit, on any power-of-two device count, process
-        count, two-level mesh, ``microbatches`` and power-of-two ``accumulate_steps`` split of
-        the same global batches: the batch is cut into groups of ``group_size`` examples whose
-        gradients are summed in one fixed pairwise tree (fixed-order all-to-all and all-gather
-        instead of the bucketed all-reduce). The device count must divide the number of groups.
-        With model state, ``model_state_sync="mean"`` (each group starts from the step's state,
-        the new state is the groups' mean). See docs/deterministic.md.
+        ``jddp.local_sgd.diloco(period)``: replicas average parameters every ``period`` steps.
+      deterministic: the same parameters, bit for bit, on any power-of-two layout of the same
+        global batches ([determinism](../deterministic.md)).
       group_size: examples per group with ``deterministic=True`` (default 8).
-      verify_every: every ``K`` calls of ``step``, a cheap check that the replicas' parameters
-        are still equal (one uint32 hash per parameter and device, one small all-gather; it
-        waits for that step): ``jddp.ReplicaDivergenceError`` names the leaf and the replicas
-        whose copy differs (silent data corruption, a bad custom hook). See docs/report.md.
+      verify_every: every ``K`` steps check that the replicas' parameters are equal
+        (``jddp.ReplicaDivergenceError``; [reports](../report.md)).
 
     Metrics: ``metrics["loss"]``, the aux metrics, ``"comm_bytes"``, ``"skipped"`` (with
-    ``skip_not_finite``, ``weighted`` or ``loss_scale``), and every scalar hyperparameter of an
-    ``optax.inject_hyperparams`` optimizer under its name (``"learning_rate"``), read from the
-    optimizer state after the update; the names the step writes itself are reserved for it
-    (``jddp._src.objective.STEP_METRICS``).
+    ``skip_not_finite``, ``weighted`` or ``loss_scale``), and each scalar hyperparameter of an
+    ``optax.inject_hyperparams`` optimizer (``"learning_rate"``).
     """
 
     def __init__(

@@ -634,7 +634,9 @@ def advise_bucket_cap(
       cluster: the devices and links to plan for.
       candidates_mb: caps to try, in MiB (``math.inf``: one bucket).
       first_bucket_mb: the first bucket's cap (clipped to each candidate).
-      backward_s, forward_s, optimizer_s: compute times when ``model`` is not a profile.
+      backward_s: the backward pass's compute time in seconds when ``model`` is not a profile.
+      forward_s: the forward pass's compute time, likewise.
+      optimizer_s: the optimizer update's compute time, likewise.
       tolerance: relative slack; the smallest cap within ``(1 + tolerance)`` of the best
         prediction is chosen.
 

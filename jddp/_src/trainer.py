@@ -206,8 +206,7 @@ class DataParallel:
         accumulated micro-batches (uneven final batches, padding tokens; see ``jddp.pad_batch``).
         A step whose mask has no real entry is skipped (``metrics["skipped"]``).
       keep_unused: keep parameters without a gradient path to the loss in the buckets (by
-        default they are left out, with a one-time warning naming them, and the optimizer
-        leaves them unchanged, as DDP's skip a ``None`` gradient: no weight decay).
+        default they are left out, with a one-time warning naming them, and get zero gradients).
       skip_not_finite: skip the update (params, optimizer, model and hook state, ``state.step``)
         when the reduced gradient has a NaN or Inf; ``metrics["skipped"]`` is 1.0 for a skipped
         step, else 0.0. With accumulation the decision is taken on the synchronising call, on the

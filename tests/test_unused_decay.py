@@ -6,7 +6,6 @@ optax's semantics (the leaf is reduced and updated like any other)."""
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

@@ -379,8 +379,9 @@ class Loader:
                 if self._spec is None:
                     self._spec = _spec_of(example)
                 examples.append(_check_example(self._spec, example, int(i)))
+            # Every process holds at least one row, all of them real examples: a spec was read.
+            assert self._spec is not None
             spec = self._spec
-            assert spec is not None  # every process holds at least one row, all of them real
             arrays = [np.stack([e[j] for e in examples]) for j in range(len(spec.shapes))]
         self._spec = spec
         return spec, arrays

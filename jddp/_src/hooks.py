@@ -721,7 +721,7 @@ class _PowerSGD:
     def check_states(self, grads, states) -> None:
         """Raises a clear error for states this hook did not make (e.g. a TrainState built by a
         trainer without the hook, whose per-leaf states are ``()``), before indexing them."""
-        for i, (g, st) in enumerate(zip(grads, states, strict=True)):
+        for g, st in zip(grads, states, strict=True):
             want = jax.eval_shape(lambda g=g: self.init(jax.ShapeDtypeStruct(g.shape, g.dtype)))
             # jaxlib types PyTreeDef loosely for mypy; the comparison is real.
             same = jax.tree.structure(st) == jax.tree.structure(want)  # type: ignore[operator]

@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -227,3 +228,59 @@ def test_simulate_strategy_orders_the_strategies_on_a_slow_link():
     # (it cannot overlap the backward).
     assert cm.simulate_strategy(profile, cluster, "local_sgd", period=1).step_s > (
         est["hierarchical"].step_s)
+
+
+def _example_lm_params(dtype=jnp.float32):
+    """The parameter shapes of examples/train_lm.py's default TransformerLM (width 96, 2 blocks,
+    byte vocabulary, sequence 64, tied output), without initialising it."""
+    from flax import linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            y = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=96,
+                                                deterministic=True)(nn.LayerNorm()(x), mask=mask)
+            x = x + y
+            return x + nn.Dense(96)(nn.gelu(nn.Dense(4 * 96)(nn.LayerNorm()(x))))
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            embed = nn.Embed(256, 96)
+            x = embed(tokens) + self.param("pos", nn.initializers.normal(0.02), (64, 96))
+            for _ in range(2):
+                x = Block()(x, nn.make_causal_mask(tokens))
+            return embed.attend(nn.LayerNorm()(x))
+
+    shapes = jax.eval_shape(lambda: LM().init(jax.random.key(0), jnp.zeros((1, 64), jnp.int32)))
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), shapes["params"])
+
+
+def test_advisor_identical_predictions_on_the_example_lm_are_explained():
+    """Issue 35: the advisor predicted identical numbers for every bucket cap on the LM. Why: its
+    gradients (0.97 MiB in float32) fit in DDP's 1 MiB first bucket, so every cap from 1 MiB up
+    makes the same single bucket, and a prediction is a function of the buckets. The advice now
+    says so (``same_buckets``, ``note``, the table); caps that cut differently still differ."""
+    params = _example_lm_params()
+    total = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(params))
+    assert 0.9 * MiB < total < MiB
+    cluster = cm.ClusterSpec(8)
+    adv = cm.advise_bucket_cap(params, cluster, backward_s=0.01)
+    preds = dict(adv.predictions)
+    big = [c for c in preds if c >= 1.0]
+    assert {preds[c].iteration_s for c in big} == {preds[1.0].iteration_s}
+    assert all(preds[c].num_buckets == 1 for c in big)
+    assert preds[0.25].num_buckets == 4 and preds[0.25].iteration_s != preds[1.0].iteration_s
+    assert adv.same_buckets() == {c: (1.0 if c >= 1.0 else c) for c in preds}
+    assert "like a smaller candidate" in adv.note and "(= 1: same buckets)" in adv.table()
+    # bf16 parameters (0.49 MiB) and the "model" candidates: not one cap changes the plan.
+    half = cm.advise_bucket_cap(_example_lm_params(jnp.bfloat16), cluster, backward_s=0.01,
+                                candidates_mb=(0.5, 1, 2, 4, 8, 16, 25, 50, 100))
+    assert len({est.iteration_s for _, est in half.predictions}) == 1
+    assert half.note.startswith("Every candidate cap cuts the 0.486 MiB of gradients into the "
+                                "same 1 bucket(s)") and "does not matter" in half.note
+    # A model larger than the caps: every candidate cuts differently, no note.
+    spread = cm.advise_bucket_cap([MiB] * 64, cluster, backward_s=0.05,
+                                  candidates_mb=(0.5, 2, 8, 32, 128))
+    assert spread.note == "" and "same buckets" not in spread.table()
+

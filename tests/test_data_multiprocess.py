@@ -73,8 +73,9 @@ for step in range(int(state.step), STEPS):
     x = np.asarray(multihost_utils.process_allgather(batch["x"], tiled=True))
     real = (np.ones(BATCH, bool) if mask is None
             else np.asarray(multihost_utils.process_allgather(mask, tiled=True)))
-    assert np.array_equal(x[real], data["x"][ids[real]]) and not x[~real].any()
-    log.write(json.dumps({"step": step, "ids": ids[real].tolist(), "reads": source.reads,
+    assert np.array_equal(x, data["x"][ids])  # padding rows too: real examples (wrap-around)
+    log.write(json.dumps({"step": step, "ids": ids[real].tolist(), "all": ids.tolist(),
+                          "reads": source.reads,
                           "rows": [list(r) for r in loader.local_rows]}) + "\n")
     log.flush()
     state, _ = ddp.step(state, batch, mask=mask)
@@ -142,12 +143,12 @@ def test_two_processes_read_disjoint_halves_and_resume_on_one_process(tmp_path):
     for a, b in zip(r0[:start], r1[:start], strict=True):
         assert a["ids"] == b["ids"] == ref_ids[a["step"]]  # the global batch of 1 x 8
         assert not set(a["reads"]) & set(b["reads"])  # disjoint reads ...
-        assert a["reads"] + b["reads"] == a["ids"]  # ... that make up the batch exactly once
-        assert len(a["reads"]) == 8  # rank 0 holds rows 0-7, always real here
+        assert a["reads"] + b["reads"] == a["all"]  # ... that make up the batch exactly once
+        assert len(a["reads"]) == len(b["reads"]) == 8  # the padding rows read by their holder
     resumed = _read(tmp_path / "resume.0.jsonl")
     assert [r["step"] for r in resumed] == list(range(start, STEPS))
     for r in resumed:  # the exact next examples, read by the one process
-        assert r["ids"] == ref_ids[r["step"]] and r["reads"] == r["ids"]
+        assert r["ids"] == ref_ids[r["step"]] and r["reads"] == r["all"]
     with np.load(tmp_path / "final.npz") as z:
         for k, v in ref_params.items():  # Gloo sums in another order: a tolerance
             np.testing.assert_allclose(z[k], v, rtol=1e-5, atol=1e-6)

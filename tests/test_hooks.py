@@ -185,6 +185,23 @@ def test_powersgd_state_in_data_parallel():
     assert bytes_seen[3] < bytes_seen[0] / 4
 
 
+@pytest.mark.parametrize("start_iter", [0, 1000])
+def test_powersgd_given_a_state_built_without_it_is_a_clear_error(start_iter):
+    """Issue 35: a TrainState from a trainer without a hook, given to a powersgd trainer, failed
+    deep inside jddp with ``TypeError: tuple indices must be integers or slices, not str``; now it
+    is an error naming the hook, the expected state and the fix, in the plain phase too."""
+    params, batch = _mlp()
+    state = jddp.DataParallel(_mlp_loss, optax.sgd(0.1)).init(params)
+    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=jddp.powersgd(start_iter=start_iter))
+    with pytest.raises(ValueError, match=r"powersgd hook got a state it did not make(.|\n)*"
+                       r"without this hook(.|\n)*ddp\.init\(params\)"):
+        ddp.step(state, batch)
+    other = jddp.DataParallel(_mlp_loss, optax.sgd(0.1),
+                              hook=jddp.powersgd(start_iter=0, warm_start=False))
+    with pytest.raises(ValueError, match="other powersgd options"):
+        other.step(ddp.init(params), batch)
+
+
 def test_comm_bytes_metric():
     params, batch = _mlp()
     nbytes = sum(x.size * 4 for x in jax.tree.leaves(params))

@@ -363,3 +363,53 @@ def test_mixed_precision_keeps_the_model_state_dtypes():
         state, metrics = ddp.step(state, b)
     assert jax.tree.map(lambda x: x.dtype, state.model_state) == dtypes
     assert np.isfinite(float(metrics["loss"]))
+
+
+def _mse(m, b):
+    return ((m(b["x"]) - b["y"]) ** 2).mean()
+
+
+def test_rng_true_with_a_two_argument_loss_is_a_clear_error_at_construction():
+    """Issue 35: ``rng=True`` with ``loss_fn(model, batch)`` failed at the first step with Python's
+    bare ``loss_fn() takes 2 positional arguments but 3 were given``; now the constructor names
+    the option and both fixes. The converse (a three-argument loss without rng) too."""
+    model = MLP(nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"rng=True passes one PRNG key(.|\n)*loss_fn\(m, b\)"
+                                        r"(.|\n)*drop rng=True"):
+        jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=_mse, rng=True)
+    with pytest.raises(TypeError, match=r"needs rng=True"):
+        jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=lambda m, b, rng: _mse(m, b))
+    for ok in (lambda m, b, rng: _mse(m, b), lambda m, b, *rest: _mse(m, b)):
+        jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=ok, rng=True)  # accepted
+
+
+class _Free(nnx.Module):
+    """A module whose parameter shape is not a static attribute (the graphdef cannot tell)."""
+
+    def __init__(self, n):
+        self.w = nnx.Param(jnp.ones((n, 3)))
+
+    def __call__(self, x):
+        return x @ self.w
+
+
+def test_update_into_a_model_of_another_shape_is_a_clear_error():
+    """Issue 35: ``ddp.update`` wrote a state into an NNX model of another shape without error
+    (nnx.update replaces the arrays); now it is refused, naming the leaf and both shapes, and the
+    model is left as it was."""
+    ddp = jddp.nnx.DataParallel(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn=_mse)
+    state = ddp.init()
+    wider = MLP(nnx.Rngs(1))
+    wider.out = nnx.Linear(32, 5, rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="structure of the model this DataParallel was built"):
+        ddp.update(wider, state)
+    assert wider.out.kernel.shape == (32, 5)
+    free = jddp.nnx.DataParallel(_Free(6), optax.sgd(0.1), loss_fn=_mse)
+    other = _Free(4)
+    with pytest.raises(ValueError, match=r"parameter \['w'\] of the model has shape \(4, 3\), "
+                                         r"the state's has \(6, 3\)"):
+        free.update(other, free.init())
+    assert other.w.shape == (4, 3)
+    same = _Free(6)
+    free.update(same, free.init(_Free(6)))  # the same shapes still update in place
+    assert same.w.shape == (6, 3)

@@ -18,7 +18,7 @@ of it) and gets the same sums; each places only the rows of its own devices.
 
 A data set too large for every process to hold is evaluated through a ``jddp.data.Loader`` over a
 held-out source (``shuffle=False``, ``drop_last=False``): ``evaluate(variables, loader)`` runs one
-epoch of it, each process reading only its own rows, with the loader's zero-padded, masked short
+epoch of it, each process reading only its own rows, with the loader's padded, masked short
 last batch; every real example is counted once on any process count.
 """
 

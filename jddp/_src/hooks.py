@@ -638,6 +638,12 @@ def _q_init(n: int, m: int, r: int, seed: int, step: Any = None) -> jax.Array:
     return _orthogonalize(jax.random.normal(key, (m, r), jnp.float32))
 
 
+def _describe(state: Any) -> str:
+    """A hook state's structure with each leaf's dtype and shape, for messages."""
+    shown = jax.tree.map(lambda x: f"{jnp.result_type(x)}{list(jnp.shape(x))}", state)
+    return repr(shown) if jax.tree.leaves(state) else repr(state)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _PowerSGD:
     """The functions of a :func:`powersgd` hook, over its validated options (see there)."""
@@ -712,7 +718,29 @@ class _PowerSGD:
             )
         return st
 
+    def check_states(self, grads, states) -> None:
+        """Raises a clear error for states this hook did not make (e.g. a TrainState built by a
+        trainer without the hook, whose per-leaf states are ``()``), before indexing them."""
+        for g, st in zip(grads, states, strict=True):
+            want = jax.eval_shape(lambda g=g: self.init(jax.ShapeDtypeStruct(g.shape, g.dtype)))
+            # jaxlib types PyTreeDef loosely for mypy; the comparison is real.
+            same = jax.tree.structure(st) == jax.tree.structure(want)  # type: ignore[operator]
+            if same and all(jnp.shape(x) == w.shape and jnp.result_type(x) == w.dtype
+                            for x, w in zip(jax.tree.leaves(st), jax.tree.leaves(want),
+                                            strict=True)):
+                continue
+            expected = jax.tree.map(lambda w: f"{w.dtype}{list(w.shape)}", want)
+            raise ValueError(
+                f"The powersgd hook got a state it did not make for a gradient leaf of shape "
+                f"{list(g.shape)}: {_describe(st)}, where it keeps {expected or '()'}. The "
+                "TrainState was built by a DataParallel without this hook (or with other "
+                "powersgd options: rank, warm_start, error_feedback, min_compression_rate). "
+                "Build it with this trainer (state = ddp.init(params)), or restore a checkpoint "
+                "through it (jddp.checkpoint.restore_or_init(mngr, ddp, params))."
+            )
+
     def reduce(self, grads, states, ctx: HookContext):
+        self.check_states(grads, states)
         if not any(self.ranks(grads)):
             return self.plain(grads, states, ctx)
         # The residual depends on local gradients: make the state vary like them in both branches.

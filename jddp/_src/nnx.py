@@ -19,6 +19,7 @@ Two entry points:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,54 @@ def wrap(
         return loss_fn(nnx.merge(graphdef, params, rest), *args)
 
     return loss_over_params, params, rest
+
+
+def _check_loss_arity(loss_fn: Callable[..., Any], rng: bool) -> None:
+    """A ``loss_fn`` that cannot take the step's arguments is refused at construction, naming
+    the ``rng`` option, instead of a bare arity error from inside the first traced step."""
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # builtins and some C callables have none: trust them
+        return
+    args = ("model", "batch", "rng") if rng else ("model", "batch")
+    try:
+        sig.bind(*args)
+    except TypeError:
+        if rng:
+            raise TypeError(
+                f"rng=True passes one PRNG key per example as a third argument, "
+                f"loss_fn(model, batch, rng), but loss_fn{sig} cannot take it. Add the argument "
+                "(and draw dropout keys from it), or drop rng=True to use the model's own "
+                "nnx.Rngs."
+            ) from None
+        raise TypeError(
+            f"loss_fn is called as loss_fn(model, batch), but loss_fn{sig} cannot be. A loss "
+            "that takes per-example keys, loss_fn(model, batch, rng), needs rng=True."
+        ) from None
+
+
+def _check_same_shapes(model: nnx.Module, params: Any, rest: Any, graphdef: Any, wrt: Any) -> None:
+    """``model`` must have the structure, shapes and dtypes of the state written into it."""
+    model_graphdef, model_params, model_rest = _split(model, wrt)
+    if model_graphdef != graphdef:
+        raise ValueError(
+            "update(model, state): model does not have the structure of the model this "
+            "DataParallel was built with (other layers, sizes or options). Pass a model built "
+            "like that one, or ddp.merge(state) for a new model with the trained values."
+        )
+    for name, mine, theirs in (("parameter", model_params, params), ("model state", model_rest,
+                                                                     rest)):
+        want = jax.tree_util.tree_flatten_with_path(mine)[0]
+        got = jax.tree.leaves(theirs)
+        for (path, a), b in zip(want, got, strict=False):
+            if jax.numpy.shape(a) != jax.numpy.shape(b):
+                where = jax.tree_util.keystr(path).removesuffix(".value")  # the Variable's
+                raise ValueError(
+                    f"update(model, state): {name} {where} of the model has "
+                    f"shape {jax.numpy.shape(a)}, the state's has {jax.numpy.shape(b)}. Pass a "
+                    "model built like the one this DataParallel was built with, or "
+                    "ddp.merge(state) for a new model with the trained values."
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +235,7 @@ class DataParallel:
             _ModelLoss(graphdef, wrt, loss_fn, bool(has_aux)), optimizer, has_aux=has_aux,
             **options,
         )
+        _check_loss_arity(loss_fn, bool(getattr(core.config, "rng", False)))
         for name, value in (("graphdef", graphdef), ("wrt", wrt), ("_model", model),
                             ("core", core), ("step", core.step)):
             object.__setattr__(self, name, value)
@@ -247,8 +297,15 @@ class DataParallel:
 
     def update(self, model: nnx.Module, state: TrainState) -> None:
         """Writes the parameters and model state of ``state`` into ``model`` in place (with local
-        SGD the global parameters)."""
-        nnx.update(model, self.core.global_params(state), self._model_state(state))
+        SGD the global parameters).
+
+        Raises:
+          ValueError: ``model`` has another structure or other shapes than the model this was
+            built with (``nnx.update`` alone would write the state's arrays into it silently).
+        """
+        params, rest = self.core.global_params(state), self._model_state(state)
+        _check_same_shapes(model, params, rest, self.graphdef, self.wrt)
+        nnx.update(model, params, rest)
 
     def abstract_state(self, model: nnx.Module | None = None) -> TrainState:
         """The TrainState :meth:`init` would build, as shape structs with shardings."""

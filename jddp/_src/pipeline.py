@@ -855,7 +855,7 @@ def _optimizer_update(
     """
     if cfg.zero_stage == 0:
         updates, opt_state = cfg.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return _keep_unused(plan, params, optax.apply_updates(params, updates)), opt_state
     axis = cfg.shard_axis
     specs = layout.specs(params, axis)
     opt_specs = jax.tree.map(lambda x: zero.leaf_spec(jnp.shape(x), cfg.shard_count, axis),
@@ -864,13 +864,31 @@ def _optimizer_update(
     params = _constrain(cfg, params, specs)
     grads = _constrain(cfg, grads, specs)
     updates, opt_state = cfg.optimizer.update(grads, opt_state, params)
-    new = _constrain(cfg, optax.apply_updates(params, updates), specs)
+    new = _constrain(cfg, _keep_unused(plan, params, optax.apply_updates(params, updates)), specs)
     opt_state = _constrain(cfg, opt_state, opt_specs)
     if cfg.zero_stage < 3:
         last = [jax.tree.leaves(grads)[i] for i in (plan.buckets[-1].indices
                                                     if plan.buckets else ())]
         new = gather_params(cfg, new, layout, plan, after=last)
     return new, opt_state
+
+
+def _keep_unused(plan: BucketPlan, old: Any, new: Any) -> Any:
+    """``new`` with the plan's unused leaves (no gradient path to the loss) kept at ``old``.
+
+    PyTorch's DDP leaves a parameter that no rank used without a gradient (``.grad`` stays
+    ``None``) and its optimizers skip such a parameter, so AdamW's weight decay and a momentum
+    left from earlier steps do not move it; optax sees a zero gradient and would. The default
+    follows DDP (``find_unused_parameters`` users expect it); ``keep_unused=True`` puts the
+    leaves in the buckets and the optimizer updates them like any other (optax's semantics).
+    """
+    if not plan.unused:
+        return new
+    kept, treedef = jax.tree.flatten(new)
+    was = jax.tree.leaves(old)
+    for i in plan.unused:
+        kept[i] = was[i]
+    return jax.tree.unflatten(treedef, kept)
 
 
 def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:

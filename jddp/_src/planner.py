@@ -48,7 +48,7 @@ class BucketPlan(NamedTuple):
       buckets: in reduction order (bucket 0 is reduced first: the last layers of the model).
       unused: indices of leaves with no gradient path to the loss in the traced computation (no use
         at all, or uses that reach the loss only through integers or ``stop_gradient``); they are
-        in no bucket and get zero gradients.
+        in no bucket, get zero gradients, and a step leaves their values unchanged.
       treedef: the parameter tree structure the plan was built for.
       shapes: every leaf's shape, in tree-leaf order.
       dtypes: every leaf's dtype, in tree-leaf order.
@@ -320,7 +320,9 @@ def unused_message(paths: Sequence[str]) -> str:
     """The one-time warning that names the parameters left out of the buckets."""
     shown = ", ".join(paths[:20]) + (f", ... ({len(paths) - 20} more)" if len(paths) > 20 else "")
     return (
-        f"{len(paths)} parameter leaves have no gradient path to the loss: {shown}. They get zero "
-        "gradients and are left out of the gradient buckets (nothing is sent for them). If this "
-        "is unexpected, check that the loss uses them; pass keep_unused=True to reduce them anyway."
+        f"{len(paths)} parameter leaves have no gradient path to the loss: {shown}. They are left "
+        "out of the gradient buckets (nothing is sent for them) and out of the update (they keep "
+        "their values, no weight decay: PyTorch's optimizers skip a None gradient). If this is "
+        "unexpected, check that the loss uses them; pass keep_unused=True to reduce them and let "
+        "the optimizer update them anyway."
     )

@@ -20,6 +20,30 @@ what helps choose a configuration and check what XLA made of it:
 - :mod:`jddp.perf.topologies`: compile-only GPU and TPU meshes, to compile (not run) a step for
   hardware this machine does not have.
 
-The modules are imported explicitly, e.g. ``from jddp.perf import costmodel``; importing
-``jddp.perf`` alone imports none of them.
+Each module is imported on first use: ``import jddp.perf`` alone imports none of them (they pull
+in the profiler, HLO readers and compile-only topologies that training does not need), and
+``jddp.perf.profile.StepTimer(...)`` after ``import jddp`` (or ``import jddp.perf``) imports
+:mod:`jddp.perf.profile` when the attribute is first read; ``from jddp.perf import costmodel``
+works as well.
 """
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+#: The submodules, imported lazily by :func:`__getattr__`.
+SUBMODULES = ("calibrate", "costmodel", "profile", "profiles", "schedule", "topologies",
+              "traffic", "xla_flags")
+
+
+def __getattr__(name: str) -> ModuleType:
+    # PEP 562: ``jddp.perf.profile`` worked only after its own import statement (issue 35); the
+    # submodules stay unimported until first read, so importing jddp stays light.
+    if name in SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(SUBMODULES))

@@ -548,23 +548,67 @@ class CapAdvice(NamedTuple):
     predictions: tuple[tuple[float, IterationEstimate], ...]
     cluster: ClusterSpec
 
+    def same_buckets(self) -> dict[float, float]:
+        """For each candidate, the first candidate that cuts the gradients into the same buckets.
+
+        A prediction is a function of the buckets (which leaves, in which order), so caps that
+        cut alike predict identical times: every cap at or above the model's gradient bytes
+        gives the first bucket (``first_bucket_mb``) and one more, or one bucket if the whole
+        model fits in the first (a small model: the example LM's 0.97 MiB of gradients fit in
+        the default 1 MiB first bucket, so caps from 1 MiB up all predict the same iteration).
+        """
+        seen: dict[tuple, float] = {}
+        out = {}
+        for cap, est in self.predictions:
+            out[cap] = seen.setdefault(_grouping(est), cap)
+        return out
+
+    @property
+    def note(self) -> str:
+        """Why some predictions are identical ("" when every candidate cuts differently)."""
+        first = self.same_buckets()
+        if len(set(first.values())) == len(first):
+            return ""
+        est = self.predictions[0][1]
+        total = sum(b.nbytes for b in est.buckets) / MiB
+        if len(set(first.values())) == 1:
+            return (
+                f"Every candidate cap cuts the {total:.3g} MiB of gradients into the same "
+                f"{est.num_buckets} bucket(s) (first bucket {est.first_bytes / MiB:g} MiB), so "
+                "every prediction is identical: the cap does not matter for this model. Smaller "
+                "caps (or a smaller first_bucket_mb) are the only ones that change the plan."
+            )
+        alike = sorted({c for c, f in first.items() if c != f})
+        return (
+            f"Caps {', '.join(_fmt_cap(c) for c in alike)} cut the {total:.3g} MiB of gradients "
+            "like a smaller candidate (marked '=' in the table) and predict the same time."
+        )
+
     def table(self) -> str:
         """One row per candidate: predicted iteration, exposed communication, buckets."""
         rows = [
             f"{'cap MiB':>8} {'buckets':>7} {'iter ms':>9} {'exposed ms':>10} {'comm ms':>9} "
             f"{'overlap':>7}"
         ]
+        first = self.same_buckets()
         for cap, est in self.predictions:
             mark = "  <- suggested" if cap == self.cap_mb else ""
+            if first[cap] != cap:
+                mark += f"  (= {_fmt_cap(first[cap])}: same buckets)"
             rows.append(
                 f"{_fmt_cap(cap):>8} {est.num_buckets:>7} {est.iteration_s * 1e3:>9.3f} "
                 f"{est.exposed_comm_s * 1e3:>10.3f} {est.comm_s * 1e3:>9.3f} "
                 f"{est.overlap_fraction:>7.0%}{mark}"
             )
-        return "\n".join(rows)
+        return "\n".join(rows + ([self.note] if self.note else []))
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _grouping(est: IterationEstimate) -> tuple[tuple[int, ...], ...]:
+    """Which leaves each bucket of a prediction holds, in order: the plan it was predicted for."""
+    return tuple(b.leaves for b in est.buckets)
 
 
 def _fmt_cap(cap: float) -> str:

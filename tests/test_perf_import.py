@@ -1,0 +1,27 @@
+"""``jddp.perf``'s submodules are reachable as attributes without their own import (issue 35:
+``jddp.perf.profile`` raised AttributeError after ``import jddp``)."""
+
+import subprocess
+import sys
+
+from tests.launch_util import REPO, child_env
+
+
+def test_perf_submodules_import_on_first_attribute_access():
+    code = (
+        "import sys, jddp\n"
+        "assert 'jddp.perf.profile' not in sys.modules  # importing jddp stays light\n"
+        "print(jddp.perf.profile.StepTimer.__name__, jddp.perf.schedule.__name__)\n"
+        "print(sorted(set(jddp.perf.SUBMODULES) - set(dir(jddp.perf))))\n"
+        "try:\n"
+        "    jddp.perf.nonexistent\n"
+        "except AttributeError as e:\n"
+        "    print('AttributeError', e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "StepTimer jddp.perf.schedule"
+    assert lines[1] == "[]"
+    assert lines[2] == "AttributeError module 'jddp.perf' has no attribute 'nonexistent'"

@@ -763,6 +763,46 @@ def _terminate(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
         p.wait()
 
 
+def _number(kind: type, minimum: float, *, strict: bool, fix: str) -> Any:
+    """An argparse ``type=`` that parses ``kind`` and rejects values below ``minimum`` (or equal,
+    with ``strict``) as a usage error naming the bound and ``fix``."""
+    bound = f"{'>' if strict else '>='} {minimum:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if not (value > minimum if strict else value >= minimum):  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}; {fix}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+def _port(text: str) -> int:
+    """An argparse ``type=`` for a TCP port (1-65535)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(
+            f"must be a TCP port in 1-65535, got {text}; leave --port out to get a free one")
+    return port
+
+
+def _master_addr(text: str) -> str:
+    """An argparse ``type=`` for ``HOST:PORT`` (PORT + 1 must be a port too: the agents' channel)."""
+    try:
+        multinode.channel_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 class _Parser(argparse.ArgumentParser):
     """jddp-run's parser: every token from the script on belongs to the script.
 
@@ -815,36 +855,50 @@ def _parser() -> _Parser:
                f"left early; {EXIT_TIMEOUT} --timeout; {EXIT_PORT_IN_USE} --port in use; 128+N "
                "signal N. See docs/faults.md.",
     )
-    ap.add_argument("-n", "--nprocs", type=int, default=1, help="number of processes (ranks)")
-    ap.add_argument("--devices-per-process", type=int, default=None,
+    ap.add_argument("-n", "--nprocs", default=1,
+                    type=_number(int, 1, strict=False, fix="give the number of processes to run"), help="number of processes (ranks)")
+    ap.add_argument("--devices-per-process", default=None,
+                    type=_number(int, 1, strict=False,
+                                 fix="leave it out to use the platform's devices"),
                     help="simulated CPU devices per process (JDDP_LOCAL_DEVICE_COUNT)")
-    ap.add_argument("--grace", type=float, default=5.0,
+    ap.add_argument("--grace", default=5.0,
+                    type=_number(float, 0, strict=False, fix="0 sends SIGKILL at once"),
                     help="seconds between SIGTERM and SIGKILL when ending ranks (default 5)")
-    ap.add_argument("--timeout", type=float, default=None,
+    ap.add_argument("--timeout", default=None,
+                    type=_number(float, 0, strict=True, fix="leave it out for no limit"),
                     help="end the whole job, restarts included, after this many seconds "
                          f"(exit status {EXIT_TIMEOUT})")
-    ap.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
+    ap.add_argument("--step-timeout", default=None, metavar="SECONDS",
+                    type=_number(float, 0, strict=True,
+                                 fix="leave it out to turn the watchdog off"),
                     help="watchdog: end the job when no rank completes a training step for this "
                          f"long (exit status {EXIT_STUCK}; default: off)")
-    ap.add_argument("--first-step-timeout", type=float, default=None, metavar="SECONDS",
+    ap.add_argument("--first-step-timeout", default=None, metavar="SECONDS",
+                    type=_number(float, 0, strict=True,
+                                 fix="leave it out for 10 x --step-timeout"),
                     help="the same limit until the first step completes (start-up, compilation; "
                          "default 10 x --step-timeout, at least 60)")
-    ap.add_argument("--max-restarts", type=int, default=0, metavar="N",
+    ap.add_argument("--max-restarts", default=0, metavar="N",
+                    type=_number(int, 0, strict=False, fix="0 never restarts"),
                     help="run the whole job again after a failure or preemption, up to N times "
                          "(default 0)")
-    ap.add_argument("--preemption-grace", type=float, default=30.0, metavar="SECONDS",
+    ap.add_argument("--preemption-grace", default=30.0, metavar="SECONDS",
+                    type=_number(float, 0, strict=False, fix="the default is 30"),
                     help="after a preemption (SIGTERM), how long ranks get to save and exit "
                          "(default 30)")
-    ap.add_argument("--port", type=int, default=None,
+    ap.add_argument("--port", type=_port, default=None,
                     help="coordinator port on 127.0.0.1 (default: a free port)")
-    ap.add_argument("--nnodes", type=int, default=1,
+    ap.add_argument("--nnodes", default=1,
+                    type=_number(int, 1, strict=False, fix="1 is a one-node job"),
                     help="number of nodes; run jddp-run on each (default 1)")
-    ap.add_argument("--node-rank", type=int, default=0,
+    ap.add_argument("--node-rank", default=0,
+                    type=_number(int, 0, strict=False, fix="nodes count from 0"),
                     help="this node's index in [0, --nnodes) (default 0)")
-    ap.add_argument("--master-addr", default=None, metavar="HOST:PORT",
+    ap.add_argument("--master-addr", type=_master_addr, default=None, metavar="HOST:PORT",
                     help="node 0's address and the JAX coordinator's port (needed with "
                          "--nnodes > 1; the agents also use PORT+1)")
-    ap.add_argument("--rdzv-timeout", type=float, default=120.0, metavar="SECONDS",
+    ap.add_argument("--rdzv-timeout", default=120.0, metavar="SECONDS",
+                    type=_number(float, 0, strict=True, fix="the default is 120"),
                     help="how long the nodes wait for each other at start (default 120)")
     ap.add_argument("--no-prefix", action="store_true",
                     help="do not prefix output lines with [rankN]")
@@ -861,16 +915,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     launcher, script_args = ap.split(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(launcher)
     args.args = script_args
-    if args.nprocs < 1:
-        _parser().error("-n must be >= 1")
-    if args.max_restarts < 0:
-        _parser().error("--max-restarts must be >= 0")
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        _parser().error("need --nnodes >= 1 and 0 <= --node-rank < --nnodes")
+    if not args.node_rank < args.nnodes:
+        ap.error(f"--node-rank {args.node_rank} is not below --nnodes {args.nnodes}: nodes "
+                 "count from 0, so --node-rank must be in [0, --nnodes)")
     if args.nnodes > 1 and args.master_addr is None:
-        _parser().error("--nnodes > 1 needs --master-addr HOST:PORT (node 0's address)")
+        ap.error("--nnodes > 1 needs --master-addr HOST:PORT (node 0's address)")
     if args.master_addr is not None and args.port is not None:
-        _parser().error("give either --port or --master-addr HOST:PORT, not both")
+        ap.error("give either --port or --master-addr HOST:PORT, not both")
     command = [sys.executable, "-u"] + (["-m"] if args.module else []) + [args.script]
     return launch(
         command + list(args.args),

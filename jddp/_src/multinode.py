@@ -60,8 +60,11 @@ class AttemptEnd(NamedTuple):
 def channel_address(master_addr: str) -> tuple[str, int]:
     """``(host, port + 1)`` for ``master_addr = "host:port"``: where node 0's agent listens."""
     host, sep, port = master_addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"--master-addr must be HOST:PORT, got {master_addr!r}")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ValueError(
+            f"--master-addr must be HOST:PORT with a port in 1-65534 (the agents also use "
+            f"PORT+1), got {master_addr!r}: give node 0's address and a free port, e.g. "
+            "10.0.0.1:29500")
     return host.strip("[]"), int(port) + 1
 
 

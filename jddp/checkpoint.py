@@ -52,6 +52,7 @@ import numpy as np
 
 from jddp import distributed
 from jddp._src import hostsync
+from jddp._src.nnx import DataParallel as NnxDataParallel
 
 __all__ = ["manager", "restore", "restore_or_init", "save", "save_if_due", "wait"]
 
@@ -197,6 +198,15 @@ def _path(path: Any) -> str:
 _PER_DEVICE = ("hook_state", "accum", "model_state")
 
 
+def _stored_shape(leaf: Any) -> tuple[int, ...]:
+    """The shape orbax stores for ``leaf``: a typed PRNG key array (``key<fry>``, e.g. an NNX
+    model's ``nnx.Rngs`` state) is written as its key data, with the key's trailing dimension."""
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+        return tuple(data.shape)
+    return tuple(leaf.shape)
+
+
 def _per_device_changes(saved: Any, abstract: Any) -> list[tuple[str, tuple, tuple]]:
     """``(path, saved_shape, new_shape)`` of per-device leaves whose device count changed.
 
@@ -217,7 +227,7 @@ def _per_device_changes(saved: Any, abstract: Any) -> list[tuple[str, tuple, tup
         )
     changed = []
     for path, leaf in wanted.items():
-        old, new = saved_shapes[path], tuple(leaf.shape)
+        old, new = saved_shapes[path], _stored_shape(leaf)
         if old == new:
             continue
         spec: tuple = tuple(getattr(getattr(leaf, "sharding", None), "spec", ()))
@@ -379,11 +389,22 @@ def restore_or_init(
     instead of starting a job whose processes disagree.
 
     Args:
-      ddp: the ``jddp.DataParallel`` (or anything with its ``init`` and ``abstract_state``).
-      params: the initial parameters; when restoring, only their shapes and dtypes are used.
-      model_state: the initial model state (e.g. BatchNorm statistics), if any.
+      ddp: the ``jddp.DataParallel`` (or anything with its ``init`` and ``abstract_state``), or a
+        ``jddp.nnx.DataParallel``.
+      params: the initial parameters; when restoring, only their shapes and dtypes are used. For
+        a ``jddp.nnx.DataParallel``, the model (``ddp.init(model)``; its non-``Param`` state is
+        the model state).
+      model_state: the initial model state (e.g. BatchNorm statistics), if any (not with
+        ``jddp.nnx.DataParallel``: the model carries it).
       loader: a ``jddp.data.Loader`` saved with the checkpoints (``save_if_due(..., loader=)``).
     """
+    if isinstance(ddp, NnxDataParallel) and model_state is not None:
+        raise TypeError(
+            "restore_or_init(mngr, ddp, model): a jddp.nnx.DataParallel takes its model state "
+            "from the model (its non-Param variables); pass the model alone, without "
+            "model_state.")
+    # Only the arguments given: jddp.nnx.DataParallel.init takes one (the model).
+    args = (params,) if model_state is None else (params, model_state)
     step = mngr.latest_step()
     if jax.process_count() > 1:
         steps = hostsync.allgather(np.int64(-1 if step is None else step))
@@ -394,9 +415,9 @@ def restore_or_init(
                 "checkpoint directory (on several hosts, a shared file system)."
             )
     if step is None:
-        return ddp.init(params, model_state)
-    return restore(mngr, ddp.abstract_state(params, model_state), step=step,
-                   init_fn=lambda: ddp.init(params, model_state), loader=loader)
+        return ddp.init(*args)
+    return restore(mngr, ddp.abstract_state(*args), step=step, init_fn=lambda: ddp.init(*args),
+                   loader=loader)
 
 
 def save_if_due(

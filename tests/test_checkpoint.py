@@ -367,3 +367,73 @@ def test_async_save_killed_mid_write_resumes_from_the_last_complete_checkpoint(t
     with np.load(tmp_path / "plain.npz") as a, np.load(tmp_path / "resume.npz") as b:
         for k in ("w", "v"):
             np.testing.assert_array_equal(a[k], b[k])
+
+
+def _nnx_trainer(seed, **options):
+    """A fresh ``jddp.nnx.DataParallel`` over a model with BatchNorm statistics and a dropout
+    RNG stream (its model state holds typed PRNG keys and counts), built from ``seed``."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import jddp.nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(SIZES[0], 16, rngs=rngs)
+            self.bn = nnx.BatchNorm(16, rngs=rngs)
+            self.drop = nnx.Dropout(0.25, rngs=rngs)
+            self.l2 = nnx.Linear(16, SIZES[-1], rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(self.drop(self.bn(jnp.tanh(self.l1(x)))))
+
+    model = Net(nnx.Rngs(seed, dropout=seed + 1))
+    ddp = jddp.nnx.DataParallel(model, optax.adam(1e-2), model_state_sync="mean",
+                                loss_fn=lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
+                                **options)
+    return ddp, model
+
+
+@pytest.mark.parametrize("options", [{}, {"zero_stage": 3}], ids=["replicated", "zero3"])
+def test_nnx_trainer_saves_restores_and_resumes_bit_identically(tmp_path, options):
+    # The matrix cell "NNX x checkpoints" (issue 35 item 7): restore_or_init rejected a
+    # jddp.nnx.DataParallel (it called ddp.init(params, model_state)), and a model state holding
+    # nnx.Rngs keys (typed PRNG key arrays) failed restore's shape check.
+    batches = _batches(6)
+    ddp, model = _nnx_trainer(0, **options)
+    uninterrupted = _run(ddp, ddp.init(), batches)
+
+    mngr = ckpt.manager(tmp_path / "ckpt")
+    ddp1, model1 = _nnx_trainer(0, **options)
+    state = ckpt.restore_or_init(mngr, ddp1, model1)  # no checkpoint yet: ddp1.init(model1)
+    assert int(state.step) == 0
+    _assert_identical_keys(state, ddp1.init())
+    ckpt.save(mngr, _run(ddp1, state, batches[:3]))
+
+    # A fresh trainer around a model of other values: everything comes from the checkpoint.
+    ddp2, model2 = _nnx_trainer(5, **options)
+    restored = ckpt.restore_or_init(mngr, ddp2, model2)
+    assert int(restored.step) == 3
+    # restore (not restore_or_init) onto the NNX trainer's abstract state gives the same.
+    _assert_identical_keys(ckpt.restore(mngr, ddp2.abstract_state()), restored)
+    resumed = _run(ddp2, restored, batches[3:])  # (the step consumes its input state)
+    _assert_identical_keys(resumed, uninterrupted)
+    ddp2.update(model2, resumed)
+    ddp.update(model, uninterrupted)
+    _assert_identical_keys(nnx_state(model2), nnx_state(model))
+    with pytest.raises(TypeError, match="pass the model alone"):
+        ckpt.restore_or_init(mngr, ddp2, model2, {"bn": 1})
+
+
+def nnx_state(model):
+    from flax import nnx
+
+    return nnx.state(model)
+
+
+def _assert_identical_keys(a, b):
+    """``_assert_identical``, with typed PRNG keys (``nnx.Rngs`` state) compared by key data."""
+    def data(x):
+        return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+    _assert_identical(jax.tree.map(data, a), jax.tree.map(data, b))

@@ -51,7 +51,7 @@ import jax
 import numpy as np
 
 from jddp import distributed
-from jddp._src import hostsync
+from jddp._src import hostsync, rendezvous
 from jddp._src.nnx import DataParallel as NnxDataParallel
 
 __all__ = ["manager", "restore", "restore_or_init", "save", "save_if_due", "wait"]
@@ -156,24 +156,53 @@ def _save_args(mngr: Any, state: Any, loader: Any) -> Any:
     return lib.args.Composite(**items)
 
 
+# How long a process that reached save/restore waits for the others (see _expect_all).
+BARRIER_TIMEOUT_S = 10.0
+
+
+def _expect_all(call: str, step: int | None, timeout_s: float) -> None:
+    """Checks, within ``timeout_s``, that every process reached this save or restore.
+
+    They are collective (orbax coordinates the processes' writes and reads): a process calling
+    one alone, e.g. under ``if jddp.is_main_process():``, would otherwise wait forever for the
+    others, which wait for it in their next step.
+    """
+    at = "" if step is None else f"(step={step})"
+    rendezvous.expect_all(
+        call, f"{call}{at}", timeout_s,
+        f"{call} is collective: call it on every process with the same arguments (orbax "
+        "writes each array once), not only under `if jddp.is_main_process():`. If a process is "
+        f"merely late (e.g. it evaluates alone first), pass a larger barrier_timeout_s to {call}.")
+
+
 def save(
     mngr: Any, state: Any, *, step: int | None = None, overwrite: bool = False,
-    loader: Any = None, wait: bool = True,
+    loader: Any = None, wait: bool = True, barrier_timeout_s: float = BARRIER_TIMEOUT_S,
 ) -> int:
     """Saves ``state`` (and ``loader``'s state) at ``step`` (default ``state.step``).
 
     Refuses to replace an existing checkpoint of the same step unless ``overwrite`` is set, so
-    nothing saved is lost by a re-run.
+    nothing saved is lost by a re-run. Collective: in a multi-process job every process calls
+    it; a process that reaches it while another does not arrive within ``barrier_timeout_s``
+    raises instead of waiting forever.
 
     Args:
       loader: a ``jddp.data.Loader`` whose state (the next batch) is saved with the TrainState.
       wait: wait until the checkpoint is on disk (default); False returns once the state is
         copied to host memory when the manager writes asynchronously (see :func:`wait`).
+      barrier_timeout_s: how long to wait for the other processes to reach this save, once
+        this process's ``state`` is computed (default 10 s).
 
     Returns:
       The step saved.
+
+    Raises:
+      RuntimeError: another process did not call ``save`` within ``barrier_timeout_s``.
     """
+    # The state first: a step still running on this process is not the other processes' delay.
+    jax.block_until_ready(state)
     step = int(np.asarray(jax.device_get(state.step))) if step is None else int(step)
+    _expect_all("jddp.checkpoint.save", step, barrier_timeout_s)
     if step in mngr.all_steps():
         if not overwrite:
             raise FileExistsError(
@@ -280,6 +309,7 @@ def restore(
     step: int | None = None,
     init_fn: Callable[[], Any] | None = None,
     loader: Any = None,
+    barrier_timeout_s: float = BARRIER_TIMEOUT_S,
 ) -> Any:
     """Restores a TrainState saved by :func:`save` onto the shardings of ``target``.
 
@@ -301,8 +331,10 @@ def restore(
       loader: a ``jddp.data.Loader`` to put at the batch after the checkpoint's (its state is
         checked against the loader's data set and batching: a clear error if it differs). The
         loader state holds no process or device count, so it restores on any layout.
+      barrier_timeout_s: collective like :func:`save`: how long to wait for the other processes.
     """
     lib = _require_orbax()
+    _expect_all("jddp.checkpoint.restore", step, barrier_timeout_s)
     mngr.wait_until_finished()  # a save still in flight may be the latest step
     if step is None:
         step = mngr.latest_step()
@@ -422,7 +454,7 @@ def restore_or_init(
 
 def save_if_due(
     mngr: Any, state: Any, *, step: int | None = None, exit_on_preemption: bool = True,
-    loader: Any = None,
+    loader: Any = None, barrier_timeout_s: float = BARRIER_TIMEOUT_S,
 ) -> bool:
     """Saves ``state`` when due: on the manager's interval, or at the preemption sync point.
 
@@ -440,6 +472,7 @@ def save_if_due(
         check ``jddp.distributed.reached_preemption_point(step)`` yourself).
       loader: a ``jddp.data.Loader`` whose state is saved with the TrainState: call this after
         the step that consumed the loader's last batch, so the saved state is the next batch.
+      barrier_timeout_s: :func:`save`'s bound on the wait for the other processes.
 
     An interval save is asynchronous when the manager is (``async_save=True``): the step goes on while
     it is written, and the next save waits for it. A preemption save waits before exiting.
@@ -454,7 +487,8 @@ def save_if_due(
     preempted = distributed.reached_preemption_point(step)
     saved = False
     if (due or preempted) and step not in mngr.all_steps():
-        save(mngr, state, step=step, loader=loader, wait=preempted)
+        save(mngr, state, step=step, loader=loader, wait=preempted,
+             barrier_timeout_s=barrier_timeout_s)
         saved = True
     if preempted and exit_on_preemption:
         mngr.wait_until_finished()

@@ -437,3 +437,53 @@ def _assert_identical_keys(a, b):
         return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
     _assert_identical(jax.tree.map(data, a), jax.tree.map(data, b))
+
+
+# Process 0 alone saves (docs/cluster.md once said "only process 0 should write checkpoints");
+# process 1 goes on to its next steps.
+SAVE_ON_MAIN_ONLY = """
+import os, sys, time
+import numpy as np
+import jddp
+
+jddp.initialize(timeout_s=60)
+import jax.numpy as jnp, optax
+import jddp.checkpoint as ckpt
+
+mesh = jddp.data_mesh()
+ddp = jddp.DataParallel(lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), optax.sgd(0.1),
+                        mesh=mesh)
+mngr = ckpt.manager(os.path.join(sys.argv[1], "ckpt"))
+state = ddp.init({"w": np.ones((5, 3), np.float32)})
+for step in range(50):
+    r = np.random.default_rng(step)
+    batch = {"x": r.normal(size=(8, 5)).astype(np.float32),
+             "y": r.normal(size=(8, 3)).astype(np.float32)}
+    state, _ = ddp.step(state, jddp.shard_global_batch(batch, mesh))
+    if step == 2 and jddp.is_main_process():
+        print("SAVING AT", time.time(), flush=True)
+        ckpt.save(mngr, state, barrier_timeout_s=float(sys.argv[2]))
+"""
+
+
+@pytest.mark.slow
+def test_save_on_one_process_only_is_a_named_error_within_seconds(tmp_path):
+    # Issue 35 item 5: this hung until the watchdog or --timeout, with no hint of the save.
+    import textwrap
+    import time
+
+    from tests.launch_util import run_launcher
+
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SAVE_ON_MAIN_ONLY))
+    rc, out, err, secs = run_launcher(
+        ["-n", "2", "--devices-per-process", "2", "--grace", "2", "--timeout", "120",
+         str(script), str(tmp_path), "3"], timeout=150)
+    ended = time.time()
+    assert rc == 1, (out[-2000:], err[-4000:])
+    assert ("jddp.checkpoint.save(step=3) on process 0: process(es) 1 did not call it within "
+            "3 s. jddp.checkpoint.save is collective: call it on every process") in err, err[-4000:]
+    assert "[jddp-run] rank 0 exited with status 1" in err, err[-3000:]
+    saving = float(next(ln for ln in out.splitlines() if "SAVING AT" in ln).split()[-1])
+    # 3 s of barrier, then the launcher's teardown (2 s grace), with room for a loaded machine.
+    assert ended - saving < 25, (ended - saving, secs)

@@ -2,6 +2,7 @@
 both node agents on loopback: a stuck rank on one node restarts the whole job on both, a
 preemption of one node's agent ends both with the resume status."""
 
+import re
 import signal
 import subprocess
 import sys
@@ -154,7 +155,7 @@ def _final_line(out):
     """The status in a node's last "the job ended with status N" line."""
     lines = [ln for ln in out.splitlines() if "the job ended with status" in ln]
     assert lines, out
-    return int(lines[-1].split("the job ended with status ")[1].split()[0]), lines[-1]
+    return int(re.search(r"the job ended with status (\d+)", lines[-1]).group(1)), lines[-1]
 
 
 def test_hung_rank_on_node_1_is_named_on_every_node(tmp_path):

@@ -156,16 +156,17 @@ def _save_args(mngr: Any, state: Any, loader: Any) -> Any:
     return lib.args.Composite(**items)
 
 
-# How long a process that reached save/restore waits for the others (see _expect_all).
+# How long a process that reached save waits for the others (see _expect_all).
 BARRIER_TIMEOUT_S = 10.0
 
 
 def _expect_all(call: str, step: int | None, timeout_s: float) -> None:
-    """Checks, within ``timeout_s``, that every process reached this save or restore.
+    """Checks, within ``timeout_s``, that every process reached this call.
 
-    They are collective (orbax coordinates the processes' writes and reads): a process calling
-    one alone, e.g. under ``if jddp.is_main_process():``, would otherwise wait forever for the
-    others, which wait for it in their next step.
+    A save is collective (orbax coordinates the processes' writes): a process calling it alone,
+    e.g. under ``if jddp.is_main_process():``, would otherwise wait forever for the others,
+    which wait for it in their next step. Not in restore: the processes reach it after start-up,
+    whose length differs between processes by more than a short timeout on a loaded machine.
     """
     at = "" if step is None else f"(step={step})"
     rendezvous.expect_all(
@@ -309,7 +310,6 @@ def restore(
     step: int | None = None,
     init_fn: Callable[[], Any] | None = None,
     loader: Any = None,
-    barrier_timeout_s: float = BARRIER_TIMEOUT_S,
 ) -> Any:
     """Restores a TrainState saved by :func:`save` onto the shardings of ``target``.
 
@@ -331,10 +331,8 @@ def restore(
       loader: a ``jddp.data.Loader`` to put at the batch after the checkpoint's (its state is
         checked against the loader's data set and batching: a clear error if it differs). The
         loader state holds no process or device count, so it restores on any layout.
-      barrier_timeout_s: collective like :func:`save`: how long to wait for the other processes.
     """
     lib = _require_orbax()
-    _expect_all("jddp.checkpoint.restore", step, barrier_timeout_s)
     mngr.wait_until_finished()  # a save still in flight may be the latest step
     if step is None:
         step = mngr.latest_step()

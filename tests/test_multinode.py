@@ -158,6 +158,7 @@ def _final_line(out):
     return int(re.search(r"the job ended with status (\d+)", lines[-1]).group(1)), lines[-1]
 
 
+@pytest.mark.slow
 def test_hung_rank_on_node_1_is_named_on_every_node(tmp_path):
     # Issue 35 item 6: each node's watchdog saw only its own ranks and named them by their local
     # index ("rank 0" on both nodes); the rank that held the job up was never named.
@@ -177,6 +178,7 @@ def test_hung_rank_on_node_1_is_named_on_every_node(tmp_path):
     assert time.monotonic() - t < 45
 
 
+@pytest.mark.slow
 def test_failing_rank_on_node_1_is_named_with_its_error_and_one_status(tmp_path):
     # Issue 35 item 6: node 0 reported only its own ranks' statuses, a node could exit with
     # another status than the one it printed, and the exception line was not in the report.

@@ -49,6 +49,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jddp import distributed
 from jddp._src import hostsync, rendezvous
@@ -407,8 +408,29 @@ def _host_step(state: Any) -> int:
     return int(np.asarray(jax.device_get(state.step)))
 
 
+def _builders(ddp: Any, params: Any, model_state: Any) -> tuple[Callable[[], Any],
+                                                                 Callable[[], Any]]:
+    """``(init, abstract_state)`` of ``ddp`` for the arguments restore_or_init was given."""
+    if isinstance(ddp, NnxDataParallel) and (params is None or isinstance(params, nnx.Module)):
+        if model_state is not None:
+            raise TypeError(
+                "restore_or_init(mngr, ddp, model): a jddp.nnx.DataParallel takes its model state "
+                "from the model (its non-Param variables); pass the model alone, or the split "
+                "states: restore_or_init(mngr, ddp, *ddp.split(model)).")
+        model = () if params is None else (params,)
+        return lambda: ddp.init(*model), lambda: ddp.abstract_state(*model)
+    if isinstance(ddp, NnxDataParallel):  # the states of ddp.split(model)
+        ddp = ddp.core
+    if params is None:
+        raise TypeError("restore_or_init(mngr, ddp, params): jddp.DataParallel needs the initial "
+                        "parameters (only their shapes and dtypes are used when restoring).")
+    # Only the arguments given: a trainer's init may take the parameters alone.
+    args = (params,) if model_state is None else (params, model_state)
+    return lambda: ddp.init(*args), lambda: ddp.abstract_state(*args)
+
+
 def restore_or_init(
-    mngr: Any, ddp: Any, params: Any, model_state: Any = None, *, loader: Any = None
+    mngr: Any, ddp: Any, params: Any = None, model_state: Any = None, *, loader: Any = None
 ) -> Any:
     """The latest checkpoint in ``mngr`` restored for ``ddp``, or ``ddp.init(params, model_state)``.
 
@@ -422,19 +444,13 @@ def restore_or_init(
       ddp: the ``jddp.DataParallel`` (or anything with its ``init`` and ``abstract_state``), or a
         ``jddp.nnx.DataParallel``.
       params: the initial parameters; when restoring, only their shapes and dtypes are used. For
-        a ``jddp.nnx.DataParallel``, the model (``ddp.init(model)``; its non-``Param`` state is
-        the model state).
-      model_state: the initial model state (e.g. BatchNorm statistics), if any (not with
-        ``jddp.nnx.DataParallel``: the model carries it).
+        a ``jddp.nnx.DataParallel``: the model (default: the one it was built with; its
+        non-``Param`` state is the model state), or the ``Param`` state of ``ddp.split(model)``.
+      model_state: the initial model state (e.g. BatchNorm statistics), if any; with a
+        ``jddp.nnx.DataParallel``, only with the split ``Param`` state.
       loader: a ``jddp.data.Loader`` saved with the checkpoints (``save_if_due(..., loader=)``).
     """
-    if isinstance(ddp, NnxDataParallel) and model_state is not None:
-        raise TypeError(
-            "restore_or_init(mngr, ddp, model): a jddp.nnx.DataParallel takes its model state "
-            "from the model (its non-Param variables); pass the model alone, without "
-            "model_state.")
-    # Only the arguments given: jddp.nnx.DataParallel.init takes one (the model).
-    args = (params,) if model_state is None else (params, model_state)
+    init, abstract_state = _builders(ddp, params, model_state)
     step = mngr.latest_step()
     if jax.process_count() > 1:
         steps = hostsync.allgather(np.int64(-1 if step is None else step))
@@ -445,9 +461,8 @@ def restore_or_init(
                 "checkpoint directory (on several hosts, a shared file system)."
             )
     if step is None:
-        return ddp.init(*args)
-    return restore(mngr, ddp.abstract_state(*args), step=step, init_fn=lambda: ddp.init(*args),
-                   loader=loader)
+        return init()
+    return restore(mngr, abstract_state(), step=step, init_fn=init, loader=loader)
 
 
 def save_if_due(

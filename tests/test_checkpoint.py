@@ -421,6 +421,10 @@ def test_nnx_trainer_saves_restores_and_resumes_bit_identically(tmp_path, option
     ddp2.update(model2, resumed)
     ddp.update(model, uninterrupted)
     _assert_identical_keys(nnx_state(model2), nnx_state(model))
+    # The other spellings: the model it was built with, and the split states (the core's way).
+    _assert_identical_keys(ckpt.restore_or_init(mngr, ddp2), restored_again := ckpt.restore(
+        mngr, ddp2.abstract_state()))
+    _assert_identical_keys(ckpt.restore_or_init(mngr, ddp2, *ddp2.split(model2)), restored_again)
     with pytest.raises(TypeError, match="pass the model alone"):
         ckpt.restore_or_init(mngr, ddp2, model2, {"bn": 1})
 

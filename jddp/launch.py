@@ -497,6 +497,14 @@ def launch(
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    if devices_per_process is not None and devices_per_process < 1:
+        raise ValueError(f"devices_per_process must be >= 1 (or None: the platform's devices), "
+                         f"got {devices_per_process}")
+    for name, value in (("timeout_s", timeout_s), ("step_timeout_s", step_timeout_s),
+                        ("first_step_timeout_s", first_step_timeout_s),
+                        ("rdzv_timeout_s", rdzv_timeout_s)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 (or None: no limit), got {value}")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes, got nnodes={nnodes}, "
                          f"node_rank={node_rank}")

@@ -362,3 +362,15 @@ def test_bad_launcher_flags_are_usage_errors_naming_the_fix(args, says, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "usage: jddp-run" in err and says in err, err
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"devices_per_process": 0}, "devices_per_process must be >= 1"),
+    ({"step_timeout_s": -5.0}, "step_timeout_s must be > 0"),
+    ({"master_addr": "localhost"}, "--master-addr must be HOST:PORT"),
+])
+def test_launch_refuses_the_same_values_from_python(kw, says):
+    from jddp.launch import launch
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        launch([sys.executable, "-c", "pass"], 1, **kw)

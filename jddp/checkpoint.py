@@ -49,9 +49,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jddp import distributed
-from jddp._src import hostsync
+from jddp._src import hostsync, rendezvous
+from jddp._src.nnx import DataParallel as NnxDataParallel
 
 __all__ = ["manager", "restore", "restore_or_init", "save", "save_if_due", "wait"]
 
@@ -155,24 +157,54 @@ def _save_args(mngr: Any, state: Any, loader: Any) -> Any:
     return lib.args.Composite(**items)
 
 
+# How long a process that reached save waits for the others (see _expect_all).
+BARRIER_TIMEOUT_S = 10.0
+
+
+def _expect_all(call: str, step: int | None, timeout_s: float) -> None:
+    """Checks, within ``timeout_s``, that every process reached this call.
+
+    A save is collective (orbax coordinates the processes' writes): a process calling it alone,
+    e.g. under ``if jddp.is_main_process():``, would otherwise wait forever for the others,
+    which wait for it in their next step. Not in restore: the processes reach it after start-up,
+    whose length differs between processes by more than a short timeout on a loaded machine.
+    """
+    at = "" if step is None else f"(step={step})"
+    rendezvous.expect_all(
+        call, f"{call}{at}", timeout_s,
+        f"{call} is collective: call it on every process with the same arguments (orbax "
+        "writes each array once), not only under `if jddp.is_main_process():`. If a process is "
+        f"merely late (e.g. it evaluates alone first), pass a larger barrier_timeout_s to {call}.")
+
+
 def save(
     mngr: Any, state: Any, *, step: int | None = None, overwrite: bool = False,
-    loader: Any = None, wait: bool = True,
+    loader: Any = None, wait: bool = True, barrier_timeout_s: float = BARRIER_TIMEOUT_S,
 ) -> int:
     """Saves ``state`` (and ``loader``'s state) at ``step`` (default ``state.step``).
 
     Refuses to replace an existing checkpoint of the same step unless ``overwrite`` is set, so
-    nothing saved is lost by a re-run.
+    nothing saved is lost by a re-run. Collective: in a multi-process job every process calls
+    it; a process that reaches it while another does not arrive within ``barrier_timeout_s``
+    raises instead of waiting forever.
 
     Args:
       loader: a ``jddp.data.Loader`` whose state (the next batch) is saved with the TrainState.
       wait: wait until the checkpoint is on disk (default); False returns once the state is
         copied to host memory when the manager writes asynchronously (see :func:`wait`).
+      barrier_timeout_s: how long to wait for the other processes to reach this save, once
+        this process's ``state`` is computed (default 10 s).
 
     Returns:
       The step saved.
+
+    Raises:
+      RuntimeError: another process did not call ``save`` within ``barrier_timeout_s``.
     """
+    # The state first: a step still running on this process is not the other processes' delay.
+    jax.block_until_ready(state)
     step = int(np.asarray(jax.device_get(state.step))) if step is None else int(step)
+    _expect_all("jddp.checkpoint.save", step, barrier_timeout_s)
     if step in mngr.all_steps():
         if not overwrite:
             raise FileExistsError(
@@ -197,6 +229,15 @@ def _path(path: Any) -> str:
 _PER_DEVICE = ("hook_state", "accum", "model_state")
 
 
+def _stored_shape(leaf: Any) -> tuple[int, ...]:
+    """The shape orbax stores for ``leaf``: a typed PRNG key array (``key<fry>``, e.g. an NNX
+    model's ``nnx.Rngs`` state) is written as its key data, with the key's trailing dimension."""
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+        return tuple(data.shape)
+    return tuple(leaf.shape)
+
+
 def _per_device_changes(saved: Any, abstract: Any) -> list[tuple[str, tuple, tuple]]:
     """``(path, saved_shape, new_shape)`` of per-device leaves whose device count changed.
 
@@ -217,7 +258,7 @@ def _per_device_changes(saved: Any, abstract: Any) -> list[tuple[str, tuple, tup
         )
     changed = []
     for path, leaf in wanted.items():
-        old, new = saved_shapes[path], tuple(leaf.shape)
+        old, new = saved_shapes[path], _stored_shape(leaf)
         if old == new:
             continue
         spec: tuple = tuple(getattr(getattr(leaf, "sharding", None), "spec", ()))
@@ -367,8 +408,29 @@ def _host_step(state: Any) -> int:
     return int(np.asarray(jax.device_get(state.step)))
 
 
+def _builders(ddp: Any, params: Any, model_state: Any) -> tuple[Callable[[], Any],
+                                                                 Callable[[], Any]]:
+    """``(init, abstract_state)`` of ``ddp`` for the arguments restore_or_init was given."""
+    if isinstance(ddp, NnxDataParallel) and (params is None or isinstance(params, nnx.Module)):
+        if model_state is not None:
+            raise TypeError(
+                "restore_or_init(mngr, ddp, model): a jddp.nnx.DataParallel takes its model state "
+                "from the model (its non-Param variables); pass the model alone, or the split "
+                "states: restore_or_init(mngr, ddp, *ddp.split(model)).")
+        model = () if params is None else (params,)
+        return lambda: ddp.init(*model), lambda: ddp.abstract_state(*model)
+    if isinstance(ddp, NnxDataParallel):  # the states of ddp.split(model)
+        ddp = ddp.core
+    if params is None:
+        raise TypeError("restore_or_init(mngr, ddp, params): jddp.DataParallel needs the initial "
+                        "parameters (only their shapes and dtypes are used when restoring).")
+    # Only the arguments given: a trainer's init may take the parameters alone.
+    args = (params,) if model_state is None else (params, model_state)
+    return lambda: ddp.init(*args), lambda: ddp.abstract_state(*args)
+
+
 def restore_or_init(
-    mngr: Any, ddp: Any, params: Any, model_state: Any = None, *, loader: Any = None
+    mngr: Any, ddp: Any, params: Any = None, model_state: Any = None, *, loader: Any = None
 ) -> Any:
     """The latest checkpoint in ``mngr`` restored for ``ddp``, or ``ddp.init(params, model_state)``.
 
@@ -379,11 +441,16 @@ def restore_or_init(
     instead of starting a job whose processes disagree.
 
     Args:
-      ddp: the ``jddp.DataParallel`` (or anything with its ``init`` and ``abstract_state``).
-      params: the initial parameters; when restoring, only their shapes and dtypes are used.
-      model_state: the initial model state (e.g. BatchNorm statistics), if any.
+      ddp: the ``jddp.DataParallel`` (or anything with its ``init`` and ``abstract_state``), or a
+        ``jddp.nnx.DataParallel``.
+      params: the initial parameters; when restoring, only their shapes and dtypes are used. For
+        a ``jddp.nnx.DataParallel``: the model (default: the one it was built with; its
+        non-``Param`` state is the model state), or the ``Param`` state of ``ddp.split(model)``.
+      model_state: the initial model state (e.g. BatchNorm statistics), if any; with a
+        ``jddp.nnx.DataParallel``, only with the split ``Param`` state.
       loader: a ``jddp.data.Loader`` saved with the checkpoints (``save_if_due(..., loader=)``).
     """
+    init, abstract_state = _builders(ddp, params, model_state)
     step = mngr.latest_step()
     if jax.process_count() > 1:
         steps = hostsync.allgather(np.int64(-1 if step is None else step))
@@ -394,14 +461,13 @@ def restore_or_init(
                 "checkpoint directory (on several hosts, a shared file system)."
             )
     if step is None:
-        return ddp.init(params, model_state)
-    return restore(mngr, ddp.abstract_state(params, model_state), step=step,
-                   init_fn=lambda: ddp.init(params, model_state), loader=loader)
+        return init()
+    return restore(mngr, abstract_state(), step=step, init_fn=init, loader=loader)
 
 
 def save_if_due(
     mngr: Any, state: Any, *, step: int | None = None, exit_on_preemption: bool = True,
-    loader: Any = None,
+    loader: Any = None, barrier_timeout_s: float = BARRIER_TIMEOUT_S,
 ) -> bool:
     """Saves ``state`` when due: on the manager's interval, or at the preemption sync point.
 
@@ -419,6 +485,7 @@ def save_if_due(
         check ``jddp.distributed.reached_preemption_point(step)`` yourself).
       loader: a ``jddp.data.Loader`` whose state is saved with the TrainState: call this after
         the step that consumed the loader's last batch, so the saved state is the next batch.
+      barrier_timeout_s: :func:`save`'s bound on the wait for the other processes.
 
     An interval save is asynchronous when the manager is (``async_save=True``): the step goes on while
     it is written, and the next save waits for it. A preemption save waits before exiting.
@@ -433,7 +500,8 @@ def save_if_due(
     preempted = distributed.reached_preemption_point(step)
     saved = False
     if (due or preempted) and step not in mngr.all_steps():
-        save(mngr, state, step=step, loader=loader, wait=preempted)
+        save(mngr, state, step=step, loader=loader, wait=preempted,
+             barrier_timeout_s=barrier_timeout_s)
         saved = True
     if preempted and exit_on_preemption:
         mngr.wait_until_finished()

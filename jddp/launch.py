@@ -45,7 +45,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, BinaryIO, NamedTuple
 
 from jddp._src import multinode
@@ -177,11 +177,36 @@ def _describe(status: int) -> str:
     return f"status {status}"
 
 
-def _pump(stream: BinaryIO, out: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
-    """Copies `stream` to `out` line by line, each line prefixed (a partial last line too)."""
+class _ErrorLine:
+    """The exception line of the last Python traceback a rank printed (``ValueError: ...``).
+
+    Written by the rank's stderr pump, read once the rank has exited (and the pump is done): the
+    launcher's message about a failed rank names its error, which may be far above in the output
+    of a multi-node job, or cut from a rank that the launcher ended while it printed.
+    """
+
+    def __init__(self) -> None:
+        self.line = ""
+        self._in_traceback = False
+
+    def feed(self, line: bytes) -> None:
+        text = line.decode(errors="replace").rstrip()
+        if text.startswith("Traceback (most recent call last):"):
+            self._in_traceback = True
+        elif self._in_traceback and text and not text[0].isspace():
+            # The first line that is not indented ends the traceback: the exception itself.
+            self.line, self._in_traceback = text, False
+
+
+def _pump(stream: BinaryIO, out: BinaryIO, prefix: bytes, lock: threading.Lock,
+          error: _ErrorLine | None = None) -> None:
+    """Copies `stream` to `out` line by line, each line prefixed (a partial last line too);
+    `error` (if given) sees every line."""
     for line in iter(stream.readline, b""):
         if not line.endswith(b"\n"):
             line += b"\n"
+        if error is not None:
+            error.feed(line)
         with lock:
             out.write(prefix + line)
             out.flush()
@@ -329,7 +354,8 @@ class _Links:
             s.close()
 
 
-def _progress_lines(progress: Sequence[_RankProgress], ranks: Sequence[int]) -> str:
+def _progress_lines(progress: Mapping[int, _RankProgress], ranks: Sequence[int],
+                    label: Callable[[int], str]) -> str:
     """One phrase per rank: its last completed step, the step it is in, and who the others wait for.
 
     A rank that has not started the step the others are in holds them up (it is stuck outside
@@ -345,12 +371,12 @@ def _progress_lines(progress: Sequence[_RankProgress], ranks: Sequence[int]) -> 
         else:
             where = ", not inside a step"
         mark = " <- the others wait for it" if p.dispatched < furthest else ""
-        parts.append(f"rank {r}: {done}{where}{mark}")
+        parts.append(f"{label(r)}: {done}{where}{mark}")
     return "; ".join(parts)
 
 
-def _early_exit(progress: Sequence[_RankProgress], exited_ok: set[int],
-                running: set[int]) -> str | None:
+def _early_exit(progress: Mapping[int, _RankProgress], exited_ok: set[int],
+                running: set[int], label: Callable[[int], str]) -> str | None:
     """A message if a rank left normally while another is inside a step it never started."""
     leavers = [r for r in sorted(exited_ok | {q for q in running if progress[q].exiting})]
     for r in leavers:
@@ -359,14 +385,14 @@ def _early_exit(progress: Sequence[_RankProgress], exited_ok: set[int],
                    and progress[s].dispatched > last]
         if waiting:
             step = "before its first step" if last < 0 else f"after step {last}"
-            who = ", ".join(f"rank {s} (in step {progress[s].dispatched})" for s in waiting)
+            who = ", ".join(f"{label(s)} (in step {progress[s].dispatched})" for s in waiting)
             # An announced exit is the end of the script or sys.exit(n), whatever n: Python
             # does not tell atexit handlers the status (jddp.distributed.hard_exit(n) does not
             # announce, so its status reaches the launcher).
             verb = ("exited with status 0" if r in exited_ok
                     else "is exiting (end of script or sys.exit)")
-            return (f"rank {r} {verb} {step} while {who} waits for it inside a step that needs "
-                    "every rank")
+            return (f"{label(r)} {verb} {step} while {who} waits for it inside a step that "
+                    "needs every rank")
     return None
 
 
@@ -376,6 +402,8 @@ class _Outcome(NamedTuple):
     status: int
     reason: str  # why, for the restart message ("" on success)
     restartable: bool
+    time: float = 0.0  # when the cause was seen (Unix time), which orders failures across nodes
+    ranks: tuple[multinode.RankEnd, ...] = ()  # how each of this node's ranks ended
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,6 +421,21 @@ class _Options:
     prefix_output: bool
     rank_offset: int = 0  # global rank of this node's first rank (multi-node)
     world_size: int | None = None  # ranks on all nodes (None: num_processes)
+    nnodes: int = 1
+
+
+def _label(options: _Options, rank: int) -> str:
+    """``rank 3``, or ``rank 3 (node 1)`` in a multi-node job (``rank``: global)."""
+    if options.nnodes > 1:
+        return f"rank {rank} (node {rank // options.num_processes})"
+    return f"rank {rank}"
+
+
+def _statuses(options: _Options, ranks: Sequence[multinode.RankEnd]) -> str:
+    """Every rank's exit status, for the note at the end of a failed job."""
+    return "; ".join(
+        f"{_label(options, r.rank)}: {_describe(r.status)}"
+        f"{', ended by jddp-run' if r.ended else ''}" for r in ranks)
 
 
 def launch(
@@ -454,6 +497,14 @@ def launch(
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    if devices_per_process is not None and devices_per_process < 1:
+        raise ValueError(f"devices_per_process must be >= 1 (or None: the platform's devices), "
+                         f"got {devices_per_process}")
+    for name, value in (("timeout_s", timeout_s), ("step_timeout_s", step_timeout_s),
+                        ("first_step_timeout_s", first_step_timeout_s),
+                        ("rdzv_timeout_s", rdzv_timeout_s)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 (or None: no limit), got {value}")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes, got nnodes={nnodes}, "
                          f"node_rank={node_rank}")
@@ -474,6 +525,7 @@ def launch(
         deadline=None if timeout_s is None else time.monotonic() + timeout_s,
         timeout_s=timeout_s, base_env=base_env, prefix_output=prefix_output,
         rank_offset=node_rank * num_processes, world_size=nnodes * num_processes,
+        nnodes=nnodes,
     )
 
     signals: list[int] = []  # appended by the signal handler, read by the attempt's loop
@@ -501,6 +553,8 @@ def launch(
                 return EXIT_PORT_IN_USE
             coordinator = f"127.0.0.1:{port or free_port()}"
             outcome = _run_attempt(options, coordinator, attempt, guardian, signals, current)
+            if outcome.status != 0:
+                _note(f"exit statuses: {_statuses(options, outcome.ranks)}")
             # Asked to stop (Ctrl-C, SIGTERM, SIGHUP): never start again, whatever the ranks did.
             stop = bool(signals) or not outcome.restartable
             if outcome.status == 0 or stop or attempt == max_restarts:
@@ -538,8 +592,10 @@ def _launch_nodes(options: _Options, master_addr: str, nnodes: int, node_rank: i
         attempt = 0
         while True:
             if isinstance(link, multinode.Worker):
-                command, value = link.next_command()
+                command, value, reason = link.next_command()
                 if command == "finish":
+                    if value != 0:
+                        _note(f"the job ended with {_describe(value)}: {reason}")
                     return value
                 attempt = value
             elif isinstance(link, multinode.Master):
@@ -547,16 +603,20 @@ def _launch_nodes(options: _Options, master_addr: str, nnodes: int, node_rank: i
             outcome = _run_attempt(options, master_addr, attempt, guardian, signals, current,
                                    peer=link)
             end = multinode.AttemptEnd(outcome.status, outcome.reason, outcome.restartable,
-                                       bool(signals))
+                                       bool(signals), outcome.time, outcome.ranks)
             if link is not None:
                 end = link.finish_attempt(end)
             if isinstance(link, multinode.Worker):
                 continue
+            if end.status != 0:
+                _note(f"exit statuses: {_statuses(options, end.ranks)}")
             if end.status == 0 or not end.restartable or end.signalled or attempt == max_restarts:
                 if end.status != 0 and end.restartable and not end.signalled and max_restarts:
                     _note(f"{end.reason}; no restarts left ({max_restarts} used)")
+                if end.status != 0:
+                    _note(f"the job ended with {_describe(end.status)}: {end.reason}")
                 if link is not None:
-                    link.finish(end.status)
+                    link.finish(end.status, end.reason)
                 return end.status
             _note(f"{end.reason}; restarting the job on every node ({attempt + 1} of "
                   f"{max_restarts} restarts)")
@@ -580,6 +640,7 @@ def _run_attempt(
     world = options.world_size or n
     procs.clear()
     pumps: list[threading.Thread] = []
+    errors = [_ErrorLine() for _ in range(n)]  # each rank's last exception line
     lock = threading.Lock()
     launcher_ends: list[socket.socket] = []
     start = time.monotonic()
@@ -607,13 +668,15 @@ def _run_attempt(
             guardian.add(p.pid)
             if options.prefix_output:
                 prefix = f"[rank{options.rank_offset + rank}] ".encode()
-                for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
-                    t = threading.Thread(target=_pump, args=(stream, out, prefix, lock),
+                for stream, out, error in ((p.stdout, sys.stdout.buffer, None),
+                                           (p.stderr, sys.stderr.buffer, errors[rank])):
+                    t = threading.Thread(target=_pump, args=(stream, out, prefix, lock, error),
                                          daemon=True)
                     t.start()
                     pumps.append(t)
         links = _Links(launcher_ends, start)
-        return _watch(options, procs, links, guardian, signals, peer)
+        rank_pumps = [pumps[2 * r:2 * r + 2] for r in range(n)]
+        return _Watcher(options, procs, links, guardian, signals, peer, errors, rank_pumps).run()
     finally:
         # Also on an error in the launcher itself: never leave ranks behind.
         live = [p for p in procs if p.poll() is None]
@@ -636,115 +699,197 @@ def _run_attempt(
                 s.close()
 
 
-def _watch(
-    options: _Options,
-    procs: Sequence[subprocess.Popen],
-    links: _Links,
-    guardian: _Guardian,
-    signals: list[int],
-    peer: multinode.Master | multinode.Worker | None = None,
-) -> _Outcome:
-    """The attempt's loop: waits for the ranks, and decides when and how the job ends (`peer`:
-    the other nodes' agents, whose orders end this node's ranks too)."""
-    running = set(range(len(procs)))
-    exited_ok: set[int] = set()  # exited with status 0
-    resumable: set[int] = set()  # exited with EXIT_RESUME
-    preempt_deadline: float | None = None  # set once a preemption is under way
-    launcher_preempted = False
-    handled_signals = 0
+class _Watcher:
+    """One attempt's loop: waits for the ranks, and decides when and how the attempt ends.
 
-    def end(status: int, reason: str, restartable: bool, sig_note: str = "") -> _Outcome:
-        _note(f"{reason}; ending the job ({_describe(status)}){sig_note}")
-        ranks = sorted(running)
-        links.abort(ranks, 128 + signal.SIGTERM)
-        _terminate([procs[r] for r in ranks], options.grace_s)
-        return _Outcome(status, reason, restartable)
+    ``peer`` is the other nodes' agents: their orders end this node's ranks too. Node 0's agent
+    (``multinode.Master``) judges progress (the watchdog, the early-exit rule) over every node's
+    ranks; the others forward their ranks' progress to it.
+    """
 
-    while True:
-        now = time.monotonic()
-        for rank in sorted(running):
-            rc = procs[rank].poll()
+    def __init__(self, options: _Options, procs: Sequence[subprocess.Popen], links: _Links,
+                 guardian: _Guardian, signals: list[int],
+                 peer: multinode.Master | multinode.Worker | None,
+                 errors: Sequence[_ErrorLine], pumps: Sequence[Sequence[threading.Thread]]):
+        self.options, self.procs, self.links, self.guardian = options, procs, links, guardian
+        self.signals, self.peer, self.errors, self.pumps = signals, peer, errors, pumps
+        self.running = set(range(len(procs)))  # local ranks
+        self.exited_ok: set[int] = set()  # exited with status 0
+        self.resumable: set[int] = set()  # exited with EXIT_RESUME
+        self.statuses: dict[int, int] = {}  # the status each rank that ended by itself gave
+        self.preempt_deadline: float | None = None  # set once a preemption is under way
+        self.launcher_preempted = False
+        self.handled_signals = 0
+
+    def label(self, rank: int) -> str:
+        return _label(self.options, rank)
+
+    def run(self) -> _Outcome:
+        while True:
+            now = time.monotonic()
+            if isinstance(self.peer, multinode.Worker):
+                self._forward_progress()
+            outcome = (self._reap(now) or self._obey_signals(now) or self._timeout(now)
+                       or self._follow_peer(now))
+            if outcome is None and self.preempt_deadline is not None:
+                # Ranks are saving: neither the watchdog nor the early-exit rule apply.
+                outcome = self._preemption_over(now)
+            elif outcome is None:
+                outcome = self._check_progress(now)
+            if outcome is not None:
+                return outcome
+            time.sleep(_POLL_S)
+
+    def end(self, status: int, reason: str, restartable: bool,
+            when: float | None = None) -> _Outcome:
+        """Ends the running ranks; ``when``: the cause's time (default now)."""
+        when = time.time() if when is None else when
+        _note(f"{reason}; ending the job ({_describe(status)})")
+        ranks = sorted(self.running)
+        self.links.abort(ranks, 128 + signal.SIGTERM)
+        _terminate([self.procs[r] for r in ranks], self.options.grace_s)
+        return self._outcome(status, reason, restartable, when)
+
+    def _outcome(self, status: int, reason: str, restartable: bool, when: float) -> _Outcome:
+        ranks = tuple(
+            multinode.RankEnd(self.options.rank_offset + r, self.statuses[r], False)
+            if r in self.statuses else
+            multinode.RankEnd(self.options.rank_offset + r,
+                              -1 if p.returncode is None else exit_status(p.returncode), True)
+            for r, p in enumerate(self.procs))
+        return _Outcome(status, reason, restartable, when, ranks)
+
+    def _error(self, rank: int) -> str:
+        """``: <its exception line>`` for a rank that has exited, once its output is read."""
+        deadline = time.monotonic() + 2.0  # its group is killed: EOF comes at once, unless held
+        for t in self.pumps[rank]:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        line = self.errors[rank].line
+        return f" ({line})" if line else ""
+
+    def _reap(self, now: float) -> _Outcome | None:
+        for rank in sorted(self.running):
+            rc = self.procs[rank].poll()
             if rc is None:
                 continue
-            running.discard(rank)
+            when = time.time()
+            self.running.discard(rank)
             # The rank is done: whatever it left behind in its group goes with it.
-            _signal_groups([procs[rank]], signal.SIGKILL)
-            guardian.remove(procs[rank].pid)
-            status = exit_status(rc)
+            _signal_groups([self.procs[rank]], signal.SIGKILL)
+            self.guardian.remove(self.procs[rank].pid)
+            status = self.statuses[rank] = exit_status(rc)
+            name = self.label(self.options.rank_offset + rank)
             if status == 0:
-                exited_ok.add(rank)
+                self.exited_ok.add(rank)
             elif status == EXIT_RESUME:
-                resumable.add(rank)
-                if preempt_deadline is None:
-                    _note(f"rank {options.rank_offset + rank} saved a checkpoint and asks to be resumed "
+                self.resumable.add(rank)
+                if self.preempt_deadline is None:
+                    _note(f"{name} saved a checkpoint and asks to be resumed "
                           f"({_describe(status)}); waiting up to "
-                          f"{options.preemption_grace_s:g} s for the others")
-                    preempt_deadline = now + options.preemption_grace_s
+                          f"{self.options.preemption_grace_s:g} s for the others")
+                    self.preempt_deadline = now + self.options.preemption_grace_s
             else:
-                return end(status, f"rank {options.rank_offset + rank} exited with "
-                           f"{_describe(status)}", True)
+                return self.end(status, f"{name} exited with {_describe(status)}"
+                                f"{self._error(rank)}", True, when)
+        if self.running:
+            return None
+        if isinstance(self.peer, multinode.Worker):
+            self._forward_progress()  # the last states (exited), before the attempt's end
+        if self.resumable:
+            reason = (f"job preempted: rank(s) {_ranks(self.options, self.resumable)} "
+                      f"saved a checkpoint and exited with {_describe(EXIT_RESUME)}")
+            return self._outcome(EXIT_RESUME, reason, not self.launcher_preempted, time.time())
+        return self._outcome(0, "", False, 0.0)
 
-        if not running:
-            if resumable:
-                reason = (f"job preempted: rank(s) {_ranks(options, resumable)} "
-                          f"saved a checkpoint and exited with {_describe(EXIT_RESUME)}")
-                return _Outcome(EXIT_RESUME, reason, not launcher_preempted)
-            return _Outcome(0, "", False)
+    def _obey_signals(self, now: float) -> _Outcome | None:
+        while self.handled_signals < len(self.signals):
+            sig = self.signals[self.handled_signals]
+            self.handled_signals += 1
+            if sig != signal.SIGTERM or self.handled_signals != 1:
+                return self.end(128 + sig, f"got {signal.Signals(sig).name}", False)
+            # Preemption: each rank finishes its step, saves, and exits with EXIT_RESUME.
+            # Only the rank itself gets it: its children (data loaders) must live to the end.
+            grace = self.options.preemption_grace_s
+            _note(f"got SIGTERM: passing it to every rank (preemption: save and exit with "
+                  f"{EXIT_RESUME}); waiting up to {grace:g} s")
+            for r in sorted(self.running):
+                try:
+                    self.procs[r].send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            self.launcher_preempted = True
+            self.preempt_deadline = now + grace
+        return None
 
-        while handled_signals < len(signals):
-            sig = signals[handled_signals]
-            handled_signals += 1
-            if sig == signal.SIGTERM and handled_signals == 1:
-                # Preemption: each rank finishes its step, saves, and exits with EXIT_RESUME.
-                # Only the rank itself gets it: its children (data loaders) must live to the end.
-                _note(f"got SIGTERM: passing it to every rank (preemption: save and exit with "
-                      f"{EXIT_RESUME}); waiting up to {options.preemption_grace_s:g} s")
-                for r in sorted(running):
-                    try:
-                        procs[r].send_signal(signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-                launcher_preempted = True
-                preempt_deadline = now + options.preemption_grace_s
-            else:
-                status = 128 + sig
-                return end(status, f"got {signal.Signals(sig).name}", False)
+    def _timeout(self, now: float) -> _Outcome | None:
+        o = self.options
+        if o.deadline is not None and now > o.deadline:
+            return self.end(EXIT_TIMEOUT, f"timed out after {o.timeout_s:g} s", False)
+        return None
 
-        if options.deadline is not None and now > options.deadline:
-            return end(EXIT_TIMEOUT, f"timed out after {options.timeout_s:g} s", False)
-
-        order = peer.poll() if peer is not None else None
-        if order is not None and order.status == EXIT_RESUME and preempt_deadline is None:
+    def _follow_peer(self, now: float) -> _Outcome | None:
+        order = self.peer.poll() if self.peer is not None else None
+        if order is not None and order.status == EXIT_RESUME and self.preempt_deadline is None:
             # Preempted elsewhere: this node's ranks reach the same sync point and save too.
-            _note(f"{order.reason}; waiting up to {options.preemption_grace_s:g} s for this "
-                  "node's ranks to save")
-            preempt_deadline = now + options.preemption_grace_s
+            _note(f"{order.reason}; waiting up to {self.options.preemption_grace_s:g} s for "
+                  "this node's ranks to save")
+            self.preempt_deadline = now + self.options.preemption_grace_s
         elif order is not None and order.status != EXIT_RESUME:
-            return end(order.status, order.reason, order.restartable)
+            return self.end(order.status, order.reason, order.restartable, order.time)
+        return None
 
-        if preempt_deadline is not None:
-            if now > preempt_deadline:
-                status = EXIT_RESUME if resumable else 128 + signal.SIGTERM
-                return end(status, f"rank(s) {_ranks(options, running)} did not "
-                           f"exit within {options.preemption_grace_s:g} s of the preemption",
-                           not launcher_preempted)
-            time.sleep(_POLL_S)
-            continue  # ranks are saving: neither the watchdog nor the early-exit rule apply
+    def _preemption_over(self, now: float) -> _Outcome | None:
+        assert self.preempt_deadline is not None
+        if now <= self.preempt_deadline:
+            return None
+        status = EXIT_RESUME if self.resumable else 128 + signal.SIGTERM
+        return self.end(status, f"rank(s) {_ranks(self.options, self.running)} did not exit "
+                        f"within {self.options.preemption_grace_s:g} s of the preemption",
+                        not self.launcher_preempted)
 
-        progress, last_progress, any_completed = links.snapshot()
-        early = _early_exit(progress, exited_ok, running)
+    def _view(self) -> tuple[dict[int, _RankProgress], float, bool, set[int], set[int]]:
+        """Every rank's progress this agent knows (by global rank; with the master, every
+        node's), when one last completed a step, whether one did, the exited and running ones."""
+        local, last_progress, any_completed = self.links.snapshot()
+        offset = self.options.rank_offset
+        progress = {offset + r: p for r, p in enumerate(local)}
+        exited_ok = {offset + r for r in self.exited_ok}
+        running = {offset + r for r in self.running}
+        if isinstance(self.peer, multinode.Master):
+            remote, remote_last = self.peer.remote_progress()
+            for rank, p in remote.items():
+                progress[rank] = _RankProgress(p.completed, p.dispatched, p.state == "e")
+                (exited_ok if p.state == "0" else running).add(rank)
+                any_completed = any_completed or p.completed >= 0
+            last_progress = max(last_progress, remote_last)
+        return progress, last_progress, any_completed, exited_ok, running
+
+    def _forward_progress(self) -> None:
+        assert isinstance(self.peer, multinode.Worker)
+        local, _, _ = self.links.snapshot()
+        self.peer.report_progress({
+            self.options.rank_offset + r: multinode.RankProgress(
+                p.completed, p.dispatched,
+                "0" if r in self.exited_ok else "e" if p.exiting else "r")
+            for r, p in enumerate(local) if r in self.running or r in self.exited_ok})
+
+    def _check_progress(self, now: float) -> _Outcome | None:
+        progress, last_progress, any_completed, exited_ok, running = self._view()
+        early = _early_exit(progress, exited_ok, running, self.label)
         if early is not None:
-            return end(EXIT_EARLY, early, True)
-
-        limit = options.step_timeout_s if any_completed else options.first_step_timeout_s
+            return self.end(EXIT_EARLY, early, True)
+        if isinstance(self.peer, multinode.Worker):
+            return None  # node 0's agent runs the watchdog over every node's ranks
+        o = self.options
+        limit = o.step_timeout_s if any_completed else o.first_step_timeout_s
         finishing = bool(exited_ok) or any(progress[r].exiting for r in running)
-        if limit is not None and not finishing and now - last_progress > limit:
-            which = "--step-timeout" if any_completed else "--first-step-timeout"
-            what = "completed a step" if any_completed else "completed its first step"
-            ranks = list(range(len(procs)))
-            return end(EXIT_STUCK, f"watchdog: no rank {what} for {now - last_progress:.1f} s "
-                       f"({which} {limit:g}): {_progress_lines(progress, ranks)}", True)
-        time.sleep(_POLL_S)
+        if limit is None or finishing or now - last_progress <= limit:
+            return None
+        which = "--step-timeout" if any_completed else "--first-step-timeout"
+        what = "completed a step" if any_completed else "completed its first step"
+        return self.end(EXIT_STUCK, f"watchdog: no rank {what} for {now - last_progress:.1f} s "
+                        f"({which} {limit:g}): "
+                        f"{_progress_lines(progress, sorted(progress), self.label)}", True)
 
 
 def _ranks(options: _Options, local: set[int]) -> str:
@@ -761,6 +906,46 @@ def _terminate(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
     _signal_groups(procs, signal.SIGKILL)
     for p in procs:
         p.wait()
+
+
+def _number(kind: type, minimum: float, *, strict: bool, fix: str) -> Any:
+    """An argparse ``type=`` that parses ``kind`` and rejects values below ``minimum`` (or equal,
+    with ``strict``) as a usage error naming the bound and ``fix``."""
+    bound = f"{'>' if strict else '>='} {minimum:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if not (value > minimum if strict else value >= minimum):  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}; {fix}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+def _port(text: str) -> int:
+    """An argparse ``type=`` for a TCP port (1-65535)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(
+            f"must be a TCP port in 1-65535, got {text}; leave --port out to get a free one")
+    return port
+
+
+def _master_addr(text: str) -> str:
+    """An argparse ``type=`` for ``HOST:PORT`` (PORT + 1 must be a port too: the agents' channel)."""
+    try:
+        multinode.channel_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -815,36 +1000,51 @@ def _parser() -> _Parser:
                f"left early; {EXIT_TIMEOUT} --timeout; {EXIT_PORT_IN_USE} --port in use; 128+N "
                "signal N. See docs/faults.md.",
     )
-    ap.add_argument("-n", "--nprocs", type=int, default=1, help="number of processes (ranks)")
-    ap.add_argument("--devices-per-process", type=int, default=None,
+    ap.add_argument("-n", "--nprocs", default=1,
+                    type=_number(int, 1, strict=False, fix="give the number of processes to run"),
+                    help="number of processes (ranks)")
+    ap.add_argument("--devices-per-process", default=None,
+                    type=_number(int, 1, strict=False,
+                                 fix="leave it out to use the platform's devices"),
                     help="simulated CPU devices per process (JDDP_LOCAL_DEVICE_COUNT)")
-    ap.add_argument("--grace", type=float, default=5.0,
+    ap.add_argument("--grace", default=5.0,
+                    type=_number(float, 0, strict=False, fix="0 sends SIGKILL at once"),
                     help="seconds between SIGTERM and SIGKILL when ending ranks (default 5)")
-    ap.add_argument("--timeout", type=float, default=None,
+    ap.add_argument("--timeout", default=None,
+                    type=_number(float, 0, strict=True, fix="leave it out for no limit"),
                     help="end the whole job, restarts included, after this many seconds "
                          f"(exit status {EXIT_TIMEOUT})")
-    ap.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
+    ap.add_argument("--step-timeout", default=None, metavar="SECONDS",
+                    type=_number(float, 0, strict=True,
+                                 fix="leave it out to turn the watchdog off"),
                     help="watchdog: end the job when no rank completes a training step for this "
                          f"long (exit status {EXIT_STUCK}; default: off)")
-    ap.add_argument("--first-step-timeout", type=float, default=None, metavar="SECONDS",
+    ap.add_argument("--first-step-timeout", default=None, metavar="SECONDS",
+                    type=_number(float, 0, strict=True,
+                                 fix="leave it out for 10 x --step-timeout"),
                     help="the same limit until the first step completes (start-up, compilation; "
                          "default 10 x --step-timeout, at least 60)")
-    ap.add_argument("--max-restarts", type=int, default=0, metavar="N",
+    ap.add_argument("--max-restarts", default=0, metavar="N",
+                    type=_number(int, 0, strict=False, fix="0 never restarts"),
                     help="run the whole job again after a failure or preemption, up to N times "
                          "(default 0)")
-    ap.add_argument("--preemption-grace", type=float, default=30.0, metavar="SECONDS",
+    ap.add_argument("--preemption-grace", default=30.0, metavar="SECONDS",
+                    type=_number(float, 0, strict=False, fix="the default is 30"),
                     help="after a preemption (SIGTERM), how long ranks get to save and exit "
                          "(default 30)")
-    ap.add_argument("--port", type=int, default=None,
+    ap.add_argument("--port", type=_port, default=None,
                     help="coordinator port on 127.0.0.1 (default: a free port)")
-    ap.add_argument("--nnodes", type=int, default=1,
+    ap.add_argument("--nnodes", default=1,
+                    type=_number(int, 1, strict=False, fix="1 is a one-node job"),
                     help="number of nodes; run jddp-run on each (default 1)")
-    ap.add_argument("--node-rank", type=int, default=0,
+    ap.add_argument("--node-rank", default=0,
+                    type=_number(int, 0, strict=False, fix="nodes count from 0"),
                     help="this node's index in [0, --nnodes) (default 0)")
-    ap.add_argument("--master-addr", default=None, metavar="HOST:PORT",
+    ap.add_argument("--master-addr", type=_master_addr, default=None, metavar="HOST:PORT",
                     help="node 0's address and the JAX coordinator's port (needed with "
                          "--nnodes > 1; the agents also use PORT+1)")
-    ap.add_argument("--rdzv-timeout", type=float, default=120.0, metavar="SECONDS",
+    ap.add_argument("--rdzv-timeout", default=120.0, metavar="SECONDS",
+                    type=_number(float, 0, strict=True, fix="the default is 120"),
                     help="how long the nodes wait for each other at start (default 120)")
     ap.add_argument("--no-prefix", action="store_true",
                     help="do not prefix output lines with [rankN]")
@@ -861,16 +1061,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     launcher, script_args = ap.split(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(launcher)
     args.args = script_args
-    if args.nprocs < 1:
-        _parser().error("-n must be >= 1")
-    if args.max_restarts < 0:
-        _parser().error("--max-restarts must be >= 0")
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        _parser().error("need --nnodes >= 1 and 0 <= --node-rank < --nnodes")
+    if not args.node_rank < args.nnodes:
+        ap.error(f"--node-rank {args.node_rank} is not below --nnodes {args.nnodes}: nodes "
+                 "count from 0, so --node-rank must be in [0, --nnodes)")
     if args.nnodes > 1 and args.master_addr is None:
-        _parser().error("--nnodes > 1 needs --master-addr HOST:PORT (node 0's address)")
+        ap.error("--nnodes > 1 needs --master-addr HOST:PORT (node 0's address)")
     if args.master_addr is not None and args.port is not None:
-        _parser().error("give either --port or --master-addr HOST:PORT, not both")
+        ap.error("give either --port or --master-addr HOST:PORT, not both")
     command = [sys.executable, "-u"] + (["-m"] if args.module else []) + [args.script]
     return launch(
         command + list(args.args),

@@ -367,3 +367,129 @@ def test_async_save_killed_mid_write_resumes_from_the_last_complete_checkpoint(t
     with np.load(tmp_path / "plain.npz") as a, np.load(tmp_path / "resume.npz") as b:
         for k in ("w", "v"):
             np.testing.assert_array_equal(a[k], b[k])
+
+
+def _nnx_trainer(seed, **options):
+    """A fresh ``jddp.nnx.DataParallel`` over a model with BatchNorm statistics and a dropout
+    RNG stream (its model state holds typed PRNG keys and counts), built from ``seed``."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import jddp.nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(SIZES[0], 16, rngs=rngs)
+            self.bn = nnx.BatchNorm(16, rngs=rngs)
+            self.drop = nnx.Dropout(0.25, rngs=rngs)
+            self.l2 = nnx.Linear(16, SIZES[-1], rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(self.drop(self.bn(jnp.tanh(self.l1(x)))))
+
+    model = Net(nnx.Rngs(seed, dropout=seed + 1))
+    ddp = jddp.nnx.DataParallel(model, optax.adam(1e-2), model_state_sync="mean",
+                                loss_fn=lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
+                                **options)
+    return ddp, model
+
+
+@pytest.mark.parametrize("options", [{}, {"zero_stage": 3}], ids=["replicated", "zero3"])
+def test_nnx_trainer_saves_restores_and_resumes_bit_identically(tmp_path, options):
+    # The matrix cell "NNX x checkpoints" (issue 35 item 7): restore_or_init rejected a
+    # jddp.nnx.DataParallel (it called ddp.init(params, model_state)), and a model state holding
+    # nnx.Rngs keys (typed PRNG key arrays) failed restore's shape check.
+    batches = _batches(6)
+    ddp, model = _nnx_trainer(0, **options)
+    uninterrupted = _run(ddp, ddp.init(), batches)
+
+    mngr = ckpt.manager(tmp_path / "ckpt")
+    ddp1, model1 = _nnx_trainer(0, **options)
+    state = ckpt.restore_or_init(mngr, ddp1, model1)  # no checkpoint yet: ddp1.init(model1)
+    assert int(state.step) == 0
+    _assert_identical_keys(state, ddp1.init())
+    ckpt.save(mngr, _run(ddp1, state, batches[:3]))
+
+    # A fresh trainer around a model of other values: everything comes from the checkpoint.
+    ddp2, model2 = _nnx_trainer(5, **options)
+    restored = ckpt.restore_or_init(mngr, ddp2, model2)
+    assert int(restored.step) == 3
+    # restore (not restore_or_init) onto the NNX trainer's abstract state gives the same.
+    _assert_identical_keys(ckpt.restore(mngr, ddp2.abstract_state()), restored)
+    resumed = _run(ddp2, restored, batches[3:])  # (the step consumes its input state)
+    _assert_identical_keys(resumed, uninterrupted)
+    ddp2.update(model2, resumed)
+    ddp.update(model, uninterrupted)
+    _assert_identical_keys(nnx_state(model2), nnx_state(model))
+    # The other spellings: the model it was built with, and the split states (the core's way).
+    _assert_identical_keys(ckpt.restore_or_init(mngr, ddp2), restored_again := ckpt.restore(
+        mngr, ddp2.abstract_state()))
+    _assert_identical_keys(ckpt.restore_or_init(mngr, ddp2, *ddp2.split(model2)), restored_again)
+    with pytest.raises(TypeError, match="pass the model alone"):
+        ckpt.restore_or_init(mngr, ddp2, model2, {"bn": 1})
+
+
+def nnx_state(model):
+    from flax import nnx
+
+    return nnx.state(model)
+
+
+def _assert_identical_keys(a, b):
+    """``_assert_identical``, with typed PRNG keys (``nnx.Rngs`` state) compared by key data."""
+    def data(x):
+        return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+    _assert_identical(jax.tree.map(data, a), jax.tree.map(data, b))
+
+
+# Process 0 alone saves (docs/cluster.md once said "only process 0 should write checkpoints");
+# process 1 goes on to its next steps.
+SAVE_ON_MAIN_ONLY = """
+import os, sys, time
+import numpy as np
+import jddp
+
+jddp.initialize(timeout_s=60)
+import jax.numpy as jnp, optax
+import jddp.checkpoint as ckpt
+
+mesh = jddp.data_mesh()
+ddp = jddp.DataParallel(lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), optax.sgd(0.1),
+                        mesh=mesh)
+mngr = ckpt.manager(os.path.join(sys.argv[1], "ckpt"))
+state = ddp.init({"w": np.ones((5, 3), np.float32)})
+for step in range(50):
+    r = np.random.default_rng(step)
+    batch = {"x": r.normal(size=(8, 5)).astype(np.float32),
+             "y": r.normal(size=(8, 3)).astype(np.float32)}
+    state, _ = ddp.step(state, jddp.shard_global_batch(batch, mesh))
+    if step == 2 and jddp.is_main_process():
+        print("SAVING AT", time.time(), flush=True)
+        ckpt.save(mngr, state, barrier_timeout_s=float(sys.argv[2]))
+"""
+
+
+@pytest.mark.slow
+def test_save_on_one_process_only_is_a_named_error_within_seconds(tmp_path):
+    # Issue 35 item 5: this hung until the watchdog or --timeout, with no hint of the save.
+    import textwrap
+    import time
+
+    from tests.launch_util import run_launcher
+
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SAVE_ON_MAIN_ONLY))
+    rc, out, err, secs = run_launcher(
+        ["-n", "2", "--devices-per-process", "2", "--grace", "2", "--timeout", "120",
+         str(script), str(tmp_path), "3"], timeout=150)
+    ended = time.time()
+    assert rc == 1, (out[-2000:], err[-4000:])
+    assert ("jddp.checkpoint.save(step=3) on process 0: process(es) 1 did not call it within "
+            "3 s. jddp.checkpoint.save is collective: call it on every process") in err, err[-4000:]
+    # The launcher's own line names the save too (the rank's exception line).
+    assert ("[jddp-run] rank 0 exited with status 1 (RuntimeError: jddp.checkpoint.save(step=3) "
+            "on process 0") in err, err[-3000:]
+    saving = float(next(ln for ln in out.splitlines() if "SAVING AT" in ln).split()[-1])
+    # 3 s of barrier, then the launcher's teardown (2 s grace), with room for a loaded machine.
+    assert ended - saving < 25, (ended - saving, secs)

@@ -332,3 +332,45 @@ def test_everything_after_the_script_belongs_to_the_script(tmp_path):
         ["-n", "2", "-m", "pkg.train"], ["--lr", "1"])
     assert ap.split(["--port=5", "--", "-weird.py", "--n=2"]) == (["--port=5", "-weird.py"],
                                                                 ["--n=2"])
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--devices-per-process", "0"], "--devices-per-process: must be >= 1, got 0"),
+    (["--step-timeout", "-5"], "--step-timeout: must be > 0, got -5; leave it out"),
+    (["--first-step-timeout", "0"], "--first-step-timeout: must be > 0"),
+    (["--timeout", "nan"], "--timeout: must be > 0, got nan"),
+    (["--grace", "-1"], "--grace: must be >= 0"),
+    (["--preemption-grace", "-2"], "--preemption-grace: must be >= 0"),
+    (["--rdzv-timeout", "0"], "--rdzv-timeout: must be > 0"),
+    (["--max-restarts", "-1"], "--max-restarts: must be >= 0"),
+    (["-n", "0"], "--nprocs: must be >= 1"),
+    (["-n", "two"], "--nprocs: expected an integer, got 'two'"),
+    (["--port", "70000"], "--port: must be a TCP port in 1-65535"),
+    (["--master-addr", "localhost"], "--master-addr must be HOST:PORT"),
+    (["--nnodes", "2", "--master-addr", "10.0.0.1"], "e.g. 10.0.0.1:29500"),
+    (["--nnodes", "0"], "--nnodes: must be >= 1"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h:5"],
+     "--node-rank 2 is not below --nnodes 2"),
+])
+def test_bad_launcher_flags_are_usage_errors_naming_the_fix(args, says, capsys):
+    # Were accepted (--devices-per-process 0, --step-timeout -5) or a traceback (--master-addr
+    # without a port) before.
+    from jddp.launch import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*args, "train.py"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: jddp-run" in err and says in err, err
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"devices_per_process": 0}, "devices_per_process must be >= 1"),
+    ({"step_timeout_s": -5.0}, "step_timeout_s must be > 0"),
+    ({"master_addr": "localhost"}, "--master-addr must be HOST:PORT"),
+])
+def test_launch_refuses_the_same_values_from_python(kw, says):
+    from jddp.launch import launch
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        launch([sys.executable, "-c", "pass"], 1, **kw)

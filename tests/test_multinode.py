@@ -2,6 +2,7 @@
 both node agents on loopback: a stuck rank on one node restarts the whole job on both, a
 preemption of one node's agent ends both with the resume status."""
 
+import re
 import signal
 import subprocess
 import sys
@@ -99,3 +100,133 @@ def test_preempting_one_node_ends_both_with_resume(tmp_path):
     assert len(saved) == 2 and saved[0] == saved[1], outs
     assert "restarting" not in "".join(outs)
     assert not wait_all_dead(read_pids(tmp_path))
+
+
+# No JAX (fast): the rank side of the watchdog alone, loaded from its file. Two ranks per node;
+# global rank 3 (node 1) is the culprit: "hang" stops outside any step after step 5 while the
+# others enter step 6, which never completes; "raise" fails with a traceback after step 5.
+PLAIN = """
+import importlib.util, os, sys, time, traceback
+spec = importlib.util.spec_from_file_location("jddp_watchdog", {watchdog!r})
+wd = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(wd)
+assert wd.start_from_env()
+# As jddp's fail-fast hook does: exit after the traceback, skipping atexit (whose "exiting"
+# notice would otherwise reach the agent before the status, a rank leaving early).
+sys.excepthook = lambda *e: (traceback.print_exception(*e), os._exit(1))
+
+
+class NeverReady:
+    def is_ready(self):
+        return False
+
+
+rank, mode = int(os.environ["JDDP_PROCESS_ID"]), sys.argv[1]
+for step in range(1, 6):
+    wd.report_progress(step)
+    time.sleep(0.05)
+time.sleep(0.5)
+if rank == 3:
+    if mode == "raise":
+        raise ValueError("rank 3 fails on purpose")
+    time.sleep(1000)
+wd.report_progress(6, NeverReady())
+time.sleep(1000)
+"""
+
+
+def _plain_nodes(tmp_path, mode, *extra):
+    script = tmp_path / "plain.py"
+    script.write_text(textwrap.dedent(PLAIN).format(
+        watchdog=str(REPO / "jddp" / "_src" / "watchdog.py")))
+    master = f"127.0.0.1:{free_port()}"
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "jddp.launch", "--nnodes", "2", "--node-rank", str(r),
+             "--master-addr", master, "-n", "2", "--timeout", "60", "--grace", "2", *extra,
+             str(script), mode],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+            cwd=REPO)
+        for r in (0, 1)
+    ]
+
+
+def _final_line(out):
+    """The status in a node's last "the job ended with status N" line."""
+    lines = [ln for ln in out.splitlines() if "the job ended with status" in ln]
+    assert lines, out
+    return int(re.search(r"the job ended with status (\d+)", lines[-1]).group(1)), lines[-1]
+
+
+@pytest.mark.slow
+def test_hung_rank_on_node_1_is_named_on_every_node(tmp_path):
+    # Issue 35 item 6: each node's watchdog saw only its own ranks and named them by their local
+    # index ("rank 0" on both nodes); the rank that held the job up was never named.
+    t = time.monotonic()
+    codes, outs = _finish(_plain_nodes(tmp_path, "hang", "--step-timeout", "2"), timeout=60)
+    assert codes == [117, 117], outs
+    culprit = "rank 3 (node 1): last completed step 5, not inside a step <- the others wait for it"
+    for out in outs:
+        assert culprit in out, out
+        assert "rank 0 (node 0): last completed step 5, in step 6;" in out, out
+        assert "rank 2 (node 1): last completed step 5, in step 6;" in out, out
+        assert _final_line(out)[0] == 117
+    # The master reports every rank's status, on both nodes.
+    statuses = next(ln for ln in outs[0].splitlines() if "exit statuses:" in ln)
+    for rank in range(4):
+        assert f"rank {rank} (node {rank // 2}): status " in statuses, statuses
+    assert time.monotonic() - t < 45
+
+
+@pytest.mark.slow
+def test_failing_rank_on_node_1_is_named_with_its_error_and_one_status(tmp_path):
+    # Issue 35 item 6: node 0 reported only its own ranks' statuses, a node could exit with
+    # another status than the one it printed, and the exception line was not in the report.
+    codes, outs = _finish(_plain_nodes(tmp_path, "raise"), timeout=60)
+    assert codes == [1, 1], outs
+    cause = "rank 3 (node 1) exited with status 1 (ValueError: rank 3 fails on purpose)"
+    for code, out in zip(codes, outs, strict=True):
+        status, line = _final_line(out)
+        assert status == code and cause in line, line
+    statuses = next(ln for ln in outs[0].splitlines() if "exit statuses:" in ln)
+    assert "rank 3 (node 1): status 1;" in statuses or statuses.endswith("rank 3 (node 1): status 1")
+    for rank in range(3):
+        assert f"rank {rank} (node {rank // 2}): status 143 (SIGTERM), ended by jddp-run" in (
+            statuses), statuses
+
+
+def test_the_job_status_is_the_earliest_failure_on_any_node():
+    # Node 0's own rank failed after (because of) node 1's: the job's status is node 1's. Before,
+    # the master's own failure always won, and node 1 exited with a status it never printed.
+    from jddp._src import multinode
+
+    cause = multinode.AttemptEnd(137, "rank 3 (node 1) exited with status 137 (SIGKILL)", True,
+                                 time=100.0)
+    after = multinode.AttemptEnd(1, "rank 0 (node 0) exited with status 1", True, time=100.4)
+    assert multinode.earliest_failure([after, cause]) == cause
+    ok = multinode.AttemptEnd(0, "", False)
+    assert multinode.earliest_failure([ok, ok]) == ok
+    # Over the agents' channel: the worker's earlier end beats the master's own.
+    master_addr = f"127.0.0.1:{free_port()}"
+    import threading
+
+    worker: list = []
+    joiner = threading.Thread(target=lambda: worker.append(
+        multinode.Worker(master_addr, 1, timeout_s=20)))
+    joiner.start()
+    master = multinode.Master(master_addr, 2, timeout_s=20)
+    joiner.join(timeout=20)
+    try:
+        master.start(0)
+        assert worker[0].next_command() == ("start", 0, "")
+        ranks = (multinode.RankEnd(1, 137, False),)
+        worker[0].finish_attempt(cause._replace(ranks=ranks))
+        mine = after._replace(ranks=(multinode.RankEnd(0, 1, False),))
+        end = master.finish_attempt(mine)
+        assert (end.status, end.reason) == (cause.status, cause.reason)
+        assert end.ranks == (multinode.RankEnd(0, 1, False), multinode.RankEnd(1, 137, False))
+        master.finish(end.status, end.reason)
+        assert worker[0].next_command() == ("finish", 137, cause.reason)
+    finally:
+        master.close()
+        worker[0].close()

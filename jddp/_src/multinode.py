@@ -9,17 +9,33 @@ dead (and the coordinator with them) when the agents must agree on what happens 
 agent (the *master*) decides; the others (the *workers*) obey and report. Newline-terminated
 text lines:
 
-====================================  =============  ========================================
-line                                  direction      meaning
-====================================  =============  ========================================
-``hello NODE``                        worker→master  node ``NODE`` joined (once, at start)
-``start ATTEMPT``                     master→worker  start your ranks for attempt ``ATTEMPT``
-``end ATTEMPT STATUS R REASON``       master→worker  end your ranks: the job ends with STATUS
-                                                     (``R``: 1 if it may restart)
-``ended ATTEMPT STATUS R S REASON``   worker→master  my ranks are gone: how (``S``: 1 if the
-                                                     agent itself got a signal)
-``finish STATUS``                     master→worker  no more attempts: exit with STATUS
-====================================  =============  ========================================
+===========================================  =============  ==================================
+line                                         direction      meaning
+===========================================  =============  ==================================
+``hello NODE``                               worker→master  node ``NODE`` joined (once)
+``start ATTEMPT``                            master→worker  start your ranks for ``ATTEMPT``
+``progress ATTEMPT RANK DONE IN STATE``      worker→master  global rank ``RANK`` completed
+                                                            step ``DONE``, is in step ``IN``;
+                                                            ``STATE``: ``r`` running, ``e``
+                                                            exiting, ``0`` exited with 0
+``end ATTEMPT STATUS R TIME REASON``         master→worker  end your ranks: the job ends with
+                                                            STATUS (``R``: 1 if it may
+                                                            restart; ``TIME``: when the cause
+                                                            happened, Unix time)
+``ended ATTEMPT STATUS R S TIME RANKS REA``  worker→master  my ranks are gone: how (``S``: 1 if
+                                                            the agent itself got a signal;
+                                                            ``RANKS``: ``rank:status:how,...``
+                                                            with how ``x`` exited, ``e`` ended
+                                                            by jddp-run)
+``finish STATUS REASON``                     master→worker  no more attempts: exit with STATUS
+===========================================  =============  ==================================
+
+The master runs the watchdog and the early-exit rule of ``jddp-run`` over every node's ranks (the
+workers forward their ranks' progress), so a message names the rank that holds the others up by
+its global rank and node. The job's status is that of the earliest failure on any node (by the
+time each agent saw it; ``TIME`` travels with ``end`` orders, so a node that follows an order
+reports the cause's time), not that of a rank that failed because another had; every node exits
+with it and prints it with its reason, and the master prints every rank's status.
 
 A rank that fails, hangs (the agent's watchdog) or exits for a preemption on any node ends its
 agent's attempt; that agent reports ``ended``, the master orders every other node to ``end``,
@@ -36,9 +52,27 @@ import socket
 import time
 from typing import NamedTuple
 
-__all__ = ["AttemptEnd", "Master", "Worker", "channel_address"]
+__all__ = ["AttemptEnd", "Master", "RankEnd", "RankProgress", "Worker", "channel_address",
+           "earliest_failure"]
 
 _POLL_S = 0.05
+
+
+class RankEnd(NamedTuple):
+    """How one rank ended: its global rank, its exit status, and whether jddp-run ended it."""
+
+    rank: int
+    status: int
+    ended: bool = False
+
+
+class RankProgress(NamedTuple):
+    """A rank's progress as its agent saw it (``state``: ``r`` running, ``e`` announced its exit,
+    ``0`` exited with status 0)."""
+
+    completed: int
+    dispatched: int
+    state: str
 
 
 class AttemptEnd(NamedTuple):
@@ -49,19 +83,26 @@ class AttemptEnd(NamedTuple):
       reason: why, for messages.
       restartable: the job may be run again (``--max-restarts``).
       signalled: the agent itself got a signal (Ctrl-C, SIGTERM): never restart then.
+      time: when the cause was seen (Unix time; 0: never, a success), which orders failures.
+      ranks: how each of the node's ranks ended.
     """
 
     status: int
     reason: str
     restartable: bool
     signalled: bool = False
+    time: float = 0.0
+    ranks: tuple[RankEnd, ...] = ()
 
 
 def channel_address(master_addr: str) -> tuple[str, int]:
     """``(host, port + 1)`` for ``master_addr = "host:port"``: where node 0's agent listens."""
     host, sep, port = master_addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"--master-addr must be HOST:PORT, got {master_addr!r}")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ValueError(
+            f"--master-addr must be HOST:PORT with a port in 1-65534 (the agents also use "
+            f"PORT+1), got {master_addr!r}: give node 0's address and a free port, e.g. "
+            "10.0.0.1:29500")
     return host.strip("[]"), int(port) + 1
 
 
@@ -105,16 +146,39 @@ class _Lines:
 
 
 def _end_line(kind: str, attempt: int, end: AttemptEnd) -> str:
-    extra = f" {int(end.signalled)}" if kind == "ended" else ""
     reason = " ".join(end.reason.split()) or "-"
-    return f"{kind} {attempt} {end.status} {int(end.restartable)}{extra} {reason}"
+    if kind == "end":
+        return f"end {attempt} {end.status} {int(end.restartable)} {end.time!r} {reason}"
+    ranks = ",".join(f"{r.rank}:{r.status}:{'e' if r.ended else 'x'}" for r in end.ranks) or "-"
+    return (f"ended {attempt} {end.status} {int(end.restartable)} {int(end.signalled)} "
+            f"{end.time!r} {ranks} {reason}")
+
+
+def _parse_ranks(text: str) -> tuple[RankEnd, ...]:
+    if text == "-":
+        return ()
+    ends = []
+    for item in text.split(","):
+        rank, status, how = item.split(":")
+        ends.append(RankEnd(int(rank), int(status), how == "e"))
+    return tuple(ends)
 
 
 def _parse_end(parts: list[str], with_signal: bool) -> tuple[int, AttemptEnd]:
+    """``(attempt, AttemptEnd)`` of an ``end`` (``with_signal=False``) or ``ended`` line."""
     attempt, status, restartable = int(parts[1]), int(parts[2]), parts[3] == "1"
-    signalled = with_signal and parts[4] == "1"
-    reason = " ".join(parts[5 if with_signal else 4:])
-    return attempt, AttemptEnd(status, reason, restartable, signalled)
+    if not with_signal:
+        return attempt, AttemptEnd(status, " ".join(parts[5:]), restartable,
+                                   time=float(parts[4]))
+    return attempt, AttemptEnd(status, " ".join(parts[7:]), restartable, parts[4] == "1",
+                               float(parts[5]), _parse_ranks(parts[6]))
+
+
+def earliest_failure(ends: list[AttemptEnd]) -> AttemptEnd:
+    """The end that decides the job: the first failure in time (the cause; ranks that failed
+    because of it fail later), else the first end (all succeeded)."""
+    failures = [e for e in ends if e.status != 0]
+    return min(failures, key=lambda e: e.time) if failures else ends[0]
 
 
 class Master:
@@ -127,6 +191,8 @@ class Master:
         self.links: dict[int, _Lines] = {}
         self.ended: dict[int, AttemptEnd] = {}
         self.attempt = -1
+        self.progress: dict[int, RankProgress] = {}  # the other nodes' ranks, by global rank
+        self.last_progress = time.monotonic()  # when another node's rank last completed a step
         deadline = time.monotonic() + timeout_s
         pending: list[_Lines] = []
         while len(self.links) < nnodes - 1:
@@ -157,7 +223,8 @@ class Master:
 
     def start(self, attempt: int) -> None:
         """Starts attempt ``attempt`` on every other node."""
-        self.attempt, self.ended = attempt, {}
+        self.attempt, self.ended, self.progress = attempt, {}, {}
+        self.last_progress = time.monotonic()
         for link in self.links.values():
             link.send(f"start {attempt}")
 
@@ -167,20 +234,35 @@ class Master:
                 continue
             lines = link.read()
             if lines is None:
-                self.ended[node] = AttemptEnd(1, f"lost the agent of node {node}", False)
+                self.ended[node] = AttemptEnd(1, f"lost the agent of node {node}", False,
+                                              time=time.time())
                 continue
             for line in lines:
                 parts = line.split()
-                if len(parts) >= 5 and parts[0] == "ended" and int(parts[1]) == self.attempt:
+                if len(parts) >= 7 and parts[0] == "ended" and int(parts[1]) == self.attempt:
                     self.ended[node] = _parse_end(parts, with_signal=True)[1]
+                elif len(parts) == 6 and parts[0] == "progress" and int(parts[1]) == self.attempt:
+                    self._note_progress(int(parts[2]), RankProgress(int(parts[3]), int(parts[4]),
+                                                                    parts[5]))
+
+    def _note_progress(self, rank: int, progress: RankProgress) -> None:
+        old = self.progress.get(rank)
+        if old is None or progress.completed > old.completed:
+            if progress.completed >= 0:
+                self.last_progress = time.monotonic()
+        self.progress[rank] = progress
+
+    def remote_progress(self) -> tuple[dict[int, RankProgress], float]:
+        """The other nodes' ranks' progress (by global rank), and when one last completed a step
+        (``time.monotonic``; the attempt's start before any did)."""
+        self._receive()
+        return dict(self.progress), self.last_progress
 
     def poll(self) -> AttemptEnd | None:
         """An order for this node's ranks: the first other node whose attempt ended badly."""
         self._receive()
-        for node, end in sorted(self.ended.items()):
-            if end.status != 0:
-                return end._replace(reason=f"node {node}: {end.reason}")
-        return None
+        failed = [e for _, e in sorted(self.ended.items()) if e.status != 0]
+        return earliest_failure(failed) if failed else None
 
     def finish_attempt(self, mine: AttemptEnd) -> AttemptEnd:
         """Ends the attempt everywhere and waits for every node; returns the job's outcome."""
@@ -198,14 +280,15 @@ class Master:
                         link.send(_end_line("end", self.attempt, mine))
             time.sleep(_POLL_S)
         ends = [mine, *(self.ended[n] for n in sorted(self.ended))]
-        first = next((e for e in ends if e.status != 0), mine)
+        first = earliest_failure(ends)
+        ranks = tuple(sorted((r for e in ends for r in e.ranks), key=lambda r: r.rank))
         return first._replace(restartable=first.restartable and not any(e.signalled for e in ends),
-                              signalled=any(e.signalled for e in ends))
+                              signalled=any(e.signalled for e in ends), ranks=ranks)
 
-    def finish(self, status: int) -> None:
-        """No more attempts: every node exits with ``status``."""
+    def finish(self, status: int, reason: str = "") -> None:
+        """No more attempts: every node exits with ``status`` (``reason``: why, for messages)."""
         for link in self.links.values():
-            link.send(f"finish {status}")
+            link.send(f"finish {status} {' '.join(reason.split())}".rstrip())
 
     def close(self) -> None:
         for link in self.links.values():
@@ -237,31 +320,41 @@ class Worker:
         self.link.send(f"hello {node_rank}")
         self.attempt = -1
         self.pending: list[str] = []
+        self.sent: dict[int, RankProgress] = {}  # progress sent this attempt, by global rank
 
-    def next_command(self) -> tuple[str, int]:
-        """Blocks for ``("start", attempt)`` or ``("finish", status)`` from the master."""
+    def next_command(self) -> tuple[str, int, str]:
+        """Blocks for ``("start", attempt, "")`` or ``("finish", status, reason)`` from the
+        master."""
         while True:
             while self.pending:
                 parts = self.pending.pop(0).split()
                 if len(parts) >= 2 and parts[0] == "start":
-                    self.attempt = int(parts[1])
-                    return "start", self.attempt
+                    self.attempt, self.sent = int(parts[1]), {}
+                    return "start", self.attempt, ""
                 if len(parts) >= 2 and parts[0] == "finish":
-                    return "finish", int(parts[1])
+                    return "finish", int(parts[1]), " ".join(parts[2:])
             lines = self.link.read(timeout=0.5)
-            if lines is None:
-                return "finish", 1  # the master is gone: nothing more to run
+            if lines is None:  # the master is gone: nothing more to run
+                return "finish", 1, "lost node 0's jddp-run"
             self.pending.extend(lines)
+
+    def report_progress(self, progress: dict[int, RankProgress]) -> None:
+        """Sends the master the ranks' progress that changed since the last call."""
+        for rank, p in sorted(progress.items()):
+            if self.sent.get(rank) != p:
+                self.sent[rank] = p
+                self.link.send(f"progress {self.attempt} {rank} {p.completed} {p.dispatched} "
+                               f"{p.state}")
 
     def poll(self) -> AttemptEnd | None:
         """An order to end this attempt's ranks, if the master sent one."""
         lines = self.link.read()
         if lines is None:
-            return AttemptEnd(1, "lost node 0's jddp-run", False)
+            return AttemptEnd(1, "lost node 0's jddp-run", False, time=time.time())
         self.pending.extend(lines)
         for i, line in enumerate(self.pending):
             parts = line.split()
-            if len(parts) >= 4 and parts[0] == "end" and int(parts[1]) == self.attempt:
+            if len(parts) >= 5 and parts[0] == "end" and int(parts[1]) == self.attempt:
                 del self.pending[i]
                 return _parse_end(parts, with_signal=False)[1]
         return None

@@ -1,0 +1,65 @@
+"""A bounded check that every process of a job reached the same collective call.
+
+A collective that one process calls alone (``if is_main_process(): jddp.checkpoint.save(...)``)
+waits forever for the others, which are usually blocked in the next training step's collective,
+itself waiting for this process: nothing ever fails, the job hangs until a watchdog or timeout
+ends it with no hint of the cause. :func:`expect_all` runs first: a barrier of JAX's coordination
+service (``DistributedRuntimeClient.wait_at_barrier``) with a timeout, which turns that hang into
+an error naming the call, the processes that did not come and the fix. Each process also leaves a
+key in the coordinator's key-value store, so the error can say which processes arrived.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from jax._src import distributed as _jax_distributed  # the coordination service client
+
+__all__ = ["expect_all"]
+
+# How many times this process called expect_all(name): barrier ids must be fresh for each call,
+# and every process counts the same calls in the same order.
+_CALLS: collections.Counter[str] = collections.Counter()
+
+
+def _client() -> Any:
+    return _jax_distributed.global_state.client
+
+
+def expect_all(name: str, what: str, timeout_s: float, fix: str) -> None:
+    """Returns once every process has called ``expect_all(name, ...)`` as often as this one.
+
+    Nothing happens in a single-process job (or without ``jax.distributed``).
+
+    Args:
+      name: the call's identity (one counter per name), e.g. ``"jddp.checkpoint.save"``.
+      what: the call as the message names it, e.g. ``"jddp.checkpoint.save(step=3)"``.
+      timeout_s: how long to wait for the other processes.
+      fix: the sentence that says what to do, for the message.
+
+    Raises:
+      RuntimeError: some process did not arrive within ``timeout_s``.
+    """
+    client, state = _client(), _jax_distributed.global_state
+    if client is None or (state.num_processes or 1) <= 1:
+        return
+    _CALLS[name] += 1
+    call, me, count = _CALLS[name], state.process_id, state.num_processes
+    prefix = f"jddp/expect_all/{name}/{call}/"
+    client.key_value_set(prefix + str(me), "1", allow_overwrite=True)
+    try:
+        client.wait_at_barrier(f"jddp/expect_all/{name}/{call}", int(timeout_s * 1000))
+    except Exception as e:  # jax's XlaRuntimeError (DEADLINE_EXCEEDED), or a peer that failed
+        try:
+            arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(prefix)}
+        except Exception:  # the coordinator is gone too: say what is known
+            arrived = {me}
+        missing = [p for p in range(count) if p not in arrived]
+        who = (f"process(es) {', '.join(map(str, missing))} did not call it" if missing else
+               "the other processes did not all arrive")
+        raise RuntimeError(
+            f"{what} on process {me}: {who} within {timeout_s:g} s. {fix} "
+            f"(coordination service: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
+    client.key_value_delete(prefix + str(me))  # every process is past it: no key piles up

@@ -16,7 +16,7 @@ custom derivatives, so a model wrapped in one ``jit`` still has a per-layer orde
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -259,8 +259,9 @@ def eval_with_hooks(
     param_leaves: Sequence[Any],
     args: Sequence[Any],
     hooked: Callable[[int, tuple], Any],
-    bind: Callable[[Any, list, tuple], list] | None = None,
+    bind: Bind | None = None,
     casts: Casts | None = None,
+    held: Callable[[Any, tuple[int, ...]], None] | None = None,
 ) -> Any:
     """Evaluates ``traced`` on new inputs; parameter leaf ``i`` is read as ``hooked(i, context)``.
 
@@ -270,23 +271,35 @@ def eval_with_hooks(
     so that work can be made to wait for them. With ``lambda i, _: param_leaves[i]`` this is
     plain evaluation.
 
+    With ``bind`` (and no ``casts``), values computed from parameter leaves alone (a cast to
+    bfloat16, a transpose, a reshape: see :class:`Derived`) are not evaluated where the jaxpr
+    computes them but recomputed inside each equation that reads them together with other
+    values: ``bind`` then gets them as sources, and ``hooked`` is called there, at their first
+    real use.
+
     Args:
       param_leaves: the parameter leaves (their values are what ``hooked`` is expected to wrap).
       args: the other arguments, as the traced function took them (a pytree each).
-      bind: ``bind(eqn, invals, params) -> outs`` evaluates an equation that reads parameter
-        leaves (``params``: per input, the leaf index or ``None``) instead of binding its
-        primitive directly (stage 3's re-gathering wraps such equations); ``None``: bind.
+      bind: ``bind(eqn, invals, sources, full) -> outs`` evaluates an equation that reads
+        parameter leaves (stage 3's re-gathering wraps such equations): ``sources`` per input
+        the leaf index, a :class:`Derived`, or ``None`` (then its value is in ``invals``), and
+        ``full`` the value of every leaf they read (from ``hooked``); :func:`fill` puts them
+        together. ``None``: bind.
       casts: where replicated values become per-device ones, when ``hooked`` returns some
         parameters replicated (:class:`jddp._src.replicated.LateCasts`); ``None``: as traced.
+      held: with ``bind``, told each equation that computes from parameter leaves alone but
+        cannot be recomputed (a collective, a side effect) and the leaves it reads: its output
+        is an ordinary value, which the backward pass may keep whole.
 
     Returns:
       The output, with the traced function's structure.
     """
     del param_leaves  # read through ``hooked``
     closed = traced.jaxpr
-    param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars[: traced.num_params])}
-    outs = _eval(closed.jaxpr, closed.consts, [None] * traced.num_params + jax.tree.leaves(args),
-                 param_vars, hooked, bind, casts)
+    sources: dict[Any, Source] = {v: i for i, v in enumerate(closed.jaxpr.invars[: traced.num_params])}
+    run = _Evaluator(hooked, bind, casts, held, lazy=bind is not None and casts is None)
+    outs = run.force(closed.jaxpr.outvars, *run(
+        closed.jaxpr, closed.consts, [None] * traced.num_params + jax.tree.leaves(args), sources))
     if casts is not None:
         outs = casts.final(closed.jaxpr.outvars, outs)
     return jax.tree.unflatten(traced.out_tree, outs)
@@ -301,63 +314,168 @@ class Casts(Protocol):
     def final(self, outvars: Sequence[Any], outs: Sequence[Any]) -> list[Any]: ...
 
 
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], param_vars: dict[Any, int],
-          hooked: Callable[[int, tuple], Any],
-          bind: Callable[[Any, list, tuple], list] | None = None,
-          casts: Casts | None = None) -> list[Any]:
-    env: dict[Any, Any] = {}
+class Derived(NamedTuple):
+    """A value the loss computes from parameter leaves alone (``w.astype(jnp.bfloat16)``,
+    ``w.T``, ``jnp.exp(log_scale)``), kept as a recipe: :func:`eval_with_hooks` recomputes it
+    inside each equation that reads it with other values, so that stage 3 can gather its leaves
+    again for that equation's backward instead of keeping the computed value whole.
 
-    def read(v, context: tuple = ()):
-        if is_literal(v):
-            return v.val
-        if v in param_vars:
-            return hooked(param_vars[v], context)
-        return env[v]
+    Attributes:
+      leaves: the parameter leaves it is computed from.
+      compute: ``compute(full)``: its value from ``full``, a mapping from each of ``leaves`` to
+        that leaf's value.
+    """
 
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        if v not in param_vars:
-            env[v] = x
-    for eqn in jaxpr.eqns:
+    leaves: tuple[int, ...]
+    compute: Callable[[Mapping[int, Any]], Any]
+
+
+Source = int | Derived
+Bind = Callable[[Any, list, tuple, dict], list]
+
+
+def source_leaves(sources: Sequence[Source | None]) -> list[int]:
+    """The parameter leaves that ``sources`` read, each once, in order."""
+    out: dict[int, None] = {}
+    for s in sources:
+        for i in (s,) if isinstance(s, int) else () if s is None else s.leaves:
+            out.setdefault(i)
+    return list(out)
+
+
+def fill(invals: Sequence[Any], sources: Sequence[Source | None],
+         full: Mapping[int, Any]) -> list[Any]:
+    """``invals`` with each input that has a source replaced by its value from ``full``."""
+    return [x if s is None else full[s] if isinstance(s, int) else s.compute(full)
+            for x, s in zip(invals, sources, strict=True)]
+
+
+def _names_an_axis(params: Mapping[str, Any]) -> bool:
+    """Whether an equation's params name a mesh axis (a collective: ``psum``'s ``axes``,
+    ``axis_index``'s ``axis_name``; a reduction's integer ``axes`` do not count)."""
+    for key in ("axes", "axis_name"):
+        value = params.get(key)
+        if isinstance(value, str) or (isinstance(value, tuple | list)
+                                      and any(isinstance(a, str) for a in value)):
+            return True
+    return False
+
+
+def recomputable(eqn: Any) -> bool:
+    """Whether evaluating ``eqn`` again elsewhere (in a backward pass) gives the same value and
+    does nothing else: no side effect, no collective, also inside its sub-jaxprs."""
+    if eqn.effects or _names_an_axis(eqn.params):
+        return False
+    for sub, _ in sub_jaxprs(eqn):
+        if sub is None or not all(recomputable(e) for e in sub.eqns):
+            return False
+    return True
+
+
+def _derive(eqn: Any, invals: list, sources: tuple) -> list[Derived]:
+    """Recipes for the outputs of ``eqn``, whose inputs are sources or constants."""
+    leaves = tuple(source_leaves(sources))
+
+    def output(k: int) -> Derived:
+        return Derived(leaves, lambda full: bind_eqn(eqn, fill(invals, sources, full))[k])
+
+    return [output(k) for k in range(len(eqn.outvars))]
+
+
+class _Evaluator:
+    """The walk of :func:`eval_with_hooks` over one jaxpr and the plain calls inlined in it."""
+
+    def __init__(self, hooked: Callable[[int, tuple], Any], bind: Bind | None,
+                 casts: Casts | None, held: Callable[[Any, tuple[int, ...]], None] | None,
+                 lazy: bool):
+        self.hooked, self.bind, self.casts, self.held, self.lazy = hooked, bind, casts, held, lazy
+
+    def value(self, source: Source, context: tuple = ()) -> Any:
+        """A source's value now (its leaves read through ``hooked``)."""
+        full = {i: self.hooked(i, context) for i in source_leaves([source])}
+        return fill([None], [source], full)[0]
+
+    def force(self, outvars: Sequence[Any], outs: list, out_sources: list) -> list:
+        """The outputs, those with a source computed."""
+        del outvars
+        return [x if s is None else self.value(s) for x, s in zip(outs, out_sources, strict=True)]
+
+    def __call__(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+                 sources: dict[Any, Source]) -> tuple[list, list]:
+        """``(outs, out_sources)``: per output its value, or (``None`` and) its source."""
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        for v, x in zip(jaxpr.invars, args, strict=True):
+            if v not in sources:
+                env[v] = x
+
+        def read(v: Any, context: tuple = ()) -> Any:
+            if is_literal(v):
+                return v.val
+            return self.value(sources[v], context) if v in sources else env[v]
+
+        for eqn in jaxpr.eqns:
+            outs, out_sources = self.eqn(eqn, read, env, sources)
+            for v, x, s in zip(eqn.outvars, outs, out_sources, strict=True):
+                if s is None:
+                    env[v] = x
+                else:
+                    sources[v] = s
+        outs = [None if not is_literal(v) and v in sources else read(v) for v in jaxpr.outvars]
+        return outs, [None if is_literal(v) else sources.get(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn: Any, read: Callable[..., Any], env: dict,
+            sources: dict[Any, Source]) -> tuple[list, list]:
+        """One equation's ``(outs, out_sources)``."""
         name = eqn.primitive.name
+        none = [None] * len(eqn.outvars)
         if name in INLINE_CALLS and "jaxpr" in eqn.params:
             # Inline plain calls so that hooks land at the first use inside them.
             inner = eqn.params["jaxpr"]
-            sub_vars = {
-                iv: param_vars[ov]
-                for ov, iv in zip(eqn.invars, inner.jaxpr.invars, strict=True)
-                if not is_literal(ov) and ov in param_vars
-            }
-            inner_args = [
-                None if iv in sub_vars else read(ov)
-                for ov, iv in zip(eqn.invars, inner.jaxpr.invars, strict=True)
-            ]
-            outs = _eval(inner.jaxpr, inner.consts, inner_args, sub_vars, hooked, bind, casts)
-        elif name == "pvary" and casts is not None:
-            outs = [read(v) for v in eqn.invars]  # cast where the value meets a varying one
-        elif name == "pvary" and all(
+            pairs = list(zip(eqn.invars, inner.jaxpr.invars, strict=True))
+            sub = {iv: sources[ov] for ov, iv in pairs if not is_literal(ov) and ov in sources}
+            inner_args = [None if iv in sub else read(ov) for ov, iv in pairs]
+            return self(inner.jaxpr, inner.consts, inner_args, sub)
+        if name == "pvary" and (self.casts is not None or all(
             all(a in vma.varying_axes(x) for a in vma.axis_names(eqn.params["axes"]))
             for x in (read(v) for v in eqn.invars)
-        ):
-            # The traced value was replicated where the evaluated one already varies.
-            outs = [read(v) for v in eqn.invars]
+        )):
+            # Cast where the value meets a varying one (casts), or: the traced value was
+            # replicated where the evaluated one already varies.
+            return [read(v) for v in eqn.invars], none
+        srcs = tuple(None if is_literal(v) else sources.get(v) for v in eqn.invars)
+        if self.lazy and any(s is not None for s in srcs):
+            return self.lazy_eqn(eqn, read, env, srcs)
+        context = tuple(env[v] for v in eqn.invars if not is_literal(v) and v not in sources)
+        invals = [read(v, context) for v in eqn.invars]
+        if self.casts is not None:
+            invals = self.casts.inputs(eqn, invals)
+        if self.bind is not None and any(s is not None for s in srcs):
+            full = {i: x for i, x in zip(srcs, invals, strict=True) if isinstance(i, int)}
+            outs = self.bind(eqn, invals, srcs, full)
         else:
-            context = tuple(env[v] for v in eqn.invars
-                            if not is_literal(v) and v not in param_vars)
-            invals = [read(v, context) for v in eqn.invars]
-            if casts is not None:
-                invals = casts.inputs(eqn, invals)
-            params = tuple(None if is_literal(v) else param_vars.get(v) for v in eqn.invars)
-            if bind is not None and any(i is not None for i in params):
-                outs = bind(eqn, invals, params)
-            else:
-                outs = bind_eqn(eqn, invals)
-            if casts is not None:
-                casts.outputs(eqn, invals, outs)
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+            outs = bind_eqn(eqn, invals)
+        if self.casts is not None:
+            self.casts.outputs(eqn, invals, outs)
+        return outs, none
+
+    def lazy_eqn(self, eqn: Any, read: Callable[..., Any], env: dict,
+                 srcs: tuple) -> tuple[list, list]:
+        """An equation that reads sources: a recipe (:class:`Derived`) if it reads nothing
+        else (nor a traced value) and can be recomputed, else ``bind``'s outputs."""
+        invals = [None if s is not None else read(v) for v, s in zip(eqn.invars, srcs,
+                                                                     strict=True)]
+        constant = all(s is not None or is_literal(v) or not isinstance(x, jax.core.Tracer)
+                       for v, s, x in zip(eqn.invars, srcs, invals, strict=True))
+        if constant and recomputable(eqn):
+            return [None] * len(eqn.outvars), list(_derive(eqn, invals, srcs))
+        leaves = source_leaves(srcs)
+        if constant and self.held is not None:
+            self.held(eqn, tuple(leaves))
+        context = tuple(x for x, s, v in zip(invals, srcs, eqn.invars, strict=True)
+                        if s is None and not is_literal(v))
+        full = {i: self.hooked(i, context) for i in leaves}
+        assert self.bind is not None  # lazy implies bind
+        return self.bind(eqn, invals, srcs, full), [None] * len(eqn.outvars)
 
 
 def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:

@@ -261,7 +261,6 @@ def eval_with_hooks(
     hooked: Callable[[int, tuple], Any],
     bind: Bind | None = None,
     casts: Casts | None = None,
-    held: Callable[[Any, tuple[int, ...]], None] | None = None,
 ) -> Any:
     """Evaluates ``traced`` on new inputs; parameter leaf ``i`` is read as ``hooked(i, context)``.
 
@@ -287,17 +286,15 @@ def eval_with_hooks(
         together. ``None``: bind.
       casts: where replicated values become per-device ones, when ``hooked`` returns some
         parameters replicated (:class:`jddp._src.replicated.LateCasts`); ``None``: as traced.
-      held: with ``bind``, told each equation that computes from parameter leaves alone but
-        cannot be recomputed (a collective, a side effect) and the leaves it reads: its output
-        is an ordinary value, which the backward pass may keep whole.
 
     Returns:
       The output, with the traced function's structure.
     """
     del param_leaves  # read through ``hooked``
     closed = traced.jaxpr
-    sources: dict[Any, Source] = {v: i for i, v in enumerate(closed.jaxpr.invars[: traced.num_params])}
-    run = _Evaluator(hooked, bind, casts, held, lazy=bind is not None and casts is None)
+    sources: dict[Any, Source] = dict(zip(closed.jaxpr.invars[: traced.num_params],
+                                          range(traced.num_params), strict=True))
+    run = _Evaluator(hooked, bind, casts, lazy=bind is not None and casts is None)
     outs = run.force(closed.jaxpr.outvars, *run(
         closed.jaxpr, closed.consts, [None] * traced.num_params + jax.tree.leaves(args), sources))
     if casts is not None:
@@ -372,6 +369,18 @@ def recomputable(eqn: Any) -> bool:
     return True
 
 
+def _concrete(x: Any) -> bool:
+    """Whether a value is known at trace time (a constant: no tracer to carry into a VJP)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def derivable(eqn: Any, fixed: Sequence[bool]) -> bool:
+    """Whether ``eqn``, reading parameter values, computes from parameters alone (``fixed``:
+    per input, whether it is a parameter value, a literal or a constant) and can be recomputed
+    (:func:`recomputable`): then its outputs are :class:`Derived`."""
+    return all(fixed) and recomputable(eqn)
+
+
 def _derive(eqn: Any, invals: list, sources: tuple) -> list[Derived]:
     """Recipes for the outputs of ``eqn``, whose inputs are sources or constants."""
     leaves = tuple(source_leaves(sources))
@@ -386,9 +395,8 @@ class _Evaluator:
     """The walk of :func:`eval_with_hooks` over one jaxpr and the plain calls inlined in it."""
 
     def __init__(self, hooked: Callable[[int, tuple], Any], bind: Bind | None,
-                 casts: Casts | None, held: Callable[[Any, tuple[int, ...]], None] | None,
-                 lazy: bool):
-        self.hooked, self.bind, self.casts, self.held, self.lazy = hooked, bind, casts, held, lazy
+                 casts: Casts | None, lazy: bool):
+        self.hooked, self.bind, self.casts, self.lazy = hooked, bind, casts, lazy
 
     def value(self, source: Source, context: tuple = ()) -> Any:
         """A source's value now (its leaves read through ``hooked``)."""
@@ -464,18 +472,67 @@ class _Evaluator:
         else (nor a traced value) and can be recomputed, else ``bind``'s outputs."""
         invals = [None if s is not None else read(v) for v, s in zip(eqn.invars, srcs,
                                                                      strict=True)]
-        constant = all(s is not None or is_literal(v) or not isinstance(x, jax.core.Tracer)
-                       for v, s, x in zip(eqn.invars, srcs, invals, strict=True))
-        if constant and recomputable(eqn):
+        if derivable(eqn, [s is not None or is_literal(v) or _concrete(x)
+                           for v, s, x in zip(eqn.invars, srcs, invals, strict=True)]):
             return [None] * len(eqn.outvars), list(_derive(eqn, invals, srcs))
         leaves = source_leaves(srcs)
-        if constant and self.held is not None:
-            self.held(eqn, tuple(leaves))
         context = tuple(x for x, s, v in zip(invals, srcs, eqn.invars, strict=True)
                         if s is None and not is_literal(v))
         full = {i: self.hooked(i, context) for i in leaves}
         assert self.bind is not None  # lazy implies bind
         return self.bind(eqn, invals, srcs, full), [None] * len(eqn.outvars)
+
+
+def kept_whole(traced: Traced) -> dict[int, str]:
+    """Parameter leaves whose values computed in the forward pass are kept for the backward
+    however :func:`eval_with_hooks` evaluates them with ``bind``, each with the equation that
+    keeps it: one computing from parameters alone that cannot be recomputed (a collective, a
+    side effect: :func:`recomputable`), or one scaling a parameter value by a traced scalar
+    (``w * s``: a value of the parameter's size that is not :class:`Derived`). Stage 3's
+    resharding cannot free those leaves' gathered copies after the forward pass.
+    """
+    closed = traced.jaxpr
+    found: dict[int, str] = {}
+    sources: dict[Any, frozenset] = {
+        v: frozenset((i,)) for i, v in enumerate(closed.jaxpr.invars[: traced.num_params])}
+    _kept_walk(closed.jaxpr, [_concrete(c) for c in closed.consts], sources, found)
+    return found
+
+
+def _kept_walk(jaxpr: Any, const_fixed: Sequence[bool], sources: dict[Any, frozenset],
+               found: dict[int, str]) -> list[frozenset | None]:
+    """:func:`kept_whole`'s walk of one jaxpr; the leaves behind each of its outputs."""
+    fixed_vars = {v for v, c in zip(jaxpr.constvars, const_fixed, strict=True) if c}
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not is_literal(v)]
+        if eqn.primitive.name in INLINE_CALLS and "jaxpr" in eqn.params:
+            inner = eqn.params["jaxpr"]
+            sub = {iv: sources[ov] for ov, iv in zip(eqn.invars, inner.jaxpr.invars, strict=True)
+                   if not is_literal(ov) and ov in sources}
+            outs = _kept_walk(inner.jaxpr, [_concrete(c) for c in inner.consts], sub, found)
+            sources.update((v, s) for v, s in zip(eqn.outvars, outs, strict=True) if s)
+            continue
+        leaves = frozenset().union(*(sources[v] for v in ins if v in sources))
+        if not leaves or not any(_inexact(v) for v in eqn.outvars):
+            continue  # no parameter value read, or none computed (a print, an integer)
+        if derivable(eqn, [v in sources or v in fixed_vars for v in ins]):
+            sources.update((v, leaves) for v in eqn.outvars)
+        elif all(v in sources or v in fixed_vars for v in ins):
+            found.update((i, f"{eqn.primitive.name} (not recomputable)") for i in leaves)
+        elif _scales(eqn, sources, fixed_vars):
+            found.update((i, f"{eqn.primitive.name} with a traced scalar") for i in leaves)
+    return [None if is_literal(v) else sources.get(v) for v in jaxpr.outvars]
+
+
+def _scales(eqn: Any, sources: dict[Any, frozenset], fixed_vars: set) -> bool:
+    """Whether ``eqn`` combines parameter values with traced scalars only, into an output as
+    large as a parameter value it reads (``w * s``)."""
+    ins = [v for v in eqn.invars if not is_literal(v)]
+    traced = [v for v in ins if v not in sources and v not in fixed_vars]
+    sizes = [int(getattr(v.aval, "size", 0)) for v in ins if v in sources]
+    big = max(sizes, default=0)
+    return (big > 1 and all(int(getattr(v.aval, "size", 2)) <= 1 for v in traced)
+            and any(int(getattr(o.aval, "size", 0)) >= big for o in eqn.outvars))
 
 
 def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:

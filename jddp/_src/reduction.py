@@ -975,9 +975,8 @@ class _Evaluation:
             (tuple(leaves), tuple(self.args)))))
         self.prefetch_token = (_vary(jnp.zeros((), jnp.float32), tuple(sorted(axes)))
                                if bind is not None and backward_prefetch() else None)
-        self.not_resharded: list[tuple[str, tuple[int, ...]]] = []
         out = jaxpr_lib.eval_with_hooks(self.traced, leaves, self.args, self.read, bind,
-                                        self.casts, self.held if bind is not None else None)
+                                        self.casts)
         for b in range(self.plan.num_buckets):
             if self.plan.buckets[b].indices[0] not in self.hooked:
                 self.apply(b)
@@ -1017,13 +1016,6 @@ class _Evaluation:
         outs, self.prefetch_token = _regathered(eqn, invals, sources, full, pieces, reducer,
                                                 self.regathers.extend, self.prefetch_token)
         return outs
-
-    def held(self, eqn: Any, leaves: tuple[int, ...]) -> None:
-        """A value computed from parameters alone that cannot be recomputed in the backward
-        (see :func:`jddp._src.jaxpr.eval_with_hooks`): its gathered leaves may be kept whole."""
-        gathered = [i for i in leaves if i not in self.plan.unused and self.reducer.gathers(i)]
-        if gathered:
-            self.not_resharded.append((eqn.primitive.name, tuple(gathered)))
 
     def read(self, i: int, context: tuple = ()) -> Any:
         if i not in self.hooked:

@@ -12,7 +12,9 @@ pieces live (``zero_stage=``):
   bucket's gather runs while the current layer computes) and the backward pass reduce-scatters
   its gradient. With ``reshard_after_forward`` (the default) each gathered leaf is dropped after
   its forward use and gathered again for the backward (``reduction._regathered``; on GPU and TPU
-  one use ahead, while the next use's backward computes); without it a gathered bucket stays
+  one use ahead, while the next use's backward computes), also where the loss reads it through a
+  cast or a transpose (recomputed from the gathered leaf; what cannot be recomputed is warned
+  about and listed by :func:`not_resharded`); without it a gathered bucket stays
   whole until the backward pass is done with it. With an int ``k`` (ZeRO++'s hpZ) the backward
   gathers from a ``1/k`` slice of the gathered leaf (:func:`subgroup_piece`) over groups of ``k``
   devices only (:func:`subgroups`).

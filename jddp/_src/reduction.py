@@ -519,8 +519,9 @@ class GatherInForward:
         a value computed from leaves alone (a cast, a transpose: recomputed inside it, see
         :func:`jddp._src.jaxpr.eval_with_hooks`), runs through :func:`_regathered`, which keeps
         only the pieces for its backward and gathers the leaf again there, so a gathered bucket
-        lives from its gather to its last forward use, and again around each backward use. ``False``: a gathered bucket stays whole until the
-        backward is done with it (the user's operations keep it as a residual).
+        lives from its gather to its last forward use, and again around each backward use.
+        ``False``: a gathered bucket stays whole until the backward is done with it (the
+        user's operations keep it as a residual).
       dtype: the dtype the loss computes with (a mixed-precision policy's ``param_dtype``):
         pieces are cast to it before they are gathered (forward and backward gathers), leaves
         kept whole are cast too; ``None``: their own.

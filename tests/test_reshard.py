@@ -89,6 +89,36 @@ def test_cast_in_the_loss_keeps_resharding():
     assert all(plan.not_resharded == () for plan in plans.values())
 
 
+def test_cast_at_the_top_keeps_the_use_order():
+    """Casting every parameter at the top of the loss is not their first use: with Flax's names
+    (``Dense_10`` sorts before ``Dense_2``) the bucket plan follows the layers' use order, the
+    same plan as without the cast (before: the casts' order, i.e. the sorted keys), at stage 0
+    as at stage 3."""
+    rng = np.random.default_rng(4)
+    params = {f"Dense_{i}": {"kernel": jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32),
+                             "bias": jnp.zeros((32,), jnp.float32)} for i in range(12)}
+
+    def loss(cast):
+        def fn(p, b):
+            h = b["x"]
+            if cast:
+                p = jax.tree.map(lambda w: w.astype(jnp.bfloat16), p)
+                h = h.astype(jnp.bfloat16)
+            for i in range(12):
+                h = jnp.tanh(h @ p[f"Dense_{i}"]["kernel"] + p[f"Dense_{i}"]["bias"])
+            return jnp.mean(h.astype(jnp.float32) ** 2)
+        return fn
+
+    batch = {"x": jnp.ones((16, 32), jnp.float32)}
+    caps = dict(bucket_cap_mb=32 * 33 * 4 / 2**20, first_bucket_mb=32 * 33 * 4 / 2**20)
+    for stage in (0, 3):
+        plans = [jddp.DataParallel(loss(cast), optax.sgd(0.1), zero_stage=stage, **caps)
+                 .plan(params, batch) for cast in (False, True)]
+        order = [sorted(b.paths) for b in plans[1].buckets]
+        assert order == [sorted(b.paths) for b in plans[0].buckets]
+        assert order[0] == ["Dense_11.bias", "Dense_11.kernel"] and len(order) == 12
+
+
 @pytest.mark.parametrize("use", ["transpose", "reshape", "cast_twice"])
 def test_values_computed_from_a_kernel_are_regathered(use):
     """A kernel read through a transpose, a reshape, or two casts (bf16 and back): each layer's

@@ -149,19 +149,30 @@ def first_use_order(jaxpr: Any, num_params: int) -> list[int | None]:
     """The time of first use of each of the first ``num_params`` inputs of ``jaxpr``.
 
     Times count equations in evaluation order, walking into sub-jaxprs (calls, loops, branches,
-    custom derivatives). ``None`` marks an input that no equation and no output uses.
+    custom derivatives). ``None`` marks an input that no equation and no output uses. A value
+    computed from parameters alone (a cast at the top of the loss, a transpose: see
+    :func:`derivable`) is not a use: its parameters are first used where it is (with the
+    model's other values, or as an output), as :func:`eval_with_hooks` evaluates it there.
     """
-    first: dict[Any, int] = {}
+    first: dict[int, int] = {}
     clock = [0]
 
-    def walk(jx: Any, binding: dict[Any, int]) -> None:
+    def use(leaves: frozenset) -> None:
+        for i in leaves:
+            first.setdefault(i, clock[0])
+
+    def walk(jx: Any, binding: dict[Any, frozenset]) -> None:
+        consts = set(jx.constvars)
         for eqn in jx.eqns:
             clock[0] += 1
             subs = sub_jaxprs(eqn)
-            used_here = [v for v in eqn.invars if not is_literal(v) and v in binding]
+            ins = [v for v in eqn.invars if not is_literal(v)]
+            here = frozenset().union(*(binding[v] for v in ins if v in binding))
             if not subs:
-                for v in used_here:
-                    first.setdefault(binding[v], clock[0])
+                if here and derivable(eqn, [v in binding or v in consts for v in ins]):
+                    binding.update((v, here) for v in eqn.outvars)
+                else:
+                    use(here)
                 continue
             for sub, outer in subs:
                 inner = {}
@@ -169,16 +180,15 @@ def first_use_order(jaxpr: Any, num_params: int) -> list[int | None]:
                     if not is_literal(ov) and ov in binding:
                         inner[iv] = binding[ov]
                 if sub is None:
-                    for idx in inner.values():
-                        first.setdefault(idx, clock[0])
+                    use(frozenset().union(*inner.values()))
                 else:
                     walk(sub, inner)
         for v in jx.outvars:
             if not is_literal(v) and v in binding:
                 clock[0] += 1
-                first.setdefault(binding[v], clock[0])
+                use(binding[v])
 
-    walk(jaxpr, {v: i for i, v in enumerate(jaxpr.invars[:num_params])})
+    walk(jaxpr, {v: frozenset((i,)) for i, v in enumerate(jaxpr.invars[:num_params])})
     return [first.get(i) for i in range(num_params)]
 
 

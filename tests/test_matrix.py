@@ -174,6 +174,20 @@ def _mp_accumulate_ref(_):
                      [micro[0:2], micro[2:4]], param_dtype=MP, shards=8).params
 
 
+def _cast_loss(p, b):
+    """docs/migration.md's bf16 recipe: every parameter and the input cast to bfloat16 at the top
+    of the loss, the loss accumulated in float32 (ZeRO-3 resharding recomputes the casts from
+    the leaves it gathers again in the backward: tests/test_reshard.py)."""
+    p16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), p)
+    out = mlp_loss(p16, {"x": b["x"].astype(jnp.bfloat16), "y": b["y"]})
+    return out.astype(jnp.float32)
+
+
+def _cast_ref(_):
+    return ref.train(_cast_loss, optax.adam(1e-2), mlp_params(0, SIZES),
+                     [[b] for b in _batches(3)], shards=8).params
+
+
 def _post_local_ref(replicas):
     return ref.local_sgd(mlp_loss, optax.sgd(0.1), mlp_params(0, SIZES), _batches(3),
                          replicas=replicas, period=2).params
@@ -212,6 +226,7 @@ CASES = {
                          _mp_plain_sgd_ref, lambda: optax.sgd(0.1)),
     "mp_accumulate": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4, ROWS // 2)],
                           _mp_accumulate_ref),
+    "cast_in_loss": Case(_cast_loss, lambda: [{"batch": b} for b in _batches(3)], _cast_ref),
     "post_local": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _post_local_ref,
                        lambda: optax.sgd(0.1)),
     "diloco": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4)], _diloco_ref),
@@ -351,6 +366,16 @@ def _cells() -> list[Cell]:
              equal("plain")),
         Cell("reshard_after_forward=3", lambda: {"reshard_after_forward": 3}, "1d", 3,
              refused("must divide the 8 devices")),
+        # ZeRO-3 resharding x parameters cast in the loss (docs/migration.md's bf16 recipe) and
+        # x the bf16 policy with parameters promoted in the loss (bfloat16 kernels meeting
+        # float32 inputs: NNX layers at dtype=None); gathers and peaks: tests/test_reshard.py
+        Cell("params cast to bf16 in the loss + reshard_after_forward",
+             lambda: {"reshard_after_forward": True}, "1d", 3, equal("cast_in_loss"), procs=2),
+        Cell("params cast to bf16 in the loss + reshard_after_forward=4 (hpZ)",
+             lambda: {"reshard_after_forward": 4}, "2l", 3, equal("cast_in_loss")),
+        Cell("mixed_precision, params promoted in the loss + reshard_after_forward",
+             lambda: {"mixed_precision": _mp(), "reshard_after_forward": True}, "1d", 3,
+             equal("mp_plain"), procs=2),
         # local SGD
         Cell("post_local_sgd(2)", lambda: {"local_sgd": post(2)}, "1d", 0, equal("post_local")),
         Cell("diloco(2)", lambda: {"local_sgd": diloco(2)}, "2l", 0, equal("diloco"), procs=2),

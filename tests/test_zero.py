@@ -540,7 +540,8 @@ def test_backward_prefetch_equals_stage_0(monkeypatch):
     """The backward prefetch of resharded stage 3 (on where collectives are asynchronous, GPU
     and TPU; tests/test_gpu_step.py checks its schedule) forced on here, on CPU: 3 Adam steps
     still equal stage 0 (1e-6) with a kernel read twice (tied), every kernel but the first is
-    gathered again (no gather merged by the combiner, none dropped), and comm_bytes equals the
+    gathered again, and the first once more for its tied use (no gather merged by the
+    combiner, none dropped), and comm_bytes equals the
     compiled program's collectives."""
     from jddp._src import reduction
 
@@ -559,9 +560,9 @@ def test_backward_prefetch_equals_stage_0(monkeypatch):
     _close(out["reshard"][0], out["s0"][0], rtol=1e-6, atol=1e-6)
     assert out["reshard"][1] == pytest.approx(out["s0"][1], rel=1e-6)
     k = ddp.bucket_plan.num_buckets
-    # Backward: the kernels of layers 1-3 (the tied use reads l0 through a transpose, whose
-    # VJP needs no operand: the user's dot keeps the transposed kernel).
-    assert sum(c.kind == "all-gather" for c in schedule.collectives(text)) == k + 3
+    # Backward: the kernels of layers 1-3, and l0 again for the tied use (it reads l0 through
+    # a transpose, recomputed from the gathered kernel: the transposed kernel is not kept).
+    assert sum(c.kind == "all-gather" for c in schedule.collectives(text)) == k + 4
     assert float(m["comm_bytes"]) == pytest.approx(_hlo_bytes(text), rel=1e-6)
 
 

@@ -16,7 +16,7 @@ custom derivatives, so a model wrapped in one ``jit`` still has a per-layer orde
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -149,19 +149,30 @@ def first_use_order(jaxpr: Any, num_params: int) -> list[int | None]:
     """The time of first use of each of the first ``num_params`` inputs of ``jaxpr``.
 
     Times count equations in evaluation order, walking into sub-jaxprs (calls, loops, branches,
-    custom derivatives). ``None`` marks an input that no equation and no output uses.
+    custom derivatives). ``None`` marks an input that no equation and no output uses. A value
+    computed from parameters alone (a cast at the top of the loss, a transpose: see
+    :func:`derivable`) is not a use: its parameters are first used where it is (with the
+    model's other values, or as an output), as :func:`eval_with_hooks` evaluates it there.
     """
-    first: dict[Any, int] = {}
+    first: dict[int, int] = {}
     clock = [0]
 
-    def walk(jx: Any, binding: dict[Any, int]) -> None:
+    def use(leaves: frozenset) -> None:
+        for i in leaves:
+            first.setdefault(i, clock[0])
+
+    def walk(jx: Any, binding: dict[Any, frozenset]) -> None:
+        consts = set(jx.constvars)
         for eqn in jx.eqns:
             clock[0] += 1
             subs = sub_jaxprs(eqn)
-            used_here = [v for v in eqn.invars if not is_literal(v) and v in binding]
+            ins = [v for v in eqn.invars if not is_literal(v)]
+            here = frozenset().union(*(binding[v] for v in ins if v in binding))
             if not subs:
-                for v in used_here:
-                    first.setdefault(binding[v], clock[0])
+                if here and derivable(eqn, [v in binding or v in consts for v in ins]):
+                    binding.update((v, here) for v in eqn.outvars)
+                else:
+                    use(here)
                 continue
             for sub, outer in subs:
                 inner = {}
@@ -169,16 +180,15 @@ def first_use_order(jaxpr: Any, num_params: int) -> list[int | None]:
                     if not is_literal(ov) and ov in binding:
                         inner[iv] = binding[ov]
                 if sub is None:
-                    for idx in inner.values():
-                        first.setdefault(idx, clock[0])
+                    use(frozenset().union(*inner.values()))
                 else:
                     walk(sub, inner)
         for v in jx.outvars:
             if not is_literal(v) and v in binding:
                 clock[0] += 1
-                first.setdefault(binding[v], clock[0])
+                use(binding[v])
 
-    walk(jaxpr, {v: i for i, v in enumerate(jaxpr.invars[:num_params])})
+    walk(jaxpr, {v: frozenset((i,)) for i, v in enumerate(jaxpr.invars[:num_params])})
     return [first.get(i) for i in range(num_params)]
 
 
@@ -259,7 +269,7 @@ def eval_with_hooks(
     param_leaves: Sequence[Any],
     args: Sequence[Any],
     hooked: Callable[[int, tuple], Any],
-    bind: Callable[[Any, list, tuple], list] | None = None,
+    bind: Bind | None = None,
     casts: Casts | None = None,
 ) -> Any:
     """Evaluates ``traced`` on new inputs; parameter leaf ``i`` is read as ``hooked(i, context)``.
@@ -270,12 +280,20 @@ def eval_with_hooks(
     so that work can be made to wait for them. With ``lambda i, _: param_leaves[i]`` this is
     plain evaluation.
 
+    With ``bind`` (and no ``casts``), values computed from parameter leaves alone (a cast to
+    bfloat16, a transpose, a reshape: see :class:`Derived`) are not evaluated where the jaxpr
+    computes them but recomputed inside each equation that reads them together with other
+    values: ``bind`` then gets them as sources, and ``hooked`` is called there, at their first
+    real use.
+
     Args:
       param_leaves: the parameter leaves (their values are what ``hooked`` is expected to wrap).
       args: the other arguments, as the traced function took them (a pytree each).
-      bind: ``bind(eqn, invals, params) -> outs`` evaluates an equation that reads parameter
-        leaves (``params``: per input, the leaf index or ``None``) instead of binding its
-        primitive directly (stage 3's re-gathering wraps such equations); ``None``: bind.
+      bind: ``bind(eqn, invals, sources, full) -> outs`` evaluates an equation that reads
+        parameter leaves (stage 3's re-gathering wraps such equations): ``sources`` per input
+        the leaf index, a :class:`Derived`, or ``None`` (then its value is in ``invals``), and
+        ``full`` the value of every leaf they read (from ``hooked``); :func:`fill` puts them
+        together. ``None``: bind.
       casts: where replicated values become per-device ones, when ``hooked`` returns some
         parameters replicated (:class:`jddp._src.replicated.LateCasts`); ``None``: as traced.
 
@@ -284,9 +302,11 @@ def eval_with_hooks(
     """
     del param_leaves  # read through ``hooked``
     closed = traced.jaxpr
-    param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars[: traced.num_params])}
-    outs = _eval(closed.jaxpr, closed.consts, [None] * traced.num_params + jax.tree.leaves(args),
-                 param_vars, hooked, bind, casts)
+    sources: dict[Any, Source] = dict(zip(closed.jaxpr.invars[: traced.num_params],
+                                          range(traced.num_params), strict=True))
+    run = _Evaluator(hooked, bind, casts, lazy=bind is not None and casts is None)
+    outs = run.force(closed.jaxpr.outvars, *run(
+        closed.jaxpr, closed.consts, [None] * traced.num_params + jax.tree.leaves(args), sources))
     if casts is not None:
         outs = casts.final(closed.jaxpr.outvars, outs)
     return jax.tree.unflatten(traced.out_tree, outs)
@@ -301,63 +321,228 @@ class Casts(Protocol):
     def final(self, outvars: Sequence[Any], outs: Sequence[Any]) -> list[Any]: ...
 
 
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], param_vars: dict[Any, int],
-          hooked: Callable[[int, tuple], Any],
-          bind: Callable[[Any, list, tuple], list] | None = None,
-          casts: Casts | None = None) -> list[Any]:
-    env: dict[Any, Any] = {}
+class Derived(NamedTuple):
+    """A value the loss computes from parameter leaves alone (``w.astype(jnp.bfloat16)``,
+    ``w.T``, ``jnp.exp(log_scale)``), kept as a recipe: :func:`eval_with_hooks` recomputes it
+    inside each equation that reads it with other values, so that stage 3 can gather its leaves
+    again for that equation's backward instead of keeping the computed value whole.
 
-    def read(v, context: tuple = ()):
-        if is_literal(v):
-            return v.val
-        if v in param_vars:
-            return hooked(param_vars[v], context)
-        return env[v]
+    Attributes:
+      leaves: the parameter leaves it is computed from.
+      compute: ``compute(full)``: its value from ``full``, a mapping from each of ``leaves`` to
+        that leaf's value.
+    """
 
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        if v not in param_vars:
-            env[v] = x
-    for eqn in jaxpr.eqns:
+    leaves: tuple[int, ...]
+    compute: Callable[[Mapping[int, Any]], Any]
+
+
+Source = int | Derived
+Bind = Callable[[Any, list, tuple, dict], list]
+
+
+def source_leaves(sources: Sequence[Source | None]) -> list[int]:
+    """The parameter leaves that ``sources`` read, each once, in order."""
+    out: dict[int, None] = {}
+    for s in sources:
+        for i in (s,) if isinstance(s, int) else () if s is None else s.leaves:
+            out.setdefault(i)
+    return list(out)
+
+
+def fill(invals: Sequence[Any], sources: Sequence[Source | None],
+         full: Mapping[int, Any]) -> list[Any]:
+    """``invals`` with each input that has a source replaced by its value from ``full``."""
+    return [x if s is None else full[s] if isinstance(s, int) else s.compute(full)
+            for x, s in zip(invals, sources, strict=True)]
+
+
+def _names_an_axis(params: Mapping[str, Any]) -> bool:
+    """Whether an equation's params name a mesh axis (a collective: ``psum``'s ``axes``,
+    ``axis_index``'s ``axis_name``; a reduction's integer ``axes`` do not count)."""
+    for key in ("axes", "axis_name"):
+        value = params.get(key)
+        if isinstance(value, str) or (isinstance(value, tuple | list)
+                                      and any(isinstance(a, str) for a in value)):
+            return True
+    return False
+
+
+def recomputable(eqn: Any) -> bool:
+    """Whether evaluating ``eqn`` again elsewhere (in a backward pass) gives the same value and
+    does nothing else: no side effect, no collective, also inside its sub-jaxprs."""
+    if eqn.effects or _names_an_axis(eqn.params):
+        return False
+    for sub, _ in sub_jaxprs(eqn):
+        if sub is None or not all(recomputable(e) for e in sub.eqns):
+            return False
+    return True
+
+
+def _concrete(x: Any) -> bool:
+    """Whether a value is known at trace time (a constant: no tracer to carry into a VJP)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def derivable(eqn: Any, fixed: Sequence[bool]) -> bool:
+    """Whether ``eqn``, reading parameter values, computes from parameters alone (``fixed``:
+    per input, whether it is a parameter value, a literal or a constant) and can be recomputed
+    (:func:`recomputable`): then its outputs are :class:`Derived`."""
+    return all(fixed) and recomputable(eqn)
+
+
+def _derive(eqn: Any, invals: list, sources: tuple) -> list[Derived]:
+    """Recipes for the outputs of ``eqn``, whose inputs are sources or constants."""
+    leaves = tuple(source_leaves(sources))
+
+    def output(k: int) -> Derived:
+        return Derived(leaves, lambda full: bind_eqn(eqn, fill(invals, sources, full))[k])
+
+    return [output(k) for k in range(len(eqn.outvars))]
+
+
+class _Evaluator:
+    """The walk of :func:`eval_with_hooks` over one jaxpr and the plain calls inlined in it."""
+
+    def __init__(self, hooked: Callable[[int, tuple], Any], bind: Bind | None,
+                 casts: Casts | None, lazy: bool):
+        self.hooked, self.bind, self.casts, self.lazy = hooked, bind, casts, lazy
+
+    def value(self, source: Source, context: tuple = ()) -> Any:
+        """A source's value now (its leaves read through ``hooked``)."""
+        full = {i: self.hooked(i, context) for i in source_leaves([source])}
+        return fill([None], [source], full)[0]
+
+    def force(self, outvars: Sequence[Any], outs: list, out_sources: list) -> list:
+        """The outputs, those with a source computed."""
+        del outvars
+        return [x if s is None else self.value(s) for x, s in zip(outs, out_sources, strict=True)]
+
+    def __call__(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+                 sources: dict[Any, Source]) -> tuple[list, list]:
+        """``(outs, out_sources)``: per output its value, or (``None`` and) its source."""
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        for v, x in zip(jaxpr.invars, args, strict=True):
+            if v not in sources:
+                env[v] = x
+
+        def read(v: Any, context: tuple = ()) -> Any:
+            if is_literal(v):
+                return v.val
+            return self.value(sources[v], context) if v in sources else env[v]
+
+        for eqn in jaxpr.eqns:
+            outs, out_sources = self.eqn(eqn, read, env, sources)
+            for v, x, s in zip(eqn.outvars, outs, out_sources, strict=True):
+                if s is None:
+                    env[v] = x
+                else:
+                    sources[v] = s
+        outs = [None if not is_literal(v) and v in sources else read(v) for v in jaxpr.outvars]
+        return outs, [None if is_literal(v) else sources.get(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn: Any, read: Callable[..., Any], env: dict,
+            sources: dict[Any, Source]) -> tuple[list, list]:
+        """One equation's ``(outs, out_sources)``."""
         name = eqn.primitive.name
+        none = [None] * len(eqn.outvars)
         if name in INLINE_CALLS and "jaxpr" in eqn.params:
             # Inline plain calls so that hooks land at the first use inside them.
             inner = eqn.params["jaxpr"]
-            sub_vars = {
-                iv: param_vars[ov]
-                for ov, iv in zip(eqn.invars, inner.jaxpr.invars, strict=True)
-                if not is_literal(ov) and ov in param_vars
-            }
-            inner_args = [
-                None if iv in sub_vars else read(ov)
-                for ov, iv in zip(eqn.invars, inner.jaxpr.invars, strict=True)
-            ]
-            outs = _eval(inner.jaxpr, inner.consts, inner_args, sub_vars, hooked, bind, casts)
-        elif name == "pvary" and casts is not None:
-            outs = [read(v) for v in eqn.invars]  # cast where the value meets a varying one
-        elif name == "pvary" and all(
+            pairs = list(zip(eqn.invars, inner.jaxpr.invars, strict=True))
+            sub = {iv: sources[ov] for ov, iv in pairs if not is_literal(ov) and ov in sources}
+            inner_args = [None if iv in sub else read(ov) for ov, iv in pairs]
+            return self(inner.jaxpr, inner.consts, inner_args, sub)
+        if name == "pvary" and (self.casts is not None or all(
             all(a in vma.varying_axes(x) for a in vma.axis_names(eqn.params["axes"]))
             for x in (read(v) for v in eqn.invars)
-        ):
-            # The traced value was replicated where the evaluated one already varies.
-            outs = [read(v) for v in eqn.invars]
+        )):
+            # Cast where the value meets a varying one (casts), or: the traced value was
+            # replicated where the evaluated one already varies.
+            return [read(v) for v in eqn.invars], none
+        srcs = tuple(None if is_literal(v) else sources.get(v) for v in eqn.invars)
+        if self.lazy and any(s is not None for s in srcs):
+            return self.lazy_eqn(eqn, read, env, srcs)
+        context = tuple(env[v] for v in eqn.invars if not is_literal(v) and v not in sources)
+        invals = [read(v, context) for v in eqn.invars]
+        if self.casts is not None:
+            invals = self.casts.inputs(eqn, invals)
+        if self.bind is not None and any(s is not None for s in srcs):
+            full = {i: x for i, x in zip(srcs, invals, strict=True) if isinstance(i, int)}
+            outs = self.bind(eqn, invals, srcs, full)
         else:
-            context = tuple(env[v] for v in eqn.invars
-                            if not is_literal(v) and v not in param_vars)
-            invals = [read(v, context) for v in eqn.invars]
-            if casts is not None:
-                invals = casts.inputs(eqn, invals)
-            params = tuple(None if is_literal(v) else param_vars.get(v) for v in eqn.invars)
-            if bind is not None and any(i is not None for i in params):
-                outs = bind(eqn, invals, params)
-            else:
-                outs = bind_eqn(eqn, invals)
-            if casts is not None:
-                casts.outputs(eqn, invals, outs)
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+            outs = bind_eqn(eqn, invals)
+        if self.casts is not None:
+            self.casts.outputs(eqn, invals, outs)
+        return outs, none
+
+    def lazy_eqn(self, eqn: Any, read: Callable[..., Any], env: dict,
+                 srcs: tuple) -> tuple[list, list]:
+        """An equation that reads sources: a recipe (:class:`Derived`) if it reads nothing
+        else (nor a traced value) and can be recomputed, else ``bind``'s outputs."""
+        invals = [None if s is not None else read(v) for v, s in zip(eqn.invars, srcs,
+                                                                     strict=True)]
+        if derivable(eqn, [s is not None or is_literal(v) or _concrete(x)
+                           for v, s, x in zip(eqn.invars, srcs, invals, strict=True)]):
+            return [None] * len(eqn.outvars), list(_derive(eqn, invals, srcs))
+        leaves = source_leaves(srcs)
+        context = tuple(x for x, s, v in zip(invals, srcs, eqn.invars, strict=True)
+                        if s is None and not is_literal(v))
+        full = {i: self.hooked(i, context) for i in leaves}
+        assert self.bind is not None  # lazy implies bind
+        return self.bind(eqn, invals, srcs, full), [None] * len(eqn.outvars)
+
+
+def kept_whole(traced: Traced) -> dict[int, str]:
+    """Parameter leaves whose values computed in the forward pass are kept for the backward
+    however :func:`eval_with_hooks` evaluates them with ``bind``, each with the equation that
+    keeps it: one computing from parameters alone that cannot be recomputed (a collective, a
+    side effect: :func:`recomputable`), or one scaling a parameter value by a traced scalar
+    (``w * s``: a value of the parameter's size that is not :class:`Derived`). Stage 3's
+    resharding cannot free those leaves' gathered copies after the forward pass.
+    """
+    closed = traced.jaxpr
+    found: dict[int, str] = {}
+    sources: dict[Any, frozenset] = {
+        v: frozenset((i,)) for i, v in enumerate(closed.jaxpr.invars[: traced.num_params])}
+    _kept_walk(closed.jaxpr, [_concrete(c) for c in closed.consts], sources, found)
+    return found
+
+
+def _kept_walk(jaxpr: Any, const_fixed: Sequence[bool], sources: dict[Any, frozenset],
+               found: dict[int, str]) -> list[frozenset | None]:
+    """:func:`kept_whole`'s walk of one jaxpr; the leaves behind each of its outputs."""
+    fixed_vars = {v for v, c in zip(jaxpr.constvars, const_fixed, strict=True) if c}
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not is_literal(v)]
+        if eqn.primitive.name in INLINE_CALLS and "jaxpr" in eqn.params:
+            inner = eqn.params["jaxpr"]
+            sub = {iv: sources[ov] for ov, iv in zip(eqn.invars, inner.jaxpr.invars, strict=True)
+                   if not is_literal(ov) and ov in sources}
+            outs = _kept_walk(inner.jaxpr, [_concrete(c) for c in inner.consts], sub, found)
+            sources.update((v, s) for v, s in zip(eqn.outvars, outs, strict=True) if s)
+            continue
+        leaves = frozenset().union(*(sources[v] for v in ins if v in sources))
+        if not leaves or not any(_inexact(v) for v in eqn.outvars):
+            continue  # no parameter value read, or none computed (a print, an integer)
+        if derivable(eqn, [v in sources or v in fixed_vars for v in ins]):
+            sources.update((v, leaves) for v in eqn.outvars)
+        elif all(v in sources or v in fixed_vars for v in ins):
+            found.update((i, f"{eqn.primitive.name} (not recomputable)") for i in leaves)
+        elif _scales(eqn, sources, fixed_vars):
+            found.update((i, f"{eqn.primitive.name} with a traced scalar") for i in leaves)
+    return [None if is_literal(v) else sources.get(v) for v in jaxpr.outvars]
+
+
+def _scales(eqn: Any, sources: dict[Any, frozenset], fixed_vars: set) -> bool:
+    """Whether ``eqn`` combines parameter values with traced scalars only, into an output as
+    large as a parameter value it reads (``w * s``)."""
+    ins = [v for v in eqn.invars if not is_literal(v)]
+    traced = [v for v in ins if v not in sources and v not in fixed_vars]
+    sizes = [int(getattr(v.aval, "size", 0)) for v in ins if v in sources]
+    big = max(sizes, default=0)
+    return (big > 1 and all(int(getattr(v.aval, "size", 2)) <= 1 for v in traced)
+            and any(int(getattr(o.aval, "size", 0)) >= big for o in eqn.outvars))
 
 
 def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:

@@ -329,12 +329,17 @@ def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
 
 
 def _plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any,
-          observer: PlanObserver | None) -> BucketPlan:
+          observer: PlanObserver | None, layout: zero.Layout | None = None) -> BucketPlan:
     if cfg.fixed_plan is not None:
         cfg.fixed_plan.check_tree(params)
         plan = cfg.fixed_plan
     else:
         plan = _traced_plan(cfg, traced, params)
+    if layout is not None and cfg.zero_stage >= 3 and cfg.reshard_after_forward:
+        # What resharding cannot free, said at trace time (a warning) and in the plan.
+        kept = zero.not_resharded(traced, layout, plan.unused)
+        zero.warn_not_resharded(kept, plan.paths)
+        plan = plan._replace(not_resharded=tuple(kept))
     if observer is not None:
         observer(plan)
     return plan
@@ -488,7 +493,7 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
     # Under a mixed-precision policy the loss is traced with param_dtype parameters.
     traced = jaxpr_lib.trace(obj, precision_lib.compute_params(cfg.mixed_precision, params_v),
                              ms0, last, *side_last)
-    plan = _plan(cfg, traced, full_params, observer)
+    plan = _plan(cfg, traced, full_params, observer, layout)
     loss_scale = None if state.loss_scale is None else state.loss_scale.scale
     # Sums kept for later (the accumulator, the scanned micro-batches) are plain sums, times the
     # micro-batch's unit: the calls of a window may differ in shape (see Objective.unit).

@@ -61,6 +61,11 @@ class BucketPlan(NamedTuple):
         transpose reduces their gradients where their computation meets per-device values
         (the default plan's parameters first combined with the model's cross-replica
         statistics, SyncBatchNorm's scales: :mod:`jddp._src.replicated`).
+      not_resharded: at ``zero_stage=3`` with ``reshard_after_forward``, the leaves whose
+        gathered copies stay whole from the forward to the backward pass all the same, because
+        the loss computes from them a value the backward cannot recompute
+        (:func:`jddp._src.zero.not_resharded` says which and why); empty when every leaf is
+        resharded, or without resharding.
     """
 
     buckets: tuple[Bucket, ...]
@@ -73,6 +78,7 @@ class BucketPlan(NamedTuple):
     first_bytes: int
     note: str = ""
     implicit: tuple[int, ...] = ()
+    not_resharded: tuple[int, ...] = ()
 
     @property
     def num_buckets(self) -> int:
@@ -125,6 +131,10 @@ class BucketPlan(NamedTuple):
             rows.append(f"  -  {len(self.implicit)} leaves reduced by JAX where they meet "
                         f"per-device values (no bucket): "
                         f"{_clipped([self.paths[i] for i in self.implicit])}")
+        if self.not_resharded:
+            rows.append(f"  -  {len(self.not_resharded)} leaves NOT resharded after the forward "
+                        "(kept whole until the backward): "
+                        f"{_clipped([self.paths[i] for i in self.not_resharded])}")
         if self.unused:
             rows.append(
                 "unused (no gradient, not reduced): "

@@ -515,11 +515,13 @@ class GatherInForward:
 
     Attributes:
       inner: the backward's reducer (:class:`ReduceScatter` or :class:`Hybrid`).
-      reshard: FSDP's ``reshard_after_forward``: every equation that reads a gathered leaf runs
-        through :func:`_regathered`, which keeps only the pieces for its backward and gathers the
-        leaf again there, so a gathered bucket lives from its gather to its last forward use,
-        and again around each backward use. ``False``: a gathered bucket stays whole until the
-        backward is done with it (the user's operations keep it as a residual).
+      reshard: FSDP's ``reshard_after_forward``: every equation that reads a gathered leaf, or
+        a value computed from leaves alone (a cast, a transpose: recomputed inside it, see
+        :func:`jddp._src.jaxpr.eval_with_hooks`), runs through :func:`_regathered`, which keeps
+        only the pieces for its backward and gathers the leaf again there, so a gathered bucket
+        lives from its gather to its last forward use, and again around each backward use.
+        ``False``: a gathered bucket stays whole until the backward is done with it (the
+        user's operations keep it as a residual).
       dtype: the dtype the loss computes with (a mixed-precision policy's ``param_dtype``):
         pieces are cast to it before they are gathered (forward and backward gathers), leaves
         kept whole are cast too; ``None``: their own.
@@ -788,9 +790,9 @@ def _token_cotangent(dep: Any, token: Any) -> Any:
     return vma.to_varying(dep.astype(token.dtype), tuple(sorted(axes)))
 
 
-def _regathered(eqn: Any, invals: list, pieces: dict[int, jax.Array], params: tuple,
-                reducer: GatherInForward, record: Callable[[Sequence[int]], None],
-                token: Any) -> tuple[list, Any]:
+def _regathered(eqn: Any, invals: list, sources: tuple, leaves: dict[int, Any],
+                pieces: dict[int, jax.Array], reducer: GatherInForward,
+                record: Callable[[Sequence[int]], None], token: Any) -> tuple[list, Any]:
     """Evaluates ``eqn`` on its gathered parameter inputs, keeping only their pieces (hpZ: see
     :meth:`GatherInForward.keep`) for the backward, which gathers them again; returns its
     outputs and the token for the next such equation.
@@ -811,26 +813,32 @@ def _regathered(eqn: Any, invals: list, pieces: dict[int, jax.Array], params: tu
     without a token (CPU), wait for their own output cotangent. Either way the gather waits for
     the backward pass, so XLA's CSE cannot merge it with the forward's (the leaf stays whole).
 
+    An input computed from parameters alone (a cast to bfloat16, a transpose: a
+    :class:`jddp._src.jaxpr.Derived` source) is recomputed from the gathered leaves, in the
+    forward and again in the backward, so that neither it nor its leaves are kept whole.
+
     Args:
+      sources: per input of ``eqn``, the parameter leaf it reads, the value computed from
+        leaves alone that it reads, or ``None`` (its value in ``invals``).
+      leaves: the value of every leaf ``sources`` read (gathered ones whole).
       pieces: per gathered leaf index, this device's piece (the step's input).
-      params: per input of ``eqn``, the parameter leaf it reads, or ``None``.
       record: told the leaves the backward gathers (for ``comm_bytes``), when it is traced.
       token: the previous such equation's token output, or the first token (a zero scalar);
         ``None``: no prefetch (the gather waits for this equation's own output cotangent).
     """
-    full_pos = [j for j, i in enumerate(params) if i is not None and i in pieces]
-    other_pos = [j for j, x in enumerate(invals)
-                 if j not in full_pos and isinstance(x, jax.Array | jax.core.Tracer)]
-    idx = tuple(params[j] for j in full_pos)
+    idx = tuple(i for i in leaves if i in pieces)
+    whole = tuple(i for i in leaves if i not in pieces)  # read as they come (not gathered)
+    other_pos = [j for j, (x, s) in enumerate(zip(invals, sources, strict=True))
+                 if s is None and isinstance(x, jax.Array | jax.core.Tracer)]
     perturbed: list[bool] = []
 
     def run(others: tuple, full: tuple) -> list:
         vals = list(invals)
         for j, x in zip(other_pos, others, strict=True):
             vals[j] = x
-        for j, x in zip(full_pos, full, strict=True):
-            vals[j] = x
-        return jaxpr_lib.bind_eqn(eqn, vals)
+        values = dict(zip(whole, others[len(other_pos):], strict=True))
+        values.update(zip(idx, full, strict=True))
+        return jaxpr_lib.bind_eqn(eqn, jaxpr_lib.fill(vals, sources, values))
 
     @jax.custom_vjp
     def op(others: tuple, full: tuple, pcs: tuple, tok: Any) -> tuple[list, Any]:
@@ -864,8 +872,8 @@ def _regathered(eqn: Any, invals: list, pieces: dict[int, jax.Array], params: tu
                 _token_cotangent(passed, tok) if perturbed[-1] else None)
 
     op.defvjp(fwd, bwd, symbolic_zeros=True)
-    outs, token_out = op(tuple(invals[j] for j in other_pos),
-                         tuple(invals[j] for j in full_pos), tuple(pieces[i] for i in idx), token)
+    outs, token_out = op((*(invals[j] for j in other_pos), *(leaves[i] for i in whole)),
+                         tuple(leaves[i] for i in idx), tuple(pieces[i] for i in idx), token)
     return outs, token_out
 
 
@@ -998,15 +1006,16 @@ class _Evaluation:
             self.gathered = [o for o, i in zip(out, idx, strict=True) if self.reducer.gathers(i)]
         self.hooked.update(zip(idx, out, strict=True))
 
-    def bind(self, eqn: Any, invals: list, params: tuple) -> list:
-        """An equation that reads parameters (``reshard_after_forward``: see _regathered)."""
+    def bind(self, eqn: Any, invals: list, sources: tuple, full: dict) -> list:
+        """An equation that reads parameters, directly or through values computed from them
+        alone (``reshard_after_forward``: see _regathered)."""
         reducer = self.reducer
         assert isinstance(reducer, GatherInForward)
-        pieces = {i: self.inputs[0][i] for i in params
-                  if i is not None and i not in self.plan.unused and reducer.gathers(i)}
+        pieces = {i: self.inputs[0][i] for i in full
+                  if i not in self.plan.unused and reducer.gathers(i)}
         if not pieces:
-            return jaxpr_lib.bind_eqn(eqn, invals)
-        outs, self.prefetch_token = _regathered(eqn, invals, pieces, params, reducer,
+            return jaxpr_lib.bind_eqn(eqn, jaxpr_lib.fill(invals, sources, full))
+        outs, self.prefetch_token = _regathered(eqn, invals, sources, full, pieces, reducer,
                                                 self.regathers.extend, self.prefetch_token)
         return outs
 

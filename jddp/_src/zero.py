@@ -12,7 +12,9 @@ pieces live (``zero_stage=``):
   bucket's gather runs while the current layer computes) and the backward pass reduce-scatters
   its gradient. With ``reshard_after_forward`` (the default) each gathered leaf is dropped after
   its forward use and gathered again for the backward (``reduction._regathered``; on GPU and TPU
-  one use ahead, while the next use's backward computes); without it a gathered bucket stays
+  one use ahead, while the next use's backward computes), also where the loss reads it through a
+  cast or a transpose (recomputed from the gathered leaf; what cannot be recomputed is warned
+  about and listed by :func:`not_resharded`); without it a gathered bucket stays
   whole until the backward pass is done with it. With an int ``k`` (ZeRO++'s hpZ) the backward
   gathers from a ``1/k`` slice of the gathered leaf (:func:`subgroup_piece`) over groups of ``k``
   devices only (:func:`subgroups`).
@@ -36,6 +38,7 @@ reduce-scatter combiner).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -44,6 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
+
+from jddp._src import jaxpr as jaxpr_lib
 
 
 def shard_dim(shape: Sequence[int], n: int) -> int | None:
@@ -242,3 +247,35 @@ def split_bytes(layout: Layout, dtypes: Sequence[Any], indices: Sequence[int]) -
     them sends from each device)."""
     return sum(int(np.prod(shard_shape(layout.shapes[i], layout.dims[i], layout.n)))
                * np.dtype(dtypes[i]).itemsize for i in indices if layout.dims[i] is not None)
+
+
+def not_resharded(traced: jaxpr_lib.Traced, layout: Layout,
+                  unused: Sequence[int] = ()) -> dict[int, str]:
+    """The gathered leaves that ``reshard_after_forward`` cannot free after their forward use,
+    each with the operation that keeps them (:func:`jddp._src.jaxpr.kept_whole`).
+
+    Casts, transposes, reshapes and any other computation from parameters alone are resharded
+    (recomputed from the leaves gathered again in the backward); what remains is a value that
+    cannot be recomputed (a collective or a side effect on a parameter) and a parameter scaled
+    by a traced scalar (``h @ (w * s)``), whose product the backward keeps.
+    """
+    skip = frozenset(unused)
+    return {i: why for i, why in sorted(jaxpr_lib.kept_whole(traced).items())
+            if layout.dims[i] is not None and i not in skip}
+
+
+def warn_not_resharded(kept: dict[int, str], paths: Sequence[str]) -> None:
+    """Warns, naming the leaves of :func:`not_resharded` and the fix (none: no warning)."""
+    if not kept:
+        return
+    shown = "; ".join(f"{paths[i]} (read by {why})" for i, why in list(kept.items())[:6])
+    more = f" and {len(kept) - 6} more" if len(kept) > 6 else ""
+    warnings.warn(
+        f"reshard_after_forward: {len(kept)} parameter leaves stay gathered (whole) from the "
+        f"forward to the backward pass, because the loss computes from them a value the "
+        f"backward cannot recompute: {shown}{more}. Casts, transposes and reshapes of "
+        "parameters are resharded; to reshard these too, scale the layer's output instead of "
+        "its weight ((h @ w) * s, not h @ (w * s)) and keep collectives and callbacks off the "
+        "parameters, or pass reshard_after_forward=False to keep every gathered copy "
+        "knowingly. ddp.bucket_plan.not_resharded lists them.",
+        UserWarning, stacklevel=2)

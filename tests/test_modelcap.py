@@ -206,7 +206,7 @@ def test_bad_model_options():
     opt = optax.sgd(0.1)
     with pytest.raises(ValueError, match="chooses the first bucket too"):
         jddp.DataParallel(loss, opt, bucket_cap_mb="model", first_bucket_mb=1.0)
-    with pytest.raises(ValueError, match="bucket_cap_mb='model' chooses the bucket plan"):
+    with pytest.raises(ValueError, match="cap_mb='model'\\) chooses the bucket plan"):
         jddp.DataParallel(loss, opt, bucket_cap_mb="model",
                           bucket_plan=jddp.DataParallel(loss, opt).plan(params, _two_layer()[2][0]))
     with pytest.raises(ValueError, match="bucket_cap_mb='model' has nothing to choose"):

@@ -236,6 +236,10 @@ class Accumulate:
             _set(self, "shard", options.flag(
                 self.shard, "Accumulate.shard",
                 " None (the default) shards the accumulator at ZeRO stages 2-3 when it can."))
+        if self.shard and self.steps == 1:
+            raise ValueError("Accumulate(shard=True) reduce-scatters every call's gradients into "
+                             "a 1/N accumulator, but steps=1 (accumulate_steps=1): there is no "
+                             "accumulator. Pass steps=k > 1, or shard=None.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -164,7 +164,7 @@ class DataParallel:
         are still equal (one uint32 hash per parameter and device, one small all-gather; it
         waits for that step): ``jddp.ReplicaDivergenceError`` names the leaf and the replicas
         whose copy differs. See docs/report.md.
-      **deprecated: the round-3 keywords, each mapped onto the field of its policy.
+      **renamed: the round-3 keywords, each mapped onto the field of its policy.
 
     Metrics: ``metrics["loss"]``, the aux metrics, ``"comm_bytes"``, ``"skipped"`` (with
     ``SkipNotFinite``, ``weighted`` or a loss scale), and every scalar hyperparameter of an
@@ -189,11 +189,11 @@ class DataParallel:
         donate: bool = True,
         compiler_options: dict[str, Any] | None = None,
         verify_every: int | None = None,
-        **deprecated: Any,
+        **renamed: Any,
     ) -> None:
         given = dict(loss=loss, reduce=reduce, place=place, accumulate=accumulate, sync=sync,
                      precision=precision, loss_scale=loss_scale)
-        new = deprecated_lib.policies_from_keywords(deprecated, given)
+        new = deprecated_lib.policies_from_keywords(renamed, given)
         donate = options.flag(donate, "donate")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")

@@ -21,8 +21,8 @@ from jddp import (  # noqa: F401
     verify,
 )
 from jddp._src.evaluation import Evaluator
-from jddp._src.loss_scale import DynamicScale
 from jddp._src.hooks import CommHook, HookContext, bf16_compress, fp16_compress, powersgd
+from jddp._src.loss_scale import DynamicScale
 from jddp._src.mesh import data_mesh, replicate, shard_batch
 from jddp._src.planner import BucketPlan, plan_buckets
 from jddp._src.policies import (

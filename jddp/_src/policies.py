@@ -198,12 +198,16 @@ class ZeRO:
                              f"optimizer state, 2 also the gradients, 3 also the parameters."
                              f"{hint}")
         _set(self, "stage", int(stage))
-        _set(self, "reshard_after_forward",
-             options.reshard_after_forward(self.reshard_after_forward, self.stage))
+        self.resharding()  # checks it (kept as given, so dataclasses.replace works)
         _set(self, "hybrid", options.flag(self.hybrid, "ZeRO.hybrid"))
         if options.flag(self.offload, "ZeRO.offload"):
             raise ValueError("ZeRO(offload=True): offloading the sharded state to host memory "
                              "is not implemented in this release; pass offload=False.")
+
+    def resharding(self) -> bool | int:
+        """``reshard_after_forward`` resolved: ``None`` is ``True`` at stage 3, else ``False``;
+        a bool or a group size ``k`` only at stage 3."""
+        return options.reshard_after_forward(self.reshard_after_forward, self.stage)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """The one table of policy combinations jddp refuses, each with its reason and its fix.
 
 Each :class:`Refusal` row names two predicates over a :class:`Combination` (the step's
-policies, its precision and its mesh) and the reason. ``jddp.DataParallel`` raises the reason
-of the first row whose two predicates both hold (:func:`check`); tests/test_matrix.py declares
-one refused cell per row, checked against this table. A refusal lifted is a row deleted.
+policies, its precision and its mesh) and the reason. ``jddp.DataParallel`` raises the reasons
+of the rows whose two predicates both hold (:func:`check`); tests/test_matrix.py declares one
+refused cell per row, checked against this table. A refusal lifted is a row deleted. A row
+that can only hold together with another row is no row (the deterministic reduction with a
+sharded accumulator: the deterministic reduction already refuses every ZeRO stage).
 
 Checks of one policy's own fields live in the policy (:mod:`jddp._src.policies`); checks
 against the data (batch sizes, model state) stay where the data is first seen.
@@ -169,9 +171,6 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("sharded accumulator + local SGD", sharded_accumulator, local_sgd,
             f"{_SHARD}, but local SGD and DiLoCo keep their own accumulators. Use "
             "Accumulate(shard=None)."),
-    Refusal("sharded accumulator + deterministic", sharded_accumulator, deterministic,
-            f"{_SHARD}, but the deterministic reduction keeps its own accumulator. Use "
-            "Accumulate(shard=None)."),
     Refusal("narrow reduce_dtype + hook", _narrow_reduce_dtype, _hook_given,
             "MixedPrecision(reduce_dtype=...) narrower than float32 reduces through the "
             "matching compression hook, and a hook was given too: the hook decides what the "
@@ -191,10 +190,10 @@ def refusals(c: Combination) -> list[Refusal]:
 
 
 def check(c: Combination) -> None:
-    """Raises a ValueError with the reason of the first row that refuses ``c``."""
+    """Raises a ValueError with the reason of every row that refuses ``c`` (one a line)."""
     refused = refusals(c)
     if refused:
-        raise ValueError(refused[0].reason)
+        raise ValueError("\n".join(row.reason for row in refused))
 
 
 def resolve_shard(accumulate: Accumulate, c: Combination) -> bool:

@@ -288,7 +288,7 @@ def _mp(**kw):
 def _compat_cells() -> list:
     """One refused cell for each row of the compat table not declared with the old spelling."""
     det = jddp.Deterministic
-    shard = lambda: jddp.Accumulate(steps=2, shard=True)  # noqa: E731
+    shard = lambda: jddp.Accumulate(steps=2, shard=True)
     rows = [
         ("deterministic + ZeRO", lambda: {"reduce": det()}, "1d", 2),
         ("deterministic + local SGD", lambda: {"reduce": det(),

@@ -293,3 +293,29 @@ def test_nnx_takes_the_loss_policy():
     assert float(metrics["n"]) == BATCH
     with pytest.raises(ValueError, match="pass loss=jddp.Loss\\(has_aux=True"):
         jddp.nnx.DataParallel(model, optax.sgd(0.1), loss, has_aux=True, loss=jddp.Loss())
+
+
+@pytest.mark.parametrize("sync", ["every_step", "diloco"])
+def test_the_documented_example_builds_and_trains(sync):
+    """docs/migration.md's example (issue 36's spelling, every policy at once) builds, and a
+    window of its step trains (two hosts x 4 devices, ZeRO-3 hybrid with hpZ groups of 4)."""
+    def loss_fn(p, b, rng):
+        keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.9, ()))(rng)
+        per = _per_example(p, b) * keep
+        return per, {"tokens": jnp.sum(jnp.ones_like(per))}
+
+    ddp = jddp.DataParallel(
+        loss_fn, optax.adamw(1e-3), mesh=jddp.data_mesh(hosts=2),
+        loss=jddp.Loss(has_aux=True, weighted=True, rng=True, sum_metrics=("tokens",)),
+        reduce=jddp.Buckets(cap_mb=25, first_mb=1, hook=jddp.bf16_compress()),
+        place=jddp.ZeRO(stage=3, reshard_after_forward=4, hybrid=sync == "every_step"),
+        accumulate=jddp.Accumulate(steps=2, microbatches=2),
+        sync=jddp.EveryStep() if sync == "every_step" else jddp.local_sgd.diloco(period=2),
+        precision=jddp.precision.MixedPrecision(param_dtype=jnp.bfloat16),
+        loss_scale=jddp.DynamicScale(), donate=True, compiler_options=None, verify_every=None)
+    state = ddp.init(_params())
+    for i in range(4):  # two windows; DiLoCo's period ends on the last (its loss is global)
+        state, metrics = ddp.step(state, _batch(i), jnp.ones((BATCH,)),
+                                  rng=jax.random.PRNGKey(i))
+    assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
+    assert float(metrics["tokens"]) == BATCH

@@ -1,4 +1,4 @@
-"""``bucket_cap_mb="auto"``: the bucket cap chosen for this model on this machine, once.
+"""``jddp.Buckets(cap_mb="auto")``: the bucket cap chosen for this model on this machine, once.
 
 The best cap depends on the model (its gradient sizes in backward order) and on the machine (the
 cost of one all-reduce against the backward work it could sit next to), and the cost model's

@@ -71,7 +71,7 @@ def message(old: str) -> str:
     """The deprecation message of ``old``."""
     owner = OWNERS[old]
     return (f"DataParallel({old}=...) is deprecated: use {owner.keyword}={owner.spelling}. "
-            f"The old keyword works for one release (docs/api.md).")
+            f"The old keyword works for one release (docs/migration.md).")
 
 
 def _warn(old: dict[str, Any], stacklevel: int) -> None:

@@ -1,4 +1,4 @@
-"""Deterministic data parallelism: the same bits on any device count (``deterministic=True``).
+"""Deterministic data parallelism: the same bits on any device count (``jddp.Deterministic()``).
 
 A default step sums gradients where the layout puts the sums: inside each device's backward pass
 (over its shard) and in the all-reduce (in the collective's order). Change the device count and

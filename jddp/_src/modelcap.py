@@ -1,4 +1,4 @@
-"""``bucket_cap_mb="model"``: the bucket plan the cost model predicts fastest, chosen without timing.
+"""``jddp.Buckets(cap_mb="model")``: the plan the cost model predicts fastest, chosen without timing.
 
 ``bucket_cap_mb="auto"`` times candidate plans on the real step (tens of seconds on its first
 call); ``"model"`` predicts them instead, from the traced gradient sizes alone:

@@ -1,4 +1,4 @@
-"""A mixed-precision policy (FSDP2's ``MixedPrecisionPolicy``): ``DataParallel(mixed_precision=
+"""A mixed-precision policy (FSDP2's ``MixedPrecisionPolicy``): ``DataParallel(precision=
 MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32))``.
 
 What it means, at every ZeRO stage:

@@ -122,7 +122,7 @@ class DataParallel:
     (:mod:`jddp._src.policies`); combinations that do not work together are refused by one
     table (:mod:`jddp._src.compat`). The round-3 keywords (``bucket_cap_mb=``, ``zero_stage=``,
     ``accumulate_steps=``, ...) still work for one release, each with a ``DeprecationWarning``
-    naming its new spelling (docs/api.md lists them).
+    naming its new spelling (docs/migration.md lists them).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss over its shard of the batch; with

@@ -353,17 +353,22 @@ def test_default_keeps_ddps_plan_without_calibration_and_is_a_pure_function():
 
     for platform in ("gpu", "tpu"):
         assert policy.repack(ddps, pack, platform, 8) is ddps and not packed
-        assert "no built-in calibration" in policy.latest.note
+        assert "no built-in calibration" in policy.choose(ddps, platform, 8).note
         assert policy.max_cap_bytes(platform) == 25 * MiB
     assert policy.max_cap_bytes("cpu") == 100 * MiB
     # On CPU the model merges DDP's two buckets into one (ModelCap(merge=False) would not).
     keeping = modelcap.DefaultPlan(ModelCap(merge=False))
     assert keeping.repack(ddps, pack, "cpu", 8) is ddps and not packed
-    assert "with at least DDP's 2 bucket(s)" in keeping.latest.note
+    assert "with at least DDP's 2 bucket(s)" in keeping.choose(ddps, "cpu", 8).note
     first = policy.repack(ddps, pack, "cpu", 8)
-    choice = policy.latest
+    choice = policy.choose(ddps, "cpu", 8)
     assert policy.repack(ddps, pack, "cpu", 8) == first and packed == [(25 * MiB, 25 * MiB)] * 2
-    assert policy.latest._replace(tune_s=0) == choice._replace(tune_s=0)
+    # A value: the choice is the same asked of the repacked plan (the same leaves), and the
+    # policy holds no record of it (frozen, equal to a fresh one).
+    assert policy.choose(first, "cpu", 8)._replace(tune_s=0) == choice._replace(tune_s=0)
+    assert policy == modelcap.DefaultPlan() and hash(policy) == hash(modelcap.DefaultPlan())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.policy = ModelCap()  # type: ignore[misc]
     one, two = (jddp.DataParallel(loss, optax.sgd(0.1), mesh=m)
                 for m in (jddp.data_mesh(), jddp.data_mesh(hosts=2)))
     pinned = jddp.DataParallel(loss, optax.sgd(0.1), bucket_cap_mb=choice.cap_mb,

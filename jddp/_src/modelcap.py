@@ -239,25 +239,25 @@ def default_plan(cfg: StepConfig) -> DefaultPlan | None:
     return DefaultPlan() if measured else None
 
 
+@dataclasses.dataclass(frozen=True)
 class DefaultPlan:
-    """The plan of a ``DataParallel`` given no ``bucket_cap_mb`` (a :class:`PlanPolicy
+    """The plan of a ``DataParallel`` given no cap (a :class:`PlanPolicy
     <jddp._src.config.PlanPolicy>`): :func:`decide` on the plan traced under DDP's default
     caps, re-packed under the chosen ones inside the same trace. On a platform without a
     built-in calibration (GPU, TPU) :func:`decide` keeps DDP's plan.
 
-    Args:
-      policy: the candidates and margin (:class:`ModelCap`; the built-in cluster only).
+    A value: the choice is returned by :meth:`choose` (a pure function of the traced plan's
+    leaves, the platform and the device count), not recorded; ``ddp.cap_choice`` asks it again
+    for the plan the step was traced with.
 
     Attributes:
-      latest: the :class:`CapChoice` of the latest trace (``ddp.cap_choice``); ``None`` before.
+      policy: the candidates and margin (:class:`ModelCap`; the built-in cluster only). Merging
+        DDP's buckets is allowed: on the idle machine one bucket beat DDP's two on the
+        benchmark conv net and LM (docs/performance.md); the measurement that had ruled it out
+        was taken with other jobs loading the cores.
     """
 
-    def __init__(self, policy: ModelCap | None = None) -> None:
-        # Merging DDP's buckets is allowed: on the idle machine one bucket beat DDP's two on
-        # the benchmark conv net and LM (docs/performance.md); the measurement that had ruled
-        # it out was taken with other jobs loading the cores.
-        self.policy = policy or ModelCap()
-        self.latest: CapChoice | None = None
+    policy: ModelCap = ModelCap()
 
     def max_cap_bytes(self, platform: str) -> int:
         """The largest cap :meth:`repack` can pick on ``platform`` (DDP's where uncalibrated)."""
@@ -266,19 +266,17 @@ class DefaultPlan:
             caps += self.policy.candidates_mb
         return max(options.cap_bytes(c, "bucket_cap_mb") for c in caps)
 
-    def __eq__(self, other: object) -> bool:  # the policy, not the record of the latest choice
-        return isinstance(other, DefaultPlan) and other.policy == self.policy
-
-    def __hash__(self) -> int:
-        return hash(("DefaultPlan", self.policy))
+    def choose(self, plan: BucketPlan, platform: str, num_devices: int) -> CapChoice:
+        """The choice for the leaves of ``plan`` (any packing of the traced leaves: the
+        decision reads each dtype's leaves in backward order only), with its reason."""
+        default = (options.DEFAULT_BUCKET_CAP_MB, options.DEFAULT_FIRST_BUCKET_MB)
+        return decide(plan, platform, num_devices, self.policy, default, method="default")
 
     def repack(self, plan: BucketPlan, pack: Callable[[int, int], BucketPlan], platform: str,
                num_devices: int) -> BucketPlan:
         """The chosen plan: ``plan`` itself when DDP's is kept, else ``pack(cap, first)`` with a
         note that says why and how to pin it."""
-        default = (options.DEFAULT_BUCKET_CAP_MB, options.DEFAULT_FIRST_BUCKET_MB)
-        choice = decide(plan, platform, num_devices, self.policy, default, method="default")
-        self.latest = choice
+        choice = self.choose(plan, platform, num_devices)
         cap = options.cap_bytes(choice.cap_mb, "bucket_cap_mb")
         first = min(options.cap_bytes(choice.chosen_first_mb, "first_bucket_mb"), cap)
         if (cap, first) == (plan.cap_bytes, plan.first_bytes):

@@ -290,8 +290,11 @@ class DataParallel:
         plan's choice (``method="default"``), made when the step (or ``plan``) is traced."""
         if self._auto is not None:
             return self._auto.choice
-        policy = self.config.default_plan
-        return policy.latest if isinstance(policy, modelcap.DefaultPlan) else None
+        policy, plan = self.config.default_plan, self._plans.latest or self._plans.planned
+        if not isinstance(policy, modelcap.DefaultPlan) or plan is None:
+            return None
+        return policy.choose(plan, self.config.mesh.devices.flat[0].platform,
+                             self.config.num_devices)
 
     def init(self, params: Any, model_state: Any = None) -> TrainState:
         """Builds the replicated initial state: params, optimizer state, hook state, step 0.
@@ -338,7 +341,9 @@ class DataParallel:
             self._auto.choose(self.abstract_state(params, model_state), batch, mask)
         elif self._auto is not None:
             self._auto.chosen_step("plan")
-        return pipeline.plan(self.config, self.abstract_state(params, model_state), batch, mask)
+        plan = pipeline.plan(self.config, self.abstract_state(params, model_state), batch, mask)
+        self._plans.record(plan)  # cap_choice asks the default plan about it before a step
+        return plan
 
     def lower(
         self,

@@ -132,7 +132,8 @@ class Buckets:
         if isinstance(auto, modelcap.ModelCap) and self.first_mb is not None:
             raise ValueError("Buckets(cap_mb='model') chooses the first bucket too: drop "
                              "first_mb, or pin a plan with numbers (cap_mb=8.0, first_mb=1.0).")
-        return options.bucket_caps(None if auto is not None else self.cap_mb, self.first_mb)
+        return options.bucket_caps(None if auto is not None else self.cap_mb, self.first_mb,
+                                   ("Buckets.cap_mb", "Buckets.first_mb"))
 
     @property
     def pinned(self) -> bool:

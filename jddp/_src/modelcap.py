@@ -113,7 +113,7 @@ class ModelCap:
             raise ValueError(
                 "ModelCap(cluster=...) with asynchronous collectives needs backward_s= (one "
                 "device's backward time, s): overlap is weighed against it. Measure it with "
-                "jddp.perf.calibrate.profile_step, or use bucket_cap_mb='auto'."
+                "jddp.perf.calibrate.profile_step, or use jddp.Buckets(cap_mb='auto')."
             )
 
 
@@ -198,7 +198,7 @@ def decide(plan: BucketPlan, platform: str, num_devices: int, policy: ModelCap,
         preds = [math.nan] * len(found)
         best, note = 0, (f"no built-in calibration for platform {platform!r} (overlap needs "
                          "compute times): DDP's plan is kept; pass ModelCap(cluster=..., "
-                         "backward_s=...) or use bucket_cap_mb='auto'")
+                         "backward_s=...) or use jddp.Buckets(cap_mb='auto')")
     else:
         preds = [predict(nbytes, dtypes, c, f, cluster, policy.backward_s) for c, f, _ in found]
         best, note = _pick(preds, [len(s) for _, _, s in found], policy.margin, policy.merge)

@@ -322,5 +322,6 @@ def unused_message(paths: Sequence[str]) -> str:
     return (
         f"{len(paths)} parameter leaves have no gradient path to the loss: {shown}. They get zero "
         "gradients and are left out of the gradient buckets (nothing is sent for them). If this "
-        "is unexpected, check that the loss uses them; pass keep_unused=True to reduce them anyway."
+        "is unexpected, check that the loss uses them; pass reduce=jddp.Buckets(keep_unused=True) "
+        "to reduce them anyway."
     )

@@ -272,14 +272,14 @@ class DataParallel:
         if self._auto is None:  # a fixed cap, or the default plan (its note is its own)
             return plan
         if plan is not None and choice is not None and choice.method == "model":
-            plan = plan._replace(note=f"chosen by bucket_cap_mb='model' (cost model, nothing "
+            plan = plan._replace(note=f"chosen by Buckets(cap_mb='model') (cost model, nothing "
                                       f"timed): {choice.note}; pin it with {choice.pin}")
         elif plan is not None and choice is not None:
             n = len(choice.candidates_mb)
             how = (f"from {n} timed caps" if n > 1 else
                    "without timing: every candidate cap gives this one plan")
-            plan = plan._replace(note=f"chosen by bucket_cap_mb='auto' {how}; pin it with "
-                                      f"bucket_cap_mb={choice.cap_mb:g}")
+            plan = plan._replace(note=f"chosen by Buckets(cap_mb='auto') {how}; pin it with "
+                                      f"{choice.pin}")
         return plan
 
     @property

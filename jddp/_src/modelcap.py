@@ -46,14 +46,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from jddp._src import options, pipeline
+from jddp._src import costmodel, options, pipeline
 from jddp._src.autocap import CapChoice, ChoosingStep
 from jddp._src.config import StepConfig
 from jddp._src.hooks import allreduce_mean
 from jddp._src.planner import BucketPlan, assign_buckets
 from jddp._src.step import Step
 from jddp._src.tree import MiB
-from jddp.perf import costmodel
 
 #: Caps (MiB) that "model" considers by default, each with and without a 1 MiB first bucket.
 DEFAULT_CANDIDATES_MB: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 50.0, 100.0)

@@ -258,12 +258,12 @@ def test_policies_refuse_bad_fields_at_construction(build, error, match):
 
 
 @pytest.mark.parametrize("keyword, value, match", [
-    ("reduce", jddp.Buckets, r"Buckets itself \(call it"),
-    ("place", jddp.Buckets(), r"place= takes jddp.Replicate\(\) or jddp.ZeRO"),
-    ("loss", {"has_aux": True}, r"loss= takes jddp.Loss"),
+    ("reduce", jddp.Buckets, r"reduce must be a jddp.Buckets.*Buckets itself \(call it"),
+    ("place", jddp.Buckets(), r"place must be a jddp.Replicate\(\) or jddp.ZeRO"),
+    ("loss", {"has_aux": True}, r"loss must be a jddp.Loss"),
     ("sync", jddp.local_sgd.diloco, r"diloco itself \(call it"),
-    ("loss_scale", True, r"loss_scale= takes None, jddp.DynamicScale\(\)"),
-    ("accumulate", 4, r"accumulate= takes jddp.Accumulate"),
+    ("loss_scale", True, r"loss_scale must be a jddp.precision.DynamicScale"),
+    ("accumulate", 4, r"accumulate must be a jddp.Accumulate"),
 ])
 def test_a_keyword_given_the_wrong_policy_names_what_it_takes(keyword, value, match):
     with pytest.raises(TypeError, match=match):

@@ -81,6 +81,17 @@ def _warn(old: dict[str, Any], stacklevel: int) -> None:
         warnings.warn(message(name), DeprecationWarning, stacklevel=stacklevel)
 
 
+# Round-3 keywords that took a bool: checked under their own name, before they move.
+_FLAGS = ("has_aux", "weighted", "rng", "keep_unused", "deterministic", "hybrid_shard",
+          "skip_not_finite", "skip_nonfinite")
+
+
+def _check_flags(old: dict[str, Any]) -> None:
+    for name in _FLAGS:
+        if name in old:
+            options.flag(old[name], name)
+
+
 def _refuse_mixing(old: dict[str, Any], given: dict[str, Any]) -> None:
     for name in old:
         owner = OWNERS[name]
@@ -158,6 +169,7 @@ def policies_from_keywords(old: dict[str, Any], given: dict[str, Any], *,
     if not old:
         return out
     _warn(old, stacklevel)
+    _check_flags(old)
     old = {"skip_not_finite" if k == "skip_nonfinite" else
            "accumulator_dtype" if k == "accum_dtype" else k: v for k, v in old.items()}
     _refuse_mixing({k: v for k, v in old.items() if k != "skip_not_finite"}, given)

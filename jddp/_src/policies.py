@@ -69,7 +69,7 @@ class Loss:
         check_metric_names(summed, "Loss.sum_metrics")
         if summed and not self.has_aux:
             raise ValueError(
-                f"Loss(sum_metrics={summed}) names aux metrics, but has_aux=False: return "
+                f"jddp.Loss: sum_metrics={summed} names aux metrics, but has_aux=False: return "
                 "(loss, metrics) from loss_fn and pass jddp.Loss(has_aux=True, sum_metrics=...)."
             )
         _set(self, "sum_metrics", summed)
@@ -268,14 +268,15 @@ Sync = EveryStep | LocalSGD
 Guard = SkipNotFinite | DynamicScale
 
 _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
-    "loss": ((Loss,), "jddp.Loss(...)"),
-    "reduce": ((Buckets, Deterministic), "jddp.Buckets(...) or jddp.Deterministic(...)"),
-    "place": ((Replicate, ZeRO), "jddp.Replicate() or jddp.ZeRO(stage=...)"),
-    "accumulate": ((Accumulate,), "jddp.Accumulate(steps=..., microbatches=...)"),
-    "sync": ((EveryStep, LocalSGD),
-             "jddp.EveryStep(), jddp.local_sgd.diloco(...) or jddp.local_sgd.post_local_sgd(...)"),
+    "loss": ((Loss,), "a jddp.Loss(...)"),
+    "reduce": ((Buckets, Deterministic), "a jddp.Buckets(...) or jddp.Deterministic(...)"),
+    "place": ((Replicate, ZeRO), "a jddp.Replicate() or jddp.ZeRO(stage=...)"),
+    "accumulate": ((Accumulate,), "a jddp.Accumulate(steps=..., microbatches=...)"),
+    "sync": ((EveryStep, LocalSGD), "a jddp.EveryStep(), jddp.local_sgd.diloco(...) or "
+                                    "jddp.local_sgd.post_local_sgd(...)"),
     "loss_scale": ((SkipNotFinite, DynamicScale),
-                   "None, jddp.DynamicScale() or jddp.SkipNotFinite()"),
+                   "a jddp.precision.DynamicScale (jddp.DynamicScale()), jddp.SkipNotFinite() "
+                   "or None"),
 }
 
 
@@ -288,7 +289,7 @@ def check_kind(keyword: str, value: Any) -> Any:
     name = getattr(value, "__name__", None)
     shown = (f"{name} itself (call it: {name}(...))" if callable(value) and name
              else f"{type(value).__name__} {value!r}")
-    raise TypeError(f"{keyword}= takes {spelled}, got {shown}.")
+    raise TypeError(f"{keyword} must be {spelled}, got {shown}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -200,6 +200,24 @@ def test_an_old_keyword_next_to_its_policy_is_an_error(old, new, owner):
         jddp.DataParallel(LOSSES["plain"], optax.sgd(0.1), **old, **new)
 
 
+def test_round3_deterministic_still_ignores_the_bucket_numbers(monkeypatch):
+    """Round 3's deterministic step ignored numeric caps, a fixed plan, the chain and
+    keep_unused (examples/train_digits.py passes its --bucket-cap-mb default): accepted still,
+    the same step as reduce=jddp.Deterministic(); a cap to choose or a hook is refused."""
+    jax.devices()
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX")
+    ddp = jddp.DataParallel(LOSSES["plain"], optax.sgd(0.1), deterministic=True,
+                            bucket_cap_mb=25.0, first_bucket_mb=1.0, chain="add",
+                            keep_unused=True)
+    assert ddp.policies.reduce == jddp.Deterministic()
+    with pytest.raises(ValueError, match="has nothing to choose"):
+        jddp.DataParallel(LOSSES["plain"], optax.sgd(0.1), deterministic=True,
+                          bucket_cap_mb="model")
+    with pytest.raises(ValueError, match="does not combine with hook='bf16_compress'"):
+        jddp.DataParallel(LOSSES["plain"], optax.sgd(0.1), deterministic=True,
+                          hook=jddp.bf16_compress())
+
+
 def test_unknown_keyword_is_a_type_error():
     with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_cap'"):
         jddp.DataParallel(LOSSES["plain"], optax.sgd(0.1), bucket_cap=8.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, NamedTuple
 
-from jddp._src import options
+from jddp._src import autocap, modelcap, options
 from jddp._src.local_sgd_options import check_local_sgd
 from jddp._src.policies import (
     Accumulate,
@@ -121,14 +121,21 @@ def _reduce(old: dict[str, Any]) -> Buckets | Deterministic:
                 "deterministic=False: pass deterministic=True with it (now "
                 "reduce=jddp.Deterministic(group_size=...)), or drop group_size.")
         return Buckets(**fields)
-    defaults = {"chain": "auto", "keep_unused": False}
-    for name, value in fields.items():
-        if value is not None and defaults.get(name, None) != value:
-            old_name = next(n for n in old if OWNERS[n].field == name)
-            raise ValueError(
-                f"deterministic=True (now reduce=jddp.Deterministic()) reduces without buckets, "
-                f"so {old_name}={value!r} has nothing to choose (nothing to tune; it is a field "
-                "of jddp.Buckets): drop it, or use deterministic=False.")
+    # The round-3 deterministic step ignored the bucket options (numbers, a plan, the chain,
+    # keep_unused): they still are, so old scripts that pass them keep working. It refused a
+    # cap to choose and a hook: so does this.
+    cap, hook = fields.get("cap_mb"), fields.get("hook")
+    if modelcap.resolve(cap) or autocap.resolve(cap):
+        raise ValueError(
+            f"deterministic=True (now reduce=jddp.Deterministic()) reduces without buckets, so "
+            f"bucket_cap_mb={cap!r} has nothing to choose (nothing to tune; it is a field of "
+            "jddp.Buckets): drop it, or use deterministic=False.")
+    if hook is not None:
+        raise ValueError(
+            f"deterministic=True (now reduce=jddp.Deterministic()) does not combine with "
+            f"hook={getattr(hook, 'name', hook)!r}: the deterministic reduction sums replicated "
+            "gradients in one fixed order, with no hook (docs/deterministic.md). Drop hook=, "
+            "or use deterministic=False.")
     return Deterministic() if group is None else Deterministic(group_size=group)
 
 

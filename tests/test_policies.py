@@ -218,6 +218,17 @@ def test_round3_deterministic_still_ignores_the_bucket_numbers(monkeypatch):
                           hook=jddp.bf16_compress())
 
 
+def test_the_warning_points_at_the_users_call_through_nnx():
+    from flax import nnx
+
+    model = nnx.Linear(D_IN, D_OUT, rngs=nnx.Rngs(0))
+    with pytest.warns(DeprecationWarning, match=r"accumulate_steps=\.\.\.\) is deprecated") as rec:
+        jddp.nnx.DataParallel(model, optax.sgd(0.1),
+                              lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
+                              accumulate_steps=2)
+    assert [w.filename for w in rec if "deprecated" in str(w.message)] == [__file__]
+
+
 def test_unknown_keyword_is_a_type_error():
     with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_cap'"):
         jddp.DataParallel(LOSSES["plain"], optax.sgd(0.1), bucket_cap=8.0)

@@ -8,7 +8,10 @@ is an error (which one would win is not obvious).
 
 from __future__ import annotations
 
+import inspect
+import os
 import warnings
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from jddp._src import autocap, modelcap, options
@@ -74,11 +77,25 @@ def message(old: str) -> str:
             f"The old keyword works for one release (docs/migration.md).")
 
 
-def _warn(old: dict[str, Any], stacklevel: int) -> None:
+_PACKAGE = str(Path(__file__).resolve().parent.parent) + os.sep  # the jddp/ folder
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` (counted from :func:`_warn`) of the first caller outside jddp: the
+    user's ``DataParallel(...)``, also through ``jddp.nnx.DataParallel`` (Python's default
+    filters show a DeprecationWarning only where ``__main__`` triggers it)."""
+    frame, level = inspect.currentframe(), 0
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return max(level, 1)
+
+
+def _warn(old: dict[str, Any]) -> None:
+    level = _user_stacklevel()
     for name in old:
         if name not in OWNERS:
             raise TypeError(f"DataParallel() got an unexpected keyword argument {name!r}.")
-        warnings.warn(message(name), DeprecationWarning, stacklevel=stacklevel)
+        warnings.warn(message(name), DeprecationWarning, stacklevel=level)
 
 
 # Round-3 keywords that took a bool: checked under their own name, before they move.
@@ -163,19 +180,18 @@ def _loss_scale(old: dict[str, Any], loss_scale: Any) -> Any:
     return SkipNotFinite() if skip and loss_scale is None else loss_scale
 
 
-def policies_from_keywords(old: dict[str, Any], given: dict[str, Any], *,
-                           stacklevel: int = 4) -> dict[str, Any]:
-    """The new keywords' values after the old keywords in ``old`` (each warns).
+def policies_from_keywords(old: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The new keywords' values after the old keywords in ``old`` (each warns, pointing at the
+    user's ``DataParallel(...)`` call).
 
     Args:
       old: the round-3 keywords given (name to value).
       given: the new keywords given (``None``: not given).
-      stacklevel: of the warnings, so they point at the user's ``DataParallel(...)`` call.
     """
     out = dict(given)
     if not old:
         return out
-    _warn(old, stacklevel)
+    _warn(old)
     _check_flags(old)
     old = {"skip_not_finite" if k == "skip_nonfinite" else
            "accumulator_dtype" if k == "accum_dtype" else k: v for k, v in old.items()}

@@ -76,8 +76,8 @@ def main() -> None:
 
     mesh = jddp.data_mesh()
     ddp = jddp.DataParallel(
-        loss_fn, optax.adam(args.lr), mesh=mesh, has_aux=True, weighted=True,
-        model_state_sync=args.sync,
+        loss_fn, optax.adam(args.lr), mesh=mesh,
+        loss=jddp.Loss(has_aux=True, weighted=True, model_state_sync=args.sync),
     )
     variables = model.init(jax.random.key(args.seed), x_train[:2], train=False)
     state = ddp.init(variables["params"], model_state={"batch_stats": variables["batch_stats"]})

@@ -159,11 +159,18 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.diloco:
         local_sgd = jddp.local_sgd.diloco(args.diloco, outer_lr=args.outer_lr,
                                           outer_momentum=args.outer_momentum)
+    # The deterministic reduction has no buckets (--bucket-cap-mb does not apply) and no hook.
+    hook = _hook(jddp, args)
+    if args.deterministic and hook is not None:
+        sys.exit("--deterministic reduces in one fixed order, with no hook: drop the hook flags.")
+    if args.group_size is not None and not args.deterministic:
+        sys.exit("--group-size is the group size of --deterministic: pass both, or neither.")
+    groups = {} if args.group_size is None else {"group_size": args.group_size}
+    reduce = (jddp.Deterministic(**groups) if args.deterministic else
+              jddp.Buckets(cap_mb=args.bucket_cap_mb, first_mb=args.first_bucket_mb, hook=hook))
     ddp = jddp.DataParallel(
-        loss_fn, optax.adam(args.lr), mesh=mesh, has_aux=True,
-        bucket_cap_mb=args.bucket_cap_mb, first_bucket_mb=args.first_bucket_mb,
-        hook=_hook(jddp, args), local_sgd=local_sgd,
-        deterministic=args.deterministic, group_size=args.group_size,
+        loss_fn, optax.adam(args.lr), mesh=mesh, loss=jddp.Loss(has_aux=True), reduce=reduce,
+        sync=local_sgd or jddp.EveryStep(),
     )
     # Full batches only (drop_last): every step sees args.batch_size examples.
     loader = jddp.data.Loader(jddp.data.ArraySource({"image": x_train, "label": y_train}),

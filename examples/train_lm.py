@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
         # Per-token arrays: the step weights them by the mask (padding counts 0).
         return per_token, {"accuracy": correct, "tokens": jnp.ones_like(per_token)}
 
-    ddp = jddp.DataParallel(loss_fn, tx, mesh=mesh, has_aux=True, weighted=True, rng=True,
-                            sum_metrics=("tokens",))
+    ddp = jddp.DataParallel(loss_fn, tx, mesh=mesh, loss=jddp.Loss(
+        has_aux=True, weighted=True, rng=True, sum_metrics=("tokens",)))
 
     def eval_fn(params, batch):  # per-token sums; the Evaluator adds up the real sequences
         logits = model.apply({"params": params}, batch["inputs"], train=False)

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         return loss, (updates, {"accuracy": accuracy})
 
     ddp = jddp.DataParallel(
-        loss_fn, tx, mesh=mesh, has_aux=True,
+        loss_fn, tx, mesh=mesh, loss=jddp.Loss(has_aux=True),
         # float16 gradients need loss scaling (Flax's DynamicScale); bfloat16 has float32's range.
         loss_scale=DynamicScale() if dtype == jnp.float16 else None,
     )

@@ -22,8 +22,19 @@ from jddp import (  # noqa: F401
 )
 from jddp._src.evaluation import Evaluator
 from jddp._src.hooks import CommHook, HookContext, bf16_compress, fp16_compress, powersgd
+from jddp._src.loss_scale import DynamicScale
 from jddp._src.mesh import data_mesh, replicate, shard_batch
 from jddp._src.planner import BucketPlan, plan_buckets
+from jddp._src.policies import (
+    Accumulate,
+    Buckets,
+    Deterministic,
+    EveryStep,
+    Loss,
+    Replicate,
+    SkipNotFinite,
+    ZeRO,
+)
 from jddp._src.programs import ProgramMismatchError
 from jddp._src.reduction import value_and_grad
 from jddp._src.state import TrainState
@@ -38,14 +49,23 @@ from jddp.distributed import (
 )
 
 __all__ = [
+    "Accumulate",
     "BucketPlan",
+    "Buckets",
     "CommHook",
     "DataParallel",
+    "Deterministic",
+    "DynamicScale",
+    "EveryStep",
     "Evaluator",
     "HookContext",
+    "Loss",
     "ProgramMismatchError",
     "ReplicaDivergenceError",
+    "Replicate",
+    "SkipNotFinite",
     "TrainState",
+    "ZeRO",
     "bf16_compress",
     "data",
     "data_mesh",

@@ -56,8 +56,8 @@ def test_auto_trains_like_a_fixed_cap_and_reports_its_choice():
     cap = int(choice.cap_mb * 2**20)
     assert auto.config.cap_bytes == cap
     assert auto.bucket_plan.cap_bytes == cap
-    assert "bucket_cap_mb='auto'" in str(auto.bucket_plan)
-    assert f"bucket_cap_mb={choice.cap_mb:g}" in str(choice)
+    assert "Buckets(cap_mb='auto')" in str(auto.bucket_plan)
+    assert f"reduce=jddp.Buckets(cap_mb={choice.cap_mb:g})" in str(choice)
     assert auto.step.cache_size() == 1
     # Pinning the reported number gives the same plan.
     assert _planned(choice.cap_mb).buckets == auto.bucket_plan.buckets

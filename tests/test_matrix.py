@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ import optax
 import pytest
 
 import jddp
+from jddp._src import compat
 from tests import _reference as ref
 from tests._models import mlp_loss, mlp_params, regression_batch
 from tests.launch_util import run_launcher
@@ -280,12 +282,49 @@ def refused(reason: str) -> tuple:
     return ("refused", reason)
 
 
+def refused_by(row: str) -> tuple:
+    """Refused by the row ``row`` of jddp's one table of refused combinations (compat)."""
+    return ("refused", re.escape(compat.ROWS[row].reason))
+
+
+# New-spelling keywords: a cell that gives one gets its stage and caps as policies.
+POLICY_KEYWORDS = frozenset({"loss", "reduce", "place", "accumulate", "sync", "precision",
+                             "loss_scale"})
+
+
 BF16 = 1e-3  # bf16 on the wire (~3 significant digits of each gradient), SGD(0.1)
 INT8 = 2e-3  # int8 blocks of 256 with error feedback, SGD(0.1)
 
 
 def _mp(**kw):
     return jddp.precision.MixedPrecision(**{"param_dtype": MP, **kw})
+
+
+def _compat_cells() -> list:
+    """One refused cell for each row of the compat table not declared with the old spelling."""
+    det = jddp.Deterministic
+    shard = lambda: jddp.Accumulate(steps=2, shard=True)
+    rows = [
+        ("deterministic + ZeRO", lambda: {"reduce": det()}, "1d", 2),
+        ("deterministic + local SGD", lambda: {"reduce": det(),
+                                               "sync": jddp.local_sgd.post_local_sgd(2)}, "1d", 0),
+        ("deterministic + loss scale", lambda: {"reduce": det(),
+                                                "loss_scale": jddp.DynamicScale()}, "1d", 0),
+        ("deterministic + mixed precision", lambda: {"reduce": det(), "precision": _mp()}, "1d",
+         0),
+        ("deterministic + odd accumulation", lambda: {
+            "reduce": det(), "accumulate": jddp.Accumulate(steps=3)}, "1d", 0),
+        ("deterministic + odd device count", lambda: {"reduce": det()}, "1d6", 0),
+        ("hybrid ZeRO on a 1-D mesh", lambda: {"place": jddp.ZeRO(stage=2, hybrid=True)}, "1d",
+         2),
+        ("sharded accumulator + stage below 2", lambda: {"accumulate": shard()}, "1d", 1),
+        ("sharded accumulator + stateful hook", lambda: {
+            "accumulate": shard(), "reduce": jddp.Buckets(hook=jddp.powersgd())}, "1d", 2),
+        ("sharded accumulator + local SGD", lambda: {"accumulate": shard(), "sync": jddp.local_sgd.diloco(2)},
+         "2l", 2),
+    ]
+    return [Cell(name, opts, topology, stage, refused_by(name), extra={"row": True})
+            for name, opts, topology, stage in rows]
 
 
 def _cells() -> list[Cell]:
@@ -398,14 +437,14 @@ def _cells() -> list[Cell]:
             reduce_dtype=jnp.bfloat16)}, "1d", 0, equal("mp_plain_sgd", BF16)),
         Cell("mixed_precision(reduce_dtype=bf16) + hook", lambda: {"mixed_precision": _mp(
             reduce_dtype=jnp.bfloat16), "hook": jddp.powersgd()}, "1d", 0,
-             refused("the hook decides what the reduction sends")),
+             refused_by("narrow reduce_dtype + hook"), extra={"row": True}),
         Cell("mixed_precision(float16) without loss_scale", lambda: {"mixed_precision": _mp(
-            param_dtype=jnp.float16)}, "1d", 0, refused("needs loss scaling")),
-        Cell("mixed_precision + deterministic", lambda: {"mixed_precision": _mp(),
-                                                         "deterministic": True}, "1d", 0,
-             refused("not supported with deterministic=True")),
+            param_dtype=jnp.float16)}, "1d", 0, refused_by("float16 without loss scaling"),
+             extra={"row": True}),
         Cell("diloco + zero_stage > 0", lambda: {"local_sgd": diloco(2)}, "1d", 2,
-             refused("on a 1-D mesh every device is a replica")),
+             refused_by("local SGD + ZeRO on a 1-D mesh"), extra={"row": True}),
+        # The other rows of the compat table, in the new spelling (jddp.Deterministic etc.).
+        *_compat_cells(),
     ]
     # DiLoCo composed with every option of the step (one island per host, DP/ZeRO inside).
     # Rows with procs=2 also run as one island per process (DP/ZeRO inside, DiLoCo across).
@@ -436,6 +475,8 @@ def cell_id(cell: Cell) -> str:
 def mesh_for(topology: str, multi: bool = False):
     if topology == "1d":
         return jddp.data_mesh()
+    if topology == "1d6":  # a device count that is not a power of two
+        return jddp.data_mesh(jax.devices()[:6])
     return jddp.data_mesh(hosts="process" if multi else 2)
 
 
@@ -452,6 +493,20 @@ def _to_numpy(tree):
     return jax.tree.map(get, tree)
 
 
+def _options(cell: Cell, caps: dict) -> dict:
+    """The cell's keywords with its stage and caps: round-3 keywords, or policies when the
+    cell is spelled with them (the two spellings do not mix)."""
+    opts = cell.options()
+    if not POLICY_KEYWORDS & opts.keys():
+        return dict(opts, zero_stage=cell.stage, **caps)
+    if cell.stage and "place" not in opts:
+        opts["place"] = jddp.ZeRO(stage=cell.stage)
+    if caps and "reduce" not in opts:
+        opts["reduce"] = jddp.Buckets(cap_mb=caps["bucket_cap_mb"],
+                                      first_mb=caps["first_bucket_mb"])
+    return opts
+
+
 def run_cell(cell: Cell, multi: bool = False, repeats: int = 1) -> Any:
     """Trains the cell's case with ``DataParallel`` (raises what construction raises); returns
     the final (global) parameters as numpy arrays (with ``repeats``, a list: the same compiled
@@ -460,7 +515,7 @@ def run_cell(cell: Cell, multi: bool = False, repeats: int = 1) -> Any:
     case = CASES[case_name]
     mesh = mesh_for(cell.topology, multi)
     caps = {} if cell.extra.get("default_plan") else CAPS
-    opts = dict(cell.options(), zero_stage=cell.stage, **caps)
+    opts = _options(cell, caps)
     if cell.api == "nnx":
         from flax import nnx
 
@@ -540,13 +595,26 @@ def test_matrix_is_declared_consistently():
     ids = [cell_id(c) for c in CELLS]
     assert len(ids) == len(set(ids))
     for c in CELLS:
-        assert c.topology in ("1d", "2l") and c.stage in range(4) and c.procs in (1, 2)
+        assert c.topology in ("1d", "2l", "1d6") and c.stage in range(4) and c.procs in (1, 2)
+        assert c.topology != "1d6" or c.expect[0] == "refused"
         assert c.expect[0] in ("equal", "refused")
         if c.expect[0] == "equal":
             assert c.expect[1] in CASES and 0 < c.expect[2] < 1e-1
         else:
             assert c.expect[1] and c.procs == 1
     assert sum(c.procs == 2 for c in CELLS) >= 11
+
+
+def test_refused_cells_are_the_compat_table():
+    """The matrix's refused combinations are exactly the rows of jddp's one table of refused
+    combinations (jddp._src.compat): one cell per row, each raising that row's reason. The
+    one other refused cell is a value checked against the mesh, not a combination."""
+    rows = [c.name for c in CELLS if c.extra.get("row")]
+    declared = {c.expect[1] for c in CELLS if c.extra.get("row")}
+    assert declared == {re.escape(r.reason) for r in compat.TABLE}
+    assert len(rows) == len(compat.TABLE)
+    others = [cell_id(c) for c in CELLS if c.expect[0] == "refused" and not c.extra.get("row")]
+    assert others == ["reshard_after_forward=3|1d|stage3|functional"]
 
 
 # --------------------------------------------------------------------------- the process rows

@@ -102,9 +102,11 @@ def test_the_rules_hold_on_random_models():
             assert "kept" in c.note
         # The pin reproduces the plan: an explicit cap alone caps the first bucket too.
         kw = dict(bucket_cap_mb=c.cap_mb)
-        if "first_bucket_mb" in c.pin:
+        if "first_mb" in c.pin:
             kw["first_bucket_mb"] = c.chosen_first_mb
-        assert c.pin == ", ".join(f"{a}={b:g}" for a, b in kw.items())
+        spelled = {"bucket_cap_mb": "cap_mb", "first_bucket_mb": "first_mb"}
+        assert c.pin == "reduce=jddp.Buckets({})".format(
+            ", ".join(f"{spelled[a]}={b:g}" for a, b in kw.items()))
         pinned = make_plan([jax.ShapeDtypeStruct(s, d) for s, d in
                             zip(plan.shapes, plan.dtypes, strict=True)],
                            list(range(n)), **kw)
@@ -125,7 +127,7 @@ def test_benchmark_shapes():
     conv = [40, 15360, 1536, 8192 * 384 * 4, 512, 294912, 256, 73728, 128, 3456]
     c = _decide(_plan(conv[::-1]))
     assert c.num_buckets[_k(c)] == 1 and c.num_buckets[0] == 2
-    assert c.pin == "bucket_cap_mb=25"
+    assert c.pin == "reduce=jddp.Buckets(cap_mb=25)"
     small = _decide(_plan([700_000 // 60] * 60))
     assert small.cap_mb == 25.0 and small.chosen_first_mb == 1.0 and "kept" in small.note
 
@@ -170,8 +172,8 @@ def test_model_step_plans_before_running_trains_like_ddp_and_is_deterministic():
     choice = ddp.cap_choice
     assert isinstance(choice, CapChoice) and choice.method == "model" and choice.rounds == 0
     assert plan.num_buckets == 1 and fixed.plan(params, batches[0]).num_buckets == 2
-    assert choice.pin == "bucket_cap_mb=25" and ddp.config.first_bytes == 25 * MiB
-    assert "bucket_cap_mb='model' chose" in str(choice) and "<- chosen" in str(choice)
+    assert choice.pin == "reduce=jddp.Buckets(cap_mb=25)" and ddp.config.first_bytes == 25 * MiB
+    assert "Buckets(cap_mb='model') chose" in str(choice) and "<- chosen" in str(choice)
     # The same plan when computed again, by another trainer, and on a two-host layout (the
     # device count is what the choice reads, not the process or host count).
     again = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb="model")
@@ -191,7 +193,7 @@ def test_model_step_plans_before_running_trains_like_ddp_and_is_deterministic():
         np.testing.assert_allclose(float(mm["loss"]), float(mf["loss"]), rtol=1e-6)
     assert max_abs_diff(sm.params, sf.params) < 1e-6
     assert ddp.step.cache_size() == 1 and ddp.cap_choice is choice
-    assert "bucket_cap_mb='model'" in str(ddp.bucket_plan) and ddp.bucket_plan.num_buckets == 1
+    assert "Buckets(cap_mb='model')" in str(ddp.bucket_plan) and ddp.bucket_plan.num_buckets == 1
 
 
 def test_lower_chooses_first():
@@ -206,7 +208,7 @@ def test_bad_model_options():
     opt = optax.sgd(0.1)
     with pytest.raises(ValueError, match="chooses the first bucket too"):
         jddp.DataParallel(loss, opt, bucket_cap_mb="model", first_bucket_mb=1.0)
-    with pytest.raises(ValueError, match="bucket_cap_mb='model' chooses the bucket plan"):
+    with pytest.raises(ValueError, match="cap_mb='model'\\) chooses the bucket plan"):
         jddp.DataParallel(loss, opt, bucket_cap_mb="model",
                           bucket_plan=jddp.DataParallel(loss, opt).plan(params, _two_layer()[2][0]))
     with pytest.raises(ValueError, match="bucket_cap_mb='model' has nothing to choose"):
@@ -274,7 +276,7 @@ def test_default_is_the_models_plan_chosen_in_the_steps_one_trace():
     compiled = ddp.step.lower(ddp.abstract_state(params), batch).compile()
     assert len(calls) == 1
     plan, choice = ddp.bucket_plan, ddp.cap_choice
-    assert choice.method == "default" and choice.pin == "bucket_cap_mb=8"
+    assert choice.method == "default" and choice.pin == "reduce=jddp.Buckets(cap_mb=8)"
     assert [b.nbytes for b in plan.buckets] == [2 * (1200 * 1200 + 1200) * 4] * 4
     assert "the default plan, chosen by the cost model" in plan.note and choice.pin in plan.note
     assert "the default plan (no cap given) chose cap 8 MiB" in str(choice)
@@ -353,17 +355,22 @@ def test_default_keeps_ddps_plan_without_calibration_and_is_a_pure_function():
 
     for platform in ("gpu", "tpu"):
         assert policy.repack(ddps, pack, platform, 8) is ddps and not packed
-        assert "no built-in calibration" in policy.latest.note
+        assert "no built-in calibration" in policy.choose(ddps, platform, 8).note
         assert policy.max_cap_bytes(platform) == 25 * MiB
     assert policy.max_cap_bytes("cpu") == 100 * MiB
     # On CPU the model merges DDP's two buckets into one (ModelCap(merge=False) would not).
     keeping = modelcap.DefaultPlan(ModelCap(merge=False))
     assert keeping.repack(ddps, pack, "cpu", 8) is ddps and not packed
-    assert "with at least DDP's 2 bucket(s)" in keeping.latest.note
+    assert "with at least DDP's 2 bucket(s)" in keeping.choose(ddps, "cpu", 8).note
     first = policy.repack(ddps, pack, "cpu", 8)
-    choice = policy.latest
+    choice = policy.choose(ddps, "cpu", 8)
     assert policy.repack(ddps, pack, "cpu", 8) == first and packed == [(25 * MiB, 25 * MiB)] * 2
-    assert policy.latest._replace(tune_s=0) == choice._replace(tune_s=0)
+    # A value: the choice is the same asked of the repacked plan (the same leaves), and the
+    # policy holds no record of it (frozen, equal to a fresh one).
+    assert policy.choose(first, "cpu", 8)._replace(tune_s=0) == choice._replace(tune_s=0)
+    assert policy == modelcap.DefaultPlan() and hash(policy) == hash(modelcap.DefaultPlan())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.policy = ModelCap()  # type: ignore[misc]
     one, two = (jddp.DataParallel(loss, optax.sgd(0.1), mesh=m)
                 for m in (jddp.data_mesh(), jddp.data_mesh(hosts=2)))
     pinned = jddp.DataParallel(loss, optax.sgd(0.1), bucket_cap_mb=choice.cap_mb,

@@ -242,6 +242,16 @@ def long_functions(root: pathlib.Path, limit: int = MAX_FUNCTION_LINES) -> list[
     return found
 
 
+def test_src_imports_no_public_module():
+    """``jddp._src`` is the implementation: it never imports a public module (``jddp.perf``
+    included: the cost model the default plan uses lives in ``jddp._src.costmodel``)."""
+    graph = JDDP.import_graph()
+    public = {(m, d) for m, deps in graph.items() if m.startswith("jddp._src")
+              for d in deps if not d.startswith("jddp._src")}
+    assert not public, sorted(public)
+    assert "jddp._src.costmodel" in graph["jddp._src.modelcap"]
+
+
 def test_the_length_check_counts_whole_functions(tmp_path):
     src = tmp_path / "pkg" / "_src"
     src.mkdir(parents=True)

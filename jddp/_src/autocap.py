@@ -1,4 +1,4 @@
-"""``bucket_cap_mb="auto"``: the bucket cap chosen for this model on this machine, once.
+"""``jddp.Buckets(cap_mb="auto")``: the bucket cap chosen for this model on this machine, once.
 
 The best cap depends on the model (its gradient sizes in backward order) and on the machine (the
 cost of one all-reduce against the backward work it could sit next to), and the cost model's
@@ -128,14 +128,14 @@ class CapChoice(NamedTuple):
     def pin(self) -> str:
         """The ``DataParallel`` arguments that give the chosen plan without choosing again."""
         if self.method == "timed" or self.chosen_first_mb == self.cap_mb:
-            return f"bucket_cap_mb={self.cap_mb:g}"
-        return f"bucket_cap_mb={self.cap_mb:g}, first_bucket_mb={self.chosen_first_mb:g}"
+            return f"reduce=jddp.Buckets(cap_mb={self.cap_mb:g})"
+        return f"reduce=jddp.Buckets(cap_mb={self.cap_mb:g}, first_mb={self.chosen_first_mb:g})"
 
     def table(self) -> str:
         if self.method != "timed":
             return _model_table(self)
-        rows = [f"bucket_cap_mb='auto' chose {self.cap_mb:g} MiB (pin it with "
-                f"bucket_cap_mb={self.cap_mb:g}); tuning took {self.tune_s:.1f} s, "
+        rows = [f"Buckets(cap_mb='auto') chose {self.cap_mb:g} MiB (pin it with "
+                f"{self.pin}); tuning took {self.tune_s:.1f} s, "
                 f"{self.rounds} timed round(s)",
                 f"{'cap MiB':>8} {'buckets':>7} {'median ms':>10} {'vs default':>10} "
                 f"{'spread':>7}"]
@@ -155,7 +155,7 @@ class CapChoice(NamedTuple):
 def _model_table(c: CapChoice) -> str:
     """``CapChoice.table`` for ``bucket_cap_mb="model"`` and the default plan: each candidate's
     prediction."""
-    who = "bucket_cap_mb='model'" if c.method == "model" else "the default plan (no cap given)"
+    who = "Buckets(cap_mb='model')" if c.method == "model" else "the default plan (no cap given)"
     rows = [f"{who} chose cap {c.cap_mb:g} MiB, first bucket "
             f"{min(c.chosen_first_mb, c.cap_mb):g} MiB (pin it with {c.pin}); nothing timed: "
             f"{c.note}",
@@ -176,7 +176,7 @@ def resolve(bucket_cap_mb: Any) -> AutoCap | None:
     if isinstance(bucket_cap_mb, str):
         if bucket_cap_mb != "auto":
             raise ValueError(
-                f"bucket_cap_mb must be a number of MiB, 'auto' (timed) or 'model' (the cost "
+                f"Buckets.cap_mb must be a number of MiB, 'auto' (timed) or 'model' (the cost "
                 f"model, no timing), got {bucket_cap_mb!r}."
             )
         return AutoCap()
@@ -377,9 +377,9 @@ class AutoStep(ChoosingStep):
         """The chosen :class:`Step`; a clear error (naming ``what``) before the choice."""
         if self._step is None:
             raise ValueError(
-                f"bucket_cap_mb='auto' has not chosen a cap yet, so there is no program to "
+                f"Buckets(cap_mb='auto') has not chosen a cap yet, so there is no program to "
                 f"{what}: take one step (ddp.step(state, batch)) or call ddp.step.tune(state, "
-                "batch) first, or pin the cap with a number (bucket_cap_mb=25.0)."
+                "batch) first, or pin the cap with a number (jddp.Buckets(cap_mb=25.0))."
             )
         return self._step
 

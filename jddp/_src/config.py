@@ -110,17 +110,7 @@ class StepConfig:
     mixed_precision: MixedPrecision | None = None
 
     def __post_init__(self) -> None:
-        if self.hybrid_shard and self.zero_stage == 0:
-            raise ValueError(
-                "hybrid_shard=True shards state inside each host, but zero_stage=0 shards "
-                "nothing: pass zero_stage=1, 2 or 3 with it."
-            )
-        if self.hybrid_shard and not self.data_axes.two_level:
-            raise ValueError(
-                "hybrid_shard=True needs a two-level mesh (hosts x local devices) to know what a "
-                "host is: build it with jddp.data_mesh(hosts=...) (one row per process by "
-                f"default), got a mesh with axes {tuple(self.mesh.axis_names)}."
-            )
+        # hybrid_shard's needs (a stage, a two-level mesh) are rows of jddp._src.compat.
         axes = self.data_axes
         in_host = int(self.mesh.shape[axes.local]) if axes.two_level else None
         object.__setattr__(self, "reshard_after_forward", options.reshard_group(

@@ -117,19 +117,6 @@ def levels(cfg: StepConfig, kind: str | None) -> Levels:
     return Levels(None, 1, None, None, None, rax, r, False)
 
 
-def check_config(cfg: StepConfig) -> None:
-    """The combination that does not work with local SGD, named at construction."""
-    if cfg.local_sgd is None:
-        return
-    if cfg.zero_stage and not cfg.data_axes.two_level:
-        raise ValueError(
-            f"zero_stage={cfg.zero_stage} with local_sgd shards state inside each replica, but on "
-            "a 1-D mesh every device is a replica of its own (nothing to shard over). Build a "
-            "two-level mesh, jddp.data_mesh(hosts=...): one replica per host, its state sharded "
-            "over the host's devices."
-        )
-
-
 class LocalPhase(NamedTuple):
     """The static phase of a local-SGD step: its kind, the hook's own phase, and with streaming
     DiLoCo the fragments synchronised after it."""

@@ -1,4 +1,4 @@
-"""``bucket_cap_mb="model"``: the bucket plan the cost model predicts fastest, chosen without timing.
+"""``jddp.Buckets(cap_mb="model")``: the plan the cost model predicts fastest, chosen without timing.
 
 ``bucket_cap_mb="auto"`` times candidate plans on the real step (tens of seconds on its first
 call); ``"model"`` predicts them instead, from the traced gradient sizes alone:
@@ -46,14 +46,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from jddp._src import options, pipeline
+from jddp._src import costmodel, options, pipeline
 from jddp._src.autocap import CapChoice, ChoosingStep
 from jddp._src.config import StepConfig
 from jddp._src.hooks import allreduce_mean
 from jddp._src.planner import BucketPlan, assign_buckets
 from jddp._src.step import Step
 from jddp._src.tree import MiB
-from jddp.perf import costmodel
 
 #: Caps (MiB) that "model" considers by default, each with and without a 1 MiB first bucket.
 DEFAULT_CANDIDATES_MB: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 50.0, 100.0)
@@ -113,7 +112,7 @@ class ModelCap:
             raise ValueError(
                 "ModelCap(cluster=...) with asynchronous collectives needs backward_s= (one "
                 "device's backward time, s): overlap is weighed against it. Measure it with "
-                "jddp.perf.calibrate.profile_step, or use bucket_cap_mb='auto'."
+                "jddp.perf.calibrate.profile_step, or use jddp.Buckets(cap_mb='auto')."
             )
 
 
@@ -198,7 +197,7 @@ def decide(plan: BucketPlan, platform: str, num_devices: int, policy: ModelCap,
         preds = [math.nan] * len(found)
         best, note = 0, (f"no built-in calibration for platform {platform!r} (overlap needs "
                          "compute times): DDP's plan is kept; pass ModelCap(cluster=..., "
-                         "backward_s=...) or use bucket_cap_mb='auto'")
+                         "backward_s=...) or use jddp.Buckets(cap_mb='auto')")
     else:
         preds = [predict(nbytes, dtypes, c, f, cluster, policy.backward_s) for c, f, _ in found]
         best, note = _pick(preds, [len(s) for _, _, s in found], policy.margin, policy.merge)
@@ -239,25 +238,25 @@ def default_plan(cfg: StepConfig) -> DefaultPlan | None:
     return DefaultPlan() if measured else None
 
 
+@dataclasses.dataclass(frozen=True)
 class DefaultPlan:
-    """The plan of a ``DataParallel`` given no ``bucket_cap_mb`` (a :class:`PlanPolicy
+    """The plan of a ``DataParallel`` given no cap (a :class:`PlanPolicy
     <jddp._src.config.PlanPolicy>`): :func:`decide` on the plan traced under DDP's default
     caps, re-packed under the chosen ones inside the same trace. On a platform without a
     built-in calibration (GPU, TPU) :func:`decide` keeps DDP's plan.
 
-    Args:
-      policy: the candidates and margin (:class:`ModelCap`; the built-in cluster only).
+    A value: the choice is returned by :meth:`choose` (a pure function of the traced plan's
+    leaves, the platform and the device count), not recorded; ``ddp.cap_choice`` asks it again
+    for the plan the step was traced with.
 
     Attributes:
-      latest: the :class:`CapChoice` of the latest trace (``ddp.cap_choice``); ``None`` before.
+      policy: the candidates and margin (:class:`ModelCap`; the built-in cluster only). Merging
+        DDP's buckets is allowed: on the idle machine one bucket beat DDP's two on the
+        benchmark conv net and LM (docs/performance.md); the measurement that had ruled it out
+        was taken with other jobs loading the cores.
     """
 
-    def __init__(self, policy: ModelCap | None = None) -> None:
-        # Merging DDP's buckets is allowed: on the idle machine one bucket beat DDP's two on
-        # the benchmark conv net and LM (docs/performance.md); the measurement that had ruled
-        # it out was taken with other jobs loading the cores.
-        self.policy = policy or ModelCap()
-        self.latest: CapChoice | None = None
+    policy: ModelCap = ModelCap()
 
     def max_cap_bytes(self, platform: str) -> int:
         """The largest cap :meth:`repack` can pick on ``platform`` (DDP's where uncalibrated)."""
@@ -266,19 +265,17 @@ class DefaultPlan:
             caps += self.policy.candidates_mb
         return max(options.cap_bytes(c, "bucket_cap_mb") for c in caps)
 
-    def __eq__(self, other: object) -> bool:  # the policy, not the record of the latest choice
-        return isinstance(other, DefaultPlan) and other.policy == self.policy
-
-    def __hash__(self) -> int:
-        return hash(("DefaultPlan", self.policy))
+    def choose(self, plan: BucketPlan, platform: str, num_devices: int) -> CapChoice:
+        """The choice for the leaves of ``plan`` (any packing of the traced leaves: the
+        decision reads each dtype's leaves in backward order only), with its reason."""
+        default = (options.DEFAULT_BUCKET_CAP_MB, options.DEFAULT_FIRST_BUCKET_MB)
+        return decide(plan, platform, num_devices, self.policy, default, method="default")
 
     def repack(self, plan: BucketPlan, pack: Callable[[int, int], BucketPlan], platform: str,
                num_devices: int) -> BucketPlan:
         """The chosen plan: ``plan`` itself when DDP's is kept, else ``pack(cap, first)`` with a
         note that says why and how to pin it."""
-        default = (options.DEFAULT_BUCKET_CAP_MB, options.DEFAULT_FIRST_BUCKET_MB)
-        choice = decide(plan, platform, num_devices, self.policy, default, method="default")
-        self.latest = choice
+        choice = self.choose(plan, platform, num_devices)
         cap = options.cap_bytes(choice.cap_mb, "bucket_cap_mb")
         first = min(options.cap_bytes(choice.chosen_first_mb, "first_bucket_mb"), cap)
         if (cap, first) == (plan.cap_bytes, plan.first_bytes):

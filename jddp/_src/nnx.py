@@ -29,9 +29,13 @@ from flax import nnx
 
 from jddp._src.objective import unpack_loss_output
 from jddp._src.planner import BucketPlan
+from jddp._src.policies import Loss
 from jddp._src.state import TrainState
 from jddp._src.step import Step
 from jddp._src.trainer import DataParallel as CoreDataParallel
+
+# The round-3 keywords that are fields of jddp.Loss (see jddp._src.deprecated).
+_ROUND3_LOSS_KEYWORDS = frozenset({"weighted", "rng", "sum_metrics", "model_state_sync"})
 
 
 def _split(model: nnx.Module, wrt: Any) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
@@ -199,11 +203,12 @@ class DataParallel:
         the per-example losses of the shard; with ``rng=True``, ``loss_fn(model, batch, rng)``
         with one PRNG key per example of the shard.
       wrt: the NNX filter of the trained state (default ``nnx.Param``).
-      has_aux: whether ``loss_fn`` returns ``(loss, metrics)``.
+      has_aux: whether ``loss_fn`` returns ``(loss, metrics)`` (or say it in
+        ``loss=jddp.Loss(has_aux=True, ...)``).
       **options: every other keyword argument of :class:`jddp.DataParallel` (``mesh``,
-        ``bucket_cap_mb``, ``hook``, ``model_state_sync``, ``accumulate_steps``, ...), with its
-        defaults. With ``model_state_sync="none"``, :meth:`merge` and :meth:`update` use replica
-        0's state.
+        ``loss``, ``reduce``, ``place``, ``accumulate``, ``sync``, ...), with its defaults.
+        With ``jddp.Loss(model_state_sync="none")``, :meth:`merge` and :meth:`update` use
+        replica 0's state.
 
     Attributes:
       step: the core trainer's step, ``step(state, batch, mask=None, *, sync=None) -> (state,
@@ -231,10 +236,18 @@ class DataParallel:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
         graphdef = nnx.graphdef(model)
-        core = CoreDataParallel(
-            _ModelLoss(graphdef, wrt, loss_fn, bool(has_aux)), optimizer, has_aux=has_aux,
-            **options,
-        )
+        # has_aux here is nnx's own keyword (its loss wrapper needs it); with loss=jddp.Loss(...)
+        # the policy says it, and the core sees the wrapper's (loss, (state, metrics)) form.
+        policy = options.get("loss")
+        aux = bool(has_aux) or bool(getattr(policy, "has_aux", False))
+        if policy is None and not _ROUND3_LOSS_KEYWORDS & options.keys():
+            options["loss"] = Loss(has_aux=has_aux)
+        elif policy is None and has_aux:  # next to round-3 keywords of the loss: one more
+            options["has_aux"] = True
+        elif has_aux:
+            raise ValueError("has_aux=True and loss=jddp.Loss(...) were both given: pass "
+                             "loss=jddp.Loss(has_aux=True, ...) alone.")
+        core = CoreDataParallel(_ModelLoss(graphdef, wrt, loss_fn, aux), optimizer, **options)
         _check_loss_arity(loss_fn, bool(getattr(core.config, "rng", False)))
         for name, value in (("graphdef", graphdef), ("wrt", wrt), ("_model", model),
                             ("core", core), ("step", core.step)):

@@ -1,4 +1,4 @@
-"""Skipping steps whose reduced gradient is not finite (``DataParallel(skip_not_finite=True)``).
+"""Skipping steps whose reduced gradient is not finite (``loss_scale=jddp.SkipNotFinite()``).
 
 The decision is taken on the *reduced* gradients, which every replica holds identically, so all
 replicas skip the same steps without a collective of their own.

@@ -39,22 +39,24 @@ def cap_bytes(mb: Any, name: str) -> int:
     return max(1, int(value * MiB))
 
 
-def bucket_caps(bucket_cap_mb: Any = None, first_bucket_mb: Any = None) -> tuple[int, int]:
+def bucket_caps(bucket_cap_mb: Any = None, first_bucket_mb: Any = None,
+                names: tuple[str, str] = ("bucket_cap_mb", "first_bucket_mb")) -> tuple[int, int]:
     """``(cap, first)`` in bytes, by PyTorch DDP's rule (torch 2.13), both valid.
 
     Neither given: a 1 MiB first bucket, then 25 MiB buckets. ``bucket_cap_mb`` given alone: every
     bucket, the first too, is capped at it (no small first bucket, as DDP does for an explicit
-    cap). ``first_bucket_mb`` given: that first bucket, no larger than the cap.
+    cap). ``first_bucket_mb`` given: that first bucket, no larger than the cap. ``names``: how
+    the two are spelled in messages (``jddp.Buckets``' ``cap_mb`` and ``first_mb``).
     """
-    cap = cap_bytes(DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb,
-                    "bucket_cap_mb")
+    cap_name, first_name = names
+    cap = cap_bytes(DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb, cap_name)
     if first_bucket_mb is None:
         return cap, (cap_bytes(DEFAULT_FIRST_BUCKET_MB, "") if bucket_cap_mb is None else cap)
-    first = cap_bytes(first_bucket_mb, "first_bucket_mb")
+    first = cap_bytes(first_bucket_mb, first_name)
     if first > cap:
         raise ValueError(
-            f"first_bucket_mb ({first_bucket_mb}) is larger than bucket_cap_mb ({bucket_cap_mb}); "
-            "the first bucket is meant to be small. Lower first_bucket_mb or raise bucket_cap_mb."
+            f"{first_name} ({first_bucket_mb}) is larger than {cap_name} ({bucket_cap_mb}); "
+            f"the first bucket is meant to be small. Lower {first_name} or raise {cap_name}."
         )
     return cap, first
 

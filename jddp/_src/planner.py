@@ -333,6 +333,6 @@ def unused_message(paths: Sequence[str]) -> str:
         f"{len(paths)} parameter leaves have no gradient path to the loss: {shown}. They are left "
         "out of the gradient buckets (nothing is sent for them) and out of the update (they keep "
         "their values, no weight decay: PyTorch's optimizers skip a None gradient). If this is "
-        "unexpected, check that the loss uses them; pass keep_unused=True to reduce them and let "
-        "the optimizer update them anyway."
+        "unexpected, check that the loss uses them; pass reduce=jddp.Buckets(keep_unused=True) to "
+        "reduce them and let the optimizer update them anyway."
     )

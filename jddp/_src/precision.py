@@ -1,4 +1,4 @@
-"""A mixed-precision policy (FSDP2's ``MixedPrecisionPolicy``): ``DataParallel(mixed_precision=
+"""A mixed-precision policy (FSDP2's ``MixedPrecisionPolicy``): ``DataParallel(precision=
 MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32))``.
 
 What it means, at every ZeRO stage:
@@ -80,29 +80,13 @@ def check_policy(value: Any) -> MixedPrecision | None:
     )
 
 
-def resolve_hook(policy: MixedPrecision | None, hook: Any, *, loss_scale: Any,
-                 deterministic: bool) -> Any:
-    """The hook of a step with ``policy`` (``hook``: the user's, or ``None``), after the policy's
-    checks: float16 without a loss scale, a narrow ``reduce_dtype`` next to a user's hook."""
-    if policy is None:
+def resolve_hook(policy: MixedPrecision | None, hook: Any) -> Any:
+    """The hook of a step with ``policy`` (``hook``: the user's, or ``None``): the matching
+    compression hook for a narrow ``reduce_dtype``. The combinations this refuses (a narrow
+    ``reduce_dtype`` next to a user's hook, float16 without a loss scale) are rows of
+    :mod:`jddp._src.compat`, checked before."""
+    if policy is None or not policy.compresses or hook is not None:
         return hook
-    if policy.uses_float16 and loss_scale is None:
-        raise ValueError(
-            "MixedPrecision with float16 needs loss scaling: float16 holds magnitudes from about "
-            "6e-5 to 65504 only, so gradients underflow to zero or overflow to Inf. Pass "
-            "loss_scale=jddp.precision.DynamicScale(), or use bfloat16 (float32's range)."
-        )
-    if deterministic:
-        raise ValueError("mixed_precision is not supported with deterministic=True (its grouped "
-                         "reduction computes in the master dtype): drop one of them.")
-    if not policy.compresses:
-        return hook
-    if hook is not None:
-        raise ValueError(
-            f"MixedPrecision(reduce_dtype={policy.reduce_dtype}) reduces through the matching "
-            "compression hook, and a hook was given too: the hook decides what the reduction "
-            "sends. Pass reduce_dtype=None (or float32) with your hook, or drop hook=."
-        )
     from jddp._src.hooks import bf16_compress, fp16_compress  # a leaf module: no cycle
 
     return bf16_compress() if policy.reduce_dtype == np.dtype(jnp.bfloat16) else fp16_compress()

@@ -28,6 +28,7 @@ class PlanLog:
 
     def __init__(self) -> None:
         self.latest: BucketPlan | None = None
+        self.planned: BucketPlan | None = None  # the latest ddp.plan(...)
         self._warned = False
         self.params_paths: tuple[str, ...] | None = None  # the tree ddp.init was last given
 
@@ -40,6 +41,10 @@ class PlanLog:
         checks.check_train_state(state, TrainState)
         if self.params_paths is not None:
             checks.check_same_params_tree(self.params_paths, state.params)
+
+    def record(self, plan: BucketPlan) -> None:
+        """Records a plan traced outside the step (``ddp.plan``): ``planned``, not ``latest``."""
+        self.planned = plan
 
     def __call__(self, plan: BucketPlan) -> None:
         self.latest = plan

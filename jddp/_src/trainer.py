@@ -3,113 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from jddp._src import autocap, checks, local_sgd_options, modelcap, options, pipeline, watchdog
+from jddp._src import autocap, checks, compat, modelcap, options, pipeline, watchdog
+from jddp._src import deprecated as deprecated_lib
 from jddp._src import deterministic as det_lib
 from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
 from jddp._src import model_state as ms_lib
+from jddp._src import policies as pol
 from jddp._src import precision as precision_lib
 from jddp._src import report as report_lib
 from jddp._src import verify as verify_lib
 from jddp._src.config import StepConfig
-from jddp._src.hooks import CommHook, allreduce_mean, check_hook
-from jddp._src.objective import check_metric_names
+from jddp._src.hooks import allreduce_mean
+from jddp._src.local_sgd_options import LocalSGD
 from jddp._src.planner import BucketPlan
 from jddp._src.state import TrainState
 from jddp._src.step import PlanLog, Step
 
-_RENAMED = {"skip_nonfinite": "skip_not_finite", "accum_dtype": "accumulator_dtype"}
-
-
-def _renamed_arguments(renamed: dict[str, Any], skip_not_finite: Any,
-                       accumulator_dtype: Any) -> tuple[Any, Any]:
-    """``(skip_not_finite, accumulator_dtype)`` after the deprecated names in ``renamed`` (each
-    warns); any other name in ``renamed`` is a ``TypeError``."""
-    for old, value in renamed.items():
-        if old not in _RENAMED:
-            raise TypeError(f"DataParallel() got an unexpected keyword argument {old!r}.")
-        new = _RENAMED[old]
-        # stacklevel 3: the warning points at the user's DataParallel(...) call.
-        warnings.warn(f"DataParallel({old}=...) is now {new}= (optax's name).",
-                      DeprecationWarning, stacklevel=3)
-        if new == "skip_not_finite":
-            skip_not_finite = value
-        else:
-            accumulator_dtype = value
-    return skip_not_finite, accumulator_dtype
-
-
 Chooser = autocap.AutoCap | modelcap.ModelCap
-
-
-def _bucket_caps(bucket_cap_mb: Any, first_bucket_mb: Any,
-                 bucket_plan: BucketPlan | None) -> tuple[Chooser | None, Any, Any]:
-    """``(chooser, cap_bytes, first_bytes)``: the ``"auto"`` or ``"model"`` request (or None)
-    and the checked caps in bytes (DDP's defaults for a chooser: the plan to beat)."""
-    auto: Chooser | None = modelcap.resolve(bucket_cap_mb) or autocap.resolve(bucket_cap_mb)
-    name = "'model'" if isinstance(auto, modelcap.ModelCap) else "'auto'"
-    if auto is not None and bucket_plan is not None:
-        raise ValueError(f"bucket_cap_mb={name} chooses the bucket plan, and bucket_plan fixes "
-                         "one: pass only one of them.")
-    if isinstance(auto, modelcap.ModelCap) and first_bucket_mb is not None:
-        raise ValueError("bucket_cap_mb='model' chooses the first bucket too: drop "
-                         "first_bucket_mb, or pin a plan with numbers (bucket_cap_mb=8.0, "
-                         "first_bucket_mb=1.0).")
-    # "auto" picks the cap; the first bucket is then DDP's default 1 MiB unless given.
-    cap, first = options.bucket_caps(None if auto is not None else bucket_cap_mb,
-                                     first_bucket_mb)
-    return auto, cap, first
-
-
-def _policy_and_hook(mixed_precision: Any, hook: Any, loss_scale: Any,
-                     deterministic: bool) -> tuple[precision_lib.MixedPrecision | None, CommHook]:
-    """The mixed-precision policy, checked, and the hook it implies (the user's, a compression
-    hook for a narrow ``reduce_dtype``, or the default all-reduce)."""
-    policy = precision_lib.check_policy(mixed_precision)
-    hook = precision_lib.resolve_hook(policy, None if hook is None else check_hook(hook),
-                                      loss_scale=loss_scale, deterministic=deterministic)
-    return policy, allreduce_mean() if hook is None else hook
-
-
-def _deterministic(deterministic: Any, group_size: Any,
-                   auto: Chooser | None) -> tuple[bool, int]:
-    """``options.deterministic``'s ``(deterministic, group_size)``, refusing ``"auto"`` and
-    ``"model"`` caps with the bucket-free deterministic reduction."""
-    det, groups = options.deterministic(deterministic, group_size)
-    if det and auto is not None:
-        name = "'model'" if isinstance(auto, modelcap.ModelCap) else "'auto'"
-        raise ValueError(f"deterministic=True reduces without buckets, so bucket_cap_mb={name} "
-                         "has nothing to choose (nothing to tune): drop it.")
-    return det, groups
-
-
-def _sum_metrics(sum_metrics: Any, has_aux: Any) -> tuple[str, ...]:
-    """The checked ``sum_metrics`` names (aux metrics, so ``has_aux`` must be set)."""
-    summed = options.metric_names(sum_metrics, "sum_metrics")
-    check_metric_names(summed, "sum_metrics")
-    if summed and not has_aux:
-        raise ValueError(
-            f"sum_metrics={summed} names aux metrics, but has_aux=False: return (loss, "
-            "metrics) from loss_fn and pass has_aux=True."
-        )
-    return summed
-
-
-def _scatters_without_state(hook: CommHook) -> bool:
-    """Whether the sharded stages reduce-scatter through ``hook.scatter`` (a stateless hook
-    with a scatter)."""
-    return hook.scatter is not None and not jax.tree.leaves(
-        hook.init(jax.ShapeDtypeStruct((8,), jnp.float32)))
 
 
 def _verify_every(verify_every: Any) -> int:
@@ -121,14 +40,53 @@ def _verify_every(verify_every: Any) -> int:
     return verify_every or 0
 
 
-def _checked(config: StepConfig, plan_given: bool) -> StepConfig:
-    """``config`` after the checks across options, with the default plan's policy
-    (:func:`jddp._src.modelcap.default_plan`) unless a cap, first bucket or plan was given."""
-    local_sgd_lib.check_config(config)
-    det_lib.check_config(config)
-    if plan_given:
-        return config
-    return dataclasses.replace(config, default_plan=modelcap.default_plan(config))
+def _combination(p: pol.Policies, precision: Any, mesh: Mesh) -> compat.Combination:
+    """The policies with the facts of the mesh the compatibility table reads."""
+    return compat.Combination(policies=p, precision=precision_lib.check_policy(precision),
+                              devices=int(mesh.size),
+                              two_level=mesh_lib.data_axes(mesh).two_level)
+
+
+def _reduction(p: pol.Policies, precision: Any) -> dict[str, Any]:
+    """The StepConfig fields of the reduce policy (and the hook the precision implies)."""
+    reduce = p.reduce
+    if isinstance(reduce, pol.Deterministic):
+        return dict(hook=allreduce_mean(), deterministic=True, group_size=reduce.group_size)
+    hook = precision_lib.resolve_hook(precision, reduce.hook)
+    cap, first = reduce.caps()
+    return dict(hook=allreduce_mean() if hook is None else hook, chain=reduce.chain,
+                cap_bytes=cap, first_bytes=first, fixed_plan=reduce.plan,
+                keep_unused=reduce.keep_unused)
+
+
+def _placement(p: pol.Policies) -> dict[str, Any]:
+    """The StepConfig fields of the place policy."""
+    place = p.place
+    if isinstance(place, pol.Replicate):
+        return {}
+    return dict(zero_stage=place.stage, hybrid_shard=place.hybrid,
+                reshard_after_forward=place.resharding())
+
+
+def step_config(loss_fn: Callable[..., Any], optimizer: Any, mesh: Mesh, p: pol.Policies,
+                precision: Any) -> StepConfig:
+    """The step's configuration from its policies, after the compatibility table
+    (:mod:`jddp._src.compat`) and with the default plan's policy unless the plan is pinned."""
+    c = _combination(p, precision, mesh)
+    compat.check(c)
+    loss, acc = p.loss, p.accumulate
+    config = StepConfig(
+        loss_fn=loss_fn, optimizer=check_optimizer(optimizer), mesh=mesh,
+        has_aux=loss.has_aux, weighted=loss.weighted, rng=loss.rng,
+        sum_metrics=loss.sum_metrics, model_state_sync=loss.model_state_sync,
+        accumulate_steps=acc.steps, microbatches=acc.microbatches, accumulator_dtype=acc.dtype,
+        shard_accumulator=compat.resolve_shard(acc, c),
+        skip_not_finite=isinstance(p.loss_scale, pol.SkipNotFinite),
+        loss_scale=p.dynamic_scale, local_sgd=p.local_sgd, mixed_precision=c.precision,
+        **_reduction(p, c.precision), **_placement(p))
+    if isinstance(p.reduce, pol.Buckets) and not p.reduce.pinned:
+        config = dataclasses.replace(config, default_plan=modelcap.default_plan(config))
+    return config
 
 
 def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
@@ -153,65 +111,66 @@ class DataParallel:
 
     Example::
 
-        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=jddp.data_mesh())
+        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=jddp.data_mesh(),
+                                loss=jddp.Loss(has_aux=True),
+                                place=jddp.ZeRO(stage=2),
+                                accumulate=jddp.Accumulate(steps=4))
         state = ddp.init(params)
         state, metrics = ddp.step(state, batch)   # batch: leading dim = global batch
 
+    Each feature is one policy, a frozen value that checks its own fields
+    (:mod:`jddp._src.policies`); combinations that do not work together are refused by one
+    table (:mod:`jddp._src.compat`). The round-3 keywords (``bucket_cap_mb=``, ``zero_stage=``,
+    ``accumulate_steps=``, ...) still work for one release, each with a ``DeprecationWarning``
+    naming its new spelling (docs/migration.md lists them).
+
     Args:
-      loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss of its shard; with ``has_aux``,
-        ``(loss, metrics)``; with model state, ``loss_fn(params, model_state, batch) -> (loss,
-        new_model_state)``; with ``weighted``, unreduced losses; with ``rng``, a last argument.
-      optimizer: an optax ``GradientTransformation``; it sees the averaged (global) gradients.
+      loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss over its shard of the batch; with
+        ``Loss(has_aux=True)``, ``(loss, metrics)`` where ``metrics`` is a dict of float scalars.
+        When ``init`` is given ``model_state``: ``loss_fn(params, model_state, batch) -> (loss,
+        new_model_state)``, or with ``has_aux`` ``(loss, (new_model_state, metrics))``. With
+        ``Loss(weighted=True)``, ``loss`` is the unreduced losses of the shard. See
+        docs/model_state.md.
+      optimizer: an optax ``GradientTransformation``; it sees the averaged gradients, so
+        transforms such as ``clip_by_global_norm`` act on the global gradient.
       mesh: the data mesh (default: ``jddp.data_mesh()``, every device).
-      bucket_cap_mb: bucket cap in MiB (DDP's packing), ``"auto"`` (timed on the first step) or
-        ``"model"`` (the cost model's plan). Default: the cost model's plan on XLA:CPU, else DDP's
-        1 MiB then 25 MiB; ``ddp.cap_choice`` says which ([Bucket caps](../performance.md)).
-      first_bucket_mb: cap of the first bucket in MiB (DDP's rule: 1 MiB when no cap is given).
-      has_aux: ``loss_fn`` also returns a dict of scalar metrics (averaged over devices).
-      hook: communication hook for each bucket (default: mean all-reduce), e.g.
-        ``jddp.fp16_compress()`` or ``jddp.powersgd(rank=1)`` ([hooks](../hooks.md)).
-      bucket_plan: a fixed plan instead of one planned from the traced use order.
-      chain: how buckets are kept apart in the compiled step: ``"auto"``, ``"add"``,
-        ``"barrier"`` or ``"none"`` (XLA's combiner merges as it likes).
+      loss: :class:`jddp.Loss`: what ``loss_fn`` returns (``has_aux``, ``weighted``, ``rng``,
+        ``sum_metrics``) and how the new model state is made consistent
+        (``model_state_sync``). Default ``jddp.Loss()``.
+      reduce: the gradient reduction: :class:`jddp.Buckets` (``cap_mb``, ``first_mb``,
+        ``hook``, ``plan``, ``chain``, ``keep_unused``; DDP's buckets, the default) or
+        :class:`jddp.Deterministic` (``group_size``: the same bits on any layout,
+        docs/deterministic.md).
+      place: where the training state lives: :class:`jddp.Replicate` (the default, DDP) or
+        :class:`jddp.ZeRO` (``stage``, ``reshard_after_forward``, ``hybrid``;
+        docs/sharded.md).
+      accumulate: :class:`jddp.Accumulate` (``steps``, ``microbatches``, ``dtype``,
+        ``shard``; docs/accumulate.md). Default: no accumulation.
+      sync: how replicas stay in step: :class:`jddp.EveryStep` (the default), or
+        ``jddp.local_sgd.post_local_sgd(...)`` / ``jddp.local_sgd.diloco(...)`` (replicas
+        train apart and average every ``period`` steps; read :meth:`global_params` to
+        evaluate; docs/scaling.md).
+      precision: ``jddp.precision.MixedPrecision(param_dtype=..., reduce_dtype=...)``: float32
+        master parameters, compute in ``param_dtype``, gradients reduced in ``reduce_dtype``
+        (docs/precision.md). ``None``: off.
+      loss_scale: the update guard: ``jddp.DynamicScale()`` (dynamic loss scaling for float16:
+        non-finite steps are skipped and the scale adapts; ``state.loss_scale``,
+        ``metrics["loss_scale"]``), :class:`jddp.SkipNotFinite` (skip steps whose reduced
+        gradient has a NaN or Inf, ``metrics["skipped"]``), or ``None``.
       donate: donate the old state's buffers to the new one (default True).
-      model_state_sync: ``"broadcast"`` (replica 0's, DDP's ``broadcast_buffers``), ``"mean"`` or
-        ``"none"`` ([model state](../model_state.md)).
-      weighted: ``loss_fn`` returns unreduced losses and ``step`` takes a ``mask`` of their shape;
-        the step averages over real entries only (uneven batches, padding tokens).
-      keep_unused: keep parameters without a gradient path to the loss in the buckets.
-      skip_not_finite: skip the update on every replica when the reduced gradient has a NaN or
-        Inf (``metrics["skipped"]``).
-      compiler_options: XLA options for compiling the step (``jax.jit(compiler_options=...)``).
-      accumulate_steps: ``k > 1`` accumulates over ``k`` calls of ``step`` and reduces on the
-        ``k``-th (DDP's ``no_sync``; [accumulation](../accumulate.md)).
-      microbatches: ``m > 1`` scans ``m`` micro-batches inside one step, one reduction after.
-      accumulator_dtype: dtype of the local gradient sums (default float32, or wider params').
-      shard_accumulator: at ``zero_stage`` 2-3 with accumulation, reduce-scatter every call into
-        an accumulator split like the parameters (default: when the hook allows it).
-      zero_stage: 0 replicates everything (DDP); 1 shards the optimizer state, 2 also the
-        gradients, 3 also the parameters ([ZeRO](../sharded.md)).
-      hybrid_shard: with ``zero_stage >= 1`` on a two-level mesh, shard inside each host and
-        replicate across hosts (FSDP's ``HYBRID_SHARD``; [slow links](../scaling.md)).
-      reshard_after_forward: at ``zero_stage=3``: ``True`` (default) gathers each parameter again
-        for the backward, ``False`` keeps the forward's gathers, an int ``k`` is ZeRO++'s hpZ.
-      rng: ``loss_fn`` takes one PRNG key per example and ``step(state, batch, rng=key)`` the
-        run's key (dropout equal to a single device's).
-      sum_metrics: names of aux metrics summed over devices instead of averaged.
-      loss_scale: ``jddp.precision.DynamicScale()`` for float16 training; ``state.loss_scale``
-        holds the scale, ``metrics["loss_scale"]`` reports it.
-      mixed_precision: ``jddp.precision.MixedPrecision(param_dtype=..., reduce_dtype=...)``
-        ([mixed precision](../precision.md)).
-      local_sgd: ``jddp.local_sgd.post_local_sgd(period, start_step)`` or
-        ``jddp.local_sgd.diloco(period)``: replicas average parameters every ``period`` steps.
-      deterministic: the same parameters, bit for bit, on any power-of-two layout of the same
-        global batches ([determinism](../deterministic.md)).
-      group_size: examples per group with ``deterministic=True`` (default 8).
-      verify_every: every ``K`` steps check that the replicas' parameters are equal
-        (``jddp.ReplicaDivergenceError``; [reports](../report.md)).
+      compiler_options: XLA options for compiling the step (``jax.jit(compiler_options=...)``),
+        e.g. ``jddp.perf.xla_flags.recommended("gpu", cap).compiler_options``.
+      verify_every: every ``K`` calls of ``step``, a cheap check that the replicas' parameters
+        are still equal (one uint32 hash per parameter and device, one small all-gather; it
+        waits for that step): ``jddp.ReplicaDivergenceError`` names the leaf and the replicas
+        whose copy differs. See docs/report.md.
+      **renamed: the round-3 keywords, each mapped onto the field of its policy.
 
     Metrics: ``metrics["loss"]``, the aux metrics, ``"comm_bytes"``, ``"skipped"`` (with
-    ``skip_not_finite``, ``weighted`` or ``loss_scale``), and each scalar hyperparameter of an
-    ``optax.inject_hyperparams`` optimizer (``"learning_rate"``).
+    ``SkipNotFinite``, ``weighted`` or a loss scale), and every scalar hyperparameter of an
+    ``optax.inject_hyperparams`` optimizer under its name (``"learning_rate"``), read from the
+    optimizer state after the update; the names the step writes itself are reserved for it
+    (``jddp._src.objective.STEP_METRICS``).
     """
 
     def __init__(
@@ -220,79 +179,33 @@ class DataParallel:
         optimizer: optax.GradientTransformation,
         *,
         mesh: Mesh | None = None,
-        bucket_cap_mb: float | str | autocap.AutoCap | None = None,
-        first_bucket_mb: float | None = None,
-        has_aux: bool = False,
-        hook: CommHook | None = None,
-        bucket_plan: BucketPlan | None = None,
-        chain: options.Chain = "auto",
+        loss: pol.Loss | None = None,
+        reduce: pol.Buckets | pol.Deterministic | None = None,
+        place: pol.Replicate | pol.ZeRO | None = None,
+        accumulate: pol.Accumulate | None = None,
+        sync: pol.EveryStep | LocalSGD | None = None,
+        precision: precision_lib.MixedPrecision | None = None,
+        loss_scale: ls_lib.DynamicScale | pol.SkipNotFinite | None = None,
         donate: bool = True,
-        model_state_sync: options.ModelStateSync = "broadcast",
-        weighted: bool = False,
-        keep_unused: bool = False,
-        skip_not_finite: bool = False,
         compiler_options: dict[str, Any] | None = None,
-        accumulate_steps: int = 1,
-        microbatches: int = 1,
-        accumulator_dtype: Any = None,
-        shard_accumulator: bool | None = None,
-        zero_stage: options.ZeroStage = 0,
-        hybrid_shard: bool = False,
-        reshard_after_forward: bool | int | None = None,
-        rng: bool = False,
-        sum_metrics: tuple[str, ...] = (),
-        loss_scale: ls_lib.DynamicScale | None = None,
-        local_sgd: local_sgd_options.LocalSGD | None = None,
         verify_every: int | None = None,
-        deterministic: bool = False,
-        group_size: int | None = None,
-        mixed_precision: precision_lib.MixedPrecision | None = None,
         **renamed: Any,
     ) -> None:
-        skip_not_finite, accumulator_dtype = _renamed_arguments(
-            renamed, skip_not_finite, accumulator_dtype)
+        given = dict(loss=loss, reduce=reduce, place=place, accumulate=accumulate, sync=sync,
+                     precision=precision, loss_scale=loss_scale)
+        new = deprecated_lib.policies_from_keywords(renamed, given)
         donate = options.flag(donate, "donate")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
-        auto, cap, first = _bucket_caps(bucket_cap_mb, first_bucket_mb, bucket_plan)
-        det, groups = _deterministic(deterministic, group_size, auto)
-        policy, hook = _policy_and_hook(mixed_precision, hook, loss_scale, det)
-        config = StepConfig(
-            loss_fn=loss_fn,
-            optimizer=check_optimizer(optimizer),
-            mesh=mesh_lib.check_mesh(mesh_lib.data_mesh() if mesh is None else mesh),
-            has_aux=options.flag(has_aux, "has_aux"),
-            hook=hook,
-            chain=options.chain(chain),
-            cap_bytes=cap,
-            first_bytes=first,
-            fixed_plan=bucket_plan,
-            keep_unused=options.flag(keep_unused, "keep_unused"),
-            model_state_sync=options.model_state_sync(model_state_sync),
-            weighted=options.flag(weighted, "weighted"),
-            skip_not_finite=options.flag(skip_not_finite, "skip_not_finite"),
-            accumulate_steps=options.count(accumulate_steps, "accumulate_steps"),
-            microbatches=options.count(microbatches, "microbatches"),
-            accumulator_dtype=options.float_dtype(accumulator_dtype, "accumulator_dtype"),
-            shard_accumulator=options.shard_accumulator(
-                shard_accumulator, zero_stage=options.zero_stage(zero_stage),
-                accumulate_steps=options.count(accumulate_steps, "accumulate_steps"),
-                scatters=_scatters_without_state(hook),
-                plain=local_sgd is None and not det),
-            zero_stage=options.zero_stage(zero_stage),
-            hybrid_shard=options.flag(hybrid_shard, "hybrid_shard"),
-            reshard_after_forward=options.reshard_after_forward(reshard_after_forward,
-                                                                zero_stage),
-            rng=options.flag(rng, "rng", " Pass the key itself to step(state, batch, rng=key)."),
-            sum_metrics=_sum_metrics(sum_metrics, has_aux),
-            loss_scale=ls_lib.check_loss_scale(loss_scale),
-            local_sgd=local_sgd_options.check_local_sgd(local_sgd),
-            deterministic=det,
-            group_size=groups, mixed_precision=policy,
-        )
-        config = _checked(config, (bucket_cap_mb, first_bucket_mb, bucket_plan) != (None,) * 3)
-        every = _verify_every(verify_every)
-        self._install_step(config, auto, donate, compiler_options, every)
+        precision = new.pop("precision")
+        policies = pol.Policies(**{k: v for k, v in new.items() if v is not None or
+                                   k == "loss_scale"})
+        mesh = mesh_lib.check_mesh(mesh_lib.data_mesh() if mesh is None else mesh)
+        config = step_config(loss_fn, optimizer, mesh, policies, precision)
+        det_lib.check_config(config)
+        object.__setattr__(self, "policies", policies)
+        auto = policies.reduce.chooser() if isinstance(policies.reduce, pol.Buckets) else None
+        self._install_step(config, auto, donate, compiler_options, _verify_every(verify_every))
 
     def _install_step(self, config: StepConfig, auto: Chooser | None, donate: bool,
                       compiler_options: dict[str, Any] | None, every: int) -> None:
@@ -325,6 +238,8 @@ class DataParallel:
         object.__setattr__(self, "step", watchdog.reporting(step))
 
     config: StepConfig
+    policies: pol.Policies
+    """The step's policies (the defaults filled in; round-3 keywords mapped onto them)."""
     _plans: PlanLog
     _auto: autocap.AutoStep | modelcap.ModelStep | None
     step: Step | autocap.AutoStep | modelcap.ModelStep
@@ -357,14 +272,14 @@ class DataParallel:
         if self._auto is None:  # a fixed cap, or the default plan (its note is its own)
             return plan
         if plan is not None and choice is not None and choice.method == "model":
-            plan = plan._replace(note=f"chosen by bucket_cap_mb='model' (cost model, nothing "
+            plan = plan._replace(note=f"chosen by Buckets(cap_mb='model') (cost model, nothing "
                                       f"timed): {choice.note}; pin it with {choice.pin}")
         elif plan is not None and choice is not None:
             n = len(choice.candidates_mb)
             how = (f"from {n} timed caps" if n > 1 else
                    "without timing: every candidate cap gives this one plan")
-            plan = plan._replace(note=f"chosen by bucket_cap_mb='auto' {how}; pin it with "
-                                      f"bucket_cap_mb={choice.cap_mb:g}")
+            plan = plan._replace(note=f"chosen by Buckets(cap_mb='auto') {how}; pin it with "
+                                      f"{choice.pin}")
         return plan
 
     @property
@@ -375,8 +290,11 @@ class DataParallel:
         plan's choice (``method="default"``), made when the step (or ``plan``) is traced."""
         if self._auto is not None:
             return self._auto.choice
-        policy = self.config.default_plan
-        return policy.latest if isinstance(policy, modelcap.DefaultPlan) else None
+        policy, plan = self.config.default_plan, self._plans.latest or self._plans.planned
+        if not isinstance(policy, modelcap.DefaultPlan) or plan is None:
+            return None
+        return policy.choose(plan, self.config.mesh.devices.flat[0].platform,
+                             self.config.num_devices)
 
     def init(self, params: Any, model_state: Any = None) -> TrainState:
         """Builds the replicated initial state: params, optimizer state, hook state, step 0.
@@ -423,7 +341,9 @@ class DataParallel:
             self._auto.choose(self.abstract_state(params, model_state), batch, mask)
         elif self._auto is not None:
             self._auto.chosen_step("plan")
-        return pipeline.plan(self.config, self.abstract_state(params, model_state), batch, mask)
+        plan = pipeline.plan(self.config, self.abstract_state(params, model_state), batch, mask)
+        self._plans.record(plan)  # cap_choice asks the default plan about it before a step
+        return plan
 
     def lower(
         self,

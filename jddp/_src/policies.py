@@ -1,0 +1,325 @@
+"""The step's policies: one small frozen value per feature, each validating its own fields.
+
+``jddp.DataParallel(loss_fn, optimizer, loss=..., reduce=..., place=..., accumulate=...,
+sync=..., precision=..., loss_scale=...)`` takes one policy per phase of the step instead of
+28 flags: what the loss returns (:class:`Loss`), how gradients are reduced (:class:`Buckets`
+or :class:`Deterministic`), where the training state lives (:class:`Replicate` or
+:class:`ZeRO`), how calls accumulate (:class:`Accumulate`), how replicas are kept in step
+(:class:`EveryStep`, or :func:`jddp.local_sgd.diloco` / :func:`~jddp.local_sgd.post_local_sgd`)
+and how the update is guarded (:class:`SkipNotFinite`, or ``jddp.DynamicScale``).
+
+Every policy is a frozen, hashable dataclass built by keyword; an invalid field raises at
+construction with the field's name and the fix. Combinations of policies that do not work
+together are refused by one table, :mod:`jddp._src.compat`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jddp._src import autocap, modelcap, options
+from jddp._src.hooks import CommHook, check_hook
+from jddp._src.local_sgd_options import LocalSGD
+from jddp._src.loss_scale import DynamicScale
+from jddp._src.objective import check_metric_names
+from jddp._src.planner import BucketPlan
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    # A frozen dataclass normalises its own fields (a list of names to a tuple) in
+    # __post_init__; object.__setattr__ is the documented way to do that.
+    object.__setattr__(obj, name, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """What ``loss_fn`` takes and returns, and how its outputs combine across replicas.
+
+    Attributes:
+      has_aux: ``loss_fn`` returns ``(loss, metrics)``, ``metrics`` a dict of float scalars
+        (averaged over devices unless named in ``sum_metrics``).
+      weighted: ``loss_fn`` returns unreduced losses (per example or per token) and ``step``
+        takes a ``mask`` (or weights) of their shape; the step averages over real entries
+        only, across devices and accumulated calls. A step with no real entry is skipped.
+      rng: ``loss_fn`` takes a last argument ``rng``, one PRNG key per example of its shard,
+        derived from the run's key (``step(state, batch, rng=key)``), the step and the
+        example's position in the global batch (``jddp.random``).
+      sum_metrics: aux metrics summed over devices and micro-batches instead of averaged
+        (counts, token totals); needs ``has_aux``.
+      model_state_sync: how the new model state (``init(params, model_state)``) is made the
+        same on every replica: ``"broadcast"`` (replica 0's, DDP's ``broadcast_buffers``),
+        ``"mean"`` (averaged; integer leaves broadcast) or ``"none"`` (one per replica).
+    """
+
+    has_aux: bool = False
+    weighted: bool = False
+    rng: bool = False
+    sum_metrics: tuple[str, ...] = ()
+    model_state_sync: options.ModelStateSync = "broadcast"
+
+    def __post_init__(self) -> None:
+        for name in ("has_aux", "weighted"):
+            _set(self, name, options.flag(getattr(self, name), f"Loss.{name}"))
+        _set(self, "rng", options.flag(self.rng, "Loss.rng",
+                                       " Pass the key itself to step(state, batch, rng=key)."))
+        summed = options.metric_names(self.sum_metrics, "Loss.sum_metrics")
+        check_metric_names(summed, "Loss.sum_metrics")
+        if summed and not self.has_aux:
+            raise ValueError(
+                f"jddp.Loss: sum_metrics={summed} names aux metrics, but has_aux=False: return "
+                "(loss, metrics) from loss_fn and pass jddp.Loss(has_aux=True, sum_metrics=...)."
+            )
+        _set(self, "sum_metrics", summed)
+        _set(self, "model_state_sync", options.model_state_sync(self.model_state_sync))
+
+
+Chooser = autocap.AutoCap | modelcap.ModelCap
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The bucketed reduction (PyTorch DDP's): gradients averaged in size-capped buckets,
+    each reduced from inside the backward pass through ``hook``.
+
+    Attributes:
+      cap_mb: the bucket cap in MiB, packed by DDP's rule; or ``"auto"`` (timed on the first
+        step, or a ``jddp.buckets.AutoCap``) or ``"model"`` (the cost model, no timing, or a
+        ``jddp.buckets.ModelCap``). Neither a cap, ``first_mb`` nor ``plan`` given: the
+        default plan (DDP's, re-packed by the cost model on XLA:CPU; docs/performance.md).
+      first_mb: the first bucket's cap in MiB (DDP's rule: 1 MiB when ``cap_mb`` is not given,
+        otherwise the first bucket is capped like the others).
+      hook: the communication hook of every bucket (default: mean all-reduce), e.g.
+        ``jddp.bf16_compress()`` or ``jddp.powersgd(rank=1)``.
+      plan: a fixed :class:`jddp.BucketPlan` instead of planning from the traced use order.
+      chain: how buckets are kept apart in the compiled step: ``"auto"`` (``"barrier"`` on
+        GPU, ``"add"`` on CPU and TPU), ``"add"``, ``"barrier"`` or ``"none"``.
+      keep_unused: keep parameters without a gradient path to the loss in the buckets (by
+        default they are left out, with a one-time warning, and get zero gradients).
+    """
+
+    cap_mb: float | str | autocap.AutoCap | modelcap.ModelCap | None = None
+    first_mb: float | None = None
+    hook: CommHook | None = None
+    plan: BucketPlan | None = None
+    chain: options.Chain = "auto"
+    keep_unused: bool = False
+
+    def __post_init__(self) -> None:
+        self.caps()  # checks cap_mb, first_mb and plan together
+        if self.hook is not None:
+            _set(self, "hook", check_hook(self.hook))
+        if self.plan is not None and not isinstance(self.plan, BucketPlan):
+            raise TypeError(f"Buckets.plan must be a jddp.BucketPlan (ddp.plan(...) or "
+                            f"jddp.plan_buckets(...)), got {type(self.plan).__name__}.")
+        _set(self, "chain", options.chain(self.chain))
+        _set(self, "keep_unused", options.flag(self.keep_unused, "Buckets.keep_unused"))
+
+    def chooser(self) -> Chooser | None:
+        """The ``"auto"`` or ``"model"`` request (``None`` for a number or the default)."""
+        return modelcap.resolve(self.cap_mb) or autocap.resolve(self.cap_mb)
+
+    def caps(self) -> tuple[int, int]:
+        """``(cap_bytes, first_bytes)`` by DDP's rule (DDP's defaults under a chooser: the plan
+        to beat); raises for caps that contradict each other or the plan."""
+        auto = self.chooser()
+        name = "'model'" if isinstance(auto, modelcap.ModelCap) else "'auto'"
+        if auto is not None and self.plan is not None:
+            raise ValueError(f"Buckets(cap_mb={name}) chooses the bucket plan, and plan= fixes "
+                             "one: pass only one of them.")
+        if isinstance(auto, modelcap.ModelCap) and self.first_mb is not None:
+            raise ValueError("Buckets(cap_mb='model') chooses the first bucket too: drop "
+                             "first_mb, or pin a plan with numbers (cap_mb=8.0, first_mb=1.0).")
+        return options.bucket_caps(None if auto is not None else self.cap_mb, self.first_mb,
+                                   ("Buckets.cap_mb", "Buckets.first_mb"))
+
+    @property
+    def pinned(self) -> bool:
+        """Whether a cap, first bucket or plan was given (else the default plan's policy)."""
+        return (self.cap_mb, self.first_mb, self.plan) != (None, None, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Deterministic:
+    """The deterministic reduction: the same bits on any power-of-two device count, process
+    count, two-level mesh and accumulation split of the same global batches. The batch is cut
+    into groups of ``group_size`` examples whose gradients are summed in one fixed pairwise
+    tree (docs/deterministic.md); there are no buckets and no hook.
+
+    Attributes:
+      group_size: examples per group (the device count must divide the number of groups).
+    """
+
+    group_size: int = options.DEFAULT_GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        g = self.group_size
+        if isinstance(g, bool) or not isinstance(g, int | np.integer) or g < 1:
+            raise ValueError(f"Deterministic.group_size must be a positive int (examples per "
+                             f"group), got {g!r}.")
+        _set(self, "group_size", int(g))
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicate:
+    """Every device holds the whole parameters, gradients and optimizer state (DDP)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeRO:
+    """Sharded data parallelism (ZeRO; FSDP's ``FULL_SHARD`` at stage 3).
+
+    Attributes:
+      stage: 1 shards the optimizer state over the data axis, 2 also reduce-scatters each
+        bucket's gradients, 3 also keeps only a piece of each parameter, gathered before use.
+        (Stage 0 is :class:`Replicate`.)
+      reshard_after_forward: stage 3 only. ``True`` (the default there): gathered parameters
+        are dropped after the forward and gathered again for the backward; ``False`` keeps
+        them; an int ``k`` keeps a copy split over groups of ``k`` devices (ZeRO++'s hpZ).
+      hybrid: on a two-level mesh (``data_mesh(hosts=...)``), shard inside each host and
+        replicate across hosts (FSDP's ``HYBRID_SHARD``).
+      offload: keep the sharded state in host memory. Not implemented in this release: only
+        ``False`` is accepted (the field is here so that code written against the published
+        signature keeps working when it lands).
+    """
+
+    stage: int = 3
+    reshard_after_forward: bool | int | None = None
+    hybrid: bool = False
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        stage = self.stage
+        if isinstance(stage, bool) or not isinstance(stage, int | np.integer) \
+                or stage not in (1, 2, 3):
+            hint = " Stage 0 (nothing sharded) is place=jddp.Replicate()." if stage == 0 else ""
+            raise ValueError(f"ZeRO.stage must be 1, 2 or 3, got {stage!r}: 1 shards the "
+                             f"optimizer state, 2 also the gradients, 3 also the parameters."
+                             f"{hint}")
+        _set(self, "stage", int(stage))
+        self.resharding()  # checks it (kept as given, so dataclasses.replace works)
+        _set(self, "hybrid", options.flag(self.hybrid, "ZeRO.hybrid"))
+        if options.flag(self.offload, "ZeRO.offload"):
+            raise ValueError("ZeRO(offload=True): offloading the sharded state to host memory "
+                             "is not implemented in this release; pass offload=False.")
+
+    def resharding(self) -> bool | int:
+        """``reshard_after_forward`` resolved: ``None`` is ``True`` at stage 3, else ``False``;
+        a bool or a group size ``k`` only at stage 3."""
+        return options.reshard_after_forward(self.reshard_after_forward, self.stage)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulate:
+    """Gradient accumulation: local sums over calls and micro-batches, one reduction per
+    window (DDP's ``no_sync``; docs/accumulate.md).
+
+    Attributes:
+      steps: ``k > 1`` accumulates over ``k`` calls of ``step`` and reduces on the ``k``-th;
+        ``step(state, batch, sync=...)`` chooses explicitly.
+      microbatches: ``m > 1`` splits each device's batch into ``m`` micro-batches scanned
+        inside one call, with one reduction per bucket after the loop.
+      dtype: dtype of the local sums (default float32, or the parameter dtype if wider).
+      shard: at ZeRO stages 2-3 with ``steps > 1``, reduce-scatter every call's gradients into
+        an accumulator split like the parameters instead of a full local sum. ``None``: sharded
+        there when the hook reduce-scatters without state (and not with local SGD or the
+        deterministic reduction); ``False``: the local sum.
+    """
+
+    steps: int = 1
+    microbatches: int = 1
+    dtype: Any = None
+    shard: bool | None = None
+
+    def __post_init__(self) -> None:
+        _set(self, "steps", options.count(self.steps, "Accumulate.steps"))
+        _set(self, "microbatches", options.count(self.microbatches, "Accumulate.microbatches"))
+        _set(self, "dtype", options.float_dtype(self.dtype, "Accumulate.dtype"))
+        if self.shard is not None:
+            _set(self, "shard", options.flag(
+                self.shard, "Accumulate.shard",
+                " None (the default) shards the accumulator at ZeRO stages 2-3 when it can."))
+        if self.shard and self.steps == 1:
+            raise ValueError("Accumulate(shard=True) reduce-scatters every call's gradients into "
+                             "a 1/N accumulator, but steps=1 (accumulate_steps=1): there is no "
+                             "accumulator. Pass steps=k > 1, or shard=None.")
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryStep:
+    """Replicas agree every step: the reduced gradient updates every replica alike (DDP).
+    The other sync policies are :func:`jddp.local_sgd.post_local_sgd` and
+    :func:`jddp.local_sgd.diloco`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipNotFinite:
+    """The update guard that skips a step whose reduced gradient has a NaN or Inf (optax's
+    ``apply_if_finite``): params, optimizer, model and hook state and ``state.step`` stay,
+    ``metrics["skipped"]`` is 1.0. With accumulation the whole window's gradient decides; a
+    skipped window is consumed. ``jddp.DynamicScale()`` skips such steps too (and scales)."""
+
+
+Reduce = Buckets | Deterministic
+Place = Replicate | ZeRO
+Sync = EveryStep | LocalSGD
+Guard = SkipNotFinite | DynamicScale
+
+_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "loss": ((Loss,), "a jddp.Loss(...)"),
+    "reduce": ((Buckets, Deterministic), "a jddp.Buckets(...) or jddp.Deterministic(...)"),
+    "place": ((Replicate, ZeRO), "a jddp.Replicate() or jddp.ZeRO(stage=...)"),
+    "accumulate": ((Accumulate,), "a jddp.Accumulate(steps=..., microbatches=...)"),
+    "sync": ((EveryStep, LocalSGD), "a jddp.EveryStep(), jddp.local_sgd.diloco(...) or "
+                                    "jddp.local_sgd.post_local_sgd(...)"),
+    "loss_scale": ((SkipNotFinite, DynamicScale),
+                   "a jddp.precision.DynamicScale (jddp.DynamicScale()), jddp.SkipNotFinite() "
+                   "or None"),
+}
+
+
+def check_kind(keyword: str, value: Any) -> Any:
+    """``value`` if it is a policy of the kind ``keyword`` takes, else a TypeError naming the
+    policies that keyword accepts (the most common slip: a class instead of an instance)."""
+    kinds, spelled = _KINDS[keyword]
+    if isinstance(value, kinds) or (keyword == "loss_scale" and value is None):
+        return value
+    name = getattr(value, "__name__", None)
+    shown = (f"{name} itself (call it: {name}(...))" if callable(value) and name
+             else f"{type(value).__name__} {value!r}")
+    raise TypeError(f"{keyword} must be {spelled}, got {shown}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policies:
+    """The policies of one step, each checked, with defaults filled in."""
+
+    loss: Loss = Loss()
+    reduce: Reduce = Buckets()
+    place: Place = Replicate()
+    accumulate: Accumulate = Accumulate()
+    sync: Sync = EveryStep()
+    loss_scale: Guard | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check_kind(f.name, getattr(self, f.name))
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage (0 for :class:`Replicate`)."""
+        return self.place.stage if isinstance(self.place, ZeRO) else 0
+
+    @property
+    def deterministic(self) -> bool:
+        return isinstance(self.reduce, Deterministic)
+
+    @property
+    def local_sgd(self) -> LocalSGD | None:
+        return self.sync if isinstance(self.sync, LocalSGD) else None
+
+    @property
+    def dynamic_scale(self) -> DynamicScale | None:
+        return self.loss_scale if isinstance(self.loss_scale, DynamicScale) else None

@@ -826,10 +826,7 @@ def _regathered(eqn: Any, invals: list, sources: tuple, leaves: dict[int, Any],
       token: the previous such equation's token output, or the first token (a zero scalar);
         ``None``: no prefetch (the gather waits for this equation's own output cotangent).
     """
-    idx = tuple(i for i in leaves if i in pieces)
-    whole = tuple(i for i in leaves if i not in pieces)  # read as they come (not gathered)
-    other_pos = [j for j, (x, s) in enumerate(zip(invals, sources, strict=True))
-                 if s is None and isinstance(x, jax.Array | jax.core.Tracer)]
+    idx, whole, other_pos = _regathered_inputs(invals, sources, leaves, pieces)
     perturbed: list[bool] = []
 
     def run(others: tuple, full: tuple) -> list:
@@ -864,10 +861,7 @@ def _regathered(eqn: Any, invals: list, sources: tuple, leaves: dict[int, Any],
             run, others, out_cts, [k for k, p in enumerate(perturbed[:-1]) if p],
             idx, pcs, reducer, ahead, tok is not None)
         record(gathered)
-        # The previous equation's gather waits for this one's backward to start and for its
-        # gather (so that XLA's combiner cannot merge the two); else for what this one got.
-        passed = ahead if not gathered else own if after is None else (
-            after if own is None else own + after)
+        passed = _passed_on(ahead, own, after, gathered)
         return (d_others, d_full, tuple(None for _ in pcs),
                 _token_cotangent(passed, tok) if perturbed[-1] else None)
 
@@ -875,6 +869,25 @@ def _regathered(eqn: Any, invals: list, sources: tuple, leaves: dict[int, Any],
     outs, token_out = op((*(invals[j] for j in other_pos), *(leaves[i] for i in whole)),
                          tuple(leaves[i] for i in idx), tuple(pieces[i] for i in idx), token)
     return outs, token_out
+
+
+def _regathered_inputs(invals: list, sources: tuple, leaves: dict[int, Any],
+                       pieces: dict[int, jax.Array]) -> tuple[tuple, tuple, list[int]]:
+    """The gathered leaves read, the leaves read whole (not gathered, read as they come) and
+    the positions of the equation's other (non-parameter) array inputs."""
+    idx = tuple(i for i in leaves if i in pieces)
+    whole = tuple(i for i in leaves if i not in pieces)
+    other_pos = [j for j, (x, s) in enumerate(zip(invals, sources, strict=True))
+                 if s is None and isinstance(x, jax.Array | jax.core.Tracer)]
+    return idx, whole, other_pos
+
+
+def _passed_on(ahead: Any, own: Any, after: Any, gathered: Any) -> Any:
+    """What the previous equation's gather waits for: this one's backward start and its gather
+    (so that XLA's combiner cannot merge the two); else what this one got."""
+    if not gathered:
+        return ahead
+    return own if after is None else (after if own is None else own + after)
 
 
 def _regathered_vjp(run: Callable[[tuple, tuple], list], others: tuple, cts: list,

@@ -155,9 +155,10 @@ def test_the_mesh_form_with_device_ids_is_one_attribute():
 
 ENTRY %main (p: f32[4]) -> f32[4] {
   %p = f32[4]{0} parameter(0)
-  ROOT %ar = f32[4]{0} all-reduce(f32[4]{0} %p), channel_id=1, replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, use_global_device_ids=true, to_apply=%add
+  ROOT %ar = f32[4]{0} all-reduce(f32[4]{0} %p), channel_id=1, replica_groups=GROUPS, ATTRS
 }
-"""
+""".replace("GROUPS", "mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}").replace(
+        "ATTRS", "use_global_device_ids=true, to_apply=%add")
     (c,) = schedule.collectives(text)
     assert c.replica_groups == "mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}"
     assert c.groups == ((0, 1, 2, 3), (4, 5, 6, 7))  # ids [[0,4],[1,5],[2,6],[3,7]]

@@ -736,9 +736,9 @@ def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
         raise ValueError("not a mesh[...] {...} form")
     names, sizes = [], []
     for part in _split_top(m.group("axes")):
-        name, _, size = part.rpartition("=")
+        name, _, length = part.rpartition("=")
         names.append(_unquote(name))
-        sizes.append(int(size))
+        sizes.append(int(length))
     n = math.prod(sizes)
     ids = _mesh_device_ids(m.group("ids"), n)
     refs: dict[int, list[tuple[int, int] | None]] = {}

@@ -130,7 +130,8 @@ class ProgramFingerprint:
     """A compiled program for the check: its fingerprint, and its description on demand.
 
     Attributes:
-      fingerprint: a hash of the canonical HLO text (:func:`jddp._src.hlo.canonical_text`) and the buckets.
+      fingerprint: a hash of the canonical HLO text (:func:`jddp._src.hlo.canonical_text`) and
+        of the buckets.
       text: the compiled HLO text.
       buckets: the parameters (paths) of each gradient bucket, in reduction order.
     """

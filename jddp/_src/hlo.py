@@ -689,20 +689,23 @@ class UnknownReplicaGroupsWarning(RuntimeWarning):
     know; the collective counts as "unknown groups" (nothing stops)."""
 
 
-@functools.lru_cache(maxsize=256)
 def known_groups(text: str, kind: str = "collective") -> tuple[tuple[int, ...], ...] | None:
     """:func:`parse_replica_groups` of ``text``, or ``None`` with an
-    :class:`UnknownReplicaGroupsWarning` (once per text) when the form is unknown."""
+    :class:`UnknownReplicaGroupsWarning` when the form is unknown (Python's warning filters
+    decide how often it shows: once per place by default)."""
     try:
-        return parse_replica_groups(text)
+        return _parse_cached(text)
     except ValueError as e:
         warnings.warn(
-            f"jddp could not read the replica groups of a {kind} ({e}); it is reported with "
+            f"jddp could not read the replica groups of this {kind} ({e}); it is reported with "
             "unknown groups (group size 0, level 'unknown', no bytes sent counted) and nothing "
             "else changes. Please report this form of XLA's text.",
             UnknownReplicaGroupsWarning, stacklevel=3)
         return None
 
+
+# A program reads the same few texts for many collectives (errors are not cached).
+_parse_cached = functools.lru_cache(maxsize=256)(parse_replica_groups)
 
 _MESH_RE = re.compile(
     r"mesh\[(?P<axes>[^\]]*)\]\s*(?:,\s*device_ids=\((?P<ids>[^()]*(?:\([\d,]*\))?)\))?"

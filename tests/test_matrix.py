@@ -201,6 +201,23 @@ def _diloco_ref(replicas):
                          outer=optax.sgd(0.7, momentum=0.9, nesterov=True)).params
 
 
+# Optimizers whose update reduces over every leaf (a global norm, per-leaf trust ratios and
+# factored moments): with ZeRO those reductions run over sharded leaves, all-reduces XLA's
+# partitioner prints in its mesh form of replica groups.
+CLIP = 0.5  # below every step's gradient norm (0.9-1.4 on these batches): each step clips
+
+
+def _clip_adam():
+    return optax.chain(optax.clip_by_global_norm(CLIP), optax.adam(1e-2))
+
+
+def _optimizer_ref(make):
+    def reference(_):
+        return ref.train(mlp_loss, make(), mlp_params(0, SIZES), [[b] for b in _batches(3)]).params
+
+    return reference
+
+
 CASES = {
     "plain": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _plain_ref),
     # Lossy hooks: SGD, whose update is proportional to the gradient (Adam's normalisation
@@ -244,6 +261,13 @@ CASES = {
         {"batch": b, "rng": jax.random.key(KEY)} for b in _batches(4)], _diloco_ref),
     "diloco_aux": Case(lambda p, b: (mlp_loss(p, b), {"n": jnp.ones(())}),
                        lambda: [{"batch": b} for b in _batches(4)], _diloco_ref),
+    "clip": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)],
+                 _optimizer_ref(_clip_adam), _clip_adam),
+    "lamb": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)],
+                 _optimizer_ref(lambda: optax.lamb(1e-2)), lambda: optax.lamb(1e-2)),
+    "adafactor": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)],
+                      _optimizer_ref(lambda: optax.adafactor(1e-2)),
+                      lambda: optax.adafactor(1e-2)),
 }
 
 
@@ -462,6 +486,22 @@ def _cells() -> list[Cell]:
     ]:
         c.append(Cell(f"diloco + {label}", lambda o=opts: {"local_sgd": diloco(2), **o}, "2l",
                       stage, equal(case), procs=procs))
+    # ZeRO x update rules that reduce over every (sharded) leaf: clipping by the global norm,
+    # LAMB, Adafactor, and the step's own global finiteness test (skip_not_finite, loss scaling).
+    # The procs=2 rows crashed the program check before (an unread replica-group form).
+    for label, case, opts, topology, stages, procs in [
+        ("clip_by_global_norm + adam", "clip", {}, "1d", (1, 2, 3), 2),
+        ("clip_by_global_norm + adam", "clip", {}, "2l", (2,), 2),
+        ("lamb", "lamb", {}, "1d", (1, 2, 3), 1),
+        ("adafactor", "adafactor", {}, "1d", (1, 2, 3), 1),
+        ("skip_not_finite", "plain", {"skip_not_finite": True}, "1d", (3,), 2),
+        ("skip_not_finite", "plain", {"skip_not_finite": True}, "2l", (2,), 2),
+        ("loss_scale", "plain", {"loss_scale": jddp.precision.DynamicScale()}, "1d", (1,), 2),
+        ("loss_scale", "plain", {"loss_scale": jddp.precision.DynamicScale()}, "2l", (3,), 2),
+    ]:
+        for stage in stages:
+            c.append(Cell(label, lambda o=opts: dict(o), topology, stage, equal(case),
+                          procs=procs))
     return c
 
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
-from jddp._src import programs
+from jddp._src import hlo, programs
 from jddp.launch import free_port
 from tests.launch_util import REPO, child_env, run_launcher
 
@@ -73,9 +74,12 @@ for name, (loss_fn, kw) in cases.items():
         print(f"MISMATCH {name} {time.perf_counter() - t:.2f}s differing={list(e.differing)} "
               f"index={e.index} :: {e}", flush=True)
 
-# The same program on both: it runs, once checked, and the check's cost is printed.
+# The same program on both: it runs, once checked, and the check's cost is printed. The happy
+# path compares fingerprints only: nothing reads the program's collectives.
 costs = []
-check, sign = programs.check_across_processes, programs.signature
+parsed = []
+check, sign, describe = programs.check_across_processes, programs.signature, programs.describe
+programs.describe = lambda *a, **k: parsed.append(1) or describe(*a, **k)
 def timed(fn):
     def run(*a, **k):
         t = time.perf_counter()
@@ -90,7 +94,8 @@ state = ddp.init(params)
 for _ in range(3):
     state, metrics = ddp.step(state, batch)
 print(f"AGREE loss={float(metrics['loss']):.6f} checks={len(costs) // 2} "
-      f"cost_ms={1000 * sum(costs):.1f} cache={ddp.step.cache_size()}", flush=True)
+      f"cost_ms={1000 * sum(costs):.1f} cache={ddp.step.cache_size()} parsed={len(parsed)}",
+      flush=True)
 '''
 
 
@@ -125,9 +130,12 @@ def test_mismatched_programs_raise_a_named_error_on_every_process(tmp_path):
         branch = found[(rank, "branch")]
         assert "differing=[1]" in branch and "bucket" in branch, branch
         assert f"[rank{rank}] AGREE" in out and f"[rank{rank}] NO ERROR" not in out
-    agree = re.findall(r"AGREE loss=(\S+) checks=(\d+) cost_ms=(\S+) cache=(\d+)", out)
+    agree = re.findall(r"AGREE loss=(\S+) checks=(\d+) cost_ms=(\S+) cache=(\d+) parsed=(\d+)",
+                       out)
     assert len(agree) == 2 and agree[0][0] == agree[1][0], agree
-    assert all(int(c) == 1 and int(k) == 1 for _, c, _, k in agree), agree  # once per program
+    assert all(int(c) == 1 and int(k) == 1 for _, c, _, k, _ in agree), agree  # once per program
+    # Equal fingerprints on both processes: the program was not parsed.
+    assert all(int(p) == 0 for *_, p in agree), agree
     print("program check cost (ms) per process:", [float(x[2]) for x in agree])
 
 
@@ -193,8 +201,16 @@ class _FakeClient:
             return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
 
     def blocking_key_value_get(self, key, timeout_ms):
-        with self.lock:
-            return self.kv[key]
+        import time
+
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            with self.lock:
+                if key in self.kv:
+                    return self.kv[key]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"DEADLINE_EXCEEDED waiting for {key}")
+            time.sleep(0.005)
 
     def wait_at_barrier(self, name, timeout_ms):
         self.barrier.wait(timeout_ms / 1000)
@@ -271,3 +287,105 @@ def test_a_process_that_never_arrives_is_named_and_the_late_one_told(tmp_path):
     assert "Process(es) [1] did not reach the check" in zero, zero
     assert float(zero.split()[2][:-1]) < 10, zero
     assert "this process (#1) reached it after the others stopped waiting" in one, one
+
+
+# ------------------------------------------------- the fingerprint: parse only to explain a difference
+
+HLO = """HloModule jit_step, entry_computation_layout={(f32[{N}]{0})->f32[{N}]{0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+ENTRY %main (p: f32[{N}]) -> f32[{N}] {
+  %p = f32[{N}]{0} parameter(0)
+  %c = f32[{N}]{0} constant({CONSTANT})
+  %m = f32[{N}]{0} multiply(f32[{N}]{0} %p, f32[{N}]{0} %c), {METADATA}
+  ROOT %ar = f32[{N}]{0} all-reduce(f32[{N}]{0} %m), channel_id=1, replica_groups={GROUPS}, {ATTRS}
+}
+"""
+METADATA = 'metadata={op_name="jit(step)/mul" source_file="/home/{USER}/train.py" source_line=12}'
+ATTRS = ('use_global_device_ids=true, to_apply=%add, '
+         'backend_config={"collective_backend_config":{"is_sync":{SYNC}}}')
+MESH_GROUPS = "mesh['axis_0'=8,'axis_1'=1] {'axis_0'}"
+UNREADABLE = "mesh_v9<<'axis_0'=8>> {'axis_0'}"  # a form XLA might print one day
+
+
+def _hlo(groups=MESH_GROUPS, constant="2", n=16, user="a", sync="false"):
+    return (HLO.replace("{METADATA}", METADATA).replace("{ATTRS}", ATTRS)
+            .replace("{GROUPS}", groups).replace("{CONSTANT}", constant)
+            .replace("{N}", str(n)).replace("{USER}", user).replace("{SYNC}", sync))
+
+
+def test_the_fingerprint_ignores_metadata_and_backend_configs_only():
+    base = programs.signature(_hlo())
+    assert programs.signature(_hlo(user="b", sync="true")).digest() == base.digest()
+    for other in (_hlo(constant="3"), _hlo(groups="{{0,1,2,3,4,5,6,7}}"), _hlo(n=15)):
+        assert programs.signature(other).digest() != base.digest()
+    # The bucket plan is part of it.
+    plan = type("Plan", (), {"paths": ("w", "b"), "buckets": (
+        type("B", (), {"indices": (0, 1)})(),)})()
+    assert programs.signature(_hlo(), plan).digest() != base.digest()
+    assert programs.signature(_hlo(), plan).buckets == (("w", "b"),)
+
+
+def test_equal_fingerprints_never_parse_the_program(monkeypatch):
+    """The happy path compares fingerprints: a program in a form nothing can read passes."""
+    def unreadable(*a, **k):
+        raise AssertionError("parsed on the happy path")
+
+    monkeypatch.setattr(programs.hlo, "collectives", unreadable)
+    sigs = [programs.signature(_hlo(UNREADABLE, user=str(p))) for p in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _run(sigs) == [None, None, None]
+
+
+def test_unreadable_replica_groups_never_stop_a_run():
+    """Fingerprints differ but the collectives agree (groups compared as printed, unknown
+    ones warned about): a warning, no error. Collectives that differ still raise, the unknown
+    groups named as printed."""
+    same = [programs.signature(_hlo(UNREADABLE, constant=str(p))) for p in range(2)]
+    with pytest.warns(RuntimeWarning) as record:
+        assert _run(same) == [None, None]
+    messages = [str(w.message) for w in record]
+    assert any("could not read the replica groups" in m for m in messages), messages
+    assert any("same collectives" in m and "[1] differ" in m for m in messages), messages
+    # The description counts them as unknown groups, compared as printed.
+    (col,) = same[0].describe().collectives
+    assert col.group_size == -1 and col.groups == UNREADABLE
+    assert "over unknown groups" in str(col)
+    other = [programs.signature(_hlo(UNREADABLE)), programs.signature(_hlo(UNREADABLE, n=8))]
+    with pytest.warns(hlo.UnknownReplicaGroupsWarning):
+        errs = _run(other)
+    assert all(isinstance(e, programs.ProgramMismatchError) and e.index == 0 for e in errs), errs
+    assert "process 1 has all-reduce of 32 bytes (f32[8]) over unknown groups" in str(errs[0])
+
+
+def test_a_program_that_cannot_be_described_warns_and_runs():
+    class Broken:
+        def __init__(self, digest):
+            self._digest = digest
+
+        def digest(self):
+            return self._digest
+
+        def describe(self):
+            raise RuntimeError("a reader bug")
+
+    with pytest.warns(RuntimeWarning) as record:
+        assert _run([Broken("a"), Broken("b")]) == [None, None]
+    messages = {str(w.message) for w in record}
+    assert any("could not describe this process's step program" in m for m in messages), messages
+    assert any("could not read them to compare" in m for m in messages), messages
+
+
+def test_the_mesh_form_reads_in_the_description():
+    """The partitioner's form (an optimizer's global norm over sharded leaves) is read: groups of
+    8, compared with the explicit form of the same groups as different text."""
+    (col,) = programs.describe(_hlo()).collectives
+    assert (col.kind, col.nbytes, col.group_size) == ("all-reduce", 64, 8)
+    errs = _run([programs.signature(_hlo()), programs.signature(_hlo("[1,8]<=[8]"))])
+    assert all(isinstance(e, programs.ProgramMismatchError) for e in errs)

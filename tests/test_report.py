@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -145,3 +146,90 @@ def test_report_on_a_compile_only_gpu_mesh_shows_overlap():
     assert all(cs[0].overlapped_dots > 0 for b, cs in buckets.items() if b < len(buckets) - 1)
     assert rep.memory is not None and rep.memory.peak > 0
     assert "dots" in str(rep)
+
+
+OPTIMIZERS = {
+    "clip": lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)),
+    "lamb": lambda: optax.lamb(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2),
+}
+_ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1}
+_COLLECTIVE_LINE = re.compile(
+    r"^\s*(?:ROOT )?%?\S+ = (\(.*?\)|\S+) (all-reduce|all-gather|reduce-scatter)\(")
+
+
+def _compiled_operand_bytes(text, n):
+    """Each collective's operand bytes per device, read from its result type on its HLO line (an
+    all-gather's result is ``n`` operands, a reduce-scatter's one ``n``-th): independent of the
+    reader ``ddp.report`` uses."""
+    out = []
+    for line in text.splitlines():
+        m = _COLLECTIVE_LINE.match(line)
+        if not m:
+            continue
+        result = sum(_ELEMENT_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+                     for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", m.group(1)))
+        kind = m.group(2)
+        out.append((kind, result // n if kind == "all-gather" else
+                    result * n if kind == "reduce-scatter" else result))
+    return out
+
+
+@pytest.mark.parametrize("opt,stage", [("clip", 1), ("clip", 2), ("clip", 3), ("lamb", 3),
+                                       ("adafactor", 3)])
+def test_report_reads_optimizers_with_global_reductions_over_sharded_leaves(opt, stage):
+    """Clipping by the global norm, LAMB's and Adafactor's per-leaf norms over sharded leaves:
+    XLA's partitioner prints their all-reduces' groups in its mesh form
+    (``mesh['axis_0'=8,'axis_1'=1] {'axis_0'}``). The report reads them: every group the whole
+    mesh, bytes exactly the compiled program's, sent bytes the ring model of those."""
+    mesh = jddp.data_mesh()
+    n = mesh.size
+    ddp = jddp.DataParallel(loss_fn, OPTIMIZERS[opt](), mesh=mesh, zero_stage=stage,
+                            bucket_cap_mb=0.01, first_bucket_mb=0.005)
+    state, batch = ddp.init(_params()), _batch(mesh)
+    calls.clear()
+    rep = ddp.report(state, batch)
+    text = ddp.step.lower(state, batch).compile().as_text()
+    assert "replica_groups=mesh[" in text  # the form this test is about
+    assert [(c.kind, c.bytes) for c in rep.collectives] == _compiled_operand_bytes(text, n)
+    assert all(c.group_size == n and c.level == "local" for c in rep.collectives)
+    assert rep.unknown_groups == () and "unknown" not in str(rep)
+    # Ring model: an all-reduce sends 2(n-1)/n of its operand, an all-gather (n-1) operands,
+    # a reduce-scatter (n-1)/n of its operand.
+    factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": n - 1, "reduce-scatter": (n - 1) / n}
+    assert rep.sent_per_step == pytest.approx(
+        sum(factor[c.kind] * c.bytes for c in rep.collectives))
+    assert {"all-gather", "all-reduce"} <= {c.kind for c in rep.collectives}
+    # The step runs the program the report read.
+    state, metrics = ddp.step(state, batch)
+    assert len(calls) == 1 and ddp.step.cache_size() == 1
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_unknown_replica_groups_are_an_entry_of_the_report_not_an_error():
+    """A form of XLA's text the reader does not know (synthetic here): a warning, the collective
+    reported with unknown groups (size 0, level "unknown", no bytes sent counted), the rest
+    exact."""
+    mesh = jddp.data_mesh()
+    ddp = jddp.DataParallel(loss_fn, OPTIMIZERS["clip"](), mesh=mesh, zero_stage=1,
+                            bucket_cap_mb=0.01, first_bucket_mb=0.005)
+    state, batch = ddp.init(_params()), _batch(mesh)
+    text = ddp.step.lower(state, batch).compile().as_text()
+    forms = set(re.findall(r"replica_groups=(mesh\[[^\]]*\] \{[^}]*\})", text))
+    assert forms
+    odd = text
+    for form in forms:
+        odd = odd.replace(form, "mesh_v9<<" + form[5:].replace("]", ">>", 1))
+    from jddp._src import report as report_lib
+
+    good = report_lib.collectives(text, [0] * mesh.size)
+    with pytest.warns(schedule.UnknownReplicaGroupsWarning, match="could not read"):
+        bad = report_lib.collectives(odd, [0] * mesh.size)
+    assert [c.bytes for c in bad] == [c.bytes for c in good]
+    unknown = [c for c in bad if c.level == "unknown"]
+    assert unknown and all(c.group_size == 0 and c.sent == 0.0 for c in unknown)
+    assert [c for c in bad if c.level != "unknown"] == [
+        c for c, b in zip(good, bad, strict=True) if b.level != "unknown"]
+    rep = report_lib.Report(bad, None, mesh.size, 1, 1)
+    assert rep.unknown_groups == tuple(unknown)
+    assert "unknown replica groups" in str(rep) and rep.to_dict()["unknown_groups"] == len(unknown)

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -27,14 +28,18 @@ __all__ = [
     "Module",
     "Schedule",
     "ScheduledOp",
+    "UnknownReplicaGroupsWarning",
     "bucket_of",
     "bucket_scope",
     "collectives",
+    "canonical_text",
     "compiled_text",
+    "known_groups",
     "parse_arrays",
     "parse_replica_groups",
     "read_module",
     "read_schedule",
+    "read_text",
 ]
 
 #: ``compiler_options`` that make every GPU all-reduce synchronous: XLA still emits
@@ -66,7 +71,9 @@ _NAME_RE = re.compile(r"%?([\w.\-]+)")
 _OP_NAME_RE = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
 _IS_SYNC_RE = re.compile(r'"is_sync":\s*(true|false)')
-_IOTA_RE = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_IOTA_RE = re.compile(r"\[(?P<dims>[\d,]+)\]<=\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
+_LISTS_RE = re.compile(r"\{\s*(?:\{[\d,\s]*\}\s*(?:,\s*)?)*\}")
+_BARE_IOTA_RE = re.compile(r"\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
 # Attributes naming the computations an instruction calls.
 _CALL_ATTRS = (
     "calls",
@@ -154,11 +161,17 @@ class Instruction:
     @functools.cached_property
     def attributes(self) -> Mapping[str, str]:
         """The ``key=value`` attributes, values as printed (e.g. ``{"replica_groups": "{{0,1}}"}``)."""
-        out = {}
+        out: dict[str, str] = {}
+        last = ""
         for part in _split_top(self.attrs):
             key, eq, value = part.partition("=")
-            if eq:
-                out[key.strip()] = value.strip()
+            if key.strip() == "device_ids" and out.get(last, "").startswith("mesh["):
+                # The mesh form of replica groups holds a top-level comma:
+                # mesh['x'=2,'y'=4], device_ids=([4,2]T(1,0)) {'x'}
+                out[last] += f", {part}"
+            elif eq:
+                last = key.strip()
+                out[last] = value.strip()
         return out
 
     @property
@@ -353,8 +366,21 @@ class Collective:
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
-        """The device ids of each replica group (see :func:`parse_replica_groups`)."""
+        """The device ids of each replica group (see :func:`parse_replica_groups`).
+
+        Raises:
+            ValueError: if XLA printed them in a form this reader does not know (see
+                :attr:`known_groups`).
+        """
         return parse_replica_groups(self.replica_groups)
+
+    @property
+    def known_groups(self) -> tuple[tuple[int, ...], ...] | None:
+        """:attr:`groups`, or ``None`` (with a warning) when XLA printed them in a form this
+        reader does not know: what reads a program to describe it (``ddp.report``, the program
+        check, :mod:`jddp.perf.traffic`) counts such a collective as "unknown groups" and goes
+        on."""
+        return known_groups(self.replica_groups, self.kind)
 
     @property
     def bucket(self) -> int | None:
@@ -622,34 +648,193 @@ def parse_arrays(text: str) -> tuple[Array, ...]:
 def parse_replica_groups(text: str) -> tuple[tuple[int, ...], ...]:
     """The device ids of each replica group, from XLA's printed ``replica_groups`` value.
 
-    Reads the explicit form ``{{0,1},{2,3}}`` and the iota form ``[G,S]<=[N]`` (``G`` groups of
-    ``S`` consecutive ids), also with reshape and transpose, ``[G,S]<=[A,B]T(1,0)``.
+    Reads every form XLA prints:
+
+    - explicit lists, ``{{0,1},{2,3}}``;
+    - iota, ``[G,S]<=[N]`` (``G`` groups of ``S`` consecutive ids), also with a reshape and
+      transpose, ``[G,S]<=[A,B]T(1,0)``;
+    - mesh axes, ``mesh['x'=2,'y'=4] {'y'}`` (the partitioner's form: the devices of a named mesh,
+      optionally ``, device_ids=(...)`` in another order, grouped over the listed axes, or
+      sub-axes ``'x':(1)2``): a group holds the devices that share their position on every
+      other axis.
 
     Returns:
         One tuple of device ids per group; empty for ``{}`` or ``""`` (which XLA uses for "every
         device in one group", without saying how many).
 
     Raises:
-        ValueError: if the text is in neither form.
+        ValueError: if the text is in none of these forms (:attr:`Collective.known_groups`
+            reads such a collective's groups as unknown instead, with a warning).
     """
     text = text.strip()
     if text in ("", "{}"):
         return ()
-    iota = _IOTA_RE.fullmatch(text)
-    if iota:
-        shape = [int(d) for d in iota.group(1).split(",")]
-        dims = [int(d) for d in iota.group(2).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if iota.group(3):
-            ids = ids.transpose([int(p) for p in iota.group(3).split(",")])
-        ids = ids.reshape(shape[0], -1)
-        return tuple(tuple(int(i) for i in row) for row in ids)
-    if text.startswith("{") and text.endswith("}"):
-        inner = text[1:-1].strip()
-        groups = re.findall(r"\{([\d,\s]*)\}", inner)
-        if groups or not inner:
+    try:
+        if text.startswith("mesh["):
+            return _mesh_groups(text)
+        if _IOTA_RE.fullmatch(text):
+            shape = [int(d) for d in text[1:text.index("]")].split(",")]
+            ids = _iota_ids(text).reshape(shape)  # type: ignore[union-attr]  # sizes must agree
+            return _rows(ids.reshape(shape[0], -1))
+        if _LISTS_RE.fullmatch(text):
+            groups = re.findall(r"\{([\d,\s]*)\}", text[1:-1])
             return tuple(tuple(int(x) for x in g.split(",") if x.strip()) for g in groups)
-    raise ValueError(f"cannot read replica groups {text!r}")
+    except (ValueError, IndexError) as e:  # malformed numbers, sizes that do not multiply
+        raise ValueError(f"cannot read replica groups {text!r}: {e}") from None
+    raise ValueError(f"cannot read replica groups {text!r}: a form this reader does not know")
+
+
+class UnknownReplicaGroupsWarning(RuntimeWarning):
+    """XLA printed a collective's replica groups in a form :func:`parse_replica_groups` does not
+    know; the collective counts as "unknown groups" (nothing stops)."""
+
+
+def known_groups(text: str, kind: str = "collective") -> tuple[tuple[int, ...], ...] | None:
+    """:func:`parse_replica_groups` of ``text``, or ``None`` with an
+    :class:`UnknownReplicaGroupsWarning` when the form is unknown (Python's warning filters
+    decide how often it shows: once per place by default)."""
+    try:
+        return _parse_cached(text)
+    except ValueError as e:
+        warnings.warn(
+            f"jddp could not read the replica groups of this {kind} ({e}); it is reported with "
+            "unknown groups (group size 0, level 'unknown', no bytes sent counted) and nothing "
+            "else changes. Please report this form of XLA's text.",
+            UnknownReplicaGroupsWarning, stacklevel=3)
+        return None
+
+
+# A program reads the same few texts for many collectives (errors are not cached).
+_parse_cached = functools.lru_cache(maxsize=256)(parse_replica_groups)
+
+_MESH_RE = re.compile(
+    r"mesh\[(?P<axes>[^\]]*)\]\s*(?:,\s*device_ids=\((?P<ids>[^()]*(?:\([\d,]*\))?)\))?"
+    r"\s*\{(?P<group>[^{}]*)\}")
+_AXIS_REF_RE = re.compile(r"(?P<name>'[^']*'|\"[^\"]*\"|[^\s:,()]+)(?::\((?P<pre>\d+)\)(?P<size>\d+))?")
+
+
+def _rows(ids: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(i) for i in row) for row in ids)
+
+
+def _iota_ids(text: str) -> np.ndarray | None:
+    """The flat ids of an iota form, ``[dims]<=[reshape]`` with an optional ``T(perm)``, or
+    of XLA's bare ``[reshape]T(perm)`` (a mesh's ``device_ids``); ``None`` for other text."""
+    m = _IOTA_RE.fullmatch(text) or _BARE_IOTA_RE.fullmatch(text)
+    if m is None:
+        return None
+    dims = [int(d) for d in m.group("reshape").split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group("perm"):
+        ids = ids.transpose([int(p) for p in m.group("perm").split(",")])
+    return ids.reshape(-1)
+
+
+def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
+    """Groups of XLA's mesh-axes form (``MeshAxesReplicaGroupList``): the mesh's device array,
+    each grouped axis split where a sub-axis takes part of it, the grouped (sub-)axes moved last
+    (in mesh-axis order, the listed order within one axis), then cut into groups."""
+    m = _MESH_RE.fullmatch(text)
+    if m is None:
+        raise ValueError("not a mesh[...] {...} form")
+    names, sizes = [], []
+    for part in _split_top(m.group("axes")):
+        name, _, length = part.rpartition("=")
+        names.append(_unquote(name))
+        sizes.append(int(length))
+    n = math.prod(sizes)
+    ids = _mesh_device_ids(m.group("ids"), n)
+    refs: dict[int, list[tuple[int, int] | None]] = {}
+    for part in _split_top(m.group("group")):
+        ref = _AXIS_REF_RE.fullmatch(part)
+        if ref is None or _unquote(ref.group("name")) not in names:
+            raise ValueError(f"axis {part!r} is not an axis of the mesh {names}")
+        sub = (int(ref.group("pre")), int(ref.group("size"))) if ref.group("pre") else None
+        refs.setdefault(names.index(_unquote(ref.group("name"))), []).append(sub)
+    dims: list[int] = []
+    grouped: list[int] = []
+    for axis, size in enumerate(sizes):
+        split, aggregate = _split_axis(size, refs.get(axis))
+        grouped += [len(dims) + a for a in aggregate]
+        dims += split
+    order = [d for d in range(len(dims)) if d not in grouped] + grouped
+    per_group = math.prod(dims[d] for d in grouped)
+    return _rows(ids.reshape(dims).transpose(order).reshape(-1, per_group))
+
+
+def _mesh_device_ids(text: str | None, n: int) -> np.ndarray:
+    """A mesh's devices in mesh order: ``0..n-1`` unless ``device_ids`` lists another order (an
+    iota form, or every id)."""
+    if text is None:
+        return np.arange(n)
+    ids = _iota_ids(text.strip())
+    if ids is None:
+        ids = np.array([int(x) for x in text.split(",") if x.strip()])
+    if ids.size != n or sorted(ids.tolist()) != list(range(n)):
+        raise ValueError(f"device_ids ({text}) are not a permutation of the mesh's {n} devices")
+    return ids
+
+
+def _split_axis(size: int, subs: list[tuple[int, int] | None] | None) -> tuple[list[int], list[int]]:
+    """How one mesh axis of ``size`` is split for grouping, and which parts are grouped:
+    ``(dims, grouped)``. ``subs``: the axis's references, ``None`` for the whole axis, else
+    ``(pre_size, size)`` of a sub-axis (its ``pre_size`` major devices' worth of stride)."""
+    if not subs:
+        return [size], []
+    if subs == [None]:
+        return [size], [0]
+    if None in subs:
+        raise ValueError("an axis grouped whole and by sub-axes at once")
+    by_pre = sorted(range(len(subs)), key=lambda i: subs[i][0])  # type: ignore[index]
+    dims, at, done = [], [0] * len(subs), 1
+    for i in by_pre:
+        pre, part = subs[i]  # type: ignore[misc]
+        if pre % done:
+            raise ValueError(f"sub-axes of an axis of {size} overlap")
+        if pre != done:
+            dims.append(pre // done)
+        at[i], done = len(dims), pre * part
+        dims.append(part)
+    if size % done:
+        raise ValueError(f"sub-axes do not divide the axis of {size}")
+    if done != size:
+        dims.append(size // done)
+    return dims, at
+
+
+def _unquote(name: str) -> str:
+    name = name.strip()
+    return name[1:-1] if len(name) >= 2 and name[0] == name[-1] and name[0] in "'\"" else name
+
+
+def read_text(source: Any, compiler_options: Mapping[str, Any] | None = None) -> str:
+    """The HLO text of ``source`` (text, ``Compiled``, or ``Lowered``: compiled here)."""
+    return _as_text(source, compiler_options)
+
+
+# Metadata (op names, source lines) and backend configs (GPU autotuning choices, scheduling
+# hints) may differ between processes that run the same collectives: not part of the fingerprint.
+_METADATA_RE = re.compile(r', metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
+_BACKEND_CONFIG = ", backend_config="
+
+
+def canonical_text(text: str) -> str:
+    """The HLO text without ``metadata={...}`` and ``backend_config=...`` attributes."""
+    text = _METADATA_RE.sub("", text)
+    parts, at = [], 0
+    while (start := text.find(_BACKEND_CONFIG, at)) >= 0:
+        parts.append(text[at:start])
+        value = start + len(_BACKEND_CONFIG)
+        if text.startswith('"', value):  # a quoted string value
+            end = value + 1
+            while end < len(text) and text[end] != '"':
+                end += 2 if text[end] == "\\" else 1
+            at = end + 1
+        else:
+            at = _balanced_end(text, value)
+    parts.append(text[at:])
+    return "".join(parts)
+
 
 
 # ---------------------------------------------------------------------------- implementation

@@ -4,27 +4,37 @@ Two processes that compile different step programs (another bucket cap, another 
 on process-local data) issue collectives that do not match: Gloo aborts the process from C++
 ("Received data size doesn't match expected size"), NCCL hangs or corrupts. Under ``jit`` the
 collectives are known before anything runs, so before the first execution of each compiled
-program of a multi-process job, every process publishes a description of its program's
-collectives (:class:`ProgramSignature`: kind, operand shapes and dtypes, replica groups, whether
-in a loop or a branch, in order, and the bucket plan) in ``jax.distributed``'s key-value store,
-waits for the others at a barrier, and compares digests. On a mismatch every process raises the
-same :class:`ProgramMismatchError`, naming the processes that differ and the first differing
-collective, before any collective of that program has run.
+program of a multi-process job, every process publishes a fingerprint of its program
+(:class:`ProgramFingerprint`: a hash of the compiled HLO text, without its metadata and backend
+configs, and of the bucket plan) in ``jax.distributed``'s key-value store, waits for the others
+at a barrier, and compares them. That is all on the happy path: the text is not parsed.
 
-Cost, once per compiled program (never per step): reading the compiled HLO text (the compile
-itself is the one the first call needs anyway: ``jit`` reuses it), two small key-value writes, one
+Only when fingerprints differ does each process read its program's collectives
+(:class:`ProgramSignature`: kind, operand shapes and dtypes, replica groups, whether in a loop or
+a branch, in order, and the bucket plan) and publish them; if the collectives or the bucket plans
+differ, every process raises the same :class:`ProgramMismatchError`, naming the processes that
+differ and the first differing collective, before any collective of that program has run. If
+they agree (the programs differ only in local computation), a warning says so and the run goes
+on. Nothing the reader cannot read stops a run: replica groups in an unknown form are compared
+as printed (and warned about), and a program that cannot be described at all is warned about.
+
+Cost, once per compiled program (never per step): hashing the compiled HLO text (the compile
+itself is the one the first call needs anyway: ``jit`` reuses it), one small key-value write, one
 barrier and one directory read on the coordinator; milliseconds on loopback
 (``tests/test_program_check.py`` prints it).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import itertools
 import json
 import os
+import warnings
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 
@@ -60,7 +70,7 @@ class CollectiveSig(NamedTuple):
     kind: str
     operands: tuple[str, ...]  # e.g. ("f32[64,64]", "f32[64]")
     nbytes: int
-    group_size: int
+    group_size: int  # -1: groups in a form the reader does not know (compared as printed)
     groups: str  # XLA's replica groups, as printed
     where: str  # "", "loop", "branch" or "loop, branch"
     bucket: int | None
@@ -71,12 +81,14 @@ class CollectiveSig(NamedTuple):
             ops = f"{len(self.operands)} arrays"
         bucket = "" if self.bucket is None else f" for bucket {self.bucket}"
         where = f", in a {self.where}" if self.where else ""
-        return (f"{self.kind} of {self.nbytes} bytes ({ops}){bucket} over groups of "
-                f"{self.group_size}{where}")
+        size = (f"groups of {self.group_size}" if self.group_size >= 0
+                else f"unknown groups ({self.groups})")
+        return f"{self.kind} of {self.nbytes} bytes ({ops}){bucket} over {size}{where}"
 
 
 class ProgramSignature(NamedTuple):
-    """A compiled step program, as far as the other processes are concerned.
+    """A compiled program's collectives, as far as the other processes are concerned (read to
+    explain a difference of fingerprints).
 
     Attributes:
       collectives: every collective, in program order.
@@ -88,6 +100,10 @@ class ProgramSignature(NamedTuple):
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:32]
+
+    def describe(self) -> ProgramSignature:
+        """Itself (a :class:`Checked` program that is already described)."""
+        return self
 
     def to_json(self) -> str:
         return json.dumps([[list(c) for c in self.collectives], [list(b) for b in self.buckets]])
@@ -101,24 +117,74 @@ class ProgramSignature(NamedTuple):
         )
 
 
-def signature(compiled: Any, plan: Any = None) -> ProgramSignature:
-    """The :class:`ProgramSignature` of a compiled program (text, ``Compiled`` or ``Lowered``).
+class Checked(Protocol):
+    """What :func:`exchange` compares: a digest on the happy path, a description on demand."""
+
+    def digest(self) -> str: ...
+
+    def describe(self) -> ProgramSignature: ...
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProgramFingerprint:
+    """A compiled program for the check: its fingerprint, and its description on demand.
+
+    Attributes:
+      fingerprint: a hash of the canonical HLO text (:func:`jddp._src.hlo.canonical_text`) and
+        of the buckets.
+      text: the compiled HLO text.
+      buckets: the parameters (paths) of each gradient bucket, in reduction order.
+    """
+
+    fingerprint: str
+    text: str = dataclasses.field(repr=False)
+    buckets: tuple[tuple[str, ...], ...] = ()
+
+    def digest(self) -> str:
+        return self.fingerprint
+
+    @functools.cached_property
+    def description(self) -> ProgramSignature:
+        return describe(self.text, self.buckets)
+
+    def describe(self) -> ProgramSignature:
+        """The :class:`ProgramSignature` (parses the text once)."""
+        return self.description
+
+
+def _bucket_paths(plan: Any) -> tuple[tuple[str, ...], ...]:
+    if plan is None:
+        return ()
+    return tuple(tuple(plan.paths[i] for i in b.indices) for b in plan.buckets)
+
+
+def signature(compiled: Any, plan: Any = None) -> ProgramFingerprint:
+    """The :class:`ProgramFingerprint` of a compiled program (text, ``Compiled`` or
+    ``Lowered``); nothing is parsed until a difference needs describing.
 
     Args:
       plan: the bucket plan the program was traced with (a ``BucketPlan``), if any.
     """
+    text = hlo.read_text(compiled)
+    buckets = _bucket_paths(plan)
+    h = hashlib.sha256(hlo.canonical_text(text).encode())
+    h.update(json.dumps(buckets).encode())
+    return ProgramFingerprint(h.hexdigest()[:32], text, buckets)
+
+
+def describe(compiled: Any, buckets: tuple[tuple[str, ...], ...] = ()) -> ProgramSignature:
+    """The :class:`ProgramSignature` of a compiled program: its collectives, read from the HLO
+    text (replica groups in a form the reader does not know count as size ``-1``, warned)."""
     out = []
     for c in hlo.collectives(compiled):
-        groups = c.groups
+        groups = c.known_groups
+        size = -1 if groups is None else len(groups[0]) if groups else 0
         where = ", ".join(w for w, on in (("loop", c.in_loop), ("branch", c.in_conditional)) if on)
         out.append(CollectiveSig(
-            c.kind, tuple(str(o) for o in c.operands), int(c.nbytes),
-            len(groups[0]) if groups else 0, c.replica_groups, where, c.bucket,
+            c.kind, tuple(str(o) for o in c.operands), int(c.nbytes), size, c.replica_groups,
+            where, c.bucket,
         ))
-    buckets: tuple[tuple[str, ...], ...] = ()
-    if plan is not None:
-        buckets = tuple(tuple(plan.paths[i] for i in b.indices) for b in plan.buckets)
-    return ProgramSignature(tuple(out), buckets)
+    return ProgramSignature(tuple(out), tuple(buckets))
 
 
 def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int | None:
@@ -172,8 +238,9 @@ def timeout_s() -> float:
     return float(value) if value else DEFAULT_TIMEOUT_S
 
 
-def check_across_processes(sig: ProgramSignature, what: str = "step program") -> None:
-    """Raises :class:`ProgramMismatchError` on every process unless all hold the same ``sig``.
+def check_across_processes(sig: Checked, what: str = "step program") -> None:
+    """Raises :class:`ProgramMismatchError` on every process unless all run the same collectives
+    (``sig``: a :class:`ProgramFingerprint` or a :class:`ProgramSignature`).
 
     Every process of the job must call this the same number of times, in the same order (it is
     called before the first run of each compiled step program). Nothing with one process.
@@ -189,50 +256,87 @@ def check_across_processes(sig: ProgramSignature, what: str = "step program") ->
              timeout_s(), what)
 
 
-def exchange(client: Any, sig: ProgramSignature, seq: int, me: int, n: int, limit: float,
+def exchange(client: Any, sig: Checked, seq: int, me: int, n: int, limit: float,
              what: str = "step program") -> None:
     """The check's protocol on a key-value ``client`` (``jax.distributed``'s, or a stand-in):
-    publish, wait at a barrier, compare digests; raises :class:`ProgramMismatchError`.
+    publish the digest, wait at a barrier, compare digests; only if they differ, publish and
+    compare descriptions (:func:`_explain`). Raises :class:`ProgramMismatchError`.
 
     Args:
       seq: the check's number (the same on every process); me, n: this process, the count.
       limit: seconds to wait at the barrier for the others.
     """
     prefix = f"{_PREFIX}/{seq}"
-    digest = sig.digest()
-    client.key_value_set(f"{prefix}/desc/{me}", sig.to_json())
-    client.key_value_set(f"{prefix}/digest/{me}", digest)
+    client.key_value_set(f"{prefix}/digest/{me}", sig.digest())
     try:
         client.wait_at_barrier(f"{prefix}/barrier", int(limit * 1000))
     except Exception as e:  # jax's runtime error; DEADLINE_EXCEEDED when someone never came
-        arrived = sorted(int(k.rsplit("/", 1)[1]) for k, _ in
-                         client.key_value_dir_get(f"{prefix}/digest/"))
-        missing = sorted(set(range(n)) - set(arrived))
-        cause = (str(e).splitlines() or [""])[0][:200]
-        if not missing:  # everyone arrived, this process too late: the others gave up
-            raise ProgramMismatchError(
-                f"The check of {what} #{seq} (before its first run) failed: this process "
-                f"(#{me}) reached it after the others stopped waiting ({_ENV_TIMEOUT}); it "
-                "compiled much more slowly, or took another path to this program (a branch on "
-                f"process-local data?). ({type(e).__name__}: {cause})", [me], None) from None
-        raise ProgramMismatchError(
-            f"Process(es) {missing} did not reach the check of {what} #{seq} (before its first "
-            f"run) within {limit:g} s; processes {arrived} did. They compiled fewer programs than this "
-            f"one (a branch on process-local data?), or are stuck or still compiling (raise "
-            f"{_ENV_TIMEOUT}). ({type(e).__name__}: {cause})",
-            missing, None) from None
+        raise _late_or_missing(client, prefix, e, seq, me, n, limit, what) from None
     digests = {int(k.rsplit("/", 1)[1]): v for k, v in
                client.key_value_dir_get(f"{prefix}/digest/")}
     if len(set(digests.values())) <= 1:
         return
     differing = sorted(p for p, d in digests.items() if d != digests[0])
+    _explain(client, sig, prefix, me, n, differing, limit, what)
+
+
+def _late_or_missing(client: Any, prefix: str, e: Exception, seq: int, me: int, n: int,
+                     limit: float, what: str) -> ProgramMismatchError:
+    """The error after a failed barrier: naming the processes that never came, or this one as
+    the late one."""
+    arrived = sorted(int(k.rsplit("/", 1)[1]) for k, _ in
+                     client.key_value_dir_get(f"{prefix}/digest/"))
+    missing = sorted(set(range(n)) - set(arrived))
+    cause = (str(e).splitlines() or [""])[0][:200]
+    if not missing:  # everyone arrived, this process too late: the others gave up
+        return ProgramMismatchError(
+            f"The check of {what} #{seq} (before its first run) failed: this process "
+            f"(#{me}) reached it after the others stopped waiting ({_ENV_TIMEOUT}); it "
+            "compiled much more slowly, or took another path to this program (a branch on "
+            f"process-local data?). ({type(e).__name__}: {cause})", [me], None)
+    return ProgramMismatchError(
+        f"Process(es) {missing} did not reach the check of {what} #{seq} (before its first "
+        f"run) within {limit:g} s; processes {arrived} did. They compiled fewer programs than this "
+        f"one (a branch on process-local data?), or are stuck or still compiling (raise "
+        f"{_ENV_TIMEOUT}). ({type(e).__name__}: {cause})", missing, None)
+
+
+_UNREADABLE = "unreadable"
+
+
+def _explain(client: Any, sig: Checked, prefix: str, me: int, n: int, differing: Sequence[int],
+             limit: float, what: str) -> None:
+    """Fingerprints differ: every process publishes its description and compares process 0's
+    with the first differing one's. Raises :class:`ProgramMismatchError` if their collectives or
+    bucket plans differ; warns (and returns) if they agree or cannot be described."""
+    try:
+        mine = sig.describe().to_json()
+    except Exception as e:  # noqa: BLE001 - a reader's failure must not stop the run
+        warnings.warn(f"jddp could not describe this process's {what} ({type(e).__name__}: "
+                      f"{e}); the check across processes goes on without it.",
+                      RuntimeWarning, stacklevel=4)
+        mine = _UNREADABLE
+    client.key_value_set(f"{prefix}/desc/{me}", mine)
     other = differing[0]
 
-    def fetch(p: int) -> ProgramSignature:
+    def fetch(p: int) -> str:
         if p == me:
-            return sig
-        return ProgramSignature.from_json(
-            client.blocking_key_value_get(f"{prefix}/desc/{p}", int(limit * 1000)))
+            return mine
+        return client.blocking_key_value_get(f"{prefix}/desc/{p}", int(limit * 1000))
 
-    raise describe_mismatch(fetch(0), fetch(other), other, differing, n, what)
-
+    ref, theirs = fetch(0), fetch(other)
+    if _UNREADABLE in (ref, theirs):
+        warnings.warn(
+            f"The processes compiled different {what}s (process(es) {list(differing)} differ from "
+            "process 0) and jddp could not read them to compare their collectives; the run goes "
+            "on. If it then hangs or Gloo aborts, build the same DataParallel with the same loss "
+            "on every process.", RuntimeWarning, stacklevel=4)
+        return
+    a, b = ProgramSignature.from_json(ref), ProgramSignature.from_json(theirs)
+    if a != b:
+        raise describe_mismatch(a, b, other, differing, n, what)
+    warnings.warn(
+        f"The processes compiled different {what}s with the same collectives (process(es) "
+        f"{list(differing)} differ from process 0 outside them, e.g. a constant or a branch taken "
+        "from process-local data or jax.process_index()); the run goes on, but the processes "
+        "compute different things.", RuntimeWarning, stacklevel=4)

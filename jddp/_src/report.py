@@ -37,8 +37,10 @@ class CollectiveReport(NamedTuple):
       bytes: operand bytes per device (what each device puts in).
       dtype: the operands' element types (``"f32"``, or ``"f32,bf16"``).
       shapes: the operands' shapes.
-      group_size: devices per replica group.
-      level: ``"hosts"`` when a replica group spans hosts, else ``"local"``.
+      group_size: devices per replica group (0: unknown, see ``level``).
+      level: ``"hosts"`` when a replica group spans hosts, else ``"local"``; ``"unknown"`` when
+        XLA printed the groups in a form jddp cannot read (warned; ``sent`` and
+        ``across_hosts`` then count 0 for it, see :attr:`Report.unknown_groups`).
       bucket: the gradient bucket whose reduction issued it (``None``: outside every bucket):
         read from the ``op_name`` jddp gives each bucket's reduction, or, where XLA drops it
         (GPU's asynchronous collectives), matched to the plan by bytes in order.
@@ -145,6 +147,12 @@ class Report(NamedTuple):
         """Bytes one host sends to other hosts per window (0 with one host)."""
         return self._total("across_hosts")
 
+    @property
+    def unknown_groups(self) -> tuple[CollectiveReport, ...]:
+        """The collectives whose replica groups XLA printed in a form jddp cannot read: their
+        bytes count, their sent bytes do not (an empty tuple unless XLA changes its text)."""
+        return tuple(c for c in self.collectives if c.level == "unknown")
+
     def by_bucket(self) -> dict[int, list[CollectiveReport]]:
         """The collectives of each gradient bucket."""
         out: dict[int, list[CollectiveReport]] = {}
@@ -161,6 +169,7 @@ class Report(NamedTuple):
             "bytes_per_step": self.bytes_per_step, "bytes_per_window": self.bytes_per_window,
             "sent_per_step": self.sent_per_step, "sent_per_window": self.sent_per_window,
             "across_hosts_per_window": self.across_hosts_per_window,
+            "unknown_groups": len(self.unknown_groups),
             "memory": None if self.memory is None else self.memory._asdict(),
         }
 
@@ -175,7 +184,8 @@ class Report(NamedTuple):
                  "across/host", "mode", "overlap")]
         for c in self.collectives:
             where = ",".join(w for w, on in (("loop", c.in_loop), ("branch", c.in_branch)) if on)
-            rows.append((str(c.index), c.kind, fmt_bytes(c.bytes), c.dtype, str(c.group_size),
+            rows.append((str(c.index), c.kind, fmt_bytes(c.bytes), c.dtype,
+                         str(c.group_size) if c.level != "unknown" else "?",
                          c.level, "-" if c.bucket is None else str(c.bucket), where or "-",
                          fmt_bytes(c.sent), fmt_bytes(c.across_hosts), c.mode,
                          f"{c.overlapped_dots} dots" if c.mode == "async" else "-"))
@@ -189,6 +199,10 @@ class Report(NamedTuple):
                                f"{fmt_bytes(self.bytes_per_window)}, "
                                f"{fmt_bytes(self.sent_per_window)} sent)"
                                if self.window > 1 else ""))
+        if self.unknown_groups:
+            lines.append(f"{len(self.unknown_groups)} collective(s) with unknown replica groups "
+                         "(a form of XLA's text jddp cannot read): their bytes sent are not "
+                         "counted above")
         m = self.memory
         if m is not None:
             lines.append(f"memory per device: at rest {fmt_bytes(m.at_rest)}; arguments "
@@ -234,12 +248,15 @@ def collectives(source: Any, host_of_device: Sequence[int]) -> tuple[CollectiveR
     out = []
     for i, t in enumerate(traffic(hlo.read_module(source), host).collectives):
         c = t.collective
-        groups = c.groups or (tuple(range(len(host))),)
+        groups = c.known_groups
+        # Unknown groups (warned by hlo): size 0, level "unknown", no bytes sent counted.
+        size = 0 if groups is None else len((groups or (tuple(range(len(host))),))[0])
+        level = "unknown" if groups is None else "hosts" if t.crosses else "local"
         out.append(CollectiveReport(
             index=i, kind=c.kind, bytes=int(c.nbytes),
-            dtype=",".join(sorted(set(c.dtypes))), shapes=c.shapes, group_size=len(groups[0]),
-            level="hosts" if t.crosses else "local", bucket=c.bucket, in_loop=c.in_loop,
-            in_branch=c.in_conditional, sent=sent_per_device(c.kind, c.nbytes, len(groups[0])),
+            dtype=",".join(sorted(set(c.dtypes))), shapes=c.shapes, group_size=size,
+            level=level, bucket=c.bucket, in_loop=c.in_loop, in_branch=c.in_conditional,
+            sent=sent_per_device(c.kind, c.nbytes, size) if size else 0.0,
             across_hosts=t.across, mode=c.mode,
             overlapped_dots=c.dots_between if c.asynchronous else 0, branch=c.branch,
         ))

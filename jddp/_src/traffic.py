@@ -61,7 +61,7 @@ class Traffic(NamedTuple):
         rows = [f"{'#':>3} {'kind':<15} {'operands':>11} {'group':>5} {'level':<7} "
                 f"{'inside/host':>12} {'across/host':>12}"]
         for i, c in enumerate(self.collectives):
-            groups = c.collective.groups
+            groups = c.collective.known_groups
             size = len(groups[0]) if groups else 0
             rows.append(
                 f"{i:>3} {c.collective.kind:<15} {fmt_bytes(c.collective.nbytes):>11} {size:>5} "
@@ -97,7 +97,9 @@ def traffic(source: Any, host_of_device: Sequence[int]) -> Traffic:
     out = []
     total_in = total_across = 0.0
     for c in collectives(source):
-        groups = c.groups or (tuple(range(len(host))),)
+        known = c.known_groups
+        # Unknown groups (a form hlo cannot read, warned there): no bytes counted, not crossing.
+        groups = () if known is None else known or (tuple(range(len(host))),)
         inside = across = 0.0
         crosses = False
         for group in groups:

@@ -20,7 +20,10 @@ This module is jddp's only reader of HLO text. Three levels, each built on the o
   (:class:`Instruction`: name, opcode, result arrays, operand names, called computations,
   attributes);
 * :func:`collectives` lists every collective of the module as a :class:`Collective` (kind, operand
-  bytes, replica groups, position, in a loop or branch or not);
+  bytes, replica groups, position, in a loop or branch or not); its groups are read in every form
+  XLA prints (:func:`parse_replica_groups`: explicit lists, iota, the partitioner's mesh axes),
+  and a form it does not know reads as unknown with an :class:`UnknownReplicaGroupsWarning`
+  (:attr:`Collective.known_groups`) wherever jddp reads a program for itself;
 * :func:`read_schedule` reads one computation (ENTRY by default) as a :class:`Schedule`: its ops in
   order, which of them are GEMMs, and its collectives with the ops scheduled around them.
 
@@ -51,6 +54,7 @@ from jddp._src.hlo import (
     Module,
     Schedule,
     ScheduledOp,
+    UnknownReplicaGroupsWarning,
     bucket_of,
     bucket_scope,
     collectives,
@@ -70,6 +74,7 @@ __all__ = [
     "Module",
     "Schedule",
     "ScheduledOp",
+    "UnknownReplicaGroupsWarning",
     "bucket_of",
     "bucket_scope",
     "collectives",

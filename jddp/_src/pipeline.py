@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 from jddp._src import accumulation as acc_lib
 from jddp._src import deterministic as det_lib
 from jddp._src import jaxpr as jaxpr_lib
-from jddp._src import local_sgd, replicated, vma, zero
+from jddp._src import local_sgd, offload, replicated, vma, zero
 from jddp._src import loss_scale as ls_lib
 from jddp._src import precision as precision_lib
 from jddp._src import rng as rng_lib
@@ -137,11 +137,13 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
 
 
 def state_shardings(cfg: StepConfig, state: TrainState) -> TrainState:
-    """``NamedSharding``s of a state (or of its shape structs) on the data mesh."""
-    return jax.tree.map(
+    """``NamedSharding``s of a state (or of its shape structs) on the data mesh (the optimizer
+    state's in host memory with ``ZeRO(offload=True)``)."""
+    shardings = jax.tree.map(
         lambda s: NamedSharding(cfg.mesh, s), state_specs(cfg, state),
         is_leaf=lambda x: isinstance(x, P),
     )
+    return offload.place(shardings) if cfg.offload else shardings
 
 
 def abstract_state(cfg: StepConfig, params_like: Any, model_state_like: Any = None) -> TrainState:
@@ -1090,6 +1092,8 @@ def train_step(
       rng: the run's PRNG key, with ``rng=True`` (each example's key is derived from it).
     """
     obj = objective(cfg, state.model_state is not None)
+    if cfg.offload:  # the optimizer state comes from host memory for the update
+        state = offload.fetch(state)
     local_phase, hook_phase = local_sgd.split_phase(cfg, phase)
     lv = local_sgd.levels(cfg, None if local_phase is None else local_phase.kind)
     view = state if lv.replica is None else local_sgd.replica_view(state)
@@ -1134,7 +1138,8 @@ def train_step(
     if state.accum is not None:
         metrics["synced"] = res.synced
     metrics = {**metrics, **res.local_metrics, **update_metrics}
-    return new_state, _optimizer_metrics(lv, metrics, new_state.opt_state)
+    metrics = _optimizer_metrics(lv, metrics, new_state.opt_state)
+    return (offload.store(new_state) if cfg.offload else new_state), metrics
 
 
 def step_phase(cfg: StepConfig) -> Callable[[int], Any] | None:

@@ -65,7 +65,7 @@ def _placement(p: pol.Policies) -> dict[str, Any]:
     if isinstance(place, pol.Replicate):
         return {}
     return dict(zero_stage=place.stage, hybrid_shard=place.hybrid,
-                reshard_after_forward=place.resharding())
+                reshard_after_forward=place.resharding(), offload=place.offload)
 
 
 def step_config(loss_fn: Callable[..., Any], optimizer: Any, mesh: Mesh, p: pol.Policies,

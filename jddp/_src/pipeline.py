@@ -1092,8 +1092,6 @@ def train_step(
       rng: the run's PRNG key, with ``rng=True`` (each example's key is derived from it).
     """
     obj = objective(cfg, state.model_state is not None)
-    if cfg.offload:  # the optimizer state comes from host memory for the update
-        state = offload.fetch(state)
     local_phase, hook_phase = local_sgd.split_phase(cfg, phase)
     lv = local_sgd.levels(cfg, None if local_phase is None else local_phase.kind)
     view = state if lv.replica is None else local_sgd.replica_view(state)
@@ -1108,11 +1106,13 @@ def train_step(
             observer(plan)
 
     data = P(cfg.axis_name)
+    # The per-device phases never read the optimizer state; offloaded, it stays on the host.
+    inside = state.replace(opt_state=None) if cfg.offload else state
     local = jax.shard_map(
         functools.partial(_deterministic_step if cfg.deterministic else _local_step, cfg, obj,
                           observe, sync, hook_phase, lv, layout),
         mesh=cfg.mesh,
-        in_specs=(state_specs(cfg, state), data, data, P()),
+        in_specs=(state_specs(cfg, inside), data, data, P()),
         out_specs=_result_specs(cfg, lv, view, layout),
         # The sharded stages' reduce-scatter returns values that vma types cannot express as
         # replicated (whole leaves and metrics riding on it): their shard_map is untyped, like
@@ -1120,7 +1120,9 @@ def train_step(
         # deterministic=True: untyped too; its all-gathered sums are replicated by construction.
         check_vma=cfg.zero_stage < 2 and not cfg.deterministic,
     )
-    res = local(state, batch, weights, rng)
+    res = local(inside, batch, weights, rng)
+    if cfg.offload:  # the optimizer state comes from host memory for the update
+        state = offload.fetch(state)
     plan = plans[-1]
     new_state, update_metrics = _apply_update(cfg, lv, state, res, sync, layout, plan)
     # The bytes each branch sent (the deterministic step reports its own in its metrics).

@@ -148,7 +148,7 @@ def step_times(width: int, rounds: int, steps: int) -> dict:
             state, _ = ddp.step(state, batch)  # compile
             runs[(stage, off)] = [ddp, state, batch, []]
     for _ in range(rounds):
-        for key, run in runs.items():
+        for run in runs.values():
             ddp, state, batch, times = run
             jax.block_until_ready(state)
             t0 = time.perf_counter()

@@ -250,14 +250,16 @@ def mark_host_arguments(lowered: jax.stages.Lowered, indices: Any) -> jax.stages
     """
     from jaxlib.mlir import ir
 
-    module = lowered.compiler_ir("stablehlo")
+    module: Any = lowered.compiler_ir("stablehlo")
+    if module is None:
+        raise ValueError("mark_host_arguments needs a lowering with a StableHLO module")
     with module.context:
         main = next(op for op in module.body.operations
                     if "sym_name" in op.attributes
                     and ir.StringAttr(op.attributes["sym_name"]).value == "main")
         attrs = list(main.arg_attrs)
         for i in indices:
-            entries = {a.name: a.attr for a in ir.DictAttr(attrs[i])}
+            entries = {a.name: a.attr for a in ir.DictAttr(attrs[i])}  # type: ignore[attr-defined]
             entries["mhlo.memory_kind"] = ir.StringAttr.get("pinned_host")
             attrs[i] = ir.DictAttr.get(entries)
         main.arg_attrs = ir.ArrayAttr.get(attrs)

@@ -61,7 +61,8 @@ def _bitwise(a, b) -> None:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offloaded_training_is_bitwise_the_device_one(stage):
     """Same parameters and optimizer state after 3 Adam steps; the optimizer state in pinned host
-    memory at rest (after init and after every step), the parameters in device memory."""
+    memory at rest (after init and after every step), the parameters in device memory; replicas
+    verified (``ddp.verify`` reads the offloaded state)."""
     ddp = _ddp(stage, True)
     state = ddp.init(mlp_params(0, SIZES))
     assert _kinds(state.opt_state) == {offload.HOST}
@@ -70,6 +71,7 @@ def test_offloaded_training_is_bitwise_the_device_one(stage):
         state, metrics = ddp.step(state, _batch(i))
         assert _kinds(state.opt_state) == {offload.HOST}, i
         assert _kinds(state.params) == {"device"}, i
+    ddp.verify(state)  # reads the host-memory optimizer state (copied to the devices for it)
     plain = _train(_ddp(stage, False), 3)
     _bitwise(state.params, plain.params)
     _bitwise(state.opt_state, plain.opt_state)

@@ -49,6 +49,14 @@ def store(state: Any) -> Any:
         lambda x: jax.device_put(x, jax.memory.Space.Host), state.opt_state))
 
 
+def device_copy(tree: Any) -> Any:
+    """Outside the step: ``tree`` with its host-memory leaves copied to device memory (for the
+    programs that read a state besides the step, e.g. ``ddp.verify``)."""
+    return jax.tree.map(
+        lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")) if on_host(x) else x,
+        tree)
+
+
 def on_host(x: Any) -> bool:
     """Whether an array (or shape struct) is placed in host memory."""
     kind = getattr(getattr(x, "sharding", None), "memory_kind", None)

@@ -52,7 +52,9 @@ MIB = 2**20
 STAGES = [("stage 0", dict(zero_stage=0)), ("stage 1", dict(zero_stage=1)),
           ("stage 2", dict(zero_stage=2)),
           ("stage 3, keep", dict(zero_stage=3, reshard_after_forward=False)),
-          ("stage 3, reshard", dict(zero_stage=3, reshard_after_forward=True))]
+          ("stage 3, reshard", dict(zero_stage=3, reshard_after_forward=True)),
+          # Adam's moments in host memory between steps (issue #39): device memory only
+          ("stage 3, reshard, offload", dict(place=jddp.ZeRO(stage=3, offload=True)))]
 PRECISIONS = [("float32", None), ("bf16 params", "bf16")]
 
 
@@ -125,8 +127,21 @@ def peak_bytes(model, width: int, kw: dict, precision, mesh) -> int:
     """The compiled step's peak per device (bytes), from abstract inputs."""
     params, loss_fn, batch = model(width)
     mp = None if precision is None else jddp.precision.MixedPrecision(param_dtype=jnp.bfloat16)
-    ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=mesh, mixed_precision=mp, **kw)
-    m = ddp.lower(params, batch).compile().memory_analysis()
+    if "place" in kw:  # the policies' spelling (the two spellings do not mix)
+        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=mesh, precision=mp, **kw)
+    else:
+        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=mesh, mixed_precision=mp, **kw)
+    state = ddp.abstract_state(params)
+    lowered = ddp.step.lower(state, batch)
+    if kw.get("place") is not None and kw["place"].offload and mesh.devices.flat[0].platform != "cpu":
+        # Compile-only devices drop the memory kind: mark the optimizer state as host memory
+        # (as JAX does on a real GPU); memory_analysis then counts it as host bytes.
+        from jddp.perf import topologies
+
+        marked = state.replace(opt_state=jax.tree.map(lambda _: "opt", state.opt_state))
+        topologies.mark_host_arguments(lowered, [i for i, x in enumerate(jax.tree.leaves(marked))
+                                                 if isinstance(x, str)])
+    m = lowered.compile().memory_analysis()
     return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                + m.temp_size_in_bytes)
 
@@ -194,13 +209,15 @@ def largest_width(measure, limit: int, step: int, start: tuple[int, ...]) -> dic
 # -------------------------------------------------------------------------------------- main
 
 
-def run(mesh, limit: int, step: int, models: list[str], log) -> dict:
+def run(mesh, limit: int, step: int, models: list[str], log, variants: list[str]) -> dict:
     out: dict = {}
     for name in models:
         model = MODELS[name]
         out[name] = {}
         for pname, precision in PRECISIONS:
             for sname, kw in STAGES:
+                if sname not in variants:
+                    continue
                 t0 = time.perf_counter()
                 res = largest_width(lambda w, m=model, k=kw, p=precision: peak_bytes(m, w, k, p, mesh),
                                     limit, step, (1024, 2048))
@@ -218,6 +235,8 @@ def table(results: dict, backend: str) -> str:
     for name, res in results.items():
         rows += [f"{name}:", "", "| stage | float32 | bf16 params |", "|---|---|---|"]
         for sname, _ in STAGES:
+            if f"{sname}, {PRECISIONS[0][0]}" not in res:
+                continue
             cells = [res[f"{sname}, {p}"] for p, _ in PRECISIONS]
             rows.append(f"| {sname} | " + " | ".join(
                 f"{c['width']} ({c['peak_mib']:.0f})" for c in cells) + " |")
@@ -232,17 +251,23 @@ def main() -> None:
     p.add_argument("--limit-gib", type=float, default=2.0)
     p.add_argument("--step", type=int, default=128, help="width granularity (a multiple of 128)")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated model names")
+    p.add_argument("--variants", default=";".join(s for s, _ in STAGES),
+                   help="semicolon-separated rows (e.g. 'stage 3, reshard, offload')")
+    p.add_argument("--no-cpu", action="store_true", help="only the H100 target (with --gpu)")
     args = p.parse_args()
     models = [m for m in MODELS if m in args.models.split(",")]
+    variants = args.variants.split(";")
     limit = int(args.limit_gib * GIB)
     t0 = time.perf_counter()
     results = {"limit_bytes": limit, "step": args.step, "load_before": os.getloadavg()[0]}
-    results["cpu"] = run(jddp.data_mesh(), limit, args.step, models, print)
-    print("\n" + table(results["cpu"], "8 simulated CPU devices"))
+    if not args.no_cpu:
+        results["cpu"] = run(jddp.data_mesh(), limit, args.step, models, print, variants)
+        print("\n" + table(results["cpu"], "8 simulated CPU devices"))
     if args.gpu:
         from jddp.perf import topologies
 
-        results["h100"] = run(topologies.gpu_mesh(8), limit, args.step, models, print)
+        results["h100"] = run(topologies.gpu_mesh(8), limit, args.step, models, print,
+                              variants)
         print("\n" + table(results["h100"], "8 compile-only H100s"))
     results["seconds"] = time.perf_counter() - t0
     results["load_after"] = os.getloadavg()[0]

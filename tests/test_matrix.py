@@ -344,6 +344,8 @@ def _compat_cells() -> list:
         ("sharded accumulator + stage below 2", lambda: {"accumulate": shard()}, "1d", 1),
         ("sharded accumulator + stateful hook", lambda: {
             "accumulate": shard(), "reduce": jddp.Buckets(hook=jddp.powersgd())}, "1d", 2),
+        ("offload + local SGD", lambda: {"place": jddp.ZeRO(stage=2, offload=True),
+                                         "sync": jddp.local_sgd.diloco(2)}, "2l", 2),
         ("sharded accumulator + local SGD", lambda: {"accumulate": shard(), "sync": jddp.local_sgd.diloco(2)},
          "2l", 2),
     ]
@@ -439,6 +441,19 @@ def _cells() -> list[Cell]:
         Cell("mixed_precision, params promoted in the loss + reshard_after_forward",
              lambda: {"mixed_precision": _mp(), "reshard_after_forward": True}, "1d", 3,
              equal("mp_plain"), procs=2),
+        # ZeRO-Offload: the optimizer state in host memory between steps (docs/sharded.md)
+        Cell("offload", lambda: {"place": jddp.ZeRO(stage=1, offload=True)}, "1d", 1,
+             equal("plain")),
+        Cell("offload", lambda: {"place": jddp.ZeRO(stage=2, offload=True)}, "1d", 2,
+             equal("plain")),
+        Cell("offload", lambda: {"place": jddp.ZeRO(stage=3, offload=True)}, "1d", 3,
+             equal("plain"), procs=2),
+        Cell("offload + accumulate(steps=2)", lambda: {
+            "place": jddp.ZeRO(stage=3, offload=True), "accumulate": jddp.Accumulate(steps=2)},
+             "1d", 3, equal("accumulate")),
+        Cell("offload + hybrid", lambda: {"place": jddp.ZeRO(stage=2, hybrid=True,
+                                                             offload=True)}, "2l", 2,
+             equal("plain")),
         # local SGD
         Cell("post_local_sgd(2)", lambda: {"local_sgd": post(2)}, "1d", 0, equal("post_local")),
         Cell("diloco(2)", lambda: {"local_sgd": diloco(2)}, "2l", 0, equal("diloco"), procs=2),

@@ -16,7 +16,7 @@ import os, sys
 import numpy as np
 
 mode, ckdir, out = sys.argv[1:4]
-stages = [int(x) for x in sys.argv[4].split(",")]
+stages = sys.argv[4].split(",")  # "3": zero_stage=3; "2o": jddp.ZeRO(stage=2, offload=True)
 import jax
 import jddp
 if mode == "single":
@@ -46,8 +46,13 @@ def loss_fn(p, b):
 mesh = jddp.data_mesh()
 assert mesh.size == 4
 for stage in stages:  # each stage: its own DataParallel, checkpoint directory and output
-    ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh, bucket_cap_mb=0.001,
-                            first_bucket_mb=0.0005, zero_stage=stage)
+    if stage.endswith("o"):
+        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh,
+                                reduce=jddp.Buckets(cap_mb=0.001, first_mb=0.0005),
+                                place=jddp.ZeRO(stage=int(stage[:-1]), offload=True))
+    else:
+        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh, bucket_cap_mb=0.001,
+                                first_bucket_mb=0.0005, zero_stage=int(stage))
     mngr = ckpt.manager(os.path.join(ckdir, str(stage)))
     if mode == "resume":
         like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -64,7 +69,8 @@ for stage in stages:  # each stage: its own DataParallel, checkpoint directory a
             for i, leaf in enumerate(jax.tree.leaves(state.params))}
     if jax.process_index() == 0:
         np.savez(f"{out}.{stage}.npz", step=int(state.step), **flat)
-    print("DONE", stage, int(state.step), jax.process_count())
+    kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)})
+    print("DONE", stage, int(state.step), jax.process_count(), "opt_state in", ",".join(kinds))
 '''
 
 
@@ -78,10 +84,26 @@ def test_two_processes_match_one_process_and_resume_bit_identically(tmp_path):
     """ZeRO stages 0 and 3, one after the other in the same processes (one process start-up for
     both): 2x2 over Gloo equals 1x4, and resuming the 2x2 job from its step-3 checkpoint ends
     exactly where the uninterrupted 2x2 job ended."""
+    _match_and_resume(tmp_path, ("0", "3"))
+
+
+@pytest.mark.slow
+def test_offloaded_two_processes_match_one_process_and_resume_bit_identically(tmp_path):
+    """``jddp.ZeRO(stage=2, offload=True)`` on 2x2: equals 1x4, the optimizer state in pinned host
+    memory on both processes after the run and after restoring the step-3 checkpoint (through
+    ``ddp.abstract_state``), and the resumed run ends exactly where the uninterrupted one ended."""
+    outs = _match_and_resume(tmp_path, ("2o",))
+    for out in outs:
+        assert "[rank0] DONE 2o 6 2 opt_state in pinned_host" in out, out[-2000:]
+        assert "[rank1] DONE 2o 6 2 opt_state in pinned_host" in out, out[-2000:]
+
+
+def _match_and_resume(tmp_path, stages: tuple[str, ...]) -> list[str]:
+    """Runs the job 1x4, 2x2 and 2x2 resumed from step 3; checks the three agree; returns the two
+    launches' outputs."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     ck = tmp_path / "ckpt"
-    stages = ("0", "3")
 
     single = subprocess.run(
         [sys.executable, str(script), "single", str(tmp_path / "ck_single"),
@@ -99,10 +121,12 @@ def test_two_processes_match_one_process_and_resume_bit_identically(tmp_path):
     for stage in stages:
         assert f"[rank0] DONE {stage} 6 2" in out and f"[rank1] DONE {stage} 6 2" in out
 
+    outs = [out]
     rc, out, err, _ = run_launcher(
         [*launch, "resume", str(ck), str(tmp_path / "resume"), ",".join(stages)], timeout=110,
         env=env)
     assert rc == 0, (out[-2000:], err[-3000:])
+    outs.append(out)
 
     for stage in stages:
         step_s, single_p = _load(tmp_path / f"single.{stage}.npz")
@@ -118,3 +142,4 @@ def test_two_processes_match_one_process_and_resume_bit_identically(tmp_path):
         # exactly.
         for a, b in zip(full_p, resume_p, strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"stage {stage}")
+    return outs

@@ -275,7 +275,7 @@ def test_policies_normalise_their_fields():
     (lambda: jddp.ZeRO(stage=0), ValueError, r"place=jddp.Replicate\(\)"),
     (lambda: jddp.ZeRO(stage=2, reshard_after_forward=True), ValueError, "zero_stage=3 only"),
     (lambda: jddp.ZeRO(stage=3, reshard_after_forward=0), ValueError, "positive int"),
-    (lambda: jddp.ZeRO(offload=True), ValueError, "not implemented in this release"),
+    (lambda: jddp.ZeRO(offload=1), TypeError, "ZeRO.offload must be True or False"),
     (lambda: jddp.Accumulate(steps=0), ValueError, "Accumulate.steps must be >= 1"),
     (lambda: jddp.Accumulate(microbatches=1.5), TypeError, "Accumulate.microbatches"),
     (lambda: jddp.Accumulate(dtype=jnp.int32), TypeError, "Accumulate.dtype"),

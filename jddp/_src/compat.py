@@ -82,6 +82,10 @@ def dynamic_scale(c: Combination) -> bool:
     return isinstance(c.policies.loss_scale, DynamicScale)
 
 
+def _offload(c: Combination) -> bool:
+    return zero(c) and c.policies.place.offload  # type: ignore[union-attr]
+
+
 def one_level_mesh(c: Combination) -> bool:
     return not c.two_level
 
@@ -162,6 +166,11 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("hybrid ZeRO on a 1-D mesh", _hybrid, one_level_mesh,
             "ZeRO(hybrid=True) (hybrid_shard) shards inside each host and needs a two-level "
             "mesh to know what a host is: build it with jddp.data_mesh(hosts=...)."),
+    Refusal("offload + local SGD", _offload, local_sgd,
+            "ZeRO(offload=True) moves the optimizer state between host and device memory "
+            "around the update, and local SGD or DiLoCo (sync=...) keep one optimizer state per "
+            "replica, updated under vmap, plus DiLoCo's outer state: that placement is not "
+            "offloaded. Use ZeRO(offload=False) with local SGD, or sync=jddp.EveryStep()."),
     Refusal("sharded accumulator + stage below 2", sharded_accumulator, _stage_below_2,
             f"{_SHARD}, but only ZeRO stages 2-3 reduce-scatter gradients. Use "
             "place=jddp.ZeRO(stage=2 or 3), or Accumulate(shard=None)."),

@@ -70,6 +70,8 @@ class StepConfig:
         (ZeRO++'s hpZ, FSDP2's int) keeps a copy split over groups of ``k`` devices for the
         backward to gather from (resolved against the mesh by
         :func:`jddp._src.options.reshard_group`: ``1`` is ``False``, the shard count ``True``).
+      offload: the optimizer state lives in host memory between steps
+        (:mod:`jddp._src.offload`).
       rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
       sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
       loss_scale: dynamic loss scaling (``None``: off).
@@ -101,6 +103,7 @@ class StepConfig:
     zero_stage: options.ZeroStage = 0
     hybrid_shard: bool = False
     reshard_after_forward: bool | int = False
+    offload: bool = False
     rng: bool = False
     sum_metrics: tuple[str, ...] = ()
     loss_scale: DynamicScale | None = None

@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 from jddp._src import accumulation as acc_lib
 from jddp._src import deterministic as det_lib
 from jddp._src import jaxpr as jaxpr_lib
-from jddp._src import local_sgd, replicated, vma, zero
+from jddp._src import local_sgd, offload, replicated, vma, zero
 from jddp._src import loss_scale as ls_lib
 from jddp._src import precision as precision_lib
 from jddp._src import rng as rng_lib
@@ -137,11 +137,13 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
 
 
 def state_shardings(cfg: StepConfig, state: TrainState) -> TrainState:
-    """``NamedSharding``s of a state (or of its shape structs) on the data mesh."""
-    return jax.tree.map(
+    """``NamedSharding``s of a state (or of its shape structs) on the data mesh (the optimizer
+    state's in host memory with ``ZeRO(offload=True)``)."""
+    shardings = jax.tree.map(
         lambda s: NamedSharding(cfg.mesh, s), state_specs(cfg, state),
         is_leaf=lambda x: isinstance(x, P),
     )
+    return offload.place(shardings) if cfg.offload else shardings
 
 
 def abstract_state(cfg: StepConfig, params_like: Any, model_state_like: Any = None) -> TrainState:
@@ -1127,11 +1129,13 @@ def train_step(
             observer(plan)
 
     data = P(cfg.axis_name)
+    # The per-device phases never read the optimizer state; offloaded, it stays on the host.
+    inside = state.replace(opt_state=None) if cfg.offload else state
     local = jax.shard_map(
         functools.partial(_deterministic_step if cfg.deterministic else _local_step, cfg, obj,
                           observe, sync, hook_phase, lv, layout),
         mesh=cfg.mesh,
-        in_specs=(state_specs(cfg, state), data, data, P()),
+        in_specs=(state_specs(cfg, inside), data, data, P()),
         out_specs=_result_specs(cfg, lv, view, layout),
         # The sharded stages' reduce-scatter returns values that vma types cannot express as
         # replicated (whole leaves and metrics riding on it): their shard_map is untyped, like
@@ -1139,7 +1143,9 @@ def train_step(
         # deterministic=True: untyped too; its all-gathered sums are replicated by construction.
         check_vma=cfg.zero_stage < 2 and not cfg.deterministic,
     )
-    res = local(state, batch, weights, rng)
+    res = local(inside, batch, weights, rng)
+    if cfg.offload:  # the optimizer state comes from host memory for the update
+        state = offload.fetch(state)
     plan = plans[-1]
     new_state, update_metrics = _apply_update(cfg, lv, state, res, sync, layout, plan)
     # The bytes each branch sent (the deterministic step reports its own in its metrics).
@@ -1157,7 +1163,8 @@ def train_step(
     if state.accum is not None:
         metrics["synced"] = res.synced
     metrics = {**metrics, **res.local_metrics, **update_metrics}
-    return new_state, _optimizer_metrics(lv, metrics, new_state.opt_state)
+    metrics = _optimizer_metrics(lv, metrics, new_state.opt_state)
+    return (offload.store(new_state) if cfg.offload else new_state), metrics
 
 
 def step_phase(cfg: StepConfig) -> Callable[[int], Any] | None:

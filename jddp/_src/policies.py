@@ -180,9 +180,10 @@ class ZeRO:
         them; an int ``k`` keeps a copy split over groups of ``k`` devices (ZeRO++'s hpZ).
       hybrid: on a two-level mesh (``data_mesh(hosts=...)``), shard inside each host and
         replicate across hosts (FSDP's ``HYBRID_SHARD``).
-      offload: keep the sharded state in host memory. Not implemented in this release: only
-        ``False`` is accepted (the field is here so that code written against the published
-        signature keeps working when it lands).
+      offload: keep the optimizer state in (pinned) host memory between steps, split as at
+        this stage; each step moves it to the devices for the update and back
+        (:mod:`jddp._src.offload`; ZeRO-Offload, FSDP2's ``CPUOffloadPolicy``). The
+        parameters stay in device memory, stage 3 included.
     """
 
     stage: int = 3
@@ -201,9 +202,7 @@ class ZeRO:
         _set(self, "stage", int(stage))
         self.resharding()  # checks it (kept as given, so dataclasses.replace works)
         _set(self, "hybrid", options.flag(self.hybrid, "ZeRO.hybrid"))
-        if options.flag(self.offload, "ZeRO.offload"):
-            raise ValueError("ZeRO(offload=True): offloading the sharded state to host memory "
-                             "is not implemented in this release; pass offload=False.")
+        _set(self, "offload", options.flag(self.offload, "ZeRO.offload"))
 
     def resharding(self) -> bool | int:
         """``reshard_after_forward`` resolved: ``None`` is ``True`` at stage 3, else ``False``;

@@ -82,6 +82,11 @@ class MemoryReport(NamedTuple):
       temporaries: XLA's scratch space during the step.
       peak: ``arguments + outputs - aliased + temporaries``, the most the step holds at once.
       generated_code: the executable's code size.
+      host_at_rest: the part of the state placed in host memory, per device
+        (``jddp.ZeRO(offload=True)``'s optimizer state; not counted in ``at_rest``).
+      host_peak: host memory the program holds at once, per device (XLA's host figures:
+        ``arguments + outputs - aliased + temporaries``; 0 where the backend keeps every memory
+        kind in one memory and counts it above, as XLA:CPU does).
     """
 
     at_rest: int
@@ -91,6 +96,8 @@ class MemoryReport(NamedTuple):
     temporaries: int
     peak: int
     generated_code: int
+    host_at_rest: int = 0
+    host_peak: int = 0
 
 
 class Report(NamedTuple):
@@ -209,6 +216,9 @@ class Report(NamedTuple):
                          f"{fmt_bytes(m.arguments)}, outputs {fmt_bytes(m.outputs)} (aliased "
                          f"{fmt_bytes(m.aliased)}), temporaries {fmt_bytes(m.temporaries)}, "
                          f"peak {fmt_bytes(m.peak)}")
+            if m.host_at_rest or m.host_peak:
+                lines.append(f"host memory per device: at rest {fmt_bytes(m.host_at_rest)}, "
+                             f"peak {fmt_bytes(m.host_peak)}")
         return "\n".join(lines)
 
 
@@ -238,8 +248,19 @@ def memory(compiled: Any, state: Any) -> MemoryReport | None:
         return None
     args, outs = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
     alias, temp = int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes)
-    return MemoryReport(state_bytes_per_device(state), args, outs, alias, temp,
-                        args + outs - alias + temp, int(ma.generated_code_size_in_bytes))
+    import jax
+
+    from jddp._src import offload
+
+    host = [int(getattr(ma, f"host_{f}_size_in_bytes", 0) or 0)
+            for f in ("argument", "output", "alias", "temp")]
+    leaves = jax.tree.leaves(state)
+    on_host = [x for x in leaves if offload.on_host(x)]
+    return MemoryReport(state_bytes_per_device(state) - state_bytes_per_device(on_host), args,
+                        outs, alias, temp, args + outs - alias + temp,
+                        int(ma.generated_code_size_in_bytes),
+                        host_at_rest=state_bytes_per_device(on_host),
+                        host_peak=host[0] + host[1] - host[2] + host[3])
 
 
 def collectives(source: Any, host_of_device: Sequence[int]) -> tuple[CollectiveReport, ...]:

@@ -10,7 +10,7 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from jddp._src import autocap, checks, compat, modelcap, options, pipeline, watchdog
+from jddp._src import autocap, checks, compat, modelcap, offload, options, pipeline, watchdog
 from jddp._src import deprecated as deprecated_lib
 from jddp._src import deterministic as det_lib
 from jddp._src import local_sgd as local_sgd_lib
@@ -65,7 +65,7 @@ def _placement(p: pol.Policies) -> dict[str, Any]:
     if isinstance(place, pol.Replicate):
         return {}
     return dict(zero_stage=place.stage, hybrid_shard=place.hybrid,
-                reshard_after_forward=place.resharding())
+                reshard_after_forward=place.resharding(), offload=place.offload)
 
 
 def step_config(loss_fn: Callable[..., Any], optimizer: Any, mesh: Mesh, p: pol.Policies,
@@ -395,7 +395,8 @@ class DataParallel:
         stage splits have no replicas to compare. With local SGD, the copies of each replica
         (the devices of a host) and DiLoCo's outer state.
         """
-        tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state,
+        tree = {"step": state.step, "params": state.params,
+                "opt_state": offload.device_copy(state.opt_state),
                 "loss_scale": state.loss_scale}
         if self.config.model_state_sync != "none":
             tree["model_state"] = state.model_state

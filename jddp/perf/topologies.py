@@ -232,3 +232,35 @@ def _reinitialise_cuda_plugin() -> bool:
         plugin.initialize()
         return True
     return False
+
+
+def mark_host_arguments(lowered: jax.stages.Lowered, indices: Any) -> jax.stages.Lowered:
+    """``lowered`` with its flat arguments at ``indices`` placed in pinned host memory.
+
+    Compile-only devices have no memory spaces, so JAX drops a ``NamedSharding``'s
+    ``memory_kind`` on them (``jddp.ZeRO(offload=True)``'s optimizer state then lowers as a
+    device argument); the transfers inside the step (``jax.device_put`` to a
+    ``jax.memory.Space``) survive. This writes the missing ``mhlo.memory_kind = "pinned_host"``
+    on those arguments of the lowered module, as JAX does for devices that have host memory, so
+    ``.compile()`` gives the program a real GPU would run. Call before the first ``compile``.
+
+    Args:
+        lowered: a ``jax.stages.Lowered`` whose arguments were not pruned (one per leaf).
+        indices: positions among ``jax.tree.leaves`` of the lowered call's arguments.
+    """
+    from jaxlib.mlir import ir
+
+    module: Any = lowered.compiler_ir("stablehlo")
+    if module is None:
+        raise ValueError("mark_host_arguments needs a lowering with a StableHLO module")
+    with module.context:
+        main = next(op for op in module.body.operations
+                    if "sym_name" in op.attributes
+                    and ir.StringAttr(op.attributes["sym_name"]).value == "main")
+        attrs = list(main.arg_attrs)
+        for i in indices:
+            entries = {a.name: a.attr for a in ir.DictAttr(attrs[i])}  # type: ignore[attr-defined]
+            entries["mhlo.memory_kind"] = ir.StringAttr.get("pinned_host")
+            attrs[i] = ir.DictAttr.get(entries)
+        main.arg_attrs = ir.ArrayAttr.get(attrs)
+    return lowered

@@ -88,7 +88,7 @@ def test_refuses_without_fma_free_cpu_code(monkeypatch):
 @pytest.mark.parametrize("kw, match", [
     (dict(zero_stage=1), "place=jddp.ZeRO"),
     (dict(hook=jddp.bf16_compress()), "hook="),
-    (dict(accumulate_steps=3), "accumulate_steps\\) to be a power of two"),
+    (dict(accumulate_steps=3), r"Accumulate\(steps=\.\.\.\) to be a power of two"),
     (dict(group_size=0), "group_size must be a positive int"),
     (dict(bucket_cap_mb="auto"), "nothing to tune"),
 ])

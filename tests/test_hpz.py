@@ -155,7 +155,7 @@ def test_hpz_option_resolves_against_the_mesh():
 @pytest.mark.parametrize("kw,error,match", [
     (dict(reshard_after_forward=3), ValueError, r"must divide the 8 devices.*\[2, 4\]"),
     (dict(reshard_after_forward=0), ValueError, "positive int"),
-    (dict(reshard_after_forward=4, zero_stage=2), ValueError, "zero_stage=3 only"),
+    (dict(reshard_after_forward=4, zero_stage=2), ValueError, r"jddp\.ZeRO\(stage=3\) only"),
     (dict(reshard_after_forward=2.0), TypeError, "An int k"),
     (dict(reshard_after_forward=4, mesh="4x2"), ValueError,
      r"would span hosts \(2 devices per host\).*pass one of \[2\]"),

@@ -100,7 +100,7 @@ def test_metric_errors_are_clear():
     with pytest.raises(ValueError, match="names a metric twice"):
         jddp.DataParallel(_loss, optax.sgd(0.1), has_aux=True, sum_metrics=("a", "a"))
     ddp = jddp.DataParallel(_loss, optax.sgd(0.1), has_aux=True, sum_metrics=("tokens",))
-    with pytest.raises(ValueError, match=r"sum_metrics names \['tokens'\].*\['accuracy', "):
+    with pytest.raises(ValueError, match=r"Loss\.sum_metrics names \['tokens'\].*\['accuracy', "):
         ddp.step(ddp.init(params), _batch(16))
 
     def clashing(p, b):

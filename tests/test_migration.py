@@ -218,28 +218,34 @@ def test_migration_maps_every_ddp_concept_to_a_jddp_spelling_that_exists():
 
 
 def test_the_keywords_the_mapping_names_are_accepted():
-    """The DataParallel keywords of the jddp column construct a trainer (old spellings may warn
-    once the constructor moves to policies; they must keep working)."""
+    """The DataParallel keywords of the jddp column, in the policies' spelling, construct a
+    trainer without a DeprecationWarning (the column shows the current spelling)."""
     import warnings
 
     import jddp.precision
 
     two_level = jddp.data_mesh(hosts=2)
     cases = [
-        {"bucket_cap_mb": 25}, {"bucket_cap_mb": "model"}, {"accumulate_steps": 4},
-        {"microbatches": 2}, {"hook": jddp.fp16_compress()}, {"hook": jddp.bf16_compress()},
-        {"hook": jddp.powersgd(rank=1, start_iter=1000, min_compression_rate=2.0)},
-        {"keep_unused": True}, {"model_state_sync": "broadcast"}, {"zero_stage": 1},
-        {"zero_stage": 2}, {"zero_stage": 3, "reshard_after_forward": True},
-        {"zero_stage": 3, "hybrid_shard": True, "mesh": two_level},
-        {"hook": jddp.hooks.hierarchical(inner=jddp.bf16_compress()), "mesh": two_level},
-        {"hook": jddp.hooks.int8_compress()}, {"weighted": True}, {"rng": True},
+        {"reduce": jddp.Buckets(cap_mb=25)}, {"reduce": jddp.Buckets(cap_mb="model")},
+        {"accumulate": jddp.Accumulate(steps=4)}, {"accumulate": jddp.Accumulate(microbatches=2)},
+        {"reduce": jddp.Buckets(hook=jddp.fp16_compress())},
+        {"reduce": jddp.Buckets(hook=jddp.bf16_compress())},
+        {"reduce": jddp.Buckets(hook=jddp.powersgd(rank=1, start_iter=1000,
+                                                   min_compression_rate=2.0))},
+        {"reduce": jddp.Buckets(keep_unused=True)},
+        {"loss": jddp.Loss(model_state_sync="broadcast")}, {"place": jddp.ZeRO(stage=1)},
+        {"place": jddp.ZeRO(stage=2)}, {"place": jddp.ZeRO(stage=3, reshard_after_forward=True)},
+        {"place": jddp.ZeRO(stage=3, hybrid=True), "mesh": two_level},
+        {"reduce": jddp.Buckets(hook=jddp.hooks.hierarchical(inner=jddp.bf16_compress())),
+         "mesh": two_level},
+        {"reduce": jddp.Buckets(hook=jddp.hooks.int8_compress())},
+        {"loss": jddp.Loss(weighted=True)}, {"loss": jddp.Loss(rng=True)},
         {"verify_every": 10},
-        {"loss_scale": jddp.precision.DynamicScale()},
-        {"mixed_precision": jddp.precision.MixedPrecision(param_dtype=jnp.bfloat16,
-                                                           reduce_dtype=jnp.float32)},
+        {"loss_scale": jddp.precision.DynamicScale()}, {"loss_scale": jddp.SkipNotFinite()},
+        {"precision": jddp.precision.MixedPrecision(param_dtype=jnp.bfloat16,
+                                                    reduce_dtype=jnp.float32)},
     ]
     for kw in cases:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("error", DeprecationWarning)
             jddp.DataParallel(lambda p, b, *rng: jnp.sum(p["w"]), optax.adamw(1e-3), **kw)

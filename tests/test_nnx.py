@@ -374,10 +374,10 @@ def test_rng_true_with_a_two_argument_loss_is_a_clear_error_at_construction():
     bare ``loss_fn() takes 2 positional arguments but 3 were given``; now the constructor names
     the option and both fixes. The converse (a three-argument loss without rng) too."""
     model = MLP(nnx.Rngs(0))
-    with pytest.raises(TypeError, match=r"rng=True passes one PRNG key(.|\n)*loss_fn\(m, b\)"
-                                        r"(.|\n)*drop rng=True"):
+    with pytest.raises(TypeError, match=r"jddp\.Loss\(rng=True\) passes one PRNG key(.|\n)*loss_fn\(m, b\)"
+                                        r"(.|\n)*drop Loss\(rng=True\)"):
         jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=_mse, rng=True)
-    with pytest.raises(TypeError, match=r"needs rng=True"):
+    with pytest.raises(TypeError, match=r"needs loss=jddp\.Loss\(rng=True\)"):
         jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=lambda m, b, rng: _mse(m, b))
     for ok in (lambda m, b, rng: _mse(m, b), lambda m, b, *rest: _mse(m, b)):
         jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=ok, rng=True)  # accepted

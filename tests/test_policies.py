@@ -273,7 +273,7 @@ def test_policies_normalise_their_fields():
     (lambda: jddp.Buckets(chain="fast"), ValueError, "chain must be one of"),
     (lambda: jddp.Deterministic(group_size=0), ValueError, "Deterministic.group_size"),
     (lambda: jddp.ZeRO(stage=0), ValueError, r"place=jddp.Replicate\(\)"),
-    (lambda: jddp.ZeRO(stage=2, reshard_after_forward=True), ValueError, "zero_stage=3 only"),
+    (lambda: jddp.ZeRO(stage=2, reshard_after_forward=True), ValueError, r"jddp\.ZeRO\(stage=3\) only"),
     (lambda: jddp.ZeRO(stage=3, reshard_after_forward=0), ValueError, "positive int"),
     (lambda: jddp.ZeRO(offload=1), TypeError, "ZeRO.offload must be True or False"),
     (lambda: jddp.Accumulate(steps=0), ValueError, "Accumulate.steps must be >= 1"),

@@ -176,9 +176,9 @@ def test_option_defaults_and_errors():
 def test_state_of_the_other_layout_is_a_clear_error():
     params, batch = mlp_params(5, SIZES), _calls()[0]
     sharded, local = _ddp(3, True), _ddp(3, False)
-    with pytest.raises(ValueError, match="shard_accumulator setting.*per device"):
+    with pytest.raises(ValueError, match=r"jddp\.Accumulate\(shard=\.\.\.\).*per device"):
         local.step(sharded.init(params), batch)
-    with pytest.raises(ValueError, match="shard_accumulator setting.*sharded"):
+    with pytest.raises(ValueError, match=r"jddp\.Accumulate\(shard=\.\.\.\).*sharded"):
         sharded.step(local.init(params), batch)
 
 

@@ -137,7 +137,7 @@ def test_mask_errors():
     with pytest.raises(TypeError, match=r"shaped like the mask.*shape \(2, 1\).*float32\[2\]"):
         ddp.step(state, batch, mask=np.ones((16, 1), bool))
     plain = jddp.DataParallel(_mean_loss, optax.sgd(0.1))
-    with pytest.raises(ValueError, match="weighted=True"):
+    with pytest.raises(ValueError, match=r"jddp\.Loss\(weighted=True\)"):
         plain.step(plain.init(params), batch, mask=np.ones(16, bool))
     with pytest.raises(TypeError, match="must return the unreduced losses"):
         wrong = jddp.DataParallel(_mean_loss, optax.sgd(0.1), weighted=True)

@@ -567,7 +567,7 @@ def test_backward_prefetch_equals_stage_0(monkeypatch):
 
 
 def test_reshard_after_forward_option_errors():
-    with pytest.raises(ValueError, match="zero_stage=3 only"):
+    with pytest.raises(ValueError, match=r"jddp\.ZeRO\(stage=3\) only"):
         jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=2, reshard_after_forward=True)
     # An int group size (ZeRO++'s hpZ): tests/test_hpz.py.
     with pytest.raises(TypeError, match="True or False"):

@@ -80,7 +80,8 @@ def check_accum(state: Any, accumulate_steps: int, num_devices: int,
     if accumulate_steps == 1:
         if state.accum is not None:
             raise ValueError(
-                "state.accum holds an accumulator but this DataParallel has accumulate_steps=1; "
+                "state.accum holds an accumulator but this DataParallel does not accumulate "
+                "(Accumulate.steps=1); "
                 "use the DataParallel that built the state."
             )
         return
@@ -108,7 +109,7 @@ def check_accum(state: Any, accumulate_steps: int, num_devices: int,
             raise ValueError(
                 f"Accumulator for {key_path_str(path)} has shape {jnp.shape(a)}, expected {want} "
                 f"(the state was built for another device count, or with another "
-                f"shard_accumulator setting: this DataParallel's accumulator is "
+                f"jddp.Accumulate(shard=...): this DataParallel's accumulator is "
                 f"{'sharded' if sharded else 'per device'})? Build the state with this "
                 "DataParallel's init()."
             )
@@ -117,7 +118,8 @@ def check_accum(state: Any, accumulate_steps: int, num_devices: int,
 def check_microbatches(local_size: int, microbatches: int, num_devices: int) -> None:
     if local_size % microbatches:
         raise ValueError(
-            f"microbatches={microbatches} does not divide the per-device batch of {local_size} "
+            f"jddp.Accumulate(microbatches={microbatches}) does not divide the per-device batch "
+            f"of {local_size} "
             f"examples (global batch {local_size * num_devices} on {num_devices} devices). Use a "
             f"global batch that is a multiple of {num_devices * microbatches}."
         )

@@ -141,7 +141,7 @@ _SHARD = ("Accumulate(shard=True) reduce-scatters every call's gradients into a 
 
 TABLE: tuple[Refusal, ...] = (
     Refusal("deterministic + ZeRO", deterministic, zero,
-            f"{_DET}: it does not combine with place=jddp.ZeRO(...) (zero_stage > 0). Use "
+            f"{_DET}: it does not combine with place=jddp.ZeRO(...). Use "
             "place=jddp.Replicate(), or reduce=jddp.Buckets()."),
     Refusal("deterministic + local SGD", deterministic, local_sgd,
             f"{_DET}: it does not combine with local SGD or DiLoCo (sync=...). Use "
@@ -151,10 +151,10 @@ TABLE: tuple[Refusal, ...] = (
             "scale, or use reduce=jddp.Buckets()."),
     Refusal("deterministic + mixed precision", deterministic, _precision,
             f"{_DET} in the master dtype: mixed precision is not supported with the "
-            "deterministic reduction (deterministic=True). Drop precision=, or use "
+            "deterministic reduction (reduce=jddp.Deterministic()). Drop precision=, or use "
             "reduce=jddp.Buckets()."),
     Refusal("deterministic + odd accumulation", deterministic, _odd_window,
-            f"{_DET}: it needs Accumulate(steps=...) (accumulate_steps) to be a power of two "
+            f"{_DET}: it needs Accumulate(steps=...) to be a power of two "
             "(1, 2, 4, ...), each call's sum being one subtree of the window's tree."),
     Refusal("deterministic + odd device count", deterministic, _odd_devices,
             f"{_DET}: it needs a power-of-two device count (1, 2, 4, 8, ...), each device "
@@ -164,7 +164,7 @@ TABLE: tuple[Refusal, ...] = (
             "every device is a replica of its own (nothing to shard over). Build a two-level "
             "mesh, jddp.data_mesh(hosts=...): one replica per host, sharded over its devices."),
     Refusal("hybrid ZeRO on a 1-D mesh", _hybrid, one_level_mesh,
-            "ZeRO(hybrid=True) (hybrid_shard) shards inside each host and needs a two-level "
+            "ZeRO(hybrid=True) shards inside each host and needs a two-level "
             "mesh to know what a host is: build it with jddp.data_mesh(hosts=...)."),
     Refusal("offload + local SGD", _offload, local_sgd,
             "ZeRO(offload=True) moves the optimizer state between host and device memory "

@@ -103,10 +103,14 @@ _FLAGS = ("has_aux", "weighted", "rng", "keep_unused", "deterministic", "hybrid_
           "skip_not_finite", "skip_nonfinite")
 
 
+# What a non-bool most likely meant (the round-3 messages said it too).
+_FLAG_HINTS = {"rng": " Pass the key itself to step(state, batch, rng=key)."}
+
+
 def _check_flags(old: dict[str, Any]) -> None:
     for name in _FLAGS:
         if name in old:
-            options.flag(old[name], name)
+            options.flag(old[name], name, _FLAG_HINTS.get(name, ""))
 
 
 def _refuse_mixing(old: dict[str, Any], given: dict[str, Any]) -> None:

@@ -111,38 +111,39 @@ def check_call(cfg: Any, global_size: int, sync: Any, model_state: Any) -> None:
     g, n = cfg.group_size, cfg.num_devices
     if global_size % g:
         raise ValueError(
-            f"deterministic=True cuts the global batch into groups of group_size={g} examples, "
-            f"but the batch has {global_size}. Use a global batch that is a multiple of {g}, or "
-            "another group_size."
+            f"jddp.Deterministic() cuts the global batch into groups of group_size={g} "
+            f"examples, but the batch has {global_size}. Use a global batch that is a multiple "
+            f"of {g}, or another jddp.Deterministic(group_size=...)."
         )
     if (global_size // g) % n:
         largest = 1 << _odd_part(global_size // g)[1]
         raise ValueError(
-            f"deterministic=True: the global batch of {global_size} examples is "
+            f"jddp.Deterministic(): the global batch of {global_size} examples is "
             f"{global_size // g} groups of {g}, which {n} devices cannot split into whole "
             f"subtrees of the summation tree. This batch runs on 1..{largest} devices (powers "
             f"of two dividing the group count); use a global batch that is a multiple of "
-            f"{g * n}, or a smaller group_size."
+            f"{g * n}, or a smaller jddp.Deterministic(group_size=...)."
         )
     if sync is not None:
         raise ValueError(
-            "deterministic=True fixes the accumulation window at accumulate_steps calls (each "
-            "call is a fixed subtree of the window): call step(state, batch) without sync=."
+            "jddp.Deterministic() fixes the accumulation window at Accumulate.steps calls "
+            "(each call is a fixed subtree of the window): call step(state, batch) without "
+            "sync=."
         )
     if model_state is None:
         return
     if cfg.model_state_sync != "mean":
         raise ValueError(
-            "deterministic=True with model state: every group starts from the step's model "
+            "jddp.Deterministic() with model state: every group starts from the step's model "
             "state and the new state is the mean of the groups' new states, in the fixed tree. "
-            f"That is model_state_sync='mean'; pass it explicitly (got "
-            f"{cfg.model_state_sync!r})."
+            "That is model_state_sync='mean'; pass it explicitly, "
+            f"loss=jddp.Loss(model_state_sync='mean') (got {cfg.model_state_sync!r})."
         )
     bad = [x for x in jax.tree.leaves(model_state)
            if not jnp.issubdtype(dtype_of(x), jnp.floating)]
     if bad:
         raise ValueError(
-            "deterministic=True averages the model state over groups, so its leaves must be "
+            "jddp.Deterministic() averages the model state over groups, so its leaves must be "
             f"floating point; got {[str(dtype_of(x)) for x in bad]}."
         )
 
@@ -152,11 +153,11 @@ def check_no_collectives(jaxpr: Any) -> None:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _COLLECTIVES:
             raise ValueError(
-                f"deterministic=True: loss_fn runs the collective {eqn.primitive.name!r} (e.g. "
+                f"jddp.Deterministic(): loss_fn runs the collective {eqn.primitive.name!r} (e.g. "
                 "cross-replica BatchNorm with axis_name=...). Its result depends on how the "
                 "batch is split over devices, so no layout-independent step exists: drop the "
                 "axis_name (each group then normalises its own examples) or use "
-                "deterministic=False."
+                "reduce=jddp.Buckets()."
             )
         for v in eqn.params.values():
             for sub in v if isinstance(v, tuple | list) else (v,):
@@ -187,7 +188,8 @@ def check_backend(cfg: Any) -> None:
     platform = cfg.mesh.devices.flat[0].platform
     if platform != "cpu":
         warnings.warn(
-            f"deterministic=True on {platform}: the layout-independent summation applies, but "
+            f"jddp.Deterministic() on {platform}: the layout-independent summation applies, "
+            "but "
             "bitwise equality across layouts is verified on x86-64 CPUs only (where XLA's FMA "
             "contraction is switched off, docs/deterministic.md); compare the bits yourself.",
             stacklevel=3,
@@ -196,12 +198,13 @@ def check_backend(cfg: Any) -> None:
     machine = pyplatform.machine().lower()
     if machine not in ("x86_64", "amd64"):
         raise ValueError(
-            f"deterministic=True needs XLA's CPU code without FMA contraction, which XLA offers "
+            f"jddp.Deterministic() needs XLA's CPU code without FMA contraction, which XLA "
+            "offers "
             f"on x86-64 only (XLA_FLAGS={FMA_FREE_FLAG}); this machine is {machine}."
         )
     if not _fma_free(os.environ.get("XLA_FLAGS", "")):
         raise ValueError(
-            "deterministic=True on CPU needs XLA to emit no FMA instructions: XLA contracts "
+            "jddp.Deterministic() on CPU needs XLA to emit no FMA instructions: XLA contracts "
             "multiply-adds differently in programs for different layouts (the optimizer's "
             f"update rounds differently). Set XLA_FLAGS={FMA_FREE_FLAG} in the environment "
             "before JAX starts (e.g. `XLA_FLAGS=--xla_cpu_max_isa=AVX python train.py`, or "
@@ -235,15 +238,16 @@ def check_accum(cfg: Any, state: Any) -> None:
     """Trace-time check that ``state.accum`` is a deterministic accumulator of this trainer."""
     if cfg.accumulate_steps == 1:
         if state.accum is not None:
-            raise ValueError("state.accum holds an accumulator but this DataParallel has "
-                             "accumulate_steps=1; use the DataParallel that built the state.")
+            raise ValueError("state.accum holds an accumulator but this DataParallel does not "
+                             "accumulate (Accumulate.steps=1); use the DataParallel that built "
+                             "the state.")
         return
     want = (cfg.num_devices, _stack_slots(cfg))
     acc = state.accum
     if (not isinstance(acc, AccumState) or jnp.shape(acc.loss) != want
             or jax.tree.structure(acc.grads) != jax.tree.structure(state.params)):  # type: ignore[operator]
         raise ValueError(
-            "This DataParallel(deterministic=True) accumulates over "
+            "This DataParallel(reduce=jddp.Deterministic()) accumulates over "
             f"{cfg.accumulate_steps} calls, but state.accum is not its accumulator (expected "
             f"loss sums of shape {want}; a state of another trainer or device count?). Build "
             "the state with this DataParallel's init()."

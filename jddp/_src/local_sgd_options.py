@@ -68,7 +68,8 @@ class LocalSGD:
         if outer is not None and self.start_step:
             raise ValueError(
                 "DiLoCo starts from the given parameters (start_step=0); to warm up with plain "
-                "data-parallel steps, train with a DataParallel without local_sgd first and pass "
+                "data-parallel steps, train with a DataParallel with sync=jddp.EveryStep() first and "
+                "pass "
                 "its params to this one's init."
             )
         if self.fragments > self.period:

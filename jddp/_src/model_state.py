@@ -68,7 +68,7 @@ def check_model_state(model_state: Any, mode: str) -> None:
         if mode != "none" and not ok:
             raise TypeError(
                 f"Model state leaf {key_path_str(path)} has dtype {getattr(leaf, 'dtype', None)}, "
-                f"which model_state_sync={mode!r} cannot send; use real, integer, boolean or "
+                f"which jddp.Loss(model_state_sync={mode!r}) cannot send; use real, integer, boolean or "
                 "PRNG key arrays."
             )
 

@@ -93,14 +93,15 @@ def _check_loss_arity(loss_fn: Callable[..., Any], rng: bool) -> None:
     except TypeError:
         if rng:
             raise TypeError(
-                f"rng=True passes one PRNG key per example as a third argument, "
+                f"jddp.Loss(rng=True) passes one PRNG key per example as a third argument, "
                 f"loss_fn(model, batch, rng), but loss_fn{sig} cannot take it. Add the argument "
-                "(and draw dropout keys from it), or drop rng=True to use the model's own "
+                "(and draw dropout keys from it), or drop Loss(rng=True) to use the model's own "
                 "nnx.Rngs."
             ) from None
         raise TypeError(
             f"loss_fn is called as loss_fn(model, batch), but loss_fn{sig} cannot be. A loss "
-            "that takes per-example keys, loss_fn(model, batch, rng), needs rng=True."
+            "that takes per-example keys, loss_fn(model, batch, rng), needs "
+            "loss=jddp.Loss(rng=True)."
         ) from None
 
 

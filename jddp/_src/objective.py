@@ -50,12 +50,12 @@ STEP_METRICS: dict[str, str] = {
     "loss": "the mean loss of the step (with accumulation: of the window)",
     "comm_bytes": "bytes this device sent in the step's collectives",
     "comm_bytes_hosts": "of those, bytes sent across hosts (two-level mesh)",
-    "skipped": "1.0 when the update was skipped (skip_not_finite, weighted, loss_scale)",
-    "synced": "whether the call reduced gradients (accumulate_steps > 1)",
+    "skipped": "1.0 when the update was skipped (loss_scale=; Loss.weighted: no real row)",
+    "synced": "whether the call reduced gradients (Accumulate.steps > 1)",
     "loss_scale": "the loss scale this call used (loss_scale=...)",
-    "averaged": "whether the step averaged the replicas (local_sgd)",
-    "local_loss": "per device: this call's own loss (accumulate_steps > 1)",
-    "replica_loss": "per replica: its loss before averaging (local_sgd)",
+    "averaged": "whether the step averaged the replicas (local SGD sync=)",
+    "local_loss": "per device: this call's own loss (Accumulate.steps > 1)",
+    "replica_loss": "per replica: its loss before averaging (local SGD sync=)",
 }
 
 
@@ -74,7 +74,8 @@ def unpack_loss_output(out: Any, *, has_aux: bool, stateful: bool) -> LossOutput
             return LossOutput(out, None, {})
         if not isinstance(out, tuple) or len(out) != 2:
             raise TypeError(
-                f"With has_aux=True, loss_fn must return (loss, metrics), got {type(out).__name__}."
+                f"With jddp.Loss(has_aux=True), loss_fn must return (loss, metrics), got "
+                f"{type(out).__name__}."
             )
         return LossOutput(out[0], None, out[1])
     form = "(loss, (new_model_state, metrics))" if has_aux else "(loss, new_model_state)"
@@ -87,7 +88,8 @@ def unpack_loss_output(out: Any, *, has_aux: bool, stateful: bool) -> LossOutput
         return LossOutput(out[0], out[1], {})
     if not isinstance(out[1], tuple) or len(out[1]) != 2:
         raise TypeError(
-            f"With model state and has_aux=True, loss_fn must return {form}; the second "
+            f"With model state and jddp.Loss(has_aux=True), loss_fn must return {form}; the "
+            f"second "
             f"element is {type(out[1]).__name__}, not a (new_model_state, metrics) pair."
         )
     return LossOutput(out[0], out[1][0], out[1][1])
@@ -181,8 +183,9 @@ class Objective:
         missing = [k for k in self.sum_metrics if k not in metrics]
         if missing:
             raise ValueError(
-                f"sum_metrics names {missing}, but loss_fn's metrics are {sorted(metrics)}; "
-                "return them in the aux dict or remove them from sum_metrics."
+                f"Loss.sum_metrics names {missing}, but loss_fn's metrics are "
+                f"{sorted(metrics)}; return them in the aux dict or remove them from "
+                "jddp.Loss(sum_metrics=...)."
             )
         if not self.weighted:
             check_scalar_loss(loss)
@@ -198,7 +201,8 @@ class Objective:
         shape = jnp.shape(weights)
         if jnp.shape(loss) != shape or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
             raise TypeError(
-                "With weighted=True, loss_fn must return the unreduced losses, shaped like the "
+                "With jddp.Loss(weighted=True), loss_fn must return the unreduced losses, shaped "
+                "like the "
                 f"mask: a float array of shape {tuple(shape)} for a device's shard, got "
                 f"{jnp.result_type(loss)}{list(jnp.shape(loss))}. Return the per-example (or "
                 "per-token) losses; the step averages them over the real (mask != 0) entries."
@@ -220,8 +224,8 @@ class Objective:
                 scalars[k] = _f32(v)
             else:
                 raise ValueError(
-                    f"aux metric {k!r} has shape {jnp.shape(v)}; with weighted=True metrics must "
-                    f"be scalars or arrays shaped like the loss {tuple(shape)}."
+                    f"aux metric {k!r} has shape {jnp.shape(v)}; with jddp.Loss(weighted=True) "
+                    f"metrics must be scalars or arrays shaped like the loss {tuple(shape)}."
                 )
         weight = jnp.sum(weights.astype(jnp.float32)) / size
         return total / size, LocalAux(new_state, scalars, sums, weight)
@@ -279,7 +283,8 @@ def _check_metrics(metrics: Any) -> dict:
         return {}
     if not isinstance(metrics, dict):
         raise TypeError(
-            "The metrics returned by loss_fn (has_aux=True) must be a dict of scalars, got "
+            "The metrics returned by loss_fn (jddp.Loss(has_aux=True)) must be a dict of scalars, "
+            "got "
             f"{type(metrics).__name__}."
         )
     check_metric_names(metrics, "loss_fn's aux metrics")

@@ -33,8 +33,8 @@ def cap_bytes(mb: Any, name: str) -> int:
     if math.isnan(value) or math.isinf(value) or value <= 0:
         raise ValueError(
             f"{name} must be a positive, finite number of MiB, got {mb!r}. "
-            f"DDP's defaults are bucket_cap_mb={DEFAULT_BUCKET_CAP_MB} and "
-            f"first_bucket_mb={DEFAULT_FIRST_BUCKET_MB}."
+            f"DDP's defaults are {DEFAULT_BUCKET_CAP_MB} MiB buckets after a first one of "
+            f"{DEFAULT_FIRST_BUCKET_MB} MiB."
         )
     return max(1, int(value * MiB))
 
@@ -75,7 +75,7 @@ def model_state_sync(mode: Any) -> ModelStateSync:
     """``mode`` if it is one of :data:`SYNC_MODES`."""
     if mode not in SYNC_MODES:
         raise ValueError(
-            f"model_state_sync must be one of {SYNC_MODES}, got {mode!r}. 'broadcast' takes "
+            f"Loss.model_state_sync must be one of {SYNC_MODES}, got {mode!r}. 'broadcast' takes "
             "replica 0's state (DDP's broadcast_buffers), 'mean' averages it (SyncBatchNorm-like "
             "statistics), 'none' keeps one state per replica."
         )
@@ -142,9 +142,9 @@ def reshard_after_forward(value: Any, stage: Any) -> bool | int:
              " An int k keeps the gathered parameters sharded over groups of k devices.")
     if stage != 3:
         raise ValueError(
-            f"reshard_after_forward={value} applies to zero_stage=3 only (it frees the gathered "
-            f"parameters after the forward pass); zero_stage={stage} gathers no parameters. "
-            "Leave it unset, or pass zero_stage=3."
+            f"reshard_after_forward={value} applies to jddp.ZeRO(stage=3) only (it frees the "
+            f"gathered parameters after the forward pass); stage {stage} gathers no parameters. "
+            "Leave it unset, or pass place=jddp.ZeRO(stage=3, ...)."
         )
     return value if isinstance(value, int) and not isinstance(value, bool) else bool(value)
 

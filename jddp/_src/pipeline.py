@@ -187,29 +187,30 @@ def check_step_inputs(
         # The option probed the hook on one small leaf; a hook with state for these params
         # reduces with that state, which an accumulating call's reduce-scatter cannot carry.
         raise ValueError(
-            f"shard_accumulator reduce-scatters every call through the hook's stateless "
-            f"scatter, but {cfg.hook.name!r} keeps state for these parameters. Pass "
-            "shard_accumulator=False."
+            f"jddp.Accumulate(shard=True) reduce-scatters every call through the hook's "
+            f"stateless scatter, but {cfg.hook.name!r} keeps state for these parameters. Pass "
+            "accumulate=jddp.Accumulate(..., shard=False)."
         )
     ls_lib.check_state(state, cfg.loss_scale)
     if cfg.rng and rng is None:
         raise ValueError(
-            "This DataParallel was built with rng=True, so loss_fn takes per-example keys: pass "
-            "the run's key to every step, ddp.step(state, batch, rng=key) (the step and each "
-            "example's position are folded into it)."
+            "This DataParallel was built with loss=jddp.Loss(rng=True), so loss_fn takes "
+            "per-example keys: pass the run's key to every step, ddp.step(state, batch, "
+            "rng=key) (the step and each example's position are folded into it)."
         )
     if rng is not None:
         if not cfg.rng:
             raise ValueError(
                 "step got rng=..., but loss_fn does not take keys: build the DataParallel with "
-                "rng=True and give loss_fn a last argument rng (one key per example)."
+                "loss=jddp.Loss(rng=True) and give loss_fn a last argument rng (one key per "
+                "example)."
             )
         rng_lib.check_key(rng)
     if sync is False and not cfg.accumulates:
         raise ValueError(
             "step(..., sync=False) accumulates gradients, which needs an accumulator: create "
-            "the DataParallel with accumulate_steps=k (k > 1; the k-th call of step(state, "
-            "batch) synchronises, or choose with sync=True/False)."
+            "the DataParallel with accumulate=jddp.Accumulate(steps=k) (k > 1; the k-th call "
+            "of step(state, batch) synchronises, or choose with sync=True/False)."
         )
     if cfg.microbatches > 1:
         acc_lib.check_microbatches(size // n, cfg.microbatches, n)
@@ -217,7 +218,8 @@ def check_step_inputs(
         if mask is not None:
             raise ValueError(
                 "step got a mask, but this DataParallel averages per-shard mean losses. "
-                "Construct it with weighted=True and make loss_fn return per-example losses."
+                "Construct it with loss=jddp.Loss(weighted=True) and make loss_fn return "
+                "per-example losses."
             )
         return None
     if mask is None:

@@ -97,7 +97,9 @@ class Buckets:
       chain: how buckets are kept apart in the compiled step: ``"auto"`` (``"barrier"`` on
         GPU, ``"add"`` on CPU and TPU), ``"add"``, ``"barrier"`` or ``"none"``.
       keep_unused: keep parameters without a gradient path to the loss in the buckets (by
-        default they are left out, with a one-time warning, and get zero gradients).
+        default they are left out, with a one-time warning, and the step leaves them unchanged:
+        no optimizer update, no weight decay). ``True`` reduces their (zero) gradients and lets
+        the optimizer update them, as DDP's ``find_unused_parameters`` does.
     """
 
     cap_mb: float | str | autocap.AutoCap | modelcap.ModelCap | None = None

@@ -74,7 +74,7 @@ def check_policy(value: Any) -> MixedPrecision | None:
     if value is None or isinstance(value, MixedPrecision):
         return value
     raise TypeError(
-        f"mixed_precision must be a jddp.precision.MixedPrecision (or None), got "
+        f"precision= must be a jddp.precision.MixedPrecision (or None), got "
         f"{type(value).__name__} {value!r}; e.g. MixedPrecision(param_dtype=jnp.bfloat16, "
         "reduce_dtype=jnp.float32)."
     )
@@ -103,7 +103,8 @@ def check_master(policy: MixedPrecision | None, params: Any) -> None:
     if bad:
         shown = ", ".join(f"{k}: {d}" for k, d in bad[:3])
         raise TypeError(
-            f"mixed_precision keeps float32 master parameters, but {len(bad)} leaves are not "
+            f"precision=MixedPrecision(...) keeps float32 master parameters, but {len(bad)} "
+            "leaves are not "
             f"float32 ({shown}). Pass float32 params to init(); the policy casts them to "
             f"param_dtype={policy.param_dtype} for compute."
         )

@@ -186,7 +186,8 @@ def _check_reduced(hook: CommHook, reduced: Sequence[jax.Array], axis_name: Any,
                 f"unreduced: it still varies over the data axis {axis_name!r}, so replicas would "
                 "apply different updates and drift apart. A hook must reduce (psum/pmean, "
                 "all_gather) every gradient. To skip communication on most steps, use local SGD "
-                "or DiLoCo instead of a hook, or accumulate_steps for gradient accumulation."
+                "or DiLoCo (sync=jddp.local_sgd.diloco(...)) instead of a hook, or "
+                "accumulate=jddp.Accumulate(steps=k) for gradient accumulation."
             )
 
 

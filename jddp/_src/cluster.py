@@ -147,9 +147,11 @@ def _open_mpi(env: Mapping[str, str]) -> Launch:
             f"jddp: Open MPI's variables are incomplete ({_shown(env, names)}): "
             "OMPI_COMM_WORLD_SIZE and OMPI_COMM_WORLD_RANK are both needed")
     local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
-    nnodes = _int(env, "OMPI_MCA_orte_num_nodes")
-    if nnodes is None and local_size is not None:
-        nnodes = 1 if local_size == n else None  # several nodes, count unknown
+    nnodes = _int(env, "OMPI_MCA_orte_num_nodes")  # Open MPI 4 only
+    if local_size is not None and local_size >= n:
+        nnodes = 1
+    elif nnodes is None and local_size:
+        nnodes = -(-n // local_size)  # several nodes (exact when each runs as many ranks)
     uri = env.get("OMPI_MCA_orte_hnp_uri")
     prrte = _ompi_prrte_job(env.get("PMIX_NAMESPACE", ""))
     host, port, problem = None, None, None

@@ -36,7 +36,7 @@ from jddp._src import watchdog
 
 __all__ = ["DEFAULT_GRACE_S", "NOTICE_KEY", "Grace", "current", "start"]
 
-DEFAULT_GRACE_S = 5.0
+DEFAULT_GRACE_S = 4.0
 NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"  # set by XLA's PreemptionSyncManager on a notice
 POLL_S = 0.25  # one cheap key look-up per poll; the grace is seconds
 _HISTORY = 16  # recent asks that set the expected interval

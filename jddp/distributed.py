@@ -403,6 +403,8 @@ def _checked(where: _Where) -> _Where:
         raise ValueError("coordinator_address, num_processes and process_id must be given "
                          "together (or all left to the environment); num_processes=1 alone "
                          "runs a single process")
+    if where.num_processes == 1 and where.process_id is None:
+        where = dataclasses.replace(where, process_id=0)
     n, pid = where.num_processes, where.process_id
     assert n is not None and pid is not None
     if not 0 <= pid < n:

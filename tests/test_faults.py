@@ -872,3 +872,23 @@ def test_survivor_of_a_failed_rank_ends_in_seconds_after_sigterm(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+
+
+def test_preemption_grace_follows_the_loops_pace():
+    """The deadline after a notice: grace_s if the process never asked for the preemption point;
+    else grace_s plus twice its longest recent interval, after the later of the notice and its
+    last ask; none once the point is reached."""
+    from jddp._src import preemption
+
+    now = [100.0]
+    grace = preemption.Grace(4.0, 0, clock=lambda: now[0])
+    assert grace.deadline() is None  # no notice
+    grace.note_notice()
+    assert grace.deadline() == 104.0  # never asked: a loop without preemption points
+    for t in (101.0, 101.5, 103.0):
+        now[0] = t
+        grace.note_ask(False)
+    assert grace.deadline() == 103.0 + 4.0 + 2 * 1.5  # asks 0.5 s and 1.5 s apart
+    now[0] = 104.0
+    grace.note_ask(True)  # the point: saving may take as long as it needs
+    assert grace.deadline() is None and grace.stopped.is_set()

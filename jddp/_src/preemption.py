@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from jddp._src import watchdog
@@ -45,9 +46,11 @@ _HISTORY = 16  # recent asks that set the expected interval
 class Grace:
     """The state of one process's watch: its asks for the preemption point, and the notice."""
 
-    def __init__(self, grace_s: float, rank: int) -> None:
+    def __init__(self, grace_s: float, rank: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.grace_s = float(grace_s)
         self.rank = rank
+        self._clock = clock  # a parameter for the tests
         self.asks: collections.deque[float] = collections.deque(maxlen=_HISTORY + 1)
         self.notice_at: float | None = None
         self.reached = False
@@ -57,14 +60,14 @@ class Grace:
 
     def note_ask(self, reached: bool) -> None:
         """Records an ask for the preemption point (from the training thread)."""
-        self.asks.append(time.monotonic())
+        self.asks.append(self._clock())
         if reached:
             self.reached = True
             self.stopped.set()
 
     def note_notice(self) -> None:
         if self.notice_at is None:
-            self.notice_at = time.monotonic()
+            self.notice_at = self._clock()
 
     def deadline(self) -> float | None:
         """When this process is out of time, or None (no notice, or the point was reached)."""
@@ -83,7 +86,7 @@ class Grace:
                "jddp.initialize(preemption_grace_s=...))" if asked else
                "it never asked for the preemption point (no jddp.checkpoint.save_if_due or "
                "jddp.distributed.reached_preemption_point in its loop, or still starting up)")
-        since = time.monotonic() - (self.notice_at or 0.0)
+        since = self._clock() - (self.notice_at or 0.0)
         sys.stderr.write(
             f"jddp: process {self.rank}: preemption notice (SIGTERM) {since:.1f} s ago, and "
             f"{why}; exiting with status {128 + signal.SIGTERM} as SIGTERM would\n")
@@ -98,7 +101,7 @@ class Grace:
                 except Exception:  # NOT_FOUND until a notice; any other error: try again
                     pass
             deadline = self.deadline()
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and self._clock() > deadline:
                 self._expire()
             self.stopped.wait(POLL_S)
 

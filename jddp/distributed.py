@@ -757,7 +757,8 @@ def process_count() -> int:
 
 
 def is_main_process() -> bool:
-    """True on process 0, the one that should log, print and write checkpoints."""
+    """True on process 0, the one that should log and print (checkpoints are collective: every
+    process calls `jddp.checkpoint.save`)."""
     return jax.process_index() == 0
 
 

@@ -123,6 +123,42 @@ def test_digits_example_under_mpirun_equals_jddp_run(tmp_path):
           f"params_sha256 {got['params_sha256'][:16]} on both")
 
 
+def _slurm_reachable() -> bool:
+    """An idle SLURM node answers (srun and sinfo installed, a controller running)."""
+    if shutil.which("srun") is None or shutil.which("sinfo") is None:
+        return False
+    try:
+        p = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
+                           timeout=10)
+    except subprocess.TimeoutExpired:
+        return False
+    return p.returncode == 0 and "idle" in p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _slurm_reachable(), reason="no SLURM cluster answers here (sinfo); "
+                    "docs/cluster.md has the measured srun runs")
+def test_digits_example_under_srun_equals_jddp_run(tmp_path):
+    """Issue #37: `srun -N1 -n2` runs the example as one 2-process job, jddp-run's result."""
+    args = ["examples/train_digits.py", "--devices", "2", "--epochs", "1", "--no-progress"]
+    env = child_env(JAX_PLATFORMS="cpu")
+    for name in ("SLURM_CONF",):  # child_env drops SLURM_*: srun needs to find its cluster
+        if name in os.environ:
+            env[name] = os.environ[name]
+    rc, out, err, _ = run_launcher(["-n", "2", "--devices-per-process", "2", "--timeout", "200",
+                                    *args, "--json", str(tmp_path / "jddp_run.json")],
+                                   timeout=210, env=env)
+    assert rc == 0, (out[-2000:], err[-3000:])
+    p = subprocess.run(["srun", "-N1", "-n2", "--kill-on-bad-exit=1", sys.executable, *args,
+                        "--json", str(tmp_path / "srun.json")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    want = json.loads((tmp_path / "jddp_run.json").read_text())
+    got = json.loads((tmp_path / "srun.json").read_text())
+    assert got["processes"] == 2 and got["devices"] == 4
+    assert got["params_sha256"] == want["params_sha256"]
+
+
 @pytest.mark.slow
 def test_digits_example_survives_preemption_of_a_rank_bit_identically(tmp_path):
     """jddp-run --max-restarts: SIGTERM to rank 1 mid-training -> both ranks save at the same step

@@ -42,6 +42,9 @@ def main() -> None:
 
     import jddp
 
+    # First, and the same under python, jddp-run, mpirun and srun.
+    jddp.initialize()
+
     class MLP(nn.Module):
         @nn.compact
         def __call__(self, x, train: bool):

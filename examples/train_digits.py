@@ -40,7 +40,8 @@ from typing import Any
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    p.add_argument("--devices", type=int, default=8,
+                   help="simulated CPU devices per process (default 8)")
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--batch-size", type=int, default=128, help="global batch size")
     p.add_argument("--lr", type=float, default=2e-3)
@@ -101,12 +102,13 @@ def main(argv: list[str] | None = None) -> dict:
     # The device count must be set before JAX initialises its backend.
     import jax
 
-    if "JDDP_COORDINATOR" in os.environ:
-        import jddp.distributed
+    import jddp
 
-        jddp.distributed.initialize()
-    else:
-        jax.config.update("jax_num_cpu_devices", args.devices)
+    # First, and the same under python, jddp-run, mpirun and srun: jddp joins the job the
+    # launcher started, or runs one process. --devices simulated CPU devices per process, unless
+    # jddp-run sets them (--devices-per-process).
+    jddp.initialize(
+        local_device_count=None if "JDDP_LOCAL_DEVICE_COUNT" in os.environ else args.devices)
 
     import flax.linen as nn
     import jax.numpy as jnp
@@ -116,7 +118,6 @@ def main(argv: list[str] | None = None) -> dict:
     from sklearn.model_selection import train_test_split
     from tqdm import tqdm
 
-    import jddp
 
     class CNN(nn.Module):
         @nn.compact

@@ -35,7 +35,8 @@ import time
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    p.add_argument("--devices", type=int, default=8,
+                   help="simulated CPU devices per process (default 8)")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences)")
     p.add_argument("--seq-len", type=int, default=64)
@@ -93,12 +94,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     import jax
 
-    if "JDDP_COORDINATOR" in os.environ:
-        import jddp.distributed
+    import jddp
 
-        jddp.distributed.initialize()
-    else:
-        jax.config.update("jax_num_cpu_devices", args.devices)
+    # First, and the same under python, jddp-run, mpirun and srun: jddp joins the job the
+    # launcher started, or runs one process. --devices simulated CPU devices per process, unless
+    # jddp-run sets them (--devices-per-process).
+    jddp.initialize(
+        local_device_count=None if "JDDP_LOCAL_DEVICE_COUNT" in os.environ else args.devices)
 
     import flax.linen as nn
     import jax.numpy as jnp
@@ -106,7 +108,6 @@ def main(argv: list[str] | None = None) -> dict:
     import optax
     from tqdm import tqdm
 
-    import jddp
     import jddp.checkpoint as ckpt
 
     class Block(nn.Module):

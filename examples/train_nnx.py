@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    # First, and the same under python, jddp-run, mpirun and srun (one process here).
+    jddp.initialize()
 
     rng = np.random.default_rng(args.seed)
     teacher = rng.normal(size=(16, 4))

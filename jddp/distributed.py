@@ -1,9 +1,13 @@
 """Multi-process set-up on JAX's own distributed runtime, and per-process input helpers.
 
 `initialize` is a thin wrapper over `jax.distributed.initialize`. It reads the variables that
-`jddp-run` (jddp/launch.py) sets, otherwise lets JAX auto-detect SLURM, Open MPI or Cloud TPU, and
-otherwise runs as a single process, so one script works for 1 or N processes. It adds what a
-training job needs and JAX does not give by default:
+`jddp-run` (jddp/launch.py) sets, otherwise those of the launcher that started the process (Open
+MPI 4 and 5, SLURM, Hydra: `jddp/_src/cluster.py`; JAX's own detection misses Open MPI 5), then
+JAX's detection (Cloud TPU, ...), and otherwise runs as a single process, so one script works for
+1 or N processes. It adds what a training job needs and JAX does not give by default:
+
+* never a silent single-process job: a launcher's variables that say "one of several" but give
+  no coordinator raise `ClusterEnvironmentError`, naming the launcher and the fix;
 
 * bounded start-up: a rank that cannot reach the coordinator raises `CoordinatorTimeoutError`
   after `timeout_s` instead of retrying for JAX's default 5 minutes and then aborting;
@@ -17,7 +21,8 @@ training job needs and JAX does not give by default:
   and the end of the rank when the launcher dies (`jddp/_src/watchdog.py`);
 * preemption: `reached_preemption_point(step)` is True on every process at the same step after a
   SIGTERM (JAX's preemption sync point, or a signal flag in a single process), and
-  `exit_for_resume()` leaves with `EXIT_RESUME`, the status that means "resume me".
+  `exit_for_resume()` leaves with `EXIT_RESUME`, the status that means "resume me". A process
+  that does not reach that point within a bounded grace exits 143 (`jddp/_src/preemption.py`).
 
 Cross-process collectives on CPU use Gloo (`jax_cpu_collectives_implementation`, JAX's default).
 """
@@ -45,8 +50,9 @@ from jax._src import distributed as _jax_distributed  # read-only: the coordinat
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jddp._src import hostsync, watchdog
+from jddp._src import cluster, hostsync, preemption, watchdog
 from jddp._src import mesh as mesh_lib
+from jddp._src.cluster import ClusterEnvironmentError, NotInitializedError
 from jddp._src.watchdog import report_progress
 
 __all__ = [
@@ -57,9 +63,11 @@ __all__ = [
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
     "EXIT_RESUME",
+    "ClusterEnvironmentError",
     "CoordinatorPortInUseError",
     "CoordinatorTimeoutError",
     "GlooAddressError",
+    "NotInitializedError",
     "ProcessInfo",
     "allgather",
     "barrier",
@@ -113,8 +121,8 @@ class ProcessInfo:
 
     Attributes:
       source: how the configuration was found: "args", "jddp-env" (set by jddp-run), "cluster"
-        (JAX's auto-detection: SLURM, Open MPI, Cloud TPU), "single" (no cluster: one process)
-        or "existing" (`jax.distributed` was already initialised).
+        (a launcher's variables: Open MPI, SLURM, Hydra, or JAX's detection: Cloud TPU, ...),
+        "single" (one process) or "existing" (`jax.distributed` was already initialised).
     """
 
     process_id: int
@@ -165,15 +173,15 @@ def _wait_for_coordinator(address: str, deadline: float, timeout_s: float) -> No
             time.sleep(min(0.2, max(remaining, 0.0)))
 
 
-def _check_port_free(coordinator_address: str) -> None:
+def _check_port_free(coordinator_address: str, bind_address: str | None = None) -> None:
     """Raises `CoordinatorPortInUseError` if process 0 could not bind the coordinator's port.
 
-    JAX binds `JAX_COORDINATOR_BIND_ADDRESS`, default `[::]:PORT`. On a taken port it crashes the
-    process (segfault, status 139, after "Failed to add port to server" with jax 0.10.2) instead
-    of raising: probing first gives an error that names the port and the fix.
+    JAX binds ``bind_address``, default `[::]:PORT`. On a taken port it crashes the process
+    (segfault, status 139, after "Failed to add port to server" with jax 0.10.2) instead of
+    raising: probing first gives an error that names the port and the fix.
     """
     _, port = _split_address(coordinator_address)
-    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{port}"
+    bind = bind_address or f"[::]:{port}"
     host, bind_port = _split_address(bind)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
@@ -189,7 +197,8 @@ def _check_port_free(coordinator_address: str) -> None:
             f"jddp: process 0 cannot start the coordinator: port {bind_port} is already in use on "
             f"this host (bind address {bind}). Another job, or one still ending, holds it. Pick a "
             "free port: jddp-run picks one itself when --port is not given; otherwise change "
-            f"the port in {ENV_COORDINATOR} or coordinator_address (check with `ss -ltnp | grep "
+            f"the port in {ENV_COORDINATOR} or coordinator_address (under mpirun or srun: "
+            f"{cluster.ENV_COORDINATOR_PORT}=<free port>; check with `ss -ltnp | grep "
             f":{bind_port}`).",
         ) from None
 
@@ -248,6 +257,12 @@ def _set_local_device_count(n: int) -> None:
         ) from e
 
 
+def _backend_started() -> bool:
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge.backends_are_initialized())
+
+
 def _resolve(host: str) -> list[str]:
     """The addresses ``host`` resolves to, in resolver order (empty if it does not resolve)."""
     try:
@@ -281,14 +296,16 @@ def _gloo_default_address() -> str | None:
     return next((a for a in _resolve(socket.gethostname()) if _is_local_address(a)), None)
 
 
-def _spans_hosts(coordinator_address: str) -> bool:
+def _spans_hosts(coordinator_address: str, nnodes: int | None = None) -> bool:
     """Whether the job has processes on other hosts: not with a coordinator on loopback (no
-    other host could reach it); else ``JDDP_NNODES`` (a multi-node jddp-run) says so; else a
-    coordinator that is not an address of this host does."""
+    other host could reach it); else the launcher's node count ``nnodes`` (mpirun, srun) or
+    ``JDDP_NNODES`` (a multi-node jddp-run) says so; else a coordinator that is not an address
+    of this host does."""
     addresses = _resolve(_split_address(coordinator_address)[0])
     if any(_is_loopback(a) for a in addresses):
         return False
-    nnodes = _env_int(ENV_NNODES)
+    if nnodes is None:
+        nnodes = _env_int(ENV_NNODES)
     if nnodes is not None:
         return nnodes > 1
     return bool(addresses) and not any(_is_local_address(a) for a in addresses)
@@ -302,7 +319,8 @@ def _uses_cpu_collectives() -> bool:
     return platforms.split(",")[0].strip() in ("", "cpu")
 
 
-def _check_gloo(interface: str | None, address: str | None, coordinator_address: str) -> None:
+def _check_gloo(interface: str | None, address: str | None, coordinator_address: str,
+                nnodes: int | None = None) -> None:
     """Raises `GlooAddressError` before the job starts if Gloo would listen where the other
     hosts cannot reach it, or the interface or address given is not on this host."""
     fixes = (f"set {ENV_GLOO_INTERFACE}=<interface the other hosts reach, e.g. eth0> or "
@@ -325,7 +343,7 @@ def _check_gloo(interface: str | None, address: str | None, coordinator_address:
                 "(`ip -br addr`), or an interface name with gloo_interface."
             )
         return
-    if not _spans_hosts(coordinator_address):
+    if not _spans_hosts(coordinator_address, nnodes):
         return
     bound = _gloo_default_address()
     if bound is None or _is_loopback(bound):
@@ -368,6 +386,142 @@ def _configure_gloo(interface: str | None, address: str | None) -> None:
         ) from e
 
 
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    """Where this process sits, as `initialize` resolved it (before joining)."""
+
+    source: str  # "args", "jddp-env", "cluster" (a launcher jddp knows), "jax" (JAX's detection)
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    launch: cluster.Launch | None = None
+
+
+def _checked(where: _Where) -> _Where:
+    if None in (where.coordinator_address, where.num_processes, where.process_id) and \
+            where.num_processes != 1:
+        raise ValueError("coordinator_address, num_processes and process_id must be given "
+                         "together (or all left to the environment); num_processes=1 alone "
+                         "runs a single process")
+    if where.num_processes == 1 and where.process_id is None:
+        where = dataclasses.replace(where, process_id=0)
+    n, pid = where.num_processes, where.process_id
+    assert n is not None and pid is not None
+    if not 0 <= pid < n:
+        raise ValueError(f"process_id={pid} is not in [0, {n})")
+    return where
+
+
+def _where(coordinator_address: str | None, num_processes: int | None,
+           process_id: int | None) -> _Where:
+    """Explicit arguments, then jddp-run's variables, then a launcher's (Open MPI, SLURM,
+    Hydra: `jddp._src.cluster`), then JAX's own detection (Cloud TPU, ...)."""
+    if num_processes == 1 and coordinator_address is None and process_id in (None, 0):
+        return _Where("args", None, 1, 0)
+    if any(v is not None for v in (coordinator_address, num_processes, process_id)):
+        return _checked(_Where("args", coordinator_address, num_processes, process_id))
+    if os.environ.get(ENV_COORDINATOR) is not None:
+        num_processes, process_id = _env_int(ENV_NUM_PROCESSES), _env_int(ENV_PROCESS_ID)
+        if num_processes is None or process_id is None:
+            raise ValueError(f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} and "
+                             f"{ENV_PROCESS_ID} are not both set")
+        return _checked(_Where("jddp-env", os.environ[ENV_COORDINATOR], num_processes,
+                               process_id))
+    launch = cluster.detect()
+    if launch is None:
+        return _Where("jax", None, None, None)
+    if launch.num_processes > 1 and launch.coordinator_address is None:
+        raise ClusterEnvironmentError(f"jddp: {launch.problem}. (Its variables: "
+                                      f"{launch.variables}.)")
+    return _checked(_Where("cluster", launch.coordinator_address, launch.num_processes,
+                           launch.process_id, launch))
+
+
+def _bind_address(coordinator_address: str) -> str | None:
+    """Where process 0's coordinator listens: `JAX_COORDINATOR_BIND_ADDRESS` if set; loopback
+    only for a coordinator on loopback (no other host could reach it anyway); else None, JAX's
+    default, every interface (``[::]:PORT``)."""
+    given = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+    if given:
+        return given
+    host, _ = _split_address(coordinator_address)
+    return coordinator_address if _is_loopback(host) else None
+
+
+def _device_ids(where: _Where, given: Sequence[int] | None) -> Sequence[int] | None:
+    """As JAX's own detection of SLURM and Open MPI: one accelerator per process, the one
+    numbered by its rank on the node (also for Open MPI 5, which JAX does not detect)."""
+    if given is not None or where.launch is None or os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+        return given
+    local = where.launch.local_process_id
+    try:
+        from jax._src.cloud_tpu_init import running_in_cloud_tpu_vm
+    except ImportError:  # pragma: no cover - a JAX without it
+        running_in_cloud_tpu_vm = False
+    return None if local is None or running_in_cloud_tpu_vm else [local]
+
+
+def _join_failure(where: _Where, timeout_s: float) -> str:
+    """The message of a process stuck joining the job (printed before it exits 1)."""
+    n = where.num_processes or "N"
+    message = (f"jddp: process {where.process_id if where.process_id is not None else '?'} "
+               f"timed out after {timeout_s:g} s joining the job at "
+               f"{where.coordinator_address or 'the auto-detected coordinator'}: not every "
+               f"process connected. Check that all {n} processes were started with the same "
+               "coordinator address and process count, and distinct process ids.")
+    if where.launch is not None:
+        message += (f" The coordinates came from {where.launch.launcher}'s variables "
+                    f"({where.launch.variables}); if process 0 does not run on that host, or "
+                    f"the port is blocked, set {cluster.ENV_COORDINATOR_ADDRESS}=<host of "
+                    f"process 0>:<port> (or {cluster.ENV_COORDINATOR_PORT}) for every process.")
+    return message
+
+
+def _check_before_join(where: _Where, interface: str | None, address: str | None,
+                       deadline: float, timeout_s: float) -> None:
+    """The checks of a known coordinator, whichever source gave it: Gloo's address, the port
+    on process 0, the coordinator's reachability on the others."""
+    coordinator = where.coordinator_address
+    if coordinator is None:
+        return
+    if _uses_cpu_collectives():
+        nnodes = where.launch.nnodes if where.launch is not None else None
+        _check_gloo(interface, address, coordinator, nnodes)
+    if where.process_id == 0:
+        _check_port_free(coordinator, _bind_address(coordinator))
+    else:
+        _wait_for_coordinator(coordinator, deadline, timeout_s)
+
+
+def _join(where: _Where, local_device_ids: Sequence[int] | None, timeout_s: float,
+          deadline: float, heartbeat_timeout_s: int, shutdown_timeout_s: int) -> bool:
+    """`jax.distributed.initialize` with `where`'s coordinates, bounded in time; False if JAX
+    found no cluster either (only when jddp found none)."""
+    remaining = max(deadline - time.monotonic(), 1.0)
+    join_timer = _start_watchdog(remaining + 1.0, _join_failure(where, timeout_s))
+    coordinator = where.coordinator_address
+    try:
+        jax.distributed.initialize(
+            coordinator,
+            where.num_processes,
+            where.process_id,
+            local_device_ids=_device_ids(where, local_device_ids),
+            # JAX's own timeout only as a backstop behind the join timer: it aborts without a
+            # useful message.
+            initialization_timeout=math.ceil(remaining) + 5,
+            coordinator_bind_address=None if coordinator is None else _bind_address(coordinator),
+            heartbeat_timeout_seconds=int(heartbeat_timeout_s),
+            shutdown_timeout_seconds=int(shutdown_timeout_s),
+        )
+    except ValueError as e:
+        if where.source == "jax" and "coordinator_address" in str(e):
+            return False  # JAX found no cluster environment: a plain single-process run
+        raise
+    finally:
+        join_timer.cancel()
+    return True
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -380,24 +534,31 @@ def initialize(
     shutdown_timeout_s: int = 30,
     fail_fast: bool = True,
     preemption_service: bool | None = None,
+    preemption_grace_s: float | None = preemption.DEFAULT_GRACE_S,
     gloo_interface: str | None = None,
     gloo_address: str | None = None,
 ) -> ProcessInfo:
     """Joins this process to a multi-process JAX job (or sets up a single-process one).
 
-    Call it first, before any other JAX call. Resolution order: explicit arguments, then the
-    `JDDP_*` variables set by `jddp-run`, then JAX's cluster auto-detection (SLURM, Open MPI,
-    Cloud TPU: `jax.distributed.initialize()` with no arguments). If none applies, the job is a
-    single process and `jax.distributed` is not started. Calling it again returns the same info.
+    Call it first, before any other JAX call, in every script: the same line serves a plain
+    `python` run (one process), `jddp-run`, `mpirun` and `srun`. Resolution order: explicit
+    arguments, then the `JDDP_*` variables set by `jddp-run`, then the variables of the launcher
+    that started the process (Open MPI 4 and 5, SLURM's `srun`, MPICH/Intel MPI's Hydra; read by
+    jddp, see docs/cluster.md), then JAX's own detection (Cloud TPU, ...). If none applies, the
+    job is a single process and `jax.distributed` is not started. A known coordinator gets the
+    same checks whichever source gave it (port in use, Gloo's address), then JAX gets explicit
+    coordinates. Calling it again returns the same info.
 
     Args:
       coordinator_address: "host:port" of process 0's coordinator service.
+      num_processes: processes in the job; `num_processes=1` alone runs a single process on
+        purpose, whatever a launcher's variables say.
       local_device_count: number of CPU devices to simulate in this process (sets
         `jax_num_cpu_devices`); default `JDDP_LOCAL_DEVICE_COUNT` if set, else JAX's default.
         Has no effect on GPU/TPU devices.
-      local_device_ids: accelerators this process uses (passed to JAX). Under SLURM and Open MPI,
-        JAX defaults to the one GPU numbered by the local rank; give all of them for one process
-        per node.
+      local_device_ids: accelerators this process uses (passed to JAX). Under SLURM and Open MPI
+        the default is the one GPU numbered by the process's rank on its node (as JAX's own
+        detection); give all of them for one process per node.
       timeout_s: bound on start-up. A rank that cannot reach the coordinator raises
         `CoordinatorTimeoutError`; a process stuck inside JAX's connect (e.g. process 0 waiting
         for ranks that never start) prints why and exits with status 1.
@@ -408,9 +569,13 @@ def initialize(
         and calls `os._exit(1)`, because a normal exit blocks in JAX's shutdown barrier.
       preemption_service: JAX's preemption service catches SIGTERM as a preemption notice:
         the process runs on until it reaches the sync point (`reached_preemption_point`), saves
-        and exits. None: JAX's default (on). Under jddp-run it stays on: the launcher ends a rank
-        that does not stop with an order over its socket or, failing that, SIGKILL after
-        `--grace`. False: SIGTERM ends the process at once, and no preemption checkpoint.
+        and exits. None: JAX's default (on). False: SIGTERM ends the process at once, and no
+        preemption checkpoint.
+      preemption_grace_s: after a preemption notice (SIGTERM to any process), a process that
+        does not reach the preemption point in time exits with 143, as SIGTERM would: one that
+        never asked for it within this many seconds (no preemption checkpoints, or still
+        starting up), one that stopped asking for it (stuck in a step) within this many seconds
+        plus twice its longest recent interval between asks. None: no bound (wait for SIGKILL).
       gloo_interface: the network interface Gloo (JAX's CPU collectives) listens on, e.g.
         "eth0"; default `JDDP_GLOO_INTERFACE`. JAX itself gives Gloo none, and Gloo then binds
         what the host name resolves to: on a host whose name maps to loopback (Debian's
@@ -423,6 +588,9 @@ def initialize(
       The resulting `ProcessInfo`.
 
     Raises:
+      ClusterEnvironmentError: a launcher's variables say this is one of several processes but
+        give no coordinator (Open MPI without a readable address, `python` inside an sbatch
+        allocation without `srun`, ...): the message names the launcher and the fix.
       CoordinatorTimeoutError: a process other than 0 could not reach the coordinator.
       CoordinatorPortInUseError: process 0 cannot bind the coordinator's port.
       GlooAddressError: a multi-host CPU job whose Gloo would listen on loopback, or a Gloo
@@ -432,26 +600,9 @@ def initialize(
         state = _jax_distributed.global_state
         return ProcessInfo(state.process_id, state.num_processes, state.coordinator_address,
                            "existing")
-
-    explicit = any(v is not None for v in (coordinator_address, num_processes, process_id))
-    from_env = not explicit and os.environ.get(ENV_COORDINATOR) is not None
-    if from_env:
-        coordinator_address = os.environ[ENV_COORDINATOR]
-        num_processes = _env_int(ENV_NUM_PROCESSES)
-        process_id = _env_int(ENV_PROCESS_ID)
-        if num_processes is None or process_id is None:
-            raise ValueError(f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} and "
-                             f"{ENV_PROCESS_ID} are not both set")
-    if explicit or from_env:
-        if None in (coordinator_address, num_processes, process_id):
-            raise ValueError("coordinator_address, num_processes and process_id must be given "
-                             "together (or all left to the environment)")
-        source = "args" if explicit else "jddp-env"
-        assert num_processes is not None and process_id is not None
-        if not 0 <= process_id < num_processes:
-            raise ValueError(f"process_id={process_id} is not in [0, {num_processes})")
-    else:
-        source = "cluster"
+    if preemption_grace_s is not None and not preemption_grace_s > 0:
+        raise ValueError(f"preemption_grace_s must be > 0 (or None), got {preemption_grace_s}")
+    where = _where(coordinator_address, num_processes, process_id)
 
     # Settings that must precede the backend, applied only once the arguments are known good.
     if local_device_count is None:
@@ -460,48 +611,26 @@ def initialize(
         _set_local_device_count(local_device_count)
     if preemption_service is not None:
         jax.config.update("jax_enable_preemption_service", preemption_service)
+    global _grace_s
+    _grace_s = preemption_grace_s
     # The launcher link first: the watchdog's first-step limit runs from the start.
     watchdog.start_from_env()
-    if num_processes == 1:
+    if where.num_processes == 1:
+        if where.source == "args":
+            cluster.mark_single_process()
+        return ProcessInfo(0, 1, None, "single")
+    if where.source == "jax" and _backend_started():
+        # Nothing says "several processes", and JAX's detection can no longer run: a single
+        # process that called initialize late (a script run inside another program).
         return ProcessInfo(0, 1, None, "single")
 
     gloo_interface = gloo_interface or os.environ.get(ENV_GLOO_INTERFACE) or None
     gloo_address = gloo_address or os.environ.get(ENV_GLOO_ADDRESS) or None
-    if _uses_cpu_collectives() and coordinator_address is not None:
-        _check_gloo(gloo_interface, gloo_address, coordinator_address)
-    if source != "cluster" and process_id == 0 and coordinator_address is not None:
-        _check_port_free(coordinator_address)
     deadline = time.monotonic() + timeout_s
-    if source != "cluster" and process_id != 0 and coordinator_address is not None:
-        _wait_for_coordinator(coordinator_address, deadline, timeout_s)
-    remaining = max(deadline - time.monotonic(), 1.0)
-    where = coordinator_address or "the auto-detected coordinator"
-    join_timer = _start_watchdog(
-        remaining + 1.0,
-        f"jddp: process {process_id if process_id is not None else '?'} timed out after "
-        f"{timeout_s:g} s joining the job at {where}: not every process connected. Check that "
-        f"all {num_processes or 'N'} processes were started with the same coordinator address "
-        "and process count, and distinct process ids.",
-    )
-    try:
-        jax.distributed.initialize(
-            coordinator_address,
-            num_processes,
-            process_id,
-            local_device_ids=local_device_ids,
-            # JAX's own timeout only as a backstop behind the join timer: it aborts without a
-            # useful message.
-            initialization_timeout=math.ceil(remaining) + 5,
-            heartbeat_timeout_seconds=int(heartbeat_timeout_s),
-            shutdown_timeout_seconds=int(shutdown_timeout_s),
-        )
-    except ValueError as e:
-        if source == "cluster" and "coordinator_address" in str(e):
-            # JAX found no cluster environment: a plain single-process run.
-            return ProcessInfo(0, 1, None, "single")
-        raise
-    finally:
-        join_timer.cancel()
+    _check_before_join(where, gloo_interface, gloo_address, deadline, timeout_s)
+    if not _join(where, local_device_ids, timeout_s, deadline, heartbeat_timeout_s,
+                 shutdown_timeout_s):
+        return ProcessInfo(0, 1, None, "single")
     _configure_gloo(gloo_interface, gloo_address)
 
     # Read from the distributed state, not jax.process_count(): that would start the backend
@@ -509,6 +638,9 @@ def initialize(
     state = _jax_distributed.global_state
     if fail_fast and state.num_processes > 1:
         _install_fail_fast()
+    if preemption_grace_s is not None and state.preemption_sync_manager is not None:
+        preemption.start(preemption_grace_s, state.process_id, state)
+    source = "cluster" if where.source == "jax" else where.source
     return ProcessInfo(state.process_id, state.num_processes, state.coordinator_address, source)
 
 
@@ -546,6 +678,9 @@ def _leave_distributed(timeout_s: float, status: int) -> None:
     """Disconnects from `jax.distributed` with its shutdown barrier, bounded by `timeout_s`."""
     if _jax_distributed.global_state.client is None:
         return
+    grace = preemption.current()
+    if grace is not None:
+        grace.stop()  # its thread must not be inside a call to the client that shuts down
     timer = _start_watchdog(
         timeout_s, f"jddp: process {_jax_distributed.global_state.process_id} waited "
         f"{timeout_s:.0f} s for the other processes to leave the job; exiting with {status}",
@@ -559,12 +694,25 @@ def _leave_distributed(timeout_s: float, status: int) -> None:
 
 
 _sigterm_seen = threading.Event()  # single-process preemption notice (see reached_preemption_point)
+_grace_s: float | None = preemption.DEFAULT_GRACE_S  # initialize(preemption_grace_s=...)
+
+
+def _single_process_grace() -> preemption.Grace | None:
+    """The single process's preemption watch (set up on first use), None without a bound."""
+    grace = preemption.current()
+    if grace is None and _grace_s is not None:
+        grace = preemption.start(_grace_s, 0, None)
+    return grace
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     _sigterm_seen.set()
     # A second SIGTERM does what SIGTERM did before: end the process.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    grace = _single_process_grace()
+    if grace is not None:
+        grace.note_notice()
+        grace.start_thread(None)
 
 
 def reached_preemption_point(step: int) -> bool:
@@ -586,6 +734,9 @@ def reached_preemption_point(step: int) -> bool:
             return bool(multihost_utils.reached_preemption_sync_point(step))
         except RuntimeError:
             return False  # the preemption service is off: SIGTERM simply ends the process
+    grace = _single_process_grace()
+    if grace is not None:
+        grace.note_ask(_sigterm_seen.is_set())
     if _sigterm_seen.is_set():
         return True
     # Only over the default action: a handler of the program's own is left alone.
@@ -606,7 +757,8 @@ def process_count() -> int:
 
 
 def is_main_process() -> bool:
-    """True on process 0, the one that should log, print and write checkpoints."""
+    """True on process 0, the one that should log and print (checkpoints are collective: every
+    process calls `jddp.checkpoint.save`)."""
     return jax.process_index() == 0
 
 

@@ -75,6 +75,90 @@ def test_digits_example_under_launcher_matches_single_process(digits_on_8_device
     assert epochs(out) == epochs(single.stdout)[:2]
 
 
+MPIRUN = shutil.which("mpirun")
+
+
+def _mpirun(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str, float]:
+    """`mpirun -np 2 python ARGS` on this machine, coordinator and Open MPI's own traffic on
+    loopback; the whole process group is killed if it outlives `timeout`."""
+    cmd = [MPIRUN, "-np", "2", "--oversubscribe", "--bind-to", "none", "--mca",
+           "oob_tcp_if_include", "lo", sys.executable, *args]
+    start = time.monotonic()
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"mpirun did not finish in {timeout} s\n{out[-2000:]}\n"
+                             f"{err[-3000:]}") from None
+    return p.returncode, out, err, time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(MPIRUN is None, reason="Open MPI's mpirun is not installed (Debian: apt-get "
+                    "install openmpi-bin; .ci/run installs it when run as root)")
+def test_digits_example_under_mpirun_equals_jddp_run(tmp_path):
+    """Issue #37: under mpirun the example joins one 2-process job (it used to train each rank
+    alone), and its result is jddp-run's, bit for bit."""
+    args = ["examples/train_digits.py", "--devices", "2", "--epochs", "1", "--no-progress"]
+    # No shared compilation cache: each job compiles its own programs.
+    env = child_env(JAX_PLATFORMS="cpu", OMPI_ALLOW_RUN_AS_ROOT="1",
+                    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    rc, out, err, jr_secs = run_launcher(
+        ["-n", "2", "--devices-per-process", "2", "--timeout", "200", *args, "--json",
+         str(tmp_path / "jddp_run.json")], timeout=210, env=env)
+    assert rc == 0, (out[-2000:], err[-3000:])
+    rc, out, err, mpi_secs = _mpirun([*args, "--json", str(tmp_path / "mpirun.json")], env, 240)
+    assert rc == 0, (out[-2000:], err[-3000:])
+    assert "4 devices (2 process(es))" in out, out[-2000:]
+    want = json.loads((tmp_path / "jddp_run.json").read_text())
+    got = json.loads((tmp_path / "mpirun.json").read_text())
+    assert got["processes"] == want["processes"] == 2 and got["devices"] == 4
+    assert got["params_sha256"] == want["params_sha256"]
+    assert got["params"] == want["params"] and got["final_loss"] == want["final_loss"]
+    assert [h["loss"] for h in got["history"]] == [h["loss"] for h in want["history"]]
+    print(f"digits, 2 x 2 devices, 1 epoch: jddp-run {jr_secs:.1f} s, mpirun {mpi_secs:.1f} s, "
+          f"params_sha256 {got['params_sha256'][:16]} on both")
+
+
+def _slurm_reachable() -> bool:
+    """An idle SLURM node answers (srun and sinfo installed, a controller running)."""
+    if shutil.which("srun") is None or shutil.which("sinfo") is None:
+        return False
+    try:
+        p = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
+                           timeout=10)
+    except subprocess.TimeoutExpired:
+        return False
+    return p.returncode == 0 and "idle" in p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _slurm_reachable(), reason="no SLURM cluster answers here (sinfo); "
+                    "docs/cluster.md has the measured srun runs")
+def test_digits_example_under_srun_equals_jddp_run(tmp_path):
+    """Issue #37: `srun -N1 -n2` runs the example as one 2-process job, jddp-run's result."""
+    args = ["examples/train_digits.py", "--devices", "2", "--epochs", "1", "--no-progress"]
+    env = child_env(JAX_PLATFORMS="cpu")
+    for name in ("SLURM_CONF",):  # child_env drops SLURM_*: srun needs to find its cluster
+        if name in os.environ:
+            env[name] = os.environ[name]
+    rc, out, err, _ = run_launcher(["-n", "2", "--devices-per-process", "2", "--timeout", "200",
+                                    *args, "--json", str(tmp_path / "jddp_run.json")],
+                                   timeout=210, env=env)
+    assert rc == 0, (out[-2000:], err[-3000:])
+    p = subprocess.run(["srun", "-N1", "-n2", "--kill-on-bad-exit=1", sys.executable, *args,
+                        "--json", str(tmp_path / "srun.json")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    want = json.loads((tmp_path / "jddp_run.json").read_text())
+    got = json.loads((tmp_path / "srun.json").read_text())
+    assert got["processes"] == 2 and got["devices"] == 4
+    assert got["params_sha256"] == want["params_sha256"]
+
+
 @pytest.mark.slow
 def test_digits_example_survives_preemption_of_a_rank_bit_identically(tmp_path):
     """jddp-run --max-restarts: SIGTERM to rank 1 mid-training -> both ranks save at the same step

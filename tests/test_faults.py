@@ -781,3 +781,114 @@ def test_processes_with_different_batch_shapes_fail_at_the_first_step(tmp_path, 
         assert wait_all_dead(read_pids(tmp_path)) == []
     finally:
         kill_leftovers(read_pids(tmp_path))
+
+
+# ------------------------------ SIGTERM: a bounded grace before the preemption point (#35, #37)
+
+# Trains on and never asks for a preemption point: no preemption checkpoints.
+NO_PREEMPTION_POINTS = JAX_PREAMBLE + """
+open(os.path.join(sys.argv[1], f"ready.{rank}"), "w").close()
+while True:
+    state, metrics = ddp.step(state, batch())
+    float(metrics["loss"])
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_launcher_of_a_job_without_preemption_points_ends_in_seconds(tmp_path):
+    """It used to wait the whole --preemption-grace (30 s), then end with 143."""
+    script = _script(tmp_path, "no_points.py", NO_PREEMPTION_POINTS)
+    p = subprocess.Popen([sys.executable, "-m", "jddp.launch", "-n", "2", "--devices-per-process",
+                          "2", "--preemption-grace", "30", "--timeout", "120", str(script),
+                          str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=child_env(), cwd=REPO)
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / f"ready.{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and p.poll() is None, "ranks never trained"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        start = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        out, err = _finish(p, timeout=60)
+        secs = time.monotonic() - start
+        assert p.returncode == 128 + signal.SIGTERM, (out, err[-3000:])
+        assert "it never asked for the preemption point" in err, err[-3000:]
+        assert secs < 15, secs  # 4 s of grace, then the ranks exit
+        assert wait_all_dead(read_pids(tmp_path)) == []
+        print(f"SIGTERM to jddp-run, no preemption points: status {p.returncode} in {secs:.1f} s")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+        kill_leftovers(read_pids(tmp_path))
+
+
+# As under `srun --kill-on-bad-exit`: rank 1 raises, and slurmstepd's SIGTERM reaches rank 0 at
+# once; rank 0 takes it for a preemption notice and is stuck on its lost peer.
+SRUN_LIKE = """
+import os, sys, time
+import numpy as np
+import jddp
+info = jddp.initialize(timeout_s=30)
+import jax, jax.numpy as jnp
+mesh = jddp.data_mesh()
+f = jax.jit(lambda x: jnp.sum(x))
+x = jddp.shard_global_batch(np.ones((8, 4), np.float32), mesh)
+for step in range(1, 10**6):
+    float(f(x))
+    jddp.distributed.reached_preemption_point(step)
+    if step == 40 and info.process_id == 1:
+        raise RuntimeError("rank 1 fails")
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.slow
+def test_survivor_of_a_failed_rank_ends_in_seconds_after_sigterm(tmp_path):
+    """It used to run on until JAX's heartbeat timeout (60 s), then abort (134)."""
+    from jddp.launch import free_port
+
+    script = _script(tmp_path, "srun_like.py", SRUN_LIKE)
+    env = dict(JDDP_COORDINATOR=f"127.0.0.1:{free_port()}", JDDP_NUM_PROCESSES="2",
+               JDDP_LOCAL_DEVICE_COUNT="2", JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, "-u", str(script)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO,
+                              env=child_env(**env, JDDP_PROCESS_ID=str(r))) for r in (0, 1)]
+    try:
+        _, err1 = procs[1].communicate(timeout=90)
+        assert procs[1].returncode == 1 and "rank 1 fails" in err1, err1[-2000:]
+        start = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        _, err0 = procs[0].communicate(timeout=50)
+        secs = time.monotonic() - start
+        assert procs[0].returncode == 128 + signal.SIGTERM, err0[-3000:]
+        assert "preemption notice (SIGTERM)" in err0, err0[-3000:]
+        assert secs < 12, secs
+        print(f"survivor of a failed rank: status {procs[0].returncode}, {secs:.1f} s after SIGTERM")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def test_preemption_grace_follows_the_loops_pace():
+    """The deadline after a notice: grace_s if the process never asked for the preemption point;
+    else grace_s plus twice its longest recent interval, after the later of the notice and its
+    last ask; none once the point is reached."""
+    from jddp._src import preemption
+
+    now = [100.0]
+    grace = preemption.Grace(4.0, 0, clock=lambda: now[0])
+    assert grace.deadline() is None  # no notice
+    grace.note_notice()
+    assert grace.deadline() == 104.0  # never asked: a loop without preemption points
+    for t in (101.0, 101.5, 103.0):
+        now[0] = t
+        grace.note_ask(False)
+    assert grace.deadline() == 103.0 + 4.0 + 2 * 1.5  # asks 0.5 s and 1.5 s apart
+    now[0] = 104.0
+    grace.note_ask(True)  # the point: saving may take as long as it needs
+    assert grace.deadline() is None and grace.stopped.is_set()

@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jddp._src import cluster
 from jddp._src.checks import check_batch
 
 #: Axis names of a two-level mesh built by :func:`data_mesh` (across hosts, inside a host).
@@ -114,6 +115,7 @@ def data_mesh(
       hosts: ``"process"`` for one row per process, or the number of rows (hosts of equal size,
         e.g. 2 simulated hosts of 4 devices in one process); a row never spans processes.
     """
+    cluster.require_initialized("data_mesh()")
     devs = list(jax.devices() if devices is None else devices)
     if not devs:
         raise ValueError("data_mesh needs at least one device.")
@@ -171,6 +173,7 @@ def check_mesh(mesh: Any) -> Mesh:
             f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__} {mesh!r}{hint}. Build "
             "one with jddp.data_mesh()."
         )
+    cluster.require_initialized("a DataParallel, Loader or Evaluator")
     data_axes(mesh)
     return mesh
 

@@ -6,6 +6,9 @@ What a training script uses is here; the rest is reachable from its module (``jd
 ``jddp.evaluation``, ``jddp.data``, and the performance tooling in ``jddp.perf``).
 """
 
+import importlib
+from typing import Any
+
 from jddp import (  # noqa: F401
     buckets,
     data,
@@ -86,3 +89,11 @@ __all__ = [
     "value_and_grad",
     "verify_replicas",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``jddp.perf`` on first use: the tooling stays out of ``import jddp`` (its submodules
+    import lazily too), yet ``jddp.perf.profile`` works without an import of its own."""
+    if name == "perf":
+        return importlib.import_module("jddp.perf")
+    raise AttributeError(f"module 'jddp' has no attribute {name!r}")

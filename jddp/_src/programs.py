@@ -220,7 +220,7 @@ def describe_mismatch(
                    f"{other_process} {len(other.buckets)}; bucket {b} holds "
                    f"{_paths(ref.buckets, b)} on process 0 and {_paths(other.buckets, b)} on "
                    f"process {other_process}.")
-    fix = (" Build the same DataParallel (same options, bucket_cap_mb included) with the same "
+    fix = (" Build the same DataParallel (same options, the Buckets policy included) with the same "
            "loss on every process, and keep Python branches in the loss off process-local data "
            "and jax.process_index().")
     return ProgramMismatchError(head + detail + fix, differing, index)

@@ -52,7 +52,8 @@ def test_nnx_model_state_sync_default_is_the_one_migration_md_names():
                                 loss_fn=lambda m, b: ((m(b["x"]) - b["y"]) ** 2).mean())
     assert ddp.model_state_sync == "broadcast"
     text = (ROOT / "docs" / "migration.md").read_text()
-    assert 'default is the core trainer\'s\n`model_state_sync="broadcast"`' in text
+    assert ('default is the core trainer\'s\n`loss=jddp.Loss(model_state_sync="broadcast")`'
+            in text)
     assert 'default `model_state_sync="mean"`' not in text
 
 

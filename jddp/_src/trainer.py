@@ -119,10 +119,10 @@ class DataParallel:
         state, metrics = ddp.step(state, batch)   # batch: leading dim = global batch
 
     Each feature is one policy, a frozen value that checks its own fields
-    (:mod:`jddp._src.policies`); combinations that do not work together are refused by one
-    table (:mod:`jddp._src.compat`). The round-3 keywords (``bucket_cap_mb=``, ``zero_stage=``,
+    (`jddp.Loss`, `jddp.Buckets`, `jddp.ZeRO`, ...); combinations that do not work together are
+    refused by one table, each with its reason. The round-3 keywords (``bucket_cap_mb=``, ``zero_stage=``,
     ``accumulate_steps=``, ...) still work for one release, each with a ``DeprecationWarning``
-    naming its new spelling (docs/migration.md lists them).
+    naming its new spelling ([Migrating](../migration.md) lists them).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss over its shard of the batch; with
@@ -130,7 +130,7 @@ class DataParallel:
         When ``init`` is given ``model_state``: ``loss_fn(params, model_state, batch) -> (loss,
         new_model_state)``, or with ``has_aux`` ``(loss, (new_model_state, metrics))``. With
         ``Loss(weighted=True)``, ``loss`` is the unreduced losses of the shard. See
-        docs/model_state.md.
+        [Model state](../model_state.md).
       optimizer: an optax ``GradientTransformation``; it sees the averaged gradients, so
         transforms such as ``clip_by_global_norm`` act on the global gradient.
       mesh: the data mesh (default: ``jddp.data_mesh()``, every device).
@@ -140,19 +140,19 @@ class DataParallel:
       reduce: the gradient reduction: :class:`jddp.Buckets` (``cap_mb``, ``first_mb``,
         ``hook``, ``plan``, ``chain``, ``keep_unused``; DDP's buckets, the default) or
         :class:`jddp.Deterministic` (``group_size``: the same bits on any layout,
-        docs/deterministic.md).
+        [Determinism](../deterministic.md)).
       place: where the training state lives: :class:`jddp.Replicate` (the default, DDP) or
-        :class:`jddp.ZeRO` (``stage``, ``reshard_after_forward``, ``hybrid``;
-        docs/sharded.md).
+        :class:`jddp.ZeRO` (``stage``, ``reshard_after_forward``, ``hybrid``, ``offload``;
+        [ZeRO](../sharded.md)).
       accumulate: :class:`jddp.Accumulate` (``steps``, ``microbatches``, ``dtype``,
-        ``shard``; docs/accumulate.md). Default: no accumulation.
+        ``shard``; [Gradient accumulation](../accumulate.md)). Default: no accumulation.
       sync: how replicas stay in step: :class:`jddp.EveryStep` (the default), or
         ``jddp.local_sgd.post_local_sgd(...)`` / ``jddp.local_sgd.diloco(...)`` (replicas
         train apart and average every ``period`` steps; read :meth:`global_params` to
-        evaluate; docs/scaling.md).
+        evaluate; [Slow links](../scaling.md)).
       precision: ``jddp.precision.MixedPrecision(param_dtype=..., reduce_dtype=...)``: float32
         master parameters, compute in ``param_dtype``, gradients reduced in ``reduce_dtype``
-        (docs/precision.md). ``None``: off.
+        ([Mixed precision](../precision.md)). ``None``: off.
       loss_scale: the update guard: ``jddp.DynamicScale()`` (dynamic loss scaling for float16:
         non-finite steps are skipped and the scale adapts; ``state.loss_scale``,
         ``metrics["loss_scale"]``), :class:`jddp.SkipNotFinite` (skip steps whose reduced
@@ -163,7 +163,7 @@ class DataParallel:
       verify_every: every ``K`` calls of ``step``, a cheap check that the replicas' parameters
         are still equal (one uint32 hash per parameter and device, one small all-gather; it
         waits for that step): ``jddp.ReplicaDivergenceError`` names the leaf and the replicas
-        whose copy differs. See docs/report.md.
+        whose copy differs. See [Reports](../report.md).
       **renamed: the round-3 keywords, each mapped onto the field of its policy.
 
     Metrics: ``metrics["loss"]``, the aux metrics, ``"comm_bytes"``, ``"skipped"`` (with

@@ -46,13 +46,13 @@ from typing import Any, NoReturn
 
 import jax
 import numpy as np
-from jax._src import distributed as _jax_distributed  # read-only: the coordinator address
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jddp._src import cluster, hostsync, preemption, watchdog
 from jddp._src import mesh as mesh_lib
 from jddp._src.cluster import ClusterEnvironmentError, NotInitializedError
+from jddp._src.introspect import jax_private
 from jddp._src.watchdog import report_progress
 
 __all__ = [
@@ -226,7 +226,7 @@ def _fail_fast_excepthook(exc_type, exc, tb) -> None:
     """Prints an uncaught exception and exits at once, skipping JAX's blocking shutdown."""
     # Not jax.process_index(): if the backend is not up yet, that would start it and wait for
     # every other process.
-    rank = _jax_distributed.global_state.process_id
+    rank = jax_private.distributed_state().process_id
     try:
         sys.stderr.write(f"jddp: uncaught exception in process {rank}; exiting without waiting "
                          "for the other processes\n")
@@ -258,9 +258,7 @@ def _set_local_device_count(n: int) -> None:
 
 
 def _backend_started() -> bool:
-    from jax._src import xla_bridge
-
-    return bool(xla_bridge.backends_are_initialized())
+    return jax_private.backends_are_initialized()
 
 
 def _resolve(host: str) -> list[str]:
@@ -366,19 +364,8 @@ def _configure_gloo(interface: str | None, address: str | None) -> None:
     """
     if not (interface or address) or not _uses_cpu_collectives():
         return
-    from jax._src import xla_bridge
-    from jax._src.lib import _jax
-
-    def factory():
-        collectives = _jax.make_gloo_tcp_collectives(
-            distributed_client=_jax_distributed.global_state.client,
-            hostname=None if interface else address,
-            interface=interface or None,
-        )
-        return xla_bridge.make_cpu_client(collectives=collectives)
-
     try:
-        xla_bridge.register_backend_factory("cpu", factory, priority=0, fail_quietly=False)
+        jax_private.register_gloo_cpu_backend(None if interface else address, interface or None)
     except RuntimeError as e:
         raise RuntimeError(
             "jddp.initialize must run before anything initialises JAX's backend: cannot set "
@@ -454,11 +441,7 @@ def _device_ids(where: _Where, given: Sequence[int] | None) -> Sequence[int] | N
     if given is not None or where.launch is None or os.environ.get("JAX_LOCAL_DEVICE_IDS"):
         return given
     local = where.launch.local_process_id
-    try:
-        from jax._src.cloud_tpu_init import running_in_cloud_tpu_vm
-    except ImportError:  # pragma: no cover - a JAX without it
-        running_in_cloud_tpu_vm = False
-    return None if local is None or running_in_cloud_tpu_vm else [local]
+    return None if local is None or jax_private.running_in_cloud_tpu_vm() else [local]
 
 
 def _join_failure(where: _Where, timeout_s: float) -> str:
@@ -597,7 +580,7 @@ def initialize(
         interface or address that is not on this host.
     """
     if jax.distributed.is_initialized():
-        state = _jax_distributed.global_state
+        state = jax_private.distributed_state()
         return ProcessInfo(state.process_id, state.num_processes, state.coordinator_address,
                            "existing")
     if preemption_grace_s is not None and not preemption_grace_s > 0:
@@ -635,10 +618,10 @@ def initialize(
 
     # Read from the distributed state, not jax.process_count(): that would start the backend
     # (and its topology exchange with every process) here.
-    state = _jax_distributed.global_state
+    state = jax_private.distributed_state()
     if fail_fast and state.num_processes > 1:
         _install_fail_fast()
-    if preemption_grace_s is not None and state.preemption_sync_manager is not None:
+    if preemption_grace_s is not None and jax_private.preemption_sync_manager(state) is not None:
         preemption.start(preemption_grace_s, state.process_id, state)
     source = "cluster" if where.source == "jax" else where.source
     return ProcessInfo(state.process_id, state.num_processes, state.coordinator_address, source)
@@ -676,17 +659,17 @@ def exit_for_resume(leave_timeout_s: float = 30.0) -> NoReturn:
 
 def _leave_distributed(timeout_s: float, status: int) -> None:
     """Disconnects from `jax.distributed` with its shutdown barrier, bounded by `timeout_s`."""
-    if _jax_distributed.global_state.client is None:
+    if jax_private.coordination_client() is None:
         return
     grace = preemption.current()
     if grace is not None:
         grace.stop()  # its thread must not be inside a call to the client that shuts down
     timer = _start_watchdog(
-        timeout_s, f"jddp: process {_jax_distributed.global_state.process_id} waited "
+        timeout_s, f"jddp: process {jax_private.distributed_state().process_id} waited "
         f"{timeout_s:.0f} s for the other processes to leave the job; exiting with {status}",
         status=status)
     try:
-        _jax_distributed.shutdown()
+        jax_private.shutdown_distributed()
     except Exception as e:  # a peer already gone: exiting is all that is left to do
         sys.stderr.write(f"jddp: leaving jax.distributed: {e}\n")
     finally:
@@ -729,7 +712,7 @@ def reached_preemption_point(step: int) -> bool:
     Args:
       step: the host-side step number (e.g. `state.step` after the update).
     """
-    if _jax_distributed.global_state.client is not None:
+    if jax_private.coordination_client() is not None:
         try:
             return bool(multihost_utils.reached_preemption_sync_point(step))
         except RuntimeError:

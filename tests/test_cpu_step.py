@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 import jddp
-from jddp._src import hlo
+from jddp._src.introspect import hlo
 
 WIDTH, LAYERS = 256, 4
 KERNEL = f"f32[{WIDTH},{WIDTH}]"

@@ -11,7 +11,8 @@ import warnings
 
 import pytest
 
-from jddp._src import hlo, programs
+from jddp._src import programs
+from jddp._src.introspect import hlo
 from jddp.launch import free_port
 from tests.launch_util import REPO, child_env, run_launcher
 

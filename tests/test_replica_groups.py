@@ -1,5 +1,5 @@
-"""Every form of replica groups XLA prints (``jddp._src.hlo.parse_replica_groups``): explicit
-lists, iota with and without a transpose, and the partitioner's mesh-axes form, against an
+"""Every form of replica groups XLA prints (``jddp._src.introspect.hlo.parse_replica_groups``):
+explicit lists, iota with and without a transpose, and the partitioner's mesh-axes form, against an
 independent reading (a device's coordinates on the mesh) over many shapes, and against the
 groups XLA prints in another form for the same reduction (``shard_map``'s ``psum``)."""
 
@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp._src import hlo
+from jddp._src.introspect import hlo
 from jddp.perf import schedule
 
 parse = hlo.parse_replica_groups

@@ -181,8 +181,8 @@ def test_the_checker_sees_the_package():
     graph = JDDP.import_graph()
     assert {"jddp", "jddp._src.tree", "jddp.perf", "jddp.perf.schedule"} <= set(graph)
     assert "jddp.perf.costmodel" in graph["jddp.perf.calibrate"]
-    assert "jddp._src.hlo" in graph["jddp.perf.schedule"]
-    assert "jddp._src.tree" in graph["jddp._src.hlo"]
+    assert "jddp._src.introspect.hlo" in graph["jddp.perf.schedule"]
+    assert "jddp._src.tree" in graph["jddp._src.introspect.hlo"]
 
 
 def test_checker_finds_cycles_and_private_uses(tmp_path):
@@ -265,3 +265,81 @@ def test_the_length_check_counts_whole_functions(tmp_path):
 def test_no_function_in_src_over_80_lines():
     found = long_functions(ROOT / PACKAGE / "_src")
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines (split them):\n" + "\n".join(found)
+
+
+FENCE = f"{PACKAGE}._src.introspect"
+
+
+def _imported_modules(tree: ast.AST) -> Iterator[tuple[str, list[str]]]:
+    """``(module, names)`` of every import anywhere in a module (function-local ones included);
+    ``names`` is empty for ``import x``. Relative imports are not used in jddp (ruff's TID252)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, []
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module, [a.name for a in node.names]
+
+
+def fence_violations(root: pathlib.Path, api: set[str]) -> list[str]:
+    """Imports of private JAX outside the fence, and imports of the fence's modules other than
+    its listed ``api`` (the names of ``jddp._src.introspect.__all__``), from any module."""
+    package_dir = root / PACKAGE
+    fence_dir = package_dir / "_src" / "introspect"
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        if fence_dir in path.parents:
+            continue
+        where = path.relative_to(root)
+        for module, names in _imported_modules(ast.parse(path.read_text(), str(path))):
+            if module == "jax._src" or module.startswith("jax._src."):
+                found.append(f"{where}: imports {module}")
+            elif module == FENCE:
+                found += [f"{where}: from {module} import {n}" for n in names if n not in api]
+            elif module.startswith(FENCE + "."):
+                if module.removeprefix(FENCE + ".").split(".")[0] not in api:
+                    found.append(f"{where}: imports {module}")
+    return found
+
+
+def _fence_api(root: pathlib.Path) -> set[str]:
+    """The names ``__all__`` lists in ``jddp/_src/introspect/__init__.py`` (read from source)."""
+    tree = ast.parse((root / PACKAGE / "_src" / "introspect" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("jddp/_src/introspect/__init__.py has no __all__")
+
+
+def test_the_fence_checker_finds_private_jax_and_unlisted_modules(tmp_path):
+    fence = tmp_path / PACKAGE / "_src" / "introspect"
+    fence.mkdir(parents=True)
+    (fence / "__init__.py").write_text("__all__ = ['hlo']\n")
+    (fence / "jax_private.py").write_text("from jax._src import distributed\n")  # allowed here
+    (tmp_path / PACKAGE / "a.py").write_text(
+        "import jax._src.xla_bridge\nfrom jddp._src.introspect import hlo\n"
+        "def f():\n    from jax._src import distributed\n"
+        "    from jddp._src.introspect import jax_private\n"
+        "    import jddp._src.introspect.other\n    from jddp._src.introspect.hlo import X\n")
+    api = _fence_api(tmp_path)
+    assert api == {"hlo"}
+    assert fence_violations(tmp_path, api) == [
+        "jddp/a.py: imports jax._src.xla_bridge",
+        "jddp/a.py: imports jax._src",
+        "jddp/a.py: from jddp._src.introspect import jax_private",
+        "jddp/a.py: imports jddp._src.introspect.other",
+    ]
+
+
+def test_private_jax_only_inside_the_introspect_package():
+    """No module of jddp outside ``jddp._src.introspect`` imports ``jax._src`` (at any depth, in
+    functions too), and others reach the fence only through the modules its ``__all__`` lists."""
+    api = _fence_api(ROOT)
+    assert api == {"hlo", "jax_private", "jaxpr"}
+    found = fence_violations(ROOT, api)
+    assert not found, "imports across the introspection fence:\n" + "\n".join(found)
+    fenced = [p for p in sorted((ROOT / PACKAGE / "_src" / "introspect").glob("*.py"))
+              if any(m.startswith("jax._src")
+                     for m, _ in _imported_modules(ast.parse(p.read_text())))]
+    assert [p.name for p in fenced] == ["jax_private.py"], "private JAX belongs in jax_private.py"

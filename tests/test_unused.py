@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jddp
-from jddp._src.jaxpr import grad_reachable
+from jddp._src.introspect.jaxpr import grad_reachable
 from jddp.perf import schedule
 
 

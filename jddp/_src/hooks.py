@@ -43,12 +43,10 @@ from jax import lax
 
 from jddp._src import options, vma
 from jddp._src.collectives import scatter_sum, traced_platform
+from jddp._src.introspect import jax_private
 from jddp._src.tree import key_path_str, nbytes, ring_bytes
 
-try:  # The gathered value is the same on every replica; typed so under shard_map's check_vma.
-    from jax._src.lax.parallel import all_gather_invariant as _all_gather
-except ImportError:  # pragma: no cover - older/newer JAX without it
-    _all_gather = lax.all_gather
+_all_gather = jax_private.all_gather_invariant
 
 #: ``all_gather`` whose result is typed as the same on every replica (``check_vma``).
 gather_invariant = _all_gather

@@ -9,8 +9,8 @@ through it), in fixed phases:
 2. :func:`_local_step` (per device):
 
    a. *local gradients* (:func:`_prepare`, :func:`_window_start`): the loss is traced **once**,
-      on this call's last micro-batch (:func:`jddp._src.jaxpr.trace`); the bucket plan is read
-      from that jaxpr (:func:`jddp._src.planner.plan_traced`); the window's local gradients so far
+      on this call's last micro-batch (:func:`jddp._src.introspect.jaxpr.trace`); the bucket plan
+      is read from that jaxpr (:func:`jddp._src.planner.plan_traced`); the window's local gradients so far
       are summed (the accumulator, and this call's first ``m - 1`` micro-batches, scanned over the
       same jaxpr);
    b. *reduce* (:func:`_reduce`): a synchronising call evaluates the jaxpr on the last micro-batch
@@ -50,7 +50,6 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src import accumulation as acc_lib
 from jddp._src import deterministic as det_lib
-from jddp._src import jaxpr as jaxpr_lib
 from jddp._src import local_sgd, offload, replicated, vma, zero
 from jddp._src import loss_scale as ls_lib
 from jddp._src import precision as precision_lib
@@ -58,6 +57,7 @@ from jddp._src import rng as rng_lib
 from jddp._src.checks import batch_size, check_batch, check_float_params, check_mask
 from jddp._src.config import StepConfig
 from jddp._src.hooks import allreduce_mean, init_hook_state
+from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.nonfinite import all_finite, select_tree
 from jddp._src.objective import Extras, LocalAux, Objective, mean_metrics
 from jddp._src.optimizer_metrics import (

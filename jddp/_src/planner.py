@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jddp._src import jaxpr as jaxpr_lib
 from jddp._src import options
+from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.tree import dtype_of, fmt_bytes, key_path_str
 
 
@@ -266,7 +266,7 @@ def plan_traced(
     """The plan for a traced loss: first-use order and reachability from its one jaxpr.
 
     Args:
-      traced: the traced loss, parameters first (see :func:`jddp._src.jaxpr.trace`).
+      traced: the traced loss, parameters first (see :func:`jddp._src.introspect.jaxpr.trace`).
       params: the parameters it was traced with (arrays or shape structs).
       keep_unused: put every leaf in a bucket, even those whose gradient is zero by construction.
       loss_outputs: how many leading outputs are differentiated (default: all); the rest (metrics,

@@ -9,7 +9,7 @@ What it means, at every ZeRO stage:
   hands the loss a ``param_dtype`` copy (:class:`Cast`, a wrapper of the step's reducer). At stage 3
   the all-gathers carry ``param_dtype``: each device casts its piece before the gather (half the
   bytes for bfloat16). Micro-batches and no-sync calls evaluate the same jaxpr, which casts the
-  float32 parameters to the traced dtype (:func:`jddp._src.jaxpr.as_function`).
+  float32 parameters to the traced dtype (:func:`jddp._src.introspect.jaxpr.as_function`).
 - **Gradients** leave the backward pass in ``param_dtype`` and are summed locally (accumulation)
   and reduced in the master dtype, float32; ``reduce_dtype=float32`` (or ``None``) says exactly
   that. A ``reduce_dtype`` narrower than float32 (``bfloat16``, ``float16``) is the wire dtype of

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jddp._src import watchdog
+from jddp._src.introspect import jax_private
 
 __all__ = ["DEFAULT_GRACE_S", "NOTICE_KEY", "Grace", "current", "start"]
 
@@ -152,7 +153,7 @@ def start(grace_s: float, rank: int, distributed_state: Any | None) -> Grace:
     """Sets up this process's watch.
 
     Args:
-      distributed_state: JAX's ``jax._src.distributed.global_state`` of a multi-process job with
+      distributed_state: ``jax_private.distributed_state()`` of a multi-process job with
         the preemption service on: its sync manager is wrapped and its client polled for the
         notice, from now on. None in a single process: the watch starts on `note_notice` (jddp's
         SIGTERM handler), and asks are recorded by the caller.
@@ -163,8 +164,9 @@ def start(grace_s: float, rank: int, distributed_state: Any | None) -> Grace:
     # After `import jax`, so it runs before JAX's own exit handler shuts the client down.
     atexit.register(grace.stop)
     if distributed_state is not None:
-        manager = distributed_state.preemption_sync_manager
+        manager = jax_private.preemption_sync_manager(distributed_state)
         if manager is not None and not isinstance(manager, _CountingSyncManager):
-            distributed_state.preemption_sync_manager = _CountingSyncManager(manager, grace)
+            jax_private.set_preemption_sync_manager(
+                distributed_state, _CountingSyncManager(manager, grace))
             grace.start_thread(distributed_state.client)
     return grace

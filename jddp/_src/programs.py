@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 
-from jddp._src import hlo
+from jddp._src.introspect import hlo, jax_private
 
 #: Seconds a process waits at the check for the others (they may still be compiling); override
 #: with the environment variable ``JDDP_PROGRAM_CHECK_TIMEOUT``.
@@ -130,8 +130,8 @@ class ProgramFingerprint:
     """A compiled program for the check: its fingerprint, and its description on demand.
 
     Attributes:
-      fingerprint: a hash of the canonical HLO text (:func:`jddp._src.hlo.canonical_text`) and
-        of the buckets.
+      fingerprint: a hash of the canonical HLO text
+        (:func:`jddp._src.introspect.hlo.canonical_text`) and of the buckets.
       text: the compiled HLO text.
       buckets: the parameters (paths) of each gradient bucket, in reduction order.
     """
@@ -247,9 +247,7 @@ def check_across_processes(sig: Checked, what: str = "step program") -> None:
     """
     if jax.process_count() == 1:
         return
-    from jax._src import distributed  # the coordinator's key-value store
-
-    client = distributed.global_state.client
+    client = jax_private.coordination_client()  # the coordinator's key-value store
     if client is None:
         return
     exchange(client, sig, next(_sequence), jax.process_index(), jax.process_count(),

@@ -7,8 +7,8 @@ layers.
 
 Two details make this hold in compiled XLA:
 
-- Placement. The loss is traced to a jaxpr once (:func:`jddp._src.jaxpr.trace`); the planner reads
-  that jaxpr, and this module evaluates it with each bucket's hook inserted right before the first
+- Placement. The loss is traced to a jaxpr once (:func:`jddp._src.introspect.jaxpr.trace`); the
+  planner reads that jaxpr, and this module evaluates it with each bucket's hook inserted right before the first
   equation that uses any of the bucket's parameters. The transpose of that evaluation then emits
   each bucket's reduction right where its last gradient is produced, instead of after the whole
   backward pass.
@@ -44,8 +44,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jddp._src import hlo, options, replicated, vma, zero
-from jddp._src import jaxpr as jaxpr_lib
+from jddp._src import options, replicated, vma, zero
 from jddp._src import precision as precision_lib
 from jddp._src.checks import check_float_params, check_scalar_loss
 from jddp._src.collectives import traced_platform
@@ -62,6 +61,8 @@ from jddp._src.hooks import (
     padded_flat,
     unflatten_like,
 )
+from jddp._src.introspect import hlo
+from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.planner import BucketPlan, plan_traced
 from jddp._src.tree import nbytes, ring_bytes
 
@@ -518,8 +519,8 @@ class GatherInForward:
       inner: the backward's reducer (:class:`ReduceScatter` or :class:`Hybrid`).
       reshard: FSDP's ``reshard_after_forward``: every equation that reads a gathered leaf, or
         a value computed from leaves alone (a cast, a transpose: recomputed inside it, see
-        :func:`jddp._src.jaxpr.eval_with_hooks`), runs through :func:`_regathered`, which keeps
-        only the pieces for its backward and gathers the leaf again there, so a gathered bucket
+        :func:`jddp._src.introspect.jaxpr.eval_with_hooks`), runs through :func:`_regathered`,
+        which keeps only the pieces for its backward and gathers the leaf again there, so a gathered bucket
         lives from its gather to its last forward use, and again around each backward use.
         ``False``: a gathered bucket stays whole until the backward is done with it (the
         user's operations keep it as a residual).
@@ -815,8 +816,8 @@ def _regathered(eqn: Any, invals: list, sources: tuple, leaves: dict[int, Any],
     the backward pass, so XLA's CSE cannot merge it with the forward's (the leaf stays whole).
 
     An input computed from parameters alone (a cast to bfloat16, a transpose: a
-    :class:`jddp._src.jaxpr.Derived` source) is recomputed from the gathered leaves, in the
-    forward and again in the backward, so that neither it nor its leaves are kept whole.
+    :class:`jddp._src.introspect.jaxpr.Derived` source) is recomputed from the gathered leaves, in
+    the forward and again in the backward, so that neither it nor its leaves are kept whole.
 
     Args:
       sources: per input of ``eqn``, the parameter leaf it reads, the value computed from

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from jax._src import distributed as _jax_distributed  # the coordination service client
+from jddp._src.introspect import jax_private
 
 __all__ = ["expect_all"]
 
@@ -24,7 +24,7 @@ _CALLS: collections.Counter[str] = collections.Counter()
 
 
 def _client() -> Any:
-    return _jax_distributed.global_state.client
+    return jax_private.coordination_client()
 
 
 def expect_all(name: str, what: str, timeout_s: float, fix: str) -> None:
@@ -41,7 +41,7 @@ def expect_all(name: str, what: str, timeout_s: float, fix: str) -> None:
     Raises:
       RuntimeError: some process did not arrive within ``timeout_s``.
     """
-    client, state = _client(), _jax_distributed.global_state
+    client, state = _client(), jax_private.distributed_state()
     if client is None or (state.num_processes or 1) <= 1:
         return
     _CALLS[name] += 1

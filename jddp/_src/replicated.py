@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jddp._src import jaxpr as jaxpr_lib
 from jddp._src import vma
+from jddp._src.introspect import jaxpr as jaxpr_lib
 
 # Primitives that communicate, or whose result depends on the device: never evaluated on inputs
 # less varying than they were traced with.
@@ -115,8 +115,8 @@ def _walk(jx: Any, env: dict[Any, _Value], found: set[int]) -> None:
 
 
 class LateCasts:
-    """How :func:`jddp._src.jaxpr.eval_with_hooks` places casts to per-device values when some
-    parameters are read replicated: ``pvary`` equations are deferred, and a replicated input is
+    """How :func:`jddp._src.introspect.jaxpr.eval_with_hooks` places casts to per-device values
+    when some parameters are read replicated: ``pvary`` equations are deferred, and a replicated input is
     cast where an equation meets per-device ones (a collective, loop, branch or custom
     derivative gets its inputs as varying as traced), once per value, so that its cotangents
     are summed before the one ``psum`` its cast transposes to.

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jddp._src import hlo
+from jddp._src.introspect import hlo
 from jddp._src.traffic import sent_per_device, traffic
 from jddp._src.tree import fmt_bytes
 

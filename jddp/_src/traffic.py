@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from jddp._src.hlo import Collective, collectives
+from jddp._src.introspect.hlo import Collective, collectives
 from jddp._src.tree import fmt_bytes, ring_bytes
 
 __all__ = ["CollectiveTraffic", "Traffic", "sent_per_device", "traffic"]

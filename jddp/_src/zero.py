@@ -48,7 +48,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jddp._src import jaxpr as jaxpr_lib
+from jddp._src.introspect import jaxpr as jaxpr_lib
 
 
 def shard_dim(shape: Sequence[int], n: int) -> int | None:
@@ -252,7 +252,7 @@ def split_bytes(layout: Layout, dtypes: Sequence[Any], indices: Sequence[int]) -
 def not_resharded(traced: jaxpr_lib.Traced, layout: Layout,
                   unused: Sequence[int] = ()) -> dict[int, str]:
     """The gathered leaves that ``reshard_after_forward`` cannot free after their forward use,
-    each with the operation that keeps them (:func:`jddp._src.jaxpr.kept_whole`).
+    each with the operation that keeps them (:func:`jddp._src.introspect.jaxpr.kept_whole`).
 
     Casts, transposes, reshapes and any other computation from parameters alone are resharded
     (recomputed from the leaves gathered again in the backward); what remains is a value that

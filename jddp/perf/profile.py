@@ -37,7 +37,7 @@ from typing import Any
 
 import jax
 
-from jddp._src import hlo
+from jddp._src.introspect import hlo
 
 __all__ = ["CollectiveTime", "StepTimer", "Trace", "collective_times", "name_collectives",
            "trace"]

@@ -45,7 +45,7 @@ computations ending in ``AsyncCollectiveStart`` / ``AsyncCollectiveDone`` custom
 listed as the plain collectives inside those fusion computations, one per fusion.
 """
 
-from jddp._src.hlo import (
+from jddp._src.introspect.hlo import (
     COLLECTIVE_KINDS,
     GPU_NO_OVERLAP,
     Array,

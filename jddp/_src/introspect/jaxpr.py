@@ -20,10 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
-from jax._src import source_info_util  # only to keep user tracebacks in re-traced equations
 from jax.extend import core as jex_core
 
 from jddp._src import vma
+from jddp._src.introspect import jax_private
 
 # Primitives whose sub-jaxpr is walked (and, when evaluating, inlined) as if it were written out in
 # place: plain calls whose inputs map one-to-one on the callee's inputs.
@@ -76,16 +76,12 @@ class UnboundAxisError(ValueError):
     """The loss runs a collective over an axis name that the data mesh does not have."""
 
 
-# The module of JAX's collectives (psum, pmean, all_gather, axis_index, ...), whose frames name
-# the axis they were called with.
-_COLLECTIVES_MODULE = "jax._src.lax.parallel"
-
-
 def _collective_axes(tb: Any) -> tuple[str, ...]:
     """The axis names of the outermost call into JAX's collectives in a traceback (or ``()``)."""
     while tb is not None:
         frame = tb.tb_frame
-        if frame.f_globals.get("__name__") == _COLLECTIVES_MODULE and "axis_name" in frame.f_locals:
+        in_collectives = frame.f_globals.get("__name__") == jax_private.COLLECTIVES_MODULE
+        if in_collectives and "axis_name" in frame.f_locals:
             return vma.axis_names(frame.f_locals["axis_name"])
         tb = tb.tb_next
     return ()
@@ -548,7 +544,7 @@ def _scales(eqn: Any, sources: dict[Any, frozenset], fixed_vars: set) -> bool:
 def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     """Binds ``eqn``'s primitive on ``invals`` (as ``jax.core.eval_jaxpr`` does); a list of outputs."""
     bind_params = eqn.primitive.get_bind_params(eqn.params)
-    with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
+    with jax_private.user_context(eqn.source_info.traceback), eqn.ctx.manager:
         outs = eqn.primitive.bind(*invals, **bind_params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
 

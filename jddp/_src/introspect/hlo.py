@@ -12,7 +12,7 @@ import functools
 import math
 import re
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -892,38 +892,38 @@ def _parse_instr(line: str, computation: str) -> Instruction | None:
     return dataclasses.replace(ins, calls=calls) if calls else ins
 
 
-def _balanced_end(s: str, start: int) -> int:
-    """Index just past the bracket that closes the one at ``start`` (ignores quoted text)."""
+def _unquoted(s: str, start: int = 0) -> Iterator[tuple[int, str, int]]:
+    """Each character of ``s`` from ``start`` outside quoted text, with the bracket depth after
+    it (an opening bracket counts itself, a closing one no longer does)."""
     depth = 0
     quoted = False
     for i in range(start, len(s)):
         ch = s[i]
         if ch == '"' and (i == 0 or s[i - 1] != "\\"):
             quoted = not quoted
-        elif quoted:
             continue
-        elif ch in "([{":
+        if quoted:
+            continue
+        if ch in "([{":
             depth += 1
         elif ch in ")]}":
             depth -= 1
-            if depth == 0:
-                return i + 1
+        yield i, ch, depth
+
+
+def _balanced_end(s: str, start: int) -> int:
+    """Index just past the bracket that closes the one at ``start`` (ignores quoted text)."""
+    for i, ch, depth in _unquoted(s, start):
+        if ch in ")]}" and depth == 0:
+            return i + 1
     return len(s)
 
 
 def _split_top(s: str) -> list[str]:
     """Splits at commas that are neither nested in brackets nor quoted; drops empty parts."""
-    parts, depth, last, quoted = [], 0, 0, False
-    for i, ch in enumerate(s):
-        if ch == '"' and (i == 0 or s[i - 1] != "\\"):
-            quoted = not quoted
-        elif quoted:
-            continue
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
+    parts, last = [], 0
+    for i, ch, depth in _unquoted(s):
+        if ch == "," and depth == 0:
             parts.append(s[last:i].strip())
             last = i + 1
     parts.append(s[last:].strip())

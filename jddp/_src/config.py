@@ -14,9 +14,9 @@ from jddp._src import options
 from jddp._src.hooks import CommHook, allreduce_mean
 from jddp._src.local_sgd_options import LocalSGD
 from jddp._src.loss_scale import DynamicScale
-from jddp._src.mesh import DataAxes, data_axes
 from jddp._src.planner import BucketPlan
 from jddp._src.precision import MixedPrecision
+from jddp._src.topology import Topology
 
 
 class PlanPolicy(Protocol):
@@ -112,27 +112,16 @@ class StepConfig:
     group_size: int = options.DEFAULT_GROUP_SIZE
     mixed_precision: MixedPrecision | None = None
 
+    topology: Topology = dataclasses.field(init=False, compare=False, repr=False)
+
     def __post_init__(self) -> None:
         # hybrid_shard's needs (a stage, a two-level mesh) are rows of jddp._src.compat.
-        axes = self.data_axes
-        in_host = int(self.mesh.shape[axes.local]) if axes.two_level else None
+        topology = Topology.of(self.mesh, hybrid=self.hybrid_shard, sharded=self.zero_stage >= 1,
+                               islands=self.local_sgd is not None)
+        object.__setattr__(self, "topology", topology)  # derived from the fields above
+        in_host = topology.host_size if topology.two_level else None
         object.__setattr__(self, "reshard_after_forward", options.reshard_group(
-            self.reshard_after_forward, self.shard_count, in_host))
-
-    @property
-    def axis_name(self) -> Any:
-        """The data axis: the mesh's one axis name, or the tuple of its names for a 2-D mesh."""
-        names = tuple(self.mesh.axis_names)
-        return names[0] if len(names) == 1 else names
-
-    @property
-    def data_axes(self) -> DataAxes:
-        """The mesh's data axes by level (``hosts`` is ``None`` for a 1-D mesh)."""
-        return data_axes(self.mesh)
-
-    @property
-    def num_devices(self) -> int:
-        return int(self.mesh.size)
+            self.reshard_after_forward, topology.shard_count, in_host))
 
     @property
     def largest_cap_bytes(self) -> int:
@@ -142,28 +131,6 @@ class StepConfig:
             return self.cap_bytes
         platform = self.mesh.devices.flat[0].platform
         return max(self.cap_bytes, self.default_plan.max_cap_bytes(platform))
-
-    @property
-    def _shards_in_host(self) -> bool:
-        # hybrid_shard, or local SGD: each replica's (host's) state is sharded inside it.
-        return self.hybrid_shard or (self.local_sgd is not None and self.data_axes.two_level)
-
-    @property
-    def shard_axis(self) -> Any:
-        """The axis the sharded stages split state over: the data axis, or with
-        ``hybrid_shard`` (and local SGD's islands) the axis inside a host."""
-        return self.data_axes.local if self._shards_in_host else self.axis_name
-
-    @property
-    def shard_count(self) -> int:
-        """Devices along :attr:`shard_axis` (the pieces each split leaf is cut into)."""
-        return int(self.mesh.shape[self.data_axes.local]) if self._shards_in_host \
-            else self.num_devices
-
-    @property
-    def replica_axis(self) -> str | None:
-        """With ``hybrid_shard``, the axis across which the pieces are replicated (hosts)."""
-        return self.data_axes.hosts if self.hybrid_shard else None
 
     @property
     def reshard_group(self) -> int | None:

@@ -108,7 +108,7 @@ def check_config(cfg: Any) -> None:
 
 def check_call(cfg: Any, global_size: int, sync: Any, model_state: Any) -> None:
     """Trace-time checks of one deterministic step call (batch size, ``sync``, model state)."""
-    g, n = cfg.group_size, cfg.num_devices
+    g, n = cfg.group_size, cfg.topology.num_devices
     if global_size % g:
         raise ValueError(
             f"jddp.Deterministic() cuts the global batch into groups of group_size={g} "
@@ -223,7 +223,7 @@ def init_accum(cfg: Any, params: Any, model_state: Any) -> AccumState:
     """The accumulator of a deterministic window: a binary counter of ``log2(accumulate_steps)``
     slots of finished subtree sums (gradients, loss, weight, model state), the same on every
     device and stored per device (leading device dimension, then the slot)."""
-    n, s = cfg.num_devices, _stack_slots(cfg)
+    n, s = cfg.topology.num_devices, _stack_slots(cfg)
     zeros = lambda tree: jax.tree.map(
         lambda x: jnp.zeros((n, s, *jnp.shape(x)), dtype_of(x)), tree)
     return AccumState(
@@ -242,7 +242,7 @@ def check_accum(cfg: Any, state: Any) -> None:
                              "accumulate (Accumulate.steps=1); use the DataParallel that built "
                              "the state.")
         return
-    want = (cfg.num_devices, _stack_slots(cfg))
+    want = (cfg.topology.num_devices, _stack_slots(cfg))
     acc = state.accum
     if (not isinstance(acc, AccumState) or jnp.shape(acc.loss) != want
             or jax.tree.structure(acc.grads) != jax.tree.structure(state.params)):  # type: ignore[operator]
@@ -446,7 +446,7 @@ def _merge_window(cfg: Any, acc: AccumState, call: Part) -> tuple[Part, AccumSta
 
 def local_step(cfg: Any, obj: Any, state: Any, batch: Any, weights: Any, rng: Any) -> DetResult:
     """The per-device deterministic step (inside ``shard_map``, untyped): see the module doc."""
-    axis, n, g = cfg.axis_name, cfg.num_devices, cfg.group_size
+    axis, n, g = cfg.topology.data, cfg.topology.num_devices, cfg.group_size
     local = jax.tree.leaves(batch)[0].shape[0]
     groups = local // g  # this device's groups in this call
     acc = state.accum
@@ -473,7 +473,7 @@ def local_step(cfg: Any, obj: Any, state: Any, batch: Any, weights: Any, rng: An
         if model_state is not None:
             model_state = jax.tree.map(lambda new, old: jnp.where(synced, new, old),
                                        model_state, state.model_state)
-    hosts = cfg.data_axes.hosts
+    hosts = cfg.topology.axes.hosts
     total, across = bytes_sent(device_sum, n, n // int(cfg.mesh.shape[hosts]) if hosts else n)
     metrics["comm_bytes"] = jnp.float32(total)
     if hosts is not None:

@@ -23,7 +23,7 @@ host). On a 1-D mesh every device is a replica and local steps run no collective
 
 How it fits the step (:mod:`jddp._src.pipeline`): local SGD is the *sync policy* of the one step,
 whose phases are fixed: local gradients (micro-batches, the accumulator) -> reduce (over
-:attr:`Levels.axis`: the island) -> update (per replica: ``jax.vmap`` over the replica dimension,
+:attr:`jddp._src.topology.Roles.axis`: the island) -> update (per replica: ``jax.vmap`` over the replica dimension,
 with skipping, loss scaling and accumulation windows around it) -> sync policy
 (:func:`synchronise`: nothing, the parameter average, or DiLoCo's outer step). So every option of
 the step composes with local SGD by construction. The kind of step (``sync``, ``local``,
@@ -53,68 +53,14 @@ from jddp._src import vma, zero
 from jddp._src.config import StepConfig
 from jddp._src.hooks import bucket_bytes_sent, ring_allgather_bytes, ring_allreduce_bytes
 from jddp._src.local_sgd_options import AVERAGE, LOCAL, SYNC, LocalSGD
-from jddp._src.mesh import DataAxes
 from jddp._src.objective import Extras
 from jddp._src.planner import BucketPlan
 from jddp._src.reduction import bucketed_mean
 from jddp._src.state import OuterState, TrainState
+from jddp._src.topology import Roles
 from jddp._src.tree import add_device_dim, broadcast_to_devices, dtype_of, strip_device_dim
 
 __all__ = ["AVERAGE", "LOCAL", "SYNC", "LocalSGD"]
-
-
-class Levels(NamedTuple):
-    """Where one step reduces: the mesh as the per-device step sees it, for plain data
-    parallelism or one kind of local-SGD step.
-
-    Attributes:
-      axis: the axis the gradients are averaged over (``None``: an island of one device, which
-        reduces nothing).
-      size: devices along ``axis`` (1 for ``None``).
-      hosts: the name in ``axis`` that crosses hosts, for the hook (``HookContext.hosts_axis``).
-      shard_axis: the axis the sharded stages split state over.
-      hybrid: the axis across which the sharded stages' pieces are averaged after the
-        reduce-scatter (hybrid sharding), or ``None``.
-      replica: the axis the per-replica state is split over with local SGD (``None``: the state
-        is replicated).
-      replicas: the number of replicas (1 without local SGD).
-      spans: the reduction covers every replica (plain steps, and local SGD's ``sync`` steps):
-        its means are global, and the same on every device.
-    """
-
-    axis: Any
-    size: int
-    hosts: str | None
-    shard_axis: Any
-    hybrid: str | None
-    replica: Any
-    replicas: int
-    spans: bool
-
-
-def replica_axis(axes: DataAxes) -> Any:
-    """The mesh axis that tells replicas apart: the hosts of a two-level mesh, else every axis."""
-    return axes.hosts if axes.two_level else axes.axis_name
-
-
-def num_replicas(cfg: StepConfig) -> int:
-    axes = cfg.data_axes
-    return int(cfg.mesh.shape[axes.hosts]) if axes.two_level else cfg.num_devices
-
-
-def levels(cfg: StepConfig, kind: str | None) -> Levels:
-    """The :class:`Levels` of a step of this kind (``None``: a plain data-parallel step)."""
-    axes, n = cfg.data_axes, cfg.num_devices
-    if cfg.local_sgd is None:
-        return Levels(cfg.axis_name, n, axes.hosts, cfg.shard_axis, cfg.replica_axis, None, 1,
-                      True)
-    rax, r = replica_axis(axes), num_replicas(cfg)
-    if kind == SYNC:  # every replica reduces together: hybrid sharding at the sharded stages
-        hybrid = axes.hosts if cfg.zero_stage and axes.two_level else None
-        return Levels(cfg.axis_name, n, axes.hosts, cfg.shard_axis, hybrid, rax, r, True)
-    if axes.two_level:  # inside the island (the host) only
-        return Levels(axes.local, n // r, None, axes.local, None, rax, r, False)
-    return Levels(None, 1, None, None, None, rax, r, False)
 
 
 class LocalPhase(NamedTuple):
@@ -158,10 +104,10 @@ def _prefixed(spec: P, axis: Any) -> P:
 def _per_replica_specs(cfg: StepConfig, tree: Any, split: bool) -> Any:
     """Specs of per-replica leaves: the replica axis first, then (``split``) the sharded stages'
     split of the replica's own leaf over the devices of the island."""
-    axis = replica_axis(cfg.data_axes)
+    axis = cfg.topology.replica
 
     def spec(x: Any) -> P:
-        inner = zero.leaf_spec(np.shape(x)[1:], cfg.shard_count, cfg.shard_axis) if split else P()
+        inner = zero.leaf_spec(np.shape(x)[1:], cfg.topology.shard_count, cfg.topology.shard) if split else P()
         return _prefixed(inner, axis)
 
     return jax.tree.map(spec, tree)
@@ -171,7 +117,7 @@ def build_state(cfg: StepConfig, state: TrainState) -> TrainState:
     """The data-parallel initial state laid out per replica (and DiLoCo's outer state)."""
     spec = cfg.local_sgd
     assert spec is not None
-    r = num_replicas(cfg)
+    r = cfg.topology.replicas
     outer = None
     if spec.outer_optimizer is not None:
         init = spec.outer_optimizer.init
@@ -223,8 +169,8 @@ def _averaging_bytes(cfg: StepConfig, plan: BucketPlan) -> tuple[float, float]:
     slice of each bucket across replicas, then the all-gather of the slices inside the island
     (at stage 3 each device averages the piece it holds, and nothing is gathered). With a
     ``compress`` hook the across part is the hook's bytes, bucket by bucket."""
-    r = num_replicas(cfg)
-    local = cfg.num_devices // r
+    r = cfg.topology.replicas
+    local = cfg.topology.num_devices // r
     sizes = [math.prod(s) for s in plan.shapes]
     items = [d.itemsize for d in plan.dtypes]
     sent = _sent_sizes(cfg, plan, local)
@@ -300,7 +246,7 @@ def _replica_mean_specs(cfg: StepConfig, values: Any, diloco: bool) -> Any:
     if cfg.zero_stage < 3:
         return jax.tree.map(lambda _: P(), values)
     return jax.tree.map(
-        lambda x: zero.leaf_spec(np.shape(x)[1:], cfg.shard_count, cfg.shard_axis), values)
+        lambda x: zero.leaf_spec(np.shape(x)[1:], cfg.topology.shard_count, cfg.topology.shard), values)
 
 
 def _average(cfg: StepConfig, plan: BucketPlan, values: Any, island: Extras,
@@ -310,9 +256,9 @@ def _average(cfg: StepConfig, plan: BucketPlan, values: Any, island: Extras,
     ``shard_map``: one chained collective per bucket (:func:`bucketed_mean`)."""
     spec = cfg.local_sgd
     assert spec is not None
-    axes = cfg.data_axes
-    rax, r = replica_axis(axes), num_replicas(cfg)
-    local_axis = axes.local if axes.two_level and cfg.zero_stage < 3 else None
+    topo = cfg.topology
+    rax, r = topo.replica, topo.replicas
+    local_axis = topo.local if topo.two_level and cfg.zero_stage < 3 else None
     mode = cfg.model_state_sync
     per_rep = lambda tree: jax.tree.map(lambda _: P(rax), tree)
 
@@ -349,7 +295,7 @@ def _outer_step(cfg: StepConfig, anchor: Any, opt_state: Any, mean_delta: Any,
     assert spec is not None and spec.outer_optimizer is not None
     step_, opt_state = spec.outer_optimizer.update(mean_delta, opt_state, anchor)
     anchor = optax.apply_updates(anchor, step_)
-    r = num_replicas(cfg)
+    r = cfg.topology.replicas
     specs = jax.tree.leaves(_per_replica_specs(cfg, like, cfg.zero_stage >= 3),
                             is_leaf=lambda x: isinstance(x, P))
     leaves = [
@@ -414,7 +360,7 @@ def _synced(cfg: StepConfig, plan: BucketPlan, due: tuple[int, ...], state: Trai
 
 
 def synchronise(
-    cfg: StepConfig, lv: Levels, phase: LocalPhase, plan: BucketPlan, state: TrainState,
+    cfg: StepConfig, lv: Roles, phase: LocalPhase, plan: BucketPlan, state: TrainState,
     island: Extras, metrics: dict, comm: dict, report: Callable[[Extras], dict], synced: Any,
     sync: bool | None,
 ) -> tuple[TrainState, dict]:
@@ -422,7 +368,7 @@ def synchronise(
     an averaging step the averaging itself.
 
     Args:
-      lv: the step's levels; ``metrics`` (the loss and aux metrics) are global if ``lv.spans``,
+      lv: the step's roles; ``metrics`` (the loss and aux metrics) are global if ``lv.spans``,
         else one per replica.
       comm: ``comm_bytes`` (and ``comm_bytes_hosts``) of the step's reduction.
       island: each replica's means of the step's extras over its island (leading replica dim).
@@ -465,7 +411,7 @@ def synchronise(
     inside, across = _averaging_bytes(cfg, sent)
     done = jnp.asarray(synced, jnp.float32)
     out["comm_bytes"] = out["comm_bytes"] + done * (inside + across)
-    if cfg.data_axes.two_level:
+    if cfg.topology.two_level:
         out["comm_bytes_hosts"] = out["comm_bytes_hosts"] + done * across
     return state.replace(params=new.params, outer=new.outer, model_state=new.model_state), out
 

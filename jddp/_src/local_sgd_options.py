@@ -18,9 +18,7 @@ import numpy as np
 import optax
 
 from jddp._src.hooks import CommHook, check_hook, hook_name
-
-# The kinds of step (static: one compiled program each).
-SYNC, LOCAL, AVERAGE = "sync", "local", "average"
+from jddp._src.topology import AVERAGE, LOCAL, SYNC  # the kinds of step (one program each)
 
 
 def _check_int(name: str, value: Any, low: int) -> None:

@@ -298,7 +298,7 @@ class ModelStep(ChoosingStep):
         cfg = self._cfg
         plan = pipeline.plan(cfg, state, batch, mask, rng)
         default = (cfg.cap_bytes / MiB, cfg.first_bytes / MiB)
-        choice = decide(plan, cfg.mesh.devices.flat[0].platform, cfg.num_devices, self._policy,
+        choice = decide(plan, cfg.mesh.devices.flat[0].platform, cfg.topology.num_devices, self._policy,
                         default)
         cap = options.cap_bytes(choice.cap_mb, "bucket_cap_mb")
         first = min(options.cap_bytes(choice.chosen_first_mb, "first_bucket_mb"), cap)

@@ -4,7 +4,7 @@ The data path of one ``ddp.step(state, batch)`` (every front end, mode and sync 
 through it), in fixed phases:
 
 1. :func:`train_step` (the jitted function, global view): trace-time checks of the state, batch and
-   mask, and the step's :class:`jddp._src.local_sgd.Levels` (where it reduces); then the
+   mask, and the step's :class:`jddp._src.Roles` (where it reduces); then the
    per-device part under ``jax.shard_map``:
 2. :func:`_local_step` (per device):
 
@@ -76,6 +76,7 @@ from jddp._src.reduction import (
     ring,
 )
 from jddp._src.state import AccumState, TrainState
+from jddp._src.topology import Roles
 from jddp._src.tree import add_device_dim, broadcast_to_devices, strip_device_dim
 
 PlanObserver = Callable[[BucketPlan], None]
@@ -92,7 +93,7 @@ def objective(cfg: StepConfig, stateful: bool) -> Objective:
 
 def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainState:
     """The initial :class:`TrainState` (pure; :func:`state_shardings` places it)."""
-    n = cfg.num_devices
+    n = cfg.topology.num_devices
     state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -115,12 +116,12 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
 def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
     """Partition specs of a state: replicated, except the per-device hook and accumulator state
     (and model state with ``model_state_sync="none"``), sharded on their leading device axis."""
-    axis = cfg.axis_name
+    axis = cfg.topology.data
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)
     per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
     # Sharded stages: a leaf is split on a dimension the device count divides (jddp._src.zero).
     split = lambda tree: jax.tree.map(
-        lambda x: zero.leaf_spec(jnp.shape(x), cfg.shard_count, cfg.shard_axis), tree
+        lambda x: zero.leaf_spec(jnp.shape(x), cfg.topology.shard_count, cfg.topology.shard), tree
     )
     specs = TrainState(
         step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
@@ -176,7 +177,7 @@ def check_step_inputs(
             f"  got:      {jax.tree.structure(state.opt_state)}\nBuild the state with this "
             "DataParallel's init(), or restore a checkpoint saved with the same optimizer."
         )
-    n = cfg.num_devices
+    n = cfg.topology.num_devices
     size = check_batch(batch, n)
     if cfg.deterministic:  # seam: jddp._src.deterministic's layouts and accumulator
         det_lib.check_accum(cfg, state)
@@ -261,14 +262,14 @@ class LocalResult(NamedTuple):
     comm: dict | None = None
 
 
-def _result_specs(cfg: StepConfig, lv: local_sgd.Levels, view: TrainState,
+def _result_specs(cfg: StepConfig, lv: Roles, view: TrainState,
                   layout: zero.Layout) -> LocalResult:
-    axis = cfg.axis_name
+    axis = cfg.topology.data
     rep = P() if lv.replica is None else P(lv.replica)
     glob = P() if lv.spans else rep
     grads: Any = rep
     if cfg.zero_stage >= 2:
-        grads = jax.tree.map(lambda s: P(*rep, *s), layout.specs(view.params, cfg.shard_axis),
+        grads = jax.tree.map(lambda s: P(*rep, *s), layout.specs(view.params, cfg.topology.shard),
                              is_leaf=lambda x: isinstance(x, P))
     return LocalResult(
         grads=grads, metrics=glob, local_metrics=P(axis),  # type: ignore[arg-type]
@@ -286,14 +287,14 @@ def _accum_split(cfg: StepConfig) -> Callable[[Any], Any] | None:
     if not cfg.shard_accumulator:
         return None
     return lambda tree: jax.tree.map(
-        lambda x: zero.leaf_spec(jnp.shape(x), cfg.shard_count, cfg.shard_axis), tree)
+        lambda x: zero.leaf_spec(jnp.shape(x), cfg.topology.shard_count, cfg.topology.shard), tree)
 
 
 def _varying(tree: Any, axis: Any) -> Any:
     return jax.tree.map(lambda x: vma.to_varying(x, axis), tree)
 
 
-def _island_state(cfg: StepConfig, lv: local_sgd.Levels, state: TrainState) -> TrainState:
+def _island_state(cfg: StepConfig, lv: Roles, state: TrainState) -> TrainState:
     """The state as this device's replica holds it (local SGD's per-replica leaves without their
     replica dimension); the state itself without local SGD."""
     if lv.replica is None:
@@ -324,7 +325,7 @@ def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
         # collectives only (cross-replica BatchNorm) stays invariant and is not synchronised
         # again (jddp._src.model_state).
         return ms
-    ms = _varying(ms, cfg.axis_name)
+    ms = _varying(ms, cfg.topology.data)
     if acc is None:
         return ms
     # A select, not a reset on sync: see accumulation.live (the stale slot is never rewritten).
@@ -363,7 +364,7 @@ def _traced_plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any) -> Buck
     if cfg.default_plan is None:
         return plan
     return cfg.default_plan.repack(plan, pack, cfg.mesh.devices.flat[0].platform,
-                                   cfg.num_devices)
+                                   cfg.topology.num_devices)
 
 
 def jax_reduces(cfg: StepConfig) -> bool:
@@ -407,7 +408,7 @@ def _example_keys(cfg: StepConfig, state: TrainState, rng: Any, batch: Any) -> A
         return None
     local = batch_size(batch)
     call = jnp.zeros((), jnp.int32) if state.accum is None else state.accum.count
-    start = lax.axis_index(cfg.axis_name) * local
+    start = lax.axis_index(cfg.topology.data) * local
     return rng_lib.example_keys(rng, state.step, local, start=start, call=call)
 
 
@@ -465,7 +466,7 @@ class Prepared(NamedTuple):
 
 
 def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
-             lv: local_sgd.Levels, layout: zero.Layout, state: TrainState, batch: Any,
+             lv: Roles, layout: zero.Layout, state: TrainState, batch: Any,
              weights: Any, rng: Any) -> Prepared:
     """Phase 1's set-up: the micro-batches, the loss traced once and the bucket plan."""
     m = cfg.microbatches
@@ -474,7 +475,7 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
         jax.ShapeDtypeStruct(shape, jnp.result_type(x))
         for shape, x in zip(layout.shapes, jax.tree.leaves(state.params), strict=True)
     ])
-    params_v = _varying(state.params, cfg.axis_name)
+    params_v = _varying(state.params, cfg.topology.data)
     sharded = None
     if cfg.zero_stage >= 2:
         sharded = Sharded(cfg.zero_stage, layout, lv.shard_axis, lv.hybrid,
@@ -514,7 +515,7 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
                     micro, side_m, last, side_last, grad_fn, loss_scale, sharded, unit)
 
 
-def _local_params(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared) -> tuple[Any, Bytes]:
+def _local_params(cfg: StepConfig, lv: Roles, prep: Prepared) -> tuple[Any, Bytes]:
     """The parameters local gradients (earlier micro-batches, no-sync calls) are taken at, and
     the bytes of getting them: stage 3 gathers every bucket once (chained, in first-use order),
     in the branch that needs them (so that a call that does not use them does not send them).
@@ -523,14 +524,14 @@ def _local_params(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared) -> tupl
         return prep.params_v, Bytes()
     layout = prep.sharded.layout
     pieces = jax.tree.leaves(precision_lib.compute_params(cfg.mixed_precision, prep.params))
-    whole = zero.gather_buckets(pieces, layout, _bucket_groups(prep.plan)[::-1], cfg.shard_axis,
+    whole = zero.gather_buckets(pieces, layout, _bucket_groups(prep.plan)[::-1], cfg.topology.shard,
                                 _gather_chain(cfg))
     return (jax.tree.unflatten(jax.tree.structure(prep.params), whole),
             _gather_bytes(cfg, lv, prep.plan, layout, precision_lib.gather_dtype(
                 cfg.mixed_precision)))
 
 
-def _head_sums(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared,
+def _head_sums(cfg: StepConfig, lv: Roles, prep: Prepared,
                init: acc_lib.Sums) -> tuple[acc_lib.Sums, Bytes]:
     """The local sums of this call's first ``m - 1`` micro-batches, added to ``init``, and the
     bytes of the parameters they needed."""
@@ -559,7 +560,7 @@ def _reduce_locally(traced: jaxpr_lib.Traced, params_v: Any, args: tuple, seed: 
     return out, leaves
 
 
-def _reduce(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepared,
+def _reduce(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
             state: TrainState, phase: Any, args: tuple, seed: Any, offset: list | None,
             extras: Callable[[Any], Extras]) -> Reduced:
     """Phase 2: the gradients of the last micro-batch plus ``offset``, averaged over the
@@ -579,13 +580,13 @@ def _reduce(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepare
     )
 
 
-def _window_start(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared,
+def _window_start(cfg: StepConfig, lv: Roles, prep: Prepared,
                   acc: AccumState | None) -> tuple:
     """``(offset, call, (loss0, weight0), model_state, sent)``: the window's local gradient sums
     before this call's last micro-batch (the accumulator, then this call's first ``m - 1``
     micro-batches), this call's aux sums so far, the earlier calls' loss and weight, the model
     state the last micro-batch starts from, and the bytes sent for them (stage 3's gather)."""
-    call = _aux_zeros(prep.aux_shape, cfg.axis_name)
+    call = _aux_zeros(prep.aux_shape, cfg.topology.data)
     if acc is not None:
         live_grads, live_loss, live_weight = acc_lib.live(acc)
         # A sharded accumulator holds reduced sums: added after the reduction (_synchronise).
@@ -600,13 +601,13 @@ def _window_start(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared,
             offset = acc_lib.varying_zeros(jax.tree.map(lambda p: jax.ShapeDtypeStruct(
                 jnp.shape(p), acc_lib.accumulator_dtype(jnp.result_type(p),
                                                         cfg.accumulator_dtype)),
-                prep.full_params), cfg.axis_name)
+                prep.full_params), cfg.topology.data)
         call, sent = _head_sums(cfg, lv, prep, call._replace(grads=offset, model_state=prep.ms0))
         offset, ms_last = call.grads, call.model_state
     return offset, call, window0, ms_last, sent
 
 
-def _synchronise(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepared,
+def _synchronise(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
                  layout: zero.Layout, phase: Any, state: TrainState) -> LocalResult:
     """A synchronising call: the window's local sums, then the reducing evaluation of the last
     micro-batch (phase 2), its metrics and model state."""
@@ -691,18 +692,18 @@ class CallSums(NamedTuple):
     sent: Bytes
 
 
-def _local_call(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared,
+def _local_call(cfg: StepConfig, lv: Roles, prep: Prepared,
                 live_grads: Any) -> CallSums:
     """The call's local gradients added to a per-device accumulator: no collective (stage 3
     gathers the parameters it computes with)."""
     params, gathered = _local_params(cfg, lv, prep)
     call = acc_lib.local_sums(prep.grad_fn, params, prep.micro, prep.side,
-                              _aux_zeros(prep.aux_shape, cfg.axis_name)
+                              _aux_zeros(prep.aux_shape, cfg.topology.data)
                               ._replace(grads=live_grads, model_state=prep.ms0))
     return CallSums(call.grads, call.sums["loss"], call.weight, call.model_state, gathered)
 
 
-def _scattered_call(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared, state: TrainState,
+def _scattered_call(cfg: StepConfig, lv: Roles, prep: Prepared, state: TrainState,
                     phase: Any, live_grads: Any) -> CallSums:
     """The call's gradients reduce-scattered (one reduce-scatter per bucket, from inside the last
     micro-batch's backward) and added to a sharded accumulator (``shard_accumulator``).
@@ -728,7 +729,7 @@ def _scattered_call(cfg: StepConfig, lv: local_sgd.Levels, prep: Prepared, state
                     aux.model_state, red.sent + gathered)
 
 
-def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Prepared,
+def _accumulate(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
                 layout: zero.Layout, phase: Any, state: TrainState) -> LocalResult:
     """A call that does not synchronise: its micro-batches' gradients are added to the
     accumulator, locally (no collective), or reduce-scattered into a sharded one."""
@@ -756,7 +757,7 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pre
         ])
     island = None
     if lv.replica is not None:
-        shape = obj.extras_shape(prep.aux_shape, 1, cfg.axis_name)._replace(state=())
+        shape = obj.extras_shape(prep.aux_shape, 1, cfg.topology.data)._replace(state=())
         island = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
     ms = state.model_state if state.model_state is None or not cfg.per_device_model_state \
         else strip_device_dim(state.model_state)
@@ -767,7 +768,7 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: local_sgd.Levels, prep: Pre
     )
 
 
-def _to_global(cfg: StepConfig, lv: local_sgd.Levels, res: LocalResult) -> LocalResult:
+def _to_global(cfg: StepConfig, lv: Roles, res: LocalResult) -> LocalResult:
     """The per-device results with the leading dimensions their specs split (per device, and
     with local SGD per replica)."""
     if lv.replica is not None:
@@ -796,7 +797,7 @@ def _local_step(
     observer: PlanObserver | None,
     sync: bool | None,
     phase: Any,
-    lv: local_sgd.Levels,
+    lv: Roles,
     layout: zero.Layout,
     state: TrainState,
     batch: Any,
@@ -819,7 +820,7 @@ def _local_step(
 
 def _deterministic_step(
     cfg: StepConfig, obj: Objective, observer: PlanObserver | None, sync: bool | None,
-    phase: Any, lv: local_sgd.Levels, layout: zero.Layout, state: TrainState, batch: Any,
+    phase: Any, lv: Roles, layout: zero.Layout, state: TrainState, batch: Any,
     weights: Any, rng: Any = None,
 ) -> LocalResult:
     """The per-device step of ``deterministic=True``: fixed-size groups summed in a fixed tree
@@ -843,7 +844,7 @@ def _constrain(cfg: StepConfig, tree: Any, specs: Any) -> Any:
     )
 
 
-def _per_replica(lv: local_sgd.Levels, fun: Callable[..., Any]) -> Callable[..., Any]:
+def _per_replica(lv: Roles, fun: Callable[..., Any]) -> Callable[..., Any]:
     """``fun`` of one replica's leaves, mapped over the replica dimension with local SGD (each
     replica updates its own copy: the update phase is the same function either way)."""
     if lv.replica is None:
@@ -865,9 +866,9 @@ def _optimizer_update(
     if cfg.zero_stage == 0:
         updates, opt_state = cfg.optimizer.update(grads, opt_state, params)
         return _keep_unused(plan, params, optax.apply_updates(params, updates)), opt_state
-    axis = cfg.shard_axis
+    axis = cfg.topology.shard
     specs = layout.specs(params, axis)
-    opt_specs = jax.tree.map(lambda x: zero.leaf_spec(jnp.shape(x), cfg.shard_count, axis),
+    opt_specs = jax.tree.map(lambda x: zero.leaf_spec(jnp.shape(x), cfg.topology.shard_count, axis),
                              opt_state)
     # Slicing a replicated array to this device's piece moves no data.
     params = _constrain(cfg, params, specs)
@@ -904,17 +905,17 @@ def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
     """``comm_bytes`` (what one device sends in this call, a ring model of its collectives) and,
     on a two-level mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
     out = {"comm_bytes": jnp.asarray(sent.total, jnp.float32)}
-    if cfg.data_axes.two_level:
+    if cfg.topology.axes.two_level:
         out["comm_bytes_hosts"] = jnp.asarray(sent.across, jnp.float32)
     return out
 
 
-def _gather_bytes(cfg: StepConfig, lv: local_sgd.Levels, plan: BucketPlan,
+def _gather_bytes(cfg: StepConfig, lv: Roles, plan: BucketPlan,
                   layout: zero.Layout, dtype: Any = None) -> Bytes:
     """Bytes of one all-gather of every split parameter over the shard axis
     (:func:`gather_params`, and stage 3's whole parameters for local gradients), in ``dtype``
     (``None``: the parameters' own)."""
-    hosts_axis = cfg.data_axes.hosts
+    hosts_axis = cfg.topology.axes.hosts
     spans = hosts_axis is not None and hosts_axis in vma.axis_names(lv.shard_axis)
     hosts = int(cfg.mesh.shape[hosts_axis]) if spans else 1
     dtypes = plan.dtypes if dtype is None else [dtype] * len(plan.dtypes)
@@ -951,11 +952,11 @@ def gather_params(
         backward pass's reduce-scatters (on GPU they then overlapped no backward GEMM).
     """
     leaves, treedef = jax.tree.flatten(params)
-    specs = jax.tree.leaves(layout.specs(params, cfg.shard_axis),
+    specs = jax.tree.leaves(layout.specs(params, cfg.topology.shard),
                             is_leaf=lambda x: isinstance(x, P))
     chain = _gather_chain(cfg)
     after_leaves = jax.tree.leaves(after)
-    after_specs = [zero.leaf_spec(s, cfg.shard_count, cfg.shard_axis) for s in
+    after_specs = [zero.leaf_spec(s, cfg.topology.shard_count, cfg.topology.shard) for s in
                    (jnp.shape(x) for x in after_leaves)]
 
     def local(xs: list, wait: list) -> list:
@@ -967,7 +968,7 @@ def gather_params(
             xs = list(xs)
             for i, x in zip(idx, waited, strict=True):
                 xs[i] = x
-        return zero.gather_buckets(xs, layout, _bucket_groups(plan), cfg.shard_axis, chain)
+        return zero.gather_buckets(xs, layout, _bucket_groups(plan), cfg.topology.shard, chain)
 
     gathered = jax.shard_map(
         local, mesh=cfg.mesh, in_specs=(specs, after_specs), out_specs=P(), check_vma=False,
@@ -1001,7 +1002,7 @@ def _select(ok: Any, new: TrainState, kept: TrainState, per_replica: bool) -> Tr
     )
 
 
-def _checks(cfg: StepConfig, lv: local_sgd.Levels, res: LocalResult) -> tuple[Any, Any]:
+def _checks(cfg: StepConfig, lv: Roles, res: LocalResult) -> tuple[Any, Any]:
     """``(ok, finite)``: whether the update is applied (``None``: always) and whether the reduced
     gradients are finite (``None``: not checked); one flag per replica with local SGD."""
     checks = []
@@ -1020,7 +1021,7 @@ def _checks(cfg: StepConfig, lv: local_sgd.Levels, res: LocalResult) -> tuple[An
 
 
 def _apply_update(
-    cfg: StepConfig, lv: local_sgd.Levels, state: TrainState, res: LocalResult,
+    cfg: StepConfig, lv: Roles, state: TrainState, res: LocalResult,
     sync: bool | None, layout: zero.Layout, plan: BucketPlan,
 ) -> tuple[TrainState, dict]:
     """Phase 3 (global view): the optimizer on the reduced gradients (per replica with local
@@ -1072,7 +1073,7 @@ def _apply_update(
     return new_state.replace(accum=res.accum), metrics
 
 
-def _optimizer_metrics(lv: local_sgd.Levels, metrics: dict, opt_state: Any) -> dict:
+def _optimizer_metrics(lv: Roles, metrics: dict, opt_state: Any) -> dict:
     """``metrics`` with the optimizer's hyperparameters (one per replica with local SGD)."""
     if lv.replica is None:
         return add_optimizer_metrics(metrics, opt_state)
@@ -1084,7 +1085,7 @@ def _place_batch(cfg: StepConfig, batch: Any, weights: Any) -> tuple[Any, Any]:
     replicated, and shard_map then refuses it: shard it as the step needs."""
     if not any(t == AxisType.Explicit for t in cfg.mesh.axis_types):
         return batch, weights
-    data = NamedSharding(cfg.mesh, P(cfg.axis_name))
+    data = NamedSharding(cfg.mesh, P(cfg.topology.data))
     return jax.tree.map(lambda x: jax.sharding.reshard(x, data), (batch, weights))
 
 
@@ -1118,11 +1119,11 @@ def train_step(
     """
     obj = objective(cfg, state.model_state is not None)
     local_phase, hook_phase = local_sgd.split_phase(cfg, phase)
-    lv = local_sgd.levels(cfg, None if local_phase is None else local_phase.kind)
+    lv = cfg.topology.roles(None if local_phase is None else local_phase.kind)
     view = state if lv.replica is None else local_sgd.replica_view(state)
     weights = check_step_inputs(cfg, view, batch, mask, sync, rng)
     batch, weights = _place_batch(cfg, batch, weights)
-    layout = zero.Layout.of(view.params, cfg.shard_count)
+    layout = zero.Layout.of(view.params, cfg.topology.shard_count)
     plans: list[BucketPlan] = []
 
     def observe(plan: BucketPlan) -> None:
@@ -1130,7 +1131,7 @@ def train_step(
         if observer is not None:
             observer(plan)
 
-    data = P(cfg.axis_name)
+    data = P(cfg.topology.data)
     # The per-device phases never read the optimizer state; offloaded, it stays on the host.
     inside = state.replace(opt_state=None) if cfg.offload else state
     local = jax.shard_map(
@@ -1159,7 +1160,7 @@ def train_step(
         assert local_phase is not None and res.island is not None
         count = _window_count(cfg, state)
         report = lambda mean: mean_metrics(mean, cfg.microbatches, count,
-                                           summed=cfg.sum_metrics, num_devices=cfg.num_devices)
+                                           summed=cfg.sum_metrics, num_devices=cfg.topology.num_devices)
         new_state, metrics = local_sgd.synchronise(cfg, lv, local_phase, plan, new_state, res.island,
                                                    step_metrics, comm, report, res.synced, sync)
     if state.accum is not None:

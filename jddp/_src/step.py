@@ -300,7 +300,7 @@ class Step:
         static: dict[str, Any] = {"sync": sync}
         if self._phase_fn is not None:
             static["phase"] = self._phase_fn(self._host_step(state) if step is None else int(step))
-        sharding = NamedSharding(self._cfg.mesh, P(self._cfg.axis_name))
+        sharding = NamedSharding(self._cfg.mesh, P(self._cfg.topology.data))
 
         def place(x: Any) -> Any:
             if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:

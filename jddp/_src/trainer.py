@@ -256,14 +256,14 @@ class DataParallel:
     loss_fn = property(lambda self: self.config.loss_fn)
     optimizer = property(lambda self: self.config.optimizer)
     mesh = property(lambda self: self.config.mesh)
-    axis_name = property(lambda self: self.config.axis_name)
+    axis_name = property(lambda self: self.config.topology.data)
     hook = property(lambda self: self.config.hook)
     model_state_sync = property(lambda self: self.config.model_state_sync)
 
     @property
     def num_devices(self) -> int:
         """The number of devices of the data mesh (replicas)."""
-        return self.config.num_devices
+        return self.config.topology.num_devices
 
     @property
     def bucket_plan(self) -> BucketPlan | None:
@@ -294,7 +294,7 @@ class DataParallel:
         if not isinstance(policy, modelcap.DefaultPlan) or plan is None:
             return None
         return policy.choose(plan, self.config.mesh.devices.flat[0].platform,
-                             self.config.num_devices)
+                             self.config.topology.num_devices)
 
     def init(self, params: Any, model_state: Any = None) -> TrainState:
         """Builds the replicated initial state: params, optimizer state, hook state, step 0.
@@ -400,7 +400,7 @@ class DataParallel:
                 "loss_scale": state.loss_scale}
         if self.config.model_state_sync != "none":
             tree["model_state"] = state.model_state
-        if self.config.local_sgd is not None and not self.config.data_axes.two_level:
+        if self.config.local_sgd is not None and not self.config.topology.axes.two_level:
             # One replica per device: no two devices hold copies of a replica's leaves.
             tree = {"step": state.step}
         if state.outer is not None:

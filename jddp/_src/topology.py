@@ -1,0 +1,153 @@
+"""The data mesh as named roles: which axis each part of a step works over.
+
+torchtitan's ``ParallelDims`` and FSDP2's mesh info name the dimensions of a mesh by what they are
+for (``dp_replicate``, ``dp_shard``); :class:`Topology` does the same for jddp's data mesh, once,
+from the mesh and the two options that change roles (hybrid sharding, local SGD's islands).
+Phases of the step never derive an axis themselves: the reduction, the sharded stages, the sync
+policy and the metrics read the role they need here. :meth:`Topology.roles` gives the roles of
+one kind of step (a plain step, or one of local SGD's kinds), which is all a per-device phase sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+from jax.sharding import Mesh
+
+from jddp._src.mesh import DataAxes, data_axes
+
+# Local SGD's kinds of step (jddp._src.local_sgd_options re-exports them): every replica reduces
+# together, each island reduces alone, or alone and then averages parameters.
+SYNC = "sync"
+LOCAL = "local"
+AVERAGE = "average"
+
+
+class Roles(NamedTuple):
+    """Where one kind of step reduces and keeps its state (the per-device step's view).
+
+    Attributes:
+      axis: the axis the gradients are averaged over (``None``: an island of one device, which
+        reduces nothing).
+      size: devices along ``axis`` (1 for ``None``).
+      hosts: the name in ``axis`` that crosses hosts, for the hook (``HookContext.hosts_axis``).
+      shard_axis: the axis the sharded stages split state over.
+      hybrid: the axis across which the sharded stages' pieces are averaged after the
+        reduce-scatter (hybrid sharding), or ``None``.
+      replica: the axis the per-replica state is split over with local SGD (``None``: the state
+        is replicated).
+      replicas: the number of replicas (1 without local SGD).
+      spans: the reduction covers every replica (plain steps, and local SGD's ``sync`` steps):
+        its means are global, and the same on every device.
+    """
+
+    axis: Any
+    size: int
+    hosts: str | None
+    shard_axis: Any
+    hybrid: str | None
+    replica: Any
+    replicas: int
+    spans: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """The data mesh's axes by role.
+
+    Attributes:
+      mesh: the data mesh (every axis of it is a data axis).
+      axes: its axes by level (:class:`jddp._src.mesh.DataAxes`).
+      shards_in_host: the sharded stages split state over the devices of a host only (hybrid
+        sharding, and local SGD's islands on a two-level mesh).
+      sharded: some state is sharded (a ZeRO stage).
+      islands: local SGD: replicas keep their own state (:attr:`replica`).
+    """
+
+    mesh: Mesh
+    axes: DataAxes
+    shards_in_host: bool = False
+    sharded: bool = False
+    islands: bool = False
+
+    @classmethod
+    def of(cls, mesh: Mesh, *, hybrid: bool = False, sharded: bool = False,
+           islands: bool = False) -> Topology:
+        """The roles of ``mesh`` for a step with these options."""
+        axes = data_axes(mesh)
+        return cls(mesh=mesh, axes=axes, shards_in_host=hybrid or (islands and axes.two_level),
+                   sharded=sharded, islands=islands)
+
+    @property
+    def data(self) -> Any:
+        """The data axis (the batch's, and every global collective's): the mesh's one axis name,
+        or the tuple of its names."""
+        return self.axes.axis_name
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.mesh.size)
+
+    @property
+    def two_level(self) -> bool:
+        return self.axes.two_level
+
+    @property
+    def hosts(self) -> str | None:
+        """The axis across hosts of a two-level mesh (``None`` for a 1-D mesh)."""
+        return self.axes.hosts
+
+    @property
+    def local(self) -> str:
+        """The axis inside a host (the only axis of a 1-D mesh)."""
+        return self.axes.local
+
+    @property
+    def host_size(self) -> int:
+        """Devices along :attr:`local`."""
+        return int(self.mesh.shape[self.axes.local])
+
+    @property
+    def shard(self) -> Any:
+        """The axis the sharded stages split state over: the data axis, or the axis inside a
+        host (:attr:`shards_in_host`)."""
+        return self.axes.local if self.shards_in_host else self.data
+
+    @property
+    def shard_count(self) -> int:
+        """Devices along :attr:`shard` (the pieces each split leaf is cut into)."""
+        return self.host_size if self.shards_in_host else self.num_devices
+
+    @property
+    def replicate(self) -> str | None:
+        """The axis the sharded stages' pieces are replicated over (hosts, when state is sharded
+        inside each host), else ``None``."""
+        return self.axes.hosts if self.sharded and self.shards_in_host else None
+
+    @property
+    def replica(self) -> Any:
+        """With local SGD, the axis that tells replicas apart: the hosts of a two-level mesh,
+        else every axis (each device a replica); ``None`` without."""
+        if not self.islands:
+            return None
+        return self.axes.hosts if self.two_level else self.data
+
+    @property
+    def replicas(self) -> int:
+        """Replicas that keep their own state (1 without local SGD)."""
+        if not self.islands:
+            return 1
+        return int(self.mesh.shape[self.axes.hosts]) if self.two_level else self.num_devices
+
+    def roles(self, kind: str | None = None) -> Roles:
+        """The :class:`Roles` of a step of this kind (``None``: a plain data-parallel step;
+        ``SYNC``, ``LOCAL`` or ``AVERAGE`` with local SGD)."""
+        n, hosts = self.num_devices, self.axes.hosts
+        if kind is None or kind == SYNC:  # every replica reduces together
+            return Roles(self.data, n, hosts, self.shard, self.replicate, self.replica,
+                         self.replicas, True)
+        if self.two_level:  # inside the island (the host) only
+            return Roles(self.local, self.host_size, None, self.local, None, self.replica,
+                         self.replicas, False)
+        return Roles(None, 1, None, None, None, self.replica, self.replicas, False)

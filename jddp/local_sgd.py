@@ -15,7 +15,7 @@ fragments=F)`` is streaming DiLoCo. See docs/scaling.md for when to use which, a
 :mod:`jddp._src.local_sgd` for the semantics.
 """
 
-from jddp._src.local_sgd_options import LocalSGD, diloco, post_local_sgd
+from jddp._src.local_sgd import LocalSGD, diloco, post_local_sgd
 from jddp._src.state import OuterState
 
 __all__ = ["LocalSGD", "OuterState", "diloco", "post_local_sgd"]

@@ -22,10 +22,11 @@ import numpy as np
 
 from jddp._src import autocap, modelcap, options
 from jddp._src.hooks import CommHook, check_hook
-from jddp._src.local_sgd_options import LocalSGD
+from jddp._src.local_sgd import LocalSGD
 from jddp._src.loss_scale import DynamicScale
 from jddp._src.objective import check_metric_names
 from jddp._src.planner import BucketPlan
+from jddp._src.sync import EveryStep
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
@@ -246,13 +247,6 @@ class Accumulate:
             raise ValueError("Accumulate(shard=True) reduce-scatters every call's gradients into "
                              "a 1/N accumulator, but steps=1 (accumulate_steps=1): there is no "
                              "accumulator. Pass steps=k > 1, or shard=None.")
-
-
-@dataclasses.dataclass(frozen=True)
-class EveryStep:
-    """Replicas agree every step: the reduced gradient updates every replica alike (DDP).
-    The other sync policies are :func:`jddp.local_sgd.post_local_sgd` and
-    :func:`jddp.local_sgd.diloco`."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -200,15 +200,19 @@ class LocalSGD:
         return topology.roles(phase.kind)
 
     def build_state(self, cfg: StepConfig, state: TrainState) -> TrainState:
+        """One copy per replica, and DiLoCo's outer state (:func:`build_state`)."""
         return build_state(cfg, self, state)
 
     def state_specs(self, cfg: StepConfig, state: TrainState, specs: TrainState) -> TrainState:
+        """The per-replica leaves split over the replica axis (:func:`state_specs`)."""
         return state_specs(cfg, state, specs)
 
     def replica_view(self, state: TrainState) -> TrainState:
+        """One replica's shapes (:func:`replica_view`)."""
         return replica_view(state)
 
     def island_state(self, cfg: StepConfig, state: TrainState) -> TrainState:
+        """This device's replica's state (:func:`island_state`)."""
         return island_state(cfg, state)
 
     def after_update(self, cfg: StepConfig, lv: Roles, phase: LocalPhase, plan: BucketPlan,
@@ -221,6 +225,7 @@ class LocalSGD:
                            synced, sync)
 
     def global_params(self, cfg: StepConfig, state: TrainState) -> Any:
+        """DiLoCo's outer parameters, or the replicas' mean (:func:`global_params`)."""
         return global_params(cfg, state)
 
 

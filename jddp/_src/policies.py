@@ -312,9 +312,5 @@ class Policies:
         return isinstance(self.reduce, Deterministic)
 
     @property
-    def local_sgd(self) -> LocalSGD | None:
-        return self.sync if isinstance(self.sync, LocalSGD) else None
-
-    @property
     def dynamic_scale(self) -> DynamicScale | None:
         return self.loss_scale if isinstance(self.loss_scale, DynamicScale) else None

@@ -49,15 +49,19 @@ class EveryStep:
         return topology.roles(None)
 
     def build_state(self, cfg: Any, state: Any) -> Any:
+        """The data-parallel state as it is (one copy, replicated or sharded)."""
         return state
 
     def state_specs(self, cfg: Any, state: Any, specs: Any) -> Any:
+        """The data-parallel specs as they are."""
         return specs
 
     def replica_view(self, state: Any) -> Any:
+        """The state: every replica holds all of it."""
         return state
 
     def island_state(self, cfg: Any, state: Any) -> Any:
+        """The state: every device holds it as it is."""
         return state
 
     def after_update(self, cfg: Any, lv: Roles, phase: None, plan: Any, state: Any,

@@ -22,10 +22,11 @@ import numpy as np
 
 from jddp._src import autocap, modelcap, options
 from jddp._src.hooks import CommHook, check_hook
-from jddp._src.local_sgd_options import LocalSGD
+from jddp._src.local_sgd import LocalSGD
 from jddp._src.loss_scale import DynamicScale
 from jddp._src.objective import check_metric_names
 from jddp._src.planner import BucketPlan
+from jddp._src.sync import EveryStep
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
@@ -249,13 +250,6 @@ class Accumulate:
 
 
 @dataclasses.dataclass(frozen=True)
-class EveryStep:
-    """Replicas agree every step: the reduced gradient updates every replica alike (DDP).
-    The other sync policies are :func:`jddp.local_sgd.post_local_sgd` and
-    :func:`jddp.local_sgd.diloco`."""
-
-
-@dataclasses.dataclass(frozen=True)
 class SkipNotFinite:
     """The update guard that skips a step whose reduced gradient has a NaN or Inf (optax's
     ``apply_if_finite``): params, optimizer, model and hook state and ``state.step`` stay,
@@ -316,10 +310,6 @@ class Policies:
     @property
     def deterministic(self) -> bool:
         return isinstance(self.reduce, Deterministic)
-
-    @property
-    def local_sgd(self) -> LocalSGD | None:
-        return self.sync if isinstance(self.sync, LocalSGD) else None
 
     @property
     def dynamic_scale(self) -> DynamicScale | None:

@@ -76,7 +76,7 @@ def phase_fn(cfg: StepConfig) -> Callable[[int], LocalPhase]:
     """``step -> LocalPhase`` (the Step object compiles one program per phase)."""
     spec = cfg.local_sgd
     assert spec is not None
-    hook_phase = cfg.hook.phase
+    hook_phase = cfg.reduce.hook_phase
 
     def phase(step: int) -> LocalPhase:
         due = spec.due(step) if spec.diloco else (0,)
@@ -268,8 +268,8 @@ def _average(cfg: StepConfig, plan: BucketPlan, values: Any, island: Extras,
         riders = [vma.to_varying(jnp.asarray(x, jnp.float32), rax)
                   for x in jax.tree.leaves((isl, payload))]
         means, ride = bucketed_mean(jax.tree.leaves(vals), plan, rax, local_axis=local_axis,
-                                    chain=cfg.chain, extras=tuple(riders), hook=spec.compress,
-                                    step=step)
+                                    chain=cfg.reduce.chain, extras=tuple(riders),
+                                    hook=spec.compress, step=step)
         k = len(jax.tree.leaves(isl))
         mean_isl = jax.tree.unflatten(jax.tree.structure(isl), list(ride[:k]))
         mean_payload = jax.tree.unflatten(jax.tree.structure(payload), list(ride[k:]))

@@ -54,7 +54,7 @@ def test_auto_trains_like_a_fixed_cap_and_reports_its_choice():
         assert 1 - choice.ratio[k] > max(policy.margin, choice.spread[k])
     # Fixed once chosen: the configuration, the plan and the compiled programs agree with it.
     cap = int(choice.cap_mb * 2**20)
-    assert auto.config.cap_bytes == cap
+    assert auto.config.reduce.cap_bytes == cap
     assert auto.bucket_plan.cap_bytes == cap
     assert "Buckets(cap_mb='auto')" in str(auto.bucket_plan)
     assert f"reduce=jddp.Buckets(cap_mb={choice.cap_mb:g})" in str(choice)
@@ -91,7 +91,7 @@ def test_single_plan_is_not_timed():
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), bucket_cap_mb=AutoCap(candidates_mb=(50.0,)))
     state, _ = ddp.step(ddp.init(params), batch)
     assert ddp.cap_choice.candidates_mb == (25.0,)  # 50 MiB: the same single bucket
-    assert np.isnan(ddp.cap_choice.median_s[0]) and ddp.config.cap_bytes == 25 * 2**20
+    assert np.isnan(ddp.cap_choice.median_s[0]) and ddp.config.reduce.cap_bytes == 25 * 2**20
     note = str(ddp.bucket_plan)  # not "from 1 timed caps": nothing was timed
     assert "without timing: every candidate cap gives this one plan" in note
     assert "timed caps" not in note

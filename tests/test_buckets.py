@@ -193,8 +193,9 @@ def test_an_explicit_cap_drops_the_small_first_bucket_like_pytorch():
     kept = jddp.plan_buckets(loss, params, x, bucket_cap_mb=2.0, first_bucket_mb=1.0)
     assert sizes(kept) == [2 * half, 4 * half]
     small = jddp.DataParallel(loss, __import__("optax").sgd(0.1), bucket_cap_mb=0.5)
-    assert small.config.first_bytes == small.config.cap_bytes == MiB // 2  # was refused (1 > 0.5)
+    # was refused (1 > 0.5)
+    assert small.config.reduce.first_bytes == small.config.reduce.cap_bytes == MiB // 2
     assert sizes(small.plan(params, jnp.ones((8, 512)))) == [half] * 6
     for ddp in (jddp.DataParallel(loss, __import__("optax").sgd(0.1)),
                 jddp.DataParallel(loss, __import__("optax").sgd(0.1), bucket_cap_mb="auto")):
-        assert ddp.config.first_bytes == MiB and ddp.config.cap_bytes == 25 * MiB
+        assert ddp.config.reduce.first_bytes == MiB and ddp.config.reduce.cap_bytes == 25 * MiB

@@ -173,7 +173,8 @@ def test_model_step_plans_before_running_trains_like_ddp_and_is_deterministic():
     choice = ddp.cap_choice
     assert isinstance(choice, CapChoice) and choice.method == "model" and choice.rounds == 0
     assert plan.num_buckets == 1 and fixed.plan(params, batches[0]).num_buckets == 2
-    assert choice.pin == "reduce=jddp.Buckets(cap_mb=25)" and ddp.config.first_bytes == 25 * MiB
+    assert choice.pin == "reduce=jddp.Buckets(cap_mb=25)"
+    assert ddp.config.reduce.first_bytes == 25 * MiB
     assert "Buckets(cap_mb='model') chose" in str(choice) and "<- chosen" in str(choice)
     # The same plan when computed again, by another trainer, and on a two-host layout (the
     # device count is what the choice reads, not the process or host count).
@@ -273,7 +274,8 @@ def test_default_is_the_models_plan_chosen_in_the_steps_one_trace():
     the user's loss once, and the program has one all-reduce per chosen bucket."""
     loss, calls, params, batch = _bench_mlp()
     ddp = jddp.DataParallel(loss, optax.sgd(0.1, momentum=0.9))
-    assert ddp.cap_choice is None and isinstance(ddp.config.default_plan, modelcap.DefaultPlan)
+    assert ddp.cap_choice is None
+    assert isinstance(ddp.config.reduce.default_plan, modelcap.DefaultPlan)
     compiled = ddp.step.lower(ddp.abstract_state(params), batch).compile()
     assert len(calls) == 1
     plan, choice = ddp.bucket_plan, ddp.cap_choice
@@ -307,11 +309,11 @@ def test_a_given_cap_keeps_ddps_rule():
                       ({"bucket_cap_mb": 25.0, "first_bucket_mb": 1.0}, [2, 10, 4])):
         ddp = jddp.DataParallel(loss, opt, **kw)
         plan = ddp.plan(params, batch)
-        assert ddp.config.default_plan is None and ddp.cap_choice is None and plan.note == ""
+        assert ddp.config.reduce.default_plan is None and ddp.cap_choice is None and plan.note == ""
         assert [len(b.indices) for b in plan.buckets] == sizes
         assert plan == jddp.plan_buckets(loss, params, batch, **kw)
     fixed = jddp.DataParallel(loss, opt, bucket_plan=plan)
-    assert fixed.config.default_plan is None and fixed.plan(params, batch) == plan
+    assert fixed.config.reduce.default_plan is None and fixed.plan(params, batch) == plan
 
 
 def test_small_models_keep_ddps_plan():
@@ -332,12 +334,17 @@ def test_default_is_ddps_plan_where_the_table_was_not_measured(opts):
     buckets) keep DDP's 25 MiB plan with a 1 MiB first bucket by default."""
     loss, params, batches = _two_layer()
     ddp = jddp.DataParallel(loss, optax.sgd(0.1), **opts)
-    assert ddp.config.default_plan is None and ddp.config.cap_bytes == 25 * MiB
-    assert ddp.config.first_bytes == MiB and ddp.cap_choice is None
+    reduce = ddp.config.reduce
+    assert reduce.default_plan is None and reduce.cap_bytes == 25 * MiB
+    assert reduce.first_bytes == MiB and ddp.cap_choice is None
     assert ddp.plan(params, batches[0]).num_buckets == 2
-    plain = jddp.DataParallel(loss, optax.sgd(0.1)).config
-    assert modelcap.default_plan(dataclasses.replace(plain, deterministic=True)) is None
-    assert modelcap.default_plan(plain) == modelcap.DefaultPlan()
+    mean = jddp.hooks.allreduce_mean()
+    assert modelcap.default_plan(mean, 0, False) == modelcap.DefaultPlan()
+    assert modelcap.default_plan(mean, 1, False) is None
+    assert modelcap.default_plan(mean, 0, True) is None
+    assert modelcap.default_plan(jddp.bf16_compress(), 0, False) is None
+    # The deterministic reduction has no buckets to choose: it is its own reducer, no chooser.
+    assert jddp.Deterministic().choice(ddp.plan(params, batches[0]), "cpu", 8) is None
 
 
 def test_default_keeps_ddps_plan_without_calibration_and_is_a_pure_function():
@@ -380,7 +387,7 @@ def test_default_keeps_ddps_plan_without_calibration_and_is_a_pure_function():
     assert one.plan(params, batches[0]).buckets == pinned.buckets
     assert pinned.num_buckets == 1 < ddps.num_buckets
     assert one.cap_choice._replace(tune_s=0) == two.cap_choice._replace(tune_s=0)
-    assert one.config.largest_cap_bytes == 100 * MiB
+    assert one.config.reduce.largest_cap_bytes("cpu") == 100 * MiB
 
 
 # ---------------------------------------------- the default plan on 2 processes x 4 devices

@@ -42,6 +42,7 @@ import numpy as np
 from jddp._src import hostsync, options, pipeline
 from jddp._src.config import StepConfig
 from jddp._src.planner import BucketPlan, assign_buckets
+from jddp._src.reducers import Bucketed
 from jddp._src.step import Step
 from jddp._src.tree import MiB
 
@@ -308,6 +309,17 @@ class ChoosingStep:
         """Programs the chosen step has compiled (0 before the choice)."""
         return 0 if self._step is None else self._step.cache_size()
 
+    def _buckets(self) -> Bucketed:
+        """The bucketed reducer whose caps are chosen (the default caps until then)."""
+        reduce = self._cfg.reduce
+        assert isinstance(reduce, Bucketed)  # a chooser is a jddp.Buckets request
+        return reduce
+
+    def _with_caps(self, cap_bytes: int, first_bytes: int) -> StepConfig:
+        """The configuration with the bucket caps ``cap_bytes`` and ``first_bytes``."""
+        return dataclasses.replace(self._cfg, reduce=dataclasses.replace(
+            self._buckets(), cap_bytes=cap_bytes, first_bytes=first_bytes))
+
 
 class AutoStep(ChoosingStep):
     """``ddp.step`` when ``bucket_cap_mb="auto"``: chooses the cap on the first call (timing the
@@ -322,17 +334,16 @@ class AutoStep(ChoosingStep):
         if self.choice is not None:
             return self.choice
         t0 = time.perf_counter()
-        cfg, policy = self._cfg, self._policy
-        default_mb = cfg.cap_bytes / MiB
+        cfg, policy, first = self._cfg, self._policy, self._buckets().first_bytes
+        default_mb = self._buckets().cap_bytes / MiB
         plan = pipeline.plan(cfg, state, batch, mask, rng)
-        found = distinct_candidates(plan, policy.candidates_mb, cfg.first_bytes, default_mb)
+        found = distinct_candidates(plan, policy.candidates_mb, first, default_mb)
         caps = [c for c, _ in found]
         steps, observers = [], []
         for cap_mb in caps:
             cap = options.cap_bytes(cap_mb, "bucket_cap_mb")
             observers.append(_Forward())
-            steps.append(self._make_step(dataclasses.replace(
-                cfg, cap_bytes=cap, first_bytes=min(cfg.first_bytes, cap)), observers[-1]))
+            steps.append(self._make_step(self._with_caps(cap, min(first, cap)), observers[-1]))
         # With accumulation, time the synchronising program: the others have no collective.
         tsync = True if cfg.accumulates else sync
         times: list[list[float]] = [[] for _ in caps]

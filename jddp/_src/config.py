@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -11,7 +11,7 @@ import optax
 from jax.sharding import Mesh
 
 from jddp._src import options
-from jddp._src.hooks import CommHook, allreduce_mean
+from jddp._src.hooks import CommHook
 from jddp._src.loss_scale import DynamicScale
 from jddp._src.objective import Extras
 from jddp._src.planner import BucketPlan
@@ -33,6 +33,69 @@ class PlanPolicy(Protocol):
 
     def max_cap_bytes(self, platform: str) -> int:
         """The largest cap :meth:`repack` can pick on ``platform``."""
+        ...
+
+    def choose(self, plan: BucketPlan, platform: str, num_devices: int) -> Any:
+        """The choice for ``plan``'s leaves with its reason (a ``CapChoice``; pure)."""
+        ...
+
+
+class Reducer(Protocol):
+    """How a step reduces its gradients (``StepConfig.reduce``): what the step asks of it,
+    whichever it is (:class:`jddp._src.reducers.Bucketed` or :class:`jddp.Deterministic`)."""
+
+    @property
+    def hook(self) -> CommHook:
+        """The communication hook of every bucket."""
+        ...
+
+    @property
+    def chain(self) -> options.Chain:
+        """How buckets (and the sharded stages' all-gathers) are kept apart."""
+        ...
+
+    @property
+    def hook_phase(self) -> Callable[[int], Hashable] | None:
+        """``step -> phase`` of the hook (one compiled program per phase), or ``None``."""
+        ...
+
+    @property
+    def typed(self) -> bool:
+        """Whether the per-device step may run in a vma-typed ``shard_map``."""
+        ...
+
+    def check(self, cfg: StepConfig) -> None:
+        """Construction-time checks of the configuration (the backend)."""
+        ...
+
+    def check_params(self, params: Any) -> None:
+        """Checks ``init``'s parameters against what the reducer was given (a fixed plan)."""
+        ...
+
+    def plan(self, cfg: StepConfig, traced: Any, params: Any) -> BucketPlan:
+        """The bucket plan of the traced loss (a chooser's reason in its ``note``)."""
+        ...
+
+    def choice(self, plan: BucketPlan, platform: str, num_devices: int) -> Any:
+        """What a default-plan chooser picks for ``plan``'s leaves (``None``: no chooser)."""
+        ...
+
+    def largest_bucket(self, platform: str, params: Any) -> int | None:
+        """A bound of the largest collective, for the compiler options (``None``: none)."""
+        ...
+
+    def init_accum(self, cfg: StepConfig, params: Any, model_state: Any) -> Any:
+        """The empty accumulator of a window."""
+        ...
+
+    def check_inputs(self, cfg: StepConfig, state: Any, size: int, sync: Any) -> None:
+        """Trace-time checks of a call's accumulator, global batch ``size`` and ``sync``."""
+        ...
+
+    def local_step(self, cfg: StepConfig, obj: Any, observer: Any, sync: Any, phase: Any,
+                   lv: Any, layout: Any, state: Any, batch: Any, weights: Any,
+                   rng: Any = None) -> Any:
+        """The per-device phases 1-2 (local gradients, then the reduction): a ``LocalResult``."""
         ...
 
 
@@ -97,16 +160,9 @@ class StepConfig:
       loss_fn: the user's loss (see :mod:`jddp._src.objective` for its four forms).
       optimizer: the optax transformation applied to the reduced gradients.
       mesh: the data mesh; every axis of it is a data axis.
+      reduce: how gradients are reduced (:class:`Reducer`): the bucketed reduction
+        (:class:`jddp._src.reducers.Bucketed`) or :class:`jddp.Deterministic`.
       has_aux: ``loss_fn`` also returns metrics.
-      hook: the communication hook of every bucket.
-      chain: how buckets are kept apart in the compiled step.
-      cap_bytes: the bucket cap.
-      first_bytes: the first bucket's cap.
-      fixed_plan: a bucket plan to use instead of planning from the traced loss.
-      default_plan: with no cap, first bucket or plan given, the policy that re-packs the
-        traced plan (the cost model's, :func:`jddp._src.modelcap.default_plan`); ``None``:
-        ``cap_bytes`` and ``first_bytes`` as they are.
-      keep_unused: keep parameters without a gradient path in the buckets.
       model_state_sync: how new model state is made consistent across replicas.
       weighted: ``loss_fn`` returns unreduced losses, weighted by the step's mask.
       skip_not_finite: skip updates whose reduced gradient has a NaN or Inf.
@@ -130,8 +186,6 @@ class StepConfig:
       rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
       sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
       loss_scale: dynamic loss scaling (``None``: off).
-      deterministic: the same bits on any layout (:mod:`jddp._src.deterministic`).
-      group_size: examples per group of the deterministic step.
       mixed_precision: the mixed-precision policy (:mod:`jddp._src.precision`; ``None``: off).
       sync: the sync policy (:class:`SyncPolicy`): :class:`jddp._src.sync.EveryStep` (plain data
         parallelism), or local SGD / DiLoCo (:class:`jddp._src.local_sgd.LocalSGD`: per-replica
@@ -141,14 +195,8 @@ class StepConfig:
     loss_fn: Callable[..., Any]
     optimizer: optax.GradientTransformation
     mesh: Mesh
+    reduce: Reducer
     has_aux: bool = False
-    hook: CommHook = dataclasses.field(default_factory=allreduce_mean)
-    chain: options.Chain = "auto"
-    cap_bytes: int = int(options.DEFAULT_BUCKET_CAP_MB * 2**20)
-    first_bytes: int = int(options.DEFAULT_FIRST_BUCKET_MB * 2**20)
-    fixed_plan: BucketPlan | None = None
-    default_plan: PlanPolicy | None = None
-    keep_unused: bool = False
     model_state_sync: options.ModelStateSync = "broadcast"
     weighted: bool = False
     skip_not_finite: bool = False
@@ -164,8 +212,6 @@ class StepConfig:
     sum_metrics: tuple[str, ...] = ()
     loss_scale: DynamicScale | None = None
     sync: SyncPolicy = EveryStep()
-    deterministic: bool = False
-    group_size: int = options.DEFAULT_GROUP_SIZE
     mixed_precision: MixedPrecision | None = None
 
     topology: Topology = dataclasses.field(init=False, compare=False, repr=False)
@@ -178,15 +224,6 @@ class StepConfig:
         in_host = topology.host_size if topology.two_level else None
         object.__setattr__(self, "reshard_after_forward", options.reshard_group(
             self.reshard_after_forward, topology.shard_count, in_host))
-
-    @property
-    def largest_cap_bytes(self) -> int:
-        """The largest bucket cap a plan of this step can have: ``cap_bytes``, or the largest
-        the default-plan policy can pick on this platform."""
-        if self.default_plan is None:
-            return self.cap_bytes
-        platform = self.mesh.devices.flat[0].platform
-        return max(self.cap_bytes, self.default_plan.max_cap_bytes(platform))
 
     @property
     def reshard_group(self) -> int | None:

@@ -99,16 +99,10 @@ def _odd_part(k: int) -> tuple[int, int]:
     return k, t
 
 
-def check_config(cfg: Any) -> None:
-    """Construction-time check of ``deterministic=True`` against the backend (its refused
-    combinations with other policies are rows of :mod:`jddp._src.compat`)."""
-    if cfg.deterministic:
-        check_backend(cfg)
-
-
-def check_call(cfg: Any, global_size: int, sync: Any, model_state: Any) -> None:
-    """Trace-time checks of one deterministic step call (batch size, ``sync``, model state)."""
-    g, n = cfg.group_size, cfg.topology.num_devices
+def check_call(cfg: Any, global_size: int, sync: Any, model_state: Any, g: int) -> None:
+    """Trace-time checks of one deterministic step call (batch size, ``sync``, model state) in
+    groups of ``g`` examples."""
+    n = cfg.topology.num_devices
     if global_size % g:
         raise ValueError(
             f"jddp.Deterministic() cuts the global batch into groups of group_size={g} "
@@ -444,9 +438,11 @@ def _merge_window(cfg: Any, acc: AccumState, call: Part) -> tuple[Part, AccumSta
     return v, accum, synced
 
 
-def local_step(cfg: Any, obj: Any, state: Any, batch: Any, weights: Any, rng: Any) -> DetResult:
-    """The per-device deterministic step (inside ``shard_map``, untyped): see the module doc."""
-    axis, n, g = cfg.topology.data, cfg.topology.num_devices, cfg.group_size
+def local_step(cfg: Any, obj: Any, state: Any, batch: Any, weights: Any, rng: Any,
+               g: int) -> DetResult:
+    """The per-device deterministic step in groups of ``g`` examples (inside ``shard_map``,
+    untyped; called by :meth:`jddp.Deterministic.local_step`): see the module doc."""
+    axis, n = cfg.topology.data, cfg.topology.num_devices
     local = jax.tree.leaves(batch)[0].shape[0]
     groups = local // g  # this device's groups in this call
     acc = state.accum

@@ -469,8 +469,8 @@ def _average(cfg: StepConfig, spec: LocalSGD, plan: BucketPlan, values: Any, isl
         riders = [vma.to_varying(jnp.asarray(x, jnp.float32), rax)
                   for x in jax.tree.leaves((isl, payload))]
         means, ride = bucketed_mean(jax.tree.leaves(vals), plan, rax, local_axis=local_axis,
-                                    chain=cfg.chain, extras=tuple(riders), hook=spec.compress,
-                                    step=step)
+                                    chain=cfg.reduce.chain, extras=tuple(riders),
+                                    hook=spec.compress, step=step)
         k = len(jax.tree.leaves(isl))
         mean_isl = jax.tree.unflatten(jax.tree.structure(isl), list(ride[:k]))
         mean_payload = jax.tree.unflatten(jax.tree.structure(payload), list(ride[k:]))

@@ -48,8 +48,7 @@ import numpy as np
 
 from jddp._src import costmodel, options, pipeline
 from jddp._src.autocap import CapChoice, ChoosingStep
-from jddp._src.config import StepConfig
-from jddp._src.hooks import allreduce_mean
+from jddp._src.hooks import CommHook, allreduce_mean
 from jddp._src.planner import BucketPlan, assign_buckets
 from jddp._src.step import Step
 from jddp._src.tree import MiB
@@ -227,14 +226,14 @@ def _pick(preds: Sequence[float], buckets: Sequence[int], margin: float,
                   f"DDP's plan ({gain:.0%} less)")
 
 
-def default_plan(cfg: StepConfig) -> DefaultPlan | None:
-    """The default-plan policy of a step given no cap, first bucket or plan: the cost model's
-    where its CPU table was measured (stage 0, the default all-reduce hook, not
-    ``deterministic``, no local SGD); ``None`` elsewhere, which keeps DDP's 25 MiB plan with a
-    1 MiB first bucket (sharded stages, compression and hierarchical hooks, the deterministic
-    and local-SGD steps reduce otherwise than the table's steps)."""
-    measured = (cfg.zero_stage == 0 and cfg.hook == allreduce_mean() and not cfg.deterministic
-                and not cfg.topology.islands and cfg.fixed_plan is None)
+def default_plan(hook: CommHook, stage: int, local_sgd: bool) -> DefaultPlan | None:
+    """The default-plan chooser of a ``jddp.Buckets()`` given no cap, first bucket or plan
+    (reducing through ``hook``, at ZeRO ``stage``, with or without ``local_sgd``): the cost
+    model's where its CPU table was measured (stage 0, the default all-reduce hook, no local
+    SGD); ``None`` elsewhere, which keeps DDP's 25 MiB plan with a 1 MiB first bucket (sharded
+    stages, compression and hierarchical hooks and the local-SGD steps reduce otherwise than
+    the table's steps; the deterministic reduction has no buckets)."""
+    measured = stage == 0 and hook == allreduce_mean() and not local_sgd
     return DefaultPlan() if measured else None
 
 
@@ -295,14 +294,14 @@ class ModelStep(ChoosingStep):
         """Picks the plan for these inputs (arrays or shape structs; nothing runs); once only."""
         if self.choice is not None:
             return self.choice
-        cfg = self._cfg
+        cfg, buckets = self._cfg, self._buckets()
         plan = pipeline.plan(cfg, state, batch, mask, rng)
-        default = (cfg.cap_bytes / MiB, cfg.first_bytes / MiB)
+        default = (buckets.cap_bytes / MiB, buckets.first_bytes / MiB)
         choice = decide(plan, cfg.mesh.devices.flat[0].platform, cfg.topology.num_devices, self._policy,
                         default)
         cap = options.cap_bytes(choice.cap_mb, "bucket_cap_mb")
         first = min(options.cap_bytes(choice.chosen_first_mb, "first_bucket_mb"), cap)
-        chosen = dataclasses.replace(cfg, cap_bytes=cap, first_bytes=first)
+        chosen = self._with_caps(cap, first)
         self._step = self._make_step(chosen, self._observer)
         self.choice = choice
         self._on_choice(chosen, choice)

@@ -6,11 +6,12 @@ through it), in fixed phases:
 1. :func:`train_step` (the jitted function, global view): trace-time checks of the state, batch and
    mask, and the step's :class:`jddp._src.Roles` (where it reduces); then the
    per-device part under ``jax.shard_map``:
-2. :func:`_local_step` (per device):
+2. the reducer's per-device step (``cfg.reduce.local_step``; :func:`bucketed_step` for the
+   buckets, :mod:`jddp._src.deterministic`'s fixed tree for ``jddp.Deterministic``):
 
    a. *local gradients* (:func:`_prepare`, :func:`_window_start`): the loss is traced **once**,
       on this call's last micro-batch (:func:`jddp._src.introspect.jaxpr.trace`); the bucket plan
-      is read from that jaxpr (:func:`jddp._src.planner.plan_traced`); the window's local gradients so far
+      is read from that jaxpr (``cfg.reduce.plan``); the window's local gradients so far
       are summed (the accumulator, and this call's first ``m - 1`` micro-batches, scanned over the
       same jaxpr);
    b. *reduce* (:func:`_reduce`): a synchronising call evaluates the jaxpr on the last micro-batch
@@ -29,10 +30,11 @@ through it), in fixed phases:
    (:class:`jddp._src.local_sgd.LocalSGD`) nothing, the parameter average, or DiLoCo's outer step.
 
 Where to add a feature: a new reduction (reduce-scatter, hierarchical) is a hook or a change to
-:func:`jddp._src.reduction.bucketed_vjp`; a new state layout goes into :func:`state_specs` and
-:func:`build_state`; a new per-call quantity goes into :class:`jddp._src.objective.LocalAux` and
-:class:`jddp._src.objective.Extras`, which carry it to the last bucket; a wrapper of the update
-into :func:`_apply_update`; a sync policy is a :class:`jddp._src.config.SyncPolicy`.
+:func:`jddp._src.reduction.bucketed_vjp`, or a reducer of its own (:mod:`jddp._src.reducers`);
+a new state layout goes into :func:`state_specs` and :func:`build_state`; a new per-call
+quantity goes into :class:`jddp._src.objective.LocalAux` and :class:`jddp._src.objective.Extras`,
+which carry it to the last bucket; a wrapper of the update into :func:`_apply_update`; a sync
+policy is a :class:`jddp._src.config.SyncPolicy`.
 """
 
 from __future__ import annotations
@@ -50,14 +52,13 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp._src import accumulation as acc_lib
-from jddp._src import deterministic as det_lib
 from jddp._src import loss_scale as ls_lib
-from jddp._src import offload, replicated, vma, zero
+from jddp._src import offload, vma, zero
 from jddp._src import precision as precision_lib
 from jddp._src import rng as rng_lib
 from jddp._src.checks import batch_size, check_batch, check_float_params, check_mask
 from jddp._src.config import StepConfig
-from jddp._src.hooks import allreduce_mean, init_hook_state
+from jddp._src.hooks import init_hook_state
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.nonfinite import all_finite, select_tree
 from jddp._src.objective import Extras, LocalAux, Objective, mean_metrics
@@ -65,7 +66,7 @@ from jddp._src.optimizer_metrics import (
     merge_optimizer_metrics,
     optimizer_metrics,
 )
-from jddp._src.planner import BucketPlan, build_plan, traced_use_times
+from jddp._src.planner import BucketPlan
 from jddp._src.reduction import (
     Bytes,
     Reduced,
@@ -101,11 +102,9 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
         # With model_state_sync="none" each replica keeps its own copy.
         model_state=broadcast_to_devices(model_state, n) if cfg.per_device_model_state
         else model_state,
-        hook_state=broadcast_to_devices(init_hook_state(cfg.hook, params), n),
-        accum=None if not cfg.accumulates
-        else det_lib.init_accum(cfg, params, model_state) if cfg.deterministic
-        else acc_lib.init_accum(params, n, cfg.accumulator_dtype, model_state,
-                                sharded=cfg.shard_accumulator),
+        hook_state=broadcast_to_devices(init_hook_state(cfg.reduce.hook, params), n),
+        # The reduction decides the accumulator's layout (the deterministic one is its own).
+        accum=cfg.reduce.init_accum(cfg, params, model_state) if cfg.accumulates else None,
         loss_scale=None if cfg.loss_scale is None else cfg.loss_scale.init(),
     )
     return cfg.sync.build_state(cfg, state)  # local SGD / DiLoCo keep one copy per replica
@@ -175,18 +174,14 @@ def check_step_inputs(
         )
     n = cfg.topology.num_devices
     size = check_batch(batch, n)
-    if cfg.deterministic:  # seam: jddp._src.deterministic's layouts and accumulator
-        det_lib.check_accum(cfg, state)
-        det_lib.check_call(cfg, size, sync, state.model_state)
-    else:
-        acc_lib.check_accum(state, cfg.accumulate_steps, n, cfg.shard_accumulator)
+    cfg.reduce.check_inputs(cfg, state, size, sync)
     if cfg.shard_accumulator and jax.tree.leaves(state.hook_state):
         # The option probed the hook on one small leaf; a hook with state for these params
         # reduces with that state, which an accumulating call's reduce-scatter cannot carry.
         raise ValueError(
             f"jddp.Accumulate(shard=True) reduce-scatters every call through the hook's "
-            f"stateless scatter, but {cfg.hook.name!r} keeps state for these parameters. Pass "
-            "accumulate=jddp.Accumulate(..., shard=False)."
+            f"stateless scatter, but {cfg.reduce.hook.name!r} keeps state for these parameters. "
+            "Pass accumulate=jddp.Accumulate(..., shard=False)."
         )
     ls_lib.check_state(state, cfg.loss_scale)
     if cfg.rng and rng is None:
@@ -273,7 +268,7 @@ def _result_specs(cfg: StepConfig, lv: Roles, view: TrainState,
         hook_state=P(axis), accum=acc_lib.accum_specs(view.accum, axis, _accum_split(cfg)),
         synced=P(), nonempty=glob,
         island=lv.island(lambda: rep),  # type: ignore[arg-type]
-        comm=None if cfg.deterministic else P(),  # type: ignore[arg-type]
+        comm=P(),  # type: ignore[arg-type]  # (a prefix of None too: the deterministic step's)
     )
 
 
@@ -319,11 +314,7 @@ def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
 
 def _plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any,
           observer: PlanObserver | None, layout: zero.Layout | None = None) -> BucketPlan:
-    if cfg.fixed_plan is not None:
-        cfg.fixed_plan.check_tree(params)
-        plan = cfg.fixed_plan
-    else:
-        plan = _traced_plan(cfg, traced, params)
+    plan = cfg.reduce.plan(cfg, traced, params)
     if layout is not None and cfg.zero_stage >= 3 and cfg.reshard_after_forward:
         # What resharding cannot free, said at trace time (a warning) and in the plan.
         kept = zero.not_resharded(traced, layout, plan.unused)
@@ -332,38 +323,6 @@ def _plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any,
     if observer is not None:
         observer(plan)
     return plan
-
-
-def _traced_plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any) -> BucketPlan:
-    """The plan read from the traced loss under the configured caps; with a default-plan policy
-    (no cap given), re-packed under the caps it picks from that plan's gradient sizes (the same
-    jaxpr, read once: the loss is not traced again)."""
-    times = traced_use_times(traced, keep_unused=cfg.keep_unused, loss_outputs=1)
-    implicit = replicated.replicated_leaves(traced) if jax_reduces(cfg) else ()
-
-    def pack(cap_bytes: int, first_bytes: int) -> BucketPlan:
-        return build_plan(params, times, cap_bytes, first_bytes, implicit)
-
-    plan = pack(cfg.cap_bytes, cfg.first_bytes)
-    if cfg.default_plan is None:
-        return plan
-    return cfg.default_plan.repack(plan, pack, cfg.mesh.devices.flat[0].platform,
-                                   cfg.topology.num_devices)
-
-
-def jax_reduces(cfg: StepConfig) -> bool:
-    """Whether the plan may leave to JAX the leaves it reduces better itself
-    (:mod:`jddp._src.replicated`): the default plan (no cap or plan given; a given cap keeps
-    DDP's rule for every leaf) on CPU, where it was measured (elsewhere the default plan is
-    DDP's), with what reads no bucket anyway: the default hook (a hook sees every gradient),
-    stage 0 (a sharded stage splits every leaf's reduction), every call synchronising
-    (``no_sync`` must not communicate, and JAX's reduction would run per micro-batch), no
-    mixed-precision policy, no local SGD, and ``shard_map`` with vma types (checked on the
-    trace: :func:`jddp._src.replicated.replicated_leaves`)."""
-    return (cfg.default_plan is not None and cfg.mesh.devices.flat[0].platform == "cpu"
-            and cfg.hook == allreduce_mean() and cfg.zero_stage == 0 and not cfg.deterministic
-            and not cfg.accumulates and cfg.microbatches == 1 and cfg.mixed_precision is None
-            and not cfg.topology.islands)
 
 
 def _aux_zeros(aux_shape: LocalAux, axis: Any) -> acc_lib.Sums:
@@ -557,7 +516,8 @@ def _reduce(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
         return Reduced(out, grads, tuple(hook_state), extras(out))
     return bucketed_vjp(
         prep.traced, jax.tree.leaves(prep.params), args, plan=prep.plan, axis_name=lv.axis,
-        hook=cfg.hook, hook_state=hook_state, step=state.step, phase=phase, chain=cfg.chain,
+        hook=cfg.reduce.hook, hook_state=hook_state, step=state.step, phase=phase,
+        chain=cfg.reduce.chain,
         seed=seed, offset=offset, extras_fn=extras,
         extras_shape=obj.extras_shape(prep.aux_shape, lv.size, lv.axis), sharded=prep.sharded,
         hosts_axis=lv.hosts, precision=cfg.mixed_precision,
@@ -701,9 +661,10 @@ def _scattered_call(cfg: StepConfig, lv: Roles, prep: Prepared, state: TrainStat
     seed = prep.unit if ls is None else ls * prep.unit  # grad_fn's scale (see _prepare)
     red = bucketed_vjp(
         prep.traced, jax.tree.leaves(prep.params), (ms_last, prep.last, *prep.side_last),
-        plan=prep.plan, axis_name=lv.axis, hook=cfg.hook,
+        plan=prep.plan, axis_name=lv.axis, hook=cfg.reduce.hook,
         hook_state=strip_device_dim(state.hook_state), step=state.step, phase=phase,
-        chain=cfg.chain, seed=seed, offset=None if offset is None else jax.tree.leaves(offset),
+        chain=cfg.reduce.chain, seed=seed,
+        offset=None if offset is None else jax.tree.leaves(offset),
         sharded=prep.sharded, hosts_axis=lv.hosts, precision=cfg.mixed_precision,
     )
     aux: LocalAux = red.out[1]
@@ -768,7 +729,7 @@ def _to_global(cfg: StepConfig, lv: Roles, res: LocalResult) -> LocalResult:
                         nonempty=lv.add_dim(res.nonempty, means=True), island=lv.add_dim(res.island))
 
 
-def _local_step(
+def bucketed_step(
     cfg: StepConfig,
     obj: Objective,
     observer: PlanObserver | None,
@@ -781,7 +742,8 @@ def _local_step(
     weights: Any,
     rng: Any = None,
 ) -> LocalResult:
-    """The per-device step (inside ``shard_map``): phase 1 (local gradients) and phase 2 (the
+    """The per-device step of the bucketed reduction (inside ``shard_map``;
+    :meth:`jddp._src.reducers.Bucketed.local_step`): phase 1 (local gradients) and phase 2 (the
     reduction over the island), or accumulation only; see the module docstring."""
     state = cfg.sync.island_state(cfg, state)
     prep = _prepare(cfg, obj, observer, lv, layout, state, batch, weights, rng)
@@ -793,25 +755,6 @@ def _local_step(
         return acc_fn(state)
     # optax.MultiSteps semantics: the replicated counter picks the branch, in one program.
     return lax.cond(state.accum.count + 1 >= cfg.accumulate_steps, sync_fn, acc_fn, state)
-
-
-def _deterministic_step(
-    cfg: StepConfig, obj: Objective, observer: PlanObserver | None, sync: bool | None,
-    phase: Any, lv: Roles, layout: zero.Layout, state: TrainState, batch: Any,
-    weights: Any, rng: Any = None,
-) -> LocalResult:
-    """The per-device step of ``deterministic=True``: fixed-size groups summed in a fixed tree
-    (:mod:`jddp._src.deterministic`) instead of the local gradients and the bucketed reduction."""
-    g = cfg.group_size
-    group, w = jax.tree.map(lambda x: x[:g], (batch, weights))
-    keys = rng_lib.example_keys(rng, state.step, g) if cfg.rng else None
-    # Traced for the checks and the (reported, unused) bucket plan only.
-    traced = jaxpr_lib.trace(obj, state.params, state.model_state, group, w, keys)
-    det_lib.check_no_collectives(traced.jaxpr.jaxpr)
-    _plan(cfg, traced, state.params, observer)
-    out = det_lib.local_step(cfg, obj, state, batch, weights, rng)
-    return LocalResult(out.grads, out.metrics, {}, out.model_state, state.hook_state, out.accum,
-                       out.synced, out.nonempty)
 
 
 def _constrain(cfg: StepConfig, tree: Any, specs: Any) -> Any:
@@ -906,7 +849,7 @@ def _bucket_groups(plan: BucketPlan) -> list[tuple[int, ...]]:
 def _gather_chain(cfg: StepConfig) -> Any:
     """How consecutive all-gathers are kept apart: the reduction's chain applied to pieces, an
     always-zero add (as for the sharded stages' reduce-scatters) unless ``chain="none"``."""
-    mode = resolve_chain(cfg.chain)
+    mode = resolve_chain(cfg.reduce.chain)
     if mode != "none":
         def add(prev: list, pieces: list) -> list:
             dep = chain_dependency(prev, "add")
@@ -1088,7 +1031,7 @@ def train_step(
       rng: the run's PRNG key, with ``rng=True`` (each example's key is derived from it).
     """
     obj = objective(cfg, state.model_state is not None)
-    sync_phase, hook_phase = cfg.sync.split_phase(phase, cfg.hook.phase)
+    sync_phase, hook_phase = cfg.sync.split_phase(phase, cfg.reduce.hook_phase)
     lv = cfg.sync.roles(cfg.topology, sync_phase)
     view = cfg.sync.replica_view(state)
     weights = check_step_inputs(cfg, view, batch, mask, sync, rng)
@@ -1105,16 +1048,15 @@ def train_step(
     # The per-device phases never read the optimizer state; offloaded, it stays on the host.
     inside = state.replace(opt_state=None) if cfg.offload else state
     local = jax.shard_map(
-        functools.partial(_deterministic_step if cfg.deterministic else _local_step, cfg, obj,
-                          observe, sync, hook_phase, lv, layout),
+        functools.partial(cfg.reduce.local_step, cfg, obj, observe, sync, hook_phase, lv, layout),
         mesh=cfg.mesh,
         in_specs=(state_specs(cfg, inside), data, data, P()),
         out_specs=_result_specs(cfg, lv, view, layout),
         # The sharded stages' reduce-scatter returns values that vma types cannot express as
         # replicated (whole leaves and metrics riding on it): their shard_map is untyped, like
         # pmap, which the bucket hooks support (they do the only reduction either way).
-        # deterministic=True: untyped too; its all-gathered sums are replicated by construction.
-        check_vma=cfg.zero_stage < 2 and not cfg.deterministic,
+        # The deterministic reduction is untyped too (Reducer.typed).
+        check_vma=cfg.zero_stage < 2 and cfg.reduce.typed,
     )
     res = local(inside, batch, weights, rng)
     if cfg.offload:  # the optimizer state comes from host memory for the update
@@ -1140,7 +1082,7 @@ def train_step(
 def step_phase(cfg: StepConfig) -> Callable[[int], Any] | None:
     """``step -> phase``, the static part of a step chosen on the host (one compiled program per
     phase): the hook's phase, wrapped by the sync policy's (local SGD: the kind of step too)."""
-    return cfg.sync.phase_fn(cfg.hook.phase)
+    return cfg.sync.phase_fn(cfg.reduce.hook_phase)
 
 
 def plan(cfg: StepConfig, state_like: Any, batch_like: Any, mask_like: Any = None,

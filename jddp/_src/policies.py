@@ -26,6 +26,7 @@ from jddp._src.local_sgd import LocalSGD
 from jddp._src.loss_scale import DynamicScale
 from jddp._src.objective import check_metric_names
 from jddp._src.planner import BucketPlan
+from jddp._src.reducers import Deterministic
 from jddp._src.sync import EveryStep
 
 
@@ -142,27 +143,6 @@ class Buckets:
     def pinned(self) -> bool:
         """Whether a cap, first bucket or plan was given (else the default plan's policy)."""
         return (self.cap_mb, self.first_mb, self.plan) != (None, None, None)
-
-
-@dataclasses.dataclass(frozen=True)
-class Deterministic:
-    """The deterministic reduction: the same bits on any power-of-two device count, process
-    count, two-level mesh and accumulation split of the same global batches. The batch is cut
-    into groups of ``group_size`` examples whose gradients are summed in one fixed pairwise
-    tree (docs/deterministic.md); there are no buckets and no hook.
-
-    Attributes:
-      group_size: examples per group (the device count must divide the number of groups).
-    """
-
-    group_size: int = options.DEFAULT_GROUP_SIZE
-
-    def __post_init__(self) -> None:
-        g = self.group_size
-        if isinstance(g, bool) or not isinstance(g, int | np.integer) or g < 1:
-            raise ValueError(f"Deterministic.group_size must be a positive int (examples per "
-                             f"group), got {g!r}.")
-        _set(self, "group_size", int(g))
 
 
 @dataclasses.dataclass(frozen=True)

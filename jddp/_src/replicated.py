@@ -11,7 +11,7 @@ fusions in the benchmark ResNet-18's step, 7% of its time
 (``benchmarks/out/cpu_step/resnet_vary_probe.py``); the BatchNorm biases, which meet the
 activations directly, made no difference.
 
-So the default plan (:func:`jddp._src.pipeline.jax_reduces` says where) leaves those
+So the default plan (:meth:`jddp._src.reducers.Bucketed.jax_reduces` says where) leaves those
 parameters out of the buckets (``BucketPlan.implicit``), keeps them replicated, and lets JAX's
 transpose reduce them as it does in ``shard_map``:
 

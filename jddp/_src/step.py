@@ -148,15 +148,11 @@ class Step:
         cfg = self._cfg
         given = self._compiler_options
         options_ = dict(given or {})
-        if cfg.chain != "none":
-            if cfg.fixed_plan is not None:
-                largest = max((b.nbytes for b in cfg.fixed_plan.buckets), default=0)
-            else:
-                largest = xla_options.largest_bucket_bound(
-                    xla_options.leaf_bytes(getattr(state, "params", None)), cfg.largest_cap_bytes)
-            options_ = xla_options.step_options(
-                cfg.mesh.devices.flat[0].platform, largest, sharded=cfg.zero_stage >= 1,
-                given=given)
+        platform = cfg.mesh.devices.flat[0].platform
+        largest = cfg.reduce.largest_bucket(platform, getattr(state, "params", None))
+        if largest is not None:
+            options_ = xla_options.step_options(platform, largest, sharded=cfg.zero_stage >= 1,
+                                                given=given)
         self._options_used = options_
         self._jit_fn = jax.jit(
             self._traced,

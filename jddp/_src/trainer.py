@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +11,6 @@ from jax.sharding import Mesh
 
 from jddp._src import autocap, checks, compat, modelcap, offload, options, pipeline, watchdog
 from jddp._src import deprecated as deprecated_lib
-from jddp._src import deterministic as det_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
 from jddp._src import model_state as ms_lib
@@ -20,10 +18,11 @@ from jddp._src import policies as pol
 from jddp._src import precision as precision_lib
 from jddp._src import report as report_lib
 from jddp._src import verify as verify_lib
-from jddp._src.config import StepConfig
+from jddp._src.config import Reducer, StepConfig
 from jddp._src.hooks import allreduce_mean
 from jddp._src.local_sgd import LocalSGD
 from jddp._src.planner import BucketPlan
+from jddp._src.reducers import Bucketed
 from jddp._src.state import TrainState
 from jddp._src.step import PlanLog, Step
 
@@ -46,16 +45,20 @@ def _combination(p: pol.Policies, precision: Any, mesh: Mesh) -> compat.Combinat
                               two_level=mesh_lib.data_axes(mesh).two_level)
 
 
-def _reduction(p: pol.Policies, precision: Any) -> dict[str, Any]:
-    """The StepConfig fields of the reduce policy (and the hook the precision implies)."""
+def _reducer(p: pol.Policies, precision: Any) -> Reducer:
+    """The step's reducer: ``jddp.Deterministic`` itself, or the bucketed reducer of
+    ``jddp.Buckets`` (the hook the precision implies, the caps in bytes, and with nothing
+    pinned the default plan's chooser where it was measured)."""
     reduce = p.reduce
     if isinstance(reduce, pol.Deterministic):
-        return dict(hook=allreduce_mean(), deterministic=True, group_size=reduce.group_size)
+        return reduce
     hook = precision_lib.resolve_hook(precision, reduce.hook)
+    hook = allreduce_mean() if hook is None else hook
     cap, first = reduce.caps()
-    return dict(hook=allreduce_mean() if hook is None else hook, chain=reduce.chain,
-                cap_bytes=cap, first_bytes=first, fixed_plan=reduce.plan,
-                keep_unused=reduce.keep_unused)
+    chooser = None if reduce.pinned else modelcap.default_plan(hook, p.stage,
+                                                                p.sync.islands)
+    return Bucketed(hook=hook, chain=reduce.chain, cap_bytes=cap, first_bytes=first,
+                    fixed_plan=reduce.plan, default_plan=chooser, keep_unused=reduce.keep_unused)
 
 
 def _placement(p: pol.Policies) -> dict[str, Any]:
@@ -70,22 +73,19 @@ def _placement(p: pol.Policies) -> dict[str, Any]:
 def step_config(loss_fn: Callable[..., Any], optimizer: Any, mesh: Mesh, p: pol.Policies,
                 precision: Any) -> StepConfig:
     """The step's configuration from its policies, after the compatibility table
-    (:mod:`jddp._src.compat`) and with the default plan's policy unless the plan is pinned."""
+    (:mod:`jddp._src.compat`)."""
     c = _combination(p, precision, mesh)
     compat.check(c)
     loss, acc = p.loss, p.accumulate
-    config = StepConfig(
+    return StepConfig(
         loss_fn=loss_fn, optimizer=check_optimizer(optimizer), mesh=mesh,
-        has_aux=loss.has_aux, weighted=loss.weighted, rng=loss.rng,
-        sum_metrics=loss.sum_metrics, model_state_sync=loss.model_state_sync,
+        reduce=_reducer(p, c.precision), has_aux=loss.has_aux, weighted=loss.weighted,
+        rng=loss.rng, sum_metrics=loss.sum_metrics, model_state_sync=loss.model_state_sync,
         accumulate_steps=acc.steps, microbatches=acc.microbatches, accumulator_dtype=acc.dtype,
         shard_accumulator=compat.resolve_shard(acc, c),
         skip_not_finite=isinstance(p.loss_scale, pol.SkipNotFinite),
         loss_scale=p.dynamic_scale, sync=p.sync, mixed_precision=c.precision,
-        **_reduction(p, c.precision), **_placement(p))
-    if isinstance(p.reduce, pol.Buckets) and not p.reduce.pinned:
-        config = dataclasses.replace(config, default_plan=modelcap.default_plan(config))
-    return config
+        **_placement(p))
 
 
 def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
@@ -201,7 +201,7 @@ class DataParallel:
                                    k == "loss_scale"})
         mesh = mesh_lib.check_mesh(mesh_lib.data_mesh() if mesh is None else mesh)
         config = step_config(loss_fn, optimizer, mesh, policies, precision)
-        det_lib.check_config(config)
+        config.reduce.check(config)
         object.__setattr__(self, "policies", policies)
         auto = policies.reduce.chooser() if isinstance(policies.reduce, pol.Buckets) else None
         self._install_step(config, auto, donate, compiler_options, _verify_every(verify_every))
@@ -256,7 +256,7 @@ class DataParallel:
     optimizer = property(lambda self: self.config.optimizer)
     mesh = property(lambda self: self.config.mesh)
     axis_name = property(lambda self: self.config.topology.data)
-    hook = property(lambda self: self.config.hook)
+    hook = property(lambda self: self.config.reduce.hook)
     model_state_sync = property(lambda self: self.config.model_state_sync)
 
     @property
@@ -289,11 +289,11 @@ class DataParallel:
         plan's choice (``method="default"``), made when the step (or ``plan``) is traced."""
         if self._auto is not None:
             return self._auto.choice
-        policy, plan = self.config.default_plan, self._plans.latest or self._plans.planned
-        if not isinstance(policy, modelcap.DefaultPlan) or plan is None:
+        plan = self._plans.latest or self._plans.planned
+        if plan is None:
             return None
-        return policy.choose(plan, self.config.mesh.devices.flat[0].platform,
-                             self.config.topology.num_devices)
+        return self.config.reduce.choice(plan, self.config.mesh.devices.flat[0].platform,
+                                         self.config.topology.num_devices)
 
     def init(self, params: Any, model_state: Any = None) -> TrainState:
         """Builds the replicated initial state: params, optimizer state, hook state, step 0.
@@ -308,8 +308,7 @@ class DataParallel:
         checks.check_float_params(params)
         precision_lib.check_master(self.config.mixed_precision, params)
         self._plans.expect(params)
-        if self.config.fixed_plan is not None:
-            self.config.fixed_plan.check_tree(params)
+        self.config.reduce.check_params(params)
         ms_lib.check_model_state(model_state, self.config.model_state_sync)
         params, model_state = verify_lib.sync_from_process0((params, model_state), "params")
         shardings = pipeline.state_shardings(

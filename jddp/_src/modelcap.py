@@ -233,7 +233,7 @@ def default_plan(cfg: StepConfig) -> DefaultPlan | None:
     ``deterministic``, no local SGD); ``None`` elsewhere, which keeps DDP's 25 MiB plan with a
     1 MiB first bucket (sharded stages, compression and hierarchical hooks, the deterministic
     and local-SGD steps reduce otherwise than the table's steps)."""
-    measured = (cfg.zero_stage == 0 and cfg.hook == allreduce_mean() and not cfg.deterministic
+    measured = (not cfg.place.sharded and cfg.hook == allreduce_mean() and not cfg.deterministic
                 and not cfg.topology.islands and cfg.fixed_plan is None)
     return DefaultPlan() if measured else None
 

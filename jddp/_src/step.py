@@ -155,7 +155,7 @@ class Step:
                 largest = xla_options.largest_bucket_bound(
                     xla_options.leaf_bytes(getattr(state, "params", None)), cfg.largest_cap_bytes)
             options_ = xla_options.step_options(
-                cfg.mesh.devices.flat[0].platform, largest, sharded=cfg.zero_stage >= 1,
+                cfg.mesh.devices.flat[0].platform, largest, sharded=cfg.place.sharded,
                 given=given)
         self._options_used = options_
         self._jit_fn = jax.jit(

@@ -58,15 +58,6 @@ def _reduction(p: pol.Policies, precision: Any) -> dict[str, Any]:
                 keep_unused=reduce.keep_unused)
 
 
-def _placement(p: pol.Policies) -> dict[str, Any]:
-    """The StepConfig fields of the place policy."""
-    place = p.place
-    if isinstance(place, pol.Replicate):
-        return {}
-    return dict(zero_stage=place.stage, hybrid_shard=place.hybrid,
-                reshard_after_forward=place.resharding(), offload=place.offload)
-
-
 def step_config(loss_fn: Callable[..., Any], optimizer: Any, mesh: Mesh, p: pol.Policies,
                 precision: Any) -> StepConfig:
     """The step's configuration from its policies, after the compatibility table
@@ -82,7 +73,7 @@ def step_config(loss_fn: Callable[..., Any], optimizer: Any, mesh: Mesh, p: pol.
         shard_accumulator=compat.resolve_shard(acc, c),
         skip_not_finite=isinstance(p.loss_scale, pol.SkipNotFinite),
         loss_scale=p.dynamic_scale, sync=p.sync, mixed_precision=c.precision,
-        **_reduction(p, c.precision), **_placement(p))
+        place=p.place, **_reduction(p, c.precision))
     if isinstance(p.reduce, pol.Buckets) and not p.reduce.pinned:
         config = dataclasses.replace(config, default_plan=modelcap.default_plan(config))
     return config

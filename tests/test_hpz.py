@@ -143,7 +143,7 @@ def test_hpz_option_resolves_against_the_mesh():
     def resolved(k, **kw):
         cfg = jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=3,
                                 reshard_after_forward=k, **kw).config
-        return cfg.reshard_after_forward, cfg.reshard_group
+        return cfg.place.reshard_after_forward, cfg.place.reshard_group
 
     assert resolved(1) == (False, None)
     assert resolved(8) == (True, None)

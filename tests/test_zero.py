@@ -56,7 +56,7 @@ def _train(ddp, params, batches, model_state=None):
     for b in batches:
         state, metrics = ddp.step(state, b)
         losses.append(float(metrics["loss"]))
-        if ddp.config.zero_stage < 3:
+        if not ddp.config.place.splits_params:
             ddp.verify(state)  # parameters bit-identical across replicas after every step
     return state, losses
 

@@ -14,6 +14,7 @@ from jddp._src import options
 from jddp._src.hooks import CommHook
 from jddp._src.loss_scale import DynamicScale
 from jddp._src.objective import Extras
+from jddp._src.placement import Place, Replicate
 from jddp._src.planner import BucketPlan
 from jddp._src.precision import MixedPrecision
 from jddp._src.state import TrainState
@@ -172,17 +173,9 @@ class StepConfig:
       shard_accumulator: every accumulating call reduce-scatters its gradients into an
         accumulator split like the parameters (``P/N`` per device) instead of keeping a
         full-size local sum (resolved by :func:`jddp._src.options.shard_accumulator`).
-      zero_stage: 0 (DDP: everything replicated), 1 (optimizer state sharded), 2 (gradients
-        too), 3 (parameters too); see :mod:`jddp._src.zero`.
-      hybrid_shard: on a two-level mesh, shard over the devices of a host only and replicate
-        across hosts (FSDP's ``HYBRID_SHARD``).
-      reshard_after_forward: stage 3 gathers each parameter again for the backward instead of
-        keeping the forward's gathered copy (FSDP's ``reshard_after_forward``); an int ``k``
-        (ZeRO++'s hpZ, FSDP2's int) keeps a copy split over groups of ``k`` devices for the
-        backward to gather from (resolved against the mesh by
-        :func:`jddp._src.options.reshard_group`: ``1`` is ``False``, the shard count ``True``).
-      offload: the optimizer state lives in host memory between steps
-        (:mod:`jddp._src.offload`).
+      place: where the state lives (:mod:`jddp._src.placement`): :class:`Replicate` (DDP) or
+        :class:`ZeRO` (stages 1-3, hybrid sharding, ``reshard_after_forward``, offload),
+        resolved against the mesh (:meth:`ZeRO.resolve`); the step calls its methods.
       rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
       sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
       loss_scale: dynamic loss scaling (``None``: off).
@@ -204,10 +197,7 @@ class StepConfig:
     microbatches: int = 1
     accumulator_dtype: np.dtype | None = None
     shard_accumulator: bool = False
-    zero_stage: options.ZeroStage = 0
-    hybrid_shard: bool = False
-    reshard_after_forward: bool | int = False
-    offload: bool = False
+    place: Place = Replicate()
     rng: bool = False
     sum_metrics: tuple[str, ...] = ()
     loss_scale: DynamicScale | None = None
@@ -217,19 +207,9 @@ class StepConfig:
     topology: Topology = dataclasses.field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        # hybrid_shard's needs (a stage, a two-level mesh) are rows of jddp._src.compat.
-        topology = Topology.of(self.mesh, hybrid=self.hybrid_shard, sharded=self.zero_stage >= 1,
-                               islands=self.sync.islands)
+        topology = self.place.topology(self.mesh, islands=self.sync.islands)
         object.__setattr__(self, "topology", topology)  # derived from the fields above
-        in_host = topology.host_size if topology.two_level else None
-        object.__setattr__(self, "reshard_after_forward", options.reshard_group(
-            self.reshard_after_forward, topology.shard_count, in_host))
-
-    @property
-    def reshard_group(self) -> int | None:
-        """The group size of ZeRO++'s hpZ (an int ``reshard_after_forward``), else ``None``."""
-        k = self.reshard_after_forward
-        return None if isinstance(k, bool) else k
+        object.__setattr__(self, "place", self.place.resolve(topology))
 
     @property
     def per_device_model_state(self) -> bool:

@@ -92,7 +92,7 @@ class CommHook(NamedTuple):
         (PowerSGD's start). :class:`jddp.DataParallel` compiles one step per phase and passes it
         as ``HookContext.phase``, so no collective sits inside a ``lax.cond``.
       scatter: ``scatter(rows, ctx) -> row``, the hook's reduce-scatter for the sharded stages
-        (``zero_stage`` 2 and 3): ``rows`` is a bucket as an ``(N, K)`` matrix, one row per
+        (``jddp.ZeRO(stage=2)`` and 3): ``rows`` is a bucket as an ``(N, K)`` matrix, one row per
         device; the result is the mean over devices of this device's row, shape ``(1, K)``.
         Used only by stateless hooks (it takes no state); its bytes are
         ``scatter_bytes_by_level``'s, or half ``bytes_sent`` of the rows (a ring

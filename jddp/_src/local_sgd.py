@@ -16,7 +16,7 @@ and every ``period``-th step synchronises:
 
 Replicas ("islands"): on a two-level mesh (``jddp.data_mesh(hosts=...)``) one replica per host,
 which is a data-parallel group of its own: gradients are reduced inside the host every step (with
-the communication hook, and with ``zero_stage`` the state is sharded over the host's devices), and
+the communication hook, and with ``jddp.ZeRO`` the state is sharded over the host's devices), and
 nothing crosses hosts between synchronisations; the averaging sends each host's parameters across
 once (each device averages ``1/L`` of every bucket across hosts, then an all-gather inside the
 host). On a 1-D mesh every device is a replica and local steps run no collective at all.
@@ -74,6 +74,9 @@ from jddp._src.topology import AVERAGE, LOCAL, SYNC, Roles, Topology
 from jddp._src.tree import add_device_dim, broadcast_to_devices, dtype_of, strip_device_dim
 
 __all__ = ["AVERAGE", "LOCAL", "SYNC", "LocalSGD", "diloco", "post_local_sgd"]
+
+# A leaf's spec inside one replica from its shape (the place policy's param_spec / opt_spec).
+LeafSpec = Callable[[Topology, tuple[int, ...]], P]
 
 
 class LocalPhase(NamedTuple):
@@ -296,13 +299,14 @@ def _prefixed(spec: P, axis: Any) -> P:
     return P(axis, *spec)
 
 
-def _per_replica_specs(cfg: StepConfig, tree: Any, split: bool) -> Any:
-    """Specs of per-replica leaves: the replica axis first, then (``split``) the sharded stages'
-    split of the replica's own leaf over the devices of the island."""
+def _per_replica_specs(cfg: StepConfig, tree: Any, place: LeafSpec | None = None) -> Any:
+    """Specs of per-replica leaves: the replica axis first, then (``place``, e.g. the place
+    policy's ``param_spec``) the spec of the replica's own leaf over the devices of the island
+    (``None``: whole)."""
     axis = cfg.topology.replica
 
     def spec(x: Any) -> P:
-        inner = zero.leaf_spec(np.shape(x)[1:], cfg.topology.shard_count, cfg.topology.shard) if split else P()
+        inner = P() if place is None else place(cfg.topology, np.shape(x)[1:])
         return _prefixed(inner, axis)
 
     return jax.tree.map(spec, tree)
@@ -333,11 +337,11 @@ def state_specs(cfg: StepConfig, state: TrainState, specs: TrainState) -> TrainS
     """``specs`` with the per-replica leaves sharded over the replica axis (and, at the sharded
     stages, over the island's devices), the outer state replicated."""
     return specs.replace(
-        params=_per_replica_specs(cfg, state.params, cfg.zero_stage >= 3),
-        opt_state=_per_replica_specs(cfg, state.opt_state, cfg.zero_stage >= 1),
+        params=_per_replica_specs(cfg, state.params, cfg.place.param_spec),
+        opt_state=_per_replica_specs(cfg, state.opt_state, cfg.place.opt_spec),
         model_state=specs.model_state if cfg.per_device_model_state
-        else _per_replica_specs(cfg, state.model_state, False),
-        loss_scale=_per_replica_specs(cfg, state.loss_scale, False),
+        else _per_replica_specs(cfg, state.model_state),
+        loss_scale=_per_replica_specs(cfg, state.loss_scale),
         outer=jax.tree.map(lambda _: P(), state.outer),
     )
 
@@ -386,7 +390,7 @@ def _averaging_bytes(cfg: StepConfig, spec: LocalSGD, plan: BucketPlan) -> tuple
                                            for i in group], r, 0))
             for group in _bucket_groups(plan)
         )
-    if local == 1 or cfg.zero_stage >= 3:
+    if local == 1 or cfg.place.splits_params:
         return 0.0, across
     padded = sum((s + (-s) % local) * i for s, i in zip(sizes, items, strict=True))
     return ring_allgather_bytes(padded / local, local), across
@@ -398,7 +402,7 @@ def _sent_sizes(cfg: StepConfig, plan: BucketPlan, local: int) -> list[int]:
     sizes = [math.prod(s) for s in plan.shapes]
     if local == 1:
         return sizes
-    if cfg.zero_stage >= 3:
+    if cfg.place.splits_params:
         return [s // local if zero.shard_dim(shape, local) is not None else s
                 for s, shape in zip(sizes, plan.shapes, strict=True)]
     return [(s + (-s) % local) // local for s in sizes]
@@ -444,12 +448,10 @@ def _sub_plan(plan: BucketPlan, leaves: tuple[int, ...]) -> BucketPlan:
 def _replica_mean_specs(cfg: StepConfig, values: Any, diloco: bool) -> Any:
     """Out specs of the averaged values: per replica again (post-local SGD) or the one global
     copy (DiLoCo's delta; at stage 3 split over the island's devices, like the pieces)."""
+    spec = cfg.place.param_spec
     if not diloco:
-        return _per_replica_specs(cfg, values, cfg.zero_stage >= 3)
-    if cfg.zero_stage < 3:
-        return jax.tree.map(lambda _: P(), values)
-    return jax.tree.map(
-        lambda x: zero.leaf_spec(np.shape(x)[1:], cfg.topology.shard_count, cfg.topology.shard), values)
+        return _per_replica_specs(cfg, values, spec)
+    return jax.tree.map(lambda x: spec(cfg.topology, np.shape(x)[1:]), values)
 
 
 def _average(cfg: StepConfig, spec: LocalSGD, plan: BucketPlan, values: Any, island: Extras,
@@ -459,7 +461,7 @@ def _average(cfg: StepConfig, spec: LocalSGD, plan: BucketPlan, values: Any, isl
     ``shard_map``: one chained collective per bucket (:func:`bucketed_mean`)."""
     topo = cfg.topology
     rax, r = topo.replica, topo.replicas
-    local_axis = topo.local if topo.two_level and cfg.zero_stage < 3 else None
+    local_axis = topo.local if topo.two_level and not cfg.place.splits_params else None
     mode = cfg.model_state_sync
     per_rep = lambda tree: jax.tree.map(lambda _: P(rax), tree)
 
@@ -479,7 +481,7 @@ def _average(cfg: StepConfig, spec: LocalSGD, plan: BucketPlan, values: Any, isl
         out = jax.tree.unflatten(jax.tree.structure(vals), means)
         return (out if spec.diloco else add_device_dim(out)), mean_isl, new_ms
 
-    in_specs = (_per_replica_specs(cfg, values, cfg.zero_stage >= 3), per_rep(island),
+    in_specs = (_per_replica_specs(cfg, values, cfg.place.param_spec), per_rep(island),
                 per_rep(model_state), P())
     out_specs = (_replica_mean_specs(cfg, values, spec.diloco),
                  jax.tree.map(lambda _: P(), island), per_rep(model_state))
@@ -496,7 +498,7 @@ def _outer_step(cfg: StepConfig, spec: LocalSGD, anchor: Any, opt_state: Any, me
     step_, opt_state = spec.outer_optimizer.update(mean_delta, opt_state, anchor)
     anchor = optax.apply_updates(anchor, step_)
     r = cfg.topology.replicas
-    specs = jax.tree.leaves(_per_replica_specs(cfg, like, cfg.zero_stage >= 3),
+    specs = jax.tree.leaves(_per_replica_specs(cfg, like, cfg.place.param_spec),
                             is_leaf=lambda x: isinstance(x, P))
     leaves = [
         lax.with_sharding_constraint(jnp.broadcast_to(a, (r, *jnp.shape(a))),

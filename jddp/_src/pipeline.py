@@ -31,10 +31,10 @@ through it), in fixed phases:
 
 Where to add a feature: a new reduction (reduce-scatter, hierarchical) is a hook or a change to
 :func:`jddp._src.reduction.bucketed_vjp`, or a reducer of its own (:mod:`jddp._src.reducers`);
-a new state layout goes into :func:`state_specs` and :func:`build_state`; a new per-call
-quantity goes into :class:`jddp._src.objective.LocalAux` and :class:`jddp._src.objective.Extras`,
-which carry it to the last bucket; a wrapper of the update into :func:`_apply_update`; a sync
-policy is a :class:`jddp._src.config.SyncPolicy`.
+a new placement of the state is a policy of :mod:`jddp._src.placement` (the step calls its
+methods); a new per-call quantity goes into :class:`jddp._src.objective.LocalAux` and
+:class:`jddp._src.objective.Extras`, which carry it to the last bucket; a wrapper of the update
+into :func:`_apply_update`; a sync policy is a :class:`jddp._src.config.SyncPolicy`.
 """
 
 from __future__ import annotations
@@ -46,16 +46,15 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp._src import accumulation as acc_lib
 from jddp._src import loss_scale as ls_lib
-from jddp._src import offload, vma, zero
 from jddp._src import precision as precision_lib
 from jddp._src import rng as rng_lib
+from jddp._src import vma, zero
 from jddp._src.checks import batch_size, check_batch, check_float_params, check_mask
 from jddp._src.config import StepConfig
 from jddp._src.hooks import init_hook_state
@@ -72,9 +71,6 @@ from jddp._src.reduction import (
     Reduced,
     Sharded,
     bucketed_vjp,
-    chain_dependency,
-    resolve_chain,
-    ring,
 )
 from jddp._src.state import AccumState, TrainState
 from jddp._src.topology import Roles
@@ -116,14 +112,16 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
     axis = cfg.topology.data
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)
     per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
-    # Sharded stages: a leaf is split on a dimension the device count divides (jddp._src.zero).
+    # The sharded accumulator: a leaf is split on a dimension the device count divides
+    # (jddp._src.zero), like stage 3's parameters.
     split = lambda tree: jax.tree.map(
         lambda x: zero.leaf_spec(jnp.shape(x), cfg.topology.shard_count, cfg.topology.shard), tree
     )
+    place, topo = cfg.place, cfg.topology
     specs = TrainState(
         step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
-        params=(split if cfg.zero_stage >= 3 else rep)(state.params),
-        opt_state=(split if cfg.zero_stage >= 1 else rep)(state.opt_state),
+        params=jax.tree.map(lambda x: place.param_spec(topo, jnp.shape(x)), state.params),
+        opt_state=jax.tree.map(lambda x: place.opt_spec(topo, jnp.shape(x)), state.opt_state),
         model_state=(per_device if cfg.per_device_model_state else rep)(state.model_state),
         hook_state=per_device(state.hook_state),
         accum=acc_lib.accum_specs(state.accum, axis, split if cfg.shard_accumulator else None),
@@ -139,7 +137,7 @@ def state_shardings(cfg: StepConfig, state: TrainState) -> TrainState:
         lambda s: NamedSharding(cfg.mesh, s), state_specs(cfg, state),
         is_leaf=lambda x: isinstance(x, P),
     )
-    return offload.place(shardings) if cfg.offload else shardings
+    return cfg.place.stored(shardings)
 
 
 def abstract_state(cfg: StepConfig, params_like: Any, model_state_like: Any = None) -> TrainState:
@@ -258,10 +256,7 @@ def _result_specs(cfg: StepConfig, lv: Roles, view: TrainState,
     axis = cfg.topology.data
     rep = lv.replica_spec
     glob = P() if lv.spans else rep
-    grads: Any = rep
-    if cfg.zero_stage >= 2:
-        grads = jax.tree.map(lambda s: P(*rep, *s), layout.specs(view.params, cfg.topology.shard),
-                             is_leaf=lambda x: isinstance(x, P))
+    grads = cfg.place.grad_specs(cfg.topology, layout, view.params, rep)
     return LocalResult(
         grads=grads, metrics=glob, local_metrics=P(axis),  # type: ignore[arg-type]
         model_state=P(axis) if cfg.per_device_model_state else rep,
@@ -315,11 +310,8 @@ def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
 def _plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any,
           observer: PlanObserver | None, layout: zero.Layout | None = None) -> BucketPlan:
     plan = cfg.reduce.plan(cfg, traced, params)
-    if layout is not None and cfg.zero_stage >= 3 and cfg.reshard_after_forward:
-        # What resharding cannot free, said at trace time (a warning) and in the plan.
-        kept = zero.not_resharded(traced, layout, plan.unused)
-        zero.warn_not_resharded(kept, plan.paths)
-        plan = plan._replace(not_resharded=tuple(kept))
+    if layout is not None:  # what resharding cannot free (a warning, and in the plan)
+        plan = cfg.place.mark_not_resharded(plan, traced, layout)
     if observer is not None:
         observer(plan)
     return plan
@@ -387,6 +379,7 @@ class Prepared(NamedTuple):
         scale).
       loss_scale: the loss scale this call's gradients use (``None``: off).
       sharded: the sharded stages' reduction (``None``: the hook's all-reduce).
+      layout: how the parameter leaves are split (:class:`jddp._src.zero.Layout`).
       unit: the static normaliser of one micro-batch's sums (:meth:`Objective.unit`): what is
         kept across calls (the accumulator, ``grad_fn``'s gradients) is plain sums times it.
     """
@@ -405,6 +398,7 @@ class Prepared(NamedTuple):
     grad_fn: Callable[..., Any]
     loss_scale: Any
     sharded: Sharded | None
+    layout: zero.Layout
     unit: float = 1.0
 
 
@@ -418,15 +412,9 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
         jax.ShapeDtypeStruct(shape, jnp.result_type(x))
         for shape, x in zip(layout.shapes, jax.tree.leaves(state.params), strict=True)
     ])
-    params_v = _varying(state.params, cfg.topology.data)
-    sharded = None
-    if cfg.zero_stage >= 2:
-        sharded = Sharded(cfg.zero_stage, layout, lv.shard_axis, lv.hybrid,
-                          bool(cfg.reshard_after_forward), cfg.reshard_group)
-        if cfg.zero_stage >= 3:
-            # The parameters are pieces here; the loss is traced on whole ones (without vma
-            # types: the sharded stages run shard_map with check_vma=False).
-            params_v = full_params
+    sharded = cfg.place.reduction(layout, lv)
+    # Stage 3's parameters are pieces here: its loss is traced on whole ones.
+    params_v = cfg.place.trace_params(_varying(state.params, cfg.topology.data), full_params)
     ms0 = _start_model_state(cfg, state)
     # Per-example inputs besides the batch, split like it: the mask's weights and the keys.
     side = (weights, _example_keys(cfg, state, rng, batch))
@@ -455,23 +443,15 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
         return grad_raw(p, ms, b, *s)
 
     return Prepared(traced, plan, traced.out_shapes[1], state.params, params_v, full_params, ms0,
-                    micro, side_m, last, side_last, grad_fn, loss_scale, sharded, unit)
+                    micro, side_m, last, side_last, grad_fn, loss_scale, sharded, layout, unit)
 
 
 def _local_params(cfg: StepConfig, lv: Roles, prep: Prepared) -> tuple[Any, Bytes]:
     """The parameters local gradients (earlier micro-batches, no-sync calls) are taken at, and
-    the bytes of getting them: stage 3 gathers every bucket once (chained, in first-use order),
-    in the branch that needs them (so that a call that does not use them does not send them).
-    Under a mixed-precision policy the pieces are cast to its ``param_dtype`` before the gather."""
-    if prep.sharded is None or prep.sharded.stage < 3:
-        return prep.params_v, Bytes()
-    layout = prep.sharded.layout
-    pieces = jax.tree.leaves(precision_lib.compute_params(cfg.mixed_precision, prep.params))
-    whole = zero.gather_buckets(pieces, layout, _bucket_groups(prep.plan)[::-1], cfg.topology.shard,
-                                _gather_chain(cfg))
-    return (jax.tree.unflatten(jax.tree.structure(prep.params), whole),
-            _gather_bytes(cfg, lv, prep.plan, layout, precision_lib.gather_dtype(
-                cfg.mixed_precision)))
+    the bytes of getting them (stage 3 gathers them: :meth:`jddp._src.placement.ZeRO.local_params`).
+    """
+    return cfg.place.local_params(cfg.topology, lv, prep.plan, prep.layout, cfg.reduce.chain, prep.params,
+                                  prep.params_v, cfg.mixed_precision)
 
 
 def _head_sums(cfg: StepConfig, lv: Roles, prep: Prepared,
@@ -598,8 +578,8 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
         scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
     metrics = mean_metrics(mean, m, count, summed=cfg.sum_metrics, num_devices=lv.size)
-    # Stages 1-2 all-gather the updated pieces after the update (gather_params).
-    updated = _gather_bytes(cfg, lv, prep.plan, layout) if 1 <= cfg.zero_stage <= 2 else Bytes()
+    # Stages 1-2 all-gather the updated pieces after the update (placement.gather_params).
+    updated = cfg.place.update_bytes(cfg.topology, lv, prep.plan, layout)
     comm = _comm_bytes(cfg, red.sent + gathered + updated)
     local: dict = {}
     new_accum = None
@@ -694,12 +674,7 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
     # The global metrics need a collective: "not computed" (see docs/accumulate.md).
     metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(prep.aux_shape)}
     loss = jnp.where(call.weight > 0, call.loss / call.weight, 0.0)
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    if cfg.zero_stage >= 2:  # the reduced gradient comes in pieces
-        zeros = jax.tree.unflatten(jax.tree.structure(state.params), [
-            jnp.zeros(zero.shard_shape(s, d, layout.n), jnp.result_type(x)) for s, d, x in
-            zip(layout.shapes, layout.dims, jax.tree.leaves(state.params), strict=True)
-        ])
+    zeros = cfg.place.grad_zeros(state.params, layout)  # in pieces where the reduction scatters
     island = lv.island(lambda: jax.tree.map(
         lambda s: jnp.zeros(s.shape, s.dtype),
         obj.extras_shape(prep.aux_shape, 1, cfg.topology.data)._replace(state=())))
@@ -757,66 +732,12 @@ def bucketed_step(
     return lax.cond(state.accum.count + 1 >= cfg.accumulate_steps, sync_fn, acc_fn, state)
 
 
-def _constrain(cfg: StepConfig, tree: Any, specs: Any) -> Any:
-    return jax.tree.map(
-        lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(cfg.mesh, s)), tree, specs,
-        is_leaf=lambda x: x is None,
-    )
 
 
 def _per_replica(lv: Roles, fun: Callable[..., Any]) -> Callable[..., Any]:
     """``fun`` of one replica's leaves, mapped over the replica dimension with local SGD (each
     replica updates its own copy: the update phase is the same function either way)."""
     return lv.per_replica(fun)
-
-
-def _optimizer_update(
-    cfg: StepConfig, layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: Any,
-    grads: Any,
-) -> tuple[Any, Any]:
-    """``(new_params, new_opt_state)`` of one replica; at the sharded stages each device updates
-    its pieces.
-
-    The update runs in the global view on leaves of their true shapes, so any optax
-    transformation works unchanged (XLA adds the collectives a global norm or a factored moment
-    needs). Stages 1 and 2 then all-gather the updated pieces, one all-gather per bucket.
-    """
-    if cfg.zero_stage == 0:
-        updates, opt_state = cfg.optimizer.update(grads, opt_state, params)
-        return _keep_unused(plan, params, optax.apply_updates(params, updates)), opt_state
-    axis = cfg.topology.shard
-    specs = layout.specs(params, axis)
-    opt_specs = jax.tree.map(lambda x: zero.leaf_spec(jnp.shape(x), cfg.topology.shard_count, axis),
-                             opt_state)
-    # Slicing a replicated array to this device's piece moves no data.
-    params = _constrain(cfg, params, specs)
-    grads = _constrain(cfg, grads, specs)
-    updates, opt_state = cfg.optimizer.update(grads, opt_state, params)
-    new = _constrain(cfg, _keep_unused(plan, params, optax.apply_updates(params, updates)), specs)
-    opt_state = _constrain(cfg, opt_state, opt_specs)
-    if cfg.zero_stage < 3:
-        last = [jax.tree.leaves(grads)[i] for i in (plan.buckets[-1].indices
-                                                    if plan.buckets else ())]
-        new = gather_params(cfg, new, layout, plan, after=last)
-    return new, opt_state
-
-
-def _keep_unused(plan: BucketPlan, old: Any, new: Any) -> Any:
-    """``new`` with the plan's unused leaves (no gradient path to the loss) kept at ``old``.
-
-    PyTorch's DDP leaves a parameter that no rank used without a gradient (``.grad`` stays
-    ``None``) and its optimizers skip such a parameter, so AdamW's weight decay and a momentum
-    left from earlier steps do not move it; optax sees a zero gradient and would. The default
-    follows DDP (``find_unused_parameters`` users expect it); ``keep_unused=True`` puts the
-    leaves in the buckets and the optimizer updates them like any other (optax's semantics).
-    """
-    if not plan.unused:
-        return new
-    kept, treedef = jax.tree.flatten(new)
-    was = jax.tree.leaves(old)
-    for i in plan.unused:
-        kept[i] = was[i]
-    return jax.tree.unflatten(treedef, kept)
 
 
 def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
@@ -826,72 +747,6 @@ def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
     if cfg.topology.axes.two_level:
         out["comm_bytes_hosts"] = jnp.asarray(sent.across, jnp.float32)
     return out
-
-
-def _gather_bytes(cfg: StepConfig, lv: Roles, plan: BucketPlan,
-                  layout: zero.Layout, dtype: Any = None) -> Bytes:
-    """Bytes of one all-gather of every split parameter over the shard axis
-    (:func:`gather_params`, and stage 3's whole parameters for local gradients), in ``dtype``
-    (``None``: the parameters' own)."""
-    hosts_axis = cfg.topology.axes.hosts
-    spans = hosts_axis is not None and hosts_axis in vma.axis_names(lv.shard_axis)
-    hosts = int(cfg.mesh.shape[hosts_axis]) if spans else 1
-    dtypes = plan.dtypes if dtype is None else [dtype] * len(plan.dtypes)
-    pieces = zero.split_bytes(layout, dtypes, range(len(plan.shapes)))
-    return ring("all-gather", pieces, layout.n, hosts)
-
-
-def _bucket_groups(plan: BucketPlan) -> list[tuple[int, ...]]:
-    """The buckets' leaves, then the unused leaves (which are in no bucket)."""
-    return [b.indices for b in plan.buckets] + [tuple(plan.unused)]
-
-
-def _gather_chain(cfg: StepConfig) -> Any:
-    """How consecutive all-gathers are kept apart: the reduction's chain applied to pieces, an
-    always-zero add (as for the sharded stages' reduce-scatters) unless ``chain="none"``."""
-    mode = resolve_chain(cfg.reduce.chain)
-    if mode != "none":
-        def add(prev: list, pieces: list) -> list:
-            dep = chain_dependency(prev, "add")
-            return [p + dep.astype(p.dtype) for p in pieces]
-        return add
-    return None
-
-
-def gather_params(
-    cfg: StepConfig, params: Any, layout: zero.Layout, plan: BucketPlan, after: Any = None
-) -> Any:
-    """Split parameters made whole on every device: one all-gather per bucket, in plan order,
-    each chained on the previous one (so XLA's all-gather combiners keep them apart).
-
-    Args:
-      after: arrays (in this device's pieces, like the gradients) that the first all-gather waits
-        for: the last bucket's reduced gradient, so that no all-gather competes with the
-        backward pass's reduce-scatters (on GPU they then overlapped no backward GEMM).
-    """
-    leaves, treedef = jax.tree.flatten(params)
-    specs = jax.tree.leaves(layout.specs(params, cfg.topology.shard),
-                            is_leaf=lambda x: isinstance(x, P))
-    chain = _gather_chain(cfg)
-    after_leaves = jax.tree.leaves(after)
-    after_specs = [zero.leaf_spec(s, cfg.topology.shard_count, cfg.topology.shard) for s in
-                   (jnp.shape(x) for x in after_leaves)]
-
-    def local(xs: list, wait: list) -> list:
-        if wait and chain is not None:
-            first = next((g for g in _bucket_groups(plan)
-                          if any(layout.dims[i] is not None for i in g)), ())
-            idx = [i for i in first if layout.dims[i] is not None]
-            waited = chain(wait, [xs[i] for i in idx])
-            xs = list(xs)
-            for i, x in zip(idx, waited, strict=True):
-                xs[i] = x
-        return zero.gather_buckets(xs, layout, _bucket_groups(plan), cfg.topology.shard, chain)
-
-    gathered = jax.shard_map(
-        local, mesh=cfg.mesh, in_specs=(specs, after_specs), out_specs=P(), check_vma=False,
-    )(leaves, after_leaves)
-    return jax.tree.unflatten(treedef, gathered)
 
 
 def _where_rows(ok: Any, new: jax.Array, old: jax.Array) -> jax.Array:
@@ -953,9 +808,9 @@ def _apply_update(
         return state.replace(accum=res.accum), metrics
 
     def update() -> TrainState:
-        params, opt_state = _per_replica(
-            lv, functools.partial(_optimizer_update, cfg, layout, plan)
-        )(state.params, state.opt_state, res.grads)
+        params, opt_state = _per_replica(lv, functools.partial(
+            cfg.place.update, cfg.optimizer, cfg.topology, layout, plan, cfg.reduce.chain,
+        ))(state.params, state.opt_state, res.grads)
         return state.replace(
             step=state.step + 1, params=params, opt_state=opt_state,
             model_state=res.model_state, hook_state=res.hook_state, accum=None,
@@ -1046,21 +901,18 @@ def train_step(
 
     data = P(cfg.topology.data)
     # The per-device phases never read the optimizer state; offloaded, it stays on the host.
-    inside = state.replace(opt_state=None) if cfg.offload else state
+    inside = cfg.place.device_view(state)
     local = jax.shard_map(
         functools.partial(cfg.reduce.local_step, cfg, obj, observe, sync, hook_phase, lv, layout),
         mesh=cfg.mesh,
         in_specs=(state_specs(cfg, inside), data, data, P()),
         out_specs=_result_specs(cfg, lv, view, layout),
-        # The sharded stages' reduce-scatter returns values that vma types cannot express as
-        # replicated (whole leaves and metrics riding on it): their shard_map is untyped, like
-        # pmap, which the bucket hooks support (they do the only reduction either way).
-        # The deterministic reduction is untyped too (Reducer.typed).
-        check_vma=cfg.zero_stage < 2 and cfg.reduce.typed,
+        # Stages 2-3: untyped (see ZeRO.check_vma); the deterministic reduction is untyped
+        # too (Reducer.typed): its all-gathered sums are replicated by construction.
+        check_vma=cfg.place.check_vma and cfg.reduce.typed,
     )
     res = local(inside, batch, weights, rng)
-    if cfg.offload:  # the optimizer state comes from host memory for the update
-        state = offload.fetch(state)
+    state = cfg.place.fetch(state)  # offloaded, the optimizer state comes from host memory
     plan = plans[-1]
     new_state, update_metrics = _apply_update(cfg, lv, state, res, sync, layout, plan)
     # The bytes each branch sent (the deterministic step reports its own in its metrics).
@@ -1076,7 +928,7 @@ def train_step(
         metrics["synced"] = res.synced
     metrics = {**metrics, **res.local_metrics, **update_metrics}
     metrics = _optimizer_metrics(lv, metrics, new_state.opt_state)
-    return (offload.store(new_state) if cfg.offload else new_state), metrics
+    return cfg.place.store(new_state), metrics
 
 
 def step_phase(cfg: StepConfig) -> Callable[[int], Any] | None:

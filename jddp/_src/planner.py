@@ -61,7 +61,7 @@ class BucketPlan(NamedTuple):
         transpose reduces their gradients where their computation meets per-device values
         (the default plan's parameters first combined with the model's cross-replica
         statistics, SyncBatchNorm's scales: :mod:`jddp._src.replicated`).
-      not_resharded: at ``zero_stage=3`` with ``reshard_after_forward``, the leaves whose
+      not_resharded: at ``jddp.ZeRO(stage=3)`` with ``reshard_after_forward``, the leaves whose
         gathered copies stay whole from the forward to the backward pass all the same, because
         the loss computes from them a value the backward cannot recompute
         (:func:`jddp._src.zero.not_resharded` says which and why); empty when every leaf is

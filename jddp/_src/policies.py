@@ -18,13 +18,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
-
 from jddp._src import autocap, modelcap, options
 from jddp._src.hooks import CommHook, check_hook
 from jddp._src.local_sgd import LocalSGD
 from jddp._src.loss_scale import DynamicScale
 from jddp._src.objective import check_metric_names
+from jddp._src.placement import Place, Replicate, ZeRO
 from jddp._src.planner import BucketPlan
 from jddp._src.reducers import Deterministic
 from jddp._src.sync import EveryStep
@@ -146,54 +145,6 @@ class Buckets:
 
 
 @dataclasses.dataclass(frozen=True)
-class Replicate:
-    """Every device holds the whole parameters, gradients and optimizer state (DDP)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeRO:
-    """Sharded data parallelism (ZeRO; FSDP's ``FULL_SHARD`` at stage 3).
-
-    Attributes:
-      stage: 1 shards the optimizer state over the data axis, 2 also reduce-scatters each
-        bucket's gradients, 3 also keeps only a piece of each parameter, gathered before use.
-        (Stage 0 is :class:`Replicate`.)
-      reshard_after_forward: stage 3 only. ``True`` (the default there): gathered parameters
-        are dropped after the forward and gathered again for the backward; ``False`` keeps
-        them; an int ``k`` keeps a copy split over groups of ``k`` devices (ZeRO++'s hpZ).
-      hybrid: on a two-level mesh (``data_mesh(hosts=...)``), shard inside each host and
-        replicate across hosts (FSDP's ``HYBRID_SHARD``).
-      offload: keep the optimizer state in (pinned) host memory between steps, split as at
-        this stage; each step moves it to the devices for the update and back
-        (:mod:`jddp._src.offload`; ZeRO-Offload, FSDP2's ``CPUOffloadPolicy``). The
-        parameters stay in device memory, stage 3 included.
-    """
-
-    stage: int = 3
-    reshard_after_forward: bool | int | None = None
-    hybrid: bool = False
-    offload: bool = False
-
-    def __post_init__(self) -> None:
-        stage = self.stage
-        if isinstance(stage, bool) or not isinstance(stage, int | np.integer) \
-                or stage not in (1, 2, 3):
-            hint = " Stage 0 (nothing sharded) is place=jddp.Replicate()." if stage == 0 else ""
-            raise ValueError(f"ZeRO.stage must be 1, 2 or 3, got {stage!r}: 1 shards the "
-                             f"optimizer state, 2 also the gradients, 3 also the parameters."
-                             f"{hint}")
-        _set(self, "stage", int(stage))
-        self.resharding()  # checks it (kept as given, so dataclasses.replace works)
-        _set(self, "hybrid", options.flag(self.hybrid, "ZeRO.hybrid"))
-        _set(self, "offload", options.flag(self.offload, "ZeRO.offload"))
-
-    def resharding(self) -> bool | int:
-        """``reshard_after_forward`` resolved: ``None`` is ``True`` at stage 3, else ``False``;
-        a bool or a group size ``k`` only at stage 3."""
-        return options.reshard_after_forward(self.reshard_after_forward, self.stage)
-
-
-@dataclasses.dataclass(frozen=True)
 class Accumulate:
     """Gradient accumulation: local sums over calls and micro-batches, one reduction per
     window (DDP's ``no_sync``; docs/accumulate.md).
@@ -238,7 +189,6 @@ class SkipNotFinite:
 
 
 Reduce = Buckets | Deterministic
-Place = Replicate | ZeRO
 Sync = EveryStep | LocalSGD
 Guard = SkipNotFinite | DynamicScale
 

@@ -125,7 +125,7 @@ class Bucketed:
         policy, no local SGD, and ``shard_map`` with vma types (checked on the trace:
         :func:`jddp._src.replicated.replicated_leaves`)."""
         return (self.default_plan is not None and cfg.mesh.devices.flat[0].platform == "cpu"
-                and self.hook == allreduce_mean() and cfg.zero_stage == 0
+                and self.hook == allreduce_mean() and not cfg.place.sharded
                 and not cfg.accumulates and cfg.microbatches == 1
                 and cfg.mixed_precision is None and not cfg.topology.islands)
 

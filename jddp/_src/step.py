@@ -151,7 +151,7 @@ class Step:
         platform = cfg.mesh.devices.flat[0].platform
         largest = cfg.reduce.largest_bucket(platform, getattr(state, "params", None))
         if largest is not None:
-            options_ = xla_options.step_options(platform, largest, sharded=cfg.zero_stage >= 1,
+            options_ = xla_options.step_options(platform, largest, sharded=cfg.place.sharded,
                                                 given=given)
         self._options_used = options_
         self._jit_fn = jax.jit(

@@ -61,15 +61,6 @@ def _reducer(p: pol.Policies, precision: Any) -> Reducer:
                     fixed_plan=reduce.plan, default_plan=chooser, keep_unused=reduce.keep_unused)
 
 
-def _placement(p: pol.Policies) -> dict[str, Any]:
-    """The StepConfig fields of the place policy."""
-    place = p.place
-    if isinstance(place, pol.Replicate):
-        return {}
-    return dict(zero_stage=place.stage, hybrid_shard=place.hybrid,
-                reshard_after_forward=place.resharding(), offload=place.offload)
-
-
 def step_config(loss_fn: Callable[..., Any], optimizer: Any, mesh: Mesh, p: pol.Policies,
                 precision: Any) -> StepConfig:
     """The step's configuration from its policies, after the compatibility table
@@ -85,7 +76,7 @@ def step_config(loss_fn: Callable[..., Any], optimizer: Any, mesh: Mesh, p: pol.
         shard_accumulator=compat.resolve_shard(acc, c),
         skip_not_finite=isinstance(p.loss_scale, pol.SkipNotFinite),
         loss_scale=p.dynamic_scale, sync=p.sync, mixed_precision=c.precision,
-        **_placement(p))
+        place=p.place)
 
 
 def check_optimizer(optimizer: Any) -> optax.GradientTransformation:

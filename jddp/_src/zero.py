@@ -1,7 +1,7 @@
 """Sharded data parallelism (ZeRO stages 1-3): how leaves are split, and the bucket collectives.
 
 Every leaf keeps its true shape as a global array; what changes with the stage is where its
-pieces live (``zero_stage=``):
+pieces live (``jddp.ZeRO(stage=...)``; the decisions are :mod:`jddp._src.placement`'s):
 
 - 1: the optimizer state is split over the data axis; each device updates its piece of the
   parameters, which are then all-gathered, one all-gather per bucket.

@@ -334,7 +334,7 @@ class AutoStep(ChoosingStep):
             steps.append(self._make_step(dataclasses.replace(
                 cfg, cap_bytes=cap, first_bytes=min(cfg.first_bytes, cap)), observers[-1]))
         # With accumulation, time the synchronising program: the others have no collective.
-        tsync = True if cfg.accumulates else sync
+        tsync = cfg.accumulate.reducing(sync)
         times: list[list[float]] = [[] for _ in caps]
         # One distinct plan (a small model, or one dominated by a leaf above every cap): nothing
         # to choose between, so nothing is timed; the step compiles on its first real call.

@@ -6,17 +6,16 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from jddp._src import options
 from jddp._src.hooks import CommHook, allreduce_mean
 from jddp._src.local_sgd_options import LocalSGD
-from jddp._src.loss_scale import DynamicScale
 from jddp._src.planner import BucketPlan
 from jddp._src.precision import MixedPrecision
 from jddp._src.topology import Topology
+from jddp._src.update import Accumulate, Guard, Update
 
 
 class PlanPolicy(Protocol):
@@ -54,13 +53,10 @@ class StepConfig:
       keep_unused: keep parameters without a gradient path in the buckets.
       model_state_sync: how new model state is made consistent across replicas.
       weighted: ``loss_fn`` returns unreduced losses, weighted by the step's mask.
-      skip_not_finite: skip updates whose reduced gradient has a NaN or Inf.
-      accumulate_steps: calls per optimizer step (local accumulation in between).
-      microbatches: micro-batches scanned inside each call.
-      accumulator_dtype: dtype of the local gradient sums (``None``: at least float32).
-      shard_accumulator: every accumulating call reduce-scatters its gradients into an
-        accumulator split like the parameters (``P/N`` per device) instead of keeping a
-        full-size local sum (resolved by :func:`jddp._src.options.shard_accumulator`).
+      accumulate: the accumulation window (:class:`jddp._src.update.Accumulate`, its ``shard``
+        resolved by :func:`jddp._src.compat.resolve_shard`).
+      guard: the update guard: :class:`jddp._src.update.SkipNotFinite`, a
+        :class:`jddp._src.loss_scale.DynamicScale` (dynamic loss scaling), or ``None``.
       zero_stage: 0 (DDP: everything replicated), 1 (optimizer state sharded), 2 (gradients
         too), 3 (parameters too); see :mod:`jddp._src.zero`.
       hybrid_shard: on a two-level mesh, shard over the devices of a host only and replicate
@@ -74,7 +70,6 @@ class StepConfig:
         (:mod:`jddp._src.offload`).
       rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
       sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
-      loss_scale: dynamic loss scaling (``None``: off).
       deterministic: the same bits on any layout (:mod:`jddp._src.deterministic`).
       group_size: examples per group of the deterministic step.
       mixed_precision: the mixed-precision policy (:mod:`jddp._src.precision`; ``None``: off).
@@ -95,30 +90,30 @@ class StepConfig:
     keep_unused: bool = False
     model_state_sync: options.ModelStateSync = "broadcast"
     weighted: bool = False
-    skip_not_finite: bool = False
-    accumulate_steps: int = 1
-    microbatches: int = 1
-    accumulator_dtype: np.dtype | None = None
-    shard_accumulator: bool = False
+    accumulate: Accumulate = Accumulate()
+    guard: Guard | None = None
     zero_stage: options.ZeroStage = 0
     hybrid_shard: bool = False
     reshard_after_forward: bool | int = False
     offload: bool = False
     rng: bool = False
     sum_metrics: tuple[str, ...] = ()
-    loss_scale: DynamicScale | None = None
     local_sgd: LocalSGD | None = None
     deterministic: bool = False
     group_size: int = options.DEFAULT_GROUP_SIZE
     mixed_precision: MixedPrecision | None = None
 
     topology: Topology = dataclasses.field(init=False, compare=False, repr=False)
+    update: Update = dataclasses.field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # hybrid_shard's needs (a stage, a two-level mesh) are rows of jddp._src.compat.
         topology = Topology.of(self.mesh, hybrid=self.hybrid_shard, sharded=self.zero_stage >= 1,
                                islands=self.local_sgd is not None)
         object.__setattr__(self, "topology", topology)  # derived from the fields above
+        # The update wrappers, composed once (derived like the topology).
+        object.__setattr__(self, "update", Update(accumulate=self.accumulate, guard=self.guard,
+                                                  skip_empty=self.weighted))
         in_host = topology.host_size if topology.two_level else None
         object.__setattr__(self, "reshard_after_forward", options.reshard_group(
             self.reshard_after_forward, topology.shard_count, in_host))
@@ -141,8 +136,3 @@ class StepConfig:
     @property
     def per_device_model_state(self) -> bool:
         return self.model_state_sync == "none"
-
-    @property
-    def accumulates(self) -> bool:
-        """Whether the state carries an accumulator across calls."""
-        return self.accumulate_steps > 1

@@ -79,10 +79,8 @@ def step_config(loss_fn: Callable[..., Any], optimizer: Any, mesh: Mesh, p: pol.
         loss_fn=loss_fn, optimizer=check_optimizer(optimizer), mesh=mesh,
         has_aux=loss.has_aux, weighted=loss.weighted, rng=loss.rng,
         sum_metrics=loss.sum_metrics, model_state_sync=loss.model_state_sync,
-        accumulate_steps=acc.steps, microbatches=acc.microbatches, accumulator_dtype=acc.dtype,
-        shard_accumulator=compat.resolve_shard(acc, c),
-        skip_not_finite=isinstance(p.loss_scale, pol.SkipNotFinite),
-        loss_scale=p.dynamic_scale, local_sgd=p.local_sgd, mixed_precision=c.precision,
+        accumulate=dataclasses.replace(acc, shard=compat.resolve_shard(acc, c)),
+        guard=p.loss_scale, local_sgd=p.local_sgd, mixed_precision=c.precision,
         **_reduction(p, c.precision), **_placement(p))
     if isinstance(p.reduce, pol.Buckets) and not p.reduce.pinned:
         config = dataclasses.replace(config, default_plan=modelcap.default_plan(config))
@@ -383,7 +381,7 @@ class DataParallel:
         mesh of compile-only devices (``jddp.perf.topologies``).
         """
         compiled = self.step.lower(state, batch, mask, sync=sync, rng=rng).compile()
-        window = self.config.accumulate_steps if sync is None else 1
+        window = self.config.accumulate.calls(sync)
         return report_lib.build(compiled, state, mesh_lib.host_of_device(self.config.mesh),
                                 window, self._plans.latest)
 

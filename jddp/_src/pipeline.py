@@ -127,8 +127,7 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
         opt_state=(split if cfg.zero_stage >= 1 else rep)(state.opt_state),
         model_state=(per_device if cfg.per_device_model_state else rep)(state.model_state),
         hook_state=per_device(state.hook_state),
-        accum=cfg.accumulate.specs(state.accum, cfg.topology),
-        loss_scale=rep(state.loss_scale),
+        **cfg.update.specs(state, cfg.topology),
     )
     if cfg.local_sgd is not None:  # seam: local SGD / DiLoCo's per-replica leaves
         specs = local_sgd.state_specs(cfg, state, specs)

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jddp._src import accumulation as acc_lib
 from jddp._src import loss_scale as ls_lib
@@ -280,6 +281,12 @@ class Update:
     def init_scale(self) -> Any:
         """The loss scale's initial state (``TrainState.loss_scale``), or ``None``."""
         return None if self.scaler is None else self.scaler.init()
+
+    def specs(self, state: TrainState, topology: Topology) -> dict:
+        """Partition specs of the wrappers' slots, ``{"accum": ..., "loss_scale": ...}``: the
+        accumulator's (:meth:`Accumulate.specs`), the loss scale replicated."""
+        return {"accum": self.accumulate.specs(state.accum, topology),
+                "loss_scale": jax.tree.map(lambda _: P(), state.loss_scale)}
 
     def check(self, state: Any) -> None:
         """Trace-time check of the guard's slot, ``state.loss_scale``."""

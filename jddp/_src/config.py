@@ -57,6 +57,8 @@ class StepConfig:
         resolved by :func:`jddp._src.compat.resolve_shard`).
       guard: the update guard: :class:`jddp._src.update.SkipNotFinite`, a
         :class:`jddp._src.loss_scale.DynamicScale` (dynamic loss scaling), or ``None``.
+      update: derived: ``accumulate``, ``guard`` and ``weighted``'s empty-window skip composed
+        into the step's update wrappers (:class:`jddp._src.update.Update`).
       zero_stage: 0 (DDP: everything replicated), 1 (optimizer state sharded), 2 (gradients
         too), 3 (parameters too); see :mod:`jddp._src.zero`.
       hybrid_shard: on a two-level mesh, shard over the devices of a host only and replicate

@@ -10,7 +10,9 @@ and how the update is guarded (:class:`SkipNotFinite`, or ``jddp.DynamicScale``)
 
 Every policy is a frozen, hashable dataclass built by keyword; an invalid field raises at
 construction with the field's name and the fix. Combinations of policies that do not work
-together are refused by one table, :mod:`jddp._src.compat`.
+together are refused by one table, :mod:`jddp._src.compat`. :class:`Accumulate` and
+:class:`SkipNotFinite` are update wrappers, defined with their behaviour in
+:mod:`jddp._src.update` and re-exported here.
 """
 
 from __future__ import annotations

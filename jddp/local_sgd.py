@@ -4,18 +4,18 @@ Pass one to :class:`jddp.DataParallel`::
 
     mesh = jddp.data_mesh(hosts="process")                 # one replica per host
     ddp = jddp.DataParallel(loss_fn, optax.adamw(1e-3), mesh=mesh,
-                            local_sgd=jddp.local_sgd.diloco(period=16))
+                            sync=jddp.local_sgd.diloco(period=16))
     state = ddp.init(params)
     state, metrics = ddp.step(state, batch)                # no cross-host collective on 15 of 16
     eval_params = ddp.global_params(state)                 # DiLoCo's global parameters
 
 Every other option of the step composes with it (accumulation, micro-batches, masks, ``rng``,
-loss scaling, skipping, summed metrics, ``zero_stage`` inside each host); ``diloco(period,
+loss scaling, skipping, summed metrics, ``jddp.ZeRO`` inside each host); ``diloco(period,
 fragments=F)`` is streaming DiLoCo. See docs/scaling.md for when to use which, and
 :mod:`jddp._src.local_sgd` for the semantics.
 """
 
-from jddp._src.local_sgd_options import LocalSGD, diloco, post_local_sgd
+from jddp._src.local_sgd import LocalSGD, diloco, post_local_sgd
 from jddp._src.state import OuterState
 
 __all__ = ["LocalSGD", "OuterState", "diloco", "post_local_sgd"]

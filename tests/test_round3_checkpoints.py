@@ -100,15 +100,23 @@ for name in sorted(t.CASES):
         got, expected = t._continue(name, pathlib.Path(d))
         same = sorted(got) == sorted(expected) and all(
             np.array_equal(got[k], v) for k, v in expected.items())
-        print(name, "BITWISE" if same else "DIFFERS")
+        worst = max(float(np.max(np.abs(got[k] - v))) for k, v in expected.items())
+        print(name, "BITWISE" if same else "DIFFERS", repr(worst))
 """
 
 
 @pytest.mark.slow
-def test_round3_checkpoints_continue_bitwise_at_the_release_flags():
-    """At the XLA flags make.py ran with (default optimisation level), the continuation is
-    bitwise equal to the round-3 release's, for all four cases (a child process: the suite's
-    own backend runs at level 0)."""
+def test_round3_checkpoints_continue_at_the_release_flags():
+    """At the XLA flags make.py ran with (default optimisation level, a child process: the
+    suite's own backend runs at level 0), the continuation equals the round-3 release's within
+    1e-6 for all four cases, and prints whether it is bitwise equal.
+
+    Bitwise equality with the stored parameters holds where XLA:CPU generates the same code as
+    on the machine that made them (it was bitwise there, in round 4's first session); XLA:CPU
+    compiles for the host's instruction set, and on an AMD EPYC without AVX-512 (round 4's
+    second session) all four differ in the last bits (worst 6.0e-8, DiLoCo; stage 0 Adam 1.5e-8), the
+    round-3 release's own code included (checked at 6d7d08f). So the bound is what is asserted.
+    """
     import subprocess
     import sys
 
@@ -121,5 +129,7 @@ def test_round3_checkpoints_continue_bitwise_at_the_release_flags():
         raise AssertionError("the child restoring the round-3 checkpoints did not finish in "
                              "600 s") from e
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = sorted(line for line in out.stdout.splitlines() if line.split()[0] in CASES)
-    assert lines == [f"{name} BITWISE" for name in sorted(CASES)], out.stdout
+    rows = sorted(line.split() for line in out.stdout.splitlines() if line.split()[0] in CASES)
+    assert [r[0] for r in rows] == sorted(CASES), out.stdout
+    for name, verdict, worst in rows:
+        assert verdict == "BITWISE" or float(worst) <= 1e-6, (name, verdict, worst)

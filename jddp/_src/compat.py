@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jddp._src.hooks import CommHook, allreduce_mean
-from jddp._src.local_sgd_options import LocalSGD
+from jddp._src.local_sgd import LocalSGD
 from jddp._src.loss_scale import DynamicScale
 from jddp._src.policies import Accumulate, Buckets, Deterministic, Policies, ZeRO
 from jddp._src.precision import MixedPrecision

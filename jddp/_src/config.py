@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import optax
 from jax.sharding import Mesh
 
 from jddp._src import options
 from jddp._src.hooks import CommHook, allreduce_mean
-from jddp._src.local_sgd_options import LocalSGD
+from jddp._src.objective import Extras
 from jddp._src.planner import BucketPlan
 from jddp._src.precision import MixedPrecision
-from jddp._src.topology import Topology
+from jddp._src.state import TrainState
+from jddp._src.sync import EveryStep, HookPhase
+from jddp._src.topology import Roles, Topology
 from jddp._src.update import Accumulate, Guard, Update
 
 
@@ -30,6 +32,59 @@ class PlanPolicy(Protocol):
 
     def max_cap_bytes(self, platform: str) -> int:
         """The largest cap :meth:`repack` can pick on ``platform``."""
+        ...
+
+
+class SyncPolicy(Protocol):
+    """How replicas stay in step (:mod:`jddp._src.sync`): what the step asks its sync policy,
+    unconditionally (implemented by :class:`jddp._src.sync.EveryStep` and
+    :class:`jddp._src.local_sgd.LocalSGD`).
+
+    Attributes:
+      islands: replicas keep their own state (the topology's replica axis, :class:`Topology`).
+    """
+
+    islands: ClassVar[bool]
+
+    def phase_fn(self, hook_phase: HookPhase) -> Callable[[int], Any] | None:
+        """``step -> static phase`` on the host (one compiled program per phase), wrapping the
+        hook's own ``hook_phase`` (``None``: one program)."""
+        ...
+
+    def split_phase(self, phase: Any, hook_phase: HookPhase) -> tuple[Any, Any]:
+        """``(the policy's part, the hook's part)`` of a step's static phase (``None``: a trace
+        without a host step, e.g. ``ddp.plan``)."""
+        ...
+
+    def roles(self, topology: Topology, phase: Any) -> Roles:
+        """Where a step of this phase reduces and keeps its state."""
+        ...
+
+    def build_state(self, cfg: StepConfig, state: TrainState) -> TrainState:
+        """The data-parallel initial state laid out as the policy keeps it."""
+        ...
+
+    def state_specs(self, cfg: StepConfig, state: TrainState, specs: TrainState) -> TrainState:
+        """``specs`` (the data-parallel ones) for the policy's layout of ``state``."""
+        ...
+
+    def replica_view(self, state: TrainState) -> TrainState:
+        """The state as one replica sees it (global view; for the checks and the layout)."""
+        ...
+
+    def island_state(self, cfg: StepConfig, state: TrainState) -> TrainState:
+        """The state as this device's replica holds it (inside the per-device step)."""
+        ...
+
+    def after_update(self, cfg: StepConfig, lv: Roles, phase: Any, plan: BucketPlan,
+                     state: TrainState, island: Extras | None, metrics: dict, comm: dict,
+                     report: Callable[[Extras], dict], synced: Any,
+                     sync: bool | None) -> tuple[TrainState, dict]:
+        """Phase 4 (global view, after the update): the new state and the step's metrics."""
+        ...
+
+    def global_params(self, cfg: StepConfig, state: TrainState) -> Any:
+        """The parameters to evaluate or export."""
         ...
 
 
@@ -75,8 +130,9 @@ class StepConfig:
       deterministic: the same bits on any layout (:mod:`jddp._src.deterministic`).
       group_size: examples per group of the deterministic step.
       mixed_precision: the mixed-precision policy (:mod:`jddp._src.precision`; ``None``: off).
-      local_sgd: local SGD or DiLoCo (:mod:`jddp._src.local_sgd_options`): per-replica parameters,
-        averaged every ``period`` steps; ``None`` for plain data parallelism.
+      sync: the sync policy (:class:`SyncPolicy`): :class:`jddp._src.sync.EveryStep` (plain data
+        parallelism), or local SGD / DiLoCo (:class:`jddp._src.local_sgd.LocalSGD`: per-replica
+        parameters, averaged every ``period`` steps).
     """
 
     loss_fn: Callable[..., Any]
@@ -100,7 +156,7 @@ class StepConfig:
     offload: bool = False
     rng: bool = False
     sum_metrics: tuple[str, ...] = ()
-    local_sgd: LocalSGD | None = None
+    sync: SyncPolicy = EveryStep()
     deterministic: bool = False
     group_size: int = options.DEFAULT_GROUP_SIZE
     mixed_precision: MixedPrecision | None = None
@@ -111,7 +167,7 @@ class StepConfig:
     def __post_init__(self) -> None:
         # hybrid_shard's needs (a stage, a two-level mesh) are rows of jddp._src.compat.
         topology = Topology.of(self.mesh, hybrid=self.hybrid_shard, sharded=self.zero_stage >= 1,
-                               islands=self.local_sgd is not None)
+                               islands=self.sync.islands)
         object.__setattr__(self, "topology", topology)  # derived from the fields above
         # The update wrappers, composed once (derived like the topology).
         object.__setattr__(self, "update", Update(accumulate=self.accumulate, guard=self.guard,

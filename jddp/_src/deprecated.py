@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from jddp._src import autocap, modelcap, options
-from jddp._src.local_sgd_options import check_local_sgd
+from jddp._src.local_sgd import check_local_sgd
 from jddp._src.policies import (
     Accumulate,
     Buckets,

@@ -1,6 +1,6 @@
 """Local SGD and DiLoCo: replicas that train apart for a few steps, then average their parameters.
 
-The other way to skip collectives (``DataParallel(local_sgd=...)``). Each replica keeps its own
+The other way to skip collectives (``DataParallel(sync=jddp.local_sgd.diloco(...))``). Each replica keeps its own
 parameters, optimizer state, loss scale and model state (a leading replica dimension, sharded over
 the replica axis), takes ``period - 1`` steps on its own data with no cross-replica communication,
 and every ``period``-th step synchronises:
@@ -21,24 +21,30 @@ nothing crosses hosts between synchronisations; the averaging sends each host's 
 once (each device averages ``1/L`` of every bucket across hosts, then an all-gather inside the
 host). On a 1-D mesh every device is a replica and local steps run no collective at all.
 
-How it fits the step (:mod:`jddp._src.pipeline`): local SGD is the *sync policy* of the one step,
-whose phases are fixed: local gradients (micro-batches, the accumulator) -> reduce (over
-:attr:`jddp._src.topology.Roles.axis`: the island) -> update (per replica: ``jax.vmap`` over the replica dimension,
-with skipping, loss scaling and accumulation windows around it) -> sync policy
-(:func:`synchronise`: nothing, the parameter average, or DiLoCo's outer step). So every option of
-the step composes with local SGD by construction. The kind of step (``sync``, ``local``,
-``average``) is a static phase picked on the host (:func:`phase_fn`), so a local step is a program
-without cross-replica collectives. Averaging reuses the bucket plan and the chained
-one-collective-per-bucket reduction (:func:`jddp._src.reduction.bucketed_mean`); the step's
-loss, metrics and model state ride on the last bucket.
+How it fits the step (:mod:`jddp._src.pipeline`): :class:`LocalSGD` is a *sync policy*
+(:class:`jddp._src.config.SyncPolicy`, like :class:`jddp._src.sync.EveryStep`) of the one step,
+whose phases are fixed and which calls the policy unconditionally: local gradients
+(micro-batches, the accumulator) -> reduce (over :attr:`jddp._src.topology.Roles.axis`: the
+island; the reducer is the step's own, untouched) -> update (per replica:
+:meth:`jddp._src.topology.Roles.per_replica`, with skipping, loss scaling and accumulation windows
+around it) -> :meth:`LocalSGD.after_update` (:func:`synchronise`: nothing, the parameter average,
+or DiLoCo's outer step), as PyTorch's ``PostLocalSGDOptimizer`` and torchft's ``LocalSGD`` hook
+the optimizer's step. So every option of the step composes with local SGD by construction. The
+kind of step (``sync``, ``local``, ``average``) is a static phase picked on the host
+(:meth:`LocalSGD.phase_fn`), so a local step is a program without cross-replica collectives.
+Averaging reuses the bucket plan and the chained one-collective-per-bucket reduction
+(:func:`jddp._src.reduction.bucketed_mean`); the step's loss, metrics and model state ride on the
+last bucket. The option itself (its fields, validation and schedule) and its constructors
+(:func:`post_local_sgd`, :func:`diloco`) live here too: one object owns the feature.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,16 +57,23 @@ from jax.sharding import PartitionSpec as P
 from jddp._src import model_state as ms_lib
 from jddp._src import vma, zero
 from jddp._src.config import StepConfig
-from jddp._src.hooks import bucket_bytes_sent, ring_allgather_bytes, ring_allreduce_bytes
-from jddp._src.local_sgd_options import AVERAGE, LOCAL, SYNC, LocalSGD
+from jddp._src.hooks import (
+    CommHook,
+    bucket_bytes_sent,
+    check_hook,
+    hook_name,
+    ring_allgather_bytes,
+    ring_allreduce_bytes,
+)
 from jddp._src.objective import Extras
 from jddp._src.planner import BucketPlan
 from jddp._src.reduction import bucketed_mean
 from jddp._src.state import OuterState, TrainState
-from jddp._src.topology import Roles
+from jddp._src.sync import HookPhase
+from jddp._src.topology import AVERAGE, LOCAL, SYNC, Roles, Topology
 from jddp._src.tree import add_device_dim, broadcast_to_devices, dtype_of, strip_device_dim
 
-__all__ = ["AVERAGE", "LOCAL", "SYNC", "LocalSGD"]
+__all__ = ["AVERAGE", "LOCAL", "SYNC", "LocalSGD", "diloco", "post_local_sgd"]
 
 
 class LocalPhase(NamedTuple):
@@ -72,26 +85,208 @@ class LocalPhase(NamedTuple):
     due: tuple[int, ...] = (0,)
 
 
-def phase_fn(cfg: StepConfig) -> Callable[[int], LocalPhase]:
-    """``step -> LocalPhase`` (the Step object compiles one program per phase)."""
-    spec = cfg.local_sgd
-    assert spec is not None
-    hook_phase = cfg.hook.phase
-
-    def phase(step: int) -> LocalPhase:
-        due = spec.due(step) if spec.diloco else (0,)
-        return LocalPhase(spec.kind(step), None if hook_phase is None else hook_phase(step), due)
-
-    return phase
+# ------------------------------------------------------------------------------------ the policy
 
 
-def split_phase(cfg: StepConfig, phase: Any) -> tuple[LocalPhase | None, Any]:
-    """``(local phase, hook phase)`` of a step's static phase (``None`` without local SGD)."""
-    if cfg.local_sgd is None:
-        return None, phase
-    if phase is None:  # ddp.plan and other traces without a host step: step 0's program
-        phase = phase_fn(cfg)(0)
-    return phase, phase.hook
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ValueError(f"local SGD's {name} must be an int >= {low}, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSGD:
+    """Local SGD (post-local SGD) or DiLoCo, as one option of :class:`jddp.DataParallel`.
+
+    Build it with :func:`post_local_sgd` or :func:`diloco`.
+
+    Attributes:
+      period: ``H``, steps per averaging (1: every step).
+      start_step: plain data-parallel steps before local steps start (post-local SGD only).
+      outer_optimizer: ``None`` for parameter averaging (post-local SGD); an optax transformation
+        for DiLoCo, applied to the averaged parameter delta (``global - mean(replicas)``).
+      fragments: streaming DiLoCo's ``F``: the parameters are cut into ``F`` fragments (groups of
+        buckets), and fragment ``f`` is synchronised on its own schedule, offset by
+        ``f * period // F`` steps, so one outer step moves ``1/F`` of the model (1: all at once).
+      compress: a stateless communication hook that carries the averaging across replicas
+        (DiLoCo's outer gradients, post-local SGD's parameters), e.g.
+        ``jddp.hooks.int8_compress(error_feedback=False)``; ``None``: float32 ``psum``. The
+        step's gradient reduction inside an island keeps the step's own ``hook``.
+    """
+
+    period: int
+    start_step: int = 0
+    outer_optimizer: optax.GradientTransformation | None = None
+    fragments: int = 1
+    compress: CommHook | None = None
+
+    islands: ClassVar[bool] = True  # each replica keeps its own state (Topology.replica)
+
+    def __post_init__(self) -> None:
+        _check_int("period", self.period, 1)
+        _check_int("start_step", self.start_step, 0)
+        _check_int("fragments", self.fragments, 1)
+        outer = self.outer_optimizer
+        if outer is not None and not (callable(getattr(outer, "init", None))
+                                      and callable(getattr(outer, "update", None))):
+            raise TypeError(
+                "outer_optimizer must be an optax GradientTransformation (e.g. optax.sgd(0.7, "
+                f"momentum=0.9, nesterov=True)), got {type(outer).__name__}."
+            )
+        if outer is not None and self.start_step:
+            raise ValueError(
+                "DiLoCo starts from the given parameters (start_step=0); to warm up with plain "
+                "data-parallel steps, train with a DataParallel with sync=jddp.EveryStep() first and "
+                "pass "
+                "its params to this one's init."
+            )
+        if self.fragments > self.period:
+            raise ValueError(
+                f"streaming DiLoCo syncs one fragment at a time, at most one per step: fragments="
+                f"{self.fragments} must be <= period={self.period}."
+            )
+        if self.compress is not None:
+            _check_stateless(self.compress)
+        if self.fragments > 1 and outer is None:
+            raise ValueError(
+                "fragments > 1 is streaming DiLoCo: build it with jddp.local_sgd.diloco(period, "
+                "fragments=F) (post-local SGD averages the whole model at once)."
+            )
+
+    @property
+    def diloco(self) -> bool:
+        return self.outer_optimizer is not None
+
+    def offset(self, fragment: int) -> int:
+        """The step offset of ``fragment``'s schedule (0 for the one fragment of plain DiLoCo)."""
+        return fragment * self.period // self.fragments
+
+    def due(self, step: int) -> tuple[int, ...]:
+        """The fragments whose outer step follows step ``step``'s update (DiLoCo)."""
+        return tuple(f for f in range(self.fragments)
+                     if step + 1 >= self.offset(f) and (step + 1 - self.offset(f)) % self.period == 0)
+
+    def kind(self, step: int) -> str:
+        """What step ``step`` (the number of updates before it) does: ``"sync"``, ``"local"`` or
+        ``"average"`` (a local step, then the averaging)."""
+        if step < self.start_step:
+            return SYNC
+        k = step - self.start_step
+        if self.diloco:  # an outer step after every `period` inner steps (per fragment)
+            return AVERAGE if self.due(step) else LOCAL
+        # PyTorch's PeriodicModelAverager: average after the update of start, start + H, ...
+        return AVERAGE if k % self.period == 0 else LOCAL
+
+    # The sync policy's protocol (jddp._src.config.SyncPolicy): what the step calls.
+
+    def phase_fn(self, hook_phase: HookPhase) -> Callable[[int], LocalPhase]:
+        """``step -> LocalPhase`` (the Step object compiles one program per phase)."""
+
+        def phase(step: int) -> LocalPhase:
+            due = self.due(step) if self.diloco else (0,)
+            return LocalPhase(self.kind(step), None if hook_phase is None else hook_phase(step),
+                              due)
+
+        return phase
+
+    def split_phase(self, phase: LocalPhase | None,
+                    hook_phase: HookPhase) -> tuple[LocalPhase, Any]:
+        """``(local phase, hook phase)`` of a step's static phase."""
+        if phase is None:  # ddp.plan and other traces without a host step: step 0's program
+            phase = self.phase_fn(hook_phase)(0)
+        return phase, phase.hook
+
+    def roles(self, topology: Topology, phase: LocalPhase) -> Roles:
+        """A sync step reduces over every replica, a local or averaging one inside the island."""
+        return topology.roles(phase.kind)
+
+    def build_state(self, cfg: StepConfig, state: TrainState) -> TrainState:
+        """One copy per replica, and DiLoCo's outer state (:func:`build_state`)."""
+        return build_state(cfg, self, state)
+
+    def state_specs(self, cfg: StepConfig, state: TrainState, specs: TrainState) -> TrainState:
+        """The per-replica leaves split over the replica axis (:func:`state_specs`)."""
+        return state_specs(cfg, state, specs)
+
+    def replica_view(self, state: TrainState) -> TrainState:
+        """One replica's shapes (:func:`replica_view`)."""
+        return replica_view(state)
+
+    def island_state(self, cfg: StepConfig, state: TrainState) -> TrainState:
+        """This device's replica's state (:func:`island_state`)."""
+        return island_state(cfg, state)
+
+    def after_update(self, cfg: StepConfig, lv: Roles, phase: LocalPhase, plan: BucketPlan,
+                     state: TrainState, island: Extras | None, metrics: dict, comm: dict,
+                     report: Callable[[Extras], dict], synced: Any,
+                     sync: bool | None) -> tuple[TrainState, dict]:
+        """Phase 4: :func:`synchronise`."""
+        assert island is not None
+        return synchronise(cfg, self, lv, phase, plan, state, island, metrics, comm, report,
+                           synced, sync)
+
+    def global_params(self, cfg: StepConfig, state: TrainState) -> Any:
+        """DiLoCo's outer parameters, or the replicas' mean (:func:`global_params`)."""
+        return global_params(cfg, state)
+
+
+def _check_stateless(hook: Any) -> None:
+    """The averaging keeps no per-replica hook state: a hook with state (error feedback) would
+    need a residual per replica carried from one averaging to the next."""
+    hook = check_hook(hook)
+    state = hook.init(jax.ShapeDtypeStruct((4,), jnp.float32))
+    if jax.tree.leaves(state):
+        raise ValueError(
+            f"local SGD's compress={hook_name(hook)!r} keeps state (error feedback); the "
+            "averaging takes stateless hooks only. Turn the state off (e.g. "
+            "jddp.hooks.int8_compress(error_feedback=False)) or use bf16_compress()/fp16_compress()."
+        )
+
+
+def post_local_sgd(period: int, start_step: int = 0, *,
+                   compress: CommHook | None = None) -> LocalSGD:
+    """PyTorch's post-local SGD: DDP for ``start_step`` steps, then local steps whose parameters
+    are averaged every ``period`` steps (``PostLocalSGDOptimizer`` + ``PeriodicModelAverager``).
+
+    Args:
+      period: steps between averagings (PyTorch's ``period``).
+      start_step: steps of plain gradient all-reduce first (``start_localSGD_iter`` and the
+        averager's ``warmup_steps``).
+      compress: a stateless hook for the averaging (:attr:`LocalSGD.compress`).
+    """
+    return LocalSGD(period, start_step, None, compress=compress)
+
+
+def diloco(period: int, outer_optimizer: optax.GradientTransformation | None = None,
+           *, outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1,
+           compress: CommHook | None = None) -> LocalSGD:
+    """DiLoCo: ``period`` inner steps per replica, then an outer step on the averaged delta.
+
+    Args:
+      period: inner steps between outer steps (the paper's ``H``; 500 in the paper).
+      outer_optimizer: the outer optax optimizer; default Nesterov momentum SGD with ``outer_lr``
+        and ``outer_momentum`` (the paper's 0.7 and 0.9).
+      fragments: streaming DiLoCo (Douillard et al., 2025): the buckets are cut into
+        ``fragments`` groups, each synchronised every ``period`` steps at its own offset, so the
+        peak cross-replica bytes of a step fall by about ``fragments``.
+      compress: a stateless hook for the outer gradients (:attr:`LocalSGD.compress`), e.g.
+        ``jddp.hooks.int8_compress(error_feedback=False)`` (Streaming DiLoCo quantizes them).
+    """
+    if outer_optimizer is None:
+        outer_optimizer = optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)
+    return LocalSGD(period, 0, outer_optimizer, fragments, compress)
+
+
+def check_local_sgd(value: Any) -> LocalSGD | None:
+    """``value`` if it is ``None`` or a :class:`LocalSGD`; a TypeError naming the fix if not."""
+    if value is None or isinstance(value, LocalSGD):
+        return value
+    hint = ""
+    if callable(value) and getattr(value, "__name__", "") in ("post_local_sgd", "diloco"):
+        hint = f" (call it: jddp.local_sgd.{value.__name__}(period=...))"
+    raise TypeError(
+        f"local_sgd must be jddp.local_sgd.post_local_sgd(period) or "
+        f"jddp.local_sgd.diloco(period), got {type(value).__name__}{hint}."
+    )
 
 
 # ------------------------------------------------------------------------------------ layout
@@ -113,10 +308,8 @@ def _per_replica_specs(cfg: StepConfig, tree: Any, split: bool) -> Any:
     return jax.tree.map(spec, tree)
 
 
-def build_state(cfg: StepConfig, state: TrainState) -> TrainState:
+def build_state(cfg: StepConfig, spec: LocalSGD, state: TrainState) -> TrainState:
     """The data-parallel initial state laid out per replica (and DiLoCo's outer state)."""
-    spec = cfg.local_sgd
-    assert spec is not None
     r = cfg.topology.replicas
     outer = None
     if spec.outer_optimizer is not None:
@@ -161,10 +354,20 @@ def replica_view(state: TrainState) -> TrainState:
                          loss_scale=_strip_struct(state.loss_scale))
 
 
-# ------------------------------------------------------------------------------------ the policy
+def island_state(cfg: StepConfig, state: TrainState) -> TrainState:
+    """The state as this device's replica holds it (per device: the per-replica leaves without
+    their replica dimension)."""
+    return state.replace(
+        params=strip_device_dim(state.params), loss_scale=strip_device_dim(state.loss_scale),
+        model_state=state.model_state if cfg.per_device_model_state
+        else strip_device_dim(state.model_state),
+    )
 
 
-def _averaging_bytes(cfg: StepConfig, plan: BucketPlan) -> tuple[float, float]:
+# ------------------------------------------------------------------------------------ the averaging
+
+
+def _averaging_bytes(cfg: StepConfig, spec: LocalSGD, plan: BucketPlan) -> tuple[float, float]:
     """``(inside, across)`` bytes one device sends to average the plan's leaves once: its ``1/L``
     slice of each bucket across replicas, then the all-gather of the slices inside the island
     (at stage 3 each device averages the piece it holds, and nothing is gathered). With a
@@ -174,7 +377,7 @@ def _averaging_bytes(cfg: StepConfig, plan: BucketPlan) -> tuple[float, float]:
     sizes = [math.prod(s) for s in plan.shapes]
     items = [d.itemsize for d in plan.dtypes]
     sent = _sent_sizes(cfg, plan, local)
-    hook = cfg.local_sgd.compress if cfg.local_sgd is not None else None
+    hook = spec.compress
     if hook is None:
         across = ring_allreduce_bytes(sum(n * i for n, i in zip(sent, items, strict=True)), r)
     else:
@@ -249,13 +452,11 @@ def _replica_mean_specs(cfg: StepConfig, values: Any, diloco: bool) -> Any:
         lambda x: zero.leaf_spec(np.shape(x)[1:], cfg.topology.shard_count, cfg.topology.shard), values)
 
 
-def _average(cfg: StepConfig, plan: BucketPlan, values: Any, island: Extras,
+def _average(cfg: StepConfig, spec: LocalSGD, plan: BucketPlan, values: Any, island: Extras,
              model_state: Any, step: Any) -> tuple[Any, Extras, Any]:
     """The mean over replicas of per-replica ``values``, of the island means of the step's
     metrics (riding on the last bucket) and of the model state (``model_state_sync``), in one
     ``shard_map``: one chained collective per bucket (:func:`bucketed_mean`)."""
-    spec = cfg.local_sgd
-    assert spec is not None
     topo = cfg.topology
     rax, r = topo.replica, topo.replicas
     local_axis = topo.local if topo.two_level and cfg.zero_stage < 3 else None
@@ -286,13 +487,12 @@ def _average(cfg: StepConfig, plan: BucketPlan, values: Any, island: Extras,
                          check_vma=True)(values, island, model_state, step)
 
 
-def _outer_step(cfg: StepConfig, anchor: Any, opt_state: Any, mean_delta: Any,
+def _outer_step(cfg: StepConfig, spec: LocalSGD, anchor: Any, opt_state: Any, mean_delta: Any,
                 like: Any) -> tuple[Any, Any, Any]:
     """DiLoCo's outer step in the global view (the outer optimizer sees the whole averaged
     delta): ``(params, anchor, opt_state)``, the new global parameters broadcast to every replica
     (no data moves: they are replicated)."""
-    spec = cfg.local_sgd
-    assert spec is not None and spec.outer_optimizer is not None
+    assert spec.outer_optimizer is not None
     step_, opt_state = spec.outer_optimizer.update(mean_delta, opt_state, anchor)
     anchor = optax.apply_updates(anchor, step_)
     r = cfg.topology.replicas
@@ -316,51 +516,50 @@ class Synced(NamedTuple):
     mean: Extras
 
 
-def _streamed(cfg: StepConfig, plan: BucketPlan, due: tuple[int, ...], state: TrainState,
+def _streamed(cfg: StepConfig, spec: LocalSGD, plan: BucketPlan, due: tuple[int, ...], state: TrainState,
               island: Extras, ms: Any) -> tuple[Any, OuterState, Extras, Any]:
     """Streaming DiLoCo's outer step for the ``due`` fragments only: their leaves' deltas are
     averaged (one collective per bucket of theirs), each leaf's outer optimizer steps, and only
     those leaves restart from the new global values; the others train on."""
     outer = state.outer
     assert outer is not None
-    groups = fragments(plan, cfg.local_sgd.fragments)  # type: ignore[union-attr]
+    groups = fragments(plan, spec.fragments)
     ids = tuple(sorted(i for f in due for i in groups[f]))
     params, anchor = jax.tree.leaves(state.params), jax.tree.leaves(outer.params)
     deltas = [anchor[i][None].astype(params[i].dtype) - params[i] for i in ids]
-    means, mean, new_ms = _average(cfg, _sub_plan(plan, ids), deltas, island, ms,
-                                     state.step)
+    means, mean, new_ms = _average(cfg, spec, _sub_plan(plan, ids), deltas, island, ms,
+                                   state.step)
     opt = list(outer.opt_state)
     for i, m in zip(ids, means, strict=True):
-        params[i], anchor[i], opt[i] = _outer_step(cfg, anchor[i], opt[i], m, params[i])
+        params[i], anchor[i], opt[i] = _outer_step(cfg, spec, anchor[i], opt[i], m, params[i])
     treedef = jax.tree.structure(state.params)
     new_outer = OuterState(jax.tree.unflatten(treedef, anchor), tuple(opt))
     return jax.tree.unflatten(treedef, params), new_outer, mean, new_ms
 
 
-def _synced(cfg: StepConfig, plan: BucketPlan, due: tuple[int, ...], state: TrainState,
+def _synced(cfg: StepConfig, spec: LocalSGD, plan: BucketPlan, due: tuple[int, ...], state: TrainState,
             island: Extras) -> Synced:
     """The averaging of ``state`` (after the replicas' own updates): parameter averaging, or
     DiLoCo's outer step on the averaged delta (of the ``due`` fragments with streaming DiLoCo)."""
-    spec = cfg.local_sgd
-    assert spec is not None
     outer = state.outer
     ms = None if cfg.per_device_model_state else state.model_state
     if spec.fragments > 1:
-        params, outer, mean, new_ms = _streamed(cfg, plan, due, state, island, ms)
+        params, outer, mean, new_ms = _streamed(cfg, spec, plan, due, state, island, ms)
     elif spec.diloco:
         assert outer is not None
         deltas = jax.tree.map(lambda g, p: g[None].astype(p.dtype) - p, outer.params,
                               state.params)
-        means, mean, new_ms = _average(cfg, plan, deltas, island, ms, state.step)
-        params, anchor, opt = _outer_step(cfg, outer.params, outer.opt_state, means, state.params)
+        means, mean, new_ms = _average(cfg, spec, plan, deltas, island, ms, state.step)
+        params, anchor, opt = _outer_step(cfg, spec, outer.params, outer.opt_state, means,
+                                          state.params)
         outer = OuterState(anchor, opt)
     else:
-        params, mean, new_ms = _average(cfg, plan, state.params, island, ms, state.step)
+        params, mean, new_ms = _average(cfg, spec, plan, state.params, island, ms, state.step)
     return Synced(params, outer, state.model_state if ms is None else new_ms, mean)
 
 
 def synchronise(
-    cfg: StepConfig, lv: Roles, phase: LocalPhase, plan: BucketPlan, state: TrainState,
+    cfg: StepConfig, spec: LocalSGD, lv: Roles, phase: LocalPhase, plan: BucketPlan, state: TrainState,
     island: Extras, metrics: dict, comm: dict, report: Callable[[Extras], dict], synced: Any,
     sync: bool | None,
 ) -> tuple[TrainState, dict]:
@@ -392,7 +591,7 @@ def synchronise(
         return state, out
 
     def average() -> tuple[Synced, dict]:
-        new = _synced(cfg, plan, phase.due, state, island)
+        new = _synced(cfg, spec, plan, phase.due, state, island)
         return new, {**out, **report(new.mean)}
 
     def keep() -> tuple[Synced, dict]:
@@ -405,10 +604,10 @@ def synchronise(
     else:
         new, out = average()
     sent = plan
-    if cfg.local_sgd is not None and cfg.local_sgd.fragments > 1:
-        groups = fragments(plan, cfg.local_sgd.fragments)
+    if spec.fragments > 1:
+        groups = fragments(plan, spec.fragments)
         sent = _sub_plan(plan, tuple(sorted(i for f in phase.due for i in groups[f])))
-    inside, across = _averaging_bytes(cfg, sent)
+    inside, across = _averaging_bytes(cfg, spec, sent)
     done = jnp.asarray(synced, jnp.float32)
     out["comm_bytes"] = out["comm_bytes"] + done * (inside + across)
     if cfg.topology.two_level:

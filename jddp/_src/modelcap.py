@@ -234,7 +234,7 @@ def default_plan(cfg: StepConfig) -> DefaultPlan | None:
     1 MiB first bucket (sharded stages, compression and hierarchical hooks, the deterministic
     and local-SGD steps reduce otherwise than the table's steps)."""
     measured = (cfg.zero_stage == 0 and cfg.hook == allreduce_mean() and not cfg.deterministic
-                and cfg.local_sgd is None and cfg.fixed_plan is None)
+                and not cfg.topology.islands and cfg.fixed_plan is None)
     return DefaultPlan() if measured else None
 
 

@@ -299,7 +299,7 @@ class DataParallel:
         return self.core.init(params, model_state=rest)
 
     def _model_state(self, state: TrainState) -> Any:
-        if self.model_state_sync == "none" or self.core.config.local_sgd is not None:
+        if self.model_state_sync == "none" or self.core.config.topology.islands:
             # One copy per device or per replica: take replica 0's.
             return jax.tree.map(lambda x: x[0], state.model_state)
         return state.model_state

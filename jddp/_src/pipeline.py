@@ -24,14 +24,15 @@ through it), in fixed phases:
    gradients (per replica with local SGD), wrapped like optax's ``MultiSteps`` and
    ``apply_if_finite``: only a window's synchronising call updates, a skipped update keeps the
    old state, the loss scale follows.
-4. *sync policy* (:func:`jddp._src.local_sgd.synchronise`, global view): nothing for a plain step;
-   with local SGD nothing, the parameter average, or DiLoCo's outer step.
+4. *sync policy* (``cfg.sync.after_update``, global view, :mod:`jddp._src.sync`): nothing for a
+   plain step (:class:`jddp._src.sync.EveryStep`); with local SGD
+   (:class:`jddp._src.local_sgd.LocalSGD`) nothing, the parameter average, or DiLoCo's outer step.
 
 Where to add a feature: a new reduction (reduce-scatter, hierarchical) is a hook or a change to
 :func:`jddp._src.reduction.bucketed_vjp`; a new state layout goes into :func:`state_specs` and
 :func:`build_state`; a new per-call quantity goes into :class:`jddp._src.objective.LocalAux` and
 :class:`jddp._src.objective.Extras`, which carry it to the last bucket; a wrapper of the update
-into :mod:`jddp._src.update`; a sync policy into :mod:`jddp._src.local_sgd`.
+into :mod:`jddp._src.update`; a sync policy is a :class:`jddp._src.config.SyncPolicy`.
 """
 
 from __future__ import annotations
@@ -50,18 +51,16 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src import accumulation as acc_lib
 from jddp._src import deterministic as det_lib
-from jddp._src import local_sgd, offload, replicated, vma, zero
 from jddp._src import loss_scale as ls_lib
+from jddp._src import offload, replicated, vma, zero
 from jddp._src import precision as precision_lib
 from jddp._src import rng as rng_lib
-from jddp._src import update as update_lib
 from jddp._src.checks import batch_size, check_batch, check_float_params, check_mask
 from jddp._src.config import StepConfig
 from jddp._src.hooks import allreduce_mean, init_hook_state
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.objective import Extras, LocalAux, Objective, mean_metrics
 from jddp._src.optimizer_metrics import (
-    add_optimizer_metrics,
     merge_optimizer_metrics,
     optimizer_metrics,
 )
@@ -106,9 +105,7 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
         else cfg.accumulate.init(params, n, model_state),
         loss_scale=cfg.update.init_scale(),
     )
-    if cfg.local_sgd is not None:  # seam: local SGD / DiLoCo keep one copy per replica
-        state = local_sgd.build_state(cfg, state)
-    return state
+    return cfg.sync.build_state(cfg, state)  # local SGD / DiLoCo keep one copy per replica
 
 
 def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
@@ -129,9 +126,7 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
         hook_state=per_device(state.hook_state),
         **cfg.update.specs(state, cfg.topology),
     )
-    if cfg.local_sgd is not None:  # seam: local SGD / DiLoCo's per-replica leaves
-        specs = local_sgd.state_specs(cfg, state, specs)
-    return specs
+    return cfg.sync.state_specs(cfg, state, specs)  # local SGD / DiLoCo's per-replica leaves
 
 
 def state_shardings(cfg: StepConfig, state: TrainState) -> TrainState:
@@ -247,7 +242,7 @@ class LocalResult(NamedTuple):
 def _result_specs(cfg: StepConfig, lv: Roles, view: TrainState,
                   layout: zero.Layout) -> LocalResult:
     axis = cfg.topology.data
-    rep = P() if lv.replica is None else P(lv.replica)
+    rep = lv.replica_spec
     glob = P() if lv.spans else rep
     grads: Any = rep
     if cfg.zero_stage >= 2:
@@ -258,25 +253,13 @@ def _result_specs(cfg: StepConfig, lv: Roles, view: TrainState,
         model_state=P(axis) if cfg.per_device_model_state else rep,
         hook_state=P(axis), accum=cfg.accumulate.specs(view.accum, cfg.topology),
         synced=P(), nonempty=glob,
-        island=None if lv.replica is None else rep,  # type: ignore[arg-type]
+        island=lv.island(lambda: rep),  # type: ignore[arg-type]
         comm=None if cfg.deterministic else P(),  # type: ignore[arg-type]
     )
 
 
 def _varying(tree: Any, axis: Any) -> Any:
     return jax.tree.map(lambda x: vma.to_varying(x, axis), tree)
-
-
-def _island_state(cfg: StepConfig, lv: Roles, state: TrainState) -> TrainState:
-    """The state as this device's replica holds it (local SGD's per-replica leaves without their
-    replica dimension); the state itself without local SGD."""
-    if lv.replica is None:
-        return state
-    return state.replace(
-        params=strip_device_dim(state.params), loss_scale=strip_device_dim(state.loss_scale),
-        model_state=state.model_state if cfg.per_device_model_state
-        else strip_device_dim(state.model_state),
-    )
 
 
 def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
@@ -352,7 +335,7 @@ def jax_reduces(cfg: StepConfig) -> bool:
     return (cfg.default_plan is not None and cfg.mesh.devices.flat[0].platform == "cpu"
             and cfg.hook == allreduce_mean() and cfg.zero_stage == 0 and not cfg.deterministic
             and cfg.accumulate.is_identity and cfg.mixed_precision is None
-            and cfg.local_sgd is None)
+            and not cfg.topology.islands)
 
 
 def _aux_zeros(aux_shape: LocalAux, axis: Any) -> acc_lib.Sums:
@@ -629,7 +612,7 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
         new_accum = acc.replace(count=jnp.zeros((), jnp.int32))
     new_ms = red.out[1].model_state if lv.axis is None else obj.decode_state(
         mean, red.out[1].model_state, lv.size)
-    island = None if lv.replica is None else mean._replace(state=())
+    island = lv.island(lambda: mean._replace(state=()))
     return LocalResult(grads, metrics, local, new_ms, red.hook_state, new_accum,
                        jnp.asarray(True), nonempty, island, comm)
 
@@ -715,10 +698,9 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
             jnp.zeros(zero.shard_shape(s, d, layout.n), jnp.result_type(x)) for s, d, x in
             zip(layout.shapes, layout.dims, jax.tree.leaves(state.params), strict=True)
         ])
-    island = None
-    if lv.replica is not None:
-        shape = obj.extras_shape(prep.aux_shape, 1, cfg.topology.data)._replace(state=())
-        island = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
+    island = lv.island(lambda: jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype),
+        obj.extras_shape(prep.aux_shape, 1, cfg.topology.data)._replace(state=())))
     ms = state.model_state if state.model_state is None or not cfg.per_device_model_state \
         else strip_device_dim(state.model_state)
     return LocalResult(
@@ -730,25 +712,19 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
 
 def _to_global(cfg: StepConfig, lv: Roles, res: LocalResult) -> LocalResult:
     """The per-device results with the leading dimensions their specs split (per device, and
-    with local SGD per replica)."""
-    if lv.replica is not None:
-        # Typed as varying over the replicas, whatever the branch computed them from (the two
-        # branches of an accumulation window's lax.cond must agree).
-        vary = lambda t: _varying(t, lv.replica)
-        res = res._replace(grads=vary(res.grads), island=vary(res.island),
-                           model_state=res.model_state if cfg.per_device_model_state
-                           else vary(res.model_state))
-        if not lv.spans:
-            res = res._replace(metrics=vary(res.metrics), nonempty=vary(res.nonempty))
-    per_replica = lv.replica is not None
-    glob = (lambda t: t) if lv.spans or not per_replica else add_device_dim
-    rep = add_device_dim if per_replica else (lambda t: t)
+    with local SGD per replica: :meth:`Roles.vary`, :meth:`Roles.add_dim`)."""
+    per_device_ms = cfg.per_device_model_state
+    # Every value typed first, then given its dimension (the program's order of operations).
+    res = res._replace(grads=lv.vary(res.grads), island=lv.vary(res.island),
+                       model_state=res.model_state if per_device_ms else lv.vary(res.model_state))
+    res = res._replace(metrics=lv.vary(res.metrics, means=True),
+                       nonempty=lv.vary(res.nonempty, means=True))
     ms = res.model_state
     if ms is not None:
-        ms = add_device_dim(ms) if cfg.per_device_model_state else rep(ms)
-    return res._replace(grads=rep(res.grads), metrics=glob(res.metrics), model_state=ms,
-                        hook_state=add_device_dim(res.hook_state),
-                        nonempty=glob(res.nonempty), island=rep(res.island))
+        ms = add_device_dim(ms) if per_device_ms else lv.add_dim(ms)
+    return res._replace(grads=lv.add_dim(res.grads), metrics=lv.add_dim(res.metrics, means=True),
+                        model_state=ms, hook_state=add_device_dim(res.hook_state),
+                        nonempty=lv.add_dim(res.nonempty, means=True), island=lv.add_dim(res.island))
 
 
 def _local_step(
@@ -766,7 +742,7 @@ def _local_step(
 ) -> LocalResult:
     """The per-device step (inside ``shard_map``): phase 1 (local gradients) and phase 2 (the
     reduction over the island), or accumulation only; see the module docstring."""
-    state = _island_state(cfg, lv, state)
+    state = cfg.sync.island_state(cfg, state)
     prep = _prepare(cfg, obj, observer, lv, layout, state, batch, weights, rng)
     sync_fn = lambda s: _to_global(cfg, lv, _synchronise(cfg, obj, lv, prep, layout, phase, s))
     acc_fn = lambda s: _to_global(cfg, lv, _accumulate(cfg, obj, lv, prep, layout, phase, s))
@@ -929,10 +905,7 @@ def gather_params(
 
 def _optimizer_metrics(lv: Roles, metrics: dict, opt_state: Any) -> dict:
     """``metrics`` with the optimizer's hyperparameters (one per replica with local SGD)."""
-    if lv.replica is None:
-        return add_optimizer_metrics(metrics, opt_state)
-    return merge_optimizer_metrics(metrics,
-                                   update_lib.per_replica(lv, optimizer_metrics)(opt_state))
+    return merge_optimizer_metrics(metrics, lv.per_replica(optimizer_metrics)(opt_state))
 
 
 def _place_batch(cfg: StepConfig, batch: Any, weights: Any) -> tuple[Any, Any]:
@@ -962,14 +935,14 @@ def train_step(
         about unused parameters once); ``None`` for nothing.
       sync: with accumulation, whether this call synchronises (static; ``None``: the state's
         counter decides).
-      phase: the static phase for this step (``hook.phase(step)``; with local SGD a
-        :class:`jddp._src.local_sgd.LocalPhase`).
+      phase: the static phase for this step (:func:`step_phase`: ``hook.phase(step)``, with local
+        SGD a :class:`jddp._src.local_sgd.LocalPhase`).
       rng: the run's PRNG key, with ``rng=True`` (each example's key is derived from it).
     """
     obj = objective(cfg, state.model_state is not None)
-    local_phase, hook_phase = local_sgd.split_phase(cfg, phase)
-    lv = cfg.topology.roles(None if local_phase is None else local_phase.kind)
-    view = state if lv.replica is None else local_sgd.replica_view(state)
+    sync_phase, hook_phase = cfg.sync.split_phase(phase, cfg.hook.phase)
+    lv = cfg.sync.roles(cfg.topology, sync_phase)
+    view = cfg.sync.replica_view(state)
     weights = check_step_inputs(cfg, view, batch, mask, sync, rng)
     batch, weights = _place_batch(cfg, batch, weights)
     layout = zero.Layout.of(view.params, cfg.topology.shard_count)
@@ -1005,16 +978,13 @@ def train_step(
     # The bytes each branch sent (the deterministic step reports its own in its metrics).
     step_metrics = dict(res.metrics)
     comm = dict(res.comm or {})
-    if lv.replica is None:
-        metrics = {**step_metrics, **comm}
-    else:  # phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step)
-        assert local_phase is not None and res.island is not None
-        accumulate = cfg.accumulate
-        count = accumulate.window_count(state.accum)
-        report = lambda mean: mean_metrics(mean, accumulate.microbatches, count,
-                                           summed=cfg.sum_metrics, num_devices=cfg.topology.num_devices)
-        new_state, metrics = local_sgd.synchronise(cfg, lv, local_phase, plan, new_state, res.island,
-                                                   step_metrics, comm, report, res.synced, sync)
+    # Phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step).
+    accumulate = cfg.accumulate
+    count = accumulate.window_count(state.accum)
+    report = lambda mean: mean_metrics(mean, accumulate.microbatches, count,
+                                       summed=cfg.sum_metrics, num_devices=cfg.topology.num_devices)
+    new_state, metrics = cfg.sync.after_update(cfg, lv, sync_phase, plan, new_state, res.island,
+                                               step_metrics, comm, report, res.synced, sync)
     if state.accum is not None:
         metrics["synced"] = res.synced
     metrics = {**metrics, **res.local_metrics, **update_metrics}
@@ -1024,10 +994,8 @@ def train_step(
 
 def step_phase(cfg: StepConfig) -> Callable[[int], Any] | None:
     """``step -> phase``, the static part of a step chosen on the host (one compiled program per
-    phase): the hook's phase, or with local SGD the kind of step too."""
-    if cfg.local_sgd is not None:  # seam: local, averaging and synchronous steps
-        return local_sgd.phase_fn(cfg)
-    return cfg.hook.phase
+    phase): the hook's phase, wrapped by the sync policy's (local SGD: the kind of step too)."""
+    return cfg.sync.phase_fn(cfg.hook.phase)
 
 
 def plan(cfg: StepConfig, state_like: Any, batch_like: Any, mask_like: Any = None,

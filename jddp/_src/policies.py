@@ -24,10 +24,11 @@ import numpy as np
 
 from jddp._src import autocap, modelcap, options
 from jddp._src.hooks import CommHook, check_hook
-from jddp._src.local_sgd_options import LocalSGD
+from jddp._src.local_sgd import LocalSGD
 from jddp._src.loss_scale import DynamicScale
 from jddp._src.objective import check_metric_names
 from jddp._src.planner import BucketPlan
+from jddp._src.sync import EveryStep
 from jddp._src.update import Accumulate, Guard, SkipNotFinite
 
 
@@ -215,13 +216,6 @@ class ZeRO:
         return options.reshard_after_forward(self.reshard_after_forward, self.stage)
 
 
-@dataclasses.dataclass(frozen=True)
-class EveryStep:
-    """Replicas agree every step: the reduced gradient updates every replica alike (DDP).
-    The other sync policies are :func:`jddp.local_sgd.post_local_sgd` and
-    :func:`jddp.local_sgd.diloco`."""
-
-
 Reduce = Buckets | Deterministic
 Place = Replicate | ZeRO
 Sync = EveryStep | LocalSGD
@@ -274,7 +268,3 @@ class Policies:
     @property
     def deterministic(self) -> bool:
         return isinstance(self.reduce, Deterministic)
-
-    @property
-    def local_sgd(self) -> LocalSGD | None:
-        return self.sync if isinstance(self.sync, LocalSGD) else None

@@ -2,7 +2,7 @@
 
 torchtitan's ``ParallelDims`` and FSDP2's mesh info name the dimensions of a mesh by what they are
 for (``dp_replicate``, ``dp_shard``); :class:`Topology` does the same for jddp's data mesh, once,
-from the mesh and the two options that change roles (hybrid sharding, local SGD's islands).
+from the mesh and the two options that change roles (hybrid sharding, the sync policy's islands).
 Phases of the step never derive an axis themselves: the reduction, the sharded stages, the sync
 policy and the metrics read the role they need here. :meth:`Topology.roles` gives the roles of
 one kind of step (a plain step, or one of local SGD's kinds), which is all a per-device phase sees.
@@ -11,13 +11,21 @@ one kind of step (a plain step, or one of local SGD's kinds), which is all a per
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
+import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+from jddp._src import vma
 from jddp._src.mesh import DataAxes, data_axes
+from jddp._src.tree import add_device_dim
 
-# Local SGD's kinds of step (jddp._src.local_sgd_options re-exports them): every replica reduces
+T = TypeVar("T")
+
+# Local SGD's kinds of step (jddp._src.local_sgd re-exports them): every replica reduces
 # together, each island reduces alone, or alone and then averages parameters.
 SYNC = "sync"
 LOCAL = "local"
@@ -50,6 +58,57 @@ class Roles(NamedTuple):
     replica: Any
     replicas: int
     spans: bool
+
+    # What a step does with the replica axis, asked here so that the step's phases never test
+    # for it: without local SGD each of these is the identity (or the replicated spec).
+
+    @property
+    def islands(self) -> bool:
+        """Replicas keep their own state (local SGD): state and results carry a replica dim."""
+        return self.replica is not None
+
+    @property
+    def replica_spec(self) -> P:
+        """The spec of a per-replica value (split over :attr:`replica`; replicated without)."""
+        return P() if self.replica is None else P(self.replica)
+
+    @property
+    def flag_shape(self) -> tuple[int, ...]:
+        """The shape of a per-replica flag (one per replica; a scalar without local SGD)."""
+        return () if self.replica is None else (self.replicas,)
+
+    def per_replica(self, fun: Callable[..., Any]) -> Callable[..., Any]:
+        """``fun`` of one replica's leaves, mapped over the replica dimension with local SGD
+        (each replica updates its own copy); ``fun`` itself without."""
+        if self.replica is None:
+            return fun
+        return jax.vmap(fun, spmd_axis_name=self.replica, axis_size=self.replicas)
+
+    def flags(self, flag: Any) -> Any:
+        """A flag the same on every replica, as one per replica (:attr:`flag_shape`)."""
+        return flag if self.replica is None else jnp.broadcast_to(flag, self.flag_shape)
+
+    def island(self, make: Callable[[], T]) -> T | None:
+        """``make()`` with local SGD (a value kept per island), else ``None`` (not computed)."""
+        return None if self.replica is None else make()
+
+    def _keeps(self, means: bool) -> bool:
+        # Values are kept as they are without replicas, and means when the reduction spans them.
+        return self.replica is None or (means and self.spans)
+
+    def vary(self, tree: Any, *, means: bool = False) -> Any:
+        """A per-device step's per-replica values (``means``: its reduction's means) typed as
+        varying over the replicas, whatever they were computed from (the two branches of an
+        accumulation window's ``lax.cond`` must agree); unchanged without local SGD, and means
+        unchanged when the reduction :attr:`spans` every replica (they are global)."""
+        if self._keeps(means):
+            return tree
+        return jax.tree.map(lambda x: vma.to_varying(x, self.replica), tree)
+
+    def add_dim(self, tree: Any, *, means: bool = False) -> Any:
+        """The per-device values of :meth:`vary` with their leading replica dimension (what
+        their specs, :attr:`replica_spec`, split)."""
+        return tree if self._keeps(means) else add_device_dim(tree)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,6 @@ from jax.sharding import Mesh
 from jddp._src import autocap, checks, compat, modelcap, offload, options, pipeline, watchdog
 from jddp._src import deprecated as deprecated_lib
 from jddp._src import deterministic as det_lib
-from jddp._src import local_sgd as local_sgd_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
 from jddp._src import model_state as ms_lib
@@ -23,7 +22,7 @@ from jddp._src import report as report_lib
 from jddp._src import verify as verify_lib
 from jddp._src.config import StepConfig
 from jddp._src.hooks import allreduce_mean
-from jddp._src.local_sgd_options import LocalSGD
+from jddp._src.local_sgd import LocalSGD
 from jddp._src.planner import BucketPlan
 from jddp._src.state import TrainState
 from jddp._src.step import PlanLog, Step
@@ -80,7 +79,7 @@ def step_config(loss_fn: Callable[..., Any], optimizer: Any, mesh: Mesh, p: pol.
         has_aux=loss.has_aux, weighted=loss.weighted, rng=loss.rng,
         sum_metrics=loss.sum_metrics, model_state_sync=loss.model_state_sync,
         accumulate=dataclasses.replace(acc, shard=compat.resolve_shard(acc, c)),
-        guard=p.loss_scale, local_sgd=p.local_sgd, mixed_precision=c.precision,
+        guard=p.loss_scale, sync=p.sync, mixed_precision=c.precision,
         **_reduction(p, c.precision), **_placement(p))
     if isinstance(p.reduce, pol.Buckets) and not p.reduce.pinned:
         config = dataclasses.replace(config, default_plan=modelcap.default_plan(config))
@@ -398,7 +397,7 @@ class DataParallel:
                 "loss_scale": state.loss_scale}
         if self.config.model_state_sync != "none":
             tree["model_state"] = state.model_state
-        if self.config.local_sgd is not None and not self.config.topology.axes.two_level:
+        if self.config.topology.islands and not self.config.topology.two_level:
             # One replica per device: no two devices hold copies of a replica's leaves.
             tree = {"step": state.step}
         if state.outer is not None:
@@ -411,7 +410,7 @@ class DataParallel:
         def copies(x: Any) -> Any:
             if x.sharding.is_fully_replicated:
                 return x
-            if self.config.local_sgd is None:
+            if not self.config.topology.islands:
                 return None
             # A replica's leaf split over the devices of its island has no copies either.
             spec = getattr(x.sharding, "spec", ())
@@ -426,6 +425,4 @@ class DataParallel:
         """The parameters to evaluate or export: ``state.params``; with local SGD the mean of the
         replicas' parameters (each replica's own right after an averaging step), with DiLoCo the
         outer (global) parameters. Replicated on the mesh."""
-        if self.config.local_sgd is None:
-            return state.params
-        return local_sgd_lib.global_params(self.config, state)
+        return self.config.sync.global_params(self.config, state)

@@ -219,14 +219,6 @@ class SkipNotFinite:
 Guard = SkipNotFinite | DynamicScale
 
 
-def per_replica(lv: Roles, fun: Callable[..., Any]) -> Callable[..., Any]:
-    """``fun`` of one replica's leaves, mapped over the replica dimension with local SGD (each
-    replica updates its own copy: the update phase is the same function either way)."""
-    if lv.replica is None:
-        return fun
-    return jax.vmap(fun, spmd_axis_name=lv.replica, axis_size=lv.replicas)
-
-
 def _where_rows(ok: Any, new: jax.Array, old: jax.Array) -> jax.Array:
     """``new`` where ``ok``, else ``old``: one flag for the whole leaf, or with local SGD one per
     replica (``ok[r]`` picks the rows of replica ``r``: its leading block of ``n / r`` rows, one
@@ -315,13 +307,10 @@ class Update:
         finite = None
         if self.guard is not None:
             # Reduced gradients are identical on every device of a replica: so is this decision.
-            finite = per_replica(lv, all_finite)(res.grads)
+            finite = lv.per_replica(all_finite)(res.grads)
             checks.append(finite)
         if self.skip_empty:
-            nonempty = res.nonempty
-            if lv.replica is not None:
-                nonempty = jnp.broadcast_to(nonempty, (lv.replicas,))
-            checks.append(nonempty)
+            checks.append(lv.flags(res.nonempty))
         ok = functools.reduce(jnp.logical_and, checks) if checks else None
         return ok, finite
 
@@ -340,14 +329,14 @@ class Update:
         metrics: dict = {}
         if state.loss_scale is not None:
             metrics["loss_scale"] = state.loss_scale.scale  # the scale this call's gradients used
-        flag_shape = () if lv.replica is None else (lv.replicas,)
+        flag_shape = lv.flag_shape
         if self.runs(sync) is False:
             if self.skips:  # nothing applied, nothing skipped
                 metrics["skipped"] = jnp.zeros(flag_shape, jnp.float32)
             return state.replace(accum=res.accum), metrics
 
         def update() -> TrainState:
-            params, opt_state = per_replica(lv, inner)(state.params, state.opt_state, res.grads)
+            params, opt_state = lv.per_replica(inner)(state.params, state.opt_state, res.grads)
             return state.replace(
                 step=state.step + 1, params=params, opt_state=opt_state,
                 model_state=res.model_state, hook_state=res.hook_state, accum=None,
@@ -358,7 +347,7 @@ class Update:
 
         def guarded() -> TrainState:
             new = update()
-            return new if ok is None else _select(ok, new, kept, lv.replica is not None)
+            return new if ok is None else _select(ok, new, kept, lv.islands)
 
         windowed = self.accumulate.windowed(sync)
         # Only the synchronising calls run the optimizer.
@@ -369,7 +358,7 @@ class Update:
             ).astype(jnp.float32)
         if self.scaler is not None and state.loss_scale is not None and finite is not None:
             # Outside the selection above: a skipped step is exactly when the scale must shrink.
-            new_scale = per_replica(lv, self.scaler.update)(state.loss_scale, finite)
+            new_scale = lv.per_replica(self.scaler.update)(state.loss_scale, finite)
             if windowed:
                 new_scale = select_tree(res.synced, new_scale, state.loss_scale)
             new_state = new_state.replace(loss_scale=new_scale)

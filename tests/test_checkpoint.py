@@ -223,7 +223,7 @@ def test_sharded_accumulator_checkpoints_like_the_per_device_one(tmp_path):
     existing error names the window; at a window boundary it restores anywhere."""
     params, batches = mlp_params(3, SIZES), _batches(4)
     a = _on(8, accumulate_steps=2, zero_stage=3)
-    assert a.config.shard_accumulator
+    assert a.config.accumulate.shard
     mid = _run(a, a.init(params), batches[:1])
     mngr = ckpt.manager(tmp_path / "c")
     ckpt.save(mngr, mid, step=1)

@@ -157,12 +157,12 @@ def test_comm_bytes_and_collectives_of_each_call(stage):
 
 def test_option_defaults_and_errors():
     cfg = lambda **kw: jddp.DataParallel(mlp_loss, optax.sgd(0.1), **kw).config
-    assert cfg(zero_stage=2, accumulate_steps=2).shard_accumulator
-    assert cfg(zero_stage=3, accumulate_steps=2, hook=jddp.bf16_compress()).shard_accumulator
-    assert not cfg(zero_stage=1, accumulate_steps=2).shard_accumulator
-    assert not cfg(zero_stage=3).shard_accumulator
-    assert not cfg(zero_stage=3, accumulate_steps=2, shard_accumulator=False).shard_accumulator
-    assert not cfg(zero_stage=2, accumulate_steps=2, hook=jddp.powersgd()).shard_accumulator
+    assert cfg(zero_stage=2, accumulate_steps=2).accumulate.shard
+    assert cfg(zero_stage=3, accumulate_steps=2, hook=jddp.bf16_compress()).accumulate.shard
+    assert not cfg(zero_stage=1, accumulate_steps=2).accumulate.shard
+    assert not cfg(zero_stage=3).accumulate.shard
+    assert not cfg(zero_stage=3, accumulate_steps=2, shard_accumulator=False).accumulate.shard
+    assert not cfg(zero_stage=2, accumulate_steps=2, hook=jddp.powersgd()).accumulate.shard
     for kw, why in (({"zero_stage": 1, "accumulate_steps": 2}, "only ZeRO stages 2-3"),
                     ({"zero_stage": 2}, "accumulate_steps=1"),
                     ({"zero_stage": 2, "accumulate_steps": 2, "hook": jddp.powersgd()},
@@ -191,6 +191,6 @@ def test_a_hook_with_state_for_some_leaves_is_refused():
     hook = base._replace(name="big_leaves_state", init=lambda leaf: (
         {"r": jnp.zeros(leaf.shape, jnp.float32)} if len(leaf.shape) > 1 else ()))
     ddp = _ddp(2, None, hook=hook)
-    assert ddp.config.shard_accumulator
+    assert ddp.config.accumulate.shard
     with pytest.raises(ValueError, match=r"'big_leaves_state' keeps state.*Accumulate\(\.\.\., shard=False\)"):
         ddp.step(ddp.init(mlp_params(6, SIZES)), _calls()[0])

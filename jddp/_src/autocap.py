@@ -345,7 +345,7 @@ class AutoStep(ChoosingStep):
             observers.append(_Forward())
             steps.append(self._make_step(self._with_caps(cap, min(first, cap)), observers[-1]))
         # With accumulation, time the synchronising program: the others have no collective.
-        tsync = True if cfg.accumulates else sync
+        tsync = cfg.accumulate.reducing(sync)
         times: list[list[float]] = [[] for _ in caps]
         # One distinct plan (a small model, or one dominated by a leaf above every cap): nothing
         # to choose between, so nothing is timed; the step compiles on its first real call.

@@ -6,13 +6,11 @@ import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar, Protocol
 
-import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from jddp._src import options
 from jddp._src.hooks import CommHook
-from jddp._src.loss_scale import DynamicScale
 from jddp._src.objective import Extras
 from jddp._src.placement import Place, Replicate
 from jddp._src.planner import BucketPlan
@@ -20,6 +18,7 @@ from jddp._src.precision import MixedPrecision
 from jddp._src.state import TrainState
 from jddp._src.sync import EveryStep, HookPhase
 from jddp._src.topology import Roles, Topology
+from jddp._src.update import Accumulate, Guard, Update
 
 
 class PlanPolicy(Protocol):
@@ -166,19 +165,17 @@ class StepConfig:
       has_aux: ``loss_fn`` also returns metrics.
       model_state_sync: how new model state is made consistent across replicas.
       weighted: ``loss_fn`` returns unreduced losses, weighted by the step's mask.
-      skip_not_finite: skip updates whose reduced gradient has a NaN or Inf.
-      accumulate_steps: calls per optimizer step (local accumulation in between).
-      microbatches: micro-batches scanned inside each call.
-      accumulator_dtype: dtype of the local gradient sums (``None``: at least float32).
-      shard_accumulator: every accumulating call reduce-scatters its gradients into an
-        accumulator split like the parameters (``P/N`` per device) instead of keeping a
-        full-size local sum (resolved by :func:`jddp._src.options.shard_accumulator`).
+      accumulate: the accumulation window (:class:`jddp._src.update.Accumulate`, its ``shard``
+        resolved by :func:`jddp._src.compat.resolve_shard`).
+      guard: the update guard: :class:`jddp._src.update.SkipNotFinite`, a
+        :class:`jddp._src.loss_scale.DynamicScale` (dynamic loss scaling), or ``None``.
+      update: derived: ``accumulate``, ``guard`` and ``weighted``'s empty-window skip composed
+        into the step's update wrappers (:class:`jddp._src.update.Update`).
       place: where the state lives (:mod:`jddp._src.placement`): :class:`Replicate` (DDP) or
         :class:`ZeRO` (stages 1-3, hybrid sharding, ``reshard_after_forward``, offload),
         resolved against the mesh (:meth:`ZeRO.resolve`); the step calls its methods.
       rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
       sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
-      loss_scale: dynamic loss scaling (``None``: off).
       mixed_precision: the mixed-precision policy (:mod:`jddp._src.precision`; ``None``: off).
       sync: the sync policy (:class:`SyncPolicy`): :class:`jddp._src.sync.EveryStep` (plain data
         parallelism), or local SGD / DiLoCo (:class:`jddp._src.local_sgd.LocalSGD`: per-replica
@@ -192,30 +189,25 @@ class StepConfig:
     has_aux: bool = False
     model_state_sync: options.ModelStateSync = "broadcast"
     weighted: bool = False
-    skip_not_finite: bool = False
-    accumulate_steps: int = 1
-    microbatches: int = 1
-    accumulator_dtype: np.dtype | None = None
-    shard_accumulator: bool = False
+    accumulate: Accumulate = Accumulate()
+    guard: Guard | None = None
     place: Place = Replicate()
     rng: bool = False
     sum_metrics: tuple[str, ...] = ()
-    loss_scale: DynamicScale | None = None
     sync: SyncPolicy = EveryStep()
     mixed_precision: MixedPrecision | None = None
 
     topology: Topology = dataclasses.field(init=False, compare=False, repr=False)
+    update: Update = dataclasses.field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         topology = self.place.topology(self.mesh, islands=self.sync.islands)
         object.__setattr__(self, "topology", topology)  # derived from the fields above
         object.__setattr__(self, "place", self.place.resolve(topology))
+        # The update wrappers, composed once (derived like the topology).
+        object.__setattr__(self, "update", Update(accumulate=self.accumulate, guard=self.guard,
+                                                  skip_empty=self.weighted))
 
     @property
     def per_device_model_state(self) -> bool:
         return self.model_state_sync == "none"
-
-    @property
-    def accumulates(self) -> bool:
-        """Whether the state carries an accumulator across calls."""
-        return self.accumulate_steps > 1

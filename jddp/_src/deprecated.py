@@ -180,7 +180,7 @@ def _loss_scale(old: dict[str, Any], loss_scale: Any) -> Any:
         if name in old:
             skip = options.flag(old[name], "skip_not_finite")
     # A DynamicScale skips non-finite steps itself: skip_not_finite=True next to it changes
-    # nothing (the step reads "skip_not_finite or loss_scale"), so it maps onto the scale.
+    # nothing (either guard skips a non-finite update), so it maps onto the scale.
     return SkipNotFinite() if skip and loss_scale is None else loss_scale
 
 

@@ -210,13 +210,16 @@ def check_backend(cfg: Any) -> None:
 
 
 def _stack_slots(cfg: Any) -> int:
-    return max(0, cfg.accumulate_steps.bit_length() - 1)
+    return max(0, cfg.accumulate.steps.bit_length() - 1)
 
 
-def init_accum(cfg: Any, params: Any, model_state: Any) -> AccumState:
+def init_accum(cfg: Any, params: Any, model_state: Any) -> AccumState | None:
     """The accumulator of a deterministic window: a binary counter of ``log2(accumulate_steps)``
     slots of finished subtree sums (gradients, loss, weight, model state), the same on every
-    device and stored per device (leading device dimension, then the slot)."""
+    device and stored per device (leading device dimension, then the slot); ``None`` without a
+    window."""
+    if not cfg.accumulate.accumulates:
+        return None
     n, s = cfg.topology.num_devices, _stack_slots(cfg)
     zeros = lambda tree: jax.tree.map(
         lambda x: jnp.zeros((n, s, *jnp.shape(x)), dtype_of(x)), tree)
@@ -230,7 +233,8 @@ def init_accum(cfg: Any, params: Any, model_state: Any) -> AccumState:
 
 def check_accum(cfg: Any, state: Any) -> None:
     """Trace-time check that ``state.accum`` is a deterministic accumulator of this trainer."""
-    if cfg.accumulate_steps == 1:
+    steps = cfg.accumulate.steps
+    if steps == 1:
         if state.accum is not None:
             raise ValueError("state.accum holds an accumulator but this DataParallel does not "
                              "accumulate (Accumulate.steps=1); use the DataParallel that built "
@@ -242,7 +246,7 @@ def check_accum(cfg: Any, state: Any) -> None:
             or jax.tree.structure(acc.grads) != jax.tree.structure(state.params)):  # type: ignore[operator]
         raise ValueError(
             "This DataParallel(reduce=jddp.Deterministic()) accumulates over "
-            f"{cfg.accumulate_steps} calls, but state.accum is not its accumulator (expected "
+            f"{steps} calls, but state.accum is not its accumulator (expected "
             f"loss sums of shape {want}; a state of another trainer or device count?). Build "
             "the state with this DataParallel's init()."
         )
@@ -431,7 +435,7 @@ def _merge_window(cfg: Any, acc: AccumState, call: Part) -> tuple[Part, AccumSta
         return jnp.where(here, x[None], s)[None]
 
     new = jax.tree.map(store, slots, v)
-    synced = c + 1 >= cfg.accumulate_steps
+    synced = cfg.accumulate.closes(c)
     accum = acc.replace(count=jnp.where(synced, 0, c + 1), grads=new.grads,
                         loss=new.sums["loss"], weight=new.weight,
                         model_state={"state": new.model_state, "count": new.count})

@@ -229,34 +229,3 @@ def deterministic(value: Any, group_size: Any) -> tuple[bool, int]:
         raise ValueError(f"group_size must be a positive int (examples per group), got "
                          f"{group_size!r}.")
     return on, int(group_size)
-
-
-def shard_accumulator(value: Any, *, zero_stage: int, accumulate_steps: int, scatters: bool,
-                      plain: bool) -> bool:
-    """Whether the accumulator is sharded (a reduce-scatter per micro-step into ``P/N``).
-
-    Args:
-      value: ``None`` (sharded at stages 2-3 when it can be), ``True`` or ``False``.
-      zero_stage: the trainer's stage (2-3 reduce-scatter gradients; below, nothing to shard).
-      accumulate_steps: calls per window (1: there is no accumulator).
-      scatters: the hook reduce-scatters without state (``CommHook.scatter``, no hook state).
-      plain: neither local SGD nor ``deterministic=True`` (they keep their own accumulators).
-    """
-    if value is None:
-        return zero_stage >= 2 and accumulate_steps > 1 and scatters and plain
-    on = flag(value, "shard_accumulator",
-              " None (the default) shards the accumulator at zero_stage 2-3 when it can.")
-    if not on:
-        return False
-    why = (f"zero_stage is {zero_stage}: only stages 2-3 reduce-scatter gradients"
-           if zero_stage < 2 else
-           "accumulate_steps=1: there is no accumulator" if accumulate_steps == 1 else
-           "the hook has state or no reduce-scatter (CommHook.scatter): it reduces whole buckets"
-           if not scatters else
-           "local SGD and deterministic=True keep their own accumulators" if not plain else "")
-    if why:
-        raise ValueError(
-            f"shard_accumulator=True reduce-scatters every micro-step's gradients into a 1/N "
-            f"accumulator, but {why}. Pass shard_accumulator=None (or False)."
-        )
-    return True

@@ -21,10 +21,10 @@ through it), in fixed phases:
    c. a call that does not synchronise (:func:`_accumulate`) adds its micro-batches' local
       gradients to the accumulator and runs no collective.
 
-3. *update* (:func:`_apply_update`, global view): the optimizer on the reduced gradients (per
-   replica with local SGD), wrapped like optax's ``MultiSteps`` and ``apply_if_finite``: only a
-   window's synchronising call updates, a skipped update keeps the old state, the loss scale
-   follows.
+3. *update* (:meth:`jddp._src.update.Update.apply`, global view): the optimizer on the reduced
+   gradients (per replica with local SGD), wrapped like optax's ``MultiSteps`` and
+   ``apply_if_finite``: only a window's synchronising call updates, a skipped update keeps the
+   old state, the loss scale follows.
 4. *sync policy* (``cfg.sync.after_update``, global view, :mod:`jddp._src.sync`): nothing for a
    plain step (:class:`jddp._src.sync.EveryStep`); with local SGD
    (:class:`jddp._src.local_sgd.LocalSGD`) nothing, the parameter average, or DiLoCo's outer step.
@@ -34,7 +34,7 @@ Where to add a feature: a new reduction (reduce-scatter, hierarchical) is a hook
 a new placement of the state is a policy of :mod:`jddp._src.placement` (the step calls its
 methods); a new per-call quantity goes into :class:`jddp._src.objective.LocalAux` and
 :class:`jddp._src.objective.Extras`, which carry it to the last bucket; a wrapper of the update
-into :func:`_apply_update`; a sync policy is a :class:`jddp._src.config.SyncPolicy`.
+into :mod:`jddp._src.update`; a sync policy is a :class:`jddp._src.config.SyncPolicy`.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ from jddp._src.checks import batch_size, check_batch, check_float_params, check_
 from jddp._src.config import StepConfig
 from jddp._src.hooks import init_hook_state
 from jddp._src.introspect import jaxpr as jaxpr_lib
-from jddp._src.nonfinite import all_finite, select_tree
 from jddp._src.objective import Extras, LocalAux, Objective, mean_metrics
 from jddp._src.optimizer_metrics import (
     merge_optimizer_metrics,
@@ -100,8 +99,8 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
         else model_state,
         hook_state=broadcast_to_devices(init_hook_state(cfg.reduce.hook, params), n),
         # The reduction decides the accumulator's layout (the deterministic one is its own).
-        accum=cfg.reduce.init_accum(cfg, params, model_state) if cfg.accumulates else None,
-        loss_scale=None if cfg.loss_scale is None else cfg.loss_scale.init(),
+        accum=cfg.reduce.init_accum(cfg, params, model_state),  # None without a window
+        loss_scale=cfg.update.init_scale(),
     )
     return cfg.sync.build_state(cfg, state)  # local SGD / DiLoCo keep one copy per replica
 
@@ -112,11 +111,6 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
     axis = cfg.topology.data
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)
     per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
-    # The sharded accumulator: a leaf is split on a dimension the device count divides
-    # (jddp._src.zero), like stage 3's parameters.
-    split = lambda tree: jax.tree.map(
-        lambda x: zero.leaf_spec(jnp.shape(x), cfg.topology.shard_count, cfg.topology.shard), tree
-    )
     place, topo = cfg.place, cfg.topology
     specs = TrainState(
         step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
@@ -124,8 +118,7 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
         opt_state=jax.tree.map(lambda x: place.opt_spec(topo, jnp.shape(x)), state.opt_state),
         model_state=(per_device if cfg.per_device_model_state else rep)(state.model_state),
         hook_state=per_device(state.hook_state),
-        accum=acc_lib.accum_specs(state.accum, axis, split if cfg.shard_accumulator else None),
-        loss_scale=rep(state.loss_scale),
+        **cfg.update.specs(state, cfg.topology),
     )
     return cfg.sync.state_specs(cfg, state, specs)  # local SGD / DiLoCo's per-replica leaves
 
@@ -173,15 +166,7 @@ def check_step_inputs(
     n = cfg.topology.num_devices
     size = check_batch(batch, n)
     cfg.reduce.check_inputs(cfg, state, size, sync)
-    if cfg.shard_accumulator and jax.tree.leaves(state.hook_state):
-        # The option probed the hook on one small leaf; a hook with state for these params
-        # reduces with that state, which an accumulating call's reduce-scatter cannot carry.
-        raise ValueError(
-            f"jddp.Accumulate(shard=True) reduce-scatters every call through the hook's "
-            f"stateless scatter, but {cfg.reduce.hook.name!r} keeps state for these parameters. "
-            "Pass accumulate=jddp.Accumulate(..., shard=False)."
-        )
-    ls_lib.check_state(state, cfg.loss_scale)
+    cfg.update.check(state)
     if cfg.rng and rng is None:
         raise ValueError(
             "This DataParallel was built with loss=jddp.Loss(rng=True), so loss_fn takes "
@@ -196,14 +181,7 @@ def check_step_inputs(
                 "example)."
             )
         rng_lib.check_key(rng)
-    if sync is False and not cfg.accumulates:
-        raise ValueError(
-            "step(..., sync=False) accumulates gradients, which needs an accumulator: create "
-            "the DataParallel with accumulate=jddp.Accumulate(steps=k) (k > 1; the k-th call "
-            "of step(state, batch) synchronises, or choose with sync=True/False)."
-        )
-    if cfg.microbatches > 1:
-        acc_lib.check_microbatches(size // n, cfg.microbatches, n)
+    cfg.accumulate.check_call(size // n, n, sync)
     if not cfg.weighted:
         if mask is not None:
             raise ValueError(
@@ -260,20 +238,11 @@ def _result_specs(cfg: StepConfig, lv: Roles, view: TrainState,
     return LocalResult(
         grads=grads, metrics=glob, local_metrics=P(axis),  # type: ignore[arg-type]
         model_state=P(axis) if cfg.per_device_model_state else rep,
-        hook_state=P(axis), accum=acc_lib.accum_specs(view.accum, axis, _accum_split(cfg)),
+        hook_state=P(axis), accum=cfg.accumulate.specs(view.accum, cfg.topology),
         synced=P(), nonempty=glob,
         island=lv.island(lambda: rep),  # type: ignore[arg-type]
         comm=P(),  # type: ignore[arg-type]  # (a prefix of None too: the deterministic step's)
     )
-
-
-def _accum_split(cfg: StepConfig) -> Callable[[Any], Any] | None:
-    """Specs of a sharded accumulator's sums (split like stage 3's parameters); ``None``: the
-    accumulator is per device."""
-    if not cfg.shard_accumulator:
-        return None
-    return lambda tree: jax.tree.map(
-        lambda x: zero.leaf_spec(jnp.shape(x), cfg.topology.shard_count, cfg.topology.shard), tree)
 
 
 def _varying(tree: Any, axis: Any) -> Any:
@@ -294,7 +263,7 @@ def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
     if cfg.per_device_model_state:
         ms = strip_device_dim(ms)
     acc = state.accum
-    if acc is None and cfg.microbatches == 1:
+    if cfg.accumulate.is_identity:
         # No scan carry: keep the replicated type, so that state the loss computes from
         # collectives only (cross-replica BatchNorm) stays invariant and is not synchronised
         # again (jddp._src.model_state).
@@ -330,11 +299,6 @@ def _aux_zeros(aux_shape: LocalAux, axis: Any) -> acc_lib.Sums:
 
 def _metric_keys(aux_shape: LocalAux) -> list[str]:
     return [*aux_shape.metrics, *(k for k in aux_shape.sums if k != "loss"), "loss"]
-
-
-def _skips(cfg: StepConfig) -> bool:
-    """Whether a synchronising call can skip its update (and reports ``"skipped"``)."""
-    return cfg.skip_not_finite or cfg.weighted or cfg.loss_scale is not None
 
 
 def _example_keys(cfg: StepConfig, state: TrainState, rng: Any, batch: Any) -> Any:
@@ -406,7 +370,6 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
              lv: Roles, layout: zero.Layout, state: TrainState, batch: Any,
              weights: Any, rng: Any) -> Prepared:
     """Phase 1's set-up: the micro-batches, the loss traced once and the bucket plan."""
-    m = cfg.microbatches
     treedef = jax.tree.structure(state.params)
     full_params = jax.tree.unflatten(treedef, [
         jax.ShapeDtypeStruct(shape, jnp.result_type(x))
@@ -418,12 +381,7 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
     ms0 = _start_model_state(cfg, state)
     # Per-example inputs besides the batch, split like it: the mask's weights and the keys.
     side = (weights, _example_keys(cfg, state, rng, batch))
-    if m > 1:
-        micro, side_m = acc_lib.split_microbatches((batch, side), m)
-        last, side_last = jax.tree.map(lambda x: x[m - 1], (micro, side_m))
-    else:
-        micro, side_m = jax.tree.map(lambda x: x[None], (batch, side))
-        last, side_last = batch, side
+    (micro, side_m), (last, side_last) = cfg.accumulate.split((batch, side))
     # The one trace of the user's loss in this program: planning, the scanned micro-batches, the
     # accumulating branch and the reducing evaluation all read this jaxpr.
     # Under a mixed-precision policy the loss is traced with param_dtype parameters.
@@ -458,8 +416,7 @@ def _head_sums(cfg: StepConfig, lv: Roles, prep: Prepared,
                init: acc_lib.Sums) -> tuple[acc_lib.Sums, Bytes]:
     """The local sums of this call's first ``m - 1`` micro-batches, added to ``init``, and the
     bytes of the parameters they needed."""
-    m = cfg.microbatches
-    head, side_head = jax.tree.map(lambda x: x[: m - 1], (prep.micro, prep.side))
+    head, side_head = cfg.accumulate.head((prep.micro, prep.side))
     params, sent = _local_params(cfg, lv, prep)
     return acc_lib.local_sums(prep.grad_fn, params, head, side_head, init), sent
 
@@ -511,20 +468,20 @@ def _window_start(cfg: StepConfig, lv: Roles, prep: Prepared,
     micro-batches), this call's aux sums so far, the earlier calls' loss and weight, the model
     state the last micro-batch starts from, and the bytes sent for them (stage 3's gather)."""
     call = _aux_zeros(prep.aux_shape, cfg.topology.data)
+    accumulate = cfg.accumulate
     if acc is not None:
         live_grads, live_loss, live_weight = acc_lib.live(acc)
         # A sharded accumulator holds reduced sums: added after the reduction (_synchronise).
-        offset = None if cfg.shard_accumulator else strip_device_dim(live_grads)
+        offset = accumulate.local_offset(live_grads)
         window0 = (live_loss[0] / prep.unit, live_weight[0] / prep.unit)
     else:
         offset = None
         window0 = (jnp.zeros((), jnp.float32),) * 2
     ms_last, sent = prep.ms0, Bytes()
-    if cfg.microbatches > 1:
+    if accumulate.scans:
         if offset is None:
             offset = acc_lib.varying_zeros(jax.tree.map(lambda p: jax.ShapeDtypeStruct(
-                jnp.shape(p), acc_lib.accumulator_dtype(jnp.result_type(p),
-                                                        cfg.accumulator_dtype)),
+                jnp.shape(p), accumulate.sum_dtype(jnp.result_type(p))),
                 prep.full_params), cfg.topology.data)
         call, sent = _head_sums(cfg, lv, prep, call._replace(grads=offset, model_state=prep.ms0))
         offset, ms_last = call.grads, call.model_state
@@ -535,12 +492,11 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
                  layout: zero.Layout, phase: Any, state: TrainState) -> LocalResult:
     """A synchronising call: the window's local sums, then the reducing evaluation of the last
     micro-batch (phase 2), its metrics and model state."""
-    m, acc = cfg.microbatches, state.accum
+    accumulate, acc = cfg.accumulate, state.accum
     offset, call, (loss0, weight0), ms_last, gathered = _window_start(cfg, lv, prep, acc)
-    # The mean over the window's micro-batches: a static count, or one read from the state
-    # (a window cut short by an early sync=True still averages correctly).
-    count = float(m) if acc is None else (acc.count + 1).astype(jnp.float32) * m
-    seed = None if acc is None and m == 1 else 1.0 / count
+    # The mean over the window's micro-batches.
+    count = accumulate.window_count(acc)
+    seed = None if accumulate.is_identity else 1.0 / count
     offset_leaves = None
     if offset is not None:  # plain sums (see Objective.unit), to this call's unit
         assert seed is not None  # an offset means earlier micro-batches
@@ -563,10 +519,9 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
                   loss_seed, offset_leaves, extras)
     mean: Extras = red.extras
     reduced = red.grads
-    if acc is not None and cfg.shard_accumulator:  # the earlier calls' reduced sums, scaled alike
+    if acc is not None:  # a sharded accumulator's earlier reduced sums, scaled alike
         assert seed is not None
-        reduced = [g + (a * jnp.asarray(seed / prep.unit, a.dtype)).astype(g.dtype) for g, a in
-                   zip(reduced, jax.tree.leaves(acc_lib.live(acc)[0]), strict=True)]
+        reduced = accumulate.add_reduced(reduced, acc, seed, prep.unit)
     grads = jax.tree.unflatten(jax.tree.structure(state.params), reduced)
     if ls is not None:  # unscaled after the reduction: the same on every replica
         grads = ls_lib.unscale(grads, ls)
@@ -577,7 +532,8 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
         nonempty = mean.window_weight > 0
         scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-    metrics = mean_metrics(mean, m, count, summed=cfg.sum_metrics, num_devices=lv.size)
+    metrics = mean_metrics(mean, accumulate.microbatches, count, summed=cfg.sum_metrics,
+                           num_devices=lv.size)
     # Stages 1-2 all-gather the updated pieces after the update (placement.gather_params).
     updated = cfg.place.update_bytes(cfg.topology, lv, prep.plan, layout)
     comm = _comm_bytes(cfg, red.sent + gathered + updated)
@@ -661,7 +617,7 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
     acc = state.accum
     assert acc is not None
     live_grads, live_loss, live_weight = acc_lib.live(acc)
-    call = (_scattered_call(cfg, lv, prep, state, phase, live_grads) if cfg.shard_accumulator
+    call = (_scattered_call(cfg, lv, prep, state, phase, live_grads) if cfg.accumulate.shard
             else _local_call(cfg, lv, prep, live_grads))
     # Model state advances locally; TrainState.model_state stays the synchronised one until
     # the window's sync call.
@@ -724,20 +680,13 @@ def bucketed_step(
     prep = _prepare(cfg, obj, observer, lv, layout, state, batch, weights, rng)
     sync_fn = lambda s: _to_global(cfg, lv, _synchronise(cfg, obj, lv, prep, layout, phase, s))
     acc_fn = lambda s: _to_global(cfg, lv, _accumulate(cfg, obj, lv, prep, layout, phase, s))
-    if state.accum is None or sync is True:
-        return sync_fn(state)
-    if sync is False:
-        return acc_fn(state)
+    synchronises = cfg.accumulate.synchronises(state.accum, sync)
+    if isinstance(synchronises, bool):
+        return sync_fn(state) if synchronises else acc_fn(state)
     # optax.MultiSteps semantics: the replicated counter picks the branch, in one program.
-    return lax.cond(state.accum.count + 1 >= cfg.accumulate_steps, sync_fn, acc_fn, state)
+    return lax.cond(synchronises, sync_fn, acc_fn, state)
 
 
-
-
-def _per_replica(lv: Roles, fun: Callable[..., Any]) -> Callable[..., Any]:
-    """``fun`` of one replica's leaves, mapped over the replica dimension with local SGD (each
-    replica updates its own copy: the update phase is the same function either way)."""
-    return lv.per_replica(fun)
 
 
 def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
@@ -749,98 +698,6 @@ def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
     return out
 
 
-def _where_rows(ok: Any, new: jax.Array, old: jax.Array) -> jax.Array:
-    """``new`` where ``ok``, else ``old``: one flag for the whole leaf, or with local SGD one per
-    replica (``ok[r]`` picks the rows of replica ``r``: its leading block of ``n / r`` rows, one
-    per replica or per device)."""
-    if jnp.ndim(ok) == 0:
-        return jnp.where(ok, new, old)
-    r = ok.shape[0]
-    rows = new.reshape(r, new.shape[0] // r, *new.shape[1:])
-    picked = jnp.where(ok.reshape(r, *(1,) * (rows.ndim - 1)), rows,
-                       old.reshape(rows.shape))
-    return picked.reshape(new.shape)
-
-
-def _select(ok: Any, new: TrainState, kept: TrainState, per_replica: bool) -> TrainState:
-    """The new state where the update is kept, the old one where it is skipped. With local SGD
-    per replica, and ``step`` (the schedule's clock) advances either way."""
-    if not per_replica:
-        return select_tree(ok, new, kept)
-    rows = lambda a, b: jax.tree.map(functools.partial(_where_rows, ok), a, b)
-    return new.replace(
-        params=rows(new.params, kept.params), opt_state=rows(new.opt_state, kept.opt_state),
-        model_state=rows(new.model_state, kept.model_state),
-        hook_state=rows(new.hook_state, kept.hook_state),
-    )
-
-
-def _checks(cfg: StepConfig, lv: Roles, res: LocalResult) -> tuple[Any, Any]:
-    """``(ok, finite)``: whether the update is applied (``None``: always) and whether the reduced
-    gradients are finite (``None``: not checked); one flag per replica with local SGD."""
-    checks = []
-    finite = None
-    if cfg.skip_not_finite or cfg.loss_scale is not None:
-        # Reduced gradients are identical on every device of a replica: so is this decision.
-        finite = _per_replica(lv, all_finite)(res.grads)
-        checks.append(finite)
-    if cfg.weighted:
-        checks.append(lv.flags(res.nonempty))
-    ok = functools.reduce(jnp.logical_and, checks) if checks else None
-    return ok, finite
-
-
-def _apply_update(
-    cfg: StepConfig, lv: Roles, state: TrainState, res: LocalResult,
-    sync: bool | None, layout: zero.Layout, plan: BucketPlan,
-) -> tuple[TrainState, dict]:
-    """Phase 3 (global view): the optimizer on the reduced gradients (per replica with local
-    SGD), wrapped like optax's ``MultiSteps`` (only a window's synchronising call updates) and
-    ``apply_if_finite`` (a skipped update keeps the whole old state), and the loss scale's
-    update. Returns the new state and the update's metrics."""
-    metrics: dict = {}
-    if state.loss_scale is not None:
-        metrics["loss_scale"] = state.loss_scale.scale  # the scale this call's gradients used
-    flag_shape = lv.flag_shape
-    if state.accum is not None and sync is False:
-        if _skips(cfg):  # nothing applied, nothing skipped
-            metrics["skipped"] = jnp.zeros(flag_shape, jnp.float32)
-        return state.replace(accum=res.accum), metrics
-
-    def update() -> TrainState:
-        params, opt_state = _per_replica(lv, functools.partial(
-            cfg.place.update, cfg.optimizer, cfg.topology, layout, plan, cfg.reduce.chain,
-        ))(state.params, state.opt_state, res.grads)
-        return state.replace(
-            step=state.step + 1, params=params, opt_state=opt_state,
-            model_state=res.model_state, hook_state=res.hook_state, accum=None,
-        )
-
-    kept = state.replace(accum=None)
-    ok, finite = _checks(cfg, lv, res)
-
-    def guarded() -> TrainState:
-        new = update()
-        return new if ok is None else _select(ok, new, kept, lv.islands)
-
-    if state.accum is not None and sync is None:
-        # Only the synchronising calls run the optimizer.
-        new_state = lax.cond(res.synced, guarded, lambda: kept)
-    else:
-        new_state = guarded()
-    if ok is not None:
-        metrics["skipped"] = jnp.where(
-            jnp.logical_and(res.synced, jnp.logical_not(ok)), 1.0, 0.0
-        ).astype(jnp.float32)
-    if cfg.loss_scale is not None and state.loss_scale is not None and finite is not None:
-        # Outside the selection above: a skipped step is exactly when the scale must shrink.
-        new_scale = _per_replica(lv, cfg.loss_scale.update)(state.loss_scale, finite)
-        if state.accum is not None and sync is None:
-            new_scale = select_tree(res.synced, new_scale, state.loss_scale)
-        new_state = new_state.replace(loss_scale=new_scale)
-    # The accumulator is left out of the selections above: selecting it would copy the donated
-    # sums.
-    return new_state.replace(accum=res.accum), metrics
 
 
 def _optimizer_metrics(lv: Roles, metrics: dict, opt_state: Any) -> dict:
@@ -855,12 +712,6 @@ def _place_batch(cfg: StepConfig, batch: Any, weights: Any) -> tuple[Any, Any]:
         return batch, weights
     data = NamedSharding(cfg.mesh, P(cfg.topology.data))
     return jax.tree.map(lambda x: jax.sharding.reshard(x, data), (batch, weights))
-
-
-def _window_count(cfg: StepConfig, state: TrainState) -> Any:
-    """Micro-batches in the window a synchronising call closes (the mean's denominator)."""
-    m = cfg.microbatches
-    return float(m) if state.accum is None else (state.accum.count + 1).astype(jnp.float32) * m
 
 
 def train_step(
@@ -914,13 +765,17 @@ def train_step(
     res = local(inside, batch, weights, rng)
     state = cfg.place.fetch(state)  # offloaded, the optimizer state comes from host memory
     plan = plans[-1]
-    new_state, update_metrics = _apply_update(cfg, lv, state, res, sync, layout, plan)
+    # Phase 3: the optimizer at its placement, wrapped (jddp._src.update).
+    inner = functools.partial(cfg.place.update, cfg.optimizer, cfg.topology, layout, plan,
+                              cfg.reduce.chain)
+    new_state, update_metrics = cfg.update.apply(inner, lv, state, res, sync)
     # The bytes each branch sent (the deterministic step reports its own in its metrics).
     step_metrics = dict(res.metrics)
     comm = dict(res.comm or {})
     # Phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step).
-    count = _window_count(cfg, state)
-    report = lambda mean: mean_metrics(mean, cfg.microbatches, count,
+    accumulate = cfg.accumulate
+    count = accumulate.window_count(state.accum)
+    report = lambda mean: mean_metrics(mean, accumulate.microbatches, count,
                                        summed=cfg.sum_metrics, num_devices=cfg.topology.num_devices)
     new_state, metrics = cfg.sync.after_update(cfg, lv, sync_phase, plan, new_state, res.island,
                                                step_metrics, comm, report, res.synced, sync)

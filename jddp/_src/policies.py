@@ -10,7 +10,9 @@ and how the update is guarded (:class:`SkipNotFinite`, or ``jddp.DynamicScale``)
 
 Every policy is a frozen, hashable dataclass built by keyword; an invalid field raises at
 construction with the field's name and the fix. Combinations of policies that do not work
-together are refused by one table, :mod:`jddp._src.compat`.
+together are refused by one table, :mod:`jddp._src.compat`. :class:`Accumulate` and
+:class:`SkipNotFinite` are update wrappers, defined with their behaviour in
+:mod:`jddp._src.update` and re-exported here.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jddp._src.placement import Place, Replicate, ZeRO
 from jddp._src.planner import BucketPlan
 from jddp._src.reducers import Deterministic
 from jddp._src.sync import EveryStep
+from jddp._src.update import Accumulate, Guard, SkipNotFinite
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
@@ -144,53 +147,8 @@ class Buckets:
         return (self.cap_mb, self.first_mb, self.plan) != (None, None, None)
 
 
-@dataclasses.dataclass(frozen=True)
-class Accumulate:
-    """Gradient accumulation: local sums over calls and micro-batches, one reduction per
-    window (DDP's ``no_sync``; docs/accumulate.md).
-
-    Attributes:
-      steps: ``k > 1`` accumulates over ``k`` calls of ``step`` and reduces on the ``k``-th;
-        ``step(state, batch, sync=...)`` chooses explicitly.
-      microbatches: ``m > 1`` splits each device's batch into ``m`` micro-batches scanned
-        inside one call, with one reduction per bucket after the loop.
-      dtype: dtype of the local sums (default float32, or the parameter dtype if wider).
-      shard: at ZeRO stages 2-3 with ``steps > 1``, reduce-scatter every call's gradients into
-        an accumulator split like the parameters instead of a full local sum. ``None``: sharded
-        there when the hook reduce-scatters without state (and not with local SGD or the
-        deterministic reduction); ``False``: the local sum.
-    """
-
-    steps: int = 1
-    microbatches: int = 1
-    dtype: Any = None
-    shard: bool | None = None
-
-    def __post_init__(self) -> None:
-        _set(self, "steps", options.count(self.steps, "Accumulate.steps"))
-        _set(self, "microbatches", options.count(self.microbatches, "Accumulate.microbatches"))
-        _set(self, "dtype", options.float_dtype(self.dtype, "Accumulate.dtype"))
-        if self.shard is not None:
-            _set(self, "shard", options.flag(
-                self.shard, "Accumulate.shard",
-                " None (the default) shards the accumulator at ZeRO stages 2-3 when it can."))
-        if self.shard and self.steps == 1:
-            raise ValueError("Accumulate(shard=True) reduce-scatters every call's gradients into "
-                             "a 1/N accumulator, but steps=1 (accumulate_steps=1): there is no "
-                             "accumulator. Pass steps=k > 1, or shard=None.")
-
-
-@dataclasses.dataclass(frozen=True)
-class SkipNotFinite:
-    """The update guard that skips a step whose reduced gradient has a NaN or Inf (optax's
-    ``apply_if_finite``): params, optimizer, model and hook state and ``state.step`` stay,
-    ``metrics["skipped"]`` is 1.0. With accumulation the whole window's gradient decides; a
-    skipped window is consumed. ``jddp.DynamicScale()`` skips such steps too (and scales)."""
-
-
 Reduce = Buckets | Deterministic
 Sync = EveryStep | LocalSGD
-Guard = SkipNotFinite | DynamicScale
 
 _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "loss": ((Loss,), "a jddp.Loss(...)"),
@@ -240,7 +198,3 @@ class Policies:
     @property
     def deterministic(self) -> bool:
         return isinstance(self.reduce, Deterministic)
-
-    @property
-    def dynamic_scale(self) -> DynamicScale | None:
-        return self.loss_scale if isinstance(self.loss_scale, DynamicScale) else None

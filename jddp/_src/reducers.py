@@ -24,7 +24,6 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from jddp._src import accumulation as acc_lib
 from jddp._src import deterministic as det_lib
 from jddp._src import options, pipeline, replicated, xla_options
 from jddp._src import rng as rng_lib
@@ -126,7 +125,7 @@ class Bucketed:
         :func:`jddp._src.replicated.replicated_leaves`)."""
         return (self.default_plan is not None and cfg.mesh.devices.flat[0].platform == "cpu"
                 and self.hook == allreduce_mean() and not cfg.place.sharded
-                and not cfg.accumulates and cfg.microbatches == 1
+                and cfg.accumulate.is_identity
                 and cfg.mixed_precision is None and not cfg.topology.islands)
 
     def largest_cap_bytes(self, platform: str) -> int:
@@ -146,16 +145,15 @@ class Bucketed:
         return xla_options.largest_bucket_bound(xla_options.leaf_bytes(params),
                                                 self.largest_cap_bytes(platform))
 
-    def init_accum(self, cfg: StepConfig, params: Any, model_state: Any) -> AccumState:
-        """The accumulator of a window: per-device local sums (or a sharded one)."""
-        return acc_lib.init_accum(params, cfg.topology.num_devices, cfg.accumulator_dtype,
-                                  model_state, sharded=cfg.shard_accumulator)
+    def init_accum(self, cfg: StepConfig, params: Any, model_state: Any) -> AccumState | None:
+        """The accumulator of a window: per-device local sums (or a sharded one); ``None``
+        without a window."""
+        return cfg.accumulate.init(params, cfg.topology.num_devices, model_state)
 
     def check_inputs(self, cfg: StepConfig, state: Any, size: int, sync: Any) -> None:
         """Trace-time check that ``state.accum`` is this trainer's accumulator."""
         del size, sync  # any batch size and sync= reduce in buckets
-        acc_lib.check_accum(state, cfg.accumulate_steps, cfg.topology.num_devices,
-                            cfg.shard_accumulator)
+        cfg.accumulate.check(state, cfg.topology.num_devices, self.hook.name)
 
     def local_step(
         self, cfg: StepConfig, obj: Any, observer: Any, sync: Any, phase: Any, lv: Any,
@@ -222,7 +220,7 @@ class Deterministic:
         del platform
         return xla_options.largest_bucket_bound(xla_options.leaf_bytes(params), DDP_CAP_BYTES)
 
-    def init_accum(self, cfg: StepConfig, params: Any, model_state: Any) -> AccumState:
+    def init_accum(self, cfg: StepConfig, params: Any, model_state: Any) -> AccumState | None:
         """The window's binary counter of finished subtree sums
         (:func:`jddp._src.deterministic.init_accum`)."""
         return det_lib.init_accum(cfg, params, model_state)

@@ -224,13 +224,8 @@ class Step:
             jax.block_until_ready(state)
             self._last_phase = phase
         new_state, metrics = self._jit(state, batch, mask, rng, sync=sync, phase=phase)
-        cfg = self._cfg
-        following: int | None = step + 1
-        if sync is False:
-            following = step
-        elif ((cfg.accumulates and sync is None) or cfg.skip_not_finite or cfg.weighted
-              or cfg.loss_scale is not None):
-            following = None  # decided on the device; read it back next time
+        # The update's own rule (None: decided on the device; read it back next time).
+        following = self._cfg.update.following(step, sync)
         self._known = None if following is None else (weakref.ref(new_state.step), following)
         return new_state, metrics
 

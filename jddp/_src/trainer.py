@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -72,11 +73,8 @@ def step_config(loss_fn: Callable[..., Any], optimizer: Any, mesh: Mesh, p: pol.
         loss_fn=loss_fn, optimizer=check_optimizer(optimizer), mesh=mesh,
         reduce=_reducer(p, c.precision), has_aux=loss.has_aux, weighted=loss.weighted,
         rng=loss.rng, sum_metrics=loss.sum_metrics, model_state_sync=loss.model_state_sync,
-        accumulate_steps=acc.steps, microbatches=acc.microbatches, accumulator_dtype=acc.dtype,
-        shard_accumulator=compat.resolve_shard(acc, c),
-        skip_not_finite=isinstance(p.loss_scale, pol.SkipNotFinite),
-        loss_scale=p.dynamic_scale, sync=p.sync, mixed_precision=c.precision,
-        place=p.place)
+        accumulate=dataclasses.replace(acc, shard=compat.resolve_shard(acc, c)),
+        guard=p.loss_scale, sync=p.sync, mixed_precision=c.precision, place=p.place)
 
 
 def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
@@ -372,7 +370,7 @@ class DataParallel:
         mesh of compile-only devices (``jddp.perf.topologies``).
         """
         compiled = self.step.lower(state, batch, mask, sync=sync, rng=rng).compile()
-        window = self.config.accumulate_steps if sync is None else 1
+        window = self.config.accumulate.calls(sync)
         return report_lib.build(compiled, state, mesh_lib.host_of_device(self.config.mesh),
                                 window, self._plans.latest)
 

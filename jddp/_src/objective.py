@@ -44,6 +44,7 @@ from jddp._src import model_state as ms_lib
 from jddp._src import options
 from jddp._src import rng as rng_lib
 from jddp._src.checks import check_mask, check_scalar_loss
+from jddp._src.tree import broadcast_to_devices
 
 # Every metric the step writes itself, whatever its options (one list: the user's aux metrics may
 # not take these names, and tests/test_metrics.py lowers each kind of step and checks that it
@@ -384,6 +385,23 @@ class Loss:
     def per_replica_state(self) -> bool:
         """Each replica keeps its own model state (``model_state_sync="none"``)."""
         return self.model_state_sync == "none"
+
+    def model_state_layout(self, model_state: Any, num_devices: int) -> Any:
+        """The initial model state as the step keeps it: one copy per device (a leading
+        device dimension) with ``model_state_sync="none"``, else the one synchronised copy."""
+        if self.per_replica_state:
+            return broadcast_to_devices(model_state, num_devices)
+        return model_state
+
+    def model_state_spec(self, per_device: Any, synced: Any) -> Any:
+        """The partition spec of the model state's leaves: ``per_device`` with
+        ``model_state_sync="none"``, else ``synced``."""
+        return per_device if self.per_replica_state else synced
+
+    def key_like(self, rng: Any) -> Any:
+        """``rng``, or with ``rng=True`` and none given a placeholder key (for tracing only:
+        shapes matter)."""
+        return jax.random.key(0) if self.rng and rng is None else rng
 
     def objective(self, loss_fn: Callable[..., Any], stateful: bool) -> Objective:
         """``loss_fn`` as the step differentiates it (``stateful``: it takes model state)."""

@@ -61,8 +61,7 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
         params=params,
         opt_state=cfg.optimizer.init(params),
         # With model_state_sync="none" each replica keeps its own copy.
-        model_state=broadcast_to_devices(model_state, n) if cfg.loss.per_replica_state
-        else model_state,
+        model_state=cfg.loss.model_state_layout(model_state, n),
         hook_state=broadcast_to_devices(init_hook_state(cfg.reduce.hook, params), n),
         # The reduction decides the accumulator's layout (the deterministic one is its own).
         accum=cfg.reduce.init_accum(cfg, params, model_state),  # None without a window
@@ -75,14 +74,14 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
     """Partition specs of a state: replicated, except the per-device hook and accumulator state
     (and model state with ``model_state_sync="none"``), sharded on their leading device axis."""
     axis = cfg.topology.data
-    rep = lambda tree: jax.tree.map(lambda _: P(), tree)
     per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
     place, topo = cfg.place, cfg.topology
     specs = TrainState(
         step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
         params=jax.tree.map(lambda x: place.param_spec(topo, jnp.shape(x)), state.params),
         opt_state=jax.tree.map(lambda x: place.opt_spec(topo, jnp.shape(x)), state.opt_state),
-        model_state=(per_device if cfg.loss.per_replica_state else rep)(state.model_state),
+        model_state=jax.tree.map(lambda _: cfg.loss.model_state_spec(P(axis), P()),
+                                 state.model_state),
         hook_state=per_device(state.hook_state),
         **cfg.update.specs(state, cfg.topology),
     )
@@ -138,11 +137,11 @@ def _result_specs(cfg: StepConfig, lv: Roles, view: TrainState,
                   layout: zero.Layout) -> LocalResult:
     axis = cfg.topology.data
     rep = lv.replica_spec
-    glob = P() if lv.spans else rep
+    glob = lv.mean_spec
     grads = cfg.place.grad_specs(cfg.topology, layout, view.params, rep)
     return LocalResult(
         grads=grads, metrics=glob, local_metrics=P(axis),  # type: ignore[arg-type]
-        model_state=P(axis) if cfg.loss.per_replica_state else rep,
+        model_state=cfg.loss.model_state_spec(P(axis), rep),
         hook_state=P(axis), accum=cfg.accumulate.specs(view.accum, cfg.topology),
         synced=P(), nonempty=glob,
         island=lv.island(lambda: rep),  # type: ignore[arg-type]
@@ -250,8 +249,7 @@ def plan(cfg: StepConfig, state_like: Any, batch_like: Any, mask_like: Any = Non
          rng_like: Any = None) -> BucketPlan:
     """The bucket plan the step uses for these inputs (traced, not compiled or run)."""
     found: list[BucketPlan] = []
-    if cfg.loss.rng and rng_like is None:
-        rng_like = jax.random.key(0)  # any key: only shapes matter
+    rng_like = cfg.loss.key_like(rng_like)
     jax.eval_shape(functools.partial(train_step, cfg, found.append), state_like, batch_like,
                    mask_like, rng_like)
     return found[-1]

@@ -73,6 +73,12 @@ class Roles(NamedTuple):
         return P() if self.replica is None else P(self.replica)
 
     @property
+    def mean_spec(self) -> P:
+        """The spec of a mean over this step's reduction: replicated when it spans every
+        replica, else one per replica (:attr:`replica_spec`)."""
+        return P() if self.spans else self.replica_spec
+
+    @property
     def flag_shape(self) -> tuple[int, ...]:
         """The shape of a per-replica flag (one per replica; a scalar without local SGD)."""
         return () if self.replica is None else (self.replicas,)

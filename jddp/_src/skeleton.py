@@ -1,13 +1,13 @@
 """The training step as a fixed skeleton of phases, each a call of the policy that owns it.
 
 One ``ddp.step(state, batch)`` (every front end and every combination of policies goes through
-it) runs, in order, and never asks which policy it has:
+it) runs, in order, and never asks which policy it has. First the set-up (global view, at trace
+time): the state and the optimizer state, the batch, then each policy's own checks of the call
+(``cfg.reduce.check_inputs``, ``cfg.update.check``, ``cfg.accumulate.check_call``,
+``cfg.loss.check_call``); the sync policy says where this kind of step reduces
+(``cfg.sync.roles``: a :class:`jddp._src.topology.Roles`). Then the phases:
 
-1. *checks* (global view, at trace time): the state and the optimizer state, the batch, then each
-   policy's own checks of the call (``cfg.reduce.check_inputs``, ``cfg.update.check``,
-   ``cfg.accumulate.check_call``, ``cfg.loss.check_call``); the sync policy says where this kind of
-   step reduces (``cfg.sync.roles``: a :class:`jddp._src.topology.Roles`).
-2. *local gradients and reduce* (per device, in one ``jax.shard_map``): the reducer's
+1-2. *local gradients, then reduce* (per device, in one ``jax.shard_map``): the reducer's
    ``cfg.reduce.local_step`` (:class:`jddp._src.config.Reducer`; the buckets'
    :func:`jddp._src.bucketed.bucketed_step`, or :class:`jddp.Deterministic`'s fixed tree),
    returning a :class:`jddp._src.config.LocalResult`; the placement says what lives where
@@ -31,7 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp._src import zero
@@ -154,15 +154,6 @@ def _optimizer_metrics(lv: Roles, metrics: dict, opt_state: Any) -> dict:
     return merge_optimizer_metrics(metrics, lv.per_replica(optimizer_metrics)(opt_state))
 
 
-def _place_batch(cfg: StepConfig, batch: Any, weights: Any) -> tuple[Any, Any]:
-    """On a mesh with Explicit axes (jax.make_mesh's default) a host (NumPy) batch arrives
-    replicated, and shard_map then refuses it: shard it as the step needs."""
-    if not any(t == AxisType.Explicit for t in cfg.mesh.axis_types):
-        return batch, weights
-    data = NamedSharding(cfg.mesh, P(cfg.topology.data))
-    return jax.tree.map(lambda x: jax.sharding.reshard(x, data), (batch, weights))
-
-
 def train_step(
     cfg: StepConfig,
     observer: PlanObserver | None,
@@ -190,7 +181,7 @@ def train_step(
     lv = cfg.sync.roles(cfg.topology, sync_phase)
     view = cfg.sync.replica_view(state)
     weights = check_step_inputs(cfg, view, batch, mask, sync, rng)
-    batch, weights = _place_batch(cfg, batch, weights)
+    batch, weights = cfg.topology.place_batch((batch, weights))
     layout = zero.Layout.of(view.params, cfg.topology.shard_count)
     plans: list[BucketPlan] = []
 

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp._src import vma
@@ -204,6 +204,15 @@ class Topology:
         if not self.islands:
             return 1
         return int(self.mesh.shape[self.axes.hosts]) if self.two_level else self.num_devices
+
+    def place_batch(self, tree: Any) -> Any:
+        """``tree`` (a global batch, its weights) split on the data axis where the step needs it
+        placed: on a mesh with Explicit axes (``jax.make_mesh``'s default) a host (NumPy) batch
+        arrives replicated, and ``shard_map`` then refuses it."""
+        if not any(t == AxisType.Explicit for t in self.mesh.axis_types):
+            return tree
+        data = NamedSharding(self.mesh, P(self.data))
+        return jax.tree.map(lambda x: jax.sharding.reshard(x, data), tree)
 
     def roles(self, kind: str | None = None) -> Roles:
         """The :class:`Roles` of a step of this kind (``None``: a plain data-parallel step;

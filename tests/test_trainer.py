@@ -201,7 +201,7 @@ def test_every_boolean_option_takes_only_a_bool(name, value):
         with pytest.raises(TypeError, match=rf"{bad} must be True or False"):
             jddp.powersgd(**{bad: value})
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), weighted=np.bool_(True), keep_unused=False)
-    assert ddp.config.weighted is True and ddp.config.reduce.keep_unused is False
+    assert ddp.config.loss.weighted is True and ddp.config.reduce.keep_unused is False
 
 
 def test_a_dict_or_another_models_state_is_named():

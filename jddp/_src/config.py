@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 from jddp._src import options
 from jddp._src.hooks import CommHook
-from jddp._src.objective import Extras
+from jddp._src.objective import Extras, Loss
 from jddp._src.placement import Place, Replicate
 from jddp._src.planner import BucketPlan
 from jddp._src.precision import MixedPrecision
@@ -162,21 +162,18 @@ class StepConfig:
       mesh: the data mesh; every axis of it is a data axis.
       reduce: how gradients are reduced (:class:`Reducer`): the bucketed reduction
         (:class:`jddp._src.reducers.Bucketed`) or :class:`jddp.Deterministic`.
-      has_aux: ``loss_fn`` also returns metrics.
-      model_state_sync: how new model state is made consistent across replicas.
-      weighted: ``loss_fn`` returns unreduced losses, weighted by the step's mask.
+      loss: what ``loss_fn`` takes and returns and how its outputs combine (:class:`jddp.Loss`:
+        aux metrics, weights, per-example keys, summed metrics, model-state sync).
       accumulate: the accumulation window (:class:`jddp._src.update.Accumulate`, its ``shard``
         resolved by :func:`jddp._src.compat.resolve_shard`).
       guard: the update guard: :class:`jddp._src.update.SkipNotFinite`, a
         :class:`jddp._src.loss_scale.DynamicScale` (dynamic loss scaling), or ``None``.
-      update: derived: ``accumulate``, ``guard`` and ``weighted``'s empty-window skip composed
+      update: derived: ``accumulate``, ``guard`` and a weighted loss's empty-window skip composed
         into the step's update wrappers (:class:`jddp._src.update.Update`).
       place: where the state lives (:mod:`jddp._src.placement`): :class:`Replicate` (DDP) or
         :class:`ZeRO` (stages 1-3, hybrid sharding, ``reshard_after_forward``, offload),
         resolved against the mesh (:meth:`ZeRO.resolve`); the step calls its methods.
-      rng: ``loss_fn`` takes one PRNG key per example (``step(..., rng=key)``).
-      sum_metrics: aux metrics summed over devices and micro-batches (the others are averaged).
-      mixed_precision: the mixed-precision policy (:mod:`jddp._src.precision`; ``None``: off).
+      precision: the mixed-precision policy (:mod:`jddp._src.precision`; ``None``: off).
       sync: the sync policy (:class:`SyncPolicy`): :class:`jddp._src.sync.EveryStep` (plain data
         parallelism), or local SGD / DiLoCo (:class:`jddp._src.local_sgd.LocalSGD`: per-replica
         parameters, averaged every ``period`` steps).
@@ -186,16 +183,12 @@ class StepConfig:
     optimizer: optax.GradientTransformation
     mesh: Mesh
     reduce: Reducer
-    has_aux: bool = False
-    model_state_sync: options.ModelStateSync = "broadcast"
-    weighted: bool = False
+    loss: Loss = Loss()
     accumulate: Accumulate = Accumulate()
     guard: Guard | None = None
     place: Place = Replicate()
-    rng: bool = False
-    sum_metrics: tuple[str, ...] = ()
     sync: SyncPolicy = EveryStep()
-    mixed_precision: MixedPrecision | None = None
+    precision: MixedPrecision | None = None
 
     topology: Topology = dataclasses.field(init=False, compare=False, repr=False)
     update: Update = dataclasses.field(init=False, compare=False, repr=False)
@@ -206,8 +199,4 @@ class StepConfig:
         object.__setattr__(self, "place", self.place.resolve(topology))
         # The update wrappers, composed once (derived like the topology).
         object.__setattr__(self, "update", Update(accumulate=self.accumulate, guard=self.guard,
-                                                  skip_empty=self.weighted))
-
-    @property
-    def per_device_model_state(self) -> bool:
-        return self.model_state_sync == "none"
+                                                  skip_empty=self.loss.weighted))

@@ -126,12 +126,12 @@ def check_call(cfg: Any, global_size: int, sync: Any, model_state: Any, g: int) 
         )
     if model_state is None:
         return
-    if cfg.model_state_sync != "mean":
+    if cfg.loss.model_state_sync != "mean":
         raise ValueError(
             "jddp.Deterministic() with model state: every group starts from the step's model "
             "state and the new state is the mean of the groups' new states, in the fixed tree. "
             "That is model_state_sync='mean'; pass it explicitly, "
-            f"loss=jddp.Loss(model_state_sync='mean') (got {cfg.model_state_sync!r})."
+            f"loss=jddp.Loss(model_state_sync='mean') (got {cfg.loss.model_state_sync!r})."
         )
     bad = [x for x in jax.tree.leaves(model_state)
            if not jnp.issubdtype(dtype_of(x), jnp.floating)]
@@ -387,12 +387,12 @@ def _finish(cfg: Any, window: Part, call: Part, zero: Any) -> tuple[Any, dict, A
     """
     scale = lambda x, r: x * r.astype(x.dtype)
     per_call = 1.0 / call.count
-    metrics = {k: v if k in cfg.sum_metrics else scale(v, per_call)
+    metrics = {k: v if k in cfg.loss.sum_metrics else scale(v, per_call)
                for k, v in call.metrics.items()}
     per_group = 1.0 / window.count
     model_state = jax.tree.map(lambda x: scale(x, per_group), window.model_state)
     nonempty = jnp.asarray(True)
-    if not cfg.weighted:
+    if not cfg.loss.weighted:
         grads = jax.tree.map(lambda g: scale(g, per_group), window.grads)
         metrics["loss"] = scale(window.sums["loss"], per_group)
     else:
@@ -451,7 +451,7 @@ def local_step(cfg: Any, obj: Any, state: Any, batch: Any, weights: Any, rng: An
     groups = local // g  # this device's groups in this call
     acc = state.accum
     keys = None
-    if cfg.rng:
+    if cfg.loss.rng:
         # A key per position in the window (not in the call): accumulation splits keep them.
         call = jnp.zeros((), jnp.int32) if acc is None else acc.count
         start = call * (local * n) + lax.axis_index(axis) * local

@@ -326,7 +326,7 @@ def build_state(cfg: StepConfig, spec: LocalSGD, state: TrainState) -> TrainStat
     return state.replace(
         params=broadcast_to_devices(state.params, r),
         opt_state=broadcast_to_devices(state.opt_state, r),
-        model_state=state.model_state if cfg.per_device_model_state
+        model_state=state.model_state if cfg.loss.per_replica_state
         else broadcast_to_devices(state.model_state, r),
         loss_scale=broadcast_to_devices(state.loss_scale, r),
         outer=outer,
@@ -339,7 +339,7 @@ def state_specs(cfg: StepConfig, state: TrainState, specs: TrainState) -> TrainS
     return specs.replace(
         params=_per_replica_specs(cfg, state.params, cfg.place.param_spec),
         opt_state=_per_replica_specs(cfg, state.opt_state, cfg.place.opt_spec),
-        model_state=specs.model_state if cfg.per_device_model_state
+        model_state=specs.model_state if cfg.loss.per_replica_state
         else _per_replica_specs(cfg, state.model_state),
         loss_scale=_per_replica_specs(cfg, state.loss_scale),
         outer=jax.tree.map(lambda _: P(), state.outer),
@@ -363,7 +363,7 @@ def island_state(cfg: StepConfig, state: TrainState) -> TrainState:
     their replica dimension)."""
     return state.replace(
         params=strip_device_dim(state.params), loss_scale=strip_device_dim(state.loss_scale),
-        model_state=state.model_state if cfg.per_device_model_state
+        model_state=state.model_state if cfg.loss.per_replica_state
         else strip_device_dim(state.model_state),
     )
 
@@ -462,7 +462,7 @@ def _average(cfg: StepConfig, spec: LocalSGD, plan: BucketPlan, values: Any, isl
     topo = cfg.topology
     rax, r = topo.replica, topo.replicas
     local_axis = topo.local if topo.two_level and not cfg.place.splits_params else None
-    mode = cfg.model_state_sync
+    mode = cfg.loss.model_state_sync
     per_rep = lambda tree: jax.tree.map(lambda _: P(rax), tree)
 
     def per_device(vals: Any, isl: Extras, ms: Any, step: Any) -> tuple[Any, Extras, Any]:
@@ -544,7 +544,7 @@ def _synced(cfg: StepConfig, spec: LocalSGD, plan: BucketPlan, due: tuple[int, .
     """The averaging of ``state`` (after the replicas' own updates): parameter averaging, or
     DiLoCo's outer step on the averaged delta (of the ``due`` fragments with streaming DiLoCo)."""
     outer = state.outer
-    ms = None if cfg.per_device_model_state else state.model_state
+    ms = None if cfg.loss.per_replica_state else state.model_state
     if spec.fragments > 1:
         params, outer, mean, new_ms = _streamed(cfg, spec, plan, due, state, island, ms)
     elif spec.diloco:

@@ -41,7 +41,9 @@ import jax
 import jax.numpy as jnp
 
 from jddp._src import model_state as ms_lib
-from jddp._src.checks import check_scalar_loss
+from jddp._src import options
+from jddp._src import rng as rng_lib
+from jddp._src.checks import check_mask, check_scalar_loss
 
 # Every metric the step writes itself, whatever its options (one list: the user's aux metrics may
 # not take these names, and tests/test_metrics.py lowers each kind of step and checks that it
@@ -335,3 +337,101 @@ def mean_metrics(
         out[k] = _ratio(v, mean.weight)
     out["loss"] = _ratio(mean.window_loss, mean.window_weight)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """What ``loss_fn`` takes and returns, and how its outputs combine across replicas.
+
+    Attributes:
+      has_aux: ``loss_fn`` returns ``(loss, metrics)``, ``metrics`` a dict of float scalars
+        (averaged over devices unless named in ``sum_metrics``).
+      weighted: ``loss_fn`` returns unreduced losses (per example or per token) and ``step``
+        takes a ``mask`` (or weights) of their shape; the step averages over real entries
+        only, across devices and accumulated calls. A step with no real entry is skipped.
+      rng: ``loss_fn`` takes a last argument ``rng``, one PRNG key per example of its shard,
+        derived from the run's key (``step(state, batch, rng=key)``), the step and the
+        example's position in the global batch (``jddp.random``).
+      sum_metrics: aux metrics summed over devices and micro-batches instead of averaged
+        (counts, token totals); needs ``has_aux``.
+      model_state_sync: how the new model state (``init(params, model_state)``) is made the
+        same on every replica: ``"broadcast"`` (replica 0's, DDP's ``broadcast_buffers``),
+        ``"mean"`` (averaged; integer leaves broadcast) or ``"none"`` (one per replica).
+    """
+
+    has_aux: bool = False
+    weighted: bool = False
+    rng: bool = False
+    sum_metrics: tuple[str, ...] = ()
+    model_state_sync: options.ModelStateSync = "broadcast"
+
+    def __post_init__(self) -> None:
+        for name in ("has_aux", "weighted"):
+            object.__setattr__(self, name, options.flag(getattr(self, name), f"Loss.{name}"))
+        object.__setattr__(self, "rng", options.flag(self.rng, "Loss.rng",
+                                       " Pass the key itself to step(state, batch, rng=key)."))
+        summed = options.metric_names(self.sum_metrics, "Loss.sum_metrics")
+        check_metric_names(summed, "Loss.sum_metrics")
+        if summed and not self.has_aux:
+            raise ValueError(
+                f"jddp.Loss: sum_metrics={summed} names aux metrics, but has_aux=False: return "
+                "(loss, metrics) from loss_fn and pass jddp.Loss(has_aux=True, sum_metrics=...)."
+            )
+        object.__setattr__(self, "sum_metrics", summed)
+        object.__setattr__(self, "model_state_sync", options.model_state_sync(self.model_state_sync))
+
+    @property
+    def per_replica_state(self) -> bool:
+        """Each replica keeps its own model state (``model_state_sync="none"``)."""
+        return self.model_state_sync == "none"
+
+    def objective(self, loss_fn: Callable[..., Any], stateful: bool) -> Objective:
+        """``loss_fn`` as the step differentiates it (``stateful``: it takes model state)."""
+        return Objective(loss_fn, self.has_aux, stateful, self.weighted, self.model_state_sync,
+                         rng=self.rng, sum_metrics=self.sum_metrics)
+
+    def check_call(self, mask: Any, size: int, rng: Any) -> Any:
+        """Trace-time checks of a call's ``mask`` and ``rng`` against this policy; returns the
+        mask as float32 weights of the global batch's ``size`` examples (``None`` unweighted)."""
+        if self.rng and rng is None:
+            raise ValueError(
+                "This DataParallel was built with loss=jddp.Loss(rng=True), so loss_fn takes "
+                "per-example keys: pass the run's key to every step, ddp.step(state, batch, "
+                "rng=key) (the step and each example's position are folded into it)."
+            )
+        if rng is not None:
+            if not self.rng:
+                raise ValueError(
+                    "step got rng=..., but loss_fn does not take keys: build the DataParallel "
+                    "with loss=jddp.Loss(rng=True) and give loss_fn a last argument rng (one key "
+                    "per example)."
+                )
+            rng_lib.check_key(rng)
+        if not self.weighted:
+            if mask is not None:
+                raise ValueError(
+                    "step got a mask, but this DataParallel averages per-shard mean losses. "
+                    "Construct it with loss=jddp.Loss(weighted=True) and make loss_fn return "
+                    "per-example losses."
+                )
+            return None
+        if mask is None:
+            return jnp.ones((size,), jnp.float32)
+        return check_mask(mask, size)
+
+    def example_keys(self, rng: Any, step: Any, local: int,
+                     where: Callable[[], tuple[Any, Any]]) -> Any:
+        """This device's ``local`` per-example keys (see :mod:`jddp._src.rng`), or ``None`` when
+        ``loss_fn`` takes none; ``where()`` gives the device's first row in the global batch and
+        the call's index in its window (traced only when keys are made)."""
+        if not self.rng:
+            return None
+        start, call = where()
+        return rng_lib.example_keys(rng, step, local, start=start, call=call)
+
+    def report(self, mean: Extras, micro_per_call: int, window_count: Any,
+               num_devices: int) -> dict:
+        """The step's metrics from the averaged extras (:func:`mean_metrics`, with this
+        policy's summed metrics)."""
+        return mean_metrics(mean, micro_per_call, window_count, summed=self.sum_metrics,
+                            num_devices=num_devices)

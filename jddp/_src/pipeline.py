@@ -53,13 +53,12 @@ from jax.sharding import PartitionSpec as P
 from jddp._src import accumulation as acc_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import precision as precision_lib
-from jddp._src import rng as rng_lib
 from jddp._src import vma, zero
-from jddp._src.checks import batch_size, check_batch, check_float_params, check_mask
+from jddp._src.checks import batch_size, check_batch, check_float_params
 from jddp._src.config import StepConfig
 from jddp._src.hooks import init_hook_state
 from jddp._src.introspect import jaxpr as jaxpr_lib
-from jddp._src.objective import Extras, LocalAux, Objective, mean_metrics
+from jddp._src.objective import Extras, LocalAux, Objective
 from jddp._src.optimizer_metrics import (
     merge_optimizer_metrics,
     optimizer_metrics,
@@ -80,8 +79,7 @@ PlanObserver = Callable[[BucketPlan], None]
 
 def objective(cfg: StepConfig, stateful: bool) -> Objective:
     """The user's loss as the step differentiates it."""
-    return Objective(cfg.loss_fn, cfg.has_aux, stateful, cfg.weighted, cfg.model_state_sync,
-                     rng=cfg.rng, sum_metrics=cfg.sum_metrics)
+    return cfg.loss.objective(cfg.loss_fn, stateful)
 
 
 # ------------------------------------------------------------------------------------ state
@@ -95,7 +93,7 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
         params=params,
         opt_state=cfg.optimizer.init(params),
         # With model_state_sync="none" each replica keeps its own copy.
-        model_state=broadcast_to_devices(model_state, n) if cfg.per_device_model_state
+        model_state=broadcast_to_devices(model_state, n) if cfg.loss.per_replica_state
         else model_state,
         hook_state=broadcast_to_devices(init_hook_state(cfg.reduce.hook, params), n),
         # The reduction decides the accumulator's layout (the deterministic one is its own).
@@ -116,7 +114,7 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
         step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
         params=jax.tree.map(lambda x: place.param_spec(topo, jnp.shape(x)), state.params),
         opt_state=jax.tree.map(lambda x: place.opt_spec(topo, jnp.shape(x)), state.opt_state),
-        model_state=(per_device if cfg.per_device_model_state else rep)(state.model_state),
+        model_state=(per_device if cfg.loss.per_replica_state else rep)(state.model_state),
         hook_state=per_device(state.hook_state),
         **cfg.update.specs(state, cfg.topology),
     )
@@ -167,32 +165,8 @@ def check_step_inputs(
     size = check_batch(batch, n)
     cfg.reduce.check_inputs(cfg, state, size, sync)
     cfg.update.check(state)
-    if cfg.rng and rng is None:
-        raise ValueError(
-            "This DataParallel was built with loss=jddp.Loss(rng=True), so loss_fn takes "
-            "per-example keys: pass the run's key to every step, ddp.step(state, batch, "
-            "rng=key) (the step and each example's position are folded into it)."
-        )
-    if rng is not None:
-        if not cfg.rng:
-            raise ValueError(
-                "step got rng=..., but loss_fn does not take keys: build the DataParallel with "
-                "loss=jddp.Loss(rng=True) and give loss_fn a last argument rng (one key per "
-                "example)."
-            )
-        rng_lib.check_key(rng)
     cfg.accumulate.check_call(size // n, n, sync)
-    if not cfg.weighted:
-        if mask is not None:
-            raise ValueError(
-                "step got a mask, but this DataParallel averages per-shard mean losses. "
-                "Construct it with loss=jddp.Loss(weighted=True) and make loss_fn return "
-                "per-example losses."
-            )
-        return None
-    if mask is None:
-        return jnp.ones((size,), jnp.float32)
-    return check_mask(mask, size)
+    return cfg.loss.check_call(mask, size, rng)
 
 
 # ------------------------------------------------------------------------------------ the step
@@ -237,7 +211,7 @@ def _result_specs(cfg: StepConfig, lv: Roles, view: TrainState,
     grads = cfg.place.grad_specs(cfg.topology, layout, view.params, rep)
     return LocalResult(
         grads=grads, metrics=glob, local_metrics=P(axis),  # type: ignore[arg-type]
-        model_state=P(axis) if cfg.per_device_model_state else rep,
+        model_state=P(axis) if cfg.loss.per_replica_state else rep,
         hook_state=P(axis), accum=cfg.accumulate.specs(view.accum, cfg.topology),
         synced=P(), nonempty=glob,
         island=lv.island(lambda: rep),  # type: ignore[arg-type]
@@ -260,7 +234,7 @@ def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
     ms = state.model_state
     if ms is None:
         return None
-    if cfg.per_device_model_state:
+    if cfg.loss.per_replica_state:
         ms = strip_device_dim(ms)
     acc = state.accum
     if cfg.accumulate.is_identity:
@@ -303,12 +277,13 @@ def _metric_keys(aux_shape: LocalAux) -> list[str]:
 
 def _example_keys(cfg: StepConfig, state: TrainState, rng: Any, batch: Any) -> Any:
     """This device's per-example keys (see :mod:`jddp._src.rng`), or ``None`` without ``rng``."""
-    if not cfg.rng:
-        return None
     local = batch_size(batch)
-    call = jnp.zeros((), jnp.int32) if state.accum is None else state.accum.count
-    start = lax.axis_index(cfg.topology.data) * local
-    return rng_lib.example_keys(rng, state.step, local, start=start, call=call)
+
+    def where() -> tuple[Any, Any]:  # this device's first row, and the call in the window
+        call = jnp.zeros((), jnp.int32) if state.accum is None else state.accum.count
+        return lax.axis_index(cfg.topology.data) * local, call
+
+    return cfg.loss.example_keys(rng, state.step, local, where)
 
 
 def _scaled(fun: Callable[..., Any], scale: Any) -> Callable[..., Any]:
@@ -385,7 +360,7 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
     # The one trace of the user's loss in this program: planning, the scanned micro-batches, the
     # accumulating branch and the reducing evaluation all read this jaxpr.
     # Under a mixed-precision policy the loss is traced with param_dtype parameters.
-    traced = jaxpr_lib.trace(obj, precision_lib.compute_params(cfg.mixed_precision, params_v),
+    traced = jaxpr_lib.trace(obj, precision_lib.compute_params(cfg.precision, params_v),
                              ms0, last, *side_last)
     plan = _plan(cfg, traced, full_params, observer, layout)
     loss_scale = None if state.loss_scale is None else state.loss_scale.scale
@@ -409,7 +384,7 @@ def _local_params(cfg: StepConfig, lv: Roles, prep: Prepared) -> tuple[Any, Byte
     the bytes of getting them (stage 3 gathers them: :meth:`jddp._src.placement.ZeRO.local_params`).
     """
     return cfg.place.local_params(cfg.topology, lv, prep.plan, prep.layout, cfg.reduce.chain, prep.params,
-                                  prep.params_v, cfg.mixed_precision)
+                                  prep.params_v, cfg.precision)
 
 
 def _head_sums(cfg: StepConfig, lv: Roles, prep: Prepared,
@@ -457,7 +432,7 @@ def _reduce(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
         chain=cfg.reduce.chain,
         seed=seed, offset=offset, extras_fn=extras,
         extras_shape=obj.extras_shape(prep.aux_shape, lv.size, lv.axis), sharded=prep.sharded,
-        hosts_axis=lv.hosts, precision=cfg.mixed_precision,
+        hosts_axis=lv.hosts, precision=cfg.precision,
     )
 
 
@@ -526,14 +501,13 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
     if ls is not None:  # unscaled after the reduction: the same on every replica
         grads = ls_lib.unscale(grads, ls)
     nonempty = jnp.asarray(True)
-    if cfg.weighted:
+    if cfg.loss.weighted:
         # grads = mean_dev(sum of local gradients) / count; the wanted mean divides the sum
         # over devices by the window's real weight, which rode on the last bucket.
         nonempty = mean.window_weight > 0
         scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-    metrics = mean_metrics(mean, accumulate.microbatches, count, summed=cfg.sum_metrics,
-                           num_devices=lv.size)
+    metrics = cfg.loss.report(mean, accumulate.microbatches, count, lv.size)
     # Stages 1-2 all-gather the updated pieces after the update (placement.gather_params).
     updated = cfg.place.update_bytes(cfg.topology, lv, prep.plan, layout)
     comm = _comm_bytes(cfg, red.sent + gathered + updated)
@@ -601,7 +575,7 @@ def _scattered_call(cfg: StepConfig, lv: Roles, prep: Prepared, state: TrainStat
         hook_state=strip_device_dim(state.hook_state), step=state.step, phase=phase,
         chain=cfg.reduce.chain, seed=seed,
         offset=None if offset is None else jax.tree.leaves(offset),
-        sharded=prep.sharded, hosts_axis=lv.hosts, precision=cfg.mixed_precision,
+        sharded=prep.sharded, hosts_axis=lv.hosts, precision=cfg.precision,
     )
     aux: LocalAux = red.out[1]
     grads = acc_lib.add(live_grads, jax.tree.unflatten(jax.tree.structure(live_grads),
@@ -634,7 +608,7 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
     island = lv.island(lambda: jax.tree.map(
         lambda s: jnp.zeros(s.shape, s.dtype),
         obj.extras_shape(prep.aux_shape, 1, cfg.topology.data)._replace(state=())))
-    ms = state.model_state if state.model_state is None or not cfg.per_device_model_state \
+    ms = state.model_state if state.model_state is None or not cfg.loss.per_replica_state \
         else strip_device_dim(state.model_state)
     return LocalResult(
         zeros, metrics, {"local_loss": loss[None]}, ms, strip_device_dim(state.hook_state),
@@ -646,7 +620,7 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
 def _to_global(cfg: StepConfig, lv: Roles, res: LocalResult) -> LocalResult:
     """The per-device results with the leading dimensions their specs split (per device, and
     with local SGD per replica: :meth:`Roles.vary`, :meth:`Roles.add_dim`)."""
-    per_device_ms = cfg.per_device_model_state
+    per_device_ms = cfg.loss.per_replica_state
     # Every value typed first, then given its dimension (the program's order of operations).
     res = res._replace(grads=lv.vary(res.grads), island=lv.vary(res.island),
                        model_state=res.model_state if per_device_ms else lv.vary(res.model_state))
@@ -773,15 +747,11 @@ def train_step(
     step_metrics = dict(res.metrics)
     comm = dict(res.comm or {})
     # Phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step).
-    accumulate = cfg.accumulate
-    count = accumulate.window_count(state.accum)
-    report = lambda mean: mean_metrics(mean, accumulate.microbatches, count,
-                                       summed=cfg.sum_metrics, num_devices=cfg.topology.num_devices)
+    report = cfg.accumulate.report(cfg.loss, state.accum, cfg.topology.num_devices)
     new_state, metrics = cfg.sync.after_update(cfg, lv, sync_phase, plan, new_state, res.island,
                                                step_metrics, comm, report, res.synced, sync)
-    if state.accum is not None:
-        metrics["synced"] = res.synced
-    metrics = {**metrics, **res.local_metrics, **update_metrics}
+    metrics = {**metrics, **cfg.accumulate.window_metrics(state.accum, res.synced),
+               **res.local_metrics, **update_metrics}
     metrics = _optimizer_metrics(lv, metrics, new_state.opt_state)
     return cfg.place.store(new_state), metrics
 
@@ -796,7 +766,7 @@ def plan(cfg: StepConfig, state_like: Any, batch_like: Any, mask_like: Any = Non
          rng_like: Any = None) -> BucketPlan:
     """The bucket plan the step uses for these inputs (traced, not compiled or run)."""
     found: list[BucketPlan] = []
-    if cfg.rng and rng_like is None:
+    if cfg.loss.rng and rng_like is None:
         rng_like = jax.random.key(0)  # any key: only shapes matter
     jax.eval_shape(functools.partial(train_step, cfg, found.append), state_like, batch_like,
                    mask_like, rng_like)

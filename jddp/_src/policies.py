@@ -24,7 +24,7 @@ from jddp._src import autocap, modelcap, options
 from jddp._src.hooks import CommHook, check_hook
 from jddp._src.local_sgd import LocalSGD
 from jddp._src.loss_scale import DynamicScale
-from jddp._src.objective import check_metric_names
+from jddp._src.objective import Loss
 from jddp._src.placement import Place, Replicate, ZeRO
 from jddp._src.planner import BucketPlan
 from jddp._src.reducers import Deterministic
@@ -36,48 +36,6 @@ def _set(obj: Any, name: str, value: Any) -> None:
     # A frozen dataclass normalises its own fields (a list of names to a tuple) in
     # __post_init__; object.__setattr__ is the documented way to do that.
     object.__setattr__(obj, name, value)
-
-
-@dataclasses.dataclass(frozen=True)
-class Loss:
-    """What ``loss_fn`` takes and returns, and how its outputs combine across replicas.
-
-    Attributes:
-      has_aux: ``loss_fn`` returns ``(loss, metrics)``, ``metrics`` a dict of float scalars
-        (averaged over devices unless named in ``sum_metrics``).
-      weighted: ``loss_fn`` returns unreduced losses (per example or per token) and ``step``
-        takes a ``mask`` (or weights) of their shape; the step averages over real entries
-        only, across devices and accumulated calls. A step with no real entry is skipped.
-      rng: ``loss_fn`` takes a last argument ``rng``, one PRNG key per example of its shard,
-        derived from the run's key (``step(state, batch, rng=key)``), the step and the
-        example's position in the global batch (``jddp.random``).
-      sum_metrics: aux metrics summed over devices and micro-batches instead of averaged
-        (counts, token totals); needs ``has_aux``.
-      model_state_sync: how the new model state (``init(params, model_state)``) is made the
-        same on every replica: ``"broadcast"`` (replica 0's, DDP's ``broadcast_buffers``),
-        ``"mean"`` (averaged; integer leaves broadcast) or ``"none"`` (one per replica).
-    """
-
-    has_aux: bool = False
-    weighted: bool = False
-    rng: bool = False
-    sum_metrics: tuple[str, ...] = ()
-    model_state_sync: options.ModelStateSync = "broadcast"
-
-    def __post_init__(self) -> None:
-        for name in ("has_aux", "weighted"):
-            _set(self, name, options.flag(getattr(self, name), f"Loss.{name}"))
-        _set(self, "rng", options.flag(self.rng, "Loss.rng",
-                                       " Pass the key itself to step(state, batch, rng=key)."))
-        summed = options.metric_names(self.sum_metrics, "Loss.sum_metrics")
-        check_metric_names(summed, "Loss.sum_metrics")
-        if summed and not self.has_aux:
-            raise ValueError(
-                f"jddp.Loss: sum_metrics={summed} names aux metrics, but has_aux=False: return "
-                "(loss, metrics) from loss_fn and pass jddp.Loss(has_aux=True, sum_metrics=...)."
-            )
-        _set(self, "sum_metrics", summed)
-        _set(self, "model_state_sync", options.model_state_sync(self.model_state_sync))
 
 
 Chooser = autocap.AutoCap | modelcap.ModelCap

@@ -126,7 +126,7 @@ class Bucketed:
         return (self.default_plan is not None and cfg.mesh.devices.flat[0].platform == "cpu"
                 and self.hook == allreduce_mean() and not cfg.place.sharded
                 and cfg.accumulate.is_identity
-                and cfg.mixed_precision is None and not cfg.topology.islands)
+                and cfg.precision is None and not cfg.topology.islands)
 
     def largest_cap_bytes(self, platform: str) -> int:
         """The largest bucket cap a plan can have on ``platform``: ``cap_bytes``, or the largest
@@ -241,7 +241,7 @@ class Deterministic:
         del sync, phase, lv, layout
         g = self.group_size
         group, w = jax.tree.map(lambda x: x[:g], (batch, weights))
-        keys = rng_lib.example_keys(rng, state.step, g) if cfg.rng else None
+        keys = rng_lib.example_keys(rng, state.step, g) if cfg.loss.rng else None
         # Traced for the checks and the (reported, unused) bucket plan only.
         traced = jaxpr_lib.trace(obj, state.params, state.model_state, group, w, keys)
         det_lib.check_no_collectives(traced.jaxpr.jaxpr)

@@ -301,7 +301,7 @@ class Step:
             return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding)
 
         batch, mask = jax.tree.map(place, (batch, mask))
-        if self._cfg.rng and rng is None:
+        if self._cfg.loss.rng and rng is None:
             rng = jax.random.key(0)  # only its shape and dtype matter
         self._build_jit(state)
         return self._jit.lower(state, batch, mask, rng, **static)

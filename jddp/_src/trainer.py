@@ -68,13 +68,12 @@ def step_config(loss_fn: Callable[..., Any], optimizer: Any, mesh: Mesh, p: pol.
     (:mod:`jddp._src.compat`)."""
     c = _combination(p, precision, mesh)
     compat.check(c)
-    loss, acc = p.loss, p.accumulate
+    acc = p.accumulate
     return StepConfig(
         loss_fn=loss_fn, optimizer=check_optimizer(optimizer), mesh=mesh,
-        reduce=_reducer(p, c.precision), has_aux=loss.has_aux, weighted=loss.weighted,
-        rng=loss.rng, sum_metrics=loss.sum_metrics, model_state_sync=loss.model_state_sync,
+        reduce=_reducer(p, c.precision), loss=p.loss,
         accumulate=dataclasses.replace(acc, shard=compat.resolve_shard(acc, c)),
-        guard=p.loss_scale, sync=p.sync, mixed_precision=c.precision, place=p.place)
+        guard=p.loss_scale, sync=p.sync, precision=c.precision, place=p.place)
 
 
 def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
@@ -246,7 +245,7 @@ class DataParallel:
     mesh = property(lambda self: self.config.mesh)
     axis_name = property(lambda self: self.config.topology.data)
     hook = property(lambda self: self.config.reduce.hook)
-    model_state_sync = property(lambda self: self.config.model_state_sync)
+    model_state_sync = property(lambda self: self.config.loss.model_state_sync)
 
     @property
     def num_devices(self) -> int:
@@ -295,10 +294,10 @@ class DataParallel:
           model_state: optional non-differentiated model state (e.g. Flax ``batch_stats``).
         """
         checks.check_float_params(params)
-        precision_lib.check_master(self.config.mixed_precision, params)
+        precision_lib.check_master(self.config.precision, params)
         self._plans.expect(params)
         self.config.reduce.check_params(params)
-        ms_lib.check_model_state(model_state, self.config.model_state_sync)
+        ms_lib.check_model_state(model_state, self.config.loss.model_state_sync)
         params, model_state = verify_lib.sync_from_process0((params, model_state), "params")
         shardings = pipeline.state_shardings(
             self.config, jax.eval_shape(self._build, params, model_state)
@@ -385,7 +384,7 @@ class DataParallel:
         tree = {"step": state.step, "params": state.params,
                 "opt_state": offload.device_copy(state.opt_state),
                 "loss_scale": state.loss_scale}
-        if self.config.model_state_sync != "none":
+        if self.config.loss.model_state_sync != "none":
             tree["model_state"] = state.model_state
         if self.config.topology.islands and not self.config.topology.two_level:
             # One replica per device: no two devices hold copies of a replica's leaves.

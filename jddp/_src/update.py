@@ -180,6 +180,17 @@ class Accumulate:
         m = self.microbatches
         return float(m) if accum is None else (accum.count + 1).astype(jnp.float32) * m
 
+    def report(self, loss: Any, accum: AccumState | None,
+               num_devices: int) -> Callable[[Any], dict]:
+        """``mean -> metrics`` of a call that closes the window ``accum`` holds (the loss
+        policy's report over the window's micro-batches)."""
+        count = self.window_count(accum)
+        return lambda mean: loss.report(mean, self.microbatches, count, num_devices)
+
+    def window_metrics(self, accum: AccumState | None, synced: Any) -> dict:
+        """``{"synced": ...}`` for a state that carries a window (whether this call reduced)."""
+        return {} if accum is None else {"synced": synced}
+
     def closes(self, count: Any) -> Any:
         """Whether the call at window position ``count`` closes the window (the ``k``-th)."""
         return count + 1 >= self.steps

@@ -223,7 +223,7 @@ def profile_step(
     def loss(p, b):
         # With rng=True the loss takes per-example keys: any keys cost the same.
         keys = None
-        if ddp.config.rng:
+        if ddp.config.loss.rng:
             keys = example_keys(jax.random.key(0), 0, jax.tree.leaves(b)[0].shape[0])
         return objective(p, None, b, None, keys)[0]
 

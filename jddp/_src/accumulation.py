@@ -1,6 +1,6 @@
 """Local gradient accumulation: the accumulator, and the local sums of micro-batches.
 
-The step pipeline (:mod:`jddp._src.pipeline`) uses these for DDP's ``no_sync`` (calls that only
+The step (:mod:`jddp._src.bucketed`) uses these for DDP's ``no_sync`` (calls that only
 accumulate) and for fused micro-batches; the semantics are documented in ``docs/accumulate.md``.
 """
 

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jddp._src import hostsync, options, pipeline
+from jddp._src import hostsync, options, skeleton
 from jddp._src.config import StepConfig
 from jddp._src.planner import BucketPlan, assign_buckets
 from jddp._src.reducers import Bucketed
@@ -293,8 +293,8 @@ class ChoosingStep:
         self,
         cfg: StepConfig,
         policy: Any,
-        make_step: Callable[[StepConfig, pipeline.PlanObserver], Step],
-        observer: pipeline.PlanObserver,
+        make_step: Callable[[StepConfig, skeleton.PlanObserver], Step],
+        observer: skeleton.PlanObserver,
         on_choice: Callable[[StepConfig, CapChoice], None],
     ) -> None:
         self._cfg = cfg
@@ -336,7 +336,7 @@ class AutoStep(ChoosingStep):
         t0 = time.perf_counter()
         cfg, policy, first = self._cfg, self._policy, self._buckets().first_bytes
         default_mb = self._buckets().cap_bytes / MiB
-        plan = pipeline.plan(cfg, state, batch, mask, rng)
+        plan = skeleton.plan(cfg, state, batch, mask, rng)
         found = distinct_candidates(plan, policy.candidates_mb, first, default_mb)
         caps = [c for c, _ in found]
         steps, observers = [], []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import optax
 from jax.sharding import Mesh
@@ -15,7 +15,7 @@ from jddp._src.objective import Extras, Loss
 from jddp._src.placement import Place, Replicate
 from jddp._src.planner import BucketPlan
 from jddp._src.precision import MixedPrecision
-from jddp._src.state import TrainState
+from jddp._src.state import AccumState, TrainState
 from jddp._src.sync import EveryStep, HookPhase
 from jddp._src.topology import Roles, Topology
 from jddp._src.update import Accumulate, Guard, Update
@@ -97,6 +97,38 @@ class Reducer(Protocol):
                    rng: Any = None) -> Any:
         """The per-device phases 1-2 (local gradients, then the reduction): a ``LocalResult``."""
         ...
+
+
+class LocalResult(NamedTuple):
+    """What the per-device part of a step returns (``Reducer.local_step``; the skeleton gives
+    each field its partition spec).
+
+    Attributes:
+      grads: the reduced gradients (zeros on a call that did not synchronise).
+      metrics: the loss and aux metrics (the reduction's means: global, or with local SGD one per
+        replica when the reduction stays inside the island).
+      local_metrics: per-device metrics (leading device dimension).
+      model_state: the new synchronised model state (per device with ``"none"``).
+      hook_state: the hook's new per-device state.
+      accum: the new accumulator (or ``None``).
+      synced: whether this call reduced (a bool scalar).
+      nonempty: whether the window had real examples (always true unless ``weighted``).
+      comm: ``comm_bytes`` (and ``comm_bytes_hosts``): what this call's collectives sent, the
+        same on every device (static); ``None`` where the step reports its own.
+      island: with local SGD, the island's means of the step's extras (what the averaging
+        averages over replicas); ``None`` otherwise.
+    """
+
+    grads: Any
+    metrics: dict
+    local_metrics: dict
+    model_state: Any
+    hook_state: Any
+    accum: AccumState | None
+    synced: Any
+    nonempty: Any
+    island: Extras | None = None
+    comm: dict | None = None
 
 
 class SyncPolicy(Protocol):

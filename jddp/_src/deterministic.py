@@ -78,7 +78,7 @@ class Part(NamedTuple):
 
 
 class DetResult(NamedTuple):
-    """What :func:`local_step` returns to the pipeline (its ``LocalResult`` fields)."""
+    """What :func:`local_step` returns to the step (its ``LocalResult`` fields)."""
 
     grads: Any
     metrics: dict

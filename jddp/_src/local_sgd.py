@@ -21,7 +21,7 @@ nothing crosses hosts between synchronisations; the averaging sends each host's 
 once (each device averages ``1/L`` of every bucket across hosts, then an all-gather inside the
 host). On a 1-D mesh every device is a replica and local steps run no collective at all.
 
-How it fits the step (:mod:`jddp._src.pipeline`): :class:`LocalSGD` is a *sync policy*
+How it fits the step (:mod:`jddp._src.skeleton`): :class:`LocalSGD` is a *sync policy*
 (:class:`jddp._src.config.SyncPolicy`, like :class:`jddp._src.sync.EveryStep`) of the one step,
 whose phases are fixed and which calls the policy unconditionally: local gradients
 (micro-batches, the accumulator) -> reduce (over :attr:`jddp._src.topology.Roles.axis`: the
@@ -352,7 +352,7 @@ def _strip_struct(tree: Any) -> Any:
 
 def replica_view(state: TrainState) -> TrainState:
     """The state as one replica sees it (shape structs without the replica dimension), for the
-    pipeline's input checks and the replica's layout."""
+    skeleton's input checks and the replica's layout."""
     return state.replace(params=_strip_struct(state.params),
                          opt_state=_strip_struct(state.opt_state),
                          loss_scale=_strip_struct(state.loss_scale))

@@ -29,7 +29,7 @@ The same choice is the **default plan** of a ``DataParallel`` given none of ``bu
 ``first_bucket_mb`` and ``bucket_plan`` (:func:`default_plan`, :class:`DefaultPlan`), where the
 CPU table describes the step: stage 0 with the default all-reduce hook, not ``deterministic``, no
 local SGD (elsewhere, and on GPU/TPU, the default stays DDP's 25 MiB plan with a 1 MiB first
-bucket). There it is made inside the step's own trace (:func:`jddp._src.pipeline.plan`'s planner
+bucket). There it is made inside the step's own trace (:func:`jddp._src.skeleton.plan`'s planner
 re-packs the traced leaves under the chosen caps: the loss is traced once, as for any step), so
 it costs no extra trace and no call of its own; ``ddp.cap_choice`` reports it. A cap the user
 gives keeps DDP's packing rule exactly.
@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jddp._src import costmodel, options, pipeline
+from jddp._src import costmodel, options, skeleton
 from jddp._src.autocap import CapChoice, ChoosingStep
 from jddp._src.hooks import CommHook, allreduce_mean
 from jddp._src.planner import BucketPlan, assign_buckets
@@ -295,7 +295,7 @@ class ModelStep(ChoosingStep):
         if self.choice is not None:
             return self.choice
         cfg, buckets = self._cfg, self._buckets()
-        plan = pipeline.plan(cfg, state, batch, mask, rng)
+        plan = skeleton.plan(cfg, state, batch, mask, rng)
         default = (buckets.cap_bytes / MiB, buckets.first_bytes / MiB)
         choice = decide(plan, cfg.mesh.devices.flat[0].platform, cfg.topology.num_devices, self._policy,
                         default)

@@ -1,6 +1,6 @@
 """How gradients are reduced: the step's reduce policy (``StepConfig.reduce``), one object per way.
 
-The step (:mod:`jddp._src.pipeline`) asks ``cfg.reduce`` (a :class:`jddp._src.config.Reducer`)
+The step (:mod:`jddp._src.skeleton`) asks ``cfg.reduce`` (a :class:`jddp._src.config.Reducer`)
 for what depends on the reduction, the same calls whichever it is:
 
 - ``plan(cfg, traced, params)``: the bucket plan from the traced loss (a chooser's reason in its
@@ -24,10 +24,10 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from jddp._src import bucketed, options, replicated, xla_options
 from jddp._src import deterministic as det_lib
-from jddp._src import options, pipeline, replicated, xla_options
 from jddp._src import rng as rng_lib
-from jddp._src.config import PlanPolicy, StepConfig
+from jddp._src.config import LocalResult, PlanPolicy, StepConfig
 from jddp._src.hooks import CommHook, allreduce_mean
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.planner import BucketPlan, build_plan, traced_use_times
@@ -159,9 +159,9 @@ class Bucketed:
         self, cfg: StepConfig, obj: Any, observer: Any, sync: Any, phase: Any, lv: Any,
         layout: Any, state: Any, batch: Any, weights: Any, rng: Any = None,
     ) -> Any:
-        """Phases 1-2 per device (:func:`jddp._src.pipeline.bucketed_step`): the loss's local
+        """Phases 1-2 per device (:func:`jddp._src.bucketed.bucketed_step`): the loss's local
         gradients, then the bucketed reduction over the island (or accumulation only)."""
-        return pipeline.bucketed_step(cfg, obj, observer, sync, phase, lv, layout, state, batch,
+        return bucketed.bucketed_step(cfg, obj, observer, sync, phase, lv, layout, state, batch,
                                       weights, rng)
 
 
@@ -248,5 +248,5 @@ class Deterministic:
         if observer is not None:
             observer(self.plan(cfg, traced, state.params))
         out = det_lib.local_step(cfg, obj, state, batch, weights, rng, g)
-        return pipeline.LocalResult(out.grads, out.metrics, {}, out.model_state,
+        return LocalResult(out.grads, out.metrics, {}, out.model_state,
                                     state.hook_state, out.accum, out.synced, out.nonempty)

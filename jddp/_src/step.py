@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp._src import checks, options, pipeline, programs, xla_options
+from jddp._src import checks, options, programs, skeleton, xla_options
 from jddp._src import verify as verify_lib
 from jddp._src.config import StepConfig
 from jddp._src.planner import BucketPlan, unused_message
@@ -96,7 +96,7 @@ class Step:
         *,
         donate: bool = True,
         compiler_options: dict[str, Any] | None = None,
-        observer: pipeline.PlanObserver | None = None,
+        observer: skeleton.PlanObserver | None = None,
         verify_every: int = 0,
     ) -> None:
         self._cfg = cfg
@@ -117,13 +117,13 @@ class Step:
                 observer.check_state(state)
             else:
                 checks.check_train_state(state, TrainState)
-            return pipeline.train_step(cfg, observe, state, *args, **kwargs)
+            return skeleton.train_step(cfg, observe, state, *args, **kwargs)
 
         self._traced = traced
         self._compiler_options = compiler_options
         self._jit_fn: Any = None  # built on the first call or lower (see _jit)
         self._options_used: dict[str, Any] = {}
-        self._phase_fn = pipeline.step_phase(cfg)
+        self._phase_fn = skeleton.step_phase(cfg)
         # Input signatures already checked to agree across processes, and the programs (input
         # signature, sync, phase) whose collectives were (multi-process runs only).
         self._agreed: set[tuple] = set()

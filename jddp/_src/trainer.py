@@ -10,7 +10,7 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from jddp._src import autocap, checks, compat, modelcap, offload, options, pipeline, watchdog
+from jddp._src import autocap, checks, compat, modelcap, offload, options, skeleton, watchdog
 from jddp._src import deprecated as deprecated_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import mesh as mesh_lib
@@ -202,7 +202,7 @@ class DataParallel:
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "_plans", plans)
 
-        def make_step(cfg: StepConfig, observer: pipeline.PlanObserver) -> Step:
+        def make_step(cfg: StepConfig, observer: skeleton.PlanObserver) -> Step:
             return Step(cfg, donate=donate, compiler_options=compiler_options, observer=observer,
                         verify_every=every)
 
@@ -299,20 +299,20 @@ class DataParallel:
         self.config.reduce.check_params(params)
         ms_lib.check_model_state(model_state, self.config.loss.model_state_sync)
         params, model_state = verify_lib.sync_from_process0((params, model_state), "params")
-        shardings = pipeline.state_shardings(
+        shardings = skeleton.state_shardings(
             self.config, jax.eval_shape(self._build, params, model_state)
         )
         return jax.jit(self._build, out_shardings=shardings)(params, model_state)
 
     def _build(self, params: Any, model_state: Any) -> TrainState:
-        return pipeline.build_state(self.config, params, model_state)
+        return skeleton.build_state(self.config, params, model_state)
 
     def abstract_state(self, params_like: Any, model_state_like: Any = None) -> TrainState:
         """The TrainState ``init`` would build, as ``jax.ShapeDtypeStruct``s with shardings.
 
         Nothing is allocated or computed, so this works on meshes of compile-only devices.
         """
-        return pipeline.abstract_state(self.config, params_like, model_state_like)
+        return skeleton.abstract_state(self.config, params_like, model_state_like)
 
     def plan(self, params: Any, batch: Any, model_state: Any = None, mask: Any = None) -> BucketPlan:
         """The bucket plan the step uses for ``params`` and a global ``batch``, before any step.
@@ -327,7 +327,7 @@ class DataParallel:
             self._auto.choose(self.abstract_state(params, model_state), batch, mask)
         elif self._auto is not None:
             self._auto.chosen_step("plan")
-        plan = pipeline.plan(self.config, self.abstract_state(params, model_state), batch, mask)
+        plan = skeleton.plan(self.config, self.abstract_state(params, model_state), batch, mask)
         self._plans.record(plan)  # cap_choice asks the default plan about it before a step
         return plan
 

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jddp._src import mesh as mesh_lib
-from jddp._src import pipeline
+from jddp._src import skeleton
 from jddp.perf.costmodel import Link, ModelProfile
 from jddp.random import example_keys
 
@@ -218,7 +218,7 @@ def profile_step(
     params = state.params
     plan = ddp.plan(params, batch)
     # The loss exactly as the step differentiates it (the pipeline's objective), without metrics.
-    objective = pipeline.objective(ddp.config, stateful=False)
+    objective = skeleton.objective(ddp.config, stateful=False)
 
     def loss(p, b):
         # With rng=True the loss takes per-example keys: any keys cost the same.

@@ -1,68 +1,46 @@
-"""The training step, written once, as pure functions of a :class:`StepConfig`.
+"""The bucketed reducer's per-device phases: local gradients, then DDP's bucketed reduction.
 
-The data path of one ``ddp.step(state, batch)`` (every front end, mode and sync policy goes
-through it), in fixed phases:
+:meth:`jddp._src.reducers.Bucketed.local_step` runs :func:`bucketed_step` inside the skeleton's
+``shard_map`` (:mod:`jddp._src.skeleton`, phase 2), on every device:
 
-1. :func:`train_step` (the jitted function, global view): trace-time checks of the state, batch and
-   mask, and the step's :class:`jddp._src.Roles` (where it reduces); then the
-   per-device part under ``jax.shard_map``:
-2. the reducer's per-device step (``cfg.reduce.local_step``; :func:`bucketed_step` for the
-   buckets, :mod:`jddp._src.deterministic`'s fixed tree for ``jddp.Deterministic``):
+a. *local gradients* (:func:`_prepare`, :func:`_window_start`): the loss is traced **once**, on
+   this call's last micro-batch (:func:`jddp._src.introspect.jaxpr.trace`); the bucket plan is
+   read from that jaxpr (``cfg.reduce.plan``, then ``cfg.place.mark_not_resharded``); the
+   window's local gradients so far are summed (the accumulator, and this call's first ``m - 1``
+   micro-batches, scanned over the same jaxpr);
+b. *reduce* (:func:`_reduce`): a synchronising call evaluates the jaxpr on the last micro-batch
+   with one reducing backward hook per bucket (:func:`jddp._src.reduction.bucketed_vjp`) over the
+   island's axis (``Roles.axis``: every device, the devices of a host with local SGD, or none);
+   metrics, the window's weight and the model-state payload ride on the last bucket's
+   all-reduce;
+c. a call that does not synchronise (:func:`_accumulate`) adds its micro-batches' local
+   gradients to the accumulator (or reduce-scatters them into a sharded one) and runs no other
+   collective.
 
-   a. *local gradients* (:func:`_prepare`, :func:`_window_start`): the loss is traced **once**,
-      on this call's last micro-batch (:func:`jddp._src.introspect.jaxpr.trace`); the bucket plan
-      is read from that jaxpr (``cfg.reduce.plan``); the window's local gradients so far
-      are summed (the accumulator, and this call's first ``m - 1`` micro-batches, scanned over the
-      same jaxpr);
-   b. *reduce* (:func:`_reduce`): a synchronising call evaluates the jaxpr on the last micro-batch
-      with one reducing backward hook per bucket (:func:`jddp._src.reduction.bucketed_vjp`) over
-      the island's axis (every device, the devices of a host with local SGD, or none); metrics,
-      the window's weight and the model-state payload ride on the last bucket's all-reduce;
-   c. a call that does not synchronise (:func:`_accumulate`) adds its micro-batches' local
-      gradients to the accumulator and runs no collective.
-
-3. *update* (:meth:`jddp._src.update.Update.apply`, global view): the optimizer on the reduced
-   gradients (per replica with local SGD), wrapped like optax's ``MultiSteps`` and
-   ``apply_if_finite``: only a window's synchronising call updates, a skipped update keeps the
-   old state, the loss scale follows.
-4. *sync policy* (``cfg.sync.after_update``, global view, :mod:`jddp._src.sync`): nothing for a
-   plain step (:class:`jddp._src.sync.EveryStep`); with local SGD
-   (:class:`jddp._src.local_sgd.LocalSGD`) nothing, the parameter average, or DiLoCo's outer step.
-
-Where to add a feature: a new reduction (reduce-scatter, hierarchical) is a hook or a change to
-:func:`jddp._src.reduction.bucketed_vjp`, or a reducer of its own (:mod:`jddp._src.reducers`);
-a new placement of the state is a policy of :mod:`jddp._src.placement` (the step calls its
-methods); a new per-call quantity goes into :class:`jddp._src.objective.LocalAux` and
-:class:`jddp._src.objective.Extras`, which carry it to the last bucket; a wrapper of the update
-into :mod:`jddp._src.update`; a sync policy is a :class:`jddp._src.config.SyncPolicy`.
+Its result is a :class:`jddp._src.config.LocalResult`, the same record the deterministic reducer
+returns. The policies decide the rest: ``cfg.place`` (a sharded stage's reduce-scatter, stage 3's
+gathers), ``cfg.accumulate`` (micro-batches, the window), ``cfg.loss`` (keys, weights, metrics),
+``cfg.precision`` (compute and reduction dtypes).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jddp._src import accumulation as acc_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import precision as precision_lib
 from jddp._src import vma, zero
-from jddp._src.checks import batch_size, check_batch, check_float_params
-from jddp._src.config import StepConfig
-from jddp._src.hooks import init_hook_state
+from jddp._src.checks import batch_size
+from jddp._src.config import LocalResult, StepConfig
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.objective import Extras, LocalAux, Objective
-from jddp._src.optimizer_metrics import (
-    merge_optimizer_metrics,
-    optimizer_metrics,
-)
 from jddp._src.planner import BucketPlan
 from jddp._src.reduction import (
     Bytes,
@@ -72,151 +50,18 @@ from jddp._src.reduction import (
 )
 from jddp._src.state import AccumState, TrainState
 from jddp._src.topology import Roles
-from jddp._src.tree import add_device_dim, broadcast_to_devices, strip_device_dim
+from jddp._src.tree import add_device_dim, strip_device_dim
 
 PlanObserver = Callable[[BucketPlan], None]
-
-
-def objective(cfg: StepConfig, stateful: bool) -> Objective:
-    """The user's loss as the step differentiates it."""
-    return cfg.loss.objective(cfg.loss_fn, stateful)
 
 
 # ------------------------------------------------------------------------------------ state
 
 
-def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainState:
-    """The initial :class:`TrainState` (pure; :func:`state_shardings` places it)."""
-    n = cfg.topology.num_devices
-    state = TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        opt_state=cfg.optimizer.init(params),
-        # With model_state_sync="none" each replica keeps its own copy.
-        model_state=broadcast_to_devices(model_state, n) if cfg.loss.per_replica_state
-        else model_state,
-        hook_state=broadcast_to_devices(init_hook_state(cfg.reduce.hook, params), n),
-        # The reduction decides the accumulator's layout (the deterministic one is its own).
-        accum=cfg.reduce.init_accum(cfg, params, model_state),  # None without a window
-        loss_scale=cfg.update.init_scale(),
-    )
-    return cfg.sync.build_state(cfg, state)  # local SGD / DiLoCo keep one copy per replica
-
-
-def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
-    """Partition specs of a state: replicated, except the per-device hook and accumulator state
-    (and model state with ``model_state_sync="none"``), sharded on their leading device axis."""
-    axis = cfg.topology.data
-    rep = lambda tree: jax.tree.map(lambda _: P(), tree)
-    per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
-    place, topo = cfg.place, cfg.topology
-    specs = TrainState(
-        step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
-        params=jax.tree.map(lambda x: place.param_spec(topo, jnp.shape(x)), state.params),
-        opt_state=jax.tree.map(lambda x: place.opt_spec(topo, jnp.shape(x)), state.opt_state),
-        model_state=(per_device if cfg.loss.per_replica_state else rep)(state.model_state),
-        hook_state=per_device(state.hook_state),
-        **cfg.update.specs(state, cfg.topology),
-    )
-    return cfg.sync.state_specs(cfg, state, specs)  # local SGD / DiLoCo's per-replica leaves
-
-
-def state_shardings(cfg: StepConfig, state: TrainState) -> TrainState:
-    """``NamedSharding``s of a state (or of its shape structs) on the data mesh (the optimizer
-    state's in host memory with ``ZeRO(offload=True)``)."""
-    shardings = jax.tree.map(
-        lambda s: NamedSharding(cfg.mesh, s), state_specs(cfg, state),
-        is_leaf=lambda x: isinstance(x, P),
-    )
-    return cfg.place.stored(shardings)
-
-
-def abstract_state(cfg: StepConfig, params_like: Any, model_state_like: Any = None) -> TrainState:
-    """The state :func:`build_state` would give, as shape structs with shardings."""
-    abstract = jax.eval_shape(functools.partial(build_state, cfg), params_like, model_state_like)
-    return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        abstract, state_shardings(cfg, abstract),
-    )
-
-
 # ------------------------------------------------------------------------------------ checks
 
 
-def check_step_inputs(
-    cfg: StepConfig, state: Any, batch: Any, mask: Any, sync: bool | None, rng: Any = None
-) -> Any:
-    """Trace-time checks of one step call; returns the mask as float32 weights (or ``None``)."""
-    if not isinstance(state, TrainState):
-        raise TypeError(
-            f"step expects the TrainState returned by init (or a previous step), got "
-            f"{type(state).__name__}."
-        )
-    check_float_params(state.params)
-    expected = jax.eval_shape(cfg.optimizer.init, state.params)
-    if jax.tree.structure(expected) != jax.tree.structure(state.opt_state):  # type: ignore[operator]
-        raise ValueError(
-            "state.opt_state does not match this DataParallel's optimizer: it was built for "
-            f"another optimizer or other params.\n  expected: {jax.tree.structure(expected)}\n"
-            f"  got:      {jax.tree.structure(state.opt_state)}\nBuild the state with this "
-            "DataParallel's init(), or restore a checkpoint saved with the same optimizer."
-        )
-    n = cfg.topology.num_devices
-    size = check_batch(batch, n)
-    cfg.reduce.check_inputs(cfg, state, size, sync)
-    cfg.update.check(state)
-    cfg.accumulate.check_call(size // n, n, sync)
-    return cfg.loss.check_call(mask, size, rng)
-
-
 # ------------------------------------------------------------------------------------ the step
-
-
-class LocalResult(NamedTuple):
-    """What the per-device part of a step returns (see :func:`_result_specs`).
-
-    Attributes:
-      grads: the reduced gradients (zeros on a call that did not synchronise).
-      metrics: the loss and aux metrics (the reduction's means: global, or with local SGD one per
-        replica when the reduction stays inside the island).
-      local_metrics: per-device metrics (leading device dimension).
-      model_state: the new synchronised model state (per device with ``"none"``).
-      hook_state: the hook's new per-device state.
-      accum: the new accumulator (or ``None``).
-      synced: whether this call reduced (a bool scalar).
-      nonempty: whether the window had real examples (always true unless ``weighted``).
-      comm: ``comm_bytes`` (and ``comm_bytes_hosts``): what this call's collectives sent, the
-        same on every device (static); ``None`` where the step reports its own.
-      island: with local SGD, the island's means of the step's extras (what the averaging
-        averages over replicas); ``None`` otherwise.
-    """
-
-    grads: Any
-    metrics: dict
-    local_metrics: dict
-    model_state: Any
-    hook_state: Any
-    accum: AccumState | None
-    synced: Any
-    nonempty: Any
-    island: Extras | None = None
-    comm: dict | None = None
-
-
-def _result_specs(cfg: StepConfig, lv: Roles, view: TrainState,
-                  layout: zero.Layout) -> LocalResult:
-    axis = cfg.topology.data
-    rep = lv.replica_spec
-    glob = P() if lv.spans else rep
-    grads = cfg.place.grad_specs(cfg.topology, layout, view.params, rep)
-    return LocalResult(
-        grads=grads, metrics=glob, local_metrics=P(axis),  # type: ignore[arg-type]
-        model_state=P(axis) if cfg.loss.per_replica_state else rep,
-        hook_state=P(axis), accum=cfg.accumulate.specs(view.accum, cfg.topology),
-        synced=P(), nonempty=glob,
-        island=lv.island(lambda: rep),  # type: ignore[arg-type]
-        comm=P(),  # type: ignore[arg-type]  # (a prefix of None too: the deterministic step's)
-    )
 
 
 def _varying(tree: Any, axis: Any) -> Any:
@@ -661,8 +506,6 @@ def bucketed_step(
     return lax.cond(synchronises, sync_fn, acc_fn, state)
 
 
-
-
 def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
     """``comm_bytes`` (what one device sends in this call, a ring model of its collectives) and,
     on a two-level mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
@@ -672,102 +515,3 @@ def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
     return out
 
 
-
-
-def _optimizer_metrics(lv: Roles, metrics: dict, opt_state: Any) -> dict:
-    """``metrics`` with the optimizer's hyperparameters (one per replica with local SGD)."""
-    return merge_optimizer_metrics(metrics, lv.per_replica(optimizer_metrics)(opt_state))
-
-
-def _place_batch(cfg: StepConfig, batch: Any, weights: Any) -> tuple[Any, Any]:
-    """On a mesh with Explicit axes (jax.make_mesh's default) a host (NumPy) batch arrives
-    replicated, and shard_map then refuses it: shard it as the step needs."""
-    if not any(t == AxisType.Explicit for t in cfg.mesh.axis_types):
-        return batch, weights
-    data = NamedSharding(cfg.mesh, P(cfg.topology.data))
-    return jax.tree.map(lambda x: jax.sharding.reshard(x, data), (batch, weights))
-
-
-def train_step(
-    cfg: StepConfig,
-    observer: PlanObserver | None,
-    state: TrainState,
-    batch: Any,
-    mask: Any = None,
-    rng: Any = None,
-    *,
-    sync: bool | None = None,
-    phase: Any = None,
-) -> tuple[TrainState, dict]:
-    """One training step (the function ``ddp.step`` jits); see the module docstring.
-
-    Args:
-      observer: called with the bucket plan at trace time (the trainer reports it and warns
-        about unused parameters once); ``None`` for nothing.
-      sync: with accumulation, whether this call synchronises (static; ``None``: the state's
-        counter decides).
-      phase: the static phase for this step (:func:`step_phase`: ``hook.phase(step)``, with local
-        SGD a :class:`jddp._src.local_sgd.LocalPhase`).
-      rng: the run's PRNG key, with ``rng=True`` (each example's key is derived from it).
-    """
-    obj = objective(cfg, state.model_state is not None)
-    sync_phase, hook_phase = cfg.sync.split_phase(phase, cfg.reduce.hook_phase)
-    lv = cfg.sync.roles(cfg.topology, sync_phase)
-    view = cfg.sync.replica_view(state)
-    weights = check_step_inputs(cfg, view, batch, mask, sync, rng)
-    batch, weights = _place_batch(cfg, batch, weights)
-    layout = zero.Layout.of(view.params, cfg.topology.shard_count)
-    plans: list[BucketPlan] = []
-
-    def observe(plan: BucketPlan) -> None:
-        plans.append(plan)
-        if observer is not None:
-            observer(plan)
-
-    data = P(cfg.topology.data)
-    # The per-device phases never read the optimizer state; offloaded, it stays on the host.
-    inside = cfg.place.device_view(state)
-    local = jax.shard_map(
-        functools.partial(cfg.reduce.local_step, cfg, obj, observe, sync, hook_phase, lv, layout),
-        mesh=cfg.mesh,
-        in_specs=(state_specs(cfg, inside), data, data, P()),
-        out_specs=_result_specs(cfg, lv, view, layout),
-        # Stages 2-3: untyped (see ZeRO.check_vma); the deterministic reduction is untyped
-        # too (Reducer.typed): its all-gathered sums are replicated by construction.
-        check_vma=cfg.place.check_vma and cfg.reduce.typed,
-    )
-    res = local(inside, batch, weights, rng)
-    state = cfg.place.fetch(state)  # offloaded, the optimizer state comes from host memory
-    plan = plans[-1]
-    # Phase 3: the optimizer at its placement, wrapped (jddp._src.update).
-    inner = functools.partial(cfg.place.update, cfg.optimizer, cfg.topology, layout, plan,
-                              cfg.reduce.chain)
-    new_state, update_metrics = cfg.update.apply(inner, lv, state, res, sync)
-    # The bytes each branch sent (the deterministic step reports its own in its metrics).
-    step_metrics = dict(res.metrics)
-    comm = dict(res.comm or {})
-    # Phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step).
-    report = cfg.accumulate.report(cfg.loss, state.accum, cfg.topology.num_devices)
-    new_state, metrics = cfg.sync.after_update(cfg, lv, sync_phase, plan, new_state, res.island,
-                                               step_metrics, comm, report, res.synced, sync)
-    metrics = {**metrics, **cfg.accumulate.window_metrics(state.accum, res.synced),
-               **res.local_metrics, **update_metrics}
-    metrics = _optimizer_metrics(lv, metrics, new_state.opt_state)
-    return cfg.place.store(new_state), metrics
-
-
-def step_phase(cfg: StepConfig) -> Callable[[int], Any] | None:
-    """``step -> phase``, the static part of a step chosen on the host (one compiled program per
-    phase): the hook's phase, wrapped by the sync policy's (local SGD: the kind of step too)."""
-    return cfg.sync.phase_fn(cfg.reduce.hook_phase)
-
-
-def plan(cfg: StepConfig, state_like: Any, batch_like: Any, mask_like: Any = None,
-         rng_like: Any = None) -> BucketPlan:
-    """The bucket plan the step uses for these inputs (traced, not compiled or run)."""
-    found: list[BucketPlan] = []
-    if cfg.loss.rng and rng_like is None:
-        rng_like = jax.random.key(0)  # any key: only shapes matter
-    jax.eval_shape(functools.partial(train_step, cfg, found.append), state_like, batch_like,
-                   mask_like, rng_like)
-    return found[-1]

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jddp._src import options, vma
+from jddp._src import options, platform_paths, vma
 from jddp._src.collectives import scatter_sum, traced_platform
 from jddp._src.introspect import jax_private
 from jddp._src.tree import key_path_str, nbytes, ring_bytes
@@ -129,18 +129,19 @@ def _no_state(leaf: jax.ShapeDtypeStruct) -> tuple:
 def _divide_after_sum(grads: Sequence[jax.Array], n: int) -> bool:
     """Whether the mean over ``n`` replicas is taken after the sum rather than before.
 
-    On CPU only: XLA:CPU's GEMMs and convolutions are library calls, so a scale before the
-    all-reduce is a pass of its own over every gradient, while after it the scale fuses into the
-    optimizer's update. Elsewhere it fuses into the gradient's producer, and the ``"barrier"``
-    chain between buckets keeps XLA's GPU combiner apart only when it ties the next bucket to the
-    all-reduce results themselves, not to values computed from them. Only where the two orders
+    Where :mod:`jddp._src.platform_paths` has it on (XLA:CPU, whose GEMMs and convolutions are
+    library calls, so a scale before the all-reduce is a pass of its own over every gradient,
+    while after it the scale fuses into the optimizer's update). Elsewhere it fuses into the
+    gradient's producer, and the ``"barrier"`` chain between buckets keeps XLA's GPU combiner
+    apart only when it ties the next bucket to the all-reduce results themselves, not to values
+    computed from them. Only where the two orders
     give the same bits: ``n`` a power of two (dividing by it is exact; DDP divides first, which
     elsewhere rounds differently) and a dtype with float32's range (a float16 sum can overflow
     where the sum of the quotients does not).
     """
     exact = n & (n - 1) == 0 and all(
         jnp.result_type(g) in (jnp.float32, jnp.bfloat16, jnp.float64) for g in grads)
-    return exact and traced_platform() == "cpu"
+    return exact and platform_paths.paths(traced_platform()).divide_after_sum
 
 
 def _allreduce_mean(grads, state, ctx: HookContext):

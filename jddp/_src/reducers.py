@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from jddp._src import bucketed, options, replicated, xla_options
+from jddp._src import bucketed, options, platform_paths, replicated, xla_options
 from jddp._src import deterministic as det_lib
 from jddp._src import rng as rng_lib
 from jddp._src.config import LocalResult, PlanPolicy, StepConfig
@@ -97,10 +97,10 @@ class Bucketed:
         implicit = replicated.replicated_leaves(traced) if self.jax_reduces(cfg) else ()
         pack = _traced_plan(traced, params, self.keep_unused, implicit)
         plan = pack(self.cap_bytes, self.first_bytes)
-        if self.default_plan is None:
+        platform = cfg.mesh.devices.flat[0].platform
+        if self.default_plan is None or not platform_paths.paths(platform).fitted_plan:
             return plan
-        return self.default_plan.repack(plan, pack, cfg.mesh.devices.flat[0].platform,
-                                        cfg.topology.num_devices)
+        return self.default_plan.repack(plan, pack, platform, cfg.topology.num_devices)
 
     def choice(self, plan: BucketPlan, platform: str, num_devices: int) -> Any:
         """What the default-plan chooser picks for ``plan``'s leaves, with its reason (a
@@ -123,7 +123,8 @@ class Bucketed:
         not communicate, and JAX's reduction would run per micro-batch), no mixed-precision
         policy, no local SGD, and ``shard_map`` with vma types (checked on the trace:
         :func:`jddp._src.replicated.replicated_leaves`)."""
-        return (self.default_plan is not None and cfg.mesh.devices.flat[0].platform == "cpu"
+        platform = cfg.mesh.devices.flat[0].platform
+        return (self.default_plan is not None and platform_paths.paths(platform).jax_reduces
                 and self.hook == allreduce_mean() and not cfg.place.sharded
                 and cfg.accumulate.is_identity
                 and cfg.precision is None and not cfg.topology.islands)

@@ -150,21 +150,13 @@ class Objective:
 
     Attributes:
       loss_fn: the user's loss function.
-      has_aux: whether it returns metrics.
       stateful: whether it takes and returns model state.
-      weighted: whether it returns unreduced losses, to be weighted by the step's ``mask``.
-      model_state_sync: how new model state is made consistent across replicas.
-      rng: whether it takes one PRNG key per example as its last argument.
-      sum_metrics: the names of the metrics that are summed rather than averaged.
+      policy: the :class:`Loss` policy it follows (what it returns, how its outputs combine).
     """
 
     loss_fn: Callable[..., Any]
-    has_aux: bool
     stateful: bool
-    weighted: bool
-    model_state_sync: str
-    rng: bool = False
-    sum_metrics: tuple[str, ...] = ()
+    policy: Loss
 
     def __call__(
         self, params: Any, model_state: Any, batch: Any, weights: Any, rng: Any = None
@@ -176,21 +168,21 @@ class Objective:
         while they are reduced, as hooks expect.
         """
         args = (params, model_state, batch) if self.stateful else (params, batch)
-        out = self.loss_fn(*args, rng) if self.rng else self.loss_fn(*args)
+        out = self.loss_fn(*args, rng) if self.policy.rng else self.loss_fn(*args)
         loss, new_state, metrics = unpack_loss_output(
-            out, has_aux=self.has_aux, stateful=self.stateful
+            out, has_aux=self.policy.has_aux, stateful=self.stateful
         )
         if self.stateful:
             ms_lib.check_same_state(model_state, new_state)
         metrics = _check_metrics(metrics)
-        missing = [k for k in self.sum_metrics if k not in metrics]
+        missing = [k for k in self.policy.sum_metrics if k not in metrics]
         if missing:
             raise ValueError(
                 f"Loss.sum_metrics names {missing}, but loss_fn's metrics are "
                 f"{sorted(metrics)}; return them in the aux dict or remove them from "
                 "jddp.Loss(sum_metrics=...)."
             )
-        if not self.weighted:
+        if not self.policy.weighted:
             check_scalar_loss(loss)
             for k, v in metrics.items():
                 if jnp.shape(v) != ():
@@ -219,7 +211,7 @@ class Objective:
         for k, v in metrics.items():
             if jnp.shape(v) == shape:
                 wv = w.astype(jnp.float32) * _f32(v)
-                if k in self.sum_metrics:  # a total over the real entries, e.g. a token count
+                if k in self.policy.sum_metrics:  # a total over the real entries, e.g. a token count
                     scalars[k] = jnp.sum(jnp.where(w != 0, wv, 0))
                     continue
                 sums[k] = jnp.sum(jnp.where(w != 0, wv, 0)) / size
@@ -242,7 +234,7 @@ class Objective:
         multiplied back by this unit: the accumulator holds plain sums, and every real entry
         weighs the same in the window.
         """
-        return float(max(1, int(jnp.size(weights)))) if self.weighted else 1.0
+        return float(max(1, int(jnp.size(weights)))) if self.policy.weighted else 1.0
 
     def extras(self, aux: LocalAux, window_loss: Any, window_weight: Any, axis_name: Any,
                n: int) -> Extras:
@@ -255,8 +247,8 @@ class Objective:
         """
         state = ()
         if self.stateful:
-            state = ms_lib.encode_state(aux.model_state, self.model_state_sync, axis_name, n)
-        if not self.weighted:
+            state = ms_lib.encode_state(aux.model_state, self.policy.model_state_sync, axis_name, n)
+        if not self.policy.weighted:
             return Extras(aux.metrics, {}, None, window_loss, None, state)
         sums = {k: v for k, v in aux.sums.items() if k != "loss"}
         return Extras(aux.metrics, sums, aux.weight, window_loss, window_weight, state)
@@ -266,10 +258,10 @@ class Objective:
         scalar = jax.ShapeDtypeStruct((), jnp.float32)
         state = ()
         if self.stateful:
-            state = ms_lib.payload_shape(aux_shape.model_state, self.model_state_sync, n,
+            state = ms_lib.payload_shape(aux_shape.model_state, self.policy.model_state_sync, n,
                                          axis_name)
         metrics = {k: scalar for k in aux_shape.metrics}
-        if not self.weighted:
+        if not self.policy.weighted:
             return Extras(metrics, {}, None, scalar, None, state)
         sums = {k: scalar for k in aux_shape.sums if k != "loss"}
         return Extras(metrics, sums, scalar, scalar, scalar, state)
@@ -278,7 +270,7 @@ class Objective:
         """The synchronised new model state from the averaged payload."""
         if not self.stateful:
             return None
-        return ms_lib.decode_state(mean.state, local_state, self.model_state_sync, n)
+        return ms_lib.decode_state(mean.state, local_state, self.policy.model_state_sync, n)
 
 
 def _check_metrics(metrics: Any) -> dict:
@@ -405,8 +397,7 @@ class Loss:
 
     def objective(self, loss_fn: Callable[..., Any], stateful: bool) -> Objective:
         """``loss_fn`` as the step differentiates it (``stateful``: it takes model state)."""
-        return Objective(loss_fn, self.has_aux, stateful, self.weighted, self.model_state_sync,
-                         rng=self.rng, sum_metrics=self.sum_metrics)
+        return Objective(loss_fn, stateful, self)
 
     def check_call(self, mask: Any, size: int, rng: Any) -> Any:
         """Trace-time checks of a call's ``mask`` and ``rng`` against this policy; returns the

@@ -249,7 +249,7 @@ class DataParallel:
             raise ValueError("has_aux=True and loss=jddp.Loss(...) were both given: pass "
                              "loss=jddp.Loss(has_aux=True, ...) alone.")
         core = CoreDataParallel(_ModelLoss(graphdef, wrt, loss_fn, aux), optimizer, **options)
-        _check_loss_arity(loss_fn, bool(getattr(core.config, "rng", False)))
+        _check_loss_arity(loss_fn, core.config.loss.rng)
         for name, value in (("graphdef", graphdef), ("wrt", wrt), ("_model", model),
                             ("core", core), ("step", core.step)):
             object.__setattr__(self, name, value)

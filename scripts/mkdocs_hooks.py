@@ -7,6 +7,12 @@
   ``../benchmarks/out/x.png``): those files are added to the site at the same place relative to
   the pages, so one link works on GitHub and on the site.
 - Links into sections of README.md that moved to the docs point to where they went.
+- The site's name carries the package's version (pyproject.toml), shown in the header.
+- Code names never break inside a word: docs/css/extra.css must keep inline code from breaking
+  anywhere (checked at every build), and inline code gets ``<wbr>`` break points after ``.``,
+  ``,``, ``(``, ``/`` and ``|`` only. A stretch of inline code outside a table with no break
+  point longer than ``MAX_UNBROKEN`` characters (it would overflow a 390 px column) fails the
+  build; tables scroll inside themselves.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ import pathlib
 import re
 from typing import Any
 
+import tomllib
+
+from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -31,6 +40,75 @@ MOVED = {
     "../README.md#checkpoints": "checkpoints.md",
     "../README.md": "index.md",
 }
+
+
+#: The longest stretch of inline code without a break point, outside tables, that fits a
+#: 390 px column (about 43 characters of 13.6 px monospace).
+MAX_UNBROKEN = 42
+#: CSS that lets a browser break a code name between two letters.
+_MIDWORD_CSS = re.compile(r"overflow-wrap\s*:\s*anywhere|word-break\s*:\s*break-(all|word)")
+#: The rule that undoes mkdocs-material's ``word-break: break-word`` on inline code.
+_CODE_RULE = re.compile(r"\.md-typeset code\s*\{(?P<body>[^}]*)\}")
+#: Inline code (code blocks start with a highlight span) holding text only.
+_INLINE_CODE = re.compile(r"(?<!<pre>)(?<!</span>)<code>(?P<text>[^<]*)</code>")
+_BREAK_AFTER = re.compile(r"(?:(?<=[.,(/|=])|(?<=--))(?=[^\s.,)=-])")
+_TABLE = re.compile(r"<table>.*?</table>", re.S)
+
+
+def css_problems(css: str) -> list[str]:
+    """Why ``css`` (docs/css/extra.css) lets a code name break inside a word, if it does."""
+    problems = [f"{m.group(0)!r} breaks names between letters" for m in _MIDWORD_CSS.finditer(css)]
+    rule = _CODE_RULE.search(css)
+    body = rule.group("body") if rule else ""
+    if not (re.search(r"word-break\s*:\s*normal", body)
+            and re.search(r"overflow-wrap\s*:\s*normal", body)):
+        problems.append("no '.md-typeset code { word-break: normal; overflow-wrap: normal }' "
+                        "rule (mkdocs-material's code breaks anywhere)")
+    return problems
+
+
+def version() -> str:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return str(tomllib.load(f)["project"]["version"])
+
+
+def on_config(config: Any, **kwargs: Any) -> Any:
+    """The version in the header; the CSS that keeps code names whole."""
+    problems = css_problems((ROOT / "docs" / "css" / "extra.css").read_text())
+    if problems:
+        raise PluginError("docs/css/extra.css: " + "; ".join(problems))
+    config["site_name"] = f"jddp {version()}"
+    return config
+
+
+def break_points(html: str) -> str:
+    """``html`` with ``<wbr>`` after the punctuation of each inline code span: where a long name
+    may wrap (``jddp.`` / ``local_sgd.`` / ``diloco``), never between two letters."""
+    return _INLINE_CODE.sub(lambda m: "<code>" + _BREAK_AFTER.sub("<wbr>", m["text"]) + "</code>",
+                            html)
+
+
+def unbreakable(html: str) -> list[str]:
+    """Inline code outside tables (before :func:`break_points`) with a stretch longer than
+    ``MAX_UNBROKEN`` characters and no break point: it would overflow a phone's column."""
+    found = []
+    for m in _INLINE_CODE.finditer(_TABLE.sub("", html)):
+        text = m["text"].replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+        text = text.replace("&quot;", '"')
+        parts = _BREAK_AFTER.sub(" ", text).split()
+        if any(len(part) > MAX_UNBROKEN for part in parts):
+            found.append(text)
+    return found
+
+
+def on_page_content(html: str, page: Any, **kwargs: Any) -> str:
+    """Break points in inline code; a name too long for a phone's column fails the build."""
+    long = unbreakable(html)
+    if long:
+        raise PluginError(f"{page.file.src_uri}: inline code with more than {MAX_UNBROKEN} "
+                          "characters and no break point (a space, or after '.', ',', '(', "
+                          f"'/', '|', '=', '--'): {long}")
+    return break_points(html)
 
 
 def on_files(files: Files, config: Any, **kwargs: Any) -> Files:

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # without those devices; jddp's own runs here use the CPU backend.
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: train test lint docs bench clean
+.PHONY: train test lint docs docs-serve bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ lint: $(VENV)/.test-deps
 # fails the build. The API pages are rendered from the docstrings.
 docs: $(VENV)/.docs-deps
 	$(VENV)/bin/mkdocs build --strict
+
+# The docs site served at http://127.0.0.1:8000/ with search, rebuilt on every edit (site/ opened
+# as files has no search and lists directories instead of pages).
+docs-serve: $(VENV)/.docs-deps
+	$(VENV)/bin/mkdocs serve
 
 # Every benchmark: tables on stdout, JSON and PNG under benchmarks/out/ (about 45 minutes on 2
 # cores; the GPU overlap report alone takes 3-6, the local SGD convergence runs about 10).

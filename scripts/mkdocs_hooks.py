@@ -1,8 +1,9 @@
 """mkdocs hooks for the docs site (mkdocs.yml names this file under ``hooks:``).
 
 - A code fence ```` ```python notest ```` marks a block that tests/test_doc_blocks.py does not run
-  (its first line says why). Python-Markdown's fences take one word of language only, so the
-  marker is dropped before the page is rendered, and the block still renders as Python.
+  (its first line, ``# notest: why``, says why). Python-Markdown's fences take one word of
+  language only, so the marker and that first line (a note for the tests, not for readers) are
+  dropped before the page is rendered, and the block still renders as Python.
 - The pages link to files outside docs/ the way GitHub shows them (``../examples/x.py``,
   ``../benchmarks/out/x.png``): those files are added to the site at the same place relative to
   the pages, so one link works on GitHub and on the site.
@@ -27,7 +28,8 @@ from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-_NOTEST = re.compile(r"^(\s*```+\s*python)\s+notest\s*$", re.MULTILINE)
+_NOTEST = re.compile(r"^(?P<fence>(?P<indent> *)```+\s*python)\s+notest\s*\n"
+                     r"(?:(?P=indent)#\s*notest:[^\n]*\n)?", re.MULTILINE)
 #: Files outside docs/ that the pages link to, published with the site.
 ASSETS = ("examples/*.py", "examples/out/*.png", "benchmarks/out/*.png")
 _OUTSIDE = re.compile(r"\]\(\.\./((?:examples|benchmarks)/[^)\s]+)\)")
@@ -127,7 +129,7 @@ def _link(match: re.Match[str]) -> str:
 
 def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
     """Plain Python fences for ``notest`` blocks; links outside docs/ as the site has them."""
-    markdown = _NOTEST.sub(r"\1", markdown)
+    markdown = _NOTEST.sub(lambda m: m["fence"] + "\n", markdown)
     depth = page.file.src_uri.count("/")
     if depth == 0:  # the pages in docs/ itself (docs/api/ links to nothing outside)
         markdown = _OUTSIDE.sub(_link, markdown)

@@ -125,9 +125,9 @@ def test_site_hooks_render_notest_fences_as_python_and_roles_as_code():
     pytest.importorskip("griffe")
     hooks = _script("mkdocs_hooks")
     page = types.SimpleNamespace(file=types.SimpleNamespace(src_uri="x.md"))
-    md = "```python notest\n# notest: why\n```\n![plot](../benchmarks/out/peers.png)\n"
+    md = "```python notest\n# notest: why\nx = 1\n```\n![plot](../benchmarks/out/peers.png)\n"
     assert hooks.on_page_markdown(md, page=page) == (
-        "```python\n# notest: why\n```\n![plot](benchmarks/out/peers.png)\n")
+        "```python\nx = 1\n```\n![plot](benchmarks/out/peers.png)\n")
     rst = _script("griffe_rst")
     assert rst.markdown("See :func:`plan_buckets` and :class:`~jddp.BucketPlan`. Example::\n") == (
         "See `plan_buckets` and `jddp.BucketPlan`. Example:\n")

@@ -6,6 +6,10 @@ sense as a fragment says so in its fence, ```python notest, with the reason on i
 (``# notest: why``). The docs site renders such a block as Python (scripts/mkdocs_hooks.py).
 Pages in PENDING are being rewritten by their owners and not converted yet: their blocks are
 listed as skipped, failing nothing.
+
+Every block runs with jddp's ``DeprecationWarning`` as an error: the docs teach one spelling,
+the policies (only docs/migration.md's table names the old keywords, and no block uses them).
+Every block, of any language, fits the column: at most ``COLUMNS`` characters a line.
 """
 
 from __future__ import annotations
@@ -26,6 +30,20 @@ PENDING: frozenset[str] = frozenset()
 MIN_RUN = 25
 #: One block's bound: a block is a small program (a few steps of a small model).
 TIMEOUT_S = 240
+#: The widest code line the docs' column shows without scrolling (1280 px).
+COLUMNS = 85
+#: Blocks allowed to be wider (they scroll), by page and first line, each with why.
+WIDE: dict[tuple[str, str], str] = {
+    ("docs/report.md", "Step program: 8 devices, 2 host(s), 2 collectives"):
+        "the report's table as printed (99 columns)",
+}
+#: Runs a block (argv[1]) as ``python -c`` would, with jddp's deprecations as errors (a
+#: DeprecationWarning that names jddp or DataParallel; other libraries' warnings stay warnings).
+PRELUDE = (
+    "import sys, warnings\n"
+    "warnings.filterwarnings('error', r'(?s).*\\b(jddp|DataParallel)\\b', DeprecationWarning)\n"
+    "exec(compile(sys.argv[1], '<doc block>', 'exec'))\n"
+)
 _FENCE = re.compile(r"^(?P<indent> *)(?P<ticks>```+)(?P<info>[^`\n]*)$")
 
 
@@ -68,9 +86,9 @@ def blocks_of(path: pathlib.Path) -> list[Block]:
     return found
 
 
-def all_blocks() -> list[Block]:
+def all_blocks(python: bool = True) -> list[Block]:
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-    return [b for p in pages for b in blocks_of(p) if b.is_python]
+    return [b for p in pages for b in blocks_of(p) if b.is_python or not python]
 
 
 BLOCKS = all_blocks()
@@ -79,6 +97,28 @@ RUN = [b for b in BLOCKS if not b.notest and b.path not in PENDING]
 
 def test_enough_blocks_run():
     assert len(RUN) >= MIN_RUN, f"only {len(RUN)} python blocks run; the docs promise {MIN_RUN}"
+
+
+def test_code_blocks_fit_the_column():
+    """A line wider than the column hides its end behind a scroll bar (usually the comment that
+    explains it): every block's lines fit ``COLUMNS`` characters."""
+    wide = []
+    for block in all_blocks(python=False):
+        lines = block.code.splitlines()
+        if (block.path, lines[0] if lines else "") in WIDE:
+            continue
+        wide += [f"{block.path}:{block.line + 1 + i}: {len(ln)} columns"
+                 for i, ln in enumerate(lines) if len(ln) > COLUMNS]
+    assert not wide, f"code lines wider than {COLUMNS} columns:\n" + "\n".join(wide)
+
+
+def test_a_run_fails_on_a_jddp_deprecation(tmp_path):
+    """The net under every block: an old keyword in a block fails it."""
+    code = ("import jax.numpy as jnp, optax, jddp\n"
+            "jddp.DataParallel(lambda p, b: jnp.sum(p), optax.sgd(0.1), zero_stage=1)\n")
+    out = _run(Block("x.md", 1, "python", code), tmp_path)
+    assert out.returncode != 0 and "DeprecationWarning" in out.stderr, out.stderr[-2000:]
+    assert "zero_stage" in out.stderr
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.notest], ids=lambda b: b.id)
@@ -94,7 +134,7 @@ def _run(block: Block, cwd: pathlib.Path) -> subprocess.CompletedProcess[str]:
     if "xla_force_host_platform_device_count" not in flags:
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     try:
-        return subprocess.run([sys.executable, "-c", block.code], cwd=cwd, env=env,
+        return subprocess.run([sys.executable, "-c", PRELUDE, block.code], cwd=cwd, env=env,
                               capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{block.id}: the block did not finish within {TIMEOUT_S} s")

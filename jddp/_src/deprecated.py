@@ -1,4 +1,4 @@
-"""The round-3 keywords of ``DataParallel``, mapped one to one onto the policies.
+"""The deprecated 0.1.0 keywords of ``DataParallel``, mapped one to one onto the policies.
 
 Each old keyword still works for one release: it warns (``DeprecationWarning``, naming the new
 spelling) and becomes the field of the policy that owns it, so both spellings build the same

@@ -8,7 +8,8 @@
   ``../benchmarks/out/x.png``): those files are added to the site at the same place relative to
   the pages, so one link works on GitHub and on the site.
 - Links into sections of README.md that moved to the docs point to where they went.
-- The site's name carries the package's version (pyproject.toml), shown in the header.
+- The site's name carries the package's version (pyproject.toml), shown in the header; without
+  a repository address (``JDDP_REPO_URL``, mkdocs.yml) the pages have no edit link.
 - Code names never break inside a word: docs/css/extra.css must keep inline code from breaking
   anywhere (checked at every build), and inline code gets ``<wbr>`` break points after ``.``,
   ``,``, ``(``, ``/`` and ``|`` only. A stretch of inline code outside a table with no break
@@ -80,6 +81,8 @@ def on_config(config: Any, **kwargs: Any) -> Any:
     if problems:
         raise PluginError("docs/css/extra.css: " + "; ".join(problems))
     config["site_name"] = f"jddp {version()}"
+    if not config.get("repo_url"):  # no repository address (JDDP_REPO_URL): no edit links
+        config["edit_uri"] = None
     return config
 
 

@@ -148,3 +148,33 @@ def test_block_runs(block, tmp_path):
     out = _run(block, tmp_path)
     assert out.returncode == 0, (
         f"{block.id} failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+
+
+def _tutorial_script() -> str:
+    """The ``train.py`` of docs/tutorial.md: its first python block."""
+    return next(b for b in blocks_of(ROOT / "docs" / "tutorial.md") if b.is_python).code
+
+
+@pytest.mark.slow
+def test_tutorial_script_runs_under_jddp_run_and_resumes_with_zero3_offload(tmp_path):
+    """The tutorial's path after one CPU: the same train.py as 2 processes x 2 devices under
+    jddp-run for 5 steps, then run again (a resume from step 5) with ZeRO-3 and offload."""
+    from launch_util import child_env, compile_cache
+
+    (tmp_path / "train.py").write_text(_tutorial_script())
+    env = child_env(JAX_PLATFORMS="cpu", **compile_cache(tmp_path / "cache"))
+
+    def jddp_run(**extra: str) -> tuple[int, str]:
+        cmd = [sys.executable, "-m", "jddp.launch", "-n", "2", "--devices-per-process", "2",
+               "--timeout", "150", "train.py"]
+        try:  # jddp-run's --timeout ends the job (and its ranks) first
+            out = subprocess.run(cmd, cwd=tmp_path, env=dict(env, **extra), timeout=200,
+                                 capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            pytest.fail("jddp-run train.py did not end within 200 s")
+        return out.returncode, out.stdout[-2000:] + out.stderr[-4000:]
+
+    rc, log = jddp_run(STEPS="5")
+    assert rc == 0 and "steps 0..5 on 4 devices" in log, f"first run (exit {rc}):\n{log}"
+    rc, log = jddp_run(STEPS="8", ZERO3="1")
+    assert rc == 0 and "steps 5..8 on 4 devices" in log, f"resume with ZeRO-3 (exit {rc}):\n{log}"

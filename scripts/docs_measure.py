@@ -34,7 +34,10 @@ window.addEventListener('load', () => setTimeout(() => {
   for (const el of content.querySelectorAll('code')) {
     if (el.closest('pre') || !el.offsetParent) continue;
     if (el.getBoundingClientRect().right > right + 10 && !el.closest('.md-typeset__table'))
-      { out.code_overflow++; if (out.examples.length < 8) out.examples.push('overflow: ' + el.outerHTML.slice(0, 160)); }
+    {
+      out.code_overflow++;
+      if (out.examples.length < 8) out.examples.push('overflow: ' + el.textContent.slice(0, 160));
+    }
     const walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
     let prev = null, node, text = el.textContent;
     while ((node = walker.nextNode())) {
@@ -128,7 +131,7 @@ def main() -> None:
                 name = "home" if rel == "." else rel.replace("/", "-")
                 shot(q, w, args.shots / f"{name}-{w}.png")
     table: dict = {}
-    for (q, w), r in zip(jobs, results):
+    for (q, w), r in zip(jobs, results, strict=True):
         table.setdefault(str(w), {})[q.relative_to(site).as_posix()] = r
     for w, rows in table.items():
         keys = ("midword", "midword_in_tables", "code_blocks", "clipped", "clipped_any",

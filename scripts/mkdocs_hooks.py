@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import pathlib
 import re
-from typing import Any
-
 import tomllib
+from typing import Any
 
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files

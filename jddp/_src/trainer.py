@@ -107,9 +107,9 @@ class DataParallel:
 
     Each feature is one policy, a frozen value that checks its own fields
     (`jddp.Loss`, `jddp.Buckets`, `jddp.ZeRO`, ...); combinations that do not work together are
-    refused by one table, each with its reason. The round-3 keywords (``bucket_cap_mb=``, ``zero_stage=``,
-    ``accumulate_steps=``, ...) still work for one release, each with a ``DeprecationWarning``
-    naming its new spelling ([Migrating](../migration.md) lists them).
+    refused by one table, each with its reason. The keywords of jddp 0.1.0 still work for one
+    release, each with a ``DeprecationWarning`` naming its policy ([Migrating](../migration.md)
+    lists them).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss``, the mean loss over its shard of the batch; with
@@ -151,13 +151,10 @@ class DataParallel:
         are still equal (one uint32 hash per parameter and device, one small all-gather; it
         waits for that step): ``jddp.ReplicaDivergenceError`` names the leaf and the replicas
         whose copy differs. See [Reports](../report.md).
-      **renamed: the round-3 keywords, each mapped onto the field of its policy.
+      **renamed: the deprecated 0.1.0 keywords, each mapped onto the field of its policy.
 
-    Metrics: ``metrics["loss"]``, the aux metrics, ``"comm_bytes"``, ``"skipped"`` (with
-    ``SkipNotFinite``, ``weighted`` or a loss scale), and every scalar hyperparameter of an
-    ``optax.inject_hyperparams`` optimizer under its name (``"learning_rate"``), read from the
-    optimizer state after the update; the names the step writes itself are reserved for it
-    (``jddp._src.objective.STEP_METRICS``).
+    The metrics of a step are listed under :attr:`step`; the names the step writes itself
+    (``"loss"``, ``"comm_bytes"``, ``"skipped"``, ...) are reserved for it.
     """
 
     def __init__(
@@ -197,7 +194,7 @@ class DataParallel:
     def _install_step(self, config: StepConfig, auto: Chooser | None, donate: bool,
                       compiler_options: dict[str, Any] | None, every: int) -> None:
         """Sets ``config``, ``_plans``, ``step`` and ``_auto``: the compiled step of ``config``,
-        or with ``bucket_cap_mb="auto"``/``"model"`` the step that chooses its plan first."""
+        or with ``Buckets(cap_mb="auto")``/``"model"`` the step that chooses its plan first."""
         plans = PlanLog()
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "_plans", plans)
@@ -209,7 +206,7 @@ class DataParallel:
         def chosen(cfg: StepConfig, _: autocap.CapChoice) -> None:
             object.__setattr__(self, "config", cfg)
 
-        # bucket_cap_mb="auto" / "model": the plan is chosen on the first step (timed, see
+        # Buckets(cap_mb="auto" / "model"): the plan is chosen on the first step (timed, see
         # _src/autocap.py; predicted, see _src/modelcap.py), then fixed; the configuration takes
         # the chosen caps.
         step: Step | autocap.AutoStep | modelcap.ModelStep
@@ -226,12 +223,54 @@ class DataParallel:
 
     config: StepConfig
     policies: pol.Policies
-    """The step's policies (the defaults filled in; round-3 keywords mapped onto them)."""
+    """The step's policies (the defaults filled in; deprecated keywords mapped onto them)."""
     _plans: PlanLog
     _auto: autocap.AutoStep | modelcap.ModelStep | None
     step: Step | autocap.AutoStep | modelcap.ModelStep
-    """The compiled step: ``step(state, batch, mask=None, *, sync=None, rng=None) -> (state,
-    metrics)``; ``step.lower(...)`` gives its program."""
+    """step(state: TrainState, batch: Any, mask: Any = None, *, sync: bool | None = None,
+    rng: Array | None = None) -> tuple[TrainState, dict[str, Array]]
+
+    One training step, compiled on the first call: forward and backward on each device's shard
+    of ``batch``, the gradients averaged across devices (in buckets, inside the backward pass),
+    and the optimizer's update. Consumes ``state`` (its buffers become the new state's): always
+    rebind, ``state, metrics = ddp.step(state, batch)``. ``ddp.step.lower(state, batch)`` gives
+    the program a call would run.
+
+    Args:
+      state: the `jddp.TrainState` from :meth:`init`, a restore, or the previous step.
+      batch: a pytree of arrays whose leading dimension is the global batch, a multiple of the
+        device count: NumPy or host arrays (each process passes the same global batch, or a
+        ``jddp.data.Loader``'s), or arrays already sharded with ``jddp.shard_batch``.
+      mask: with ``Loss(weighted=True)``, the weights of the losses ``loss_fn`` returns:
+        ``jddp.pad_batch``'s boolean mask of the real examples, or weights shaped like the
+        per-example (or per-token) losses.
+      sync: with ``Accumulate(steps=k)``, whether this call ends the accumulation window
+        (reduces and updates); ``None``: every ``k``-th call does.
+      rng: with ``Loss(rng=True)``, the step's PRNG key; ``loss_fn`` receives one key per
+        example (`jddp.random.example_keys`).
+
+    Returns:
+      ``(state, metrics)``: the new `jddp.TrainState` and a dict of scalars (per device where
+        marked): ``"loss"`` (the step's mean loss; with accumulation, the window's),
+        ``"comm_bytes"`` (bytes this device sent in the step's collectives) and
+        ``"comm_bytes_hosts"`` (of those, across hosts on a two-level mesh), ``"skipped"`` (1.0
+        when the update was skipped: a non-finite gradient under ``loss_scale``, or no real
+        example under ``Loss(weighted=True)``), ``"synced"`` (whether the call reduced, with
+        accumulation), ``"loss_scale"`` (with a loss scale), ``"averaged"`` and
+        ``"replica_loss"`` (local SGD), ``"local_loss"`` (per device, with accumulation), the
+        loss's aux metrics (``Loss(has_aux=True)``), and each scalar hyperparameter of an
+        ``optax.inject_hyperparams`` optimizer under its name (``"learning_rate"``).
+
+    Raises:
+      ValueError: ``state`` was consumed by an earlier step (rebind the returned one, or
+        ``DataParallel(donate=False)``); a batch whose size is not a multiple of the device
+        count, or whose shapes differ between processes; a ``loss_fn`` whose output does not
+        match the `jddp.Loss` policy (each message names the fix).
+      TypeError: ``state`` is not this trainer's `jddp.TrainState`.
+      jddp.ProgramMismatchError: processes compiled different step programs (before any of
+        its collectives runs).
+      jddp.ReplicaDivergenceError: with ``verify_every``, replicas whose parameters differ.
+    """
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(
@@ -271,7 +310,7 @@ class DataParallel:
 
     @property
     def cap_choice(self) -> autocap.CapChoice | None:
-        """What ``bucket_cap_mb="auto"`` or ``"model"`` chose (``None`` before the choice, or
+        """What ``Buckets(cap_mb="auto")`` or ``"model"`` chose (``None`` before the choice, or
         for a fixed cap); ``print`` it for the timings or predictions, the reason and the
         arguments that pin the choice (``cap_choice.pin``). With no cap given, the default
         plan's choice (``method="default"``), made when the step (or ``plan``) is traced."""
@@ -320,7 +359,7 @@ class DataParallel:
         The same planning code as the step's (it traces the step, without compiling it), so it
         works for models that communicate in their forward pass too (cross-replica BatchNorm).
         ``params``, ``batch`` and ``mask`` may be arrays or ``jax.ShapeDtypeStruct``s. With
-        ``bucket_cap_mb="auto"``, only once the cap is chosen; with ``"model"``, the cost model
+        ``Buckets(cap_mb="auto")``, only once the cap is chosen; with ``"model"``, the cost model
         chooses here if no step has (``cap_choice`` says why).
         """
         if isinstance(self._auto, modelcap.ModelStep):

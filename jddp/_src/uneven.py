@@ -41,7 +41,7 @@ def pad_batch(batch: Any, num_devices: int, *, size: int | None = None) -> tuple
     Returns:
       ``(padded_batch, mask)``: the padded batch (same array types as the input) and a boolean
       NumPy mask of shape ``(padded_size,)``, True for real examples. Pass the mask to
-      ``ddp.step(state, padded_batch, mask=mask)`` with ``DataParallel(..., weighted=True)``.
+      ``ddp.step(state, padded_batch, mask=mask)`` with ``loss=jddp.Loss(weighted=True)``.
     """
     if not isinstance(num_devices, int | np.integer) or num_devices < 1:
         raise ValueError(f"num_devices must be a positive int, got {num_devices!r}.")

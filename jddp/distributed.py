@@ -2,7 +2,7 @@
 
 `initialize` is a thin wrapper over `jax.distributed.initialize`. It reads the variables that
 `jddp-run` (jddp/launch.py) sets, otherwise those of the launcher that started the process (Open
-MPI 4 and 5, SLURM, Hydra: `jddp/_src/cluster.py`; JAX's own detection misses Open MPI 5), then
+MPI 4 and 5, SLURM, Hydra; JAX's own detection misses Open MPI 5), then
 JAX's detection (Cloud TPU, ...), and otherwise runs as a single process, so one script works for
 1 or N processes. It adds what a training job needs and JAX does not give by default:
 
@@ -18,11 +18,11 @@ JAX's detection (Cloud TPU, ...), and otherwise runs as a single process, so one
 * a clear error when the coordinator's port is taken (JAX itself crashes with a segfault or
   "Failed to add port to server");
 * under `jddp-run`, the link to the launcher: `report_progress` for its watchdog, orders to exit,
-  and the end of the rank when the launcher dies (`jddp/_src/watchdog.py`);
+  and the end of the rank when the launcher dies;
 * preemption: `reached_preemption_point(step)` is True on every process at the same step after a
   SIGTERM (JAX's preemption sync point, or a signal flag in a single process), and
   `exit_for_resume()` leaves with `EXIT_RESUME`, the status that means "resume me". A process
-  that does not reach that point within a bounded grace exits 143 (`jddp/_src/preemption.py`).
+  that does not reach that point within a bounded grace exits 143 (docs/faults.md).
 
 Cross-process collectives on CPU use Gloo (`jax_cpu_collectives_implementation`, JAX's default).
 """

@@ -6,7 +6,7 @@
 
 Each rank gets the `JDDP_*` variables that `jddp.distributed.initialize` reads (coordinator on
 127.0.0.1 and a free port, process count and id, simulated CPU devices, restart count) and one end
-of a Unix socket pair to the launcher (`JDDP_CONTROL_FD`, see `jddp/_src/watchdog.py`). Output
+of a Unix socket pair to the launcher (`JDDP_CONTROL_FD`). Output
 lines are prefixed with the rank. What ends a job, and with which exit status (docs/faults.md has
 the whole table, with measured times):
 
@@ -463,7 +463,7 @@ def launch(
     runs `launch` with the same `nnodes` and `master_addr` and its own `node_rank`; node `R`'s
     ranks are the global ranks `R * num_processes ...`, the JAX coordinator is global rank 0 at
     `master_addr`, and the agents agree over `master_addr`'s port + 1 on ending, restarting and
-    finishing the job (`jddp/_src/multinode.py`): a rank failing, stuck or preempted on any node
+    finishing the job: a rank failing, stuck or preempted on any node
     ends or restarts the job on every node.
 
     Args:

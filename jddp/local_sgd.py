@@ -12,7 +12,7 @@ Pass one to :class:`jddp.DataParallel`::
 Every other option of the step composes with it (accumulation, micro-batches, masks, ``rng``,
 loss scaling, skipping, summed metrics, ``jddp.ZeRO`` inside each host); ``diloco(period,
 fragments=F)`` is streaming DiLoCo. See docs/scaling.md for when to use which, and
-:mod:`jddp._src.local_sgd` for the semantics.
+what each averages.
 """
 
 from jddp._src.local_sgd import LocalSGD, diloco, post_local_sgd

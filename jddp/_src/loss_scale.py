@@ -32,7 +32,6 @@ import numpy as np
 from jddp._src.state import LossScaleState
 
 _F32_MAX = float(np.finfo(np.float32).max)
-_F32_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _positive(value: Any, name: str, *, at_least: float = 0.0, strict: bool = True) -> float:
@@ -55,14 +54,16 @@ class DynamicScale:
       growth_factor: the scale is multiplied by this after ``growth_interval`` finite steps.
       backoff_factor: the scale is multiplied by this after a non-finite step.
       growth_interval: finite synchronising steps in a row before the scale grows.
-      minimum_scale: the scale never shrinks below this (``None``: no floor).
+      minimum_scale: the scale never shrinks below this (default: float32's smallest normal
+        number; ``None``: no floor).
     """
 
     init_scale: float = 2.0**16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
-    minimum_scale: float | None = _F32_TINY
+    # float32's smallest normal number, np.finfo(np.float32).tiny (as Flax's default)
+    minimum_scale: float | None = 1.1754943508222875e-38
 
     def __post_init__(self) -> None:
         _positive(self.init_scale, "init_scale")

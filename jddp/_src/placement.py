@@ -250,7 +250,7 @@ class ZeRO:
         replicate across hosts (FSDP's ``HYBRID_SHARD``).
       offload: keep the optimizer state in (pinned) host memory between steps, split as at
         this stage; each step moves it to the devices for the update and back
-        (:mod:`jddp._src.offload`; ZeRO-Offload, FSDP2's ``CPUOffloadPolicy``). The
+        (ZeRO-Offload, FSDP2's ``CPUOffloadPolicy``). The
         parameters stay in device memory, stage 3 included.
     """
 

@@ -60,11 +60,11 @@ class BucketPlan(NamedTuple):
       implicit: indices of leaves in no bucket that are read replicated, so that JAX's own
         transpose reduces their gradients where their computation meets per-device values
         (the default plan's parameters first combined with the model's cross-replica
-        statistics, SyncBatchNorm's scales: :mod:`jddp._src.replicated`).
+        statistics, SyncBatchNorm's scales).
       not_resharded: at ``jddp.ZeRO(stage=3)`` with ``reshard_after_forward``, the leaves whose
         gathered copies stay whole from the forward to the backward pass all the same, because
         the loss computes from them a value the backward cannot recompute
-        (:func:`jddp._src.zero.not_resharded` says which and why); empty when every leaf is
+        (docs/sharded.md says which and why); empty when every leaf is
         resharded, or without resharding.
     """
 

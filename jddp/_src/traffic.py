@@ -79,7 +79,7 @@ class Traffic(NamedTuple):
 def sent_per_device(kind: str, nbytes: float, group_size: int) -> float:
     """Bytes one device sends in a ring collective of ``kind`` over ``group_size`` devices whose
     operands total ``nbytes`` per device (see the module docstring; the same model as the
-    ``comm_bytes`` metric: :func:`jddp._src.tree.ring_bytes`)."""
+    ``comm_bytes`` metric)."""
     return ring_bytes(kind, nbytes, group_size)
 
 

@@ -4,7 +4,7 @@ Runs on every available device (simulate 8 CPU devices with ``--devices 8``). Sh
 
 - model state (Flax ``batch_stats``) carried in ``TrainState.model_state`` and synchronised each
   step (``--sync broadcast|mean|none``),
-- uneven final batches padded with ``jddp.pad_batch`` and masked (``weighted=True``),
+- uneven final batches padded with ``jddp.pad_batch`` and masked (``loss=jddp.Loss(weighted=True)``),
 - ``ddp.verify(state)`` checking that replicas stayed identical.
 
 Usage::
@@ -57,7 +57,7 @@ def main() -> None:
     model = MLP()
 
     def loss_fn(params, model_state, batch):
-        # weighted=True: per-example losses; the trainer averages them over real examples.
+        # Loss(weighted=True): per-example losses; the trainer averages them over real examples.
         logits, updates = model.apply(
             {"params": params, **model_state}, batch["x"], train=True, mutable=["batch_stats"]
         )

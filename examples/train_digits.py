@@ -12,7 +12,7 @@ replicas apart and average every H steps instead (see docs/scaling.md)::
 
     python examples/train_digits.py --diloco 16
 
-``--deterministic`` trains with ``DataParallel(deterministic=True)``: the final parameters are the
+``--deterministic`` trains with ``DataParallel(reduce=jddp.Deterministic())``: the final parameters are the
 same bits on 8 devices, on 2, or on 2 processes of 4 (compare ``params_sha256`` in the JSON)::
 
     python examples/train_digits.py --deterministic --devices 2 --json d2.json

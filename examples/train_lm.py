@@ -11,13 +11,13 @@ the padding). Runs on 8 simulated CPU devices by default, unchanged on a GPU/TPU
 
 What the port uses from jddp:
 
-- ``weighted=True`` and ``step(state, batch, mask=weights)`` with ``(batch, seq)`` weights: each
+- ``jddp.Loss(weighted=True)`` and ``step(state, batch, mask=weights)`` with ``(batch, seq)`` weights: each
   file's last sequence is padded, and the loss is the mean over the *global* batch's real tokens,
   whatever each device holds;
-- ``rng=True`` and ``step(..., rng=key)`` with ``jddp.random.per_example``: every sequence gets
+- ``jddp.Loss(rng=True)`` and ``step(..., rng=key)`` with ``jddp.random.per_example``: every sequence gets
   its own dropout key from the run's key, the step and its position in the global batch, so the
   masks differ across devices and equal a single device's;
-- ``sum_metrics=("tokens",)``: the real-token count of a step, summed over devices;
+- ``jddp.Loss(sum_metrics=("tokens",))``: the real-token count of a step, summed over devices;
 - ``optax.inject_hyperparams``: ``metrics["learning_rate"]``;
 - ``jddp.Evaluator``: loss and token sums over the held-out files (perplexity, bits per byte).
 """

@@ -319,7 +319,7 @@ def restore(
     one: the communication hook's state (PowerSGD's error feedback and warm start) restarts from
     its initial value, with a warning; an accumulator restores only at a window boundary (its
     counter 0) and restarts empty; a checkpoint saved mid-window, and per-device model state
-    (``model_state_sync="none"``), raise an error naming the leaf, both device counts and the way
+    (``jddp.Loss(model_state_sync="none")``), raise an error naming the leaf, both device counts and the way
     out.
 
     Args:

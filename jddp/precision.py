@@ -1,6 +1,6 @@
 """Mixed precision: a policy for low-precision compute, and dynamic loss scaling for float16.
 
-``jddp.DataParallel(loss_fn, tx, mixed_precision=jddp.precision.MixedPrecision(param_dtype=
+``jddp.DataParallel(loss_fn, tx, precision=jddp.precision.MixedPrecision(param_dtype=
 jnp.bfloat16, reduce_dtype=jnp.float32))`` keeps float32 master parameters and optimizer state,
 computes forward and backward with ``param_dtype`` copies (stage 3 all-gathers them in it) and
 reduces gradients in ``reduce_dtype`` (:class:`MixedPrecision`, docs/precision.md).

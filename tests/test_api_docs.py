@@ -131,3 +131,75 @@ def test_site_hooks_render_notest_fences_as_python_and_roles_as_code():
     rst = _script("griffe_rst")
     assert rst.markdown("See :func:`plan_buckets` and :class:`~jddp.BucketPlan`. Example::\n") == (
         "See `plan_buckets` and `jddp.BucketPlan`. Example:\n")
+
+
+#: Old keywords that are no field of any policy nor an argument elsewhere: never written bare.
+_OLD_ONLY = ("zero_stage", "hybrid_shard", "accumulator_dtype", "accum_dtype",
+             "shard_accumulator", "mixed_precision", "skip_not_finite", "skip_nonfinite",
+             "bucket_plan", "local_sgd")
+
+
+def _old_keywords_in_calls(text, old):
+    """``(keyword, line)`` for each deprecated keyword passed to a ``DataParallel(`` call in
+    ``text`` (at the call's own level, over several lines)."""
+    found = []
+    for m in re.finditer(r"DataParallel\(", text):
+        depth, i, args = 1, m.end(), []
+        while i < len(text) and depth:
+            depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(text[i], 0)
+            args.append(text[i] if depth == 1 else " ")
+            i += 1
+        nnx = text[max(0, m.start() - 4):m.start()] == "nnx."
+        for k in re.findall(r"\b(\w+)\s*=(?!=)", "".join(args)):
+            if k in old and not (nnx and k == "has_aux"):  # jddp.nnx's own has_aux
+                found.append((k, text.count("\n", 0, m.start()) + 1))
+    return found
+
+
+def test_docs_docstrings_and_examples_teach_only_the_policies():
+    """One spelling: no deprecated keyword of DataParallel in the docs, the docstrings or the
+    examples, except the migration page's table of old and new spellings (and the module that
+    maps them)."""
+    from jddp._src.deprecated import OWNERS
+
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+             *sorted((ROOT / "examples").glob("*.py")), *sorted((ROOT / "jddp").rglob("*.py"))]
+    bad = []
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "jddp/_src/deprecated.py":
+            continue
+        text = path.read_text()
+        if rel == "docs/migration.md":  # its table names the old keywords on purpose
+            text = "\n".join("" if ln.startswith("|") else ln for ln in text.splitlines())
+        bad += [f"{rel}:{line}: DataParallel({k}=...)" for k, line in
+                _old_keywords_in_calls(text, OWNERS)]
+        for m in re.finditer(rf"`+({'|'.join(_OLD_ONLY)})=", text):
+            bad.append(f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(1)}=")
+    assert not bad, "deprecated keywords taught as current:\n" + "\n".join(bad)
+
+
+def test_public_docstrings_name_no_private_module():
+    """The API pages show no private name: no docstring of a public object (or of its public
+    methods) points into ``jddp._src``."""
+    modules = [jddp, *_public_modules("jddp"), *_public_modules("jddp.perf")]
+    not_rendered = {"jddp.trainer.StepConfig"}  # filtered off the page (internal wiring)
+    # Rendered without their members (members: false in docs/api/index.md): the step's protocol.
+    policies = {"Accumulate", "Buckets", "Deterministic", "EveryStep", "Loss", "Replicate",
+                "SkipNotFinite", "ZeRO"}
+    bad = []
+    for module in modules:
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            if f"{module.__name__}.{name}" in not_rendered or isinstance(obj, types.ModuleType):
+                continue
+            members = [obj, *(v for k, v in vars(obj).items() if not k.startswith("_"))] \
+                if inspect.isclass(obj) and name not in policies else [obj]
+            for member in members:
+                doc = inspect.getdoc(member) if callable(member) or inspect.isclass(member) \
+                    else None
+                if doc and re.search(r"jddp[./]_src", doc):
+                    bad.append(f"{module.__name__}.{name}: {getattr(member, '__name__', '')}")
+        if re.search(r"jddp[./]_src", inspect.getdoc(module) or ""):
+            bad.append(module.__name__)
+    assert not bad, f"public docstrings that name private modules: {sorted(set(bad))}"

@@ -18,7 +18,7 @@ separate good caps. So the choice is measured, like Horovod's autotune, on the r
    the same program;
 4. the winning candidate's compiled step becomes ``ddp.step`` (no recompile), ``ddp.config``
    carries the chosen cap from then on, and :class:`CapChoice` (``ddp.cap_choice``) reports the
-   timings and how to pin the choice (``bucket_cap_mb=<cap>``).
+   timings and how to pin the choice (``Buckets(cap_mb=<cap>)``).
 
 The cost: one compile per candidate plan and ``rounds + 1`` extra steps of each, on the first call
 of ``ddp.step`` (or of :meth:`AutoStep.tune`), bounded by ``AutoCap.max_tune_s`` (checked between
@@ -52,7 +52,7 @@ DEFAULT_CANDIDATES_MB: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0,
 
 @dataclasses.dataclass(frozen=True)
 class AutoCap:
-    """How ``bucket_cap_mb="auto"`` chooses (pass an instance as ``bucket_cap_mb`` to change it).
+    """How ``Buckets(cap_mb="auto")`` chooses (pass an instance as ``Buckets.cap_mb`` to change it).
 
     Attributes:
       candidates_mb: caps to consider (MiB); caps that give the same plan are timed once.
@@ -83,11 +83,11 @@ class AutoCap:
 
 
 class CapChoice(NamedTuple):
-    """What ``bucket_cap_mb="auto"`` (timed), ``"model"`` (predicted) or the default plan (the
+    """What ``Buckets(cap_mb="auto")`` (timed), ``"model"`` (predicted) or the default plan (the
     same prediction, no cap given) chose, and from what.
 
     Attributes:
-      cap_mb: the chosen cap (MiB); ``DataParallel(bucket_cap_mb=cap_mb)`` pins it.
+      cap_mb: the chosen cap (MiB); ``Buckets(cap_mb=cap_mb)`` pins it.
       candidates_mb: the cap timed for each distinct plan (MiB).
       num_buckets: buckets of each candidate's plan.
       median_s: each candidate's median step time (seconds), measured on process 0 (NaN when
@@ -101,7 +101,7 @@ class CapChoice(NamedTuple):
       rounds: timed rounds (0: nothing was timed, see ``note``).
       note: why nothing was timed, or why timing stopped early (empty otherwise); with
         ``"model"``, the reason for the choice.
-      method: ``"timed"`` (``bucket_cap_mb="auto"``), ``"model"`` (the cost model, nothing
+      method: ``"timed"`` (``Buckets(cap_mb="auto")``), ``"model"`` (the cost model, nothing
         timed: ``median_s`` is NaN, ``ratio`` is each prediction over the default's) or
         ``"default"`` (the same cost model, for a ``DataParallel`` given no cap).
       first_mb: with ``"model"``, each candidate's first bucket (MiB).
@@ -154,7 +154,7 @@ class CapChoice(NamedTuple):
 
 
 def _model_table(c: CapChoice) -> str:
-    """``CapChoice.table`` for ``bucket_cap_mb="model"`` and the default plan: each candidate's
+    """``CapChoice.table`` for ``Buckets(cap_mb="model")`` and the default plan: each candidate's
     prediction."""
     who = "Buckets(cap_mb='model')" if c.method == "model" else "the default plan (no cap given)"
     rows = [f"{who} chose cap {c.cap_mb:g} MiB, first bucket "
@@ -278,7 +278,7 @@ class _Forward:
 
 class ChoosingStep:
     """A ``ddp.step`` that picks its bucket plan once, on the first call, then is the chosen
-    :class:`Step`: what ``bucket_cap_mb="auto"`` (:class:`AutoStep`) and ``"model"``
+    :class:`Step`: what ``Buckets(cap_mb="auto")`` (:class:`AutoStep`) and ``"model"``
     (``modelcap.ModelStep``) share.
 
     Args:
@@ -322,7 +322,7 @@ class ChoosingStep:
 
 
 class AutoStep(ChoosingStep):
-    """``ddp.step`` when ``bucket_cap_mb="auto"``: chooses the cap on the first call (timing the
+    """``ddp.step`` when ``Buckets(cap_mb="auto")``: chooses the cap on the first call (timing the
     candidates), then is the chosen :class:`Step`. Arguments as :class:`ChoosingStep`'s, with an
     :class:`AutoCap` policy."""
 

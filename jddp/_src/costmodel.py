@@ -805,7 +805,7 @@ def simulate_strategy(
       memory, which the model does not weigh.
     - ``"hybrid_stage1"``: stage 1 with hybrid sharding reduces the gradients like the flat
       step (only the optimizer state is sharded): ``"flat"``'s bytes and time (with
-      ``hook=jddp.hooks.hierarchical()`` it is ``"hierarchical"``'s).
+      ``Buckets(hook=jddp.hooks.hierarchical())`` it is ``"hierarchical"``'s).
     - ``"local_sgd"``, ``"diloco"``: every step reduces the gradients inside the node only
       (overlapped with the backward like any bucket), and every ``period`` steps the parameters
       are averaged across nodes after the update (:func:`averaging_time`, not overlapped);

@@ -23,7 +23,7 @@ axis of the mesh. The design rests on three rules:
   epoch's order, wrapping around (``DistributedSampler``'s padding), and ``mask`` (a ``(B,)``
   bool array, sharded like the batch) marks the real rows, the first ``real`` ones; for a full
   batch ``mask`` is ``None``. A weighted step given the mask
-  (``DataParallel(weighted=True)``, ``step(state, batch, mask=mask)``) and ``jddp.Evaluator``
+  (``loss=jddp.Loss(weighted=True)``, ``step(state, batch, mask=mask)``) and ``jddp.Evaluator``
   count every example exactly once. Why real rows and not zeros: the mask can be dropped without
   a trace (``batch, _ = next(loader)`` before a non-weighted step, which refuses a mask), and
   zero rows then train silently towards whatever the model predicts for an all-zero input with
@@ -196,7 +196,7 @@ class Loader:
         loader.restore(saved)            # optional: continue at the next batch of a saved state
         for step in range(num_steps):
             batch, mask = next(loader)   # mask None, or (B,) bool for the short last batch
-            state, metrics = ddp.step(state, batch, mask=mask)   # DataParallel(weighted=True)
+            state, metrics = ddp.step(state, batch, mask=mask)   # loss=jddp.Loss(weighted=True)
 
     Args:
       source: ``len(source)`` and ``source[i]`` (an example: a pytree of arrays, the same
@@ -210,7 +210,7 @@ class Loader:
       drop_last: drop the short last batch of each epoch instead of padding it.
       prefetch: local batches read ahead by a background thread (0: read when asked).
       workers: threads that read a batch's examples (``source[i]``) in parallel.
-      accumulate_steps: ``k`` for ``DataParallel(accumulate_steps=k)``: the stream is cut into
+      accumulate_steps: ``k`` for ``accumulate=jddp.Accumulate(steps=k)``: the stream is cut into
         windows of ``k`` consecutive batches; :attr:`window_end` says when to synchronise, and
         :meth:`state` refuses to save in the middle of a window.
     """

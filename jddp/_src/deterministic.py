@@ -2,7 +2,7 @@
 
 A default step sums gradients where the layout puts the sums: inside each device's backward pass
 (over its shard) and in the all-reduce (in the collective's order). Change the device count and
-the rounding changes. With ``DataParallel(deterministic=True)`` every sum has a fixed shape that
+the rounding changes. With ``DataParallel(reduce=jddp.Deterministic())`` every sum has a fixed shape that
 does not depend on the layout:
 
 1. The window's global batch (``accumulate_steps`` calls of the global batch) is cut into *groups*
@@ -17,7 +17,7 @@ does not depend on the layout:
    all-to-all hands device ``j`` slice ``j`` of every device's sum, the device adds the ``n``
    slices in the tree's order, and an all-gather returns the sums everywhere (the bytes of a ring
    all-reduce, ``2 (n-1)/n`` of the payload per device).
-4. With ``accumulate_steps=k`` each call's sum is one subtree of the window (the tree's top
+4. With ``Accumulate(steps=k)`` each call's sum is one subtree of the window (the tree's top
    ``log2 k`` levels split by call); the finished subtrees wait in a binary counter in
    ``state.accum`` (``log2 k`` slots) and are merged in the same pairwise order.
 5. The mean is the sum divided by ``K`` (``weighted``: by the summed weight); the optimizer update

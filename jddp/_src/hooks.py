@@ -255,7 +255,7 @@ def check_hook(hook: Any) -> CommHook:
     """``hook`` if it is a :class:`CommHook` (or quacks like one); a TypeError naming the fix if not.
 
     PyTorch registers a hook *function*; here a hook is the value a factory returns, so the most
-    common mistake is passing the factory itself (``hook=jddp.bf16_compress``).
+    common mistake is passing the factory itself (``Buckets(hook=jddp.bf16_compress)``).
     """
     if isinstance(hook, CommHook):
         return hook
@@ -351,7 +351,7 @@ def fp16_compress(method: str = "psum") -> CommHook:
 
     Dividing first (DDP casts first) lets one device's gradient exceed float16's 65504 as long as
     the mean of ``|g|`` over devices does not; a mean gradient above 65504 comes back ``inf`` (pass
-    ``skip_not_finite=True`` to skip such a step, or use :func:`bf16_compress`).
+    ``loss_scale=jddp.SkipNotFinite()`` to skip such a step, or use :func:`bf16_compress`).
 
     Args:
       method: ``"psum"`` (an all-reduce in float16) or ``"all_gather"`` (gather the float16 shards

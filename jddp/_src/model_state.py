@@ -2,7 +2,7 @@
 
 Each replica computes new model state from its own shard of the batch, so replicas disagree after
 every step unless the state is synchronised. Three modes, chosen with
-``DataParallel(model_state_sync=...)``:
+``jddp.Loss(model_state_sync=...)``:
 
 - ``"broadcast"`` (default; DDP's ``broadcast_buffers=True``): every replica takes replica 0's new
   state, bit for bit.

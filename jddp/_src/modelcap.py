@@ -1,6 +1,6 @@
 """``jddp.Buckets(cap_mb="model")``: the plan the cost model predicts fastest, chosen without timing.
 
-``bucket_cap_mb="auto"`` times candidate plans on the real step (tens of seconds on its first
+``Buckets(cap_mb="auto")`` times candidate plans on the real step (tens of seconds on its first
 call); ``"model"`` predicts them instead, from the traced gradient sizes alone:
 
 1. the step's loss is traced (as for ``ddp.plan``, nothing compiled or run) for each gradient
@@ -69,7 +69,7 @@ CPU_ALLREDUCE_TABLE: tuple[tuple[float, float], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class ModelCap:
-    """How ``bucket_cap_mb="model"`` chooses (pass an instance as ``bucket_cap_mb`` to change it).
+    """How ``Buckets(cap_mb="model")`` chooses (pass an instance as ``Buckets.cap_mb`` to change it).
 
     Attributes:
       candidates_mb: caps to consider (MiB), each with a 1 MiB first bucket and without one.
@@ -284,7 +284,7 @@ class DefaultPlan:
 
 
 class ModelStep(ChoosingStep):
-    """``ddp.step`` when ``bucket_cap_mb="model"``: the first call (or ``lower``, ``choose``,
+    """``ddp.step`` when ``Buckets(cap_mb="model")``: the first call (or ``lower``, ``choose``,
     ``ddp.plan``) traces the loss and lets the cost model pick the plan; then it is that
     :class:`Step`. Arguments as :class:`ChoosingStep`'s, with a :class:`ModelCap` policy."""
 

@@ -158,19 +158,22 @@ class DataParallel:
     ``wrt`` state (``nnx.Param`` by default; differentiated, reduced and optimised) and the rest
     (BatchNorm statistics, RNG keys and counts; carried as ``TrainState.model_state``). The core
     trainer's loss merges the model from the two states, calls ``loss_fn(model, batch)`` and splits
-    the updated rest back out, so every option of :class:`jddp.DataParallel` applies: buckets reduced
-    from inside the backward pass, communication hooks, ``accumulate_steps``/``microbatches``,
-    ``skip_not_finite``, ``weighted`` masks, ``rng``, ``local_sgd``, ``metrics["comm_bytes"]``.
+    the updated rest back out, so every policy of :class:`jddp.DataParallel` applies: buckets
+    reduced from inside the backward pass, communication hooks (``reduce=jddp.Buckets(...)``),
+    accumulation (``accumulate=jddp.Accumulate(...)``), ``loss_scale=jddp.SkipNotFinite()``,
+    weighted masks and per-example keys (``loss=jddp.Loss(weighted=..., rng=...)``), local SGD
+    (``sync=jddp.local_sgd.diloco(...)``), ``metrics["comm_bytes"]``.
     A step on N devices equals a single-device ``nnx.Optimizer`` step on the whole batch for
     models whose forward pass is per-example (no BatchNorm in training mode).
 
-    The rest is synchronised by ``model_state_sync`` on the last bucket's all-reduce (no collective
+    The rest is synchronised by ``jddp.Loss(model_state_sync=...)`` on the last bucket's all-reduce (no collective
     of its own), with the core trainer's default ``"broadcast"`` (replica 0's state, DDP's
     ``broadcast_buffers``); ``"mean"`` averages floating-point leaves over devices (BatchNorm
     running statistics) and still takes replica 0's integer, boolean and PRNG key leaves, which
     every replica computes identically from replicated values (RNG keys and counts). Dropout masks
     drawn from the module's own ``nnx.Rngs`` therefore repeat across devices, as in a DDP job whose
-    ranks share one seed. For per-example masks pass ``rng=True`` and take the keys in the loss,
+    ranks share one seed. For per-example masks pass ``loss=jddp.Loss(rng=True)`` and take the
+    keys in the loss,
     ``loss_fn(model, batch, rng)`` with one key per example (the key of its global row, so a step
     on N devices equals the single-device step), and give each example its own dropout key::
 
@@ -178,10 +181,11 @@ class DataParallel:
             one = lambda x, key: model(x[None], rngs=nnx.Rngs(dropout=key))[0]
             return ((jax.vmap(one)(batch["x"], rng) - batch["y"]) ** 2).mean()
 
-        ddp = jddp.nnx.DataParallel(model, optax.adam(1e-3), loss_fn=loss_fn, rng=True)
+        ddp = jddp.nnx.DataParallel(model, optax.adam(1e-3), loss_fn=loss_fn,
+                                    loss=jddp.Loss(rng=True))
         state, metrics = ddp.step(state, batch, rng=jax.random.key(0))
 
-    With ``local_sgd=jddp.local_sgd.diloco(...)`` (or ``post_local_sgd``) each replica trains its
+    With ``sync=jddp.local_sgd.diloco(...)`` (or ``post_local_sgd``) each replica trains its
     own copy; :meth:`merge` and :meth:`update` write the global parameters (DiLoCo's outer
     parameters, or the replicas' mean) and replica 0's model state.
 
@@ -200,9 +204,10 @@ class DataParallel:
         :meth:`init`.
       optimizer: an optax ``GradientTransformation`` over the ``wrt`` state.
       loss_fn: ``loss_fn(model, batch) -> loss``, the mean loss over the batch shard; with
-        ``has_aux``, ``(loss, metrics)`` with a dict of float scalar metrics; with ``weighted``,
-        the per-example losses of the shard; with ``rng=True``, ``loss_fn(model, batch, rng)``
-        with one PRNG key per example of the shard.
+        ``has_aux``, ``(loss, metrics)`` with a dict of float scalar metrics; with
+        ``jddp.Loss(weighted=True)``, the per-example losses of the shard; with
+        ``jddp.Loss(rng=True)``, ``loss_fn(model, batch, rng)`` with one PRNG key per example of
+        the shard.
       wrt: the NNX filter of the trained state (default ``nnx.Param``).
       has_aux: whether ``loss_fn`` returns ``(loss, metrics)`` (or say it in
         ``loss=jddp.Loss(has_aux=True, ...)``).

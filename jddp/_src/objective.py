@@ -11,13 +11,13 @@ call                              returns
                                   ``(loss, (new_ms, metrics))``
 ================================  ============================================================
 
-With ``DataParallel(rng=True)`` each form takes one more argument last, ``rng``: one PRNG key per
+With ``jddp.Loss(rng=True)`` each form takes one more argument last, ``rng``: one PRNG key per
 example of the shard (see :mod:`jddp._src.rng`); the keys are an argument of the traced jaxpr.
 
 :func:`unpack_loss_output` is the one reader of that convention. ``loss`` is the scalar mean over
-the device's shard, or with ``weighted=True`` the unreduced losses of the shard (per example, or
+the device's shard, or with ``Loss(weighted=True)`` the unreduced losses of the shard (per example, or
 any shape the weights have, e.g. per token). ``metrics`` is a dict of scalars (averaged over
-devices), and with ``weighted=True`` may also hold arrays shaped like the loss (averaged over the
+devices), and with ``Loss(weighted=True)`` may also hold arrays shaped like the loss (averaged over the
 real examples). Metrics named in ``sum_metrics`` are summed instead, over devices and micro-batches
 (with ``weighted``, arrays shaped like the loss are summed over the real entries, weighted): token
 counts, numbers of correct predictions.

@@ -52,7 +52,7 @@ def keep_unused(plan: BucketPlan, old: Any, new: Any) -> Any:
     PyTorch's DDP leaves a parameter that no rank used without a gradient (``.grad`` stays
     ``None``) and its optimizers skip such a parameter, so AdamW's weight decay and a momentum
     left from earlier steps do not move it; optax sees a zero gradient and would. The default
-    follows DDP (``find_unused_parameters`` users expect it); ``keep_unused=True`` puts the
+    follows DDP (``find_unused_parameters`` users expect it); ``Buckets(keep_unused=True)`` puts the
     leaves in the buckets and the optimizer updates them like any other (optax's semantics).
     """
     if not plan.unused:
@@ -71,7 +71,7 @@ def bucket_groups(plan: BucketPlan) -> list[tuple[int, ...]]:
 
 def gather_chain(chain: options.Chain) -> Any:
     """How consecutive all-gathers are kept apart: the reduction's ``chain`` applied to pieces,
-    an always-zero add (as for the sharded stages' reduce-scatters) unless ``chain="none"``."""
+    an always-zero add (as for the sharded stages' reduce-scatters) unless ``Buckets(chain="none")``."""
     mode = resolve_chain(chain)
     if mode != "none":
         def add(prev: list, pieces: list) -> list:

@@ -55,7 +55,7 @@ class BucketPlan(NamedTuple):
       paths: every leaf's key path, in tree-leaf order.
       cap_bytes: the bucket cap.
       first_bytes: the cap of the first bucket (per dtype).
-      note: how the cap was chosen, printed with the table (``bucket_cap_mb="auto"``, or the
+      note: how the cap was chosen, printed with the table (``Buckets(cap_mb="auto")``, or the
         default plan when it is not DDP's).
       implicit: indices of leaves in no bucket that are read replicated, so that JAX's own
         transpose reduces their gradients where their computation meets per-device values

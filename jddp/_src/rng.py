@@ -1,6 +1,6 @@
 """Per-example randomness (dropout) that does not depend on how the batch is sharded.
 
-With ``DataParallel(rng=True)``, ``ddp.step(state, batch, rng=key)`` hands ``loss_fn`` one key per
+With ``loss=jddp.Loss(rng=True)``, ``ddp.step(state, batch, rng=key)`` hands ``loss_fn`` one key per
 example of its shard: the key of the example at row ``i`` of the *global* batch is
 
     fold_in(fold_in(fold_in(key, state.step), call), i)
@@ -76,7 +76,7 @@ def example_keys(
 ) -> jax.Array:
     """The keys ``ddp.step(state, batch, rng=key)`` gives examples ``start .. start + n - 1``.
 
-    A single-device reference of a step with ``rng=True`` calls ``loss_fn(params, batch,
+    A single-device reference of a step with ``Loss(rng=True)`` calls ``loss_fn(params, batch,
     example_keys(key, state.step, len(batch)))``.
 
     Args:

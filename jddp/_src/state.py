@@ -87,7 +87,7 @@ class TrainState:
       params: the model parameters, replicated on every device.
       opt_state: the optimizer state, replicated.
       model_state: non-differentiated model state (e.g. Flax ``batch_stats``), or ``None``;
-        replicated, except with ``model_state_sync="none"``: one copy per device (leading device
+        replicated, except with ``jddp.Loss(model_state_sync="none")``: one copy per device (leading device
         dimension, like ``hook_state``).
       hook_state: per-device communication-hook state, one entry per parameter leaf, each leaf with
         a leading device dimension (sharded over the data axis).
@@ -96,7 +96,7 @@ class TrainState:
       loss_scale: dynamic loss scaling state (:class:`LossScaleState`), or ``None`` without
         ``DataParallel(loss_scale=...)`` (states and checkpoints then keep their structure).
       outer: DiLoCo's :class:`OuterState`, or ``None``. With local SGD or DiLoCo
-        (``DataParallel(local_sgd=...)``) ``params``, ``opt_state`` and ``model_state`` hold one
+        (``DataParallel(sync=jddp.local_sgd.diloco(...))``) ``params``, ``opt_state`` and ``model_state`` hold one
         copy per replica (a leading replica dimension, sharded over the replica axis: the hosts of
         a two-level mesh, every device of a 1-D one).
     """

@@ -190,7 +190,7 @@ class Step:
         self, state: TrainState, batch: Any, mask: Any = None, *, sync: bool | None = None,
         rng: Any = None,
     ) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One step; ``rng`` is the run's PRNG key with ``DataParallel(rng=True)``."""
+        """One step; ``rng`` is the run's PRNG key with ``jddp.Loss(rng=True)``."""
         out = self._run(state, batch, mask, sync, rng)
         if self._verify_every:
             self._calls += 1
@@ -284,7 +284,7 @@ class Step:
             sharding).
           step: the step whose program to lower, for hooks whose program changes with it
             (default: ``state.step``, or 0 for an abstract state).
-          rng: the key (or its shape struct), with ``rng=True`` (default: ``jax.random.key(0)``).
+          rng: the key (or its shape struct), with ``Loss(rng=True)`` (default: ``jax.random.key(0)``).
         """
         sync = options.step_sync(sync)
         # The same static arguments as __call__'s, so that a call reuses this compile.

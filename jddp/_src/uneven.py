@@ -9,7 +9,7 @@ examples:
     state, metrics = ddp.step(state, padded, mask=mask)
 
 With padding, devices hold different numbers of real examples, so the mean of per-device mean losses
-is no longer the mean over real examples. ``DataParallel(..., weighted=True)`` therefore asks
+is no longer the mean over real examples. ``DataParallel(..., loss=jddp.Loss(weighted=True))`` therefore asks
 ``loss_fn`` for per-example losses; each device sums its real (weighted) ones, and the gradients are
 divided by the global count of real examples, which rides on the last bucket's all-reduce (no extra
 collective). The step then equals a single-device step on the real examples only.

@@ -14,7 +14,7 @@ of the chain, it does not merge buckets with each other.
 On TPU no split was seen (a 39.5 MiB bucket stayed one all-reduce on v5e:2x4) and on CPU the
 chain alone keeps one all-reduce per bucket, so nothing is recommended there.
 
-:class:`jddp.DataParallel` sets these options itself on a GPU mesh (unless ``chain="none"``, or
+:class:`jddp.DataParallel` sets these options itself on a GPU mesh (unless ``Buckets(chain="none")``, or
 the user sets them in ``compiler_options`` or ``XLA_FLAGS``), sized from the largest bucket its
 plan can make (``ddp.step.compiler_options`` shows them); this module says what and why, e.g. for
 a step compiled another way (``jddp.value_and_grad`` in your own ``jit``):

@@ -183,6 +183,7 @@ class DataParallel:
 
         ddp = jddp.nnx.DataParallel(model, optax.adam(1e-3), loss_fn=loss_fn,
                                     loss=jddp.Loss(rng=True))
+        state = ddp.init()
         state, metrics = ddp.step(state, batch, rng=jax.random.key(0))
 
     With ``sync=jddp.local_sgd.diloco(...)`` (or ``post_local_sgd``) each replica trains its

@@ -9,15 +9,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-import subprocess
-import sys
 import textwrap
 import types
 
 import pytest
+from test_doc_blocks import Block, _run
 
 import jddp
-from test_doc_blocks import PRELUDE, ROOT
 
 _BASE = """
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -49,7 +47,11 @@ def loss_fn(params, batch):
 """,
     "jddp.Evaluator": """
 import types, flax.linen as nn
-model = nn.Dense(3)
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        return nn.Dense(3)(x)
+model = Net()
 variables = model.init(jax.random.key(0), x[:1])
 state = types.SimpleNamespace(params=variables["params"], model_state={})
 x, y = x[:256], (x[:256, 0] > 0).astype(np.int32)
@@ -146,12 +148,5 @@ def test_every_docstring_example_is_run_or_says_why():
 def test_docstring_example_runs(name, code, tmp_path):
     if name in NOT_RUN:
         pytest.skip(f"{name}: {NOT_RUN[name]}")
-    program = _BASE + SETUP[name] + code
-    env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin"}
-    try:
-        out = subprocess.run([sys.executable, "-c", PRELUDE, program], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{name}: the example did not finish within 240 s")
+    out = _run(Block(name, 0, "python", _BASE + SETUP[name] + code), tmp_path)
     assert out.returncode == 0, f"{name} failed:\n{code}\n{out.stderr[-4000:]}"

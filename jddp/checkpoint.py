@@ -20,7 +20,7 @@ or under any scheduler that re-runs it on exit status 75)::
         batch, mask = next(loader)                               # the exact next example
         state, metrics = ddp.step(state, batch, mask=mask)
         jddp.checkpoint.save_if_due(mngr, state, step=step + 1, loader=loader)
-    jddp.checkpoint.wait(mngr)                                   # the last write is on disk
+    jddp.checkpoint.wait(mngr)                          # the last write is on disk
 
 ``save_if_due`` saves every 100 steps and, after a SIGTERM, at one step on every process, then
 exits with 75. The loader's state (a small JSON dict, :meth:`jddp.data.Loader.state`) is a second

@@ -6,7 +6,7 @@ Pass one to :class:`jddp.DataParallel`::
     ddp = jddp.DataParallel(loss_fn, optax.adamw(1e-3), mesh=mesh,
                             sync=jddp.local_sgd.diloco(period=16))
     state = ddp.init(params)
-    state, metrics = ddp.step(state, batch)                # no cross-host collective on 15 of 16
+    state, metrics = ddp.step(state, batch)       # no cross-host collective on 15 of 16
     eval_params = ddp.global_params(state)                 # DiLoCo's global parameters
 
 Every other option of the step composes with it (accumulation, micro-batches, masks, ``rng``,

@@ -203,3 +203,24 @@ def test_public_docstrings_name_no_private_module():
         if re.search(r"jddp[./]_src", inspect.getdoc(module) or ""):
             bad.append(module.__name__)
     assert not bad, f"public docstrings that name private modules: {sorted(set(bad))}"
+
+
+def test_site_keeps_code_names_whole():
+    """The docs build fails on CSS that lets a code name break between two letters (mkdocs-
+    material's own inline code breaks anywhere until docs/css/extra.css says otherwise), and on
+    inline code too long for a phone's column; names break only after punctuation."""
+    import pytest
+
+    pytest.importorskip("mkdocs")
+    hooks = _script("mkdocs_hooks")
+    assert hooks.css_problems((ROOT / "docs" / "css" / "extra.css").read_text()) == []
+    broken = ".md-typeset table:not([class]) code {\n  word-break: normal;\n"
+    assert hooks.css_problems(broken + "  overflow-wrap: anywhere;\n}\n")
+    assert hooks.css_problems(".md-typeset code { word-break: break-all; }")
+    html = "<p><code>jddp.local_sgd.post_local_sgd(x, y)</code></p>"
+    assert hooks.break_points(html) == (
+        "<p><code>jddp.<wbr>local_sgd.<wbr>post_local_sgd(<wbr>x, y)</code></p>")
+    assert hooks.break_points("<pre><span></span><code>a.b</code></pre>").count("<wbr>") == 0
+    long = "<p><code>" + "a_b" * 20 + "</code></p>"
+    assert hooks.unbreakable(long) == ["a_b" * 20]
+    assert hooks.unbreakable(f"<table>{long}</table>") == []  # a table scrolls instead

@@ -33,7 +33,7 @@ num_steps = 2
 class MLP(nnx.Module):
     def __init__(self, rngs):
         self.l1, self.l2 = nnx.Linear(4, 8, rngs=rngs), nnx.Linear(8, 1, rngs=rngs)
-        self.drop = nnx.Dropout(0.5)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
     def __call__(self, x, rngs=None):
         return self.l2(self.drop(nnx.relu(self.l1(x)), rngs=rngs))
 model = MLP(rngs=nnx.Rngs(0))
@@ -150,3 +150,12 @@ def test_docstring_example_runs(name, code, tmp_path):
         pytest.skip(f"{name}: {NOT_RUN[name]}")
     out = _run(Block(name, 0, "python", _BASE + SETUP[name] + code), tmp_path)
     assert out.returncode == 0, f"{name} failed:\n{code}\n{out.stderr[-4000:]}"
+
+
+def test_docstring_examples_fit_the_column():
+    """The API pages show the examples in the same column as the guides' blocks."""
+    from test_doc_blocks import COLUMNS
+
+    wide = [f"{name}: {len(ln)} columns: {ln.strip()[:40]}" for name, code in EXAMPLES
+            for ln in code.splitlines() if len(ln) > COLUMNS]
+    assert not wide, "\n".join(wide)

@@ -193,10 +193,10 @@ class Loader:
     the order, the reads and the padding)::
 
         loader = jddp.data.Loader(source, global_batch_size=256, mesh=mesh, seed=0)
-        loader.restore(saved)            # optional: continue at the next batch of a saved state
+        loader.restore(saved)            # optional: continue after a saved state
         for step in range(num_steps):
             batch, mask = next(loader)   # mask None, or (B,) bool for the short last batch
-            state, metrics = ddp.step(state, batch, mask=mask)   # loss=jddp.Loss(weighted=True)
+            state, metrics = ddp.step(state, batch, mask=mask)  # Loss(weighted=True)
 
     Args:
       source: ``len(source)`` and ``source[i]`` (an example: a pytree of arrays, the same

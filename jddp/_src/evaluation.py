@@ -51,14 +51,17 @@ class Evaluator:
 
     Example::
 
+        xent = optax.softmax_cross_entropy_with_integer_labels
+
         def eval_fn(variables, batch):                      # per example
             logits = model.apply(variables, batch["image"], train=False)
             return {"correct": jnp.argmax(logits, -1) == batch["label"],
-                    "loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]),
+                    "loss": xent(logits, batch["label"]),
                     "count": jnp.ones(len(logits))}
 
         evaluate = jddp.Evaluator(eval_fn, mesh=mesh, batch_size=256)
-        sums = evaluate({"params": state.params, **state.model_state}, {"image": x, "label": y})
+        variables = {"params": state.params, **state.model_state}
+        sums = evaluate(variables, {"image": x, "label": y})
         accuracy = sums["correct"] / sums["count"]
 
     Args:

@@ -54,7 +54,8 @@ def wrap(
 
     Example::
 
-        loss, params, _ = jddp.nnx.wrap(model, lambda m, b: ((m(b["x"]) - b["y"]) ** 2).mean())
+        mse = lambda m, b: ((m(b["x"]) - b["y"]) ** 2).mean()
+        loss, params, _ = jddp.nnx.wrap(model, mse)
         ddp = jddp.DataParallel(loss, optax.adam(1e-3))
         state = ddp.init(params)
         ...

@@ -8,7 +8,7 @@ That is enough to check where XLA schedules the gradient all-reduces (see
 
 Needs the backend's compiler plugin, and nothing else (no GPU, no CUDA libraries, no TPU)::
 
-    pip install "jax[cuda13-local]==$JAX_VERSION"   # GPU: jax-cuda13-plugin + jax-cuda13-pjrt
+    pip install "jax[cuda13-local]==$JAX_VERSION"   # GPU: jax-cuda13-plugin, -pjrt
     pip install "jax[tpu]==$JAX_VERSION"            # TPU: libtpu
 
 (``pip install -e .[xla-compile]`` installs both for the pinned JAX.) The plugin versions must

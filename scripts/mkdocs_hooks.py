@@ -15,6 +15,7 @@
   ``,``, ``(``, ``/`` and ``|`` only. A stretch of inline code outside a table with no break
   point longer than ``MAX_UNBROKEN`` characters (it would overflow a 390 px column) fails the
   build; tables scroll inside themselves.
+- On the API pages, inline code that is a bare ``jax.`` or ``optax.`` name links to its docs.
 """
 
 from __future__ import annotations
@@ -55,6 +56,29 @@ _CODE_RULE = re.compile(r"\.md-typeset code\s*\{(?P<body>[^}]*)\}")
 _INLINE_CODE = re.compile(r"(?<!<pre>)(?<!</span>)<code>(?P<text>[^<]*)</code>")
 _BREAK_AFTER = re.compile(r"(?:(?<=[.,(/|=])|(?<=--))(?=[^\s.,)=-])")
 _TABLE = re.compile(r"<table>.*?</table>", re.S)
+
+
+#: Inline code that is a bare JAX or optax name, linked to that library's docs (no inventory
+#: is fetched at build time: JAX's pages are named after the object, optax's are searched).
+_EXTERNAL = re.compile(r"<code>(?P<name>(?P<lib>jax|optax)(?:\.\w+)+)</code>")
+_JAX_MODULES = ("jax.distributed", "jax.profiler", "jax.random", "jax.lax", "jax.numpy",
+                "jax.sharding", "jax.tree", "jax.stages")
+_DOCS = {"jax": "https://docs.jax.dev/en/latest/_autosummary/{}.html",
+         "optax": "https://optax.readthedocs.io/en/latest/search.html?q={}"}
+
+
+def external_links(html: str) -> str:
+    """``html`` with each inline ``jax.x`` / ``optax.x`` name linked to its library's docs."""
+    def link(m: re.Match[str]) -> str:
+        name = m["name"]
+        if name in _JAX_MODULES:
+            url = f"https://docs.jax.dev/en/latest/{name}.html"
+        elif m["lib"] == "jax" and name.rsplit(".", 1)[0] not in ("jax", *_JAX_MODULES):
+            return m.group(0)  # a submodule JAX has no page for by this name: left as code
+        else:
+            url = _DOCS[m["lib"]].format(name)
+        return f'<a href="{url}"><code>{name}</code></a>'
+    return _EXTERNAL.sub(link, html)
 
 
 def css_problems(css: str) -> list[str]:
@@ -112,6 +136,8 @@ def on_page_content(html: str, page: Any, **kwargs: Any) -> str:
         raise PluginError(f"{page.file.src_uri}: inline code with more than {MAX_UNBROKEN} "
                           "characters and no break point (a space, or after '.', ',', '(', "
                           f"'/', '|', '=', '--'): {long}")
+    if page.file.src_uri.startswith("api/"):
+        html = external_links(html)
     return break_points(html)
 
 

@@ -46,6 +46,7 @@ import numpy as np
 from jax import lax
 
 from jddp._src import rng as rng_lib
+from jddp._src.collectives import wire_itemsize
 from jddp._src.state import AccumState
 from jddp._src.tree import dtype_of
 
@@ -323,7 +324,8 @@ def combine_devices(part: Part, axis: Any, n: int) -> Part:
     return jax.tree.unflatten(treedef, out)
 
 
-def bytes_sent(part: Any, n: int, local: int) -> tuple[float, float]:
+def bytes_sent(part: Any, n: int, local: int, platform: str | None = None
+               ) -> tuple[float, float]:
     """``(total, across_hosts)`` bytes one device sends to combine a :class:`Part`.
 
     The all-to-all and the all-gather each send one slice (``1/n`` of the padded payload) to each
@@ -335,7 +337,7 @@ def bytes_sent(part: Any, n: int, local: int) -> tuple[float, float]:
     total = 0.0
     for dtype, idx in _dtype_groups(jax.tree.leaves(part)).items():
         size = sum(int(np.prod(jax.tree.leaves(part)[i].shape)) for i in idx)
-        total += -(-size // n) * dtype.itemsize  # one slice
+        total += -(-size // n) * wire_itemsize(dtype, platform)  # one slice, as compiled
     return 2.0 * (n - 1) * total, 2.0 * (n - local) * total
 
 
@@ -474,7 +476,8 @@ def local_step(cfg: Any, obj: Any, state: Any, batch: Any, weights: Any, rng: An
             model_state = jax.tree.map(lambda new, old: jnp.where(synced, new, old),
                                        model_state, state.model_state)
     hosts = cfg.topology.axes.hosts
-    total, across = bytes_sent(device_sum, n, n // int(cfg.mesh.shape[hosts]) if hosts else n)
+    total, across = bytes_sent(device_sum, n, n // int(cfg.mesh.shape[hosts]) if hosts else n,
+                               cfg.mesh.devices.flat[0].platform)
     metrics["comm_bytes"] = jnp.float32(total)
     if hosts is not None:
         metrics["comm_bytes_hosts"] = jnp.float32(across)

@@ -394,20 +394,26 @@ def _finish(cfg: Any, window: Part, call: Part, zero: Any) -> tuple[Any, dict, A
     per_group = 1.0 / window.count
     model_state = jax.tree.map(lambda x: scale(x, per_group), window.model_state)
     nonempty = jnp.asarray(True)
+    # "loss" covers this call's examples, as the other metrics; with a window of several calls
+    # "window_loss" is the window's (docs/accumulate.md).
+    windowed = cfg.accumulate.accumulates
     if not cfg.loss.weighted:
         grads = jax.tree.map(lambda g: scale(g, per_group), window.grads)
-        metrics["loss"] = scale(window.sums["loss"], per_group)
+        window_loss = scale(window.sums["loss"], per_group)
+        if windowed:
+            metrics["loss"] = scale(call.sums["loss"], per_call)
     else:
         def ratio(x: Any, w: Any) -> Any:
             r = 1.0 / jnp.where(w > 0, w, 1.0)
             return jnp.where(w > 0, scale(x, r), jnp.zeros((), x.dtype))
 
         for k, v in call.sums.items():
-            if k != "loss":
+            if windowed or k != "loss":
                 metrics[k] = ratio(v, call.weight)
-        metrics["loss"] = ratio(window.sums["loss"], window.weight)
+        window_loss = ratio(window.sums["loss"], window.weight)
         grads = jax.tree.map(lambda x: ratio(x, window.weight), window.grads)
         nonempty = window.weight > 0
+    metrics["window_loss" if windowed else "loss"] = window_loss
     return opaque((grads, metrics, model_state), zero) + (nonempty,)
 
 

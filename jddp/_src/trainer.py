@@ -153,7 +153,9 @@ class DataParallel:
         whose copy differs. See [Reports](../report.md).
       **renamed: the round-3 keywords, each mapped onto the field of its policy.
 
-    Metrics: ``metrics["loss"]``, the aux metrics, ``"comm_bytes"``, ``"skipped"`` (with
+    Metrics: ``metrics["loss"]`` and the aux metrics, over this call's examples on every device
+    (with ``Accumulate.steps``, also ``"window_loss"``, the window's: docs/accumulate.md),
+    ``"comm_bytes"``, ``"skipped"`` (with
     ``SkipNotFinite``, ``weighted`` or a loss scale), and every scalar hyperparameter of an
     ``optax.inject_hyperparams`` optimizer under its name (``"learning_rate"``), read from the
     optimizer state after the update; the names the step writes itself are reserved for it

@@ -136,4 +136,5 @@ def test_nnx_front_end_has_every_public_name_of_data_parallel():
     assert jax.tree.structure(a) == jax.tree.structure(b)
     batch = _batch()
     assert ddp.plan(model, batch).buckets == ddp.plan(params, batch).buckets
+    assert ddp.plan(batch).buckets == ddp.plan(model, batch).buckets  # the construction model
     assert ddp.lower(model, batch).as_text() == ddp.lower(a, batch).as_text()

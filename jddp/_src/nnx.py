@@ -380,7 +380,7 @@ class DataParallel:
         return self.step.lower(self._step_state(state), batch, mask, sync=sync, step=step,
                                rng=rng)
 
-    def plan(self, model: Any, batch: Any, model_state: Any = None,
+    def plan(self, model: Any, batch: Any = None, model_state: Any = None,
              mask: Any = None) -> BucketPlan:
         """The bucket plan the step uses for a global ``batch``, before any step
         (:meth:`jddp.DataParallel.plan`).
@@ -388,10 +388,13 @@ class DataParallel:
         Args:
           model: an ``nnx.Module``, a TrainState, or the ``wrt`` state (arrays or
             ``jax.ShapeDtypeStruct``s; ``None``: the model given at construction).
+            ``ddp.plan(batch)`` alone plans for the model given at construction.
           batch: the global batch (arrays or ``jax.ShapeDtypeStruct``s).
           model_state: the rest of the model's state, with ``model`` given as its ``wrt`` state.
           mask: the step's mask, if it takes one.
         """
+        if batch is None:  # plan(batch)
+            model, batch = None, model
         params, rest = self._states(model, model_state)
         return self.core.plan(params, batch, rest, mask)
 

@@ -4,7 +4,8 @@ of the digits MLP (tests/test_precision.py) with and without the policy.
 
 The program is compiled for 8 H100s (compile-only: XLA:CPU promotes bfloat16 collectives to
 float32 when it compiles them, so the CPU program does not show the wire dtype); ``comm_bytes`` is
-the metric of a CPU step of the same configuration (ring model, what one device sends).
+the metric of a CPU step of the same configuration (ring model, what one device sends), counted
+with the GPU program's wire widths (``collectives.WIRE_PLATFORM = "gpu"``).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/precision.py
 """
@@ -21,6 +22,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import jddp  # noqa: E402
+from jddp._src import collectives  # noqa: E402
 from jddp.perf import schedule, topologies  # noqa: E402
 from jddp.perf.traffic import sent_per_device  # noqa: E402
 from tests._models import mlp_loss, mlp_params, regression_batch  # noqa: E402
@@ -43,7 +45,11 @@ def program_bytes(stage, policy, params, batch):
                for c in found)
     cpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, mixed_precision=policy,
                             **CAPS)
-    _, m = cpu.step(cpu.init(params), batch)
+    collectives.WIRE_PLATFORM = "gpu"  # count what the GPU program sends (CPU widens bf16)
+    try:
+        _, m = cpu.step(cpu.init(params), batch)
+    finally:
+        collectives.WIRE_PLATFORM = None
     return per, sent, float(m["comm_bytes"])
 
 

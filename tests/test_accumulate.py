@@ -27,6 +27,11 @@ MICRO = 16  # global examples per micro-batch: 2 per device on 8 devices
 STEPS = 3
 
 
+
+def _window(metrics):
+    """The loss of the window a call closed (``metrics["loss"]`` is the call's own examples')."""
+    return metrics["window_loss"] if "window_loss" in metrics else metrics["loss"]
+
 def concat(batches):
     return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
 
@@ -71,7 +76,7 @@ def test_accumulate_steps_equal_large_batch(k, name, optimizer, tol):
             state, metrics = ddp.step(state, mb)  # sync=None: the k-th call synchronises
             if k > 1:
                 assert bool(metrics["synced"]) == (i == k - 1)
-        losses.append(float(metrics["loss"]))
+        losses.append(float(_window(metrics)))
     assert int(state.step) == STEPS
     assert ddp.bucket_plan.num_buckets > 1
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
@@ -92,7 +97,7 @@ def test_microbatches_equal_large_batch(m, name, optimizer, tol):
     for batch in bigs:
         state, metrics = ddp.step(state, batch)
         assert set(metrics) == {"loss", "comm_bytes"}
-        losses.append(float(metrics["loss"]))
+        losses.append(float(_window(metrics)))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert max_abs_diff(state.params, ref_params) < tol
 
@@ -109,7 +114,7 @@ def test_accumulate_and_microbatches_compose():
     for w in wins:
         state, _ = ddp.step(state, concat(w[:2]), sync=False)
         state, metrics = ddp.step(state, concat(w[2:]), sync=True)
-        losses.append(float(metrics["loss"]))
+        losses.append(float(_window(metrics)))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert max_abs_diff(state.params, ref_params) < 5e-5
 
@@ -151,7 +156,7 @@ def test_early_sync_is_mean_of_window():
     state, m1 = ddp.step(state, b, sync=True)
     assert int(state.accum.count) == 0
     state, m2 = ddp.step(state, c, sync=True)
-    np.testing.assert_allclose([float(m1["loss"]), float(m2["loss"])], ref_losses, rtol=1e-5)
+    np.testing.assert_allclose([float(_window(m1)), float(_window(m2))], ref_losses, rtol=1e-5)
     assert max_abs_diff(state.params, ref_params) < 1e-5
 
 
@@ -169,7 +174,7 @@ def test_metrics_without_collectives():
     np.testing.assert_allclose(np.asarray(m0["local_loss"]), per_device, rtol=1e-5)
     state, m1 = ddp.step(state, mb1)
     assert bool(m1["synced"])
-    np.testing.assert_allclose(float(m1["loss"]), float(mlp_loss(params, concat([mb0, mb1]))),
+    np.testing.assert_allclose(float(_window(m1)), float(mlp_loss(params, concat([mb0, mb1]))),
                                rtol=1e-6)
 
 
@@ -347,7 +352,7 @@ def test_weighted_accumulation_equals_step_on_real_examples(m, name, optimizer, 
     for w, ms in zip(wins, masks, strict=True):
         for mb, msk in zip(w, ms, strict=True):
             state, metrics = ddp.step(state, mb, mask=msk)
-        losses.append(float(metrics["loss"]))
+        losses.append(float(_window(metrics)))
         assert bool(metrics["synced"]) and float(metrics["skipped"]) == 0.0
     assert int(state.step) == STEPS
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
@@ -369,7 +374,7 @@ def test_weighted_micro_batches_equal_step_on_real_examples():
     losses = []
     for b, msk in zip(batches, masks, strict=True):
         state, metrics = ddp.step(state, b, mask=msk)
-        losses.append(float(metrics["loss"]))
+        losses.append(float(_window(metrics)))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert max_abs_diff(state.params, ref_params) < 5e-5
 
@@ -420,7 +425,7 @@ def test_skip_nonfinite_skips_whole_window_and_resets_count(sync_mode):
     assert not bool(m0["synced"]) and float(m0["skipped"]) == 0.0
     state, m1 = ddp.step(state, wins[0][1], sync=sync(1))
     assert bool(m1["synced"]) and float(m1["skipped"]) == 1.0
-    assert np.isnan(float(m1["loss"]))
+    assert np.isnan(float(_window(m1)))
     assert int(state.accum.count) == 0
     jax.tree.map(np.testing.assert_array_equal,
                  _host((state.step, state.params, state.opt_state)), before)
@@ -429,7 +434,7 @@ def test_skip_nonfinite_skips_whole_window_and_resets_count(sync_mode):
     for i, mb in enumerate(wins[1]):
         state, metrics = ddp.step(state, mb, sync=sync(i))
     assert float(metrics["skipped"]) == 0.0 and int(state.step) == 1
-    np.testing.assert_allclose(float(metrics["loss"]), ref_losses[0], rtol=1e-5)
+    np.testing.assert_allclose(float(_window(metrics)), ref_losses[0], rtol=1e-5)
     assert max_abs_diff(state.params, ref_params) < 5e-5
     if sync_mode == "explicit":
         # The skip selection leaves the accumulator alone: still one all-reduce per bucket and
@@ -487,7 +492,7 @@ def test_model_state_with_accumulation(mode, k, m):
                 jax.tree.map(np.testing.assert_array_equal, _host(state.model_state), start_ms)
     ref_params, ref_losses = reference(params, [concat(w) for w in wins], optax.sgd(0.1))
     assert max_abs_diff(state.params, ref_params) < 1e-5
-    np.testing.assert_allclose(float(metrics["loss"]), ref_losses[-1], rtol=1e-5)
+    np.testing.assert_allclose(float(_window(metrics)), ref_losses[-1], rtol=1e-5)
     # Every device's sum of its own examples over all calls (call batches are split per device).
     totals = sum(b["x"].reshape(n, -1, SIZES[0]).sum(axis=1) for w in calls for b in w)
     if mode == "none":
@@ -562,5 +567,5 @@ def test_weighted_window_of_uneven_shapes_equals_step_on_real_rows(m, sizes, kw)
     state, _ = ddp.step(state, first)
     state, metrics = ddp.step(state, padded, mask=mask)
     assert bool(metrics["synced"]) and int(state.step) == 1
-    np.testing.assert_allclose(float(metrics["loss"]), ref_losses[0], rtol=1e-6)
+    np.testing.assert_allclose(float(_window(metrics)), ref_losses[0], rtol=1e-6)
     assert max_abs_diff(state.params, ref_params) < 1e-6

@@ -67,7 +67,9 @@ def test_all_to_all_form_of_the_reduce_scatter(monkeypatch):
     assert " all-to-all(" in text and " reduce-scatter(" not in text
 
 
-def test_inner_bf16_compresses_only_the_cross_host_leg():
+def test_inner_bf16_compresses_only_the_cross_host_leg(monkeypatch):
+    # comm_bytes with GPU's wire widths (XLA:CPU would send the bf16 leg as float32).
+    monkeypatch.setattr(collectives, "WIRE_PLATFORM", "gpu")
     inner = jddp.hooks.hierarchical(inner=jddp.bf16_compress())
     assert inner.name == "hierarchical(inner=bf16_compress)" and not inner.fuses_extras
     ddp, state, metrics = _train(inner)

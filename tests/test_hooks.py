@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jddp
+from jddp._src import collectives
 
 N = 8
 
@@ -202,10 +203,16 @@ def test_powersgd_given_a_state_built_without_it_is_a_clear_error(start_iter):
         other.step(ddp.init(params), batch)
 
 
-def test_comm_bytes_metric():
+@pytest.mark.parametrize("wire", ["cpu", "gpu"])
+def test_comm_bytes_metric(wire, monkeypatch):
+    """``comm_bytes`` counts what the compiled program sends: XLA:CPU sends bfloat16 collectives
+    as float32 (float16 as it is), GPU's program keeps bfloat16 (counted with its wire widths)."""
+    if wire != "cpu":
+        monkeypatch.setattr(collectives, "WIRE_PLATFORM", wire)
     params, batch = _mlp()
     nbytes = sum(x.size * 4 for x in jax.tree.leaves(params))
-    for hook, factor in [(None, 1.0), (jddp.fp16_compress(), 0.5), (jddp.bf16_compress(), 0.5)]:
+    bf16 = 1.0 if wire == "cpu" else 0.5
+    for hook, factor in [(None, 1.0), (jddp.fp16_compress(), 0.5), (jddp.bf16_compress(), bf16)]:
         ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=hook)
         _, m = ddp.step(ddp.init(params), batch)
         # The gradients at the hook's precision, and the float32 loss (on the last bucket's

@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import jddp
+from jddp._src import collectives
 from jddp.perf import schedule, topologies
 from jddp.perf.traffic import traffic
 from tests import test_zero as tz
@@ -105,13 +106,16 @@ def test_hpz_backward_gathers_stay_inside_the_host():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not topologies.has_gpu_compiler(), reason="no CUDA compiler plugin")
-def test_hpz_on_the_compiled_gpu_step():
+def test_hpz_on_the_compiled_gpu_step(monkeypatch):
     """The same step compiled for 8 H100s (compile-only), k=4: the backward gathers run over
     groups of 4, the peak lies between True's and False's (there an optimization barrier keeps
     the secondary copy in the forward), and the program's ring bytes equal ``comm_bytes``; under
     a bf16 policy the backward gathers carry bf16 (the secondary copy is a slice of the bf16
     gathered leaf) and ``comm_bytes`` still equals the program's bytes. (XLA:CPU promotes bf16
     all-gathers to float32, so the halving shows on this target only.)"""
+    # The CPU step counts what the GPU program sends (on CPU, comm_bytes counts XLA:CPU's
+    # float32 wire: tests/test_report.py).
+    monkeypatch.setattr(collectives, "WIRE_PLATFORM", "gpu")
     params, loss, batch, caps = tz._deep()
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
     bf16 = jddp.precision.MixedPrecision(param_dtype=jax.numpy.bfloat16,

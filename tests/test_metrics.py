@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -163,3 +166,64 @@ def test_the_step_writes_only_the_reserved_names():
     assert written <= set(STEP_METRICS), written - set(STEP_METRICS)
     assert {"local_loss", "comm_bytes_hosts", "synced", "averaged", "replica_loss", "skipped",
             "loss_scale"} <= written
+
+
+def _same_examples_loss(params, batch):
+    """The loss, the same loss again as an aux metric, and a summed row count: when every
+    metric covers the same examples, ``loss == same_loss`` and ``rows`` counts those examples."""
+    logits = _classify(params, batch)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, {"same_loss": loss, "rows": jnp.asarray(batch["label"].shape[0], jnp.float32)}
+
+
+_SYNCS = {"every_step": (None, None), "diloco": (jddp.local_sgd.diloco(2), 2),
+          "deterministic": ("deterministic", None)}
+_ACCUMULATE = {"none": None, "steps2": jddp.Accumulate(steps=2),
+               "steps2_micro2": jddp.Accumulate(steps=2, microbatches=2)}
+
+
+@pytest.mark.parametrize("acc", sorted(_ACCUMULATE))
+@pytest.mark.parametrize("sync", sorted(_SYNCS))
+def test_every_metric_covers_the_calls_examples(sync, acc, monkeypatch):
+    """``loss`` and every aux metric (means and ``sum_metrics``) cover the same examples, this
+    call's, in every combination of accumulation and sync policy: wherever ``loss`` is computed,
+    the aux copy of the loss equals it and the row count is the call's global batch; where it is
+    not (a call without a cross-replica collective), none of them is. ``window_loss`` on a call
+    that closes an accumulation window is the mean of the window's calls' losses (each device's
+    ``local_loss``), and no call that reduced reports NaN."""
+    spec, hosts = _SYNCS[sync]
+    mesh = jddp.data_mesh() if hosts is None else jddp.data_mesh(hosts=hosts)
+    opts: dict = dict(loss=jddp.Loss(has_aux=True, sum_metrics=("rows",)), mesh=mesh)
+    if spec == "deterministic":  # its reduction (this process's XLA still emits FMAs: the
+        # environment check passes, the relations below hold whatever the rounding)
+        jax.devices()  # the backend starts with conftest's flags, not these
+        monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_max_isa=AVX")
+        opts["reduce"], spec = jddp.Deterministic(group_size=2), None
+    elif spec is not None:
+        opts["sync"] = spec
+    if _ACCUMULATE[acc] is not None:
+        opts["accumulate"] = _ACCUMULATE[acc]
+    ddp = jddp.DataParallel(_same_examples_loss, optax.sgd(0.1), **opts)
+    state = ddp.init(mlp_params(0, SIZES))
+    rows, window, computed = 32, [], 0
+    for i in range(8):
+        state, m = ddp.step(state, _batch(rows, seed=i))
+        loss, same, n = (float(m[k]) for k in ("loss", "same_loss", "rows"))
+        assert np.isfinite(loss) == np.isfinite(same) == np.isfinite(n), (i, m)
+        synced = bool(m.get("synced", True))
+        reduced = synced and (spec is None or bool(m["averaged"]))
+        if "local_loss" in m:
+            window.append(float(np.mean(np.asarray(m["local_loss"]))))
+        if reduced:
+            assert np.isfinite(loss), (i, m)
+        if np.isfinite(loss):
+            computed += 1
+            assert same == pytest.approx(loss, rel=1e-6, abs=1e-7), (i, loss, same)
+            assert n == rows, (i, n)
+        if "window_loss" in m and reduced:
+            assert np.isfinite(float(m["window_loss"])), (i, m)
+        if "window_loss" in m and reduced and window:  # (Deterministic: no local_loss)
+            assert float(m["window_loss"]) == pytest.approx(np.mean(window), rel=1e-5), i
+        if synced:
+            window = []
+    assert computed >= 2

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import jddp
-from jddp._src import zero
+from jddp._src import collectives, zero
 from jddp.perf import schedule, topologies
 from jddp.perf.traffic import sent_per_device
 from jddp.precision import DynamicScale, MixedPrecision
@@ -91,13 +91,16 @@ def _hlo_bytes(text):
                                                   (BF16, True, 1), (BF16, True, 2)],
                          ids=["float32", "bf16", "bf16-reshard", "bf16-microbatches"])
 def test_stage_3_gathers_param_dtype_and_comm_bytes_match_the_gpu_program(policy, reshard,
-                                                                          micro):
+                                                                          micro, monkeypatch):
     """The stage-3 all-gathers of the step compiled for 8 H100s (compile-only) carry
     ``param_dtype``: one per bucket, whose bytes are the parameter pieces at 2 bytes per element
     under the bf16 policy, half of float32's (with ``reshard_after_forward`` the backward's
     gathers too); the reduce-scatters stay float32, and ``comm_bytes`` equals the program's
     collectives. (XLA:CPU promotes a bfloat16 all-gather to float32 when it compiles it, as it
     does all-reduces: on CPU the wire carries float32, see docs/precision.md.)"""
+    # The CPU step counts what the GPU program sends (on CPU, comm_bytes counts XLA:CPU's
+    # float32 wire: tests/test_report.py).
+    monkeypatch.setattr(collectives, "WIRE_PLATFORM", "gpu")
     params, batch = mlp_params(0, [64, 256, 256, 8]), regression_batch(0, 32, 64, 8)
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
     opts = dict(zero_stage=3, mixed_precision=policy, reshard_after_forward=reshard,

@@ -233,3 +233,42 @@ def test_unknown_replica_groups_are_an_entry_of_the_report_not_an_error():
     rep = report_lib.Report(bad, None, mesh.size, 1, 1)
     assert rep.unknown_groups == tuple(unknown)
     assert "unknown replica groups" in str(rep) and rep.to_dict()["unknown_groups"] == len(unknown)
+
+
+_BF16 = jddp.precision.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+_NARROW = {
+    "bf16-policy-stage0": dict(precision=_BF16),
+    "bf16-policy-stage3": dict(precision=_BF16, place=jddp.ZeRO(stage=3)),
+    "bf16-policy-stage3-microbatches": dict(precision=_BF16, place=jddp.ZeRO(stage=3),
+                                            accumulate=jddp.Accumulate(microbatches=2)),
+    "bf16-reduce-stage2": dict(precision=jddp.precision.MixedPrecision(
+        param_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16), place=jddp.ZeRO(stage=2)),
+    "bf16-hook-stage0": dict(reduce_hook=jddp.bf16_compress()),
+    "fp16-hook-stage2": dict(reduce_hook=jddp.fp16_compress(), place=jddp.ZeRO(stage=2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_NARROW))
+def test_comm_bytes_are_the_compiled_programs_bytes_with_narrow_dtypes(case):
+    """With a bf16 policy or a compressing hook, ``metrics["comm_bytes"]`` is what the compiled
+    program sends, equal to ``ddp.report(...).sent_per_step``: XLA:CPU gives its collectives no
+    bfloat16 operands (it converts them to float32 around the collective), so on CPU the bf16
+    collectives send float32, while float16 ones travel as they are. And every stage-3 gather,
+    the backward's re-gathers included, is filed under its bucket, never under ``-``."""
+    opts = dict(_NARROW[case])
+    hook = opts.pop("reduce_hook", None)
+    reduce = jddp.Buckets(cap_mb=0.01, first_mb=0.005, **({"hook": hook} if hook else {}))
+    mesh = jddp.data_mesh()
+    ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh, reduce=reduce, **opts)
+    state, batch = ddp.init(_params()), _batch(mesh)
+    rep = ddp.report(state, batch)
+    _, metrics = ddp.step(state, batch)
+    assert rep.sent_per_step == pytest.approx(float(metrics["comm_bytes"]), rel=1e-6)
+    dtypes = {d for c in rep.collectives for d in c.dtype.split(",")}
+    assert "bf16" not in dtypes  # XLA:CPU's wire (the table in jddp._src.tree)
+    if case.startswith("fp16"):
+        assert "f16" in dtypes
+    if "stage3" in case:
+        gathers = [c for c in rep.collectives if c.kind == "all-gather"]
+        assert len(gathers) > ddp.bucket_plan.num_buckets  # the backward's re-gathers too
+        assert all(c.bucket is not None for c in gathers), [c.bucket for c in gathers]

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import jddp
-from jddp._src import zero
+from jddp._src import collectives, zero
 from jddp.perf import schedule, topologies
 from jddp.perf.traffic import sent_per_device
 from tests._models import layer_list_like, layer_list_loss, mlp_loss, mlp_params, regression_batch
@@ -294,11 +294,14 @@ def test_comm_bytes_equal_the_compiled_collectives(stage):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not topologies.has_gpu_compiler(), reason="no CUDA compiler plugin")
-def test_comm_bytes_of_bf16_equal_the_compiled_gpu_collectives():
+def test_comm_bytes_of_bf16_equal_the_compiled_gpu_collectives(monkeypatch):
     """With ``bf16_compress()`` ``comm_bytes`` counts the gradients at 2 bytes and the exact
     float32 metrics on their own all-reduce: equal to the collectives of the step compiled for 8
     H100s (compile-only) at every stage. (XLA:CPU promotes bf16 all-reduces and reduce-scatters
     to float32, so on CPU the wire carries float32; see docs/hooks.md.)"""
+    # The CPU step counts what the GPU program sends (on CPU, comm_bytes counts XLA:CPU's
+    # float32 wire: tests/test_report.py).
+    monkeypatch.setattr(collectives, "WIRE_PLATFORM", "gpu")
     like = layer_list_like(3, 64)
     params = [{k: np.random.default_rng(i).normal(size=v.shape).astype(np.float32)
                for k, v in layer.items()} for i, layer in enumerate(like)]

@@ -116,8 +116,9 @@ def _aux_zeros(aux_shape: LocalAux, axis: Any) -> acc_lib.Sums:
     )
 
 
-def _metric_keys(aux_shape: LocalAux) -> list[str]:
-    return [*aux_shape.metrics, *(k for k in aux_shape.sums if k != "loss"), "loss"]
+def _metric_keys(cfg: StepConfig, aux_shape: LocalAux) -> list[str]:
+    window = ["window_loss"] if cfg.accumulate.accumulates else []
+    return [*aux_shape.metrics, *(k for k in aux_shape.sums if k != "loss"), "loss", *window]
 
 
 def _example_keys(cfg: StepConfig, state: TrainState, rng: Any, batch: Any) -> Any:
@@ -276,7 +277,8 @@ def _reduce(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
         hook=cfg.reduce.hook, hook_state=hook_state, step=state.step, phase=phase,
         chain=cfg.reduce.chain,
         seed=seed, offset=offset, extras_fn=extras,
-        extras_shape=obj.extras_shape(prep.aux_shape, lv.size, lv.axis), sharded=prep.sharded,
+        extras_shape=obj.extras_shape(prep.aux_shape, lv.size, lv.axis,
+                                      cfg.accumulate.accumulates), sharded=prep.sharded,
         hosts_axis=lv.hosts, precision=cfg.precision,
     )
 
@@ -333,7 +335,8 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
         sums = acc_lib.add(call.sums, aux.sums)
         weight = call.weight + aux.weight
         totals = LocalAux(aux.model_state, acc_lib.add(call.metrics, aux.metrics), sums, weight)
-        return reducer.extras(totals, loss0 + sums["loss"], weight0 + weight, lv.axis, lv.size)
+        return reducer.extras(totals, loss0 + sums["loss"], weight0 + weight, lv.axis, lv.size,
+                              cfg.accumulate.accumulates)
 
     red = _reduce(cfg, obj, lv, prep, state, phase, (ms_last, prep.last, *prep.side_last),
                   loss_seed, offset_leaves, extras)
@@ -447,12 +450,13 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
         model_state=add_device_dim(call.model_state),
     )
     # The global metrics need a collective: "not computed" (see docs/accumulate.md).
-    metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(prep.aux_shape)}
+    metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(cfg, prep.aux_shape)}
     loss = jnp.where(call.weight > 0, call.loss / call.weight, 0.0)
     zeros = cfg.place.grad_zeros(state.params, layout)  # in pieces where the reduction scatters
     island = lv.island(lambda: jax.tree.map(
         lambda s: jnp.zeros(s.shape, s.dtype),
-        obj.extras_shape(prep.aux_shape, 1, cfg.topology.data)._replace(state=())))
+        obj.extras_shape(prep.aux_shape, 1, cfg.topology.data,
+                         cfg.accumulate.accumulates)._replace(state=())))
     ms = state.model_state if state.model_state is None or not cfg.loss.per_replica_state \
         else strip_device_dim(state.model_state)
     return LocalResult(

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from jax import lax
 
-from jddp._src import vma
+from jddp._src import tree, vma
 
 
 def traced_platform() -> str:
@@ -28,6 +28,24 @@ def traced_platform() -> str:
         return str(jax.sharding.get_abstract_mesh().abstract_device.platform)
     except Exception:  # no mesh context (e.g. plain jit): the default backend decides
         return jax.default_backend()
+
+
+#: Tests and benchmarks set this to count ``comm_bytes`` with another platform's wire types (e.g.
+#: ``"gpu"``: a CPU step's ``comm_bytes`` then counts what the compile-only GPU program sends);
+#: ``None``: the platform the step is traced for.
+WIRE_PLATFORM: str | None = None
+
+
+def wire_itemsize(dtype: Any, platform: str | None = None) -> int:
+    """Bytes per element a collective of ``dtype`` sends once compiled for ``platform`` (default:
+    the traced platform; :func:`jddp._src.tree.wire_dtype`)."""
+    where = WIRE_PLATFORM or platform or traced_platform()
+    return int(tree.wire_dtype(dtype, where).itemsize)
+
+
+def wire_nbytes(x: Any, platform: str | None = None) -> int:
+    """Bytes of an array or shape struct as a collective sends them (:func:`wire_itemsize`)."""
+    return tree.wire_nbytes(x, WIRE_PLATFORM or platform or traced_platform())
 
 
 #: Tests set this to force (True) or forbid (False) the all-to-all form; ``None``: decide.

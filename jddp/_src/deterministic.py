@@ -46,6 +46,7 @@ import numpy as np
 from jax import lax
 
 from jddp._src import rng as rng_lib
+from jddp._src.collectives import wire_itemsize
 from jddp._src.state import AccumState
 from jddp._src.tree import dtype_of
 
@@ -323,7 +324,8 @@ def combine_devices(part: Part, axis: Any, n: int) -> Part:
     return jax.tree.unflatten(treedef, out)
 
 
-def bytes_sent(part: Any, n: int, local: int) -> tuple[float, float]:
+def bytes_sent(part: Any, n: int, local: int, platform: str | None = None
+               ) -> tuple[float, float]:
     """``(total, across_hosts)`` bytes one device sends to combine a :class:`Part`.
 
     The all-to-all and the all-gather each send one slice (``1/n`` of the padded payload) to each
@@ -335,7 +337,7 @@ def bytes_sent(part: Any, n: int, local: int) -> tuple[float, float]:
     total = 0.0
     for dtype, idx in _dtype_groups(jax.tree.leaves(part)).items():
         size = sum(int(np.prod(jax.tree.leaves(part)[i].shape)) for i in idx)
-        total += -(-size // n) * dtype.itemsize  # one slice
+        total += -(-size // n) * wire_itemsize(dtype, platform)  # one slice, as compiled
     return 2.0 * (n - 1) * total, 2.0 * (n - local) * total
 
 
@@ -392,20 +394,26 @@ def _finish(cfg: Any, window: Part, call: Part, zero: Any) -> tuple[Any, dict, A
     per_group = 1.0 / window.count
     model_state = jax.tree.map(lambda x: scale(x, per_group), window.model_state)
     nonempty = jnp.asarray(True)
+    # "loss" covers this call's examples, as the other metrics; with a window of several calls
+    # "window_loss" is the window's (docs/accumulate.md).
+    windowed = cfg.accumulate.accumulates
     if not cfg.loss.weighted:
         grads = jax.tree.map(lambda g: scale(g, per_group), window.grads)
-        metrics["loss"] = scale(window.sums["loss"], per_group)
+        window_loss = scale(window.sums["loss"], per_group)
+        if windowed:
+            metrics["loss"] = scale(call.sums["loss"], per_call)
     else:
         def ratio(x: Any, w: Any) -> Any:
             r = 1.0 / jnp.where(w > 0, w, 1.0)
             return jnp.where(w > 0, scale(x, r), jnp.zeros((), x.dtype))
 
         for k, v in call.sums.items():
-            if k != "loss":
+            if windowed or k != "loss":
                 metrics[k] = ratio(v, call.weight)
-        metrics["loss"] = ratio(window.sums["loss"], window.weight)
+        window_loss = ratio(window.sums["loss"], window.weight)
         grads = jax.tree.map(lambda x: ratio(x, window.weight), window.grads)
         nonempty = window.weight > 0
+    metrics["window_loss" if windowed else "loss"] = window_loss
     return opaque((grads, metrics, model_state), zero) + (nonempty,)
 
 
@@ -474,7 +482,8 @@ def local_step(cfg: Any, obj: Any, state: Any, batch: Any, weights: Any, rng: An
             model_state = jax.tree.map(lambda new, old: jnp.where(synced, new, old),
                                        model_state, state.model_state)
     hosts = cfg.topology.axes.hosts
-    total, across = bytes_sent(device_sum, n, n // int(cfg.mesh.shape[hosts]) if hosts else n)
+    total, across = bytes_sent(device_sum, n, n // int(cfg.mesh.shape[hosts]) if hosts else n,
+                               cfg.mesh.devices.flat[0].platform)
     metrics["comm_bytes"] = jnp.float32(total)
     if hosts is not None:
         metrics["comm_bytes_hosts"] = jnp.float32(across)

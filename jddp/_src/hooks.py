@@ -42,9 +42,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jddp._src import options, platform_paths, vma
-from jddp._src.collectives import scatter_sum, traced_platform
+from jddp._src.collectives import scatter_sum, traced_platform, wire_itemsize, wire_nbytes
 from jddp._src.introspect import jax_private
-from jddp._src.tree import key_path_str, nbytes, ring_bytes
+from jddp._src.tree import key_path_str, ring_bytes
 
 _all_gather = jax_private.all_gather_invariant
 
@@ -181,7 +181,7 @@ def bucket_bytes_sent(hook: CommHook, leaves: Sequence[Any], axis_size: int, ste
     """Bytes one device sends to reduce one bucket with ``hook`` (its ``bytes_sent``, or a ring)."""
     fn = getattr(hook, "bytes_sent", None)
     if fn is None:
-        return ring_allreduce_bytes(sum(nbytes(x) for x in leaves), axis_size)
+        return ring_allreduce_bytes(sum(wire_nbytes(x) for x in leaves), axis_size)
     return fn(tuple(leaves), axis_size, step)
 
 
@@ -331,7 +331,7 @@ def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
 
     def bytes_sent(leaves, axis_size, step):
         del step
-        size = sum(math.prod(x.shape) for x in leaves) * dtype.itemsize
+        size = sum(math.prod(x.shape) for x in leaves) * wire_itemsize(dtype)
         if method == "psum":
             return ring_allreduce_bytes(size, axis_size)
         return ring_allgather_bytes(size, axis_size)
@@ -759,9 +759,9 @@ class _PowerSGD:
         )
 
     def bytes_sent(self, leaves, axis_size, step):
-        full = sum(nbytes(x) for x in leaves)
+        full = sum(wire_nbytes(x) for x in leaves)
         rs = self.ranks(leaves)
-        plain_b = sum(nbytes(x) for x, r in zip(leaves, rs, strict=True) if not r)
+        plain_b = sum(wire_nbytes(x) for x, r in zip(leaves, rs, strict=True) if not r)
         p_b = sum(4 * _matrix_shape(x.shape)[0] * r for x, r in zip(leaves, rs, strict=True) if r)
         q_b = sum(4 * _matrix_shape(x.shape)[1] * r for x, r in zip(leaves, rs, strict=True) if r)
         before = ring_allreduce_bytes(full, axis_size)
@@ -1066,7 +1066,7 @@ def hierarchical(hosts_axis: str | None = None, *, concat: bool = False,
 
     def bytes_by_level(leaves, hosts, local, step):
         pieces = _shard_structs(leaves, local, concat)
-        padded = sum(nbytes(p) for p in pieces) * local
+        padded = sum(wire_nbytes(p) for p in pieces) * local
         inside = 2.0 * (local - 1) / local * padded  # reduce-scatter + all-gather, full precision
         across = bucket_bytes_sent(inner_hook, pieces, hosts, step) if pieces else 0.0
         return inside, across

@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src import model_state as ms_lib
 from jddp._src import vma, zero
+from jddp._src.collectives import wire_itemsize
 from jddp._src.config import StepConfig
 from jddp._src.hooks import (
     CommHook,
@@ -379,17 +380,20 @@ def _averaging_bytes(cfg: StepConfig, spec: LocalSGD, plan: BucketPlan) -> tuple
     r = cfg.topology.replicas
     local = cfg.topology.num_devices // r
     sizes = [math.prod(s) for s in plan.shapes]
-    items = [d.itemsize for d in plan.dtypes]
+    # This runs in the step's global view: the mesh says which platform's wire widths count.
+    platform = cfg.mesh.devices.flat[0].platform
+    items = [wire_itemsize(d, platform) for d in plan.dtypes]
     sent = _sent_sizes(cfg, plan, local)
     hook = spec.compress
     if hook is None:
         across = ring_allreduce_bytes(sum(n * i for n, i in zip(sent, items, strict=True)), r)
     else:
-        across = sum(
-            float(bucket_bytes_sent(hook, [jax.ShapeDtypeStruct((sent[i],), plan.dtypes[i])
-                                           for i in group], r, 0))
-            for group in _bucket_groups(plan)
-        )
+        with jax.sharding.use_abstract_mesh(cfg.mesh.abstract_mesh):  # the hook's platform
+            across = sum(
+                float(bucket_bytes_sent(hook, [jax.ShapeDtypeStruct((sent[i],), plan.dtypes[i])
+                                               for i in group], r, 0))
+                for group in _bucket_groups(plan)
+            )
     if local == 1 or cfg.place.splits_params:
         return 0.0, across
     padded = sum((s + (-s) % local) * i for s, i in zip(sizes, items, strict=True))

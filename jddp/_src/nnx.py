@@ -30,6 +30,7 @@ from flax import nnx
 from jddp._src.objective import unpack_loss_output
 from jddp._src.planner import BucketPlan
 from jddp._src.policies import Loss
+from jddp._src.report import Report
 from jddp._src.state import TrainState
 from jddp._src.step import Step
 from jddp._src.trainer import DataParallel as CoreDataParallel
@@ -224,6 +225,12 @@ class DataParallel:
         loss averaged over devices. It consumes its input state.
       graphdef: the model's static structure (``nnx.graphdef(model)``).
       core: the :class:`jddp.DataParallel` that runs the step.
+
+    Every public name of :class:`jddp.DataParallel` is here with the same meaning (``report``,
+    ``plan``, ``verify``, ``global_params``, ``lower``, ``abstract_state``, ``mesh``,
+    ``optimizer``, ``policies``, ``config``, ``bucket_plan``, ``cap_choice``, ...); where
+    DataParallel takes a parameter pytree, this takes the NNX forms: a model, its ``wrt`` state
+    (with ``model_state=`` for the rest), or a TrainState.
     """
 
     def __init__(
@@ -273,6 +280,15 @@ class DataParallel:
             f"them): cannot set {name!r}. Build a new one with the option you want."
         )
 
+    # Read-only views of the core trainer, as on jddp.DataParallel.
+    config = property(lambda self: self.core.config)
+    policies = property(lambda self: self.core.policies)
+    optimizer = property(lambda self: self.core.optimizer)
+    mesh = property(lambda self: self.core.mesh)
+    axis_name = property(lambda self: self.core.axis_name)
+    hook = property(lambda self: self.core.hook)
+    model_state_sync = property(lambda self: self.core.model_state_sync)
+
     @property
     def loss_fn(self) -> Callable[..., Any]:
         return self.core.loss_fn.loss_fn
@@ -283,13 +299,14 @@ class DataParallel:
         return self.core.num_devices
 
     @property
-    def model_state_sync(self) -> str:
-        return self.core.model_state_sync
-
-    @property
     def bucket_plan(self) -> BucketPlan | None:
         """The bucket plan of the most recently traced step (``None`` before the first step)."""
         return self.core.bucket_plan
+
+    @property
+    def cap_choice(self) -> Any:
+        """What the cap chooser chose (:attr:`jddp.DataParallel.cap_choice`)."""
+        return self.core.cap_choice
 
     def split(self, model: nnx.Module | None = None) -> tuple[nnx.State, nnx.State]:
         """``(params, rest)`` of ``model`` (default: the model given at construction)."""
@@ -328,14 +345,80 @@ class DataParallel:
         _check_same_shapes(model, params, rest, self.graphdef, self.wrt)
         nnx.update(model, params, rest)
 
-    def abstract_state(self, model: nnx.Module | None = None) -> TrainState:
-        """The TrainState :meth:`init` would build, as shape structs with shardings."""
-        params, rest = self.split(model)
+    def _states(self, like: Any, model_state: Any = None) -> tuple[Any, Any]:
+        """``(params, rest)`` from what a user holds: ``None`` (the model given at construction),
+        an ``nnx.Module``, a :class:`jddp.TrainState` (or :meth:`abstract_state`), or the ``wrt``
+        state itself (arrays or ``jax.ShapeDtypeStruct``s; ``model_state`` then gives the rest,
+        by default the construction model's)."""
+        if like is None or isinstance(like, nnx.Module):
+            params, rest = self.split(like)
+        elif isinstance(like, TrainState):
+            params, rest = like.params, like.model_state
+        else:
+            params, rest = like, None
+        if model_state is not None:
+            rest = model_state
+        elif rest is None:
+            rest = self.split()[1]
+        return params, rest
+
+    def abstract_state(self, model: Any = None, model_state: Any = None) -> TrainState:
+        """The TrainState :meth:`init` would build, as shape structs with shardings.
+
+        Args:
+          model: an ``nnx.Module`` (default: the model given at construction), or its ``wrt``
+            state (arrays or ``jax.ShapeDtypeStruct``s).
+          model_state: the rest of the model's state, with ``model`` given as its ``wrt`` state
+            (default: the construction model's).
+        """
+        params, rest = self._states(model, model_state)
         return self.core.abstract_state(params, rest)
+
+    def _step_state(self, state: Any) -> Any:
+        """A TrainState as it is; a model or its ``wrt`` state as :meth:`abstract_state`."""
+        return state if isinstance(state, TrainState) else self.abstract_state(state)
 
     def lower(self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
               step: int | None = None, rng: Any = None) -> jax.stages.Lowered:
-        """Lowers the step for ``state`` (a TrainState or :meth:`abstract_state`) and ``batch``
-        (arrays or ``jax.ShapeDtypeStruct``s): ``self.step.lower``. ``.compile().as_text()`` is
-        the compiled HLO."""
-        return self.step.lower(state, batch, mask, sync=sync, step=step, rng=rng)
+        """Lowers the step for ``state`` (a TrainState or :meth:`abstract_state`; or a model or
+        its ``wrt`` state, taken as their abstract state) and ``batch`` (arrays or
+        ``jax.ShapeDtypeStruct``s): ``self.step.lower``. ``.compile().as_text()`` is the compiled
+        HLO."""
+        return self.step.lower(self._step_state(state), batch, mask, sync=sync, step=step,
+                               rng=rng)
+
+    def plan(self, model: Any, batch: Any = None, model_state: Any = None,
+             mask: Any = None) -> BucketPlan:
+        """The bucket plan the step uses for a global ``batch``, before any step
+        (:meth:`jddp.DataParallel.plan`).
+
+        Args:
+          model: an ``nnx.Module``, a TrainState, or the ``wrt`` state (arrays or
+            ``jax.ShapeDtypeStruct``s; ``None``: the model given at construction).
+            ``ddp.plan(batch)`` alone plans for the model given at construction.
+          batch: the global batch (arrays or ``jax.ShapeDtypeStruct``s).
+          model_state: the rest of the model's state, with ``model`` given as its ``wrt`` state.
+          mask: the step's mask, if it takes one.
+        """
+        if batch is None:  # plan(batch)
+            model, batch = None, model
+        params, rest = self._states(model, model_state)
+        return self.core.plan(params, batch, rest, mask)
+
+    def report(self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
+               rng: Any = None) -> Report:
+        """The compiled step's collectives and memory (:meth:`jddp.DataParallel.report`; see
+        docs/report.md). ``state``: a TrainState, :meth:`abstract_state`, or a model (or its
+        ``wrt`` state), taken as its abstract state."""
+        return self.core.report(self._step_state(state), batch, mask, sync=sync, rng=rng)
+
+    def verify(self, state: TrainState, *, atol: float = 0.0) -> None:
+        """Raises :class:`jddp.ReplicaDivergenceError` if the replicas of ``state`` differ
+        (:meth:`jddp.DataParallel.verify`)."""
+        self.core.verify(state, atol=atol)
+
+    def global_params(self, state: TrainState) -> nnx.State:
+        """The ``wrt`` state to evaluate or export (:meth:`jddp.DataParallel.global_params`):
+        ``state.params``; with local SGD the replicas' mean, with DiLoCo the outer parameters.
+        :meth:`merge` builds a model from it."""
+        return self.core.global_params(state)

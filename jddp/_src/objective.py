@@ -50,7 +50,8 @@ from jddp._src.tree import broadcast_to_devices
 # not take these names, and tests/test_metrics.py lowers each kind of step and checks that it
 # writes no other name). Optimizer hyperparameters are checked where they are added.
 STEP_METRICS: dict[str, str] = {
-    "loss": "the mean loss of the step (with accumulation: of the window)",
+    "loss": "the mean loss of this call's examples, over every device (as its aux metrics)",
+    "window_loss": "the mean loss of the accumulation window a sync call closes (Accumulate.steps > 1)",
     "comm_bytes": "bytes this device sent in the step's collectives",
     "comm_bytes_hosts": "of those, bytes sent across hosts (two-level mesh)",
     "skipped": "1.0 when the update was skipped (loss_scale=; Loss.weighted: no real row)",
@@ -237,23 +238,29 @@ class Objective:
         return float(max(1, int(jnp.size(weights)))) if self.policy.weighted else 1.0
 
     def extras(self, aux: LocalAux, window_loss: Any, window_weight: Any, axis_name: Any,
-               n: int) -> Extras:
+               n: int, windowed: bool = False) -> Extras:
         """The local values to average on the last bucket's all-reduce.
 
         Args:
           aux: this call's sums over its micro-batches.
           window_loss: the window's loss numerator.
           window_weight: the window's denominator.
+          windowed: the window spans calls (``Accumulate.steps > 1``): this call's own loss
+            numerator rides along too (``"loss"`` of ``metrics``, or with ``weighted`` of
+            ``sums``), so that ``metrics["loss"]`` covers this call's examples, as its aux
+            metrics do, and ``metrics["window_loss"]`` the window's.
         """
         state = ()
         if self.stateful:
             state = ms_lib.encode_state(aux.model_state, self.policy.model_state_sync, axis_name, n)
         if not self.policy.weighted:
-            return Extras(aux.metrics, {}, None, window_loss, None, state)
-        sums = {k: v for k, v in aux.sums.items() if k != "loss"}
+            metrics = {**aux.metrics, "loss": aux.sums["loss"]} if windowed else aux.metrics
+            return Extras(metrics, {}, None, window_loss, None, state)
+        sums = {k: v for k, v in aux.sums.items() if windowed or k != "loss"}
         return Extras(aux.metrics, sums, aux.weight, window_loss, window_weight, state)
 
-    def extras_shape(self, aux_shape: LocalAux, n: int, axis_name: Any) -> Extras:
+    def extras_shape(self, aux_shape: LocalAux, n: int, axis_name: Any,
+                     windowed: bool = False) -> Extras:
         """Shape structs of :meth:`extras` for a :class:`LocalAux` of shape structs ``aux_shape``."""
         scalar = jax.ShapeDtypeStruct((), jnp.float32)
         state = ()
@@ -262,8 +269,10 @@ class Objective:
                                          axis_name)
         metrics = {k: scalar for k in aux_shape.metrics}
         if not self.policy.weighted:
+            if windowed:
+                metrics["loss"] = scalar
             return Extras(metrics, {}, None, scalar, None, state)
-        sums = {k: scalar for k in aux_shape.sums if k != "loss"}
+        sums = {k: scalar for k in aux_shape.sums if windowed or k != "loss"}
         return Extras(metrics, sums, scalar, scalar, scalar, state)
 
     def decode_state(self, mean: Extras, local_state: Any, n: int) -> Any:
@@ -311,8 +320,11 @@ def mean_metrics(
 ) -> dict:
     """The step's reported metrics from the averaged extras.
 
-    ``"loss"`` is the window's mean; ratio metrics are this call's means over real examples;
-    scalar metrics are this call's means over micro-batches and devices, or, if ``summed``, sums.
+    Every metric covers this call's examples on every device: ``"loss"`` and the ratio metrics
+    are its means over real examples, scalar metrics its means over micro-batches and devices, or,
+    if ``summed``, sums. When the extras carry the call's own loss (a window of several calls,
+    :meth:`Objective.extras`), ``"window_loss"`` is the window's mean, the loss of the examples
+    the update's gradient averages; otherwise the call is the window.
 
     Args:
       micro_per_call: micro-batches per call.
@@ -324,11 +336,15 @@ def mean_metrics(
     out = {k: v * num_devices if k in summed else v / micro_per_call
            for k, v in mean.metrics.items()}
     if mean.window_weight is None:
-        out["loss"] = mean.window_loss / window_count
-        return out
-    for k, v in mean.sums.items():
-        out[k] = _ratio(v, mean.weight)
-    out["loss"] = _ratio(mean.window_loss, mean.window_weight)
+        window = mean.window_loss / window_count
+    else:
+        for k, v in mean.sums.items():
+            out[k] = _ratio(v, mean.weight)
+        window = _ratio(mean.window_loss, mean.window_weight)
+    if "loss" in out:  # this call's, next to the window's
+        out["window_loss"] = window
+    else:
+        out["loss"] = window
     return out
 
 

@@ -32,6 +32,7 @@ parameter would come back already summed by JAX. The hook's forward casts the pa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -47,7 +48,7 @@ from jax.custom_derivatives import SymbolicZero
 from jddp._src import options, replicated, vma, zero
 from jddp._src import precision as precision_lib
 from jddp._src.checks import check_float_params, check_scalar_loss
-from jddp._src.collectives import traced_platform
+from jddp._src.collectives import traced_platform, wire_itemsize, wire_nbytes
 from jddp._src.hooks import (
     CommHook,
     HookContext,
@@ -505,7 +506,7 @@ class Hybrid(ReduceScatter):
     def scatter_bytes(self, rows: jax.ShapeDtypeStruct, step: Any) -> Bytes:
         inside = scatter_bytes(self.hook, rows, self.shard_axis, None, step)
         hosts = int(lax.axis_size(self.replicas))
-        row = rows.shape[1] * jnp.dtype(rows.dtype).itemsize
+        row = rows.shape[1] * wire_itemsize(rows.dtype)
         return inside + ring("all-reduce", row, hosts, hosts)
 
 
@@ -918,7 +919,13 @@ def _regathered_vjp(run: Callable[[tuple, tuple], list], others: tuple, cts: lis
     if need and wait is not None:
         dep = lax.stop_gradient(wait)
         pcs = tuple(p + dep.astype(p.dtype) for p in pcs)
-    got = reducer.regather([idx[k] for k in need], [pcs[k] for k in need])
+    # Under its bucket's name, as the forward's gather: the report and profiles file it there.
+    # (Leaves of several buckets read by one equation are gathered in one collective: the first
+    # bucket's name.)
+    buckets = [b for b, bucket in enumerate(reducer.inner.plan.buckets)
+               if any(idx[k] in bucket.indices for k in need)]
+    with jax.named_scope(hlo.bucket_scope(buckets[0])) if buckets else contextlib.nullcontext():
+        got = reducer.regather([idx[k] for k in need], [pcs[k] for k in need])
     full = [jnp.zeros(s.shape, s.dtype) for s in structs]
     for k, x in zip(need, got, strict=True):
         full[k] = x
@@ -1240,7 +1247,7 @@ def _jax_reduced(plan: BucketPlan, reducer: BucketReducer, casts: replicated.Lat
     group, hosts = span(axis_name, reducer.hosts_axis if isinstance(reducer, AllReduce) else None)
     sent = Bytes()
     for s in casts.casts:
-        sent = sent + ring("all-reduce", nbytes(s), group, hosts)
+        sent = sent + ring("all-reduce", wire_nbytes(s), group, hosts)
     return grads, sent
 
 

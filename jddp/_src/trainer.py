@@ -251,7 +251,8 @@ class DataParallel:
 
     Returns:
       ``(state, metrics)``: the new `jddp.TrainState` and a dict of scalars (per device where
-        marked): ``"loss"`` (the step's mean loss; with accumulation, the window's),
+        marked): ``"loss"`` (the mean loss of this call's examples, as every aux metric;
+        with ``Accumulate``, ``"window_loss"`` is the window's),
         ``"comm_bytes"`` (bytes this device sent in the step's collectives) and
         ``"comm_bytes_hosts"`` (of those, across hosts on a two-level mesh), ``"skipped"`` (1.0
         when the update was skipped: a non-finite gradient under ``loss_scale``, or no real

@@ -28,6 +28,27 @@ def nbytes(x: Any) -> int:
     return int(np.prod(np.shape(x), dtype=np.int64)) * dtype_of(x).itemsize
 
 
+# What a platform's compiler makes of a collective's operand type: XLA:CPU (jax 0.10.2) gives its
+# collectives no bfloat16 or float8 operands and converts them around the collective, bfloat16 to
+# float32 and float8 to float16 (float16 and integers travel as they are); the compiled program
+# then sends those widths (tests/test_report.py checks each kind of collective against it).
+# ``comm_bytes`` counts what the compiled program sends.
+_WIDER: dict[str, dict[np.dtype, np.dtype]] = {"cpu": {np.dtype(jnp.bfloat16): np.dtype(np.float32),
+                  **{np.dtype(getattr(jnp, f)): np.dtype(np.float16)
+                     for f in ("float8_e4m3fn", "float8_e5m2") if hasattr(jnp, f)}}}
+
+
+def wire_dtype(dtype: Any, platform: str) -> np.dtype:
+    """The element type a collective of ``dtype`` operands sends on ``platform`` once compiled."""
+    d = np.dtype(dtype)
+    return _WIDER.get(platform, {}).get(d, d)
+
+
+def wire_nbytes(x: Any, platform: str) -> int:
+    """Bytes of an array or shape struct as a collective on ``platform`` sends them."""
+    return int(np.prod(np.shape(x), dtype=np.int64)) * wire_dtype(dtype_of(x), platform).itemsize
+
+
 def fmt_bytes(n: float) -> str:
     """``n`` bytes in B, KiB or MiB, for tables and messages."""
     if n >= MiB:

@@ -38,6 +38,7 @@ reduce-scatter combiner).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -48,6 +49,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jddp._src.collectives import wire_itemsize
 from jddp._src.introspect import jaxpr as jaxpr_lib
 
 
@@ -207,7 +209,7 @@ def subgroup_piece(full: jax.Array, dim: int, group: int, axis: Any) -> jax.Arra
 
 def gather_buckets(
     leaves: Sequence[jax.Array], layout: Layout, groups: Sequence[Sequence[int]], axis: Any,
-    chain: Any,
+    chain: Any, scopes: Sequence[str | None] | None = None,
 ) -> list[jax.Array]:
     """Every split leaf made whole (inside shard_map): one all-gather per group, in order.
 
@@ -216,10 +218,12 @@ def gather_buckets(
       groups: leaf indices gathered together (the buckets, in the order wanted).
       chain: ``chain(previous_gathered, pieces) -> pieces``, which makes each all-gather wait for
         the previous one (so XLA's combiners keep them apart), or ``None``.
+      scopes: a ``jax.named_scope`` name for each group's all-gather (its bucket's, so that the
+        report files it there), or ``None``.
     """
     out = list(leaves)
     prev: list = []
-    for group in groups:
+    for group, scope in zip(groups, scopes or [None] * len(groups), strict=True):
         idx = [i for i in group if layout.dims[i] is not None]
         if not idx:
             continue
@@ -227,7 +231,8 @@ def gather_buckets(
         if prev and chain is not None:
             pieces = chain(prev, pieces)
         dims = [d for d in (layout.dims[i] for i in idx) if d is not None]
-        prev = all_gather(pieces, dims, [layout.shapes[i] for i in idx], axis)
+        with jax.named_scope(scope) if scope else contextlib.nullcontext():
+            prev = all_gather(pieces, dims, [layout.shapes[i] for i in idx], axis)
         for i, full in zip(idx, prev, strict=True):
             out[i] = full
     return out
@@ -244,9 +249,9 @@ def local_piece(x: jax.Array, dim: int | None, n: int, index: Any) -> jax.Array:
 
 def split_bytes(layout: Layout, dtypes: Sequence[Any], indices: Sequence[int]) -> int:
     """Bytes of one device's pieces of the split leaves among ``indices`` (what one all-gather of
-    them sends from each device)."""
+    them sends from each device, at the widths the compiled collective sends)."""
     return sum(int(np.prod(shard_shape(layout.shapes[i], layout.dims[i], layout.n)))
-               * np.dtype(dtypes[i]).itemsize for i in indices if layout.dims[i] is not None)
+               * wire_itemsize(dtypes[i]) for i in indices if layout.dims[i] is not None)
 
 
 def not_resharded(traced: jaxpr_lib.Traced, layout: Layout,

@@ -37,7 +37,7 @@ from jddp._src import accumulation as acc_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import precision as precision_lib
 from jddp._src import vma, zero
-from jddp._src.checks import batch_size
+from jddp._src.checks import batch_size, check_loss_not_reduced
 from jddp._src.config import LocalResult, StepConfig
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.objective import Extras, LocalAux, Objective
@@ -207,6 +207,9 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
     # Under a mixed-precision policy the loss is traced with param_dtype parameters.
     traced = jaxpr_lib.trace(obj, precision_lib.compute_params(cfg.precision, params_v),
                              ms0, last, *side_last)
+    fixed = traced.num_params + len(jax.tree.leaves(ms0))
+    jx = traced.jaxpr.jaxpr
+    check_loss_not_reduced(jx, [i >= fixed for i in range(len(jx.invars))])
     plan = _plan(cfg, traced, full_params, observer, layout)
     loss_scale = None if state.loss_scale is None else state.loss_scale.scale
     # Sums kept for later (the accumulator, the scanned micro-batches) are plain sums, times the

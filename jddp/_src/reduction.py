@@ -46,7 +46,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jddp._src import options, replicated, vma, zero
 from jddp._src import precision as precision_lib
-from jddp._src.checks import check_float_params, check_scalar_loss
+from jddp._src.checks import check_float_params, check_loss_not_reduced, check_scalar_loss
 from jddp._src.collectives import traced_platform
 from jddp._src.hooks import (
     CommHook,
@@ -1402,6 +1402,8 @@ def value_and_grad(
             fun, jax.tree.map(lambda x: vma.to_varying(x, axis_name), params), *args
         )
         check_scalar_loss(traced.out_shapes[0] if has_aux else traced.out_shapes)
+        jx = traced.jaxpr.jaxpr
+        check_loss_not_reduced(jx, [i >= len(leaves) for i in range(len(jx.invars))])
         if plan is not None:
             plan.check_tree(params)
         the_plan = plan or plan_traced(

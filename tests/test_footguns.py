@@ -395,3 +395,25 @@ def test_replicate_with_offload_points_to_zero():
     with pytest.raises(TypeError, match=r"takes no options.*got 3"):
         jddp.Replicate(3)
     assert jddp.Replicate() == jddp.Replicate() and hash(jddp.Replicate()) == hash(jddp.Replicate())
+
+
+# --- 14. PRNG keys in the batch: one per example, or refused ---------------------------------
+
+
+def test_pmap_style_keys_in_the_batch():
+    def loss(p, b):
+        noise = jax.vmap(lambda k: jax.random.normal(k, (2,)))(b["dropout_rng"])
+        return jnp.mean((b["x"] @ p["w"] + 0.01 * noise - b["y"]) ** 2)
+
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1))
+    state = ddp.init(_params())
+    keys = jax.random.split(jax.random.key(0), 8)  # pmap-style: one key per device
+    with pytest.raises(ValueError, match=r"dropout_rng: 8.*one key per example.*"
+                                         r"loss=jddp\.Loss\(rng=True\).*rng=key"):
+        ddp.step(state, {**_batch(16), "dropout_rng": keys})
+    # One example per device: the array is one key per example, each device gets its row (the
+    # documented rule), equal to one device on the whole batch.
+    batch = {**_batch(8), "dropout_rng": keys}
+    state, _ = ddp.step(state, batch)
+    want = _reference(loss, _params(), batch, steps=1)
+    np.testing.assert_allclose(state.params["w"], want["w"], rtol=1e-5, atol=1e-6)

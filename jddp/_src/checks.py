@@ -66,9 +66,11 @@ def batch_size(batch: Any) -> int:
         desc = ", ".join(f"{p}: {n}" for n, p in sizes.items())
         hint = ""
         if any(_looks_like_keys(path, leaf) for path, leaf in path_leaves):
-            hint = (" PRNG keys do not go in the batch: build the DataParallel with "
-                    "loss=jddp.Loss(rng=True) and pass the run's key, step(state, batch, "
-                    "rng=key); each example gets its own key from it.")
+            hint = (" A PRNG key in the batch is split with it like any leaf, so it needs one "
+                    "key per example; for pmap-style keys (one per device, or one per step) "
+                    "build the DataParallel with loss=jddp.Loss(rng=True) and pass the run's "
+                    "key, step(state, batch, rng=key): each example gets its own key from it "
+                    "(docs/flax.md).")
         raise ValueError(
             f"Batch leaves have different leading dimensions ({desc}); every leaf must have the "
             f"same batch size as its first dimension.{hint}"

@@ -126,7 +126,8 @@ def _reference(loss, params, batch, steps=2):
 @pytest.mark.parametrize("kind", ["statistics", "global count"])
 def test_collectives_on_statistics_still_train(kind):
     # Collectives on values the loss combines with the device's own examples are not refused:
-    # cross-replica statistics (SyncBN's pattern) and a global normaliser.
+    # cross-replica statistics (SyncBN's pattern) and a global normaliser (which is 1/N of a
+    # per-device mean: scaled by N here, it trains as the global mean).
     batch = _batch()
     if kind == "statistics":
         def loss(p, b):

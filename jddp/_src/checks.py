@@ -244,7 +244,8 @@ def check_loss_not_reduced(jaxpr: Any, per_device: Sequence[bool]) -> None:
     (the inputs marked ``per_device``) only through collectives that make a value the same on
     every device (``psum``/``pmean``/``pmax``/``pmin``/``all_gather``). Collectives on values the
     loss also combines with its own examples pass: cross-replica BatchNorm's statistics
-    (``x - pmean(mean(x))``), a contrastive loss against gathered embeddings.
+    (``x - pmean(mean(x))``), a contrastive loss against gathered embeddings; so does a global
+    normaliser (``sum(local) / psum(count)``, which the docs steer to ``Loss(weighted=True)``).
     """
     found: list[str] = []
     marks = _reach(jaxpr, [_DIRECT] + [_NONE] * (len(jaxpr.outvars) - 1), found)

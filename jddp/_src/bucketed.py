@@ -37,7 +37,7 @@ from jddp._src import accumulation as acc_lib
 from jddp._src import loss_scale as ls_lib
 from jddp._src import precision as precision_lib
 from jddp._src import vma, zero
-from jddp._src.checks import batch_size, check_loss_not_reduced
+from jddp._src.checks import batch_size
 from jddp._src.config import LocalResult, StepConfig
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.objective import Extras, LocalAux, Objective
@@ -66,6 +66,19 @@ PlanObserver = Callable[[BucketPlan], None]
 
 def _varying(tree: Any, axis: Any) -> Any:
     return jax.tree.map(lambda x: vma.to_varying(x, axis), tree)
+
+
+def _varying_loss(obj: Callable[..., Any], axis: Any) -> Callable[..., Any]:
+    """``obj`` with its loss typed as varying over ``axis``. A loss already reduced over the
+    mesh (``lax.pmean(loss, "data")``, the ``pmap`` habit) is typed invariant, and the
+    transpose of its reduction would hand each device 1/N of its gradient; cast to varying
+    (free: no data moves), the cast's transpose sums the devices' cotangents first, so every
+    device gets its whole gradient, as for a local loss (and as without vma types)."""
+    def loss_varying(*args: Any) -> Any:
+        loss, aux = obj(*args)
+        return vma.to_varying(loss, axis), aux
+
+    return loss_varying
 
 
 def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
@@ -205,11 +218,9 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
     # The one trace of the user's loss in this program: planning, the scanned micro-batches, the
     # accumulating branch and the reducing evaluation all read this jaxpr.
     # Under a mixed-precision policy the loss is traced with param_dtype parameters.
-    traced = jaxpr_lib.trace(obj, precision_lib.compute_params(cfg.precision, params_v),
+    traced = jaxpr_lib.trace(_varying_loss(obj, cfg.topology.data),
+                             precision_lib.compute_params(cfg.precision, params_v),
                              ms0, last, *side_last)
-    fixed = traced.num_params + len(jax.tree.leaves(ms0))
-    jx = traced.jaxpr.jaxpr
-    check_loss_not_reduced(jx, [i >= fixed for i in range(len(jx.invars))])
     plan = _plan(cfg, traced, full_params, observer, layout)
     loss_scale = None if state.loss_scale is None else state.loss_scale.scale
     # Sums kept for later (the accumulator, the scanned micro-batches) are plain sums, times the

@@ -3,14 +3,12 @@ messages that name the problem and the fix. Trace-time only: nothing here costs 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.tree import dtype_of, key_path_str
 
 
@@ -171,97 +169,6 @@ def check_same_params_tree(expected: tuple[str, ...], params: Any) -> None:
         f"{shown(missing) or '-'}\n  not in the model: {shown(extra) or '-'}\nUse the state "
         "this trainer's init (or its last step) returned, or call ddp.init(params) with the "
         "model's params."
-    )
-
-
-# Collectives whose result is the same on every device of the axes they name: a value computed from
-# the examples only through them no longer depends on which device's shard it came from.
-_REPLICATING = frozenset({"psum", "psum2", "psum_invariant", "pmax", "pmin", "all_gather",
-                          "all_gather_invariant"})
-_NONE, _THROUGH, _DIRECT = 0, 1, 2  # how a variable reaches the loss (see _reach)
-
-
-def _replicating(eqn: Any) -> bool:
-    axes = eqn.params.get("axes", eqn.params.get("axis_name"))
-    named = [a for a in (axes if isinstance(axes, tuple | list) else (axes,)) if isinstance(a, str)]
-    return eqn.primitive.name in _REPLICATING and bool(named)
-
-
-def _spelled(eqn: Any) -> str:
-    """A replicating collective as the user wrote it: ``lax.psum/lax.pmean over 'data'``."""
-    name = eqn.primitive.name
-    user = ("lax.psum/lax.pmean" if name.startswith("psum")
-            else "lax.all_gather" if name.startswith("all_gather") else f"lax.{name}")
-    axes = eqn.params.get("axes", eqn.params.get("axis_name"))
-    axes = axes if isinstance(axes, tuple | list) else (axes,)
-    return f"{user} over {', '.join(repr(a) for a in axes if isinstance(a, str))}"
-
-
-def _reach(jaxpr: Any, out_marks: list[int], found: list[str]) -> list[int]:
-    """Per input of ``jaxpr``: how it reaches the outputs marked in ``out_marks`` (``_DIRECT``:
-    along some path with no replicating collective; ``_THROUGH``: only through one; ``_NONE``).
-    Plain calls and branches are walked into; any other equation with a sub-jaxpr (a loop, a
-    custom rule) counts as direct, so the walk may miss a reduced loss, never flag a local one.
-    ``found`` collects the replicating collectives met on a direct path."""
-    mark: dict[Any, int] = {}
-    for v, m in zip(jaxpr.outvars, out_marks, strict=True):
-        if not jaxpr_lib.is_literal(v):
-            mark[v] = max(mark.get(v, _NONE), m)
-
-    def give(v: Any, m: int) -> None:
-        if m and not jaxpr_lib.is_literal(v):
-            mark[v] = max(mark.get(v, _NONE), m)
-
-    for eqn in reversed(jaxpr.eqns):
-        outs = [mark.get(v, _NONE) for v in eqn.outvars]
-        top = max(outs, default=_NONE)
-        if not top:
-            continue
-        if _replicating(eqn):
-            if top == _DIRECT:
-                found.append(_spelled(eqn))
-            for v in eqn.invars:
-                give(v, _THROUGH)
-            continue
-        subs = jaxpr_lib.sub_jaxprs(eqn)
-        inner_ok = subs and all(sub is not None and len(sub.outvars) == len(outs)
-                                for sub, _ in subs)
-        if not inner_ok or eqn.primitive.name in ("while", "scan"):
-            for v in eqn.invars:
-                give(v, top)
-            continue
-        for sub, outer in subs:
-            for v, m in zip(outer, _reach(sub, outs, found), strict=True):
-                give(v, m)
-    return [mark.get(v, _NONE) for v in jaxpr.invars]
-
-
-def check_loss_not_reduced(jaxpr: Any, per_device: Sequence[bool]) -> None:
-    """Refuses a loss that is reduced over the data mesh (``lax.pmean(loss, "data")``, the
-    ``pmap`` habit): jddp averages the gradients itself, so such a loss trains at 1/N the step.
-
-    The rule: the differentiated output (``jaxpr``'s first) reaches the device's own examples
-    (the inputs marked ``per_device``) only through collectives that make a value the same on
-    every device (``psum``/``pmean``/``pmax``/``pmin``/``all_gather``). Collectives on values the
-    loss also combines with its own examples pass: cross-replica BatchNorm's statistics
-    (``x - pmean(mean(x))``), a contrastive loss against gathered embeddings; so does a global
-    normaliser (``sum(local) / psum(count)``, which the docs steer to ``Loss(weighted=True)``).
-    """
-    found: list[str] = []
-    marks = _reach(jaxpr, [_DIRECT] + [_NONE] * (len(jaxpr.outvars) - 1), found)
-    marks = [m for m, d in zip(marks, per_device, strict=True) if d]
-    if not marks or max(marks) != _THROUGH:
-        return
-    what = ", ".join(dict.fromkeys(found)) or "a cross-device reduction"
-    raise ValueError(
-        f"loss_fn reduces its loss over the data mesh ({what} on the loss): every device "
-        "then differentiates the same global value, and since jddp itself averages the "
-        "gradients over devices, the update would be 1/N of the right one. Return this "
-        "device's own loss (the mean over its shard of the batch): drop the lax.pmean/lax.psum "
-        "of the loss; metrics['loss'] is already the mean over every device. For a mean over "
-        "the global batch's real examples or tokens (psum(loss_sum) / psum(count)), return the "
-        "unreduced losses with loss=jddp.Loss(weighted=True) and pass the weights as the mask. "
-        "Collectives on intermediate values (cross-replica BatchNorm statistics) are fine."
     )
 
 

@@ -107,8 +107,10 @@ def manager(
 
     Args:
       max_to_keep: keep only the newest N checkpoints (default: keep all).
-      save_interval_steps: the interval of :func:`save_if_due` (orbax's ``should_save``);
-        :func:`save` always saves.
+      save_interval_steps: the interval of :func:`save_if_due`: it saves at the steps that are
+        multiples of it (and at a preemption), not at the first step (orbax's default
+        "initial save" is turned off, so that the interval means what it says); :func:`save`
+        always saves.
       async_save: write in a background thread (orbax's asynchronous checkpointing); the step
         only waits for the copy of the state to host memory. False (default): every save is on
         disk before it returns.
@@ -118,9 +120,15 @@ def manager(
     for other in list(_MANAGERS):  # a new manager lists the folder: let this process's writes end
         if os.fspath(other.directory) == path:
             other.wait_until_finished()
+    policies = lib.checkpoint_managers
     options = lib.CheckpointManagerOptions(
         max_to_keep=max_to_keep, save_interval_steps=save_interval_steps, create=True,
         enable_async_checkpointing=bool(async_save),
+        # orbax's default policy, less its InitialSavePolicy (a save at the first step seen).
+        save_decision_policy=policies.AnySavePolicy([
+            policies.FixedIntervalPolicy(int(save_interval_steps)),
+            policies.PreemptionCheckpointingPolicy(),
+        ]),
     )
     # The handlers are registered up front so that item_metadata (the saved shapes, which restore
     # compares before loading anything) is readable before the first save or restore.
@@ -266,12 +274,34 @@ def _per_device_changes(saved: Any, abstract: Any) -> list[tuple[str, tuple, tup
         per_device = (path.split(".")[0] in _PER_DEVICE and len(old) == len(new)
                       and old[1:] == new[1:] and sharded_rows)
         if not per_device:
+            replicas = _replica_axis(leaf, old, new)
+            if replicas is not None:
+                raise ValueError(
+                    f"Checkpoint leaf {path} holds one copy per replica for {old[0]} replicas "
+                    "(local SGD and DiLoCo keep each replica's parameters and optimizer state), "
+                    f"but this trainer has {new[0]} replicas (its mesh's {replicas!r} axis): "
+                    f"there is no correct way to turn {old[0]} replicas' states into {new[0]}. "
+                    f"Restore on {old[0]} replicas (e.g. jddp.data_mesh(hosts={old[0]})); to "
+                    "go on with another count, start a new run from the restored "
+                    "ddp.global_params(state)."
+                )
             raise ValueError(
                 f"Checkpoint leaf {path} has shape {old}, but this trainer's state has {new}. "
                 "Restore with the model and optimizer the checkpoint was saved with."
             )
         changed.append((path, old, new))
     return changed
+
+
+def _replica_axis(leaf: Any, old: tuple, new: tuple) -> str | None:
+    """The mesh axis ``leaf`` holds one row per replica over (a per-replica state: local SGD),
+    when the saved shape differs only in that count; else ``None``."""
+    sharding = getattr(leaf, "sharding", None)
+    spec: tuple = tuple(getattr(sharding, "spec", ()))
+    if (sharding is None or not spec or not isinstance(spec[0], str) or len(old) != len(new)
+            or old[1:] != new[1:]):
+        return None
+    return spec[0] if sharding.mesh.shape[spec[0]] == new[0] else None
 
 
 def _load_state(mngr: Any, step: int, args: Any) -> Any:
@@ -289,12 +319,17 @@ def _saved_tree(mngr: Any, step: int) -> Any:
     return None if metadata is None else metadata.tree
 
 
+def _holds_loader(mngr: Any, step: int) -> bool:
+    """Whether the checkpoint of ``step`` was saved with a loader's state."""
+    return os.path.isdir(os.path.join(os.fspath(mngr.directory), str(step), LOADER_ITEM))
+
+
 def _restore_loader(mngr: Any, step: int, loader: Any) -> None:
     lib = _require_orbax()
     if not _two_items(mngr):
         raise ValueError("Restoring a loader state needs a manager made by "
                          "jddp.checkpoint.manager().")
-    if not os.path.isdir(os.path.join(os.fspath(mngr.directory), str(step), LOADER_ITEM)):
+    if not _holds_loader(mngr, step):
         raise ValueError(
             f"The checkpoint of step {step} in {mngr.directory} holds no loader state (it was "
             "saved without loader=...): the data position cannot be restored. Restore without "
@@ -366,7 +401,8 @@ def restore(
             f"Checkpoint of step {step} ({where}) holds one model state per device "
             f"(model_state_sync='none'; e.g. {per_replica[0]}): there is no correct way to turn "
             f"{old_n} replicas' states into {new_n}. Restore on {old_n} devices, or train with "
-            "model_state_sync='broadcast' or 'mean' (one state for all replicas)."
+            "loss=jddp.Loss(model_state_sync='broadcast') or 'mean' (one state for all "
+            "replicas)."
         )
     # Every other changed leaf restarts: load the rest exactly; the changed leaves' loaded values
     # (padded or cut by strict=False) are replaced below.
@@ -462,6 +498,17 @@ def restore_or_init(
             )
     if step is None:
         return init()
+    if loader is None and _holds_loader(mngr, step):
+        raise ValueError(
+            f"The checkpoint of step {step} in {mngr.directory} was saved with a data loader's "
+            "position (save_if_due(..., loader=loader)), but restore_or_init was given no "
+            "loader: the data would start again at its first batch and batches already trained "
+            "on would be trained on again. Pass the loader, built as when saving: "
+            "restore_or_init(mngr, ddp, params, loader=loader). To restore the TrainState alone "
+            "on purpose (evaluation, another data set), use "
+            "jddp.checkpoint.restore(mngr, ddp.abstract_state(params), init_fn=lambda: "
+            "ddp.init(params))."
+        )
     return restore(mngr, abstract_state(), step=step, init_fn=init, loader=loader)
 
 
@@ -472,7 +519,8 @@ def save_if_due(
     """Saves ``state`` when due: on the manager's interval, or at the preemption sync point.
 
     Call it after every training step, on every process. The interval is orbax's
-    ``CheckpointManager.should_save`` (``save_interval_steps`` of :func:`manager`). Preemption is
+    ``CheckpointManager.should_save``: with a manager from :func:`manager`, the steps that are
+    multiples of its ``save_interval_steps`` (interval 5: steps 5, 10, ...). Preemption is
     ``jddp.distributed.reached_preemption_point``: after a SIGTERM to any process, every process
     saves at the same step; then, with ``exit_on_preemption``, each exits with
     ``jddp.distributed.EXIT_RESUME`` (75, "resume me"), which ``jddp-run --max-restarts``

@@ -303,7 +303,7 @@ def test_checkpoint_saves_and_restores_the_loader_with_the_state(tmp_path):
     ref = run(ckpt.manager(tmp_path / "ref", save_interval_steps=100), 7,
               Loader(ArraySource(data), global_batch_size=16))
     run(ckpt.manager(tmp_path / "c", save_interval_steps=4), 5,
-        Loader(ArraySource(data), global_batch_size=16))  # saved at steps 1 and 4
+        Loader(ArraySource(data), global_batch_size=16))  # saved at step 4
     loader = Loader(ArraySource(data), global_batch_size=16)
     resumed = run(ckpt.manager(tmp_path / "c", save_interval_steps=4), 7, loader)
     assert loader.position == 7

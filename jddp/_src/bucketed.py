@@ -68,6 +68,19 @@ def _varying(tree: Any, axis: Any) -> Any:
     return jax.tree.map(lambda x: vma.to_varying(x, axis), tree)
 
 
+def _varying_loss(obj: Callable[..., Any], axis: Any) -> Callable[..., Any]:
+    """``obj`` with its loss typed as varying over ``axis``. A loss already reduced over the
+    mesh (``lax.pmean(loss, "data")``, the ``pmap`` habit) is typed invariant, and the
+    transpose of its reduction would hand each device 1/N of its gradient; cast to varying
+    (free: no data moves), the cast's transpose sums the devices' cotangents first, so every
+    device gets its whole gradient, as for a local loss (and as without vma types)."""
+    def loss_varying(*args: Any) -> Any:
+        loss, aux = obj(*args)
+        return vma.to_varying(loss, axis), aux
+
+    return loss_varying
+
+
 def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
     """The model state this device's micro-batches start from, typed as varying when scanned or
     accumulated (it becomes per-device as soon as a micro-batch updates it, and scan carries
@@ -206,7 +219,8 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
     # The one trace of the user's loss in this program: planning, the scanned micro-batches, the
     # accumulating branch and the reducing evaluation all read this jaxpr.
     # Under a mixed-precision policy the loss is traced with param_dtype parameters.
-    traced = jaxpr_lib.trace(obj, precision_lib.compute_params(cfg.precision, params_v),
+    traced = jaxpr_lib.trace(_varying_loss(obj, cfg.topology.data),
+                             precision_lib.compute_params(cfg.precision, params_v),
                              ms0, last, *side_last)
     plan = _plan(cfg, traced, full_params, observer, layout)
     loss_scale = None if state.loss_scale is None else state.loss_scale.scale

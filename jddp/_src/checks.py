@@ -42,7 +42,7 @@ def check_scalar_loss(loss: Any) -> None:
             "loss_fn must return a scalar floating-point loss (the mean over its shard of the "
             f"batch), got {jnp.result_type(loss) if hasattr(loss, 'dtype') else type(loss).__name__}"
             f"{list(jnp.shape(loss)) if hasattr(loss, 'shape') else ''}. Reduce it with .mean(), or "
-            "return (loss, aux) and pass has_aux=True."
+            "return (loss, metrics) with loss=jddp.Loss(has_aux=True)."
         )
 
 
@@ -64,9 +64,11 @@ def batch_size(batch: Any) -> int:
         desc = ", ".join(f"{p}: {n}" for n, p in sizes.items())
         hint = ""
         if any(_looks_like_keys(path, leaf) for path, leaf in path_leaves):
-            hint = (" PRNG keys do not go in the batch: build the DataParallel with rng=True and "
-                    "pass the run's key, step(state, batch, rng=key); each example gets its own "
-                    "key from it.")
+            hint = (" A PRNG key in the batch is split with it like any leaf, so it needs one "
+                    "key per example; for pmap-style keys (one per device, or one per step) "
+                    "build the DataParallel with loss=jddp.Loss(rng=True) and pass the run's "
+                    "key, step(state, batch, rng=key): each example gets its own key from it "
+                    "(docs/flax.md).")
         raise ValueError(
             f"Batch leaves have different leading dimensions ({desc}); every leaf must have the "
             f"same batch size as its first dimension.{hint}"
@@ -168,3 +170,54 @@ def check_same_params_tree(expected: tuple[str, ...], params: Any) -> None:
         "this trainer's init (or its last step) returned, or call ddp.init(params) with the "
         "model's params."
     )
+
+
+def _off_mesh(tree: Any, devices: set) -> list[tuple[str, list[int]]]:
+    """The leaves of ``tree`` that are JAX arrays committed to devices other than ``devices``."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and getattr(leaf, "committed", True):
+            placed = set(leaf.sharding.device_set)
+            if placed != devices:
+                out.append((key_path_str(path), sorted(int(getattr(d, "id", -1)) for d in placed)))
+    return out
+
+
+def placement_error(state: Any, batch: Any, mask: Any, mesh: Any) -> ValueError | None:
+    """A clear error for step inputs committed to devices that are not the mesh's (JAX's own
+    says "incompatible devices for jitted computation"), or ``None`` if none is."""
+    devices = set(mesh.devices.flat)
+    ids = sorted(int(d.id) for d in devices)
+    bad = _off_mesh({"batch": batch, "mask": mask}, devices)
+    if bad:
+        path, where = bad[0]
+        return ValueError(
+            f"The step's input {path} is on devices {where}, but this DataParallel's mesh has "
+            f"devices {ids}{f' (and {len(bad) - 1} more leaves)' if len(bad) > 1 else ''}. Pass the "
+            "batch as host data (NumPy arrays: the step splits it over the mesh), or place it "
+            "on the mesh: jddp.shard_batch(batch, ddp.mesh) (one process), "
+            "jddp.shard_global_batch(batch, ddp.mesh), or a jddp.data.Loader built with "
+            "mesh=ddp.mesh."
+        )
+    bad = _off_mesh(state, devices)
+    if bad:
+        path, where = bad[0]
+        return ValueError(
+            f"The TrainState leaf {path} is on devices {where}, but this DataParallel's mesh has "
+            f"devices {ids}: the state was made by a trainer on another mesh (or moved). Make it "
+            "with this trainer (ddp.init(params), or restore it with ddp.abstract_state(params) "
+            "as the target)."
+        )
+    return None
+
+
+def check_concrete_state(state: Any) -> None:
+    """Refuses a TrainState of shape structs (``ddp.abstract_state``) given to the step."""
+    if isinstance(getattr(state, "step", None), jax.ShapeDtypeStruct):
+        raise TypeError(
+            "The step was given an abstract TrainState (jax.ShapeDtypeStruct leaves, as "
+            "ddp.abstract_state(params) returns): it describes a state, it holds no values. "
+            "Restore a checkpoint into it (jddp.checkpoint.restore(mngr, "
+            "ddp.abstract_state(params)), or jddp.checkpoint.restore_or_init(mngr, ddp, params)), "
+            "or start fresh with ddp.init(params). (ddp.step.lower(...) takes abstract states.)"
+        )

@@ -186,6 +186,34 @@ class HostBatch(NamedTuple):
     real: int
 
 
+class WindowEnd:
+    """:attr:`Loader.window_end`: a bool (``if loader.window_end``, ``== True``) that also
+    carries the loader's ``accumulate_steps``, so that ``ddp.step(..., sync=loader.window_end)``
+    can refuse a loader whose windows are not the step's ``Accumulate(steps=k)``.
+
+    Attributes:
+      value: whether the batch last handed out closes its window.
+      accumulate_steps: the loader's window, in batches.
+    """
+
+    __slots__ = ("accumulate_steps", "value")
+
+    def __init__(self, value: bool, accumulate_steps: int) -> None:
+        self.value, self.accumulate_steps = bool(value), int(accumulate_steps)
+
+    def __bool__(self) -> bool:
+        return self.value
+
+    def __eq__(self, other: object) -> bool:
+        return self.value == (other.value if isinstance(other, WindowEnd) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 class Loader:
     """Global batches of a random-access source, each process reading only its rows.
 
@@ -277,9 +305,10 @@ class Loader:
         return self._position // self._batches
 
     @property
-    def window_end(self) -> bool:
-        """True when the batch last handed out closes its accumulation window (sync on it)."""
-        return self._position % self.accumulate_steps == 0
+    def window_end(self) -> WindowEnd:
+        """True when the batch last handed out closes its accumulation window (sync on it); a
+        :class:`WindowEnd`, which the step checks against its ``Accumulate.steps``."""
+        return WindowEnd(self._position % self.accumulate_steps == 0, self.accumulate_steps)
 
     def indices(self, position: int) -> tuple[np.ndarray, int]:
         """The example indices of the global batch at ``position`` (its real rows) and the count

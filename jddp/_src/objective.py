@@ -34,6 +34,7 @@ loss (``weighted``: the weighted loss sum), the denominator the weight (1 per mi
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -61,6 +62,37 @@ STEP_METRICS: dict[str, str] = {
     "local_loss": "per device: this call's own loss (Accumulate.steps > 1)",
     "replica_loss": "per replica: its loss before averaging (local SGD sync=)",
 }
+
+
+def check_loss_arity(loss_fn: Callable[..., Any], n: int, *, stateful: bool, rng: bool) -> None:
+    """Refuses a ``loss_fn`` that cannot take the ``n`` arguments the step passes, naming the
+    expected call and the option that decides each argument (a bare "takes 2 positional
+    arguments but 3 were given" names neither)."""
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # builtins and some C callables have none: trust them
+        return
+    try:
+        sig.bind(*range(n))
+    except TypeError:
+        pass
+    else:
+        return
+    call = ", ".join(["params"] + ["model_state"] * stateful + ["batch"] + ["rng"] * rng)
+    why = []
+    if stateful:
+        why.append("model_state because the state was made with init(params, model_state) "
+                   "(a model without state: init(params))")
+    if rng:
+        why.append("rng (one PRNG key per example) because of loss=jddp.Loss(rng=True) "
+                   "(drop it for a loss without keys)")
+    because = f"; it passes {' and '.join(why)}" if why else ""
+    more = "" if rng else (" A loss that takes per-example keys as its last argument needs "
+                           "loss=jddp.Loss(rng=True).")
+    raise TypeError(
+        f"The step calls loss_fn({call}){because}, but loss_fn{sig} cannot take these "
+        f"arguments. Give loss_fn that signature, or change the option.{more}"
+    )
 
 
 class LossOutput(NamedTuple):
@@ -169,7 +201,9 @@ class Objective:
         while they are reduced, as hooks expect.
         """
         args = (params, model_state, batch) if self.stateful else (params, batch)
-        out = self.loss_fn(*args, rng) if self.policy.rng else self.loss_fn(*args)
+        args = (*args, rng) if self.policy.rng else args
+        check_loss_arity(self.loss_fn, len(args), stateful=self.stateful, rng=self.policy.rng)
+        out = self.loss_fn(*args)
         loss, new_state, metrics = unpack_loss_output(
             out, has_aux=self.policy.has_aux, stateful=self.stateful
         )

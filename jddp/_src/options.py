@@ -19,7 +19,7 @@ SYNC_MODES: tuple[str, ...] = get_args(ModelStateSync)
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # PyTorch DDP's bucket_cap_mb
 DEFAULT_FIRST_BUCKET_MB = 1.0  # PyTorch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
-DEFAULT_GROUP_SIZE = 8  # examples per group of deterministic=True
+DEFAULT_GROUP_SIZE = 8  # examples per group of jddp.Deterministic()
 
 
 def cap_bytes(mb: Any, name: str) -> int:
@@ -114,8 +114,22 @@ def zero_stage(stage: Any) -> ZeroStage:
     return int(stage)  # type: ignore[return-value]
 
 
-def step_sync(sync: Any) -> bool | None:
-    """The ``sync`` argument of a step: ``None``, ``True`` or ``False`` (static)."""
+def step_sync(sync: Any, accumulate_steps: int | None = None) -> bool | None:
+    """The ``sync`` argument of a step: ``None``, ``True`` or ``False`` (static), or a loader's
+    ``window_end`` (:class:`jddp.data.WindowEnd`), whose window must be the step's
+    ``accumulate_steps`` (when given)."""
+    window = getattr(sync, "accumulate_steps", None)
+    if window is not None:
+        if accumulate_steps is not None and window != accumulate_steps:
+            raise ValueError(
+                f"sync=loader.window_end comes from a jddp.data.Loader(..., accumulate_steps="
+                f"{window}), but this step accumulates over Accumulate(steps={accumulate_steps}) "
+                f"calls: the loader would close a window every {window} batches and the step "
+                f"would update {'more' if window < accumulate_steps else 'less'} often than "
+                f"intended. Build the loader as jddp.data.Loader(..., "
+                f"accumulate_steps={accumulate_steps})."
+            )
+        sync = bool(sync)
     if sync is not None and not isinstance(sync, bool | np.bool_):
         raise TypeError(
             f"sync must be None, True or False (a static Python bool), got {type(sync).__name__}."
@@ -210,22 +224,3 @@ def metric_names(value: Any, name: str) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"{name} names a metric twice: {names}.")
     return names
-
-
-def deterministic(value: Any, group_size: Any) -> tuple[bool, int]:
-    """``(deterministic, group_size)``: a bool, and a positive int group size that only
-    ``deterministic=True`` reads (default :data:`DEFAULT_GROUP_SIZE`)."""
-    on = flag(value, "deterministic", " deterministic=True gives the same bits on any device "
-                                      "count; group_size=... sets its group size.")
-    if group_size is None:
-        return on, DEFAULT_GROUP_SIZE
-    if not on:
-        raise ValueError(
-            f"group_size={group_size!r} sets the group size of the deterministic step, but "
-            "deterministic=False: pass deterministic=True with it, or drop group_size."
-        )
-    if isinstance(group_size, bool) or not isinstance(group_size, int | np.integer) \
-            or group_size < 1:
-        raise ValueError(f"group_size must be a positive int (examples per group), got "
-                         f"{group_size!r}.")
-    return on, int(group_size)

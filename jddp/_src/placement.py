@@ -139,13 +139,29 @@ def _constrain(mesh: Mesh, tree: Any, specs: Any) -> Any:
 
 # ------------------------------------------------------------------------------ the policies
 
+# ZeRO's options, named when given to Replicate.
+_ZERO_OPTIONS = frozenset({"stage", "reshard_after_forward", "hybrid", "offload", "shard"})
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True, init=False)
 class Replicate:
     """Every device holds the whole parameters, gradients and optimizer state (DDP).
 
     Its methods are the replicated paths of the step (the same signatures as :class:`ZeRO`'s).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No options: a ZeRO option given here is named, with where it belongs.
+        if not args and not kwargs:
+            return
+        given = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+        zero_names = [k for k in kwargs if k in _ZERO_OPTIONS]
+        hint = (f" {', '.join(zero_names)} is an option of sharded placement: "
+                f"place=jddp.ZeRO(stage=..., {zero_names[0]}=...) (e.g. jddp.ZeRO(stage=1, "
+                "offload=True) keeps the optimizer state in host memory, split over devices)."
+                if zero_names else "")
+        raise TypeError(f"jddp.Replicate() takes no options (every device holds everything), "
+                        f"got {given}.{hint}")
 
     @property
     def sharded(self) -> bool:

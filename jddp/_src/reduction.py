@@ -1363,6 +1363,26 @@ def _mean_bucket(vals: tuple, extras: tuple, ctx: HookContext, local_axis: Any,
 # ----------------------------------------------------------------------------- the drop-in
 
 
+def _check_local_loss(traced: jaxpr_lib.Traced, params_v: Any, axis_name: Any) -> None:
+    """Refuses a loss reduced over ``axis_name`` (``lax.pmean(loss, axis)``) where vma types are
+    tracked: typed invariant, its transpose would hand each device 1/N of its gradient (without
+    types, under ``pmap``, the reduction's transpose sums and the gradient is right)."""
+    tracked = any(vma.varying_axes(x) for x in jax.tree.leaves(params_v))
+    out = traced.jaxpr.jaxpr.outvars[0]
+    if not tracked or jaxpr_lib.is_literal(out):
+        return
+    varying = vma.aval_varying_axes(out.aval)
+    missing = [a for a in vma.axis_names(axis_name) if a not in varying]
+    if missing:
+        raise ValueError(
+            f"jddp.value_and_grad: fun returns a loss already reduced over {missing[0]!r} "
+            "(lax.pmean/lax.psum of the loss): its gradient would be 1/N of the right one. "
+            "Return this device's own loss; value_and_grad's gradients are already averaged "
+            "over the axis, and the value it returns is local: reduce that value after the "
+            f"call if you want it (loss = lax.pmean(loss, {missing[0]!r}), docs/migration.md)."
+        )
+
+
 def value_and_grad(
     fun: Callable[..., Any],
     axis_name: Any = "data",
@@ -1405,10 +1425,10 @@ def value_and_grad(
         check_float_params(params)
         leaves = jax.tree.leaves(params)
         # Traced with the parameters as the hooks deliver them (varying), once.
-        traced = jaxpr_lib.trace(
-            fun, jax.tree.map(lambda x: vma.to_varying(x, axis_name), params), *args
-        )
+        params_v = jax.tree.map(lambda x: vma.to_varying(x, axis_name), params)
+        traced = jaxpr_lib.trace(fun, params_v, *args)
         check_scalar_loss(traced.out_shapes[0] if has_aux else traced.out_shapes)
+        _check_local_loss(traced, params_v, axis_name)
         if plan is not None:
             plan.check_tree(params)
         the_plan = plan or plan_traced(

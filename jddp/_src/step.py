@@ -207,13 +207,14 @@ class Step:
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         if self._donate:
             _check_live(state)
-        sync = options.step_sync(sync)
+        checks.check_concrete_state(state)
+        sync = options.step_sync(sync, self._cfg.accumulate.steps)
         if self._jit_fn is None:
             self._build_jit(state)
         if self._phase_fn is None:
             if jax.process_count() > 1:
                 self._check_program(state, batch, mask, rng, {"sync": sync})
-            return self._jit(state, batch, mask, rng, sync=sync)
+            return self._call(state, batch, mask, rng, sync=sync)
         step = self._host_step(state)
         phase = self._phase_fn(step)
         if jax.process_count() > 1:
@@ -223,11 +224,23 @@ class Step:
             # devices, two executables with collectives in flight at once were seen to deadlock.
             jax.block_until_ready(state)
             self._last_phase = phase
-        new_state, metrics = self._jit(state, batch, mask, rng, sync=sync, phase=phase)
+        new_state, metrics = self._call(state, batch, mask, rng, sync=sync, phase=phase)
         # The update's own rule (None: decided on the device; read it back next time).
         following = self._cfg.update.following(step, sync)
         self._known = None if following is None else (weakref.ref(new_state.step), following)
         return new_state, metrics
+
+    def _call(self, state: Any, batch: Any, mask: Any, rng: Any, **static: Any) -> Any:
+        """The jitted step; inputs on devices that are not the mesh's get an error naming the
+        fix instead of JAX's "incompatible devices" (checked only when JAX raises)."""
+        try:
+            return self._jit(state, batch, mask, rng, **static)
+        except ValueError as e:
+            error = (checks.placement_error(state, batch, mask, self._cfg.mesh)
+                     if "incompatible devices" in str(e) else None)
+            if error is None:
+                raise
+            raise error from e
 
     def _check_program(self, state: Any, batch: Any, mask: Any, rng: Any, static: dict) -> None:
         """Before the first run of each program: the same batch shapes and the same collectives
@@ -286,7 +299,7 @@ class Step:
             (default: ``state.step``, or 0 for an abstract state).
           rng: the key (or its shape struct), with ``Loss(rng=True)`` (default: ``jax.random.key(0)``).
         """
-        sync = options.step_sync(sync)
+        sync = options.step_sync(sync, self._cfg.accumulate.steps)
         # The same static arguments as __call__'s, so that a call reuses this compile.
         static: dict[str, Any] = {"sync": sync}
         if self._phase_fn is not None:

@@ -78,7 +78,7 @@ class Accumulate:
                 " None (the default) shards the accumulator at ZeRO stages 2-3 when it can."))
         if self.shard and self.steps == 1:
             raise ValueError("Accumulate(shard=True) reduce-scatters every call's gradients into "
-                             "a 1/N accumulator, but steps=1 (accumulate_steps=1): there is no "
+                             "a 1/N accumulator, but steps=1: there is no "
                              "accumulator. Pass steps=k > 1, or shard=None.")
 
     # -------------------------------------------------------------- the state slot (accum)

@@ -281,6 +281,6 @@ def warn_not_resharded(kept: dict[int, str], paths: Sequence[str]) -> None:
         f"backward cannot recompute: {shown}{more}. Casts, transposes and reshapes of "
         "parameters are resharded; to reshard these too, scale the layer's output instead of "
         "its weight ((h @ w) * s, not h @ (w * s)) and keep collectives and callbacks off the "
-        "parameters, or pass reshard_after_forward=False to keep every gathered copy "
-        "knowingly. ddp.bucket_plan.not_resharded lists them.",
+        "parameters, or pass place=jddp.ZeRO(stage=3, reshard_after_forward=False) to keep "
+        "every gathered copy knowingly. ddp.bucket_plan.not_resharded lists them.",
         UserWarning, stacklevel=2)

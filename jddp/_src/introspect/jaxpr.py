@@ -149,11 +149,21 @@ def first_use_order(jaxpr: Any, num_params: int) -> list[int | None]:
     computed from parameters alone (a cast at the top of the loss, a transpose: see
     :func:`derivable`) is not a use: its parameters are first used where it is (with the
     model's other values, or as an output), as :func:`eval_with_hooks` evaluates it there.
+    Leaves first used at the same place (a term computed from parameters and constants only,
+    as a regulariser, is used only as the output) keep the order in which the jaxpr first reads
+    them, so that their reverse is still the order backward produces their gradients. The
+    times returned are ranks of that order (1, 2, ...; equal uses, equal ranks).
     """
     first: dict[int, int] = {}
+    read: dict[int, int] = {}  # the first equation that reads the leaf, derived or not
     clock = [0]
 
+    def touch(leaves: frozenset) -> None:
+        for i in leaves:
+            read.setdefault(i, clock[0])
+
     def use(leaves: frozenset) -> None:
+        touch(leaves)
         for i in leaves:
             first.setdefault(i, clock[0])
 
@@ -166,6 +176,7 @@ def first_use_order(jaxpr: Any, num_params: int) -> list[int | None]:
             here = frozenset().union(*(binding[v] for v in ins if v in binding))
             if not subs:
                 if here and derivable(eqn, [v in binding or v in consts for v in ins]):
+                    touch(here)
                     binding.update((v, here) for v in eqn.outvars)
                 else:
                     use(here)
@@ -185,7 +196,9 @@ def first_use_order(jaxpr: Any, num_params: int) -> list[int | None]:
                 use(binding[v])
 
     walk(jaxpr, {v: frozenset((i,)) for i, v in enumerate(jaxpr.invars[:num_params])})
-    return [first.get(i) for i in range(num_params)]
+    keys = sorted({(first[i], read[i]) for i in first})
+    rank = {key: r for r, key in enumerate(keys, start=1)}
+    return [rank[(first[i], read[i])] if i in first else None for i in range(num_params)]
 
 
 def _inexact(v: Any) -> bool:

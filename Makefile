@@ -71,6 +71,7 @@ bench: $(VENV)/.test-deps
 	$(PY) benchmarks/level_bytes.py --json $(OUT)/level_bytes.json
 	$(PY) benchmarks/local_sgd_digits.py --json $(OUT)/local_sgd_digits.json --png $(OUT)/local_sgd_digits.png
 	$(PY) benchmarks/scaling_hosts.py --json $(OUT)/scaling_hosts.json --png $(OUT)/scaling_hosts.png
+	$(PY) benchmarks/compile_depth.py --steady 20 --json $(OUT)/compile_depth.json --png $(OUT)/compile_depth.png
 
 clean:
 	rm -rf $(VENV) out site .pytest_cache

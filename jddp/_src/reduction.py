@@ -112,6 +112,13 @@ def chain_dependency(reduced: Sequence[jax.Array], chain: str) -> Any:
     For ``"add"``: a float32 scalar that depends on one element of every non-empty reduced leaf
     and is always exactly 0 (the select on ``isfinite`` keeps it 0 even when a gradient is NaN or
     Inf). For ``"barrier"``: the reduced leaves themselves (no arithmetic, no copy).
+
+    The scalar is computed once: it ends in a square root, exact on the +0 or -0 it takes, which
+    XLA counts as expensive and so does not duplicate into its consumers. Without it XLA's
+    fusion copies the whole sum (a few instructions per reduced leaf) into the fusion of every
+    gradient of the next bucket, and the compiled step grows with the product of the two
+    buckets' leaf counts: superlinearly with depth where the buckets grow with the model
+    (tests/test_compile_depth.py).
     """
     if chain == "barrier":
         return tuple(reduced)
@@ -119,7 +126,8 @@ def chain_dependency(reduced: Sequence[jax.Array], chain: str) -> Any:
         (jnp.ravel(r)[0].astype(jnp.float32) for r in reduced if np.size(r)),
         jnp.zeros((), jnp.float32),
     )
-    return jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0)
+    # No gradient flows through it (it is 0 by construction; the square root's at 0 is not).
+    return lax.stop_gradient(lax.sqrt(jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0)))
 
 
 def _dep_zeros(chain: str, structs: Sequence[jax.ShapeDtypeStruct], axis_name: Any,

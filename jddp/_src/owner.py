@@ -1,0 +1,382 @@
+"""Owner-sharded placement (``jddp.ZeRO(stage=s, shard="owner")``): each leaf's update on one device.
+
+Whole-matrix optimizers (Muon's Newton–Schulz orthogonalization, Shampoo-like preconditioners)
+need a leaf whole to update it. Split evenly (``shard="even"``), XLA partitions that work across
+the shards and communicates in every iteration; replicated, every device repeats all of it. Here
+each parameter leaf has one **owner** device (:func:`assign`: greedy bin packing of the update's
+cost, largest first), and only the owner computes the leaf's update:
+
+- the parameters, gradients and optimizer state are *stored* as at ``ZeRO(stage=s)`` (the same
+  specs, checkpoints, forward gathers and reductions: :class:`jddp._src.placement.ZeRO`'s);
+- the update (:func:`update`) runs in one ``shard_map``: the optimizer state's pieces and, at
+  stage 3, the parameters' pieces go to each leaf's owner (one all-to-all per dtype), the
+  reduced gradients are made whole on every device (an all-gather of the pieces from stage 2;
+  whole already at stage 1), so global norms (``clip_by_global_norm``) see every leaf exactly;
+- every device then runs the optimizer in one branch of a ``lax.switch`` on its own index, whose
+  outputs are the leaves it owns only: XLA removes the rest of the update from that branch, so the
+  orthogonalization of each matrix runs once, on its owner, and no collective runs inside it;
+- the owners' new values go back to the pieces (one all-to-all per dtype) and, for leaves stored
+  whole (stages 1-2's parameters, scalars), to every device (one all-gather per dtype).
+
+Inputs of the update that live in pieces and belong to another owner read as zeros on a device:
+:func:`check_local` traces the optimizer once and refuses, naming the leaf, an optimizer whose
+update of one leaf reads the parameters or optimizer state of another (never the case in optax:
+its global quantities are gradient norms, which see every leaf here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.extend.core import ClosedJaxpr
+from jax.interpreters import partial_eval as pe
+from jax.sharding import PartitionSpec as P
+
+from jddp._src import zero
+from jddp._src.planner import BucketPlan
+from jddp._src.reduction import Bytes, ring
+from jddp._src.topology import Roles, Topology
+
+Shape = Sequence[int]
+
+
+# ------------------------------------------------------------------------------ the assignment
+
+
+def update_cost(shape: Shape) -> float:
+    """The cost of one leaf's update as the bin packing weighs it: for a matrix (the last two
+    dimensions; leading ones are a batch of matrices) Newton–Schulz's ``m * n * min(m, n)``
+    multiply-adds, for anything else its element count."""
+    if len(shape) < 2:
+        return float(np.prod(shape, dtype=np.float64))
+    m, n = shape[-2], shape[-1]
+    batch = float(np.prod(shape[:-2], dtype=np.float64))
+    return batch * m * n * min(m, n)
+
+
+class Owners(NamedTuple):
+    """Which device updates each parameter leaf (``jax.tree.leaves`` order).
+
+    Attributes:
+      owner: per leaf, the index of its owner along the shard axis.
+      cost: per leaf, :func:`update_cost` of its shape.
+      load: per device, the sum of the costs it owns.
+      too_large: leaves whose cost alone exceeds an even share (``sum(cost) / n``): their owner
+        carries more than its share whatever the packing; the plan names them.
+    """
+
+    owner: tuple[int, ...]
+    cost: tuple[float, ...]
+    load: tuple[float, ...]
+    too_large: tuple[int, ...]
+
+    def imbalance(self) -> float:
+        """The busiest device's load over the mean load (1.0: perfectly balanced)."""
+        mean = sum(self.load) / max(len(self.load), 1)
+        return max(self.load) / mean if mean > 0 else 1.0
+
+    def describe(self, paths: Sequence[str]) -> str:
+        """One line per device: its leaves and its share of the update's cost."""
+        total = sum(self.cost) or 1.0
+        lines = []
+        for d, load in enumerate(self.load):
+            names = [paths[i] for i, o in enumerate(self.owner) if o == d]
+            lines.append(f"device {d}: {100 * load / total:5.1f}% of the update "
+                         f"({len(names)} leaves: {', '.join(names) or '-'})")
+        if self.too_large:
+            lines.append("too large to balance: " + ", ".join(paths[i] for i in self.too_large))
+        return "\n".join(lines)
+
+
+def assign(shapes: Sequence[Shape], n: int) -> Owners:
+    """Greedy bin packing of the leaves' :func:`update_cost` over ``n`` devices: largest first,
+    each to the least loaded device (ties: the lower leaf index first, the lower device)."""
+    costs = tuple(update_cost(s) for s in shapes)
+    load = [0.0] * n
+    owner = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-costs[i], i)):
+        d = min(range(n), key=lambda d: (load[d], d))
+        owner[i] = d
+        load[d] += costs[i]
+    share = sum(costs) / n
+    too_large = tuple(i for i, c in enumerate(costs) if n > 1 and c > share and c > 0)
+    return Owners(tuple(owner), costs, tuple(load), too_large)
+
+
+def state_owners(params: Any, opt_state: Any, owners: Owners) -> tuple[int, ...]:
+    """The owner of each optimizer-state leaf: that of the parameter leaf it is the slot of (its
+    tree path ends with the parameter's path and it has the parameter's shape: optax's ``mu``,
+    ``nu``, ...), device 0 for the rest (counts, coefficients; every device computes them)."""
+    by_path = {}
+    for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(params)):
+        by_path[tuple(path)] = (i, tuple(np.shape(x)))
+    out = []
+    for path, x in jax.tree_util.tree_leaves_with_path(opt_state):
+        path, found = tuple(path), 0
+        for start in range(len(path)):  # the longest matching suffix first
+            hit = by_path.get(path[start:])
+            if hit is not None and hit[1] == tuple(np.shape(x)):
+                found = owners.owner[hit[0]]
+                break
+        out.append(found)
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------ packing
+
+
+class _Leaf(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: Any
+    dim: int | None   # the split dimension as stored (None: whole on every device)
+    owner: int
+
+
+class _Pack(NamedTuple):
+    """Static row layout of some leaves packed per owner, one buffer per dtype.
+
+    ``where[i] = (group, offset, size)``; ``width[group]`` is the padded row length."""
+
+    groups: tuple[Any, ...]
+    width: tuple[int, ...]
+    where: dict[int, tuple[int, int, int]]
+
+
+def _pack(leaves: Sequence[_Leaf], indices: Sequence[int], n: int, piece: bool) -> _Pack:
+    groups: list[Any] = []
+    fill: dict[tuple[int, int], int] = {}
+    where = {}
+    for i in indices:
+        lf = leaves[i]
+        dt = jnp.dtype(lf.dtype)
+        if dt not in groups:
+            groups.append(dt)
+        g = groups.index(dt)
+        size = int(np.prod(lf.shape, dtype=np.int64))
+        size = size // n if piece and lf.dim is not None else size
+        off = fill.get((g, lf.owner), 0)
+        where[i] = (g, off, size)
+        fill[(g, lf.owner)] = off + size
+    width = tuple(max([fill.get((g, d), 0) for d in range(n)] + [1]) for g in range(len(groups)))
+    return _Pack(tuple(groups), width, where)
+
+
+def _rows(pack: _Pack, k: int, leaves: Sequence[_Leaf], parts: dict[int, jax.Array],
+          rows: int) -> list[jax.Array]:
+    """Buffers ``(rows, width)`` per dtype holding owner ``k``'s ``parts`` (each ``(rows, size)``)
+    at their offsets, zeros elsewhere."""
+    out = []
+    for g, dt in enumerate(pack.groups):
+        mine = [(pack.where[i][1], parts[i]) for i in sorted(parts)
+                if pack.where[i][0] == g and leaves[i].owner == k]
+        cols = [p.astype(dt) for _, p in sorted(mine, key=lambda t: t[0])]
+        used = sum(c.shape[1] for c in cols)
+        if used < pack.width[g]:
+            cols.append(jnp.zeros((rows, pack.width[g] - used), dt))
+        out.append(jnp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0])
+    return out
+
+
+# ------------------------------------------------------------------------------ the update
+
+
+def check_local(optimizer: optax.GradientTransformation, params: Any, opt_state: Any,
+                grads: Any, param_owner: Sequence[int], state_owner: Sequence[int],
+                split_params: Sequence[bool], split_state: Sequence[bool],
+                paths: Sequence[str]) -> None:
+    """Refuses an optimizer whose update of a leaf reads another owner's parameters or state
+    (split inputs there read as zeros on the owner): traced once, each owner's outputs pruned."""
+    def run(g: Any, p: Any, s: Any) -> Any:
+        updates, new_s = optimizer.update(g, s, p)
+        return jax.tree.leaves(optax.apply_updates(p, updates)), jax.tree.leaves(new_s)
+
+    closed: ClosedJaxpr = jax.make_jaxpr(run)(grads, params, opt_state)
+    ng, np_ = len(jax.tree.leaves(grads)), len(param_owner)
+    owners_out = list(param_owner) + list(state_owner)
+    owners_in = [None] * ng + list(param_owner) + list(state_owner)
+    split_in = [False] * ng + list(split_params) + list(split_state)
+    for k in sorted(set(owners_out)):
+        _, used = pe.dce_jaxpr(closed.jaxpr, [o == k for o in owners_out])
+        for j, u in enumerate(used):
+            if u and split_in[j] and owners_in[j] != k:
+                what = (f"parameter {paths[j - ng]}" if j < ng + np_
+                        else f"optimizer-state leaf {j - ng - np_}")
+                raise ValueError(
+                    f"ZeRO(shard='owner'): the optimizer's update of the leaves owned by device "
+                    f"{k} reads the {what}, which another device owns (owner sharding gives each "
+                    "device whole gradients, but only its own parameters and optimizer state). "
+                    "Use ZeRO(shard='even') or jddp.Replicate() with this optimizer.")
+
+
+def _gather_whole(pieces: list, leaves: Sequence[_Leaf], axis: Any) -> list:
+    """Every split leaf whole on every device: one all-gather per dtype."""
+    out = list(pieces)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, lf in enumerate(leaves):
+        if lf.dim is not None:
+            by_dtype.setdefault(jnp.dtype(lf.dtype), []).append(i)
+    for idx in by_dtype.values():
+        whole = zero.all_gather([pieces[i] for i in idx], [leaves[i].dim for i in idx],
+                                [leaves[i].shape for i in idx], axis)
+        for i, w in zip(idx, whole, strict=True):
+            out[i] = w
+    return out
+
+
+class _Io(NamedTuple):
+    """One kind of input and output of the update (parameters or optimizer state)."""
+
+    leaves: tuple[_Leaf, ...]
+    send: _Pack   # split leaves, pieces per owner (to and from the owners)
+    whole: _Pack  # leaves stored whole, owners' new values to every device
+
+
+def _io(leaves: Sequence[_Leaf], n: int) -> _Io:
+    split = [i for i, lf in enumerate(leaves) if lf.dim is not None]
+    whole = [i for i, lf in enumerate(leaves) if lf.dim is None]
+    return _Io(tuple(leaves), _pack(leaves, split, n, True), _pack(leaves, whole, n, False))
+
+
+def _to_owners(io: _Io, pieces: list, n: int, axis: Any) -> list:
+    """Each device's pieces of the split leaves sent to their owners: per dtype, an
+    ``(n, width)`` all-to-all whose row ``s`` holds the pieces of the leaves ``s`` owns."""
+    bufs = [[] for _ in io.send.groups]
+    for s in range(n):
+        parts = {i: zero.piece_row(pieces[i], io.leaves[i].dim) for i in io.send.where
+                 if io.leaves[i].owner == s}
+        for g, b in enumerate(_rows(io.send, s, io.leaves, parts, 1)):
+            bufs[g].append(b)
+    return [lax.all_to_all(jnp.concatenate(b, axis=0), axis, 0, 0, tiled=True) for b in bufs]
+
+
+def _owned_whole(io: _Io, received: list, k: int) -> dict[int, jax.Array]:
+    """On owner ``k``: its split leaves whole, from what :func:`_to_owners` brought."""
+    out = {}
+    for i, (g, off, size) in io.send.where.items():
+        lf = io.leaves[i]
+        if lf.owner == k:
+            assert lf.dim is not None
+            out[i] = zero.from_rows(received[g][:, off:off + size], lf.dim, lf.shape)
+    return out
+
+
+def _branch_inputs(io: _Io, stored: list, owned: dict[int, jax.Array]) -> list:
+    """The full leaves a branch's optimizer reads: owned and whole leaves real, others zeros."""
+    return [owned[i] if i in owned else stored[i] if lf.dim is None
+            else jnp.zeros(lf.shape, lf.dtype) for i, lf in enumerate(io.leaves)]
+
+
+def _branch_outputs(io: _Io, new: list, k: int, n: int) -> tuple[list, list]:
+    """Owner ``k``'s new values packed: ``(n, width)`` pieces per destination for split leaves,
+    ``(1, width)`` rows for whole leaves."""
+    split = {i: zero.to_rows(new[i], io.leaves[i].dim, n) for i in io.send.where
+             if io.leaves[i].owner == k}
+    whole = {i: jnp.reshape(new[i], (1, -1)) for i in io.whole.where if io.leaves[i].owner == k}
+    return _rows(io.send, k, io.leaves, split, n), _rows(io.whole, k, io.leaves, whole, 1)
+
+
+def _from_owners(io: _Io, split_bufs: list, whole_bufs: list, n: int, axis: Any) -> list:
+    """Every device's pieces (and whole leaves) of the owners' new values."""
+    got = [lax.all_to_all(b, axis, 0, 0, tiled=True) for b in split_bufs]
+    rows = [lax.all_gather(b, axis, axis=0, tiled=True) for b in whole_bufs]
+    out = []
+    for i, lf in enumerate(io.leaves):
+        if lf.dim is not None:
+            g, off, size = io.send.where[i]
+            out.append(zero.from_row(got[g][lf.owner, off:off + size], lf.dim, lf.shape, n))
+        else:
+            g, off, size = io.whole.where[i]
+            out.append(jnp.reshape(rows[g][lf.owner, off:off + size], lf.shape))
+    return out
+
+
+def _leaves(tree: Any, owners: Sequence[int], dims: Sequence[int | None]) -> tuple[_Leaf, ...]:
+    return tuple(_Leaf(tuple(np.shape(x)), jnp.result_type(x), d, o)
+                 for x, o, d in zip(jax.tree.leaves(tree), owners, dims, strict=True))
+
+
+def _keep_unused(plan: BucketPlan, old: Any, new: Any) -> Any:
+    """``new`` with the plan's unused leaves kept at ``old`` (as the even placement does:
+    :func:`jddp._src.placement.keep_unused`)."""
+    kept, treedef = jax.tree.flatten(new)
+    was = jax.tree.leaves(old)
+    for i in plan.unused:
+        kept[i] = was[i]
+    return jax.tree.unflatten(treedef, kept)
+
+
+def update(stage: int, optimizer: optax.GradientTransformation, topo: Topology,
+           layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: Any,
+           grads: Any) -> tuple[Any, Any]:
+    """``(new_params, new_opt_state)``: each leaf updated on its owner (global view in and out,
+    stored as at ``ZeRO(stage=stage)``)."""
+    n, axis = topo.shard_count, topo.shard
+    owners = assign(layout.shapes, n)
+    p_dims = layout.dims if stage >= 3 else (None,) * len(layout.dims)
+    g_dims = layout.dims if stage >= 2 else (None,) * len(layout.dims)
+    s_owner = state_owners(params, opt_state, owners)
+    s_dims = tuple(zero.shard_dim(np.shape(x), n) for x in jax.tree.leaves(opt_state))
+    pio = _io(_leaves(params, owners.owner, p_dims), n)
+    sio = _io(_leaves(opt_state, s_owner, s_dims), n)
+    gleaves = _leaves(grads, owners.owner, g_dims)
+    check_local(optimizer, params, opt_state, grads, owners.owner, s_owner,
+                [d is not None for d in p_dims], [d is not None for d in s_dims], plan.paths)
+    p_tree, s_tree = jax.tree.structure(params), jax.tree.structure(opt_state)
+
+    def local(p: list, s: list, g: list) -> tuple[list, list]:
+        g_whole = _gather_whole(g, gleaves, axis)
+        p_got, s_got = _to_owners(pio, p, n, axis), _to_owners(sio, s, n, axis)
+
+        def branch(k: int) -> Any:
+            def run(p_got: list, s_got: list, g_whole: list, p: list, s: list) -> Any:
+                pp = jax.tree.unflatten(p_tree, _branch_inputs(pio, p, _owned_whole(pio, p_got, k)))
+                ss = jax.tree.unflatten(s_tree, _branch_inputs(sio, s, _owned_whole(sio, s_got, k)))
+                gg = jax.tree.unflatten(p_tree, g_whole)
+                updates, new_s = optimizer.update(gg, ss, pp)
+                new_p = _keep_unused(plan, pp, optax.apply_updates(pp, updates))
+                return (_branch_outputs(pio, jax.tree.leaves(new_p), k, n),
+                        _branch_outputs(sio, jax.tree.leaves(new_s), k, n))
+            return run
+
+        (ps, pw), (ss, sw) = lax.switch(lax.axis_index(axis), [branch(k) for k in range(n)],
+                                        p_got, s_got, g_whole, p, s)
+        return _from_owners(pio, ps, pw, n, axis), _from_owners(sio, ss, sw, n, axis)
+
+    def specs(dims: Sequence[int | None]) -> list:
+        return [P() if d is None else P(*([None] * d), axis) for d in dims]
+
+    new_p, new_s = jax.shard_map(
+        local, mesh=topo.mesh, in_specs=(specs(p_dims), specs(s_dims), specs(g_dims)),
+        out_specs=(specs(p_dims), specs(s_dims)), check_vma=False,
+    )(jax.tree.leaves(params), jax.tree.leaves(opt_state), jax.tree.leaves(grads))
+    return jax.tree.unflatten(p_tree, new_p), jax.tree.unflatten(s_tree, new_s)
+
+
+def update_bytes(stage: int, topo: Topology, lv: Roles, plan: BucketPlan,
+                 layout: zero.Layout) -> Bytes:
+    """Bytes one device sends in :func:`update` for the parameters and gradients (the ring
+    model): from stage 2 the gradients' all-gather; at stage 3 the parameters' pieces to their
+    owners and back (all-to-alls), below it the owners' new parameters to every device. The
+    optimizer state's all-to-alls (to the owners and back, about its size / n each) come on top."""
+    n = layout.n
+    owners = assign(layout.shapes, n)
+    split = [i for i, d in enumerate(layout.dims) if d is not None]
+    piece = sum(int(np.prod(layout.shapes[i])) // n * np.dtype(plan.dtypes[i]).itemsize
+                for i in split)
+    out = Bytes()
+    if stage >= 2:
+        out = out + ring("all-gather", piece, n)
+    if stage >= 3:
+        out = out + Bytes(2.0 * piece * (n - 1) / n)
+    else:
+        per_owner = [0] * n
+        for i, o in enumerate(owners.owner):
+            per_owner[o] += int(np.prod(layout.shapes[i])) * np.dtype(plan.dtypes[i]).itemsize
+        out = out + ring("all-gather", max(per_owner, default=0), n)
+    return out

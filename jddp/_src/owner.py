@@ -8,20 +8,22 @@ cost, largest first), and only the owner computes the leaf's update:
 
 - the parameters, gradients and optimizer state are *stored* as at ``ZeRO(stage=s)`` (the same
   specs, checkpoints, forward gathers and reductions: :class:`jddp._src.placement.ZeRO`'s);
-- the update (:func:`update`) runs in one ``shard_map``: the optimizer state's pieces and, at
-  stage 3, the parameters' pieces go to each leaf's owner (one all-to-all per dtype), the
-  reduced gradients are made whole on every device (an all-gather of the pieces from stage 2;
-  whole already at stage 1), so global norms (``clip_by_global_norm``) see every leaf exactly;
+- the update (:func:`update`) runs in one ``shard_map``: the optimizer state's pieces go to each
+  leaf's owner (one all-to-all per dtype); so do the reduced gradients' pieces (from stage 2),
+  unless some owner's update reads another's gradient (``clip_by_global_norm``): then they are
+  all-gathered, and global norms see every leaf exactly; at stage 3 the parameters' pieces go
+  to the owners only if the optimizer reads parameters (weight decay);
 - every device then runs the optimizer in one branch of a ``lax.switch`` on its own index, whose
   outputs are the leaves it owns only: XLA removes the rest of the update from that branch, so the
   orthogonalization of each matrix runs once, on its owner, and no collective runs inside it;
-- the owners' new values go back to the pieces (one all-to-all per dtype) and, for leaves stored
-  whole (stages 1-2's parameters, scalars), to every device (one all-gather per dtype).
+- the owners' updates and new state go back to the pieces (one all-to-all per dtype) and, for
+  leaves stored whole (stages 1-2's parameters, scalars), to every device (one all-gather per
+  dtype); each device adds the updates to the parameters it stores.
 
-Inputs of the update that live in pieces and belong to another owner read as zeros on a device:
-:func:`check_local` traces the optimizer once and refuses, naming the leaf, an optimizer whose
-update of one leaf reads the parameters or optimizer state of another (never the case in optax:
-its global quantities are gradient norms, which see every leaf here).
+Inputs that live in pieces and belong to another owner read as zeros on a device: :func:`analyse`
+traces the optimizer once and refuses, naming the leaf, an optimizer whose update of one leaf
+reads the parameters or optimizer state of another (never the case in optax: its global
+quantities are gradient norms).
 """
 
 from __future__ import annotations
@@ -186,32 +188,50 @@ def _rows(pack: _Pack, k: int, leaves: Sequence[_Leaf], parts: dict[int, jax.Arr
 # ------------------------------------------------------------------------------ the update
 
 
-def check_local(optimizer: optax.GradientTransformation, params: Any, opt_state: Any,
-                grads: Any, param_owner: Sequence[int], state_owner: Sequence[int],
-                split_params: Sequence[bool], split_state: Sequence[bool],
-                paths: Sequence[str]) -> None:
-    """Refuses an optimizer whose update of a leaf reads another owner's parameters or state
-    (split inputs there read as zeros on the owner): traced once, each owner's outputs pruned."""
+class Needs(NamedTuple):
+    """What the owners' updates read beyond their own leaves (:func:`analyse`)."""
+
+    all_grads: bool  # some owner reads another owner's gradient (a global norm)
+    params: bool     # some owner reads its own parameters (weight decay, trust ratios)
+
+
+def analyse(optimizer: optax.GradientTransformation, params: Any, opt_state: Any, grads: Any,
+            param_owner: Sequence[int], state_owner: Sequence[int],
+            split_params: Sequence[bool], split_state: Sequence[bool],
+            paths: Sequence[str]) -> Needs:
+    """Which inputs each owner's update reads, from the optimizer traced once and pruned to each
+    owner's outputs (its updates and new state). Refuses, naming the leaf, an optimizer whose
+    update of a leaf reads another owner's parameters or optimizer state (those live in pieces
+    elsewhere and read as zeros on the owner)."""
     def run(g: Any, p: Any, s: Any) -> Any:
         updates, new_s = optimizer.update(g, s, p)
-        return jax.tree.leaves(optax.apply_updates(p, updates)), jax.tree.leaves(new_s)
+        return jax.tree.leaves(updates), jax.tree.leaves(new_s)
 
     closed: ClosedJaxpr = jax.make_jaxpr(run)(grads, params, opt_state)
     ng, np_ = len(jax.tree.leaves(grads)), len(param_owner)
     owners_out = list(param_owner) + list(state_owner)
-    owners_in = [None] * ng + list(param_owner) + list(state_owner)
-    split_in = [False] * ng + list(split_params) + list(split_state)
+    owners_in = list(param_owner) + list(param_owner) + list(state_owner)
+    split_in = [True] * ng + list(split_params) + list(split_state)
+    all_grads = params_read = False
     for k in sorted(set(owners_out)):
         _, used = pe.dce_jaxpr(closed.jaxpr, [o == k for o in owners_out])
         for j, u in enumerate(used):
-            if u and split_in[j] and owners_in[j] != k:
+            if not u or not split_in[j]:
+                continue
+            if j < ng:
+                all_grads |= owners_in[j] != k
+            elif owners_in[j] == k:
+                params_read |= j < ng + np_
+            else:
                 what = (f"parameter {paths[j - ng]}" if j < ng + np_
                         else f"optimizer-state leaf {j - ng - np_}")
                 raise ValueError(
                     f"ZeRO(shard='owner'): the optimizer's update of the leaves owned by device "
-                    f"{k} reads the {what}, which another device owns (owner sharding gives each "
-                    "device whole gradients, but only its own parameters and optimizer state). "
-                    "Use ZeRO(shard='even') or jddp.Replicate() with this optimizer.")
+                    f"{k} reads the {what}, which another device owns (owner sharding gives "
+                    "each device the gradients it needs, but only its own parameters and "
+                    "optimizer state). Use ZeRO(shard='even') or jddp.Replicate() with this "
+                    "optimizer.")
+    return Needs(all_grads, params_read)
 
 
 def _gather_whole(pieces: list, leaves: Sequence[_Leaf], axis: Any) -> list:
@@ -301,21 +321,23 @@ def _leaves(tree: Any, owners: Sequence[int], dims: Sequence[int | None]) -> tup
                  for x, o, d in zip(jax.tree.leaves(tree), owners, dims, strict=True))
 
 
-def _keep_unused(plan: BucketPlan, old: Any, new: Any) -> Any:
-    """``new`` with the plan's unused leaves kept at ``old`` (as the even placement does:
-    :func:`jddp._src.placement.keep_unused`)."""
-    kept, treedef = jax.tree.flatten(new)
-    was = jax.tree.leaves(old)
-    for i in plan.unused:
-        kept[i] = was[i]
-    return jax.tree.unflatten(treedef, kept)
+def _apply(plan: BucketPlan, params: list, updates: list) -> list:
+    """``optax.apply_updates`` on this device's leaves (pieces or whole), the plan's unused
+    leaves kept (as the even placement does: :func:`jddp._src.placement.keep_unused`)."""
+    unused = frozenset(plan.unused)
+    return [p if i in unused else jnp.asarray(p + u).astype(jnp.result_type(p))
+            for i, (p, u) in enumerate(zip(params, updates, strict=True))]
 
 
 def update(stage: int, optimizer: optax.GradientTransformation, topo: Topology,
            layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: Any,
            grads: Any) -> tuple[Any, Any]:
-    """``(new_params, new_opt_state)``: each leaf updated on its owner (global view in and out,
-    stored as at ``ZeRO(stage=stage)``)."""
+    """``(new_params, new_opt_state)``: each leaf's update computed on its owner, applied where
+    the leaf is stored (global view in and out, stored as at ``ZeRO(stage=stage)``).
+
+    Gradients in pieces (from stage 2) go to their owners by an all-to-all, or are all-gathered
+    when some owner reads another's gradient (a global norm); parameters in pieces (stage 3) go
+    to their owners only when the optimizer reads them (:func:`analyse`)."""
     n, axis = topo.shard_count, topo.shard
     owners = assign(layout.shapes, n)
     p_dims = layout.dims if stage >= 3 else (None,) * len(layout.dims)
@@ -324,29 +346,32 @@ def update(stage: int, optimizer: optax.GradientTransformation, topo: Topology,
     s_dims = tuple(zero.shard_dim(np.shape(x), n) for x in jax.tree.leaves(opt_state))
     pio = _io(_leaves(params, owners.owner, p_dims), n)
     sio = _io(_leaves(opt_state, s_owner, s_dims), n)
-    gleaves = _leaves(grads, owners.owner, g_dims)
-    check_local(optimizer, params, opt_state, grads, owners.owner, s_owner,
-                [d is not None for d in p_dims], [d is not None for d in s_dims], plan.paths)
+    gio = _io(_leaves(grads, owners.owner, g_dims), n)
+    needs = analyse(optimizer, params, opt_state, grads, owners.owner, s_owner,
+                    [d is not None for d in p_dims], [d is not None for d in s_dims], plan.paths)
     p_tree, s_tree = jax.tree.structure(params), jax.tree.structure(opt_state)
 
     def local(p: list, s: list, g: list) -> tuple[list, list]:
-        g_whole = _gather_whole(g, gleaves, axis)
-        p_got, s_got = _to_owners(pio, p, n, axis), _to_owners(sio, s, n, axis)
+        g_in = _gather_whole(g, gio.leaves, axis) if needs.all_grads else g
+        g_got = [] if needs.all_grads else _to_owners(gio, g, n, axis)
+        p_got = _to_owners(pio, p, n, axis) if needs.params else []
+        s_got = _to_owners(sio, s, n, axis)
 
         def branch(k: int) -> Any:
-            def run(p_got: list, s_got: list, g_whole: list, p: list, s: list) -> Any:
-                pp = jax.tree.unflatten(p_tree, _branch_inputs(pio, p, _owned_whole(pio, p_got, k)))
+            def run(p_got: list, s_got: list, g_got: list, g_in: list, p: list, s: list) -> Any:
+                own_p = _owned_whole(pio, p_got, k) if needs.params else {}
+                pp = jax.tree.unflatten(p_tree, _branch_inputs(pio, p, own_p))
                 ss = jax.tree.unflatten(s_tree, _branch_inputs(sio, s, _owned_whole(sio, s_got, k)))
-                gg = jax.tree.unflatten(p_tree, g_whole)
-                updates, new_s = optimizer.update(gg, ss, pp)
-                new_p = _keep_unused(plan, pp, optax.apply_updates(pp, updates))
-                return (_branch_outputs(pio, jax.tree.leaves(new_p), k, n),
+                gg = g_in if needs.all_grads else _branch_inputs(gio, g, _owned_whole(gio, g_got, k))
+                updates, new_s = optimizer.update(jax.tree.unflatten(p_tree, gg), ss, pp)
+                return (_branch_outputs(pio, jax.tree.leaves(updates), k, n),
                         _branch_outputs(sio, jax.tree.leaves(new_s), k, n))
             return run
 
-        (ps, pw), (ss, sw) = lax.switch(lax.axis_index(axis), [branch(k) for k in range(n)],
-                                        p_got, s_got, g_whole, p, s)
-        return _from_owners(pio, ps, pw, n, axis), _from_owners(sio, ss, sw, n, axis)
+        (us, uw), (ss, sw) = lax.switch(lax.axis_index(axis), [branch(k) for k in range(n)],
+                                        p_got, s_got, g_got, g_in, p, s)
+        return _apply(plan, p, _from_owners(pio, us, uw, n, axis)), \
+            _from_owners(sio, ss, sw, n, axis)
 
     def specs(dims: Sequence[int | None]) -> list:
         return [P() if d is None else P(*([None] * d), axis) for d in dims]

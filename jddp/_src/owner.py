@@ -44,6 +44,7 @@ from jddp._src import zero
 from jddp._src.planner import BucketPlan
 from jddp._src.reduction import Bytes, ring
 from jddp._src.topology import Roles, Topology
+from jddp._src.tree import key_path_str
 
 Shape = Sequence[int]
 
@@ -111,20 +112,40 @@ def assign(shapes: Sequence[Shape], n: int) -> Owners:
     return Owners(tuple(owner), costs, tuple(load), too_large)
 
 
+class OwnerPlan(NamedTuple):
+    """The owners of a model's leaves, by path (what ``ddp.report`` shows)."""
+
+    paths: tuple[str, ...]
+    owners: Owners
+
+    def by_path(self) -> dict[str, int]:
+        """``{leaf path: owner device}``."""
+        return dict(zip(self.paths, self.owners.owner, strict=True))
+
+    def __str__(self) -> str:
+        return self.owners.describe(self.paths)
+
+
+def plan(params: Any, n: int) -> OwnerPlan:
+    """:func:`assign` over the leaves of ``params`` (arrays or shape structs) on ``n`` devices."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return OwnerPlan(tuple(key_path_str(p) for p, _ in leaves),
+                     assign([tuple(np.shape(x)) for _, x in leaves], n))
+
+
 def state_owners(params: Any, opt_state: Any, owners: Owners) -> tuple[int, ...]:
     """The owner of each optimizer-state leaf: that of the parameter leaf it is the slot of (its
-    tree path ends with the parameter's path and it has the parameter's shape: optax's ``mu``,
-    ``nu``, ...), device 0 for the rest (counts, coefficients; every device computes them)."""
-    by_path = {}
-    for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(params)):
-        by_path[tuple(path)] = (i, tuple(np.shape(x)))
+    tree path ends with the parameter's path: optax's ``mu``, ``nu``, GaLore's projectors, ...),
+    device 0 for the rest (counts, coefficients; every device computes them)."""
+    by_path = {tuple(path): i for i, (path, _) in
+               enumerate(jax.tree_util.tree_leaves_with_path(params))}
     out = []
-    for path, x in jax.tree_util.tree_leaves_with_path(opt_state):
+    for path, _ in jax.tree_util.tree_leaves_with_path(opt_state):
         path, found = tuple(path), 0
         for start in range(len(path)):  # the longest matching suffix first
             hit = by_path.get(path[start:])
-            if hit is not None and hit[1] == tuple(np.shape(x)):
-                found = owners.owner[hit[0]]
+            if hit is not None:
+                found = owners.owner[hit]
                 break
         out.append(found)
     return tuple(out)
@@ -208,6 +229,7 @@ def analyse(optimizer: optax.GradientTransformation, params: Any, opt_state: Any
         return jax.tree.leaves(updates), jax.tree.leaves(new_s)
 
     closed: ClosedJaxpr = jax.make_jaxpr(run)(grads, params, opt_state)
+    state_paths = [key_path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(opt_state)]
     ng, np_ = len(jax.tree.leaves(grads)), len(param_owner)
     owners_out = list(param_owner) + list(state_owner)
     owners_in = list(param_owner) + list(param_owner) + list(state_owner)
@@ -223,8 +245,8 @@ def analyse(optimizer: optax.GradientTransformation, params: Any, opt_state: Any
             elif owners_in[j] == k:
                 params_read |= j < ng + np_
             else:
-                what = (f"parameter {paths[j - ng]}" if j < ng + np_
-                        else f"optimizer-state leaf {j - ng - np_}")
+                what = (f"parameter {paths[j - ng]}" if j < ng + np_ else
+                        f"optimizer-state leaf {state_paths[j - ng - np_]}")
                 raise ValueError(
                     f"ZeRO(shard='owner'): the optimizer's update of the leaves owned by device "
                     f"{k} reads the {what}, which another device owns (owner sharding gives "

@@ -234,6 +234,10 @@ class Replicate:
         """Bytes sent after the update to make the parameters whole again (none)."""
         return Bytes()
 
+    def owners(self, topo: Topology, params: Any) -> owner.OwnerPlan | None:
+        """Each leaf's owner device (``None``: no owners at this placement)."""
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class ZeRO:
@@ -460,6 +464,11 @@ class ZeRO:
         if self.stage >= 3:
             return Bytes()
         return gather_bytes(topo, lv, plan, layout)
+
+    def owners(self, topo: Topology, params: Any) -> owner.OwnerPlan | None:
+        """With ``shard="owner"``, each leaf's owner device (:func:`jddp._src.owner.plan`),
+        else ``None``."""
+        return owner.plan(params, topo.shard_count) if self.shard == "owner" else None
 
 
 Place = Replicate | ZeRO

@@ -264,7 +264,8 @@ def _gather_whole(pieces: list, leaves: Sequence[_Leaf], axis: Any) -> list:
         if lf.dim is not None:
             by_dtype.setdefault(jnp.dtype(lf.dtype), []).append(i)
     for idx in by_dtype.values():
-        whole = zero.all_gather([pieces[i] for i in idx], [leaves[i].dim for i in idx],
+        dims = [d for d in (leaves[i].dim for i in idx) if d is not None]
+        whole = zero.all_gather([pieces[i] for i in idx], dims,
                                 [leaves[i].shape for i in idx], axis)
         for i, w in zip(idx, whole, strict=True):
             out[i] = w
@@ -285,12 +286,17 @@ def _io(leaves: Sequence[_Leaf], n: int) -> _Io:
     return _Io(tuple(leaves), _pack(leaves, split, n, True), _pack(leaves, whole, n, False))
 
 
+def _dim(leaf: _Leaf) -> int:
+    assert leaf.dim is not None  # only split leaves are packed as pieces
+    return leaf.dim
+
+
 def _to_owners(io: _Io, pieces: list, n: int, axis: Any) -> list:
     """Each device's pieces of the split leaves sent to their owners: per dtype, an
     ``(n, width)`` all-to-all whose row ``s`` holds the pieces of the leaves ``s`` owns."""
-    bufs = [[] for _ in io.send.groups]
+    bufs: list[list[jax.Array]] = [[] for _ in io.send.groups]
     for s in range(n):
-        parts = {i: zero.piece_row(pieces[i], io.leaves[i].dim) for i in io.send.where
+        parts = {i: zero.piece_row(pieces[i], _dim(io.leaves[i])) for i in io.send.where
                  if io.leaves[i].owner == s}
         for g, b in enumerate(_rows(io.send, s, io.leaves, parts, 1)):
             bufs[g].append(b)

@@ -555,8 +555,10 @@ def _cells() -> list[Cell]:
         ("owner lamb", "lamb", lambda s: {"place": owner(s)}, "1d", 3, 1),
         ("owner adafactor", "adafactor", lambda s: {"place": owner(s)}, "1d", 1, 1),
     ]:
+        # Their 2-process runs are tests/test_owner.py's (one launch of its own: this file's
+        # launch has a time bound for the other rows).
         c.append(Cell(label, lambda o=opts, s=stage: o(s), topology, stage, equal(case, 2e-6),
-                      procs=procs))
+                      extra={"owner_procs": procs}))
     return c
 
 

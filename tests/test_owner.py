@@ -172,7 +172,7 @@ import numpy as np
 from tests import test_matrix as tm
 out = {}
 for i, cell in enumerate(tm.CELLS):
-    if cell.procs == 2 and "owner" in cell.name:
+    if cell.extra.get("owner_procs") == 2:
         runs = tm.run_cell(cell, multi=True, repeats=2)
         out[str(i)] = [[np.asarray(x).tolist() for x in jax.tree.leaves(r)] for r in runs]
 if jax.process_index() == 0:
@@ -184,7 +184,8 @@ print("DONE", jax.process_count())
 
 @pytest.mark.slow
 def test_two_processes_repeat_bitwise_and_equal_one_process(tmp_path):
-    """The owner rows of the combination matrix with ``procs=2`` on 2 processes x 4 devices:
+    """The owner rows of the combination matrix marked ``owner_procs=2`` on 2 processes x 4
+    devices:
     repeats bitwise equal, equal to the 1 x 8 run and to the single-device reference."""
     script = tmp_path / "owner_job.py"
     script.write_text(SCRIPT)
@@ -192,7 +193,7 @@ def test_two_processes_repeat_bitwise_and_equal_one_process(tmp_path):
                                     str(script), str(tmp_path / "out.json")], timeout=300)
     assert rc == 0, (out[-2000:], err[-4000:])
     results = json.loads((tmp_path / "out.json").read_text())
-    cells = [i for i, c in enumerate(tm.CELLS) if c.procs == 2 and "owner" in c.name]
+    cells = [i for i, c in enumerate(tm.CELLS) if c.extra.get("owner_procs") == 2]
     assert len(cells) >= 3 and sorted(map(int, results)) == cells
     for i in cells:
         cell = tm.CELLS[i]

@@ -414,9 +414,13 @@ def update(stage: int, optimizer: optax.GradientTransformation, topo: Topology,
 def update_bytes(stage: int, topo: Topology, lv: Roles, plan: BucketPlan,
                  layout: zero.Layout) -> Bytes:
     """Bytes one device sends in :func:`update` for the parameters and gradients (the ring
-    model): from stage 2 the gradients' all-gather; at stage 3 the parameters' pieces to their
-    owners and back (all-to-alls), below it the owners' new parameters to every device. The
-    optimizer state's all-to-alls (to the owners and back, about its size / n each) come on top."""
+    model), counted as if the gradients were all-gathered from stage 2 (the all-to-all that
+    replaces it when no owner reads another's gradient sends about ``1/n`` of that) and, at
+    stage 3, the parameters' pieces went to their owners (skipped when the optimizer does not
+    read parameters) and their updates came back; below stage 3 the owners' updates go to every
+    device. The optimizer state's all-to-alls (to the owners and back, about its size / n each)
+    are not counted: the optimizer is not known here. ``ddp.report`` counts every collective of
+    the compiled step."""
     n = layout.n
     owners = assign(layout.shapes, n)
     split = [i for i, d in enumerate(layout.dims) if d is not None]

@@ -57,7 +57,7 @@ def test_assign_balances_the_update_cost_and_names_what_cannot_be():
     assert big.too_large == (0,)  # alone more than half the work
     assert big.owner[1] == big.owner[2] != big.owner[0]
     text = big.describe(["big", "a", "b"])
-    assert "too large to balance: big" in text and "device 0" in text
+    assert "too large to balance (each alone more than 1/2 of the update): big" in text and "device 0" in text
     # Newton-Schulz cost m*n*min(m,n), a stack of matrices counts each
     assert owner.update_cost((8, 4)) == 8 * 4 * 4 and owner.update_cost((3, 8, 4)) == 3 * 128
     assert owner.update_cost((5,)) == 5

@@ -94,9 +94,9 @@ class Owners(NamedTuple):
                          f"({len(names)} leaves: {', '.join(names) or '-'})")
         if self.too_large:
             n = len(self.load)
-            names = ", ".join(paths[i] for i in self.too_large)
+            listed = ", ".join(paths[i] for i in self.too_large)
             lines.append(f"too large to balance (each alone more than 1/{n} of the update): "
-                         f"{names}; the busiest device runs "
+                         f"{listed}; the busiest device runs "
                          f"{100 * max(self.load) / total:.1f}% of the update, an even share "
                          f"{100 / n:.1f}%")
         return "\n".join(lines)

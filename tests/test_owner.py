@@ -130,7 +130,7 @@ def test_orthogonalization_runs_once_and_without_collectives(stage):
 def test_an_optimizer_reading_another_owners_parameters_is_refused():
     def param_norm_scaled():  # scales every update by the global norm of the parameters
         def update(updates, state, params):
-            return jax.tree.map(lambda u: u * optax.global_norm(params), updates), state
+            return jax.tree.map(lambda u: u * optax.tree.norm(params), updates), state
         return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
 
     with pytest.raises(ValueError, match=r"shard='owner'.*reads the parameter"):

@@ -218,6 +218,16 @@ def _optimizer_ref(make):
     return reference
 
 
+def _clip_muon():
+    """Muon (Newton-Schulz on the kernels, AdamW on the biases) after global-norm clipping."""
+    return optax.chain(optax.clip_by_global_norm(CLIP), optax.contrib.muon(2e-2))
+
+
+def _muon_accumulate_ref(_):
+    micro = _batches(4, ROWS // 2)
+    return ref.train(mlp_loss, _clip_muon(), mlp_params(0, SIZES), [micro[0:2], micro[2:4]]).params
+
+
 CASES = {
     "plain": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _plain_ref),
     # Lossy hooks: SGD, whose update is proportional to the gradient (Adam's normalisation
@@ -268,6 +278,10 @@ CASES = {
     "adafactor": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)],
                       _optimizer_ref(lambda: optax.adafactor(1e-2)),
                       lambda: optax.adafactor(1e-2)),
+    "muon": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)],
+                 _optimizer_ref(_clip_muon), _clip_muon),
+    "muon_accumulate": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4, ROWS // 2)],
+                            _muon_accumulate_ref, _clip_muon),
 }
 
 
@@ -517,6 +531,34 @@ def _cells() -> list[Cell]:
         for stage in stages:
             c.append(Cell(label, lambda o=opts: dict(o), topology, stage, equal(case),
                           procs=procs))
+    # Owner sharding (ZeRO(shard="owner"), docs/sharded.md): each leaf updated whole on one
+    # device, with Muon after global-norm clipping (whole gradients on every device) and the
+    # options around the update.
+    owner = lambda stage, **kw: jddp.ZeRO(stage=stage, shard="owner", **kw)
+    acc = lambda: jddp.Accumulate(steps=2)
+    for label, case, opts, topology, stage, procs in [
+        ("owner muon", "muon", lambda s: {"place": owner(s)}, "1d", 1, 2),
+        ("owner muon", "muon", lambda s: {"place": owner(s)}, "1d", 2, 1),
+        ("owner muon", "muon", lambda s: {"place": owner(s)}, "1d", 3, 2),
+        ("owner muon + accumulate", "muon_accumulate",
+         lambda s: {"place": owner(s), "accumulate": acc()}, "1d", 2, 2),
+        ("owner muon + accumulate", "muon_accumulate",
+         lambda s: {"place": owner(s), "accumulate": acc()}, "1d", 3, 1),
+        ("owner muon + skip_not_finite", "muon",
+         lambda s: {"place": owner(s), "skip_not_finite": True}, "1d", 3, 1),
+        ("owner muon + offload", "muon", lambda s: {"place": owner(s, offload=True)}, "1d", 2, 1),
+        ("owner muon + hybrid", "muon", lambda s: {"place": owner(s, hybrid=True)}, "2l", 3, 2),
+        ("owner muon", "muon", lambda s: {"place": owner(s)}, "2l", 2, 1),
+        ("owner muon + reshard_after_forward=False", "muon",
+         lambda s: {"place": owner(s, reshard_after_forward=False)}, "1d", 3, 1),
+        ("owner clip_by_global_norm + adam", "clip", lambda s: {"place": owner(s)}, "1d", 2, 1),
+        ("owner lamb", "lamb", lambda s: {"place": owner(s)}, "1d", 3, 1),
+        ("owner adafactor", "adafactor", lambda s: {"place": owner(s)}, "1d", 1, 1),
+    ]:
+        # Their 2-process runs are tests/test_owner.py's (one launch of its own: this file's
+        # launch has a time bound for the other rows).
+        c.append(Cell(label, lambda o=opts, s=stage: o(s), topology, stage, equal(case, 2e-6),
+                      extra={"owner_procs": procs}))
     return c
 
 

@@ -141,7 +141,8 @@ _SHARD = ("Accumulate(shard=True) reduce-scatters every call's gradients into a 
 
 TABLE: tuple[Refusal, ...] = (
     Refusal("deterministic + ZeRO", deterministic, zero,
-            f"{_DET}: it does not combine with place=jddp.ZeRO(...). Use "
+            f"{_DET}: it does not combine with place=jddp.ZeRO(...) (shard='owner' included: "
+            "its per-owner update is not the same bits on every device count). Use "
             "place=jddp.Replicate(), or reduce=jddp.Buckets()."),
     Refusal("deterministic + local SGD", deterministic, local_sgd,
             f"{_DET}: it does not combine with local SGD or DiLoCo (sync=...). Use "

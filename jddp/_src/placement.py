@@ -33,7 +33,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp._src import offload, options, vma, zero
+from jddp._src import offload, options, owner, vma, zero
 from jddp._src import precision as precision_lib
 from jddp._src.introspect import hlo
 from jddp._src.introspect import jaxpr as jaxpr_lib
@@ -251,6 +251,10 @@ class Replicate:
         """Bytes sent after the update to make the parameters whole again (none)."""
         return Bytes()
 
+    def owners(self, topo: Topology, params: Any) -> owner.OwnerPlan | None:
+        """Each leaf's owner device (``None``: no owners at this placement)."""
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class ZeRO:
@@ -269,12 +273,18 @@ class ZeRO:
         this stage; each step moves it to the devices for the update and back
         (ZeRO-Offload, FSDP2's ``CPUOffloadPolicy``). The
         parameters stay in device memory, stage 3 included.
+      shard: ``"even"`` (the default) splits every leaf over the devices and the optimizer
+        updates the pieces in the global view; ``"owner"`` gives each leaf one owner device
+        that runs its whole update (:mod:`jddp._src.owner`: for whole-matrix optimizers such as
+        ``optax.contrib.muon``, whose orthogonalization then runs once and without collectives).
+        The state is stored as with ``"even"``.
     """
 
     stage: int = 3
     reshard_after_forward: bool | int | None = None
     hybrid: bool = False
     offload: bool = False
+    shard: str = "even"
 
     def __post_init__(self) -> None:
         stage = self.stage
@@ -290,6 +300,9 @@ class ZeRO:
         self.resharding()  # checks it (kept as given, so dataclasses.replace works)
         object.__setattr__(self, "hybrid", options.flag(self.hybrid, "ZeRO.hybrid"))
         object.__setattr__(self, "offload", options.flag(self.offload, "ZeRO.offload"))
+        if self.shard not in ("even", "owner"):
+            raise ValueError(f"ZeRO.shard must be 'even' (every leaf split over the devices) or "
+                             f"'owner' (each leaf whole on one owner device), got {self.shard!r}.")
 
     def resharding(self) -> bool | int:
         """``reshard_after_forward`` resolved: ``None`` is ``True`` at stage 3, else ``False``;
@@ -437,8 +450,12 @@ class ZeRO:
         The update runs in the global view on leaves of their true shapes, so any optax
         transformation works unchanged (XLA adds the collectives a global norm or a factored
         moment needs). Stages 1 and 2 then all-gather the updated pieces, one all-gather per
-        bucket (:func:`gather_params`).
+        bucket (:func:`gather_params`). With ``shard="owner"`` each leaf is updated on its
+        owner (:func:`jddp._src.owner.update`).
         """
+        if self.shard == "owner":
+            return owner.update(self.stage, optimizer, topo, layout, plan, params, opt_state,
+                                grads)
         axis = topo.shard
         specs = layout.specs(params, axis)
         opt_specs = jax.tree.map(lambda x: zero.leaf_spec(jnp.shape(x), topo.shard_count, axis),
@@ -459,10 +476,18 @@ class ZeRO:
     def update_bytes(self, topo: Topology, lv: Roles, plan: BucketPlan,
                      layout: zero.Layout) -> Bytes:
         """Bytes sent after the update to make the parameters whole again: stages 1-2's
-        all-gather of the updated pieces (:func:`gather_params`); none at stage 3."""
+        all-gather of the updated pieces (:func:`gather_params`); none at stage 3. With
+        ``shard="owner"``: :func:`jddp._src.owner.update_bytes`."""
+        if self.shard == "owner":
+            return owner.update_bytes(self.stage, topo, lv, plan, layout)
         if self.stage >= 3:
             return Bytes()
         return gather_bytes(topo, lv, plan, layout)
+
+    def owners(self, topo: Topology, params: Any) -> owner.OwnerPlan | None:
+        """With ``shard="owner"``, each leaf's owner device (:func:`jddp._src.owner.plan`),
+        else ``None``."""
+        return owner.plan(params, topo.shard_count) if self.shard == "owner" else None
 
 
 Place = Replicate | ZeRO

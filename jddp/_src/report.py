@@ -109,6 +109,8 @@ class Report(NamedTuple):
       num_devices: devices of the data mesh.
       hosts: hosts of the mesh (processes, or rows of a two-level mesh).
       window: calls of ``step`` per synchronisation (``accumulate_steps``).
+      owners: with ``jddp.ZeRO(shard="owner")``, the owner plan (each leaf's owner device, the
+        share of the update each device runs, the leaves too large to balance); else ``None``.
     """
 
     collectives: tuple[CollectiveReport, ...]
@@ -116,6 +118,7 @@ class Report(NamedTuple):
     num_devices: int
     hosts: int
     window: int
+    owners: Any = None
 
     def _total(self, field: str) -> float:
         """Per window: collectives outside a branch run on every call, those inside the
@@ -178,6 +181,7 @@ class Report(NamedTuple):
             "across_hosts_per_window": self.across_hosts_per_window,
             "unknown_groups": len(self.unknown_groups),
             "memory": None if self.memory is None else self.memory._asdict(),
+            **({} if self.owners is None else {"owners": self.owners.by_path()}),
         }
 
     def to_json(self) -> str:
@@ -219,6 +223,9 @@ class Report(NamedTuple):
             if m.host_at_rest or m.host_peak:
                 lines.append(f"host memory per device: at rest {fmt_bytes(m.host_at_rest)}, "
                              f"peak {fmt_bytes(m.host_peak)}")
+        if self.owners is not None:
+            lines.append("owners (each leaf's update runs on one device):")
+            lines += ["  " + line for line in str(self.owners).splitlines()]
         return "\n".join(lines)
 
 
@@ -303,10 +310,10 @@ def assign_buckets(cols: Sequence[CollectiveReport], plan: Any) -> tuple[Collect
 
 
 def build(compiled: Any, state: Any, host_of_device: Sequence[int], window: int,
-          plan: Any = None) -> Report:
+          plan: Any = None, owners: Any = None) -> Report:
     """The :class:`Report` of a compiled step for ``state`` on a mesh whose devices sit on
     ``host_of_device``; ``plan`` (the step's bucket plan) names buckets the program's metadata
-    does not."""
+    does not; ``owners``: the owner plan of ``jddp.ZeRO(shard="owner")``."""
     cols = assign_buckets(collectives(compiled.as_text(), host_of_device), plan)
     return Report(cols, memory(compiled, state), len(host_of_device),
-                  max(1, len(set(host_of_device))), int(window))
+                  max(1, len(set(host_of_device))), int(window), owners)

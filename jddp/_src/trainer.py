@@ -410,8 +410,9 @@ class DataParallel:
         """
         compiled = self.step.lower(state, batch, mask, sync=sync, rng=rng).compile()
         window = self.config.accumulate.calls(sync)
+        owners = self.config.place.owners(self.config.topology, state.params)
         return report_lib.build(compiled, state, mesh_lib.host_of_device(self.config.mesh),
-                                window, self._plans.latest)
+                                window, self._plans.latest, owners)
 
     def verify(self, state: TrainState, *, atol: float = 0.0) -> None:
         """Raises :class:`jddp.ReplicaDivergenceError` if replicas of ``state`` differ.

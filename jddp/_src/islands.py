@@ -304,7 +304,7 @@ class _Runtime:
                 self.manager.allreduce(buf, reduce_op=ReduceOp.SUM).wait()
                 mean = _unflatten(buf.numpy(), base.anchor)
             if self.manager.should_commit():
-                self.last = {"outer_step": self.manager_step(), "members":
+                self.last = {"outer_step": self.manager_step(), "step": base.step, "members":
                              self.manager.num_participants(), "healed": healed,
                              "examples": total, "seconds": time.monotonic() - t0,
                              "retries": tries}
@@ -339,10 +339,13 @@ def _runtime() -> _Runtime:
 
 
 def status() -> dict[str, Any]:
-    """The last outer step of this island as torchft agreed it: ``outer_step`` (committed outer
-    steps), ``members`` (islands in its quorum), ``healed`` (this island received the state),
+    """The last outer step of this island as torchft agreed it.
+
+    Keys: ``outer_step`` (committed outer steps), ``step`` (the training step it followed),
+    ``members`` (islands in its quorum), ``healed`` (this island received the state),
     ``examples`` (summed over the members), ``seconds`` (quorum to commit), ``retries``; ``{}``
-    before the first."""
+    before the first.
+    """
     env = island_env()
     return {} if env is None else dict(_runtime_for(env).last)
 

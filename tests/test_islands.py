@@ -21,11 +21,50 @@ import pytest
 
 from tests.launch_util import REPO, child_env, compile_cache
 
-pytest.importorskip("torchft", reason="the islands need torchft: pip install 'jddp[ft]'")
-
-pytestmark = pytest.mark.slow
+try:
+    import torchft  # noqa: F401
+except ImportError:  # pragma: no cover - CI installs jddp[ft]
+    HAVE_FT = False
+else:
+    HAVE_FT = True
+needs_ft = pytest.mark.skipif(not HAVE_FT, reason="the islands need torchft: pip install "
+                              "'jddp[ft]' (CI installs it with the dev extra)")
 JOB = REPO / "tests" / "_island_job.py"
 GRACE = 3.0  # --island-grace: how long an outer step waits for an island that stopped answering
+
+
+def test_jddp_and_diloco_do_not_import_torch():
+    """``import jddp`` and an in-world DiLoCo step leave torch unimported; under the island
+    variables ``diloco(...)`` is the islands' policy, still without torch until an outer step."""
+    code = (
+        "import sys, jddp, optax, numpy as np\n"
+        "s = jddp.local_sgd.diloco(2)\n"
+        "ddp = jddp.DataParallel(lambda p, b: ((b['x'] @ p) ** 2).mean(), optax.sgd(0.1), "
+        "mesh=jddp.data_mesh(), sync=s)\n"
+        "st = ddp.step(ddp.init(np.ones((3,), np.float32)), {'x': np.ones((8, 3), np.float32)})[0]\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "import os\n"
+        "os.environ.update(JDDP_ISLAND='0', JDDP_ISLAND_QUORUM='127.0.0.1:1', "
+        "JDDP_ISLAND_STORE='127.0.0.1:2')\n"
+        "assert isinstance(jddp.local_sgd.diloco(2), jddp.local_sgd.IslandDiLoCo)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
+                   env=child_env(JAX_PLATFORMS="cpu"))
+
+
+def test_islands_reject_what_they_cannot_carry(monkeypatch):
+    """Streaming fragments and a compress hook are refused under the island variables."""
+    import jddp
+
+    monkeypatch.setenv("JDDP_ISLAND", "0")
+    monkeypatch.setenv("JDDP_ISLAND_QUORUM", "127.0.0.1:1")
+    monkeypatch.setenv("JDDP_ISLAND_STORE", "127.0.0.1:2")
+    with pytest.raises(ValueError, match="fragments=1 and no compress hook"):
+        jddp.local_sgd.diloco(4, fragments=2)
+    monkeypatch.delenv("JDDP_ISLAND_STORE")
+    with pytest.raises(RuntimeError, match="JDDP_ISLAND_STORE"):
+        jddp.local_sgd.diloco(4)
 
 
 def _job_module():
@@ -89,6 +128,8 @@ def _by_step(recs: list[dict]) -> dict[int, tuple[str, str]]:
     return {r["outer"]: (r["params"], r["outer_state"]) for r in recs}
 
 
+@needs_ft
+@pytest.mark.slow
 def test_one_island_equals_in_world_diloco(tmp_path):
     """``--islands 1`` gives in-world DiLoCo's global parameters (same script, same data)."""
     a, b = tmp_path / "islands", tmp_path / "plain"
@@ -133,6 +174,8 @@ def _reference(members: dict[int, list[int]], islands: int, outer_steps: int) ->
     return jax.device_get(anchor)
 
 
+@needs_ft
+@pytest.mark.slow
 def test_scripted_membership_equals_reference(tmp_path):
     """Islands sitting out scripted outer steps: every island ends with the parameters of a
     reference that averages exactly the members of each outer step."""
@@ -163,6 +206,8 @@ def _mid_period(out: Path, island: int, pid: int) -> bool:
     return bool(steps) and steps[-1]["step"] % 4 == 1
 
 
+@needs_ft
+@pytest.mark.slow
 def test_kill_and_stop_islands(tmp_path):
     """SIGKILL island 2 mid-period: islands 0 and 1 finish the next outer step within 10 s, are
     never restarted and repeat or skip no step; island 2, restarted, rejoins within 30 s holding

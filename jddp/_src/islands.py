@@ -364,8 +364,10 @@ def _outer_update(outer: optax.GradientTransformation) -> Callable[..., Any]:
 
 def _put(like: Any, leaves: list[np.ndarray]) -> Any:
     """Numpy leaves placed as the arrays of ``like`` are (replicated on the island's mesh)."""
-    out = [jax.make_array_from_callback(np.shape(v), x.sharding, lambda i, v=v: v[i])
-           for x, v in zip(jax.tree.leaves(like), leaves, strict=True)]
+    def put(x: jax.Array, v: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(np.shape(v), x.sharding, lambda i: v[i])
+
+    out = [put(x, v) for x, v in zip(jax.tree.leaves(like), leaves, strict=True)]
     return jax.tree.unflatten(jax.tree.structure(like), out)
 
 

@@ -948,6 +948,16 @@ def _master_addr(text: str) -> str:
     return text
 
 
+def _quorum_addr(text: str) -> str:
+    """An argparse ``type=`` for ``--quorum HOST:PORT`` (torchft's Lighthouse)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(
+            f"must be HOST:PORT (torchft's Lighthouse, e.g. 127.0.0.1:29510), got {text!r}")
+    _port(port)
+    return text
+
+
 class _Parser(argparse.ArgumentParser):
     """jddp-run's parser: every token from the script on belongs to the script.
 
@@ -1051,7 +1061,7 @@ def _parser() -> _Parser:
                     help="run N independently failing islands (each -n processes) that meet at "
                          "DiLoCo's outer step through torchft; an island that dies is restarted "
                          "and rejoins (docs/islands.md; needs jddp[ft])")
-    ap.add_argument("--quorum", type=_master_addr, default=None, metavar="HOST:PORT",
+    ap.add_argument("--quorum", type=_quorum_addr, default=None, metavar="HOST:PORT",
                     help="with --islands: torchft's Lighthouse; used if it runs there, else "
                          "started here on that address (default 127.0.0.1 and a free port)")
     ap.add_argument("--island-grace", default=3.0, metavar="SECONDS",

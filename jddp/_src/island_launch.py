@@ -4,8 +4,9 @@ Each island is an ordinary ``jddp-run -n P`` job (its own JAX world, its own coo
 started with the variables of :mod:`jddp._src.islands` (its index, the Lighthouse, its TCPStore,
 its attempt). An island that exits with a non-zero status is started again (a fresh attempt,
 fresh ports) and rejoins at the next outer step; the others never stop. The run ends when every
-island has exited with status 0, or when an island fails more than ``max_restarts`` times (the
-others are then ended and its status returned).
+island has exited (status 0, or failed after another island finished the run: it is not
+restarted then), or when an island fails more than ``max_restarts`` times (the others are then
+ended and its status returned).
 
 The quorum server is torchft's own ``torchft_lighthouse``. With ``--quorum HOST:PORT`` pointing
 at a Lighthouse that already runs (another machine, or a port in use here) it is used as is;
@@ -157,6 +158,11 @@ def launch_islands(script: Sequence[str], islands: int, *, nprocs: int = 1,
                 if rc is None or i in done:
                     continue
                 if rc == 0:
+                    done.add(i)
+                    continue
+                if done:  # the run has finished: a late failure has no one left to rejoin
+                    print(f"[jddp-run] island {i} exited with status {rc} after island(s) "
+                          f"{sorted(done)} finished the run: not restarted", flush=True)
                     done.add(i)
                     continue
                 if attempts[i] >= max_restarts:

@@ -154,6 +154,12 @@ class IslandDiLoCo(LocalSGD):
         if self.take_part is not None and not self.take_part(rt.manager_step()):
             n = 0
         base, mean = rt.outer_round(base, own, n)
+        if entry and not rt.last["healed"] and rt.last["members"] == 1:
+            # A restarted island alone in the quorum: no live island holds the global state.
+            raise RuntimeError(
+                f"island {rt.env.island} restarted but found no live island to take the global "
+                "state from (every other island finished or failed): the run ends here; resume "
+                "from a checkpoint if it must go on (docs/islands.md).")
         return _apply(cfg, self.outer, state, base, mean)
 
 
@@ -295,6 +301,11 @@ class _Runtime:
             count = torch.tensor([float(n)], dtype=torch.float64)
             self.manager.allreduce(count, reduce_op=ReduceOp.SUM).wait()
             total = float(count.item())
+            # The step counter everyone continues from: an island restarted before the first
+            # outer step is not healed (every manager is at 0) but must not restart at step 0.
+            step = torch.tensor([float(base.step)], dtype=torch.float64)
+            self.manager.allreduce(step, reduce_op=ReduceOp.MAX).wait()
+            base = base._replace(step=int(step.item()))
             mean = None
             if total > 0:
                 w = np.float32(n / total)

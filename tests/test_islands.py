@@ -113,12 +113,22 @@ def _start(out: Path, tmp: Path, islands: int = 3, **env: str) -> subprocess.Pop
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _end(proc: subprocess.Popen) -> None:
+    """SIGTERM (the launcher ends its islands and the Lighthouse), SIGKILL after 10 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def _finish(proc: subprocess.Popen, tmp: Path, timeout: float = 120.0) -> None:
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _end(proc)
         pytest.fail(f"jddp-run --islands did not finish within {timeout:.0f} s; log:\n"
                     + (tmp / "launcher.log").read_text()[-4000:])
     assert rc == 0, (tmp / "launcher.log").read_text()[-6000:]
@@ -141,6 +151,30 @@ def test_one_island_equals_in_world_diloco(tmp_path):
     got, want = np.load(a / "island0.npz"), np.load(b / "island0.npz")
     for k in want.files:
         np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-6, err_msg=k)
+
+
+@needs_ft
+@pytest.mark.slow
+def test_islands_of_two_processes(tmp_path):
+    """2 islands x 2 processes: every process of every island holds the same global state after
+    each outer step, and each outer step has both islands."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "jddp.launch", "--islands", "2", "-n", "2",
+           "--devices-per-process", "1", "--island-grace", str(GRACE), "--timeout", "300",
+           str(JOB)]
+    log = open(tmp_path / "launcher.log", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=child_env(
+                                OUT=str(out), STEPS="8", **compile_cache(tmp_path / "cache")))
+    try:
+        _finish(proc, tmp_path, timeout=240)
+    finally:
+        _end(proc)
+    recs = [r for i in range(2) for r in _outer(out, i)]
+    assert len(recs) == 2 * 2 * 2 and {r["members"] for r in recs} == {2}, recs
+    for step in (4, 8):
+        assert len({(r["params"], r["outer_state"]) for r in recs if r["outer"] == step}) == 1
 
 
 def _reference(members: dict[int, list[int]], islands: int, outer_steps: int) -> dict:
@@ -261,9 +295,7 @@ def test_kill_and_stop_islands(tmp_path):
         stop_file.write_text(str(last + 8))
         _finish(proc, tmp_path, timeout=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _end(proc)
         try:
             os.kill(pid1, signal.SIGCONT)
         except (NameError, ProcessLookupError):

@@ -65,9 +65,23 @@ def _pump(stream: BinaryIO, prefix: bytes) -> None:
         sys.stdout.buffer.flush()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when this launcher dies, however it dies (Linux's
+    PR_SET_PDEATHSIG; an island's own jddp-run then ends its ranks through its guardian)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the islands' own --timeout still bounds them
+        pass
+
+
 def _start(argv: Sequence[str], env: Mapping[str, str], prefix: str) -> subprocess.Popen:
+    # Each child leads its own process group (ending an island reaches its ranks) and dies with
+    # this launcher.
     p = subprocess.Popen(list(argv), env=dict(env), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, start_new_session=True)
+                         stderr=subprocess.STDOUT, start_new_session=True,
+                         preexec_fn=_die_with_parent)
     assert p.stdout is not None
     threading.Thread(target=_pump, args=(p.stdout, prefix.encode()), daemon=True).start()
     return p

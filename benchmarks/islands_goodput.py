@@ -8,7 +8,8 @@ fixed sleep per inner step standing in for compute), each to the same number of 
 
 - ``islands``: ``jddp-run --islands 3``, no faults;
 - ``islands+faults``: the same, one island SIGKILLed every K outer steps (round robin, in the
-  middle of a period); ``jddp-run`` restarts it and it rejoins;
+  middle of a period; the next fault waits until the last victim has rejoined, so one island is
+  down at a time); ``jddp-run`` restarts it and it rejoins;
 - ``checkpoint+faults``: today's path: one 3-process job (``data_mesh(hosts="process")``, one
   replica per process) checkpointing every outer step, the same faults; ``jddp-run
   --max-restarts`` restarts the whole job, which resumes from its last checkpoint.
@@ -139,6 +140,12 @@ def run(mode: str, replicas: int, steps: int, sleep: float, kill_every: int | No
             continue
         recs = _records(out)
         done = max((r["step"] for rs in recs.values() for r in rs if "step" in r), default=-1)
+        if mode != "checkpoint":  # one island down at a time: the last victim has rejoined
+            last = max((r for rs in recs.values() for r in rs if "outer_step" in r),
+                       key=lambda r: r["outer_step"], default=None)
+            if kills and (last is None or last["members"] < replicas):
+                next_kill = done + 1 - (done + 1) % PERIOD + kill_every * PERIOD + 2
+                continue
         if done + 1 >= next_kill:
             names = sorted(recs)
             pid = _victim(recs, names[len(kills) % len(names)]) if names else None
@@ -170,7 +177,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--sleep", type=float, default=0.25)
-    ap.add_argument("--kill-every", type=int, default=4, help="outer steps between faults")
+    ap.add_argument("--kill-every", type=int, default=6, help="outer steps between faults")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()

@@ -174,6 +174,10 @@ def launch_islands(script: Sequence[str], islands: int, *, nprocs: int = 1,
                 if rc == 0:
                     done.add(i)
                     continue
+                if rc == isl.EXIT_NO_PEER and not done:
+                    print(f"[jddp-run] island {i} found no live island to rejoin: every island "
+                          "was lost; ending the run (resume it from a checkpoint)", flush=True)
+                    return rc
                 if done:  # the run has finished: a late failure has no one left to rejoin
                     print(f"[jddp-run] island {i} exited with status {rc} after island(s) "
                           f"{sorted(done)} finished the run: not restarted", flush=True)

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -50,6 +51,7 @@ ENV_STORE = "JDDP_ISLAND_STORE"  # "host:port" of the island's TCPStore (on its 
 ENV_ATTEMPT = "JDDP_ISLAND_ATTEMPT"  # 0 on the island's first start, then 1, 2, ... per restart
 ENV_GRACE = "JDDP_ISLAND_GRACE"  # seconds the quorum waits for an island (the Lighthouse's)
 ENV_QUORUM_TIMEOUT = "JDDP_ISLAND_QUORUM_TIMEOUT"  # bound on one wait for a quorum (seconds)
+EXIT_NO_PEER = 76  # a restarted island found no live island to heal from (not restarted)
 
 __all__ = ["IslandDiLoCo", "IslandEnv", "island_diloco", "island_env", "status"]
 
@@ -156,10 +158,14 @@ class IslandDiLoCo(LocalSGD):
         base, mean = rt.outer_round(base, own, n)
         if entry and not rt.last["healed"] and rt.last["members"] == 1:
             # A restarted island alone in the quorum: no live island holds the global state.
-            raise RuntimeError(
-                f"island {rt.env.island} restarted but found no live island to take the global "
-                "state from (every other island finished or failed): the run ends here; resume "
-                "from a checkpoint if it must go on (docs/islands.md).")
+            # Exit (every process of the island alike) with a status jddp-run does not restart.
+            sys.stderr.write(
+                f"jddp: island {rt.env.island} restarted but found no live island to take the "
+                "global state from (every other island finished or failed): the run ends here "
+                f"(exit status {EXIT_NO_PEER}); resume from a checkpoint if it must go on "
+                "(docs/islands.md).\n")
+            sys.stderr.flush()
+            os._exit(EXIT_NO_PEER)
         return _apply(cfg, self.outer, state, base, mean)
 
 

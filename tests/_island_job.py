@@ -10,6 +10,7 @@ Without ``--islands`` it runs in-world DiLoCo on island 0's data (the one-island
   and writes ``island{I}.npz`` (the global params and outer state) at the end.
 - ``STOP``: a file holding the step to stop at (read after every outer step; absent: go on);
   ``STEPS``: a fixed number of steps instead.
+- ``DIE_AT``: on its first attempt the island exits with status 1 before this step;
 - ``SLEEP``: seconds of "work" per inner step; ``MEMBERS``: JSON ``{outer step: [islands]}``,
   a scripted membership (``jddp.local_sgd.island_diloco(take_part=...)``).
 
@@ -88,6 +89,8 @@ def main():
         step = int(state.step)
         if step >= stop:
             break
+        if attempt == 0 and step == int(os.environ.get("DIE_AT", "-1")):
+            os._exit(1)  # a fault on the first attempt
         state, _ = ddp.step(state, batch(island, step))
         log.write(json.dumps({"pid": os.getpid(), "attempt": attempt, "step": step,
                               "t": time.time()}) + "\n")

@@ -177,6 +177,25 @@ def test_islands_of_two_processes(tmp_path):
         assert len({(r["params"], r["outer_state"]) for r in recs if r["outer"] == step}) == 1
 
 
+@needs_ft
+@pytest.mark.slow
+def test_restart_with_no_live_island_ends_the_run(tmp_path):
+    """The only island dies after outer steps: restarted, it finds no one holding the global
+    state and exits with 76, which ends the run (no restart loop, no silent start-over)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _start(out, tmp_path, islands=1, STEPS="16", DIE_AT="6")
+    try:
+        rc = proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        _end(proc)
+        pytest.fail("jddp-run --islands 1 did not end within 180 s")
+    log = (tmp_path / "launcher.log").read_text()
+    assert rc == 76, log[-3000:]
+    assert "found no live island to take the global state" in log, log[-3000:]
+    assert sorted({r["attempt"] for r in _records(out, 0) if "start" in r}) == [0, 1]
+
+
 def _reference(members: dict[int, list[int]], islands: int, outer_steps: int) -> dict:
     """DiLoCo over islands written out: each island's two device replicas run SGD on their half
     of its batch; the outer step averages the members' deltas (equal examples: equal weights)."""

@@ -4,9 +4,10 @@ Each island is an ordinary ``jddp-run -n P`` job (its own JAX world, its own coo
 started with the variables of :mod:`jddp._src.islands` (its index, the Lighthouse, its TCPStore,
 its attempt). An island that exits with a non-zero status is started again (a fresh attempt,
 fresh ports) and rejoins at the next outer step; the others never stop. The run ends when every
-island has exited (status 0, or failed after another island finished the run: it is not
-restarted then), or when an island fails more than ``max_restarts`` times (the others are then
-ended and its status returned).
+island has exited (status 0, or failed after another island finished the run, or restarted and
+found no live island to take the state from: such islands are not restarted; when no island
+finished, the run's status is ``EXIT_NO_PEER``), or when an island fails more than
+``max_restarts`` times (the others are then ended and its status returned).
 
 The quorum server is torchft's own ``torchft_lighthouse``. With ``--quorum HOST:PORT`` pointing
 at a Lighthouse that already runs (another machine, or a port in use here) it is used as is;
@@ -149,6 +150,7 @@ def launch_islands(script: Sequence[str], islands: int, *, nprocs: int = 1,
     procs: dict[int, subprocess.Popen] = {}
     attempts = dict.fromkeys(range(islands), 0)
     done: set[int] = set()
+    lost: set[int] = set()  # exited with EXIT_NO_PEER
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
     def start(i: int) -> None:
@@ -174,11 +176,13 @@ def launch_islands(script: Sequence[str], islands: int, *, nprocs: int = 1,
                 if rc == 0:
                     done.add(i)
                     continue
-                if rc == isl.EXIT_NO_PEER and not done:
-                    print(f"[jddp-run] island {i} found no live island to rejoin: every island "
-                          "was lost; ending the run (resume it from a checkpoint)", flush=True)
-                    return rc
-                if done:  # the run has finished: a late failure has no one left to rejoin
+                if rc == isl.EXIT_NO_PEER:  # not restarted: no live island holds the state
+                    print(f"[jddp-run] island {i} found no live island to rejoin (the others "
+                          "finished or were lost): not restarted", flush=True)
+                    done.add(i)
+                    lost.add(i)
+                    continue
+                if done - lost:  # the run has finished: a late failure has no one to rejoin
                     print(f"[jddp-run] island {i} exited with status {rc} after island(s) "
                           f"{sorted(done)} finished the run: not restarted", flush=True)
                     done.add(i)
@@ -193,6 +197,10 @@ def launch_islands(script: Sequence[str], islands: int, *, nprocs: int = 1,
                       f"{attempts[i]}); it rejoins at the next outer step", flush=True)
                 start(i)
             time.sleep(0.05)
+        if done == lost:  # every island lost: nobody finished the run
+            print("[jddp-run] every island was lost: the run's progress is gone; resume it from "
+                  "a checkpoint", flush=True)
+            return isl.EXIT_NO_PEER
         return status
     finally:
         _end(list(procs.values()), grace_s)

@@ -156,9 +156,10 @@ class IslandDiLoCo(LocalSGD):
         if self.take_part is not None and not self.take_part(rt.manager_step()):
             n = 0
         base, mean = rt.outer_round(base, own, n)
-        if entry and not rt.last["healed"] and rt.last["members"] == 1:
-            # A restarted island alone in the quorum: no live island holds the global state.
-            # Exit (every process of the island alike) with a status jddp-run does not restart.
+        if entry and not rt.last["healed"] and (rt.last["members"] == 1 or base.step == 0):
+            # A restarted island alone in the quorum, or with restarted islands only (none has
+            # a step): no live island holds the global state. Exit (every process of the island
+            # alike) with a status jddp-run does not restart.
             sys.stderr.write(
                 f"jddp: island {rt.env.island} restarted but found no live island to take the "
                 "global state from (every other island finished or failed): the run ends here "

@@ -7,9 +7,9 @@ Three runs of the same DiLoCo training (3 replicas x 2 CPU devices, period 4, a 
 fixed sleep per inner step standing in for compute), each to the same number of steps:
 
 - ``islands``: ``jddp-run --islands 3``, no faults;
-- ``islands+faults``: the same, one island SIGKILLed every K outer steps (round robin, in the
-  middle of a period; the next fault waits until the last victim has rejoined, so one island is
-  down at a time); ``jddp-run`` restarts it and it rejoins;
+- ``islands+faults``: the same, ``--faults`` islands SIGKILLed, one every K outer steps (round
+  robin, in the middle of a period; a fault waits until the last victim has rejoined, so one
+  island is down at a time); ``jddp-run`` restarts it and it rejoins;
 - ``checkpoint+faults``: today's path: one 3-process job (``data_mesh(hosts="process")``, one
   replica per process) checkpointing every outer step, the same faults; ``jddp-run
   --max-restarts`` restarts the whole job, which resumes from its last checkpoint.
@@ -115,8 +115,10 @@ def _victim(recs: dict[str, list[dict]], name: str) -> int | None:
     return starts[-1]["pid"] if starts else None
 
 
-def run(mode: str, replicas: int, steps: int, sleep: float, kill_every: int | None) -> dict:
-    """One run; returns its wall time, faults and goodput."""
+def run(mode: str, replicas: int, steps: int, sleep: float, kill_every: int | None,
+        faults: int = 0) -> dict:
+    """One run; returns its wall time, faults and goodput. Fault ``k`` (of ``faults``) strikes
+    when the run first reaches step ``k * kill_every * PERIOD + 2`` (mid-period)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"goodput-{mode}-"))
     out = tmp / "out"
     out.mkdir()
@@ -133,18 +135,19 @@ def run(mode: str, replicas: int, steps: int, sleep: float, kill_every: int | No
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    kills, next_kill = [], (kill_every * PERIOD + 2 if kill_every else None)
+    kills: list[dict] = []
+    plan = [k * kill_every * PERIOD + 2 for k in range(1, faults + 1)] if kill_every else []
     while proc.poll() is None:
         time.sleep(0.05)
-        if next_kill is None:
+        if len(kills) == len(plan):
             continue
+        next_kill = plan[len(kills)]
         recs = _records(out)
         done = max((r["step"] for rs in recs.values() for r in rs if "step" in r), default=-1)
         if mode != "checkpoint":  # one island down at a time: the last victim has rejoined
             last = max((r for rs in recs.values() for r in rs if "outer_step" in r),
                        key=lambda r: r["outer_step"], default=None)
             if kills and (last is None or last["members"] < replicas):
-                next_kill = done + 1 - (done + 1) % PERIOD + kill_every * PERIOD + 2
                 continue
         if done + 1 >= next_kill:
             names = sorted(recs)
@@ -155,7 +158,6 @@ def run(mode: str, replicas: int, steps: int, sleep: float, kill_every: int | No
                     kills.append({"t": time.time() - t0, "step": done + 1})
                 except ProcessLookupError:
                     pass
-            next_kill = done + 1 - (done + 1) % PERIOD + kill_every * PERIOD + 2
     wall = time.time() - t0
     recs = _records(out)
     if mode == "checkpoint":
@@ -178,12 +180,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--sleep", type=float, default=0.25)
     ap.add_argument("--kill-every", type=int, default=6, help="outer steps between faults")
+    ap.add_argument("--faults", type=int, default=2, help="faults per run")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
     runs = [run("islands", 3, args.steps, args.sleep, None),
-            run("islands", 3, args.steps, args.sleep, args.kill_every),
-            run("checkpoint", 3, args.steps, args.sleep, args.kill_every)]
+            run("islands", 3, args.steps, args.sleep, args.kill_every, args.faults),
+            run("checkpoint", 3, args.steps, args.sleep, args.kill_every, args.faults)]
     base = runs[0]["goodput"]
     print(f"{'run':<20}{'status':>7}{'wall s':>9}{'faults':>7}{'useful':>8}{'run':>6}"
           f"{'goodput':>9}{'vs none':>9}")
@@ -193,6 +196,7 @@ def main() -> None:
               f"{r['useful_steps']:>8}{r['inner_steps_run']:>6}{r['goodput']:>9.3f}"
               f"{r['goodput'] / base:>9.2f}")
     result = {"steps": args.steps, "sleep_s": args.sleep, "kill_every_outer": args.kill_every,
+              "faults": args.faults,
               "period": PERIOD, "replicas": 3, "devices_per_replica": 2, "runs": runs}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -948,6 +948,16 @@ def _master_addr(text: str) -> str:
     return text
 
 
+def _quorum_addr(text: str) -> str:
+    """An argparse ``type=`` for ``--quorum HOST:PORT`` (torchft's Lighthouse)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(
+            f"must be HOST:PORT (torchft's Lighthouse, e.g. 127.0.0.1:29510), got {text!r}")
+    _port(port)
+    return text
+
+
 class _Parser(argparse.ArgumentParser):
     """jddp-run's parser: every token from the script on belongs to the script.
 
@@ -1046,6 +1056,18 @@ def _parser() -> _Parser:
     ap.add_argument("--rdzv-timeout", default=120.0, metavar="SECONDS",
                     type=_number(float, 0, strict=True, fix="the default is 120"),
                     help="how long the nodes wait for each other at start (default 120)")
+    ap.add_argument("--islands", default=None, metavar="N",
+                    type=_number(int, 1, strict=False, fix="leave it out for one job"),
+                    help="run N independently failing islands (each -n processes) that meet at "
+                         "DiLoCo's outer step through torchft; an island that dies is restarted "
+                         "and rejoins (docs/islands.md; needs jddp[ft])")
+    ap.add_argument("--quorum", type=_quorum_addr, default=None, metavar="HOST:PORT",
+                    help="with --islands: torchft's Lighthouse; used if it runs there, else "
+                         "started here on that address (default 127.0.0.1 and a free port)")
+    ap.add_argument("--island-grace", default=3.0, metavar="SECONDS",
+                    type=_number(float, 0, strict=True, fix="the default is 3"),
+                    help="with --islands: the longest an outer step waits for an island that "
+                         "stopped answering (default 3)")
     ap.add_argument("--no-prefix", action="store_true",
                     help="do not prefix output lines with [rankN]")
     ap.add_argument("-m", dest="module", action="store_true",
@@ -1068,6 +1090,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--nnodes > 1 needs --master-addr HOST:PORT (node 0's address)")
     if args.master_addr is not None and args.port is not None:
         ap.error("give either --port or --master-addr HOST:PORT, not both")
+    if args.islands is None and args.quorum is not None:
+        ap.error("--quorum HOST:PORT goes with --islands N")
+    if args.islands is not None:
+        if args.nnodes > 1 or args.master_addr is not None:
+            ap.error("--islands N runs each island as its own job: start one jddp-run per "
+                     "island on other nodes instead of --nnodes (docs/islands.md)")
+        from jddp._src.island_launch import launch_islands
+
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # end the islands on the way out
+        return launch_islands(
+            (["-m"] if args.module else []) + [args.script] + list(args.args), args.islands,
+            nprocs=args.nprocs, devices_per_process=args.devices_per_process,
+            quorum=args.quorum, grace_s=args.grace, island_grace_s=args.island_grace,
+            max_restarts=args.max_restarts if args.max_restarts else 100,
+            timeout_s=args.timeout)
     command = [sys.executable, "-u"] + (["-m"] if args.module else []) + [args.script]
     return launch(
         command + list(args.args),

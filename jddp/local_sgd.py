@@ -11,11 +11,15 @@ Pass one to :class:`jddp.DataParallel`::
 
 Every other option of the step composes with it (accumulation, micro-batches, masks, ``rng``,
 loss scaling, skipping, summed metrics, ``jddp.ZeRO`` inside each host); ``diloco(period,
-fragments=F)`` is streaming DiLoCo. See docs/scaling.md for when to use which, and
-what each averages.
+fragments=F)`` is streaming DiLoCo. Under ``jddp-run --islands N`` the same script runs as N
+islands that fail and rejoin, meeting at the outer step through torchft (docs/islands.md).
+See docs/scaling.md for when to use which, and what each averages.
 """
 
+from jddp._src.islands import IslandDiLoCo, island_diloco, island_env
+from jddp._src.islands import status as island_status
 from jddp._src.local_sgd import LocalSGD, diloco, post_local_sgd
 from jddp._src.state import OuterState
 
-__all__ = ["LocalSGD", "OuterState", "diloco", "post_local_sgd"]
+__all__ = ["IslandDiLoCo", "LocalSGD", "OuterState", "diloco", "island_diloco", "island_env",
+           "island_status", "post_local_sgd"]

@@ -351,6 +351,10 @@ def test_everything_after_the_script_belongs_to_the_script(tmp_path):
     (["--nnodes", "0"], "--nnodes: must be >= 1"),
     (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h:5"],
      "--node-rank 2 is not below --nnodes 2"),
+    (["--islands", "0"], "--islands: must be >= 1"),
+    (["--islands", "2", "--quorum", "lighthouse"], "--quorum: must be HOST:PORT"),
+    (["--quorum", "h:5"], "--quorum HOST:PORT goes with --islands N"),
+    (["--islands", "2", "--nnodes", "2", "--master-addr", "h:5"], "start one jddp-run per island"),
 ])
 def test_bad_launcher_flags_are_usage_errors_naming_the_fix(args, says, capsys):
     # Were accepted (--devices-per-process 0, --step-timeout -5) or a traceback (--master-addr

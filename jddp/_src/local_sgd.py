@@ -274,9 +274,19 @@ def diloco(period: int, outer_optimizer: optax.GradientTransformation | None = N
         peak cross-replica bytes of a step fall by about ``fragments``.
       compress: a stateless hook for the outer gradients (:attr:`LocalSGD.compress`), e.g.
         ``jddp.hooks.int8_compress(error_feedback=False)`` (Streaming DiLoCo quantizes them).
+
+    Inside ``jddp-run --islands N`` this returns :class:`jddp.local_sgd.IslandDiLoCo`: the
+    outer step averages the islands in torchft's quorum (docs/islands.md).
     """
     if outer_optimizer is None:
         outer_optimizer = optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)
+    from jddp._src import islands  # below this module; imported here to keep the order acyclic
+
+    if islands.island_env() is not None:  # under `jddp-run --islands`: the same script, islands
+        if fragments != 1 or compress is not None:
+            raise ValueError("under jddp-run --islands, DiLoCo runs across islands with "
+                             "fragments=1 and no compress hook; drop them (docs/islands.md).")
+        return islands.island_diloco(period, outer_optimizer)
     return LocalSGD(period, 0, outer_optimizer, fragments, compress)
 
 

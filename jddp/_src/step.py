@@ -208,6 +208,10 @@ class Step:
         if self._donate:
             _check_live(state)
         checks.check_concrete_state(state)
+        # Sync policies with a host part (islands: jddp._src.islands) see each step's input.
+        before = getattr(self._cfg.sync, "before_step", None)
+        if before is not None:
+            state = before(self._cfg, state, batch, mask)
         sync = options.step_sync(sync, self._cfg.accumulate.steps)
         if self._jit_fn is None:
             self._build_jit(state)
@@ -225,6 +229,9 @@ class Step:
             jax.block_until_ready(state)
             self._last_phase = phase
         new_state, metrics = self._call(state, batch, mask, rng, sync=sync, phase=phase)
+        after = getattr(self._cfg.sync, "after_step", None)
+        if after is not None:
+            new_state = after(self._cfg, phase, new_state)
         # The update's own rule (None: decided on the device; read it back next time).
         following = self._cfg.update.following(step, sync)
         self._known = None if following is None else (weakref.ref(new_state.step), following)

@@ -275,7 +275,7 @@ class ZeRO:
         parameters stay in device memory, stage 3 included.
       shard: ``"even"`` (the default) splits every leaf over the devices and the optimizer
         updates the pieces in the global view; ``"owner"`` gives each leaf one owner device
-        that runs its whole update (:mod:`jddp._src.owner`: for whole-matrix optimizers such as
+        that runs its whole update (docs/sharded.md: for whole-matrix optimizers such as
         ``optax.contrib.muon``, whose orthogonalization then runs once and without collectives).
         The state is stored as with ``"even"``.
     """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Literal, get_args
 
 import jax.numpy as jnp
@@ -59,6 +60,26 @@ def bucket_caps(bucket_cap_mb: Any = None, first_bucket_mb: Any = None,
             f"the first bucket is meant to be small. Lower {first_name} or raise {cap_name}."
         )
     return cap, first
+
+
+def renamed_caps(fn: str, cap_mb: Any, first_mb: Any, old: dict[str, Any]) -> tuple[int, int]:
+    """``(cap, first)`` in bytes from ``jddp.Buckets``' names, taking the round-3 names in
+    ``old`` (``bucket_cap_mb``, ``first_bucket_mb``) with a ``DeprecationWarning`` at the
+    caller of ``fn`` (the same values give the same plan)."""
+    new = {"bucket_cap_mb": "cap_mb", "first_bucket_mb": "first_mb"}
+    given = {"cap_mb": cap_mb, "first_mb": first_mb}
+    for name, value in old.items():
+        if name not in new:
+            raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}.")
+        if value is None:
+            continue
+        if given[new[name]] is not None:
+            raise ValueError(f"{fn}() got {name}= and {new[name]}=: pass {new[name]}= only.")
+        warnings.warn(f"{fn}({name}=...) is deprecated: use {new[name]}=... (the names of "
+                      "jddp.Buckets). The old keyword works for one release (docs/migration.md).",
+                      DeprecationWarning, stacklevel=3)
+        given[new[name]] = value
+    return bucket_caps(given["cap_mb"], given["first_mb"], ("cap_mb", "first_mb"))
 
 
 def chain(mode: Any) -> Chain:

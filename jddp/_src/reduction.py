@@ -1360,12 +1360,13 @@ def value_and_grad(
     fun: Callable[..., Any],
     axis_name: Any = "data",
     *,
-    bucket_cap_mb: float | None = None,
-    first_bucket_mb: float | None = None,
+    cap_mb: float | None = None,
+    first_mb: float | None = None,
     has_aux: bool = False,
     hook: CommHook | None = None,
     plan: BucketPlan | None = None,
     chain: options.Chain = "auto",
+    **renamed: Any,
 ) -> Callable[..., Any]:
     """Drop-in for ``jax.value_and_grad`` inside ``shard_map`` or ``pmap``: bucketed, averaged grads.
 
@@ -1377,20 +1378,22 @@ def value_and_grad(
     Args:
       fun: ``fun(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``); differentiated with
         respect to its first argument.
-      bucket_cap_mb: bucket cap in MiB (DDP's ``bucket_cap_mb``). Not given: DDP's default
-        plan (25 MiB after a 1 MiB first bucket) — not the cost model's plan that
-        :class:`jddp.DataParallel` takes when no cap is given; pass the caps its
+      cap_mb: bucket cap in MiB (DDP's ``bucket_cap_mb``; ``jddp.Buckets(cap_mb=...)``). Not
+        given: DDP's default plan (25 MiB after a 1 MiB first bucket) — not the cost model's
+        plan that :class:`jddp.DataParallel` takes when no cap is given; pass the caps its
         ``cap_choice.pin`` names for the same plan.
-      first_bucket_mb: cap of the first bucket in MiB (default: DDP's rule, see
-        :class:`jddp.DataParallel`).
+      first_mb: cap of the first bucket in MiB (default: DDP's rule, see
+        :class:`jddp.Buckets`).
       hook: a stateless communication hook for each bucket (stateful hooks need
         :class:`jddp.DataParallel`, which carries their state).
       plan: a precomputed bucket plan; by default one is made from ``fun``'s traced use order.
       chain: how buckets are kept apart in XLA: ``"auto"`` (``"barrier"`` on GPU, ``"add"`` on
         CPU and TPU), ``"add"``, ``"barrier"``, or ``"none"`` to let XLA combine them.
+      **renamed: ``bucket_cap_mb``/``first_bucket_mb``, the old names of ``cap_mb``/``first_mb``
+        (deprecated: a ``DeprecationWarning``, the same plan and bits).
     """
     options.chain(chain)
-    cap, first = options.bucket_caps(bucket_cap_mb, first_bucket_mb)
+    cap, first = options.renamed_caps("value_and_grad", cap_mb, first_mb, renamed)
     the_hook = allreduce_mean() if hook is None else check_hook(hook)
 
     @functools.wraps(fun)

@@ -1,4 +1,4 @@
-"""The layout matrix of ``DataParallel(deterministic=True)``, run in a child process.
+"""The layout matrix of ``DataParallel(reduce=jddp.Deterministic())``, run in a child process.
 
 ``python tests/_deterministic_job.py matrix OUT.json``: one process, 8 simulated devices; trains
 the same model on the same global batches under every layout of the matrix and writes each

@@ -1,4 +1,4 @@
-"""bucket_cap_mb="auto": a timed choice among distinct plans, fixed once, not changing training."""
+"""Buckets(cap_mb="auto"): a timed choice among distinct plans, fixed once, not changing training."""
 
 import jax
 import numpy as np

@@ -1,4 +1,4 @@
-"""``DataParallel(deterministic=True)``: the same bits on any layout, and clear refusals.
+"""``DataParallel(reduce=jddp.Deterministic())``: the same bits on any layout, and clear refusals.
 
 The bitwise checks run in child processes, because they need ``XLA_FLAGS=--xla_cpu_max_isa=AVX``
 before JAX starts (see docs/deterministic.md); the refusals run here.

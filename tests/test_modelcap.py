@@ -1,4 +1,4 @@
-"""bucket_cap_mb="model" and the default plan: the cost model picks the plan from the traced
+"""Buckets(cap_mb="model") and the default plan: the cost model picks the plan from the traced
 gradient sizes, no timing."""
 
 import dataclasses
@@ -300,8 +300,8 @@ def test_default_is_the_models_plan_chosen_in_the_steps_one_trace():
 
 
 def test_a_given_cap_keeps_ddps_rule():
-    """bucket_cap_mb=25 packs by DDP's rule exactly (no first bucket, torch's partition), with
-    no policy; first_bucket_mb alone also fixes DDP's default; bucket_plan is used as given."""
+    """Buckets(cap_mb=25) packs by DDP's rule exactly (no first bucket, torch's partition),
+    with no policy; first_mb alone also fixes DDP's default; plan= is used as given."""
     loss, _, params, batch = _bench_mlp()
     opt = optax.sgd(0.1)
     for kw, sizes in (({"cap_mb": 25.0}, [10, 6]), ({"first_mb": 1.0}, [2, 10, 4]),

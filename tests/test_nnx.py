@@ -292,7 +292,7 @@ def test_per_example_dropout_keys_equal_single_device():
 
 
 def test_local_sgd_with_nnx_equals_the_functional_trainer():
-    """jddp.nnx.DataParallel(local_sgd=diloco(2)) on 2 hosts x 4 devices equals
+    """jddp.nnx.DataParallel(sync=diloco(2)) on 2 hosts x 4 devices equals
     jddp.DataParallel with DiLoCo on the split state (itself checked against the algorithm in
     tests/test_local_sgd.py), and merge()/update() give the global (outer) parameters."""
     data = batches(n=4)
@@ -319,7 +319,7 @@ def test_local_sgd_with_nnx_equals_the_functional_trainer():
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_mixed_precision_equals_the_reference_with_the_same_casts(stage):
-    """``mixed_precision=MixedPrecision(bf16, float32)`` through the NNX front end: the model is
+    """``precision=MixedPrecision(bf16, float32)`` through the NNX front end: the model is
     merged from bfloat16 ``Param`` copies (the loss traced once, in bfloat16), master parameters
     and optimizer state stay float32, and 3 Adam steps equal the single-device reference doing
     the same casts (tests/_reference.py with ``param_dtype`` and ``shards=8``, on

@@ -1,4 +1,4 @@
-"""Mixed precision (``mixed_precision=jddp.precision.MixedPrecision(...)``): float32 master
+"""Mixed precision (``precision=jddp.precision.MixedPrecision(...)``): float32 master
 parameters, bfloat16 compute, float32 reduction, at every ZeRO stage; stage 3 gathers bfloat16.
 
 Tolerances: against the single-device reference doing the same casts (tests/_reference.py with

@@ -1,4 +1,4 @@
-"""Per-example randomness: DataParallel(rng=True), step(..., rng=key), jddp.random.
+"""Per-example randomness: DataParallel(loss=jddp.Loss(rng=True)), step(..., rng=key), jddp.random.
 
 The keys a device's loss receives are a function of the run's key, the step and each example's
 position in the global batch, so masks differ across devices and examples, repeat across runs,

@@ -1,4 +1,4 @@
-"""Sharded data parallelism (zero_stage=1|2|3): the same training as stage 0 for any optax
+"""Sharded data parallelism (place=jddp.ZeRO(stage=1|2|3)): the same training as stage 0 for any optax
 transformation, the collectives of each stage in the compiled step, and the memory they save.
 
 Tolerances (float32, 5 steps): parameters within 1e-5 relative (plus 1e-7 absolute) of stage 0

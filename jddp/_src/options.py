@@ -231,22 +231,3 @@ def metric_names(value: Any, name: str) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"{name} names a metric twice: {names}.")
     return names
-
-
-def deterministic(value: Any, group_size: Any) -> tuple[bool, int]:
-    """``(deterministic, group_size)``: a bool, and a positive int group size that only
-    ``deterministic=True`` reads (default :data:`DEFAULT_GROUP_SIZE`)."""
-    on = flag(value, "deterministic", " deterministic=True gives the same bits on any device "
-                                      "count; group_size=... sets its group size.")
-    if group_size is None:
-        return on, DEFAULT_GROUP_SIZE
-    if not on:
-        raise ValueError(
-            f"group_size={group_size!r} sets the group size of the deterministic step, but "
-            "deterministic=False: pass deterministic=True with it, or drop group_size."
-        )
-    if isinstance(group_size, bool) or not isinstance(group_size, int | np.integer) \
-            or group_size < 1:
-        raise ValueError(f"group_size must be a positive int (examples per group), got "
-                         f"{group_size!r}.")
-    return on, int(group_size)

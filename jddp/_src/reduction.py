@@ -61,7 +61,6 @@ from jddp._src.hooks import (
     padded_flat,
     unflatten_like,
 )
-from jddp._src.introspect import hlo
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.planner import BucketPlan, plan_traced
 from jddp._src.tree import nbytes, ring_bytes
@@ -719,10 +718,13 @@ def _dep_cotangent(dep: Any, token_dep: Any, chain: str, axis_name: Any) -> Any:
 def _in_bucket_scope(fn: Callable[..., Any], bucket: int) -> Callable[..., Any]:
     """``fn`` under ``jax.named_scope`` of the bucket: its collectives carry the bucket's name in
     the compiled program's ``op_name`` (``ddp.report``, the program check, profiler traces)."""
+    from jddp._src.introspect import hlo  # the name's one definition; loaded at trace time
+
+    name = hlo.bucket_scope(bucket)
 
     @functools.wraps(fn)
     def scoped(*args: Any) -> Any:
-        with jax.named_scope(hlo.bucket_scope(bucket)):
+        with jax.named_scope(name):
             return fn(*args)
 
     return scoped

@@ -119,3 +119,8 @@ def test_abstract_state_takes_inits_keyword():
     assert old == new
     with pytest.raises(TypeError, match="missing the parameters"):
         ddp.abstract_state(model_state=ms)
+
+
+def test_local_sgd_given_the_function_says_to_call_it():
+    with pytest.raises(TypeError, match=r"call it: jddp\.local_sgd\.diloco\(period=\.\.\.\)"):
+        _old(local_sgd=jddp.local_sgd.diloco)

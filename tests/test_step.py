@@ -36,7 +36,8 @@ VARIANTS = {
     "plain": ({}, {}, False),
     "model state": ({}, {}, True),
     "weighted": ({"loss": jddp.Loss(weighted=True)}, {}, False),
-    "powersgd": ({"reduce": jddp.Buckets(hook=jddp.powersgd(rank=1, start_iter=0))}, {}, False),
+    "powersgd": ({"reduce": jddp.Buckets(hook=jddp.powersgd(rank=1, start_iter=0), **CAPS)}, {},
+                 False),
     "accumulate sync=False": ({"accumulate": jddp.Accumulate(steps=2)}, {"sync": False}, False),
     "accumulate sync=True": ({"accumulate": jddp.Accumulate(steps=2)}, {"sync": True}, False),
     "accumulate sync=None": ({"accumulate": jddp.Accumulate(steps=2)}, {"sync": None}, False),
@@ -44,7 +45,8 @@ VARIANTS = {
     "accumulate+microbatches sync=None": ({"accumulate": jddp.Accumulate(steps=2, microbatches=2)},
                                           {}, True),
     "two-level mesh, hierarchical": ({"mesh": jddp.data_mesh(hosts=2),
-                                      "reduce": jddp.Buckets(hook=jddp.hooks.hierarchical())}, {}, True),
+                                      "reduce": jddp.Buckets(hook=jddp.hooks.hierarchical(), **CAPS)},
+                                     {}, True),
     "diloco local step": ({"sync": jddp.local_sgd.diloco(100)}, {}, True),
     "diloco on two hosts": ({"sync": jddp.local_sgd.diloco(1), "mesh": jddp.data_mesh(hosts=2)},
                             {}, True),
@@ -61,7 +63,7 @@ def test_loss_is_traced_once_per_compiled_program(name):
         def base(p, b):  # noqa: F811 - per-example losses
             return jnp.mean((jnp.tanh(b["x"] @ p["Dense_0"]["kernel"]) - 0.0) ** 2, axis=-1)
     loss, calls = _counting(base)
-    ddp = jddp.DataParallel(loss, optax.adam(1e-3), **options, reduce=jddp.Buckets(**CAPS))
+    ddp = jddp.DataParallel(loss, optax.adam(1e-3), **{"reduce": jddp.Buckets(**CAPS), **options})
     params = mlp_params(0, SIZES)
     state = ddp.init(params, {"n": jnp.zeros(())}) if stateful else ddp.init(params)
     batch = regression_batch(0, 32, SIZES[0], SIZES[-1])

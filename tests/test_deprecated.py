@@ -124,3 +124,12 @@ def test_abstract_state_takes_inits_keyword():
 def test_local_sgd_given_the_function_says_to_call_it():
     with pytest.raises(TypeError, match=r"call it: jddp\.local_sgd\.diloco\(period=\.\.\.\)"):
         _old(local_sgd=jddp.local_sgd.diloco)
+
+
+@pytest.mark.parametrize("name", ["has_aux", "weighted", "keep_unused", "skip_not_finite",
+                                  "hybrid_shard", "rng"])
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_every_round3_flag_takes_only_a_bool(name, value):
+    """Checked under its own name before it moves into its policy."""
+    with pytest.raises(TypeError, match=rf"{name} must be True or False"):
+        _old(**{name: value})

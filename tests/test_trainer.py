@@ -190,14 +190,24 @@ def test_plan_before_the_first_step_matches_the_traced_plan():
     assert planned.num_buckets > 1
 
 
-@pytest.mark.parametrize("name", ["has_aux", "weighted", "keep_unused", "skip_not_finite",
-                                  "donate", "hybrid_shard", "rng"])
+FLAGS = {  # each boolean option, as the policy keyword that holds it
+    "has_aux": lambda v: {"loss": jddp.Loss(has_aux=v)},
+    "weighted": lambda v: {"loss": jddp.Loss(weighted=v)},
+    "keep_unused": lambda v: {"reduce": jddp.Buckets(keep_unused=v)},
+    "donate": lambda v: {"donate": v},
+    "hybrid": lambda v: {"place": jddp.ZeRO(stage=2, hybrid=v)},
+    "offload": lambda v: {"place": jddp.ZeRO(stage=2, offload=v)},
+    "rng": lambda v: {"loss": jddp.Loss(rng=v)},
+}
+
+
+@pytest.mark.parametrize("name", list(FLAGS))
 @pytest.mark.parametrize("value", ["no", 0, None, np.array([True])])
 def test_every_boolean_option_takes_only_a_bool(name, value):
     """bool("no") is True: a truthiness test would turn weighted="no" on. Every flag is refused
     with a TypeError naming it, before anything is traced."""
     with pytest.raises(TypeError, match=rf"{name} must be True or False"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), **{name: value})
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), **FLAGS[name](value))
     for bad in ("error_feedback", "warm_start"):
         with pytest.raises(TypeError, match=rf"{bad} must be True or False"):
             jddp.powersgd(**{bad: value})

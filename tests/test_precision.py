@@ -137,10 +137,10 @@ def test_composes_with_accumulation(stage, opts):
     ref = _reference.train(mlp_loss, optax.adam(1e-2), params,
                            [batches[0:2], batches[2:4]], param_dtype=jnp.bfloat16, shards=N)
     ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), reduce=jddp.Buckets(**SMALL_CAPS),
-                            place=jddp.ZeRO(stage=stage, **opts) if stage else jddp.Replicate(),
-                            precision=BF16)
+                            place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+                            precision=BF16, **opts)
     state = ddp.init(params)
-    if "microbatches" in opts:
+    if opts["accumulate"].microbatches > 1:
         calls = [_device_interleaved(batches[0], batches[1]),
                  _device_interleaved(batches[2], batches[3])]
     else:

@@ -59,9 +59,10 @@ def main():
                    for x in jax.tree.leaves(tree))
 
     def row(mesh, stage, k, shard):
-        ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-4), mesh=mesh, zero_stage=stage,
-                                bucket_cap_mb=args.cap, accumulate_steps=k,
-                                shard_accumulator=shard if k > 1 else None)
+        ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-4), mesh=mesh,
+                                reduce=jddp.Buckets(cap_mb=args.cap),
+                                accumulate=jddp.Accumulate(steps=k, shard=shard if k > 1 else None),
+                                place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
         state = ddp.abstract_state(like)
         accum = None if state.accum is None else state.accum.grads
         calls = [True] if k == 1 else [False, True]

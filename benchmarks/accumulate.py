@@ -129,7 +129,7 @@ def main():
         variants[name] = run
 
     def make_fused(name):
-        ddp = jddp.DataParallel(loss_fn, opt, mesh=mesh, microbatches=k)
+        ddp = jddp.DataParallel(loss_fn, opt, mesh=mesh, accumulate=jddp.Accumulate(microbatches=k))
         state = [ddp.init(params)]
         hlo[name] = [(ddp.step.lower(state[0], big).compile().as_text(), 1)]
 
@@ -141,7 +141,7 @@ def main():
         variants[name] = run
 
     def make_accum(name, explicit):
-        ddp = jddp.DataParallel(loss_fn, opt, mesh=mesh, accumulate_steps=k)
+        ddp = jddp.DataParallel(loss_fn, opt, mesh=mesh, accumulate=jddp.Accumulate(steps=k))
         state = [ddp.init(params)]
         if explicit:
             hlo[name] = [

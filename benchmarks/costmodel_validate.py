@@ -123,8 +123,9 @@ def run(repeats: int) -> dict:
         params = mlp_params(widths)
         batch = (jnp.ones((global_batch, widths[0]), jnp.float32),
                  jnp.ones((global_batch, widths[-1]), jnp.float32))
-        ddps = {cap: jddp.DataParallel(mlp_loss, optimizer, mesh=mesh, bucket_cap_mb=cap,
-                                       first_bucket_mb=min(1.0, cap), donate=False)
+        ddps = {cap: jddp.DataParallel(mlp_loss, optimizer, mesh=mesh,
+                                       reduce=jddp.Buckets(cap_mb=cap, first_mb=min(1.0, cap)),
+                                       donate=False)
                 for cap in CAPS_MB}
         state = ddps[CAPS_MB[0]].init(params)
         profile = calibrate.profile_step(ddps[CAPS_MB[0]], state, batch, repeats=repeats)

@@ -65,9 +65,9 @@ def run_variants(args, names):
     }, mesh)
     kwargs = {
         "default": {},
-        "deterministic g=8": {"deterministic": True, "group_size": 8},
+        "deterministic g=8": {"reduce": jddp.Deterministic(group_size=8)},
         f"deterministic g={args.batch // mesh.size}": {
-            "deterministic": True, "group_size": args.batch // mesh.size},
+            "reduce": jddp.Deterministic(group_size=args.batch // mesh.size)},
     }
     variants, info = {}, {}
     for name in names:

@@ -46,7 +46,7 @@ def main() -> None:
     for force in (False, True):
         collectives.FORCE_ALL_TO_ALL = force
         ddp = jddp.DataParallel(loss_fn, optax.sgd(0.01), mesh=mesh,
-                                hook=jddp.hooks.hierarchical(), bucket_cap_mb=1.0)
+                                reduce=jddp.Buckets(hook=jddp.hooks.hierarchical(), cap_mb=1.0))
         state = ddp.init(params)
         for _ in range(3):
             state, _ = ddp.step(state, batch)

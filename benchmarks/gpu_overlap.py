@@ -375,7 +375,7 @@ def run_task(task: tuple[str, str, float | None, dict[str, Any]]) -> dict[str, A
     loss_fn, params, batch = _model(model, opts)
     t0 = time.perf_counter()
     if variant == "jddp":
-        ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh, bucket_cap_mb=cap)
+        ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh, reduce=jddp.Buckets(cap_mb=cap))
         rec = xla_flags.recommended("gpu", cap)
         lowered = ddp.lower(params, batch)
         planned = ddp.bucket_plan.num_buckets

@@ -100,8 +100,8 @@ def _worker(args: argparse.Namespace) -> None:
     for name in args.variants:
         mesh, hook = setups[name]
         data = jddp.global_batch_from_local(host, mesh)
-        ddp = jddp.DataParallel(mlp_loss, optax.sgd(1e-3), mesh=mesh, hook=hook,
-                                bucket_cap_mb=args.bucket_cap_mb)
+        ddp = jddp.DataParallel(mlp_loss, optax.sgd(1e-3), mesh=mesh,
+                                reduce=jddp.Buckets(hook=hook, cap_mb=args.bucket_cap_mb))
         state = ddp.init(params)
         text = ddp.step.lower(state, data).compile().as_text()
         model = traffic(text, jddp.mesh.host_of_device(mesh2))

@@ -83,7 +83,8 @@ def _measure(width: int, depth: int, batch: int, steps: int, rounds: int, hooks:
 
     runs = {}
     for name in hooks:
-        ddp = jddp.DataParallel(loss_fn, optax.sgd(1e-3), mesh=mesh, hook=_make_hook(name))
+        ddp = jddp.DataParallel(loss_fn, optax.sgd(1e-3), mesh=mesh,
+                                reduce=jddp.Buckets(hook=_make_hook(name)))
         state = ddp.init(params)
         for _ in range(2):  # compile + warm-up
             state, m = ddp.step(state, data)

@@ -53,9 +53,10 @@ def main() -> None:
     print("reshard_after_forward | peak MiB | temporaries MiB | comm_bytes | comm_bytes_hosts | "
           "program's bytes across / host")
     for reshard in (False, True, 4, 2):
-        ddp = jddp.DataParallel(loss, optax.adam(1e-3), mesh=mesh, zero_stage=3, donate=False,
-                                reshard_after_forward=reshard, bucket_cap_mb=mb,
-                                first_bucket_mb=mb)
+        ddp = jddp.DataParallel(loss, optax.adam(1e-3), mesh=mesh,
+                                reduce=jddp.Buckets(cap_mb=mb, first_mb=mb),
+                                place=jddp.ZeRO(stage=3, reshard_after_forward=reshard),
+                                donate=False)
         state = ddp.init(params)
         compiled = ddp.step.lower(state, batch).compile()
         _, m = compiled(state, batch, None, None)

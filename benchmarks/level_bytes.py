@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     variants = {
         "flat": (dict(), None),
         "hierarchical": (dict(hook=jddp.hooks.hierarchical()), None),
-        "local SGD H=16, local step": (dict(local_sgd=jddp.local_sgd.post_local_sgd(16)), 1),
-        "local SGD H=16, averaging step": (dict(local_sgd=jddp.local_sgd.post_local_sgd(16)), 0),
+        "local SGD H=16, local step": (dict(sync=jddp.local_sgd.post_local_sgd(16)), 1),
+        "local SGD H=16, averaging step": (dict(sync=jddp.local_sgd.post_local_sgd(16)), 0),
     }
     mib = 2**20
     out = []
@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     for target, make in targets.items():
         mesh = make()
         for name, (kw, step) in variants.items():
-            ddp = jddp.DataParallel(layer_list_loss, optax.sgd(0.1), mesh=mesh, bucket_cap_mb=2.0,
-                                    first_bucket_mb=1.0, **kw)
+            ddp = jddp.DataParallel(layer_list_loss, optax.sgd(0.1), mesh=mesh,
+                                    reduce=jddp.Buckets(cap_mb=2.0, first_mb=1.0,
+                                                        hook=kw.get("hook")),
+                                    sync=kw.get("sync"))
             batch = {k: jax.ShapeDtypeStruct((8 * mesh.size, 512), jnp.float32)
                      for k in ("x", "y")}
             text = ddp.lower(layer_list_like(8, 512), batch, step=step).compile().as_text()

@@ -156,9 +156,8 @@ def build_variants(bm, mesh, opt, sweep, auto=True):
             return f_axis(p, None, b)[0]
 
     def make_jddp(cap, first=None):
-        kw = {} if cap is None else {"bucket_cap_mb": cap}
-        kw.update({} if first is None else {"first_bucket_mb": first})
-        ddp = jddp.DataParallel(loss_fn, opt, mesh=mesh, **kw)
+        ddp = jddp.DataParallel(loss_fn, opt, mesh=mesh,
+                                reduce=jddp.Buckets(cap_mb=cap, first_mb=first))
         holder = [ddp.init(bm.params, bm.model_state)]
 
         def run():

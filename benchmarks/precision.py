@@ -28,14 +28,15 @@ from jddp.perf.traffic import sent_per_device  # noqa: E402
 from tests._models import mlp_loss, mlp_params, regression_batch  # noqa: E402
 from tests.test_precision import BF16, digits_losses  # noqa: E402
 
-CAPS = dict(bucket_cap_mb=0.1, first_bucket_mb=0.05)
+CAPS = dict(cap_mb=0.1, first_mb=0.05)
 
 
 def program_bytes(stage, policy, params, batch):
     """``{(kind, dtype): bytes of the operands}``, bytes one device sends, and ``comm_bytes``."""
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
-    gpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, mixed_precision=policy,
-                            mesh=topologies.gpu_mesh(8), **CAPS)
+    gpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), reduce=jddp.Buckets(**CAPS),
+                            place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+                            precision=policy, mesh=topologies.gpu_mesh(8))
     found = schedule.collectives(gpu.lower(*like).compile().as_text())
     per = collections.Counter()
     for c in found:
@@ -43,8 +44,9 @@ def program_bytes(stage, policy, params, batch):
             per[(c.kind, a.dtype)] += a.nbytes
     sent = sum(sent_per_device(c.kind, c.nbytes, len(c.groups[0]) if c.groups else 8)
                for c in found)
-    cpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, mixed_precision=policy,
-                            **CAPS)
+    cpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), reduce=jddp.Buckets(**CAPS),
+                            place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+                            precision=policy)
     collectives.WIRE_PLATFORM = "gpu"  # count what the GPU program sends (CPU widens bf16)
     try:
         _, m = cpu.step(cpu.init(params), batch)

@@ -99,8 +99,8 @@ def main():
         batch_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host_batch)
         largest = 0
         for stage in range(4):
-            ddp = jddp.DataParallel(mlp_loss, opt, mesh=mesh, zero_stage=stage,
-                                    bucket_cap_mb=args.cap)
+            ddp = jddp.DataParallel(mlp_loss, opt, mesh=mesh, reduce=jddp.Buckets(cap_mb=args.cap),
+                                    place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
             compiled = ddp.lower(like, batch_like).compile()
             largest = max(b.nbytes for b in ddp.bucket_plan.buckets) / MiB
             rows[f"stage {stage}"] = {"at_rest_mib": at_rest(ddp.abstract_state(like)),
@@ -159,8 +159,8 @@ def main():
     batch = jddp.shard_batch(host_batch, mesh)
     variants, states = {}, {}
     for stage in range(4):
-        ddp = jddp.DataParallel(mlp_loss, opt, mesh=mesh, zero_stage=stage,
-                                bucket_cap_mb=args.cap)
+        ddp = jddp.DataParallel(mlp_loss, opt, mesh=mesh, reduce=jddp.Buckets(cap_mb=args.cap),
+                                place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
         states[stage] = ddp.init(host_params)
 
         def run(ddp=ddp, stage=stage):

@@ -86,8 +86,8 @@ def main():
         return run
 
     def make_jddp(cap, first):
-        ddp = jddp.DataParallel(loss_fn, opt, mesh=mesh, bucket_cap_mb=cap,
-                                first_bucket_mb=min(first, cap))
+        ddp = jddp.DataParallel(loss_fn, opt, mesh=mesh,
+                                reduce=jddp.Buckets(cap_mb=cap, first_mb=min(first, cap)))
         state = [ddp.init(params)]
 
         def run():

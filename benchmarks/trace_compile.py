@@ -63,13 +63,18 @@ def main():
     variants = {
         "plain": (dict(), loss_fn, None, {}),
         "model_state": (dict(), stateful_loss, ms, {}),
-        "powersgd": (dict(hook=jddp.powersgd(rank=1, start_iter=0)), loss_fn, None, {}),
-        "accumulate sync=False": (dict(accumulate_steps=2), loss_fn, None, {"sync": False}),
-        "accumulate sync=True": (dict(accumulate_steps=2), loss_fn, None, {"sync": True}),
-        "accumulate sync=None": (dict(accumulate_steps=2), loss_fn, None, {"sync": None}),
-        "microbatches=2": (dict(microbatches=2), loss_fn, None, {}),
+        "powersgd": (dict(reduce=jddp.Buckets(hook=jddp.powersgd(rank=1, start_iter=0))), loss_fn,
+                     None, {}),
+        "accumulate sync=False": (dict(accumulate=jddp.Accumulate(steps=2)), loss_fn, None,
+                                  {"sync": False}),
+        "accumulate sync=True": (dict(accumulate=jddp.Accumulate(steps=2)), loss_fn, None,
+                                 {"sync": True}),
+        "accumulate sync=None": (dict(accumulate=jddp.Accumulate(steps=2)), loss_fn, None,
+                                 {"sync": None}),
+        "microbatches=2": (dict(accumulate=jddp.Accumulate(microbatches=2)), loss_fn, None, {}),
         "accumulate=2 microbatches=2 sync=None": (
-            dict(accumulate_steps=2, microbatches=2), loss_fn, None, {"sync": None}
+            dict(accumulate=jddp.Accumulate(steps=2, microbatches=2)), loss_fn, None,
+            {"sync": None}
         ),
     }
     rows = []

@@ -49,10 +49,10 @@ import jddp  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
-STAGES = [("stage 0", dict(zero_stage=0)), ("stage 1", dict(zero_stage=1)),
-          ("stage 2", dict(zero_stage=2)),
-          ("stage 3, keep", dict(zero_stage=3, reshard_after_forward=False)),
-          ("stage 3, reshard", dict(zero_stage=3, reshard_after_forward=True)),
+STAGES = [("stage 0", dict(place=jddp.Replicate())), ("stage 1", dict(place=jddp.ZeRO(stage=1))),
+          ("stage 2", dict(place=jddp.ZeRO(stage=2))),
+          ("stage 3, keep", dict(place=jddp.ZeRO(stage=3, reshard_after_forward=False))),
+          ("stage 3, reshard", dict(place=jddp.ZeRO(stage=3, reshard_after_forward=True))),
           # Adam's moments in host memory between steps (issue #39): device memory only
           ("stage 3, reshard, offload", dict(place=jddp.ZeRO(stage=3, offload=True)))]
 PRECISIONS = [("float32", None), ("bf16 params", "bf16")]
@@ -127,13 +127,10 @@ def peak_bytes(model, width: int, kw: dict, precision, mesh) -> int:
     """The compiled step's peak per device (bytes), from abstract inputs."""
     params, loss_fn, batch = model(width)
     mp = None if precision is None else jddp.precision.MixedPrecision(param_dtype=jnp.bfloat16)
-    if "place" in kw:  # the policies' spelling (the two spellings do not mix)
-        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=mesh, precision=mp, **kw)
-    else:
-        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=mesh, mixed_precision=mp, **kw)
+    ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=mesh, precision=mp, **kw)
     state = ddp.abstract_state(params)
     lowered = ddp.step.lower(state, batch)
-    if kw.get("place") is not None and kw["place"].offload and mesh.devices.flat[0].platform != "cpu":
+    if isinstance(kw["place"], jddp.ZeRO) and kw["place"].offload and mesh.devices.flat[0].platform != "cpu":
         # Compile-only devices drop the memory kind: mark the optimizer state as host memory
         # (as JAX does on a real GPU); memory_analysis then counts it as host bytes.
         from jddp.perf import topologies

@@ -29,9 +29,9 @@ import optax  # noqa: E402
 import jddp  # noqa: E402
 
 MIB = 2**20
-VARIANTS = [("stage 0", dict(zero_stage=0)), ("stage 2", dict(zero_stage=2)),
-            ("stage 3, keep", dict(zero_stage=3, reshard_after_forward=False)),
-            ("stage 3, reshard", dict(zero_stage=3, reshard_after_forward=True))]
+VARIANTS = [("stage 0", dict(place=jddp.Replicate())), ("stage 2", dict(place=jddp.ZeRO(stage=2))),
+            ("stage 3, keep", dict(place=jddp.ZeRO(stage=3, reshard_after_forward=False))),
+            ("stage 3, reshard", dict(place=jddp.ZeRO(stage=3, reshard_after_forward=True)))]
 
 
 def deep_mlp(layers: int = 12, width: int = 384, batch: int = 64):
@@ -50,7 +50,7 @@ def deep_mlp(layers: int = 12, width: int = 384, batch: int = 64):
     data = {"x": jnp.asarray(rng.standard_normal((batch, width)), jnp.float32),
             "y": jnp.asarray(rng.standard_normal((batch, width)), jnp.float32)}
     mb = width * (width + 1) * 4 / MIB
-    return params, loss_fn, data, dict(bucket_cap_mb=mb, first_bucket_mb=mb)
+    return params, loss_fn, data, dict(cap_mb=mb, first_mb=mb)
 
 
 def bench_mlp(batch: int = 128):
@@ -70,7 +70,8 @@ def measure(params, loss_fn, data, caps, mesh=None) -> dict:
     pbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     like = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)  # noqa: E731
     for name, kw in VARIANTS:
-        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=mesh, **caps, **kw)
+        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=mesh, reduce=jddp.Buckets(**caps),
+                                **kw)
         if mesh is None:
             m = ddp.step.lower(ddp.init(params), data).compile().memory_analysis()
         else:
@@ -88,7 +89,7 @@ def step_times(params, loss_fn, data, caps, rounds: int) -> dict:
 
     runs = {}
     for name, kw in VARIANTS[2:]:
-        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), **caps, **kw)
+        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), reduce=jddp.Buckets(**caps), **kw)
         state = ddp.init(params)
         state, _ = ddp.step(state, data)  # compile
         runs[name] = [ddp, state, []]

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.steps // 10, args.steps)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
 
-    ddp = jddp.nnx.DataParallel(model, optimizer, loss_fn=loss_fn, has_aux=True)
+    ddp = jddp.nnx.DataParallel(model, optimizer, loss_fn=loss_fn, loss=jddp.Loss(has_aux=True))
     state = ddp.init()
     print(f"{ddp.num_devices} devices, global batch {args.batch_size}")
     metrics: dict[str, jax.Array] = {}

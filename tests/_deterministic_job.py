@@ -1,4 +1,4 @@
-"""The layout matrix of ``DataParallel(deterministic=True)``, run in a child process.
+"""The layout matrix of ``DataParallel(reduce=jddp.Deterministic())``, run in a child process.
 
 ``python tests/_deterministic_job.py matrix OUT.json``: one process, 8 simulated devices; trains
 the same model on the same global batches under every layout of the matrix and writes each
@@ -69,9 +69,10 @@ def train(mesh, *, deterministic=True, microbatches=1, accumulate_steps=1, shard
     the first step is checkpointed, restored on that mesh and trained on there."""
     def make(mesh):
         return jddp.DataParallel(
-            loss_fn, optax.adam(1e-2), mesh=mesh, has_aux=True, weighted=True, rng=True,
-            model_state_sync="mean", deterministic=deterministic, microbatches=microbatches,
-            accumulate_steps=accumulate_steps,
+            loss_fn, optax.adam(1e-2), mesh=mesh,
+            loss=jddp.Loss(has_aux=True, weighted=True, rng=True, model_state_sync="mean"),
+            reduce=jddp.Deterministic() if deterministic else jddp.Buckets(),
+            accumulate=jddp.Accumulate(steps=accumulate_steps, microbatches=microbatches),
         )
 
     ddp = make(mesh)

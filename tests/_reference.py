@@ -9,8 +9,8 @@ mirror what a ``DataParallel`` step means:
 - ``weighted``: ``loss_fn`` returns per-example losses and the objective is their mean weighted
   by ``masks`` (``sum(m l) / sum(m)``; all ones without a mask);
 - ``pooled``: with ``weighted``, a window's calls pool their real examples (the window's
-  ``sum(m l) / sum(m)`` over all its calls, what ``DataParallel(weighted=True,
-  accumulate_steps=k)`` means), so calls of different sizes or mask sums (an epoch's short last
+  ``sum(m l) / sum(m)`` over all its calls, what ``DataParallel(loss=Loss(weighted=True),
+  accumulate=Accumulate(steps=k))`` means), so calls of different sizes or mask sums (an epoch's short last
   window) weigh by their real rows, not as equal means;
 - ``rng_key``: ``loss_fn(params, batch, keys)`` with the keys of ``example_keys``;
 - ``model_state``: ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``, the state

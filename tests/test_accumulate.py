@@ -21,7 +21,7 @@ from tests._models import max_abs_diff, mlp_loss, mlp_params, regression_batch
 
 SIZES = [6, 16, 16, 3]
 # Tiny caps so that the MLP has several buckets (each bucket is one all-reduce).
-CAPS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)
+CAPS = dict(cap_mb=0.002, first_mb=0.001)
 OPTIMIZERS = [("sgd", optax.sgd(0.1), 1e-5), ("adam", optax.adam(1e-2), 5e-5)]
 MICRO = 16  # global examples per micro-batch: 2 per device on 8 devices
 STEPS = 3
@@ -68,7 +68,8 @@ def test_accumulate_steps_equal_large_batch(k, name, optimizer, tol):
     wins = windows(k)
     ref_params, ref_losses = reference(params, [concat(w) for w in wins], optimizer)
 
-    ddp = jddp.DataParallel(mlp_loss, optimizer, accumulate_steps=k, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optimizer, reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(steps=k))
     state = ddp.init(params)
     losses = []
     for w in wins:
@@ -90,7 +91,8 @@ def test_microbatches_equal_large_batch(m, name, optimizer, tol):
     bigs = [concat(w) for w in windows(m, seed=1)]
     ref_params, ref_losses = reference(params, bigs, optimizer)
 
-    ddp = jddp.DataParallel(mlp_loss, optimizer, microbatches=m, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optimizer, reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(microbatches=m))
     state = ddp.init(params)
     assert state.accum is None
     losses = []
@@ -108,7 +110,8 @@ def test_accumulate_and_microbatches_compose():
     params = mlp_params(2, SIZES)
     wins = windows(4, seed=2)
     ref_params, ref_losses = reference(params, [concat(w) for w in wins], optimizer)
-    ddp = jddp.DataParallel(mlp_loss, optimizer, accumulate_steps=2, microbatches=2, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optimizer, reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(steps=2, microbatches=2))
     state = ddp.init(params)
     losses = []
     for w in wins:
@@ -131,7 +134,8 @@ def test_explicit_sync_two_variants_no_retrace():
     params = mlp_params(3, SIZES)
     wins = windows(k, seed=3)
     ref_params, _ = reference(params, [concat(w) for w in wins], optimizer)
-    ddp = jddp.DataParallel(counting_loss, optimizer, accumulate_steps=k, **CAPS)
+    ddp = jddp.DataParallel(counting_loss, optimizer, reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(steps=k))
     state = ddp.init(params)
     for s, w in enumerate(wins):
         for i, mb in enumerate(w):
@@ -150,7 +154,8 @@ def test_early_sync_is_mean_of_window():
     params = mlp_params(4, SIZES)
     a, b, c = (regression_batch(40 + i, MICRO, SIZES[0], SIZES[-1]) for i in range(3))
     ref_params, ref_losses = reference(params, [concat([a, b]), c], optimizer)
-    ddp = jddp.DataParallel(mlp_loss, optimizer, accumulate_steps=4, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optimizer, reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(steps=4))
     state = ddp.init(params)
     state, _ = ddp.step(state, a, sync=False)
     state, m1 = ddp.step(state, b, sync=True)
@@ -162,7 +167,8 @@ def test_early_sync_is_mean_of_window():
 
 def test_metrics_without_collectives():
     params = mlp_params(5, SIZES)
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2, donate=False, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(steps=2), donate=False)
     state = ddp.init(params)
     mb0, mb1 = (regression_batch(50 + i, MICRO, SIZES[0], SIZES[-1]) for i in range(2))
     state, m0 = ddp.step(state, mb0)
@@ -203,7 +209,8 @@ def _lower_text(ddp, state, batch, sync=None):
 def test_all_reduce_counts_from_hlo():
     params = mlp_params(6, SIZES)
     batch = regression_batch(60, 4 * MICRO, SIZES[0], SIZES[-1])
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=4, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(steps=4))
     state = ddp.init(params)
     no_sync = _lower_text(ddp, state, batch, sync=False)
     sync = _lower_text(ddp, state, batch, sync=True)
@@ -219,7 +226,8 @@ def test_all_reduce_counts_from_hlo():
     assert count_all_reduces(auto) == buckets
     assert any(i.opcode == "conditional" for i in schedule.read_module(auto).instructions)
 
-    fused = jddp.DataParallel(mlp_loss, optax.sgd(0.1), microbatches=4, **CAPS)
+    fused = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                              accumulate=jddp.Accumulate(microbatches=4))
     text = _lower_text(fused, fused.init(params), batch)
     assert " while(" in text  # the scan over the first m - 1 micro-batches
     assert count_all_reduces(text) == fused.bucket_plan.num_buckets
@@ -248,7 +256,8 @@ def test_native_scan_puts_all_reduce_in_loop():
 
 def test_state_round_trips_with_donation():
     params = mlp_params(8, SIZES)
-    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), accumulate_steps=2, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(steps=2))
     state = ddp.init(params)
     assert state.accum.count.sharding.is_fully_replicated
     for leaf in jax.tree.leaves(state.accum.grads):
@@ -269,7 +278,8 @@ def test_state_round_trips_with_donation():
 def test_accumulator_dtype():
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), mlp_params(9, SIZES))
     mb = regression_batch(90, MICRO, SIZES[0], SIZES[-1])
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(steps=2))
     state = ddp.init(params)
     assert {x.dtype for x in jax.tree.leaves(state.accum.grads)} == {jnp.dtype(jnp.float32)}
     state, _ = ddp.step(state, mb)
@@ -277,8 +287,8 @@ def test_accumulator_dtype():
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
     assert np.isfinite(float(metrics["loss"]))
 
-    low = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2,
-                            accumulator_dtype=jnp.bfloat16, **CAPS)
+    low = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(steps=2, dtype=jnp.bfloat16))
     st = low.init(mlp_params(9, SIZES))
     assert {x.dtype for x in jax.tree.leaves(st.accum.grads)} == {jnp.dtype(jnp.bfloat16)}
     assert accumulator_dtype(jnp.float64) == np.float64
@@ -286,14 +296,15 @@ def test_accumulator_dtype():
 
 
 def test_bad_options():
-    for kw in [dict(accumulate_steps=0), dict(microbatches=0), dict(accumulate_steps=-2)]:
+    for kw in [dict(steps=0), dict(microbatches=0), dict(steps=-2)]:
         with pytest.raises(ValueError, match=">= 1"):
-            jddp.DataParallel(mlp_loss, optax.sgd(0.1), **kw)
-    for kw in [dict(accumulate_steps=2.0), dict(microbatches=True)]:
+            jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate=jddp.Accumulate(**kw))
+    for kw in [dict(steps=2.0), dict(microbatches=True)]:
         with pytest.raises(TypeError, match="positive int"):
-            jddp.DataParallel(mlp_loss, optax.sgd(0.1), **kw)
+            jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate=jddp.Accumulate(**kw))
     with pytest.raises(TypeError, match="floating dtype"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2, accumulator_dtype=jnp.int32)
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1),
+                          accumulate=jddp.Accumulate(steps=2, dtype=jnp.int32))
 
 
 def test_bad_calls():
@@ -304,7 +315,7 @@ def test_bad_calls():
     with pytest.raises(ValueError, match="needs an accumulator"):
         plain.step(plain_state, mb, sync=False)
 
-    acc = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2)
+    acc = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate=jddp.Accumulate(steps=2))
     with pytest.raises(ValueError, match="state.accum is NoneType"):
         acc.step(plain_state, mb)
     with pytest.raises(ValueError, match=r"does not accumulate \(Accumulate\.steps=1\)"):
@@ -312,7 +323,7 @@ def test_bad_calls():
     with pytest.raises(TypeError, match="static Python bool"):
         acc.step(acc.init(params), mb, sync=1)
 
-    fused = jddp.DataParallel(mlp_loss, optax.sgd(0.1), microbatches=4)
+    fused = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate=jddp.Accumulate(microbatches=4))
     with pytest.raises(ValueError, match=r"Accumulate\(microbatches=4\) does not divide the per-device batch"):
         fused.step(fused.init(params), mb)
 
@@ -345,8 +356,9 @@ def test_weighted_accumulation_equals_step_on_real_examples(m, name, optimizer, 
             for w, ms in zip(wins, masks, strict=True)]
     ref_params, ref_losses = reference(params, real, optimizer)
 
-    ddp = jddp.DataParallel(_per_example, optimizer, weighted=True, accumulate_steps=k,
-                            microbatches=m, **CAPS)
+    ddp = jddp.DataParallel(_per_example, optimizer, reduce=jddp.Buckets(**CAPS),
+                            loss=jddp.Loss(weighted=True),
+                            accumulate=jddp.Accumulate(steps=k, microbatches=m))
     state = ddp.init(params)
     losses = []
     for w, ms in zip(wins, masks, strict=True):
@@ -369,7 +381,9 @@ def test_weighted_micro_batches_equal_step_on_real_examples():
     masks[0][: 2 * MICRO // 8] = False  # device 0 holds no real example in step 0
     real = [{key: v[msk] for key, v in b.items()} for b, msk in zip(batches, masks, strict=True)]
     ref_params, ref_losses = reference(params, real, optax.adam(1e-2))
-    ddp = jddp.DataParallel(_per_example, optax.adam(1e-2), weighted=True, microbatches=2, **CAPS)
+    ddp = jddp.DataParallel(_per_example, optax.adam(1e-2), reduce=jddp.Buckets(**CAPS),
+                            loss=jddp.Loss(weighted=True),
+                            accumulate=jddp.Accumulate(microbatches=2))
     state = ddp.init(params)
     losses = []
     for b, msk in zip(batches, masks, strict=True):
@@ -382,8 +396,8 @@ def test_weighted_micro_batches_equal_step_on_real_examples():
 def test_weighted_window_without_real_examples_is_skipped():
     """A window whose masks are all False is no update: skipped, like a non-finite one."""
     params = mlp_params(23, SIZES)
-    ddp = jddp.DataParallel(_per_example, optax.adam(1e-2), weighted=True, accumulate_steps=2,
-                            **CAPS)
+    ddp = jddp.DataParallel(_per_example, optax.adam(1e-2), reduce=jddp.Buckets(**CAPS),
+                            loss=jddp.Loss(weighted=True), accumulate=jddp.Accumulate(steps=2))
     state = ddp.init(params)
     before = _host((state.params, state.opt_state))
     none = np.zeros(MICRO, bool)
@@ -413,7 +427,8 @@ def test_skip_nonfinite_skips_whole_window_and_resets_count(sync_mode):
     params = mlp_params(11, SIZES)
     wins = windows(k, seed=11)
     ref_params, ref_losses = reference(params, [concat(wins[1])], optimizer)
-    ddp = jddp.DataParallel(mlp_loss, optimizer, accumulate_steps=k, skip_not_finite=True, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optimizer, reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(steps=k), loss_scale=jddp.SkipNotFinite())
     state = ddp.init(params)
     before = _host((state.step, state.params, state.opt_state))
 
@@ -451,7 +466,9 @@ def test_skip_nonfinite_with_microbatches():
     optimizer = optax.sgd(0.1)
     params = mlp_params(12, SIZES)
     big = concat(windows(2, seed=12)[0])
-    ddp = jddp.DataParallel(mlp_loss, optimizer, microbatches=2, skip_not_finite=True, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optimizer, reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(microbatches=2),
+                            loss_scale=jddp.SkipNotFinite())
     state = ddp.init(params)
     before = _host(state.params)
     state, metrics = ddp.step(state, _with_nan(big, 0))  # device 0's first micro-batch
@@ -480,8 +497,9 @@ def test_model_state_with_accumulation(mode, k, m):
     wins = windows(k * m, seed=13)[:2]
     calls = [[concat(w[i * m:(i + 1) * m]) for i in range(k)] for w in wins]
     ms0 = {"n": jnp.zeros((), jnp.int32), "s": jnp.zeros((SIZES[0],), jnp.float32)}
-    ddp = jddp.DataParallel(_stateful_loss, optax.sgd(0.1), accumulate_steps=k, microbatches=m,
-                            model_state_sync=mode, donate=False, **CAPS)
+    ddp = jddp.DataParallel(_stateful_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                            loss=jddp.Loss(model_state_sync=mode),
+                            accumulate=jddp.Accumulate(steps=k, microbatches=m), donate=False)
     state = ddp.init(params, model_state=ms0)
     first = state
     for window in calls:
@@ -518,8 +536,8 @@ def test_skipped_window_keeps_model_state():
     """skip_nonfinite with model state: a skipped window leaves TrainState.model_state as it was
     and the next window starts from it (not from the discarded window's local state)."""
     ms0 = {"n": jnp.zeros((), jnp.int32), "s": jnp.zeros((SIZES[0],), jnp.float32)}
-    ddp = jddp.DataParallel(_stateful_loss, optax.sgd(0.1), accumulate_steps=2,
-                            skip_not_finite=True, **CAPS)
+    ddp = jddp.DataParallel(_stateful_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(steps=2), loss_scale=jddp.SkipNotFinite())
     state = ddp.init(mlp_params(14, SIZES), model_state=ms0)
     a, b = windows(2, seed=14)[0]
     state, _ = ddp.step(state, _with_nan(a, 0), sync=False)
@@ -536,7 +554,8 @@ def test_skipped_window_keeps_model_state():
 
 def test_accumulator_model_state_must_match():
     ms0 = {"n": jnp.zeros((), jnp.int32), "s": jnp.zeros((SIZES[0],), jnp.float32)}
-    ddp = jddp.DataParallel(_stateful_loss, optax.sgd(0.1), accumulate_steps=2, **CAPS)
+    ddp = jddp.DataParallel(_stateful_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(steps=2))
     state = ddp.init(mlp_params(15, SIZES), model_state=ms0)
     assert state.accum.model_state["s"].shape == (8, SIZES[0])
     assert state.accum.model_state["s"].sharding.spec == P("data")
@@ -546,10 +565,11 @@ def test_accumulator_model_state_must_match():
 
 
 @pytest.mark.parametrize("m,sizes,kw", [
-    (1, (40, 24), {}), (1, (40, 24), {"zero_stage": 3}),
+    (1, (40, 24), {}), (1, (40, 24), {"place": jddp.ZeRO(stage=3)}),
     (2, (48, 32), {"loss_scale": jddp.precision.DynamicScale(init_scale=2.0**10)}),
     # the sharded accumulator (stage 2's default) under a loss scale
-    (1, (40, 24), {"zero_stage": 2, "loss_scale": jddp.precision.DynamicScale(init_scale=2.0**10)}),
+    (1, (40, 24), {"place": jddp.ZeRO(stage=2),
+                   "loss_scale": jddp.precision.DynamicScale(init_scale=2.0**10)}),
 ])
 def test_weighted_window_of_uneven_shapes_equals_step_on_real_rows(m, sizes, kw):
     """The usual last window of an epoch: a full call, then a short one padded with a mask. The
@@ -561,8 +581,9 @@ def test_weighted_window_of_uneven_shapes_equals_step_on_real_rows(m, sizes, kw)
     padded, mask = jddp.pad_batch(short, 8, size=sizes[1])
     real = concat([first, short])
     ref_params, ref_losses = reference(params, [real], optax.sgd(0.1))
-    ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), weighted=True, accumulate_steps=2,
-                            microbatches=m, **kw, **CAPS)
+    ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                            loss=jddp.Loss(weighted=True),
+                            accumulate=jddp.Accumulate(steps=2, microbatches=m), **kw)
     state = ddp.init(params)
     state, _ = ddp.step(state, first)
     state, metrics = ddp.step(state, padded, mask=mask)

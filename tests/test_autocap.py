@@ -1,4 +1,4 @@
-"""bucket_cap_mb="auto": a timed choice among distinct plans, fixed once, not changing training."""
+"""Buckets(cap_mb="auto"): a timed choice among distinct plans, fixed once, not changing training."""
 
 import jax
 import numpy as np
@@ -15,8 +15,8 @@ KIB = 1 / 1024
 
 
 def _planned(cap_mb: float, sizes=SIZES):
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), bucket_cap_mb=cap_mb,
-                            first_bucket_mb=min(cap_mb, 1.0))
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1),
+                            reduce=jddp.Buckets(cap_mb=cap_mb, first_mb=min(cap_mb, 1.0)))
     return ddp.plan(mlp_params(0, sizes), regression_batch(0, 16, sizes[0], sizes[-1]))
 
 
@@ -24,7 +24,7 @@ def test_auto_trains_like_a_fixed_cap_and_reports_its_choice():
     params = mlp_params(0, SIZES)
     batches = [regression_batch(s, 16, SIZES[0], SIZES[-1]) for s in range(3)]
     policy = AutoCap(candidates_mb=(4 * KIB, 16 * KIB, 25.0), rounds=2)
-    auto = jddp.DataParallel(mlp_loss, optax.adam(1e-2), bucket_cap_mb=policy)
+    auto = jddp.DataParallel(mlp_loss, optax.adam(1e-2), reduce=jddp.Buckets(cap_mb=policy))
     fixed = jddp.DataParallel(mlp_loss, optax.adam(1e-2))
     assert auto.cap_choice is None
     with pytest.raises(ValueError, match="has not chosen a cap yet.*ddp.step.tune"):
@@ -88,7 +88,8 @@ def test_candidates_are_distinct_plans_and_keep_the_default():
 def test_single_plan_is_not_timed():
     params = mlp_params(0, SIZES)
     batch = regression_batch(0, 16, SIZES[0], SIZES[-1])
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), bucket_cap_mb=AutoCap(candidates_mb=(50.0,)))
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1),
+                            reduce=jddp.Buckets(cap_mb=AutoCap(candidates_mb=(50.0,))))
     state, _ = ddp.step(ddp.init(params), batch)
     assert ddp.cap_choice.candidates_mb == (25.0,)  # 50 MiB: the same single bucket
     assert np.isnan(ddp.cap_choice.median_s[0]) and ddp.config.reduce.cap_bytes == 25 * 2**20
@@ -124,8 +125,8 @@ def test_pick_keeps_a_cap_only_above_the_noise_of_its_own_rounds():
 def test_tuning_time_is_bounded_and_says_nothing_was_timed():
     params = mlp_params(0, SIZES)
     batch = regression_batch(0, 16, SIZES[0], SIZES[-1])
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), bucket_cap_mb=AutoCap(
-        candidates_mb=(1 * KIB, 25.0), max_tune_s=0.0))
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(cap_mb=AutoCap(
+        candidates_mb=(1 * KIB, 25.0), max_tune_s=0.0)))
     state, _ = ddp.step(ddp.init(params), batch)
     choice = ddp.cap_choice
     assert len(choice.candidates_mb) == 2 and choice.cap_mb == 25.0 and choice.rounds == 0
@@ -137,10 +138,10 @@ def test_tuning_time_is_bounded_and_says_nothing_was_timed():
 def test_bad_auto_options():
     opt = optax.sgd(0.1)
     with pytest.raises(ValueError, match="number of MiB, 'auto'"):
-        jddp.DataParallel(mlp_loss, opt, bucket_cap_mb="fast")
+        jddp.DataParallel(mlp_loss, opt, reduce=jddp.Buckets(cap_mb="fast"))
     plan = _planned(25.0)
     with pytest.raises(ValueError, match="pass only one"):
-        jddp.DataParallel(mlp_loss, opt, bucket_cap_mb="auto", bucket_plan=plan)
+        jddp.DataParallel(mlp_loss, opt, reduce=jddp.Buckets(cap_mb="auto", plan=plan))
     with pytest.raises(ValueError, match="rounds"):
         AutoCap(rounds=0)
     with pytest.raises(ValueError, match="candidates_mb"):
@@ -152,11 +153,11 @@ def test_bad_auto_options():
     assert jax.tree.leaves(AutoCap().candidates_mb)  # the defaults validate
 
 
-@pytest.mark.parametrize("opts", [{"rng": True}, {"zero_stage": 3}])
+@pytest.mark.parametrize("opts", [{"loss": jddp.Loss(rng=True)}, {"place": jddp.ZeRO(stage=3)}])
 def test_auto_combines_with_per_example_keys_and_sharded_stages(opts):
     """The timed candidates take the step's other inputs (the run's key) and state layouts (a
     sharded stage's pieces); training equals the fixed 25 MB step to 1e-6."""
-    rng = opts.get("rng", False)
+    rng = "loss" in opts
 
     def loss(p, b, *key):
         drop = jax.vmap(lambda k: jax.random.bernoulli(k, 0.8, (SIZES[0],)))(key[0]) if rng else 1
@@ -166,7 +167,7 @@ def test_auto_combines_with_per_example_keys_and_sharded_stages(opts):
     policy = AutoCap(candidates_mb=(4 * KIB, 25.0), rounds=1)
     states, losses = [], []
     for cap in (policy, 25.0):
-        ddp = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb=cap, **opts)
+        ddp = jddp.DataParallel(loss, optax.adam(1e-2), reduce=jddp.Buckets(cap_mb=cap), **opts)
         state = ddp.init(params)
         for s in range(2):
             kw = {"rng": key} if rng else {}

@@ -103,7 +103,7 @@ def test_plan_follows_use_order_not_key_order():
     ]
     assert paths[:6:2] == ["Dense_0.bias", "Dense_1.bias", "Dense_10.bias"]
     batch = regression_batch(0, 4, 4, 2)
-    plan = jddp.plan_buckets(mlp_loss, params, batch, bucket_cap_mb=1e-4, first_bucket_mb=1e-4)
+    plan = jddp.plan_buckets(mlp_loss, params, batch, cap_mb=1e-4, first_mb=1e-4)
     order = [p for b in plan.buckets for p in b.paths]
     layers = [int(p.split(".")[0].split("_")[1]) for p in order]
     assert layers == sorted(layers, reverse=True)
@@ -127,7 +127,7 @@ def test_plan_walks_into_jit_and_scan():
         return jnp.sum(inner(p, x))  # "c" is unused
 
     plan = jddp.plan_buckets(
-        loss, params, jnp.ones((2, 3)), bucket_cap_mb=1e-5, first_bucket_mb=1e-5
+        loss, params, jnp.ones((2, 3)), cap_mb=1e-5, first_mb=1e-5
     )
     assert [b.paths for b in plan.buckets] == [("a",), ("b",)]
     assert [plan.paths[i] for i in plan.unused] == ["c"]
@@ -144,16 +144,17 @@ def test_plan_table_lists_paths_and_bytes():
 
 @pytest.mark.parametrize("cap", [0, -1, float("nan"), float("inf")])
 def test_bad_caps(cap):
-    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive"):
-        make_plan({"w": jnp.ones(3)}, [1], bucket_cap_mb=cap)
+    with pytest.raises(ValueError, match="cap_mb must be a positive"):
+        make_plan({"w": jnp.ones(3)}, [1], cap_mb=cap)
     with pytest.raises(ValueError, match="Buckets.cap_mb must be a positive"):
-        jddp.DataParallel(mlp_loss, __import__("optax").sgd(0.1), bucket_cap_mb=cap)
+        jddp.DataParallel(mlp_loss, __import__("optax").sgd(0.1),
+                          reduce=jddp.Buckets(cap_mb=cap))
 
 
 def test_first_bucket_larger_than_cap():
     with pytest.raises(ValueError, match=r"Buckets.first_mb \(2.0\) is larger than Buckets.cap_mb"):
         jddp.DataParallel(
-            mlp_loss, __import__("optax").sgd(0.1), bucket_cap_mb=1.0, first_bucket_mb=2.0
+            mlp_loss, __import__("optax").sgd(0.1), reduce=jddp.Buckets(cap_mb=1.0, first_mb=2.0)
         )
 
 
@@ -168,7 +169,7 @@ def test_plan_rejects_other_tree():
 
 
 def test_mib_unit():
-    plan = make_plan({"w": jnp.ones(3)}, [1], bucket_cap_mb=2.0, first_bucket_mb=0.5)
+    plan = make_plan({"w": jnp.ones(3)}, [1], cap_mb=2.0, first_mb=0.5)
     assert plan.cap_bytes == 2 * MiB and plan.first_bytes == MiB // 2
 
 
@@ -187,15 +188,16 @@ def test_an_explicit_cap_drops_the_small_first_bucket_like_pytorch():
     sizes = lambda plan: [b.nbytes for b in plan.buckets]  # noqa: E731
     half = 512 * 256 * 4
     assert sizes(jddp.plan_buckets(loss, params, x)) == [2 * half, 4 * half]  # 1 MiB, then 25
-    explicit = jddp.plan_buckets(loss, params, x, bucket_cap_mb=2.0)
+    explicit = jddp.plan_buckets(loss, params, x, cap_mb=2.0)
     assert (explicit.cap_bytes, explicit.first_bytes) == (2 * MiB, 2 * MiB)
     assert sizes(explicit) == [4 * half, 2 * half]
-    kept = jddp.plan_buckets(loss, params, x, bucket_cap_mb=2.0, first_bucket_mb=1.0)
+    kept = jddp.plan_buckets(loss, params, x, cap_mb=2.0, first_mb=1.0)
     assert sizes(kept) == [2 * half, 4 * half]
-    small = jddp.DataParallel(loss, __import__("optax").sgd(0.1), bucket_cap_mb=0.5)
+    small = jddp.DataParallel(loss, __import__("optax").sgd(0.1), reduce=jddp.Buckets(cap_mb=0.5))
     # was refused (1 > 0.5)
     assert small.config.reduce.first_bytes == small.config.reduce.cap_bytes == MiB // 2
     assert sizes(small.plan(params, jnp.ones((8, 512)))) == [half] * 6
     for ddp in (jddp.DataParallel(loss, __import__("optax").sgd(0.1)),
-                jddp.DataParallel(loss, __import__("optax").sgd(0.1), bucket_cap_mb="auto")):
+                jddp.DataParallel(loss, __import__("optax").sgd(0.1),
+                                  reduce=jddp.Buckets(cap_mb="auto"))):
         assert ddp.config.reduce.first_bytes == MiB and ddp.config.reduce.cap_bytes == 25 * MiB

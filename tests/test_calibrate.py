@@ -28,7 +28,7 @@ def test_profile_step_and_measure_allreduce_run():
         h = jax.nn.relu(batch @ p["l0"]["w"] + p["l0"]["b"])
         return jnp.mean((h @ p["l1"]["w"] + p["l1"]["b"]) ** 2)
 
-    ddp = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh, bucket_cap_mb=1.0)
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh, reduce=jddp.Buckets(cap_mb=1.0))
     state = ddp.init(params)
     batch = jnp.ones((mesh.size * 2, 32))
     prof = calibrate.profile_step(ddp, state, batch, repeats=2)
@@ -47,11 +47,11 @@ def test_profile_step_of_a_has_aux_loss_times_the_loss_only():
         out = batch @ p["w"] + p["b"]
         return jnp.mean(out**2), {"max": jnp.max(out)}
 
-    ddp = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh, has_aux=True)
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh, loss=jddp.Loss(has_aux=True))
     prof = calibrate.profile_step(ddp, ddp.init(params), jnp.ones((mesh.size, 16)), repeats=1)
     assert prof.num_leaves == 2 and prof.compute_s > 0
 
     bad = jddp.DataParallel(lambda p, b: jnp.mean(b @ p["w"]), optax.sgd(0.1), mesh=mesh,
-                            has_aux=True)
+                            loss=jddp.Loss(has_aux=True))
     with pytest.raises(TypeError, match=r"\(loss, metrics\)"):
         calibrate.profile_step(bad, bad.init(params), jnp.ones((mesh.size, 16)), repeats=1)

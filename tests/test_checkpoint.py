@@ -31,8 +31,8 @@ def _assert_identical(a, b):
 
 def test_restore_and_continue_is_bit_identical(tmp_path):
     params = mlp_params(0, SIZES)
-    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), bucket_cap_mb=0.001,
-                            first_bucket_mb=0.0005)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2),
+                            reduce=jddp.Buckets(cap_mb=0.001, first_mb=0.0005))
     batches = _batches(6)
     uninterrupted = _run(ddp, ddp.init(params), batches)
 
@@ -151,10 +151,12 @@ print("FINISHED", int(state.step))
 # ----------------------------------------------------------------- another number of devices
 
 
-def _on(n, **options):
+def _on(n, hook=None, stage=0, **options):
     mesh = jddp.data_mesh(jax.devices()[:n])
-    return jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=mesh, bucket_cap_mb=0.001,
-                             first_bucket_mb=0.0005, **options)
+    return jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=mesh,
+                             reduce=jddp.Buckets(cap_mb=0.001, first_mb=0.0005, hook=hook),
+                             place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+                             **options)
 
 
 def _host(tree):
@@ -201,11 +203,11 @@ def test_powersgd_state_restarts_with_a_warning(tmp_path, old, new):
 
 def test_accumulator_restores_at_a_window_boundary_only(tmp_path):
     params, batches = mlp_params(3, SIZES), _batches(3)
-    a = _on(8, accumulate_steps=2)
+    a = _on(8, accumulate=jddp.Accumulate(steps=2))
     state = _run(a, a.init(params), batches[:2])  # one full window: count is 0 again
     mngr = ckpt.manager(tmp_path / "c")
     ckpt.save(mngr, state, step=100)
-    b = _on(4, accumulate_steps=2)
+    b = _on(4, accumulate=jddp.Accumulate(steps=2))
     restored = ckpt.restore(mngr, b.abstract_state(params), init_fn=lambda: b.init(params))
     assert int(restored.accum.count) == 0 and restored.accum.loss.shape == (4,)
     _assert_identical(restored.params, state.params)
@@ -222,7 +224,7 @@ def test_sharded_accumulator_checkpoints_like_the_per_device_one(tmp_path):
     same device count and the window ends as if uninterrupted; on another device count the
     existing error names the window; at a window boundary it restores anywhere."""
     params, batches = mlp_params(3, SIZES), _batches(4)
-    a = _on(8, accumulate_steps=2, zero_stage=3)
+    a = _on(8, stage=3, accumulate=jddp.Accumulate(steps=2))
     assert a.config.accumulate.shard
     mid = _run(a, a.init(params), batches[:1])
     mngr = ckpt.manager(tmp_path / "c")
@@ -231,7 +233,7 @@ def test_sharded_accumulator_checkpoints_like_the_per_device_one(tmp_path):
     restored = ckpt.restore(mngr, a.abstract_state(params), step=1)
     assert int(restored.accum.count) == 1
     _assert_identical(_run(a, restored, batches[1:2]), reference)
-    b = _on(4, accumulate_steps=2, zero_stage=3)
+    b = _on(4, stage=3, accumulate=jddp.Accumulate(steps=2))
     with pytest.raises(ValueError, match=r"saved on 8 devices, restored on 4.*middle of a gradient "
                                          r"accumulation window"):
         ckpt.restore(mngr, b.abstract_state(params), step=1, init_fn=lambda: b.init(params))
@@ -249,10 +251,10 @@ def test_per_replica_model_state_does_not_restore_on_another_device_count(tmp_pa
 
     params = mlp_params(4, SIZES)
     mesh8, mesh4 = jddp.data_mesh(jax.devices()[:8]), jddp.data_mesh(jax.devices()[:4])
-    a = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh8, model_state_sync="none")
+    a = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh8, loss=jddp.Loss(model_state_sync="none"))
     mngr = ckpt.manager(tmp_path / "c")
     ckpt.save(mngr, a.init(params, {"n": jnp.zeros(())}))
-    b = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh4, model_state_sync="none")
+    b = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh4, loss=jddp.Loss(model_state_sync="none"))
     with pytest.raises(ValueError, match=r"one model state per device.*Restore on 8 devices"):
         ckpt.restore_or_init(mngr, b, params, {"n": jnp.zeros(())})
 
@@ -265,7 +267,8 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"Dense_1.bias has shape \(16,\), but this trainer's state has \(4,\)"):
         ckpt.restore_or_init(mngr, a, other)
     with pytest.raises(ValueError, match="does not hold the state this trainer builds"):
-        ckpt.restore_or_init(mngr, _on(8, accumulate_steps=2), mlp_params(5, SIZES))
+        ckpt.restore_or_init(mngr, _on(8, accumulate=jddp.Accumulate(steps=2)), mlp_params(5,
+                                                                                           SIZES))
 
 
 # ------------------------------------------------------------------------------ sharded stages
@@ -280,12 +283,12 @@ def test_sharded_state_restores_on_any_device_count_and_stage(tmp_path, saved, r
     of the reduction otherwise)."""
     (s_stage, s_n), (r_stage, r_n) = saved, resumed
     params, batches = mlp_params(6, SIZES), _batches(4)
-    a = _on(s_n, zero_stage=s_stage)
+    a = _on(s_n, stage=s_stage)
     state = _run(a, a.init(params), batches[:2])
     mngr = ckpt.manager(tmp_path / "c")
     ckpt.save(mngr, state)
     reference = _run(a, state, batches[2:])
-    b = _on(r_n, zero_stage=r_stage)
+    b = _on(r_n, stage=r_stage)
     restored = ckpt.restore_or_init(mngr, b, params)
     assert int(restored.step) == 2
     want = b.abstract_state(params)
@@ -388,13 +391,14 @@ def _nnx_trainer(seed, **options):
             return self.l2(self.drop(self.bn(jnp.tanh(self.l1(x)))))
 
     model = Net(nnx.Rngs(seed, dropout=seed + 1))
-    ddp = jddp.nnx.DataParallel(model, optax.adam(1e-2), model_state_sync="mean",
+    ddp = jddp.nnx.DataParallel(model, optax.adam(1e-2), loss=jddp.Loss(model_state_sync="mean"),
                                 loss_fn=lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
                                 **options)
     return ddp, model
 
 
-@pytest.mark.parametrize("options", [{}, {"zero_stage": 3}], ids=["replicated", "zero3"])
+@pytest.mark.parametrize("options", [{}, {"place": jddp.ZeRO(stage=3)}], ids=["replicated",
+                                                                              "zero3"])
 def test_nnx_trainer_saves_restores_and_resumes_bit_identically(tmp_path, options):
     # The matrix cell "NNX x checkpoints" (issue 35 item 7): restore_or_init rejected a
     # jddp.nnx.DataParallel (it called ddp.init(params, model_state)), and a model state holding

@@ -30,10 +30,10 @@ def _setup(n=8, seed=0):
 
 def _ddp(mesh, **kw):
     # One layer per bucket (a 256 KiB kernel and its bias): four buckets, three chain links.
-    kw.setdefault("bucket_cap_mb", 0.2)
-    kw.setdefault("first_bucket_mb", 0.2)
+    kw.setdefault("cap_mb", 0.2)
+    kw.setdefault("first_mb", 0.2)
     return jddp.DataParallel(_models.layer_list_loss, optax.sgd(0.1, momentum=0.9), mesh=mesh,
-                             **kw)
+                             reduce=jddp.Buckets(**kw))
 
 
 def _module(ddp, params, batch):

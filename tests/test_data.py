@@ -195,7 +195,8 @@ def test_one_epoch_through_the_loader_equals_single_device_training(accumulate):
     loader = Loader(ArraySource(data), global_batch_size=16, seed=1,
                     accumulate_steps=accumulate)
     opt = optax.adam(1e-2)
-    ddp = jddp.DataParallel(_per_example, opt, weighted=True, accumulate_steps=accumulate)
+    ddp = jddp.DataParallel(_per_example, opt, loss=jddp.Loss(weighted=True),
+                            accumulate=jddp.Accumulate(steps=accumulate))
     state = ddp.init(_params())
     params, opt_state = _params(), opt.init(_params())
     rows = []
@@ -289,7 +290,7 @@ def test_evaluator_counts_every_real_example_once_through_a_loader():
 
 def test_checkpoint_saves_and_restores_the_loader_with_the_state(tmp_path):
     data = _arrays(40)
-    ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), weighted=True)
+    ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), loss=jddp.Loss(weighted=True))
 
     def run(mngr, steps, loader):
         state = ckpt.restore_or_init(mngr, ddp, _params(), loader=loader)
@@ -322,7 +323,7 @@ def test_checkpoints_of_the_single_item_layout_still_restore(tmp_path):
     """Checkpoints written before the loader item existed (one orbax item) restore unchanged."""
     import orbax.checkpoint as ocp
 
-    ddp = jddp.DataParallel(_per_example, optax.adam(0.1), weighted=True)
+    ddp = jddp.DataParallel(_per_example, optax.adam(0.1), loss=jddp.Loss(weighted=True))
     state = ddp.init(_params())
     state, _ = ddp.step(state, jddp.shard_batch({k: v[:16] for k, v in _arrays(16).items()},
                                                 ddp.mesh))

@@ -59,7 +59,7 @@ mesh = jddp.data_mesh()
 assert mesh.size == 8
 source = Counting()
 loader = jddp.data.Loader(source, global_batch_size=BATCH, mesh=mesh, seed=5, prefetch=0)
-ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh, weighted=True)
+ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh, loss=jddp.Loss(weighted=True))
 mngr = ckpt.manager(os.path.join(directory, "ckpt"), save_interval_steps=100)
 state = ckpt.restore_or_init(mngr, ddp, params, loader=loader)
 rank = jax.process_index()
@@ -111,7 +111,7 @@ def _reference():
         return ((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"])[:, 0] - b["y"]) ** 2
 
     loader = Loader(ArraySource(data), global_batch_size=BATCH, seed=5)
-    ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), weighted=True)
+    ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), loss=jddp.Loss(weighted=True))
     state, ids = ddp.init(params), []
     for _ in range(STEPS):
         batch, mask = next(loader)

@@ -1,4 +1,4 @@
-"""``DataParallel(deterministic=True)``: the same bits on any layout, and clear refusals.
+"""``DataParallel(reduce=jddp.Deterministic())``: the same bits on any layout, and clear refusals.
 
 The bitwise checks run in child processes, because they need ``XLA_FLAGS=--xla_cpu_max_isa=AVX``
 before JAX starts (see docs/deterministic.md); the refusals run here.
@@ -82,36 +82,33 @@ def test_refuses_without_fma_free_cpu_code(monkeypatch):
     jax.devices()
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     with pytest.raises(ValueError, match="xla_cpu_max_isa=AVX"):
-        jddp.DataParallel(_loss, optax.sgd(0.1), mesh=_mesh(2), deterministic=True)
+        jddp.DataParallel(_loss, optax.sgd(0.1), mesh=_mesh(2), reduce=jddp.Deterministic())
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(zero_stage=1), "place=jddp.ZeRO"),
-    (dict(hook=jddp.bf16_compress()), "hook="),
-    (dict(accumulate_steps=3), r"Accumulate\(steps=\.\.\.\) to be a power of two"),
-    (dict(group_size=0), "group_size must be a positive int"),
-    (dict(bucket_cap_mb="auto"), "nothing to tune"),
+    (dict(place=jddp.ZeRO(stage=1)), "place=jddp.ZeRO"),
+    (dict(accumulate=jddp.Accumulate(steps=3)), r"Accumulate\(steps=\.\.\.\) to be a power of two"),
 ])
 def test_refuses_options_it_cannot_combine_with(fma_free, kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        jddp.DataParallel(_loss, optax.sgd(0.1), mesh=_mesh(2), deterministic=True, **kw)
+        jddp.DataParallel(_loss, optax.sgd(0.1), mesh=_mesh(2), reduce=jddp.Deterministic(), **kw)
+
+
+def test_refuses_a_bad_group_size():
+    with pytest.raises((ValueError, TypeError), match="group_size must be a positive int"):
+        jddp.Deterministic(group_size=0)
 
 
 def test_refuses_device_counts_that_are_not_powers_of_two(fma_free):
     with pytest.raises(ValueError, match="power-of-two device count"):
-        jddp.DataParallel(_loss, optax.sgd(0.1), mesh=_mesh(6), deterministic=True)
-
-
-def test_group_size_needs_deterministic():
-    with pytest.raises(ValueError, match="pass deterministic=True with it"):
-        jddp.DataParallel(_loss, optax.sgd(0.1), mesh=_mesh(2), group_size=4)
+        jddp.DataParallel(_loss, optax.sgd(0.1), mesh=_mesh(6), reduce=jddp.Deterministic())
 
 
 def test_refuses_batches_the_layout_cannot_split(fma_free):
-    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), mesh=_mesh(8), deterministic=True)
+    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), mesh=_mesh(8), reduce=jddp.Deterministic())
     state = ddp.init(PARAMS)
     x = np.ones((36, 3), np.float32)
-    two = jddp.DataParallel(_loss, optax.sgd(0.1), mesh=_mesh(2), deterministic=True)
+    two = jddp.DataParallel(_loss, optax.sgd(0.1), mesh=_mesh(2), reduce=jddp.Deterministic())
     with pytest.raises(ValueError, match="groups of group_size=8"):
         two.step(two.init(PARAMS), {"x": x, "y": x[:, :2]})
     # 48 examples = 6 groups of 8: the power-of-two part of 6 is 2, so 8 devices cannot split it.
@@ -126,7 +123,7 @@ def test_refuses_model_state_without_mean_and_collectives_in_the_loss(fma_free):
     def stateful(p, ms, b):
         return _loss(p, b), ms
 
-    ddp = jddp.DataParallel(stateful, optax.sgd(0.1), mesh=_mesh(2), deterministic=True)
+    ddp = jddp.DataParallel(stateful, optax.sgd(0.1), mesh=_mesh(2), reduce=jddp.Deterministic())
     state = ddp.init(PARAMS, model_state={"m": np.zeros((2,), np.float32)})
     batch = {"x": np.ones((16, 3), np.float32), "y": np.ones((16, 2), np.float32)}
     with pytest.raises(ValueError, match="model_state_sync='mean'"):
@@ -135,7 +132,7 @@ def test_refuses_model_state_without_mean_and_collectives_in_the_loss(fma_free):
     def syncbn(p, b):
         return jax.lax.pmean(_loss(p, b), "data")
 
-    ddp = jddp.DataParallel(syncbn, optax.sgd(0.1), mesh=_mesh(2), deterministic=True)
+    ddp = jddp.DataParallel(syncbn, optax.sgd(0.1), mesh=_mesh(2), reduce=jddp.Deterministic())
     with pytest.raises(ValueError, match="runs the collective"):
         ddp.step(ddp.init(PARAMS), batch)
 

@@ -22,10 +22,11 @@ def test_sharded_stages_move_the_bytes_sharded_md_states():
     sent = {}
     for stage in range(4):
         keep = dict(reshard_after_forward=False) if stage == 3 else {}
-        ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), zero_stage=stage, donate=False,
-                                **keep)
+        ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3),
+                                place=jddp.ZeRO(stage=stage, **keep) if stage else jddp.Replicate(),
+                                donate=False)
         sent[stage] = float(ddp.step(ddp.init(params), batch)[1]["comm_bytes"])
-    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), zero_stage=3, donate=False)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), place=jddp.ZeRO(stage=3), donate=False)
     resharded = float(ddp.step(ddp.init(params), batch)[1]["comm_bytes"])
     # The gradients' bytes are equal at stages 0, 2 and 3 (keeping the gathered parameters); the
     # f32 loss rides on the last all-reduce (7 B) or reduce-scatter (as 8 rows: 28 B). Resharding

@@ -728,7 +728,7 @@ def _per_example(p, b):
 def test_all_false_mask_skips_the_update():
     """weighted=True with no real example used to count as an update (loss 0, Adam moved)."""
     params = mlp_params(0, [6, 16, 3])
-    ddp = jddp.DataParallel(_per_example, optax.adam(1e-2), weighted=True)
+    ddp = jddp.DataParallel(_per_example, optax.adam(1e-2), loss=jddp.Loss(weighted=True))
     state = ddp.init(params)
     before = jax.tree.map(np.asarray, (state.params, state.opt_state))
     state, metrics = ddp.step(state, regression_batch(0, 16, 6, 3), mask=np.zeros(16, bool))
@@ -742,7 +742,7 @@ def test_all_false_mask_skips_the_update():
 
 def test_string_hook_and_optimizer_factory_are_named():
     with pytest.raises(TypeError, match="hook must be a jddp.CommHook.*got str 'fp16'"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), hook="fp16")
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook="fp16"))
     with pytest.raises(TypeError, match=r"optax GradientTransformation.*call the factory"):
         jddp.DataParallel(mlp_loss, optax.adam)
 

@@ -74,8 +74,8 @@ def mesh():
 def compiled(cap: float, chain: str = "auto", options: tuple = (), first: float = 1.0) -> tuple:
     """(plan, compiled text) of jddp's step; cached: several tests read the same compile."""
     ddp = jddp.DataParallel(
-        loss_fn, optax.sgd(0.1), mesh=mesh(), bucket_cap_mb=cap,
-        first_bucket_mb=min(first, cap), chain=chain,
+        loss_fn, optax.sgd(0.1), mesh=mesh(),
+        reduce=jddp.Buckets(cap_mb=cap, first_mb=min(first, cap), chain=chain),
     )
     lowered = ddp.lower(params_like(), batch_like())
     text = lowered.compile(compiler_options=dict(options) or None).as_text()
@@ -186,7 +186,7 @@ def test_data_parallel_compiler_options_keep_large_buckets_whole():
     """``DataParallel(compiler_options=...)`` reaches XLA: with the recommended combine threshold
     a 50 MiB-cap plan survives as planned through ``ddp.lower(...).compile()``."""
     rec = xla_flags.recommended("gpu", 50.0)
-    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(), bucket_cap_mb=50.0,
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(), reduce=jddp.Buckets(cap_mb=50.0),
                             compiler_options=dict(rec.compiler_options))
     text = ddp.lower(params_like(), batch_like()).compile().as_text()
     check_buckets(ddp.bucket_plan, schedule.read_schedule(text))
@@ -212,7 +212,8 @@ def test_default_data_parallel_keeps_a_bucket_over_30_mib_one_all_reduce():
     mine = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(), compiler_options=dict(XLA_DEFAULT))
     mine.lower(params, batch)
     assert mine.step.compiler_options == dict(XLA_DEFAULT)
-    free = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(), chain="none")
+    free = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(),
+                             reduce=jddp.Buckets(chain="none"))
     free.lower(params, batch)
     assert free.step.compiler_options == {}
 
@@ -230,8 +231,9 @@ def test_sharded_stages_reduce_scatter_each_bucket_overlapping_backward(stage, c
     forward pass, in first-use order; resharding: test_stage_3_reshard_gathers_again_in_backward)."""
     keep = dict(reshard_after_forward=False) if stage == 3 else {}
     ddp = jddp.DataParallel(
-        loss_fn, optax.sgd(0.1), mesh=mesh(), bucket_cap_mb=cap, first_bucket_mb=min(1.0, cap),
-        zero_stage=stage, **keep,
+        loss_fn, optax.sgd(0.1), mesh=mesh(),
+        reduce=jddp.Buckets(cap_mb=cap, first_mb=min(1.0, cap)),
+        place=jddp.ZeRO(stage=stage, **keep) if stage else jddp.Replicate(),
     )
     sched = schedule.read_schedule(ddp.lower(params_like(), batch_like()).compile())
     plan = ddp.bucket_plan
@@ -265,8 +267,8 @@ def test_stage_3_reshard_gathers_again_in_backward():
     no kernel). The backward gathers are prefetched one use ahead: every one but the first (which
     waits for the loss's cotangent) has a backward GEMM between its start and done, the previous
     layer's input gradient, and no two are merged by XLA's combiner."""
-    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(), bucket_cap_mb=1.0,
-                            first_bucket_mb=1.0, zero_stage=3)
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(),
+                            reduce=jddp.Buckets(cap_mb=1.0, first_mb=1.0), place=jddp.ZeRO(stage=3))
     sched = schedule.read_schedule(ddp.lower(params_like(), batch_like()).compile())
     k = ddp.bucket_plan.num_buckets
     gathers = sched.of_kind("all-gather")
@@ -291,8 +293,8 @@ def test_stage_3_backward_prefetch_control():
     output cotangent, as on CPU) no backward gather has a GEMM between its start and done."""
     from jddp._src import reduction
 
-    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(), bucket_cap_mb=1.0,
-                            first_bucket_mb=1.0, zero_stage=3)
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(),
+                            reduce=jddp.Buckets(cap_mb=1.0, first_mb=1.0), place=jddp.ZeRO(stage=3))
     prefetch = reduction.backward_prefetch
     try:
         reduction.backward_prefetch = lambda: False

@@ -20,7 +20,7 @@ from jddp._src import collectives
 from tests._models import max_abs_diff, mlp_loss, mlp_params, regression_batch
 
 SIZES = [6, 16, 16, 16, 3]
-CAPS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)
+CAPS = dict(cap_mb=0.002, first_mb=0.001)
 
 
 def _ef_bf16() -> jddp.CommHook:
@@ -41,9 +41,10 @@ def _ef_bf16() -> jddp.CommHook:
     return jddp.CommHook(init, reduce, "ef_bf16")
 
 
-def _train(hook, steps=3, mesh=None, zero_stage=0):
+def _train(hook, steps=3, mesh=None, stage=0):
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), mesh=mesh or jddp.data_mesh(hosts=2),
-                            hook=hook, zero_stage=zero_stage, **CAPS)
+                            reduce=jddp.Buckets(hook=hook, **CAPS),
+                            place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
     state = ddp.init(mlp_params(0, SIZES))
     metrics = []
     for i in range(steps):
@@ -56,10 +57,10 @@ def test_all_to_all_form_of_the_reduce_scatter(monkeypatch):
     """The route around Gloo's reduce-scatter gives the psum_scatter results (hierarchical and
     ZeRO stage 2), and its program has all-to-alls and no reduce-scatter."""
     _, hier, _ = _train(jddp.hooks.hierarchical())
-    _, z2, _ = _train(None, mesh=jddp.data_mesh(), zero_stage=2)
+    _, z2, _ = _train(None, mesh=jddp.data_mesh(), stage=2)
     monkeypatch.setattr(collectives, "FORCE_ALL_TO_ALL", True)
     ddp, hier_a2a, _ = _train(jddp.hooks.hierarchical())
-    _, z2_a2a, _ = _train(None, mesh=jddp.data_mesh(), zero_stage=2)
+    _, z2_a2a, _ = _train(None, mesh=jddp.data_mesh(), stage=2)
     assert max_abs_diff(hier.params, hier_a2a.params) < 1e-6
     assert max_abs_diff(z2.params, z2_a2a.params) < 1e-6
     text = ddp.lower(mlp_params(0, SIZES), regression_batch(0, 32, SIZES[0], SIZES[-1])

@@ -73,12 +73,12 @@ def test_fp16_range_is_the_mean_gradient_s_and_an_overflow_is_not_silent():
 
     batch = {"x": np.full((16, 4), 1e5, np.float32)}
     params = {"w": jnp.ones(4)}
-    ddp = jddp.DataParallel(loss, optax.sgd(1e-6), hook=jddp.fp16_compress(),
-                            skip_not_finite=True)
+    ddp = jddp.DataParallel(loss, optax.sgd(1e-6), reduce=jddp.Buckets(hook=jddp.fp16_compress()),
+                            loss_scale=jddp.SkipNotFinite())
     state, metrics = ddp.step(ddp.init(params), batch)
     assert float(metrics["skipped"]) == 1.0 and int(state.step) == 0
     np.testing.assert_array_equal(state.params["w"], 1.0)
-    ddp = jddp.DataParallel(loss, optax.sgd(1e-6), hook=jddp.bf16_compress())
+    ddp = jddp.DataParallel(loss, optax.sgd(1e-6), reduce=jddp.Buckets(hook=jddp.bf16_compress()))
     state, _ = ddp.step(ddp.init(params), batch)
     np.testing.assert_allclose(state.params["w"], 1.0 - 0.1, rtol=1e-3)
 
@@ -145,7 +145,8 @@ def _sum_hook():
 
 def test_stateful_hook_state_is_per_device_and_survives_jit_and_donation():
     params, batch = _mlp()
-    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.0), hook=_sum_hook(), donate=True)
+    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.0), reduce=jddp.Buckets(hook=_sum_hook()),
+                            donate=True)
     state = ddp.init(params)
     old = state
     for _ in range(3):
@@ -166,7 +167,8 @@ def test_stateful_hook_state_is_per_device_and_survives_jit_and_donation():
 
 def test_powersgd_state_in_data_parallel():
     params, batch = _mlp()
-    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=jddp.powersgd(start_iter=2))
+    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1),
+                            reduce=jddp.Buckets(hook=jddp.powersgd(start_iter=2)))
     state = ddp.init(params)
     plain = jddp.DataParallel(_mlp_loss, optax.sgd(0.1))
     ref = plain.init(params)
@@ -193,12 +195,14 @@ def test_powersgd_given_a_state_built_without_it_is_a_clear_error(start_iter):
     is an error naming the hook, the expected state and the fix, in the plain phase too."""
     params, batch = _mlp()
     state = jddp.DataParallel(_mlp_loss, optax.sgd(0.1)).init(params)
-    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=jddp.powersgd(start_iter=start_iter))
+    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1),
+                            reduce=jddp.Buckets(hook=jddp.powersgd(start_iter=start_iter)))
     with pytest.raises(ValueError, match=r"powersgd hook got a state it did not make(.|\n)*"
                        r"without this hook(.|\n)*ddp\.init\(params\)"):
         ddp.step(state, batch)
     other = jddp.DataParallel(_mlp_loss, optax.sgd(0.1),
-                              hook=jddp.powersgd(start_iter=0, warm_start=False))
+                              reduce=jddp.Buckets(hook=jddp.powersgd(start_iter=0,
+                                                                     warm_start=False)))
     with pytest.raises(ValueError, match="other powersgd options"):
         other.step(ddp.init(params), batch)
 
@@ -213,7 +217,7 @@ def test_comm_bytes_metric(wire, monkeypatch):
     nbytes = sum(x.size * 4 for x in jax.tree.leaves(params))
     bf16 = 1.0 if wire == "cpu" else 0.5
     for hook, factor in [(None, 1.0), (jddp.fp16_compress(), 0.5), (jddp.bf16_compress(), bf16)]:
-        ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=hook)
+        ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook))
         _, m = ddp.step(ddp.init(params), batch)
         # The gradients at the hook's precision, and the float32 loss (on the last bucket's
         # all-reduce, or on one of its own for a compressing hook: the same ring bytes).
@@ -223,7 +227,8 @@ def test_comm_bytes_metric(wire, monkeypatch):
 def test_unused_leaf_keeps_its_hook_state():
     params, batch = _mlp()
     params = {**params, "unused": jnp.ones((32, 32))}
-    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=jddp.powersgd(start_iter=0))
+    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1),
+                            reduce=jddp.Buckets(hook=jddp.powersgd(start_iter=0)))
     state = ddp.init(params)
     i = sorted(params).index("unused")
     q0 = np.asarray(state.hook_state[i]["q"])
@@ -242,7 +247,7 @@ def test_hook_changing_dtype_or_shape_is_a_clear_error():
 
     for fn, what in [(bad_dtype, "bfloat16"), (bad_shape, "changed leaf")]:
         hook = jddp.CommHook(lambda leaf: (), fn, "bad")
-        ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=hook)
+        ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook))
         with pytest.raises(ValueError, match="Communication hook 'bad' changed leaf") as e:
             ddp.step(ddp.init(params), batch)
         assert what in str(e.value) and "cast back" in str(e.value)
@@ -257,7 +262,8 @@ def test_hook_with_integer_state_is_a_clear_error():
     int_state = lambda leaf: jnp.zeros((), jnp.int32)
     hook = jddp.CommHook(int_state, jddp.hooks.allreduce_mean().reduce, "counter")
     with pytest.raises(TypeError, match="'counter' made a int32 state leaf .* must be floating"):
-        jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=hook).init(params)
+        jddp.DataParallel(_mlp_loss, optax.sgd(0.1),
+                          reduce=jddp.Buckets(hook=hook)).init(params)
 
 
 def test_hook_changing_state_dtype_is_a_clear_error():
@@ -268,14 +274,15 @@ def test_hook_changing_state_dtype_is_a_clear_error():
         return out, tuple(jax.tree.map(lambda s: s.astype(jnp.float16), s) for s in states)
 
     hook = jddp.CommHook(lambda leaf: jnp.zeros(3, jnp.float32), reduce, "drift")
-    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=hook)
+    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook))
     with pytest.raises(ValueError, match="changed a state leaf .* keep its shapes and dtypes"):
         ddp.step(ddp.init(params), batch)
 
 
 def test_powersgd_compiles_one_step_per_phase_without_conditionals():
     params, batch = _mlp()
-    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=jddp.powersgd(start_iter=10))
+    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1),
+                            reduce=jddp.Buckets(hook=jddp.powersgd(start_iter=10)))
     before = ddp.lower(params, batch).compile().as_text()
     after = ddp.lower(params, batch, step=10).compile().as_text()
     assert "conditional(" not in before and "conditional(" not in after
@@ -284,7 +291,7 @@ def test_powersgd_compiles_one_step_per_phase_without_conditionals():
     assert before.count("all-reduce(") == 1 and 2 <= after.count("all-reduce(") <= 4
     # Without a static phase (a custom caller), the switch is a lax.cond holding both branches.
     hook = jddp.powersgd(start_iter=10)._replace(phase=None)
-    cond = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=hook)
+    cond = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook))
     hlo = cond.lower(params, batch).compile().as_text()
     assert hlo.count("conditional(") == 1 and hlo.count("all-reduce(") >= 3
 
@@ -292,8 +299,9 @@ def test_powersgd_compiles_one_step_per_phase_without_conditionals():
 def test_powersgd_phase_reaches_the_accumulation_sync_step():
     """With accumulation, the sync program is specialised on PowerSGD's phase too (no cond)."""
     params, batch = _mlp()
-    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), hook=jddp.powersgd(start_iter=10),
-                            accumulate_steps=2)
+    ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1),
+                            reduce=jddp.Buckets(hook=jddp.powersgd(start_iter=10)),
+                            accumulate=jddp.Accumulate(steps=2))
     before = ddp.lower(params, batch, sync=True).compile().as_text()
     after = ddp.lower(params, batch, sync=True, step=10).compile().as_text()
     assert "conditional(" not in before and "conditional(" not in after
@@ -328,7 +336,8 @@ def _digits_accuracy(hook, steps=250, batch_size=128):
         "w2": jax.random.normal(k[1], (128, 128)) * (2 / 128) ** 0.5, "b2": jnp.zeros(128),
         "w3": jax.random.normal(k[2], (128, 10)) * (1 / 128) ** 0.5, "b3": jnp.zeros(10),
     }
-    ddp = jddp.DataParallel(_digits_loss, optax.sgd(0.05, momentum=0.9), hook=hook)
+    ddp = jddp.DataParallel(_digits_loss, optax.sgd(0.05, momentum=0.9),
+                            reduce=jddp.Buckets(hook=hook))
     state = ddp.init(params)
     rng = np.random.default_rng(1)
     for _ in range(steps):

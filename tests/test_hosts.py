@@ -23,7 +23,7 @@ from jddp.perf.traffic import sent_per_device, traffic
 from tests._models import max_abs_diff, mlp_loss, mlp_params, regression_batch
 
 SIZES = [6, 16, 16, 16, 3]
-CAPS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)
+CAPS = dict(cap_mb=0.002, first_mb=0.001)
 
 
 def test_data_mesh_two_level():
@@ -93,20 +93,21 @@ def _weighted(p, b):
 FEATURES = {
     # name: (loss, DataParallel options, stateful, step kwargs)
     "plain adam": (mlp_loss, {}, False, {}),
-    "aux metrics": (_aux, {"has_aux": True}, False, {}),
+    "aux metrics": (_aux, {"loss": jddp.Loss(has_aux=True)}, False, {}),
     "model state broadcast": (_stateful, {}, True, {}),
-    "model state mean": (_stateful, {"model_state_sync": "mean"}, True, {}),
-    "model state none": (_stateful, {"model_state_sync": "none"}, True, {}),
-    "accumulate_steps=2": (mlp_loss, {"accumulate_steps": 2}, False, {}),
-    "microbatches=2": (mlp_loss, {"microbatches": 2}, False, {}),
-    "weighted + mask": (_weighted, {"weighted": True}, False, {"mask": True}),
-    "skip_not_finite": (mlp_loss, {"skip_not_finite": True}, False, {}),
+    "model state mean": (_stateful, {"loss": jddp.Loss(model_state_sync="mean")}, True, {}),
+    "model state none": (_stateful, {"loss": jddp.Loss(model_state_sync="none")}, True, {}),
+    "accumulate_steps=2": (mlp_loss, {"accumulate": jddp.Accumulate(steps=2)}, False, {}),
+    "microbatches=2": (mlp_loss, {"accumulate": jddp.Accumulate(microbatches=2)}, False, {}),
+    "weighted + mask": (_weighted, {"loss": jddp.Loss(weighted=True)}, False, {"mask": True}),
+    "skip_not_finite": (mlp_loss, {"loss_scale": jddp.SkipNotFinite()}, False, {}),
 }
 
 
 def _run(name, mesh, hook, steps=3):
     loss, opts, stateful, kw = FEATURES[name]
-    ddp = jddp.DataParallel(loss, optax.adam(1e-2), mesh=mesh, hook=hook, **opts, **CAPS)
+    ddp = jddp.DataParallel(loss, optax.adam(1e-2), mesh=mesh,
+                            reduce=jddp.Buckets(hook=hook, **CAPS), **opts)
     params = mlp_params(0, SIZES)
     ms = {"mu": jnp.zeros((16,)), "n": jnp.zeros((), jnp.int32)}
     state = ddp.init(params, ms) if stateful else ddp.init(params)
@@ -144,8 +145,8 @@ def test_every_feature_accepts_the_two_level_mesh(name):
 
 def _compiled(hook, cap=0.004, first=0.0001):
     mesh = jddp.data_mesh(hosts=2)
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), mesh=mesh, hook=hook, bucket_cap_mb=cap,
-                            first_bucket_mb=first)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), mesh=mesh,
+                            reduce=jddp.Buckets(hook=hook, cap_mb=cap, first_mb=first))
     sizes = [8] + [32] * 8 + [4]
     text = ddp.lower(mlp_params(0, sizes), regression_batch(0, 32, 8, 4)).compile().as_text()
     return ddp.bucket_plan, text, traffic(text, jddp.mesh.host_of_device(mesh))
@@ -207,8 +208,8 @@ def test_hierarchical_sends_less_across_hosts():
     assert flat.by_kind(crosses=True) == {"all-reduce": plan.num_buckets}
     mesh = jddp.data_mesh(hosts=2)
     for hook, expected in ((None, flat.across), (jddp.hooks.hierarchical(), hier.across)):
-        ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), mesh=mesh, hook=hook,
-                                bucket_cap_mb=0.004, first_bucket_mb=0.0001)
+        ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), mesh=mesh,
+                                reduce=jddp.Buckets(hook=hook, cap_mb=0.004, first_mb=0.0001))
         sizes = [8] + [32] * 8 + [4]
         _, m = ddp.step(ddp.init(mlp_params(0, sizes)), regression_batch(0, 32, 8, 4))
         # comm_bytes_hosts is per device: a host's 4 devices send 4x it.
@@ -225,8 +226,8 @@ def test_hierarchical_value_and_grad_in_shard_map():
 
     def step(p, b):
         loss, grads = jddp.value_and_grad(
-            mlp_loss, axes, hook=jddp.hooks.hierarchical("hosts"), bucket_cap_mb=0.002,
-            first_bucket_mb=0.001)(p, b)
+            mlp_loss, axes, hook=jddp.hooks.hierarchical("hosts"), cap_mb=0.002,
+            first_mb=0.001)(p, b)
         return lax.pmean(loss, axes), grads
 
     loss, grads = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(axes)),
@@ -254,7 +255,7 @@ def test_verify_compares_per_host_copies_inside_each_host():
 def test_sharded_stages_on_the_two_level_mesh_equal_the_replicated_step(stage):
     """ZeRO over both axes of a 2 x 4 mesh (flat reduce-scatter) trains like stage 0 on the 1-D
     mesh: params after 3 Adam steps and losses to 1e-6."""
-    FEATURES[f"zero {stage}"] = (mlp_loss, {"zero_stage": stage}, False, {})
+    FEATURES[f"zero {stage}"] = (mlp_loss, {"place": jddp.ZeRO(stage=stage)}, False, {})
     try:
         one, loss1 = _run("plain adam", jddp.data_mesh(), None)
         sharded, loss2 = _run(f"zero {stage}", jddp.data_mesh(hosts=2), None)
@@ -284,7 +285,9 @@ def _hooked_run(hook, stage, hybrid):
     make = {"hierarchical": jddp.hooks.hierarchical,
             "powersgd": lambda: jddp.powersgd(start_iter=1)}[hook]
     ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=jddp.data_mesh(hosts=2),
-                            hook=make(), zero_stage=stage, hybrid_shard=hybrid, **CAPS)
+                            reduce=jddp.Buckets(hook=make(), **CAPS),
+                            place=jddp.ZeRO(stage=stage,
+                                            hybrid=hybrid) if stage else jddp.Replicate())
     state, losses = ddp.init(mlp_params(0, SIZES)), []
     for i in range(3):
         state, m = ddp.step(state, regression_batch(i, 32, SIZES[0], SIZES[-1]))
@@ -295,9 +298,11 @@ def _hooked_run(hook, stage, hybrid):
 # ------------------------------------------------------------------- hybrid sharding (FSDP's)
 
 
-def _hybrid(stage, mesh, steps=3, **kw):
-    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=mesh, zero_stage=stage, **CAPS,
-                            **kw)
+def _hybrid(stage, mesh, steps=3, hybrid=False, accumulate=1):
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=mesh, reduce=jddp.Buckets(**CAPS),
+                            place=jddp.ZeRO(stage=stage,
+                                            hybrid=hybrid) if stage else jddp.Replicate(),
+                            accumulate=jddp.Accumulate(steps=accumulate))
     state = ddp.init(mlp_params(0, SIZES))
     losses = []
     for i in range(steps):
@@ -312,9 +317,9 @@ def test_hybrid_shard_trains_like_the_replicated_step(stage, accumulate):
     """Sharded inside each host, replicated across the 2 hosts of a 2 x 4 mesh: params after 4
     Adam steps and every loss equal stage 0 on the 1-D mesh to 1e-6; the optimizer state (and at
     stage 3 the parameters) are split over the local axis only."""
-    _, ref, ref_losses, _ = _hybrid(0, jddp.data_mesh(), steps=4, accumulate_steps=accumulate)
-    _, state, losses, _ = _hybrid(stage, jddp.data_mesh(hosts=2), steps=4, hybrid_shard=True,
-                                  accumulate_steps=accumulate)
+    _, ref, ref_losses, _ = _hybrid(0, jddp.data_mesh(), steps=4, accumulate=accumulate)
+    _, state, losses, _ = _hybrid(stage, jddp.data_mesh(hosts=2), steps=4, hybrid=True,
+                                  accumulate=accumulate)
     assert max_abs_diff(ref.params, jax.tree.map(np.asarray, state.params)) < 1e-6
     np.testing.assert_allclose([x for x in losses if not np.isnan(x)],
                                [x for x in ref_losses if not np.isnan(x)], atol=1e-6)
@@ -338,9 +343,10 @@ def test_hybrid_shard_compiled_program_keeps_scatters_and_gathers_inside_hosts(s
     # hybrid sharding, across without: comm_bytes_hosts counts those too, as checked below).
     keep = dict(reshard_after_forward=False) if stage == 3 else {}
     for hybrid in (False, True):
-        ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), mesh=mesh, zero_stage=stage,
-                                hybrid_shard=hybrid, bucket_cap_mb=0.004, first_bucket_mb=0.0001,
-                                **keep)
+        ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), mesh=mesh,
+                                reduce=jddp.Buckets(cap_mb=0.004, first_mb=0.0001),
+                                place=jddp.ZeRO(stage=stage, hybrid=hybrid,
+                                                **keep) if stage else jddp.Replicate())
         text = ddp.lower(params, batch).compile().as_text()
         tr = traffic(text, jddp.mesh.host_of_device(mesh))
         crossing[hybrid] = tr.across
@@ -362,12 +368,9 @@ def test_hybrid_shard_compiled_program_keeps_scatters_and_gathers_inside_hosts(s
 
 
 def test_hybrid_shard_errors_name_the_fix():
-    with pytest.raises(ValueError, match="zero_stage=1, 2 or 3"):
-        jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=jddp.data_mesh(hosts=2),
-                          hybrid_shard=True)
     with pytest.raises(ValueError, match="two-level mesh"):
-        jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=jddp.data_mesh(), zero_stage=2,
-                          hybrid_shard=True)
-    with pytest.raises(TypeError, match="hybrid_shard must be True or False"):
-        jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=jddp.data_mesh(hosts=2), zero_stage=2,
-                          hybrid_shard="yes")
+        jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=jddp.data_mesh(),
+                          place=jddp.ZeRO(stage=2, hybrid=True))
+    with pytest.raises(TypeError, match="hybrid must be True or False"):
+        jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=jddp.data_mesh(hosts=2),
+                          place=jddp.ZeRO(stage=2, hybrid="yes"))

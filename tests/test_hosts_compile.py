@@ -46,10 +46,10 @@ def _mesh(target: str):
     return jddp.data_mesh(list(devices), hosts="process")
 
 
-def _compile(target, step=None, **kw):
+def _compile(target, step=None, hook=None, **kw):
     mesh = _mesh(target)
-    ddp = jddp.DataParallel(layer_list_loss, optax.sgd(0.1), mesh=mesh, bucket_cap_mb=CAP,
-                            first_bucket_mb=1.0, **kw)
+    ddp = jddp.DataParallel(layer_list_loss, optax.sgd(0.1), mesh=mesh,
+                            reduce=jddp.Buckets(cap_mb=CAP, first_mb=1.0, hook=hook), **kw)
     batch = {k: jax.ShapeDtypeStruct((8 * mesh.size, WIDTH), jnp.float32) for k in ("x", "y")}
     text = ddp.lower(layer_list_like(LAYERS, WIDTH), batch, step=step).compile().as_text()
     return ddp.bucket_plan, text, traffic(text, jddp.mesh.host_of_device(mesh))
@@ -91,8 +91,8 @@ def test_hierarchical_on_multi_host_targets(target, shape):
 @pytest.mark.parametrize("target", ["tpu", "gpu"])
 def test_diloco_steps_on_multi_host_targets(target):
     spec = jddp.local_sgd.diloco(4)
-    plan, _, local = _compile(target, step=0, local_sgd=spec)
+    plan, _, local = _compile(target, step=0, sync=spec)
     assert local.by_kind(crosses=True) == {}
     assert local.inside > 0  # gradients are still reduced inside each host
-    _, _, avg = _compile(target, step=3, local_sgd=spec)
+    _, _, avg = _compile(target, step=3, sync=spec)
     assert avg.by_kind(crosses=True) == {"all-reduce": plan.num_buckets}

@@ -20,12 +20,14 @@ from jddp.perf.traffic import traffic
 from tests import test_zero as tz
 from tests._models import mlp_loss
 
-CAPS = dict(bucket_cap_mb=0.02, first_bucket_mb=0.02)  # one layer of _deep(width=64) per bucket
+CAPS = dict(cap_mb=0.02, first_mb=0.02)  # one layer of _deep(width=64) per bucket
 
 
-def _train(mesh, steps=3, **kw):
+def _train(mesh, steps=3, **place):
     params, loss, batch, _ = tz._deep(layers=4, width=64, tied=True)
-    ddp = jddp.DataParallel(loss, optax.adam(1e-2), mesh=mesh, donate=False, **CAPS, **kw)
+    ddp = jddp.DataParallel(loss, optax.adam(1e-2), mesh=mesh, donate=False,
+                            reduce=jddp.Buckets(**CAPS),
+                            place=jddp.ZeRO(stage=3, **place) if place else jddp.Replicate())
     state = ddp.init(params)
     for _ in range(steps):
         state, m = ddp.step(state, batch)
@@ -47,16 +49,16 @@ def test_hpz_equals_stage_0(hosts, k, hybrid):
     in-host-then-across reduction rounds differently from stage 0's (2.5e-6 here). The first
     kernel is read twice (tied)."""
     mesh = jddp.data_mesh(hosts=hosts) if hosts else jddp.data_mesh()
-    got = _train(mesh, zero_stage=3, reshard_after_forward=k, hybrid_shard=hybrid)
-    ref = _train(mesh, zero_stage=3, hybrid_shard=True) if hybrid else _stage_0()
+    got = _train(mesh, reshard_after_forward=k, hybrid=hybrid)
+    ref = _train(mesh, hybrid=True) if hybrid else _stage_0()
     tz._close(got[0], ref[0], rtol=1e-6, atol=1e-6)
     assert got[1] == pytest.approx(ref[1], rel=1e-6)
 
 
-def _compiled(mesh, **kw):
+def _compiled(mesh, reshard_after_forward):
     params, loss, batch, caps = tz._deep()
-    ddp = jddp.DataParallel(loss, optax.adam(1e-3), mesh=mesh, zero_stage=3, donate=False,
-                            **caps, **kw)
+    ddp = jddp.DataParallel(loss, optax.adam(1e-3), mesh=mesh, donate=False, reduce=caps,
+                            place=jddp.ZeRO(stage=3, reshard_after_forward=reshard_after_forward))
     state = ddp.init(params)
     compiled = ddp.step.lower(state, batch).compile()
     _, m = compiled(state, batch, None, None)
@@ -123,8 +125,8 @@ def test_hpz_on_the_compiled_gpu_step(monkeypatch):
     peaks = {}
     for reshard in (True, 4, False, "4-bf16"):
         policy = bf16 if reshard == "4-bf16" else None
-        opts = dict(zero_stage=3, reshard_after_forward=4 if policy else reshard,
-                    mixed_precision=policy, **caps)
+        opts = dict(place=jddp.ZeRO(stage=3, reshard_after_forward=4 if policy else reshard),
+                    precision=policy, reduce=caps)
         gpu = jddp.DataParallel(loss, optax.adam(1e-3), mesh=topologies.gpu_mesh(8), **opts)
         compiled = gpu.lower(*like).compile()
         mem = compiled.memory_analysis()
@@ -144,31 +146,31 @@ def test_hpz_on_the_compiled_gpu_step(monkeypatch):
 
 def test_hpz_option_resolves_against_the_mesh():
     """1 is False and the shard count True (FSDP2's rule); a proper divisor stays a group."""
-    def resolved(k, **kw):
-        cfg = jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=3,
-                                reshard_after_forward=k, **kw).config
+    def resolved(k, mesh=None, hybrid=False):
+        cfg = jddp.DataParallel(mlp_loss, optax.sgd(0.1), mesh=mesh,
+                                place=jddp.ZeRO(stage=3, reshard_after_forward=k,
+                                                hybrid=hybrid)).config
         return cfg.place.reshard_after_forward, cfg.place.reshard_group
 
     assert resolved(1) == (False, None)
     assert resolved(8) == (True, None)
     assert resolved(np.int64(4)) == (4, 4)
     assert resolved(2, mesh=jddp.data_mesh(hosts=2)) == (2, 2)
-    assert resolved(4, mesh=jddp.data_mesh(hosts=2), hybrid_shard=True) == (True, None)
+    assert resolved(4, mesh=jddp.data_mesh(hosts=2), hybrid=True) == (True, None)
 
 
 @pytest.mark.parametrize("kw,error,match", [
     (dict(reshard_after_forward=3), ValueError, r"must divide the 8 devices.*\[2, 4\]"),
     (dict(reshard_after_forward=0), ValueError, "positive int"),
-    (dict(reshard_after_forward=4, zero_stage=2), ValueError, r"jddp\.ZeRO\(stage=3\) only"),
+    (dict(reshard_after_forward=4, stage=2), ValueError, r"jddp\.ZeRO\(stage=3\) only"),
     (dict(reshard_after_forward=2.0), TypeError, "An int k"),
     (dict(reshard_after_forward=4, mesh="4x2"), ValueError,
      r"would span hosts \(2 devices per host\).*pass one of \[2\]"),
-    (dict(reshard_after_forward=8, mesh="2x4", hybrid_shard=True), ValueError,
+    (dict(reshard_after_forward=8, mesh="2x4", hybrid=True), ValueError,
      "must divide the 4 devices"),
 ])
 def test_hpz_errors_name_the_fix(kw, error, match):
-    kw = dict(dict(zero_stage=3), **kw)
-    if "mesh" in kw:
-        kw["mesh"] = jddp.data_mesh(hosts=int(kw["mesh"][0]))
+    kw = dict(dict(stage=3), **kw)
+    mesh = jddp.data_mesh(hosts=int(kw.pop("mesh")[0])) if "mesh" in kw else None
     with pytest.raises(error, match=match):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), **kw)
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), mesh=mesh, place=jddp.ZeRO(**kw))

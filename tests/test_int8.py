@@ -114,8 +114,9 @@ def _loss(p, b):
 def test_wire_is_int8_and_bytes_match_the_compiled_program(hosts):
     params, batch = _mlp()
     mesh = jddp.data_mesh(hosts=hosts) if hosts else jddp.data_mesh()
-    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), mesh=mesh, hook=jddp.hooks.int8_compress(),
-                            bucket_cap_mb=0.05, first_bucket_mb=0.02)
+    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), mesh=mesh,
+                            reduce=jddp.Buckets(hook=jddp.hooks.int8_compress(), cap_mb=0.05,
+                                                first_mb=0.02))
     state = ddp.init(params)
     text = ddp.step.lower(state, batch).compile().as_text()
     cols = collectives(text)
@@ -146,9 +147,10 @@ def test_sharded_stages_reduce_scatter_in_int8(stage):
     rounding of the float32 step at the same stage."""
     params, batch = _mlp()
     mesh = jddp.data_mesh(hosts=2)  # 2 x 4: the bytes that cross hosts are checked too
-    kw = dict(mesh=mesh, zero_stage=stage, bucket_cap_mb=0.05, first_bucket_mb=0.02)
-    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), **kw,
-                            hook=jddp.hooks.int8_compress(error_feedback=False))
+    kw = dict(mesh=mesh, place=jddp.ZeRO(stage=stage))
+    caps = dict(cap_mb=0.05, first_mb=0.02)
+    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), **kw, reduce=jddp.Buckets(
+        hook=jddp.hooks.int8_compress(error_feedback=False), **caps))
     state = ddp.init(params)
     text = ddp.step.lower(state, batch).compile().as_text()
     cols = collectives(text)
@@ -165,11 +167,12 @@ def test_sharded_stages_reduce_scatter_in_int8(stage):
     # With error feedback (state) the bucket is reduced as at stage 0 and the piece kept: the
     # same all-to-all plus an int8 all-gather of about its size, twice the gradient bytes.
     a2a_sent = sum(c.nbytes for c in a2a) * (N - 1) / N
-    ef = jddp.DataParallel(_loss, optax.sgd(0.1), **kw, hook=jddp.hooks.int8_compress())
+    ef = jddp.DataParallel(_loss, optax.sgd(0.1), **kw,
+                           reduce=jddp.Buckets(hook=jddp.hooks.int8_compress(), **caps))
     _, m_ef = ef.step(ef.init(params), batch)
     extra = float(m_ef["comm_bytes"]) - float(m["comm_bytes"])
     assert extra == pytest.approx(a2a_sent, rel=0.05), (extra, a2a_sent)
-    f32 = jddp.DataParallel(_loss, optax.sgd(0.1), **kw)
+    f32 = jddp.DataParallel(_loss, optax.sgd(0.1), **kw, reduce=jddp.Buckets(**caps))
     start = jax.tree.leaves(jax.device_get(f32.init(params).params))
     ref, _ = f32.step(f32.init(params), batch)
     got = jax.tree.leaves(jax.device_get(state.params))
@@ -198,7 +201,7 @@ def test_trains_like_float32_on_digits():
     results = {}
     for name, hook in [("f32", None), ("int8", jddp.hooks.int8_compress()),
                        ("int8-sr", jddp.hooks.int8_compress(rounding="stochastic"))]:
-        ddp = jddp.DataParallel(loss, optax.sgd(0.1, momentum=0.9), hook=hook)
+        ddp = jddp.DataParallel(loss, optax.sgd(0.1, momentum=0.9), reduce=jddp.Buckets(hook=hook))
         state = ddp.init(params)
         rng = np.random.default_rng(1)
         for _ in range(150):

@@ -16,7 +16,7 @@ from jddp.perf.traffic import traffic
 from tests._models import max_abs_diff, mlp_loss, mlp_params, regression_batch
 
 SIZES = [6, 16, 16, 3]
-CAPS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)  # 2 buckets
+CAPS = dict(cap_mb=0.002, first_mb=0.001)  # 2 buckets
 DEVICES = 8
 
 
@@ -88,8 +88,8 @@ def _reference(params, ms, inner, spec, batches, replicas, stateful):
 
 def _run(spec, inner, batches, hosts, stateful, **kw):
     loss = _stateful_loss if stateful else mlp_loss
-    ddp = jddp.DataParallel(loss, inner, mesh=_mesh(hosts), local_sgd=spec,
-                            model_state_sync="mean", **CAPS, **kw)
+    ddp = jddp.DataParallel(loss, inner, mesh=_mesh(hosts), reduce=jddp.Buckets(**CAPS),
+                            loss=jddp.Loss(model_state_sync="mean"), sync=spec, **kw)
     params = mlp_params(0, SIZES)
     ms = {"mu": jnp.zeros((SIZES[0],), jnp.float32)}
     state = ddp.init(params, ms) if stateful else ddp.init(params)
@@ -138,10 +138,10 @@ def test_period_one_equals_ddp_for_sgd():
     """PyTorch's parity check: averaging every step (H = 1) after local SGD steps is DDP."""
     batches = _batches(5)
     params = mlp_params(0, SIZES)
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS))
     state = ddp.init(params)
-    lsgd = jddp.DataParallel(mlp_loss, optax.sgd(0.1), local_sgd=jddp.local_sgd.post_local_sgd(1),
-                             **CAPS)
+    lsgd = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                             sync=jddp.local_sgd.post_local_sgd(1))
     lstate = lsgd.init(params)
     for b in batches:
         state, m = ddp.step(state, b)
@@ -185,7 +185,8 @@ def test_compiled_local_and_averaging_steps(hosts):
     per bucket, in bucket order (the loss rides on the last one)."""
     mesh = _mesh(hosts)
     spec = jddp.local_sgd.diloco(4)
-    ddp = jddp.DataParallel(mlp_loss, optax.adamw(1e-3), mesh=mesh, local_sgd=spec, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optax.adamw(1e-3), mesh=mesh, reduce=jddp.Buckets(**CAPS),
+                            sync=spec)
     host = jddp.mesh.host_of_device(mesh)
     local = traffic(_kinds_text(ddp, 0), host)
     plan = ddp.bucket_plan
@@ -222,8 +223,9 @@ def test_checkpoint_resume_mid_period_is_bit_exact(tmp_path):
     batches = _batches(9)
 
     def make():
-        return jddp.DataParallel(_stateful_loss, optax.adamw(1e-2), mesh=_mesh(2), local_sgd=spec,
-                                 model_state_sync="mean", **CAPS)
+        return jddp.DataParallel(_stateful_loss, optax.adamw(1e-2), mesh=_mesh(2),
+                                 reduce=jddp.Buckets(**CAPS),
+                                 loss=jddp.Loss(model_state_sync="mean"), sync=spec)
 
     params = mlp_params(0, SIZES)
     ms = {"mu": jnp.zeros((SIZES[0],), jnp.float32)}
@@ -248,14 +250,14 @@ def test_checkpoint_resume_mid_period_is_bit_exact(tmp_path):
 def test_options_that_do_not_combine_are_named():
     # The one combination refused: ZeRO inside islands of one device (a 1-D mesh).
     with pytest.raises(ValueError, match="on a 1-D mesh every device is a replica"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=1,
-                          local_sgd=jddp.local_sgd.post_local_sgd(4))
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), place=jddp.ZeRO(stage=1),
+                          sync=jddp.local_sgd.post_local_sgd(4))
     with pytest.raises(ValueError, match="fragments=5 must be <= period=4"):
         jddp.local_sgd.diloco(4, fragments=5)
     with pytest.raises(ValueError, match="fragments > 1 is streaming DiLoCo"):
         jddp.local_sgd.LocalSGD(4, fragments=2)
-    with pytest.raises(TypeError, match=r"call it: jddp\.local_sgd\.diloco\(period=\.\.\.\)"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), local_sgd=jddp.local_sgd.diloco)
+    with pytest.raises(TypeError, match=r"got diloco itself \(call it: diloco\(\.\.\.\)\)"):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), sync=jddp.local_sgd.diloco)
     with pytest.raises(ValueError, match="period must be an int >= 1"):
         jddp.local_sgd.post_local_sgd(0)
     with pytest.raises(ValueError, match="DiLoCo starts from the given parameters"):
@@ -372,8 +374,9 @@ def test_accumulation_and_microbatches_equal_the_whole_batch(algo, hosts):
     replicas = DEVICES if hosts is None else hosts
     ref_ps, ref_anchor = _island_reference(params, inner, spec, batches, replicas)
     # On the 1-D mesh (8 islands of one device) both at once, in one window.
-    acc = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(hosts), local_sgd=spec,
-                            accumulate_steps=2, microbatches=1 if hosts else 2, **CAPS)
+    acc = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(hosts), reduce=jddp.Buckets(**CAPS),
+                            accumulate=jddp.Accumulate(steps=2, microbatches=1 if hosts else 2),
+                            sync=spec)
     state = acc.init(params)
     for b in batches:
         for half in _halves(b):
@@ -384,8 +387,8 @@ def test_accumulation_and_microbatches_equal_the_whole_batch(algo, hosts):
         assert max_abs_diff(state.outer.params, ref_anchor) < 1e-5
     if not hosts:
         return
-    micro = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(hosts), local_sgd=spec,
-                              microbatches=2, **CAPS)
+    micro = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(hosts), reduce=jddp.Buckets(**CAPS),
+                              accumulate=jddp.Accumulate(microbatches=2), sync=spec)
     state = micro.init(params)
     for b in batches:
         state, m = micro.step(state, b)
@@ -404,8 +407,9 @@ def test_weighted_masks_and_summed_metrics():
     masks = [(rng.random(32) > 0.4).astype(np.float32) for _ in batches]
     masks[2][16:] = 0.0  # replica 1 of 2 sees no real example at step 2: its update is skipped
     params = mlp_params(0, SIZES)
-    ddp = jddp.DataParallel(_per_example_mse, inner, mesh=_mesh(2), local_sgd=spec,
-                            weighted=True, has_aux=True, sum_metrics=("count",), **CAPS)
+    ddp = jddp.DataParallel(_per_example_mse, inner, mesh=_mesh(2), reduce=jddp.Buckets(**CAPS),
+                            loss=jddp.Loss(weighted=True, has_aux=True, sum_metrics=("count",)),
+                            sync=spec)
     state = ddp.init(params)
     out = []
     for b, mk in zip(batches, masks, strict=True):
@@ -441,7 +445,8 @@ def test_per_example_keys():
     batches = _batches(3)
     key = jax.random.key(3)
     params = mlp_params(0, SIZES)
-    ddp = jddp.DataParallel(_dropout_loss, inner, mesh=_mesh(2), local_sgd=spec, rng=True, **CAPS)
+    ddp = jddp.DataParallel(_dropout_loss, inner, mesh=_mesh(2), reduce=jddp.Buckets(**CAPS),
+                            loss=jddp.Loss(rng=True), sync=spec)
     state = ddp.init(params)
     for b in batches:
         state, _ = ddp.step(state, b, rng=key)
@@ -464,9 +469,10 @@ def test_not_finite_gradient_skips_that_replica_only(guard):
     bad["x"] = np.array(bad["x"])
     bad["x"][20] = np.inf  # a row of replica 1 (rows 16..31) on 2 hosts
     opts = {"loss_scale": jddp.precision.DynamicScale(init_scale=2.0**10)} if guard == "loss_scale" \
-        else {"skip_not_finite": True}
+        else {"loss_scale": jddp.SkipNotFinite()}
     params = mlp_params(0, SIZES)
-    ddp = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(2), local_sgd=spec, **opts, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(2), reduce=jddp.Buckets(**CAPS), sync=spec,
+                            **opts)
     state = ddp.init(params)
     for b in batches[:2]:
         state, m = ddp.step(state, b)
@@ -513,8 +519,8 @@ def test_zero_stages_inside_each_island(algo, stage):
         spec, inner = jddp.local_sgd.post_local_sgd(2, start_step=1), optax.adam(1e-2)
     batches = _batches(4)
     params = mlp_params(0, SIZES)
-    ddp = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(2), local_sgd=spec, zero_stage=stage,
-                            **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(2), reduce=jddp.Buckets(**CAPS),
+                            place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(), sync=spec)
     state = ddp.init(params)
     for b in batches:
         state, m = ddp.step(state, b)
@@ -544,7 +550,7 @@ def test_streaming_diloco_equals_its_reference():
     assert [spec.due(s) for s in range(8)] == [(), (1,), (), (0,), (), (1,), (), (0,)]
     batches = _batches(8)
     params = mlp_params(0, SIZES)
-    ddp = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(2), local_sgd=spec, **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, inner, mesh=_mesh(2), reduce=jddp.Buckets(**CAPS), sync=spec)
     state = ddp.init(params)
     hosts_bytes = []
     for b in batches:
@@ -588,13 +594,13 @@ def test_compressed_averaging(hosts):
     but not on them, its averaging step moves int8 across (all-to-all + all-gather per bucket),
     ``comm_bytes`` counts what the compiled program sends (the hook's bytes, about 0.27x float32's)
     and the metrics riding beside it stay exact."""
-    sizes, caps = [16, 256, 64, 3], dict(bucket_cap_mb=0.05, first_bucket_mb=0.02)
+    sizes, caps = [16, 256, 64, 3], jddp.Buckets(cap_mb=0.05, first_mb=0.02)
     batches = [regression_batch(i, 32, sizes[0], sizes[-1]) for i in range(6)]
     params = mlp_params(0, sizes)
 
     def run(**kw):
         ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=_mesh(hosts),
-                                local_sgd=jddp.local_sgd.diloco(3, **kw), **caps)
+                                sync=jddp.local_sgd.diloco(3, **kw), reduce=caps)
         state, ms = ddp.init(params), []
         for b in batches:
             state, m = ddp.step(state, b)

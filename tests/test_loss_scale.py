@@ -22,7 +22,7 @@ from jddp.precision import DynamicScale
 from tests._models import max_abs_diff, mlp_loss, mlp_params
 
 SIZES = [6, 16, 3]
-CAPS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)
+CAPS = dict(cap_mb=0.002, first_mb=0.001)
 BAD_STEPS = (1, 5)  # steps whose batch holds an Inf input: non-finite gradients
 
 
@@ -60,7 +60,8 @@ def test_dynamic_scale_on_8_devices_matches_flax_and_the_hand_written_rule():
     batches = _batches(8)
     tx = optax.adam(1e-2)
     ddp = jddp.DataParallel(mlp_loss, tx, loss_scale=DynamicScale(init_scale=2.0**10,
-                                                                  growth_interval=2), **CAPS)
+                                                                  growth_interval=2),
+                            reduce=jddp.Buckets(**CAPS))
     state = ddp.init(params)
     scales, skipped = [], []
     for b in batches:
@@ -92,8 +93,9 @@ def test_unscaled_gradients_equal_the_unscaled_run_with_accumulation():
                 "y": rng.normal(size=(32, 3)).astype(np.float32)} for _ in range(4)]
     runs = []
     for scale in (None, DynamicScale(init_scale=2.0**12, growth_interval=1)):
-        ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate_steps=2, microbatches=2,
-                                loss_scale=scale, **CAPS)
+        ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                                accumulate=jddp.Accumulate(steps=2, microbatches=2),
+                                loss_scale=scale)
         state = ddp.init(params)
         for b in batches:
             state, _ = ddp.step(state, b)
@@ -179,7 +181,7 @@ def test_loss_scaling_adds_no_collective():
     from jddp.perf import schedule
 
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), loss_scale=DynamicScale(),
-                            bucket_cap_mb=0.0002, first_bucket_mb=0.0001)
+                            reduce=jddp.Buckets(cap_mb=0.0002, first_mb=0.0001))
     text = ddp.step.lower(ddp.init(mlp_params(0, SIZES)), _batches(1)[0]).compile().as_text()
     assert ddp.bucket_plan.num_buckets >= 2
     assert len(schedule.collectives(text, "all-reduce")) == ddp.bucket_plan.num_buckets
@@ -190,7 +192,7 @@ def test_loss_scale_state_is_checkpointed(tmp_path):
 
     params = mlp_params(0, SIZES)
     ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), loss_scale=DynamicScale(
-        init_scale=2.0**10, growth_interval=2), **CAPS)
+        init_scale=2.0**10, growth_interval=2), reduce=jddp.Buckets(**CAPS))
     state = ddp.init(params)
     for b in _batches(3):  # step 1 is non-finite: scale 2**9
         state, _ = ddp.step(state, b)

@@ -32,7 +32,7 @@ from tests.launch_util import run_launcher
 
 SIZES = [6, 16, 16, 3]
 ROWS = 32  # global batch
-CAPS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)
+CAPS = dict(cap_mb=0.002, first_mb=0.001)
 KEY = 11
 
 
@@ -590,17 +590,45 @@ def _to_numpy(tree):
     return jax.tree.map(get, tree)
 
 
+# A cell named by its features ({"hook": ..., "accumulate_steps": 2, ...}): each feature is
+# the field of the policy that owns it (jddp._src.deprecated.OWNERS, the same bits).
+FEATURES = {"reduce": {"hook": "hook", "chain": "chain"},
+            "loss": {"weighted": "weighted", "rng": "rng", "has_aux": "has_aux",
+                     "sum_metrics": "sum_metrics", "model_state_sync": "model_state_sync"},
+            "accumulate": {"accumulate_steps": "steps", "microbatches": "microbatches",
+                           "shard_accumulator": "shard"},
+            "place": {"hybrid_shard": "hybrid", "reshard_after_forward": "reshard_after_forward"}}
+POLICIES = {"reduce": jddp.Buckets, "loss": jddp.Loss, "accumulate": jddp.Accumulate}
+
+
 def _options(cell: Cell, caps: dict) -> dict:
-    """The cell's keywords with its stage and caps: round-3 keywords, or policies when the
-    cell is spelled with them (the two spellings do not mix)."""
-    opts = cell.options()
-    if not POLICY_KEYWORDS & opts.keys():
-        return dict(opts, zero_stage=cell.stage, **caps)
+    """The cell's policy keywords at its stage, with ``caps``: a cell named by its features
+    ({"hook": ..., "accumulate_steps": 2}) gets each as the field of the policy that owns it
+    (jddp._src.deprecated.OWNERS: the same bits); policies it gives are kept as given."""
+    opts: dict[str, Any] = {}
+    fields: dict[str, dict] = {k: {} for k in FEATURES}
+    features = cell.options()
+    for name, value in features.items():
+        owner = next((k for k, f in FEATURES.items() if name in f), None)
+        if owner is not None:
+            fields[owner][FEATURES[owner][name]] = value
+        elif name == "local_sgd":
+            opts["sync"] = value
+        elif name == "mixed_precision":
+            opts["precision"] = value
+        elif name == "skip_not_finite":
+            if value and "loss_scale" not in features:  # a loss scale skips too
+                opts["loss_scale"] = jddp.SkipNotFinite()
+        else:
+            opts[name] = value
+    if "reduce" not in opts:
+        fields["reduce"].update(caps)
+    for owner, policy in POLICIES.items():
+        if fields[owner]:
+            assert owner not in opts, (cell.name, owner)
+            opts[owner] = policy(**fields[owner])
     if cell.stage and "place" not in opts:
-        opts["place"] = jddp.ZeRO(stage=cell.stage)
-    if caps and "reduce" not in opts:
-        opts["reduce"] = jddp.Buckets(cap_mb=caps["bucket_cap_mb"],
-                                      first_mb=caps["first_bucket_mb"])
+        opts["place"] = jddp.ZeRO(stage=cell.stage, **fields["place"])
     return opts
 
 
@@ -673,7 +701,8 @@ def test_syncbn_cells_leave_the_scale_to_jax_where_declared():
         if not cell.name.startswith("syncbn"):
             continue
         case = CASES[cell.expect[1]]
-        ddp = jddp.DataParallel(case.loss, case.optimizer(), zero_stage=cell.stage,
+        ddp = jddp.DataParallel(case.loss, case.optimizer(),
+                                place=jddp.ZeRO(stage=cell.stage) if cell.stage else jddp.Replicate(),
                                 **cell.options())
         plan = ddp.plan(case.params(), batch, case.model_state)
         seen[cell_id(cell)] = tuple(plan.paths[i] for i in plan.implicit)

@@ -41,8 +41,9 @@ def _loss(params, batch):
 def test_sum_metrics_are_totals_over_devices_and_microbatches(microbatches):
     params = mlp_params(0, SIZES)
     batch = _batch(64)
-    ddp = jddp.DataParallel(_loss, optax.sgd(0.0), has_aux=True, microbatches=microbatches,
-                            sum_metrics=("correct", "examples"))
+    ddp = jddp.DataParallel(_loss, optax.sgd(0.0),
+                            loss=jddp.Loss(has_aux=True, sum_metrics=("correct", "examples")),
+                            accumulate=jddp.Accumulate(microbatches=microbatches))
     _, metrics = ddp.step(ddp.init(params), batch)
     want = int(np.sum(np.argmax(_classify(params, batch), -1) == batch["label"]))
     assert 0 < want < 64
@@ -64,8 +65,9 @@ def test_weighted_sum_metrics_count_real_tokens_only():
         per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch["t"])
         return per_token, {"tokens": jnp.ones_like(per_token), "shards": jnp.ones(())}
 
-    ddp = jddp.DataParallel(loss, optax.sgd(0.1), has_aux=True, weighted=True,
-                            sum_metrics=["tokens", "shards"])
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1),
+                            loss=jddp.Loss(has_aux=True, weighted=True, sum_metrics=["tokens",
+                                                                                     "shards"]))
     _, metrics = ddp.step(ddp.init({"w": jnp.linspace(0.1, 1.0, 5)}), {"t": tokens}, mask=mask)
     assert float(metrics["tokens"]) == mask.sum()
     assert float(metrics["shards"]) == 8.0
@@ -77,7 +79,7 @@ def test_injected_hyperparameters_are_reported_as_metrics():
         optax.clip_by_global_norm(1.0),
         optax.inject_hyperparams(optax.sgd)(learning_rate=schedule, momentum=0.9, nesterov=True),
     )
-    ddp = jddp.DataParallel(_loss, tx, has_aux=True)
+    ddp = jddp.DataParallel(_loss, tx, loss=jddp.Loss(has_aux=True))
     state = ddp.init(mlp_params(0, SIZES))
     lrs = []
     for i in range(5):
@@ -99,10 +101,13 @@ def test_two_injected_states_are_told_apart_by_path():
 def test_metric_errors_are_clear():
     params = mlp_params(0, SIZES)
     with pytest.raises(ValueError, match=r"sum_metrics=\('correct',\) names aux metrics.*has_aux"):
-        jddp.DataParallel(lambda p, b: _loss(p, b)[0], optax.sgd(0.1), sum_metrics="correct")
+        jddp.DataParallel(lambda p, b: _loss(p, b)[0], optax.sgd(0.1),
+                          loss=jddp.Loss(sum_metrics="correct"))
     with pytest.raises(ValueError, match="names a metric twice"):
-        jddp.DataParallel(_loss, optax.sgd(0.1), has_aux=True, sum_metrics=("a", "a"))
-    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), has_aux=True, sum_metrics=("tokens",))
+        jddp.DataParallel(_loss, optax.sgd(0.1), loss=jddp.Loss(has_aux=True, sum_metrics=("a",
+                                                                                           "a")))
+    ddp = jddp.DataParallel(_loss, optax.sgd(0.1),
+                            loss=jddp.Loss(has_aux=True, sum_metrics=("tokens",)))
     with pytest.raises(ValueError, match=r"Loss\.sum_metrics names \['tokens'\].*\['accuracy', "):
         ddp.step(ddp.init(params), _batch(16))
 
@@ -110,7 +115,7 @@ def test_metric_errors_are_clear():
         return _loss(p, b)[0], {"learning_rate": jnp.zeros(())}
 
     ddp = jddp.DataParallel(clashing, optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
-                            has_aux=True)
+                            loss=jddp.Loss(has_aux=True))
     with pytest.raises(ValueError, match=r"\['learning_rate'\] come both from loss_fn"):
         ddp.step(ddp.init(params), _batch(16))
 
@@ -122,9 +127,10 @@ def test_sum_metrics_and_optimizer_metrics_add_no_collective():
 
     params = mlp_params(0, SIZES)
     batch = _batch(32)
-    caps = dict(bucket_cap_mb=0.0005, first_bucket_mb=0.0002)
+    caps = dict(cap_mb=0.0005, first_mb=0.0002)
     ddp = jddp.DataParallel(_loss, optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
-                            has_aux=True, sum_metrics=("correct", "examples"), **caps)
+                            reduce=jddp.Buckets(**caps),
+                            loss=jddp.Loss(has_aux=True, sum_metrics=("correct", "examples")))
     text = ddp.step.lower(ddp.init(params), batch).compile().as_text()
     assert ddp.bucket_plan.num_buckets >= 2
     assert len(schedule.collectives(text, "all-reduce")) == ddp.bucket_plan.num_buckets
@@ -139,11 +145,11 @@ def _named(name):
 @pytest.mark.parametrize("name", sorted(STEP_METRICS))
 def test_an_aux_metric_may_not_take_a_name_the_step_writes(name):
     """The step's own value would silently replace the user's: refused, naming the metric."""
-    ddp = jddp.DataParallel(_named(name), optax.sgd(0.1), has_aux=True)
+    ddp = jddp.DataParallel(_named(name), optax.sgd(0.1), loss=jddp.Loss(has_aux=True))
     with pytest.raises(ValueError, match=rf"aux metrics use \['{name}'\], a name the step writes"):
         ddp.lower(mlp_params(0, SIZES), _batch(16))
     with pytest.raises(ValueError, match=rf"sum_metrics use \['{name}'\]"):
-        jddp.DataParallel(_loss, optax.sgd(0.1), has_aux=True, sum_metrics=(name,))
+        jddp.DataParallel(_loss, optax.sgd(0.1), loss=jddp.Loss(has_aux=True, sum_metrics=(name,)))
 
 
 def test_the_step_writes_only_the_reserved_names():
@@ -155,11 +161,11 @@ def test_the_step_writes_only_the_reserved_names():
     two = jddp.data_mesh(hosts=2)
     lowered = []
     for kw, calls in [
-        ({"accumulate_steps": 2, "mesh": two, "skip_not_finite": True,
+        ({"accumulate": jddp.Accumulate(steps=2), "mesh": two,
           "loss_scale": jddp.precision.DynamicScale()}, [{"sync": False}, {"sync": True}]),
-        ({"local_sgd": jddp.local_sgd.post_local_sgd(2), "mesh": two}, [{"step": 0}, {"step": 1}]),
+        ({"sync": jddp.local_sgd.post_local_sgd(2), "mesh": two}, [{"step": 0}, {"step": 1}]),
     ]:
-        ddp = jddp.DataParallel(_loss, optax.sgd(0.1), has_aux=True, **kw)
+        ddp = jddp.DataParallel(_loss, optax.sgd(0.1), loss=jddp.Loss(has_aux=True), **kw)
         for call in calls:
             lowered.append(set(ddp.step.lower(ddp.init(params), batch, **call).out_info[1]))
     written = set().union(*lowered) - user

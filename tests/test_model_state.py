@@ -55,7 +55,8 @@ def _echo_setup(mesh, sync, rows_per_device=2, width=12, seed=0):
         "i32": np.zeros(4, np.int32),
         "flag": np.array(False),
     }
-    ddp = jddp.DataParallel(_echo_loss, optax.sgd(0.1), mesh=mesh, model_state_sync=sync)
+    ddp = jddp.DataParallel(_echo_loss, optax.sgd(0.1), mesh=mesh,
+                            loss=jddp.Loss(model_state_sync=sync))
     state = ddp.init({"w": jnp.ones((3, 2))}, model_state=ms)
     return ddp, state, batch
 
@@ -155,7 +156,8 @@ def _ghost_reference(params, ms, batch, n_shards, lr, steps, sync):
 def test_batchnorm_step_matches_single_device_reference(sync):
     params, ms, batch = _bn_setup()
     mesh = jddp.data_mesh()
-    ddp = jddp.DataParallel(_bn_loss, optax.sgd(0.1), mesh=mesh, model_state_sync=sync)
+    ddp = jddp.DataParallel(_bn_loss, optax.sgd(0.1), mesh=mesh,
+                            loss=jddp.Loss(model_state_sync=sync))
     state = ddp.init(params, model_state=ms)
     for _ in range(3):
         state, metrics = ddp.step(state, batch)
@@ -172,7 +174,7 @@ def test_batchnorm_step_matches_single_device_reference(sync):
 def test_mean_sync_running_mean_equals_full_batch_statistics():
     """Mean of shard means is the global mean: BatchNorm's running *mean* matches one device."""
     params, ms, batch = _bn_setup(seed=1)
-    ddp = jddp.DataParallel(_bn_loss, optax.sgd(0.0), model_state_sync="mean")
+    ddp = jddp.DataParallel(_bn_loss, optax.sgd(0.0), loss=jddp.Loss(model_state_sync="mean"))
     state, _ = ddp.step(ddp.init(params, model_state=ms), batch)
     _, full = _bn_loss(params, ms, batch)
     np.testing.assert_allclose(
@@ -188,7 +190,7 @@ def test_has_aux_with_model_state():
         loss, new = _bn_loss(p, s, b)
         return loss, (new, {"double": 2 * loss})
 
-    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), has_aux=True)
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), loss=jddp.Loss(has_aux=True))
     _, metrics = ddp.step(ddp.init(params, model_state=ms), batch)
     np.testing.assert_allclose(metrics["double"], 2 * metrics["loss"], rtol=1e-6)
 
@@ -204,8 +206,9 @@ def test_sync_adds_no_collective(sync, weighted):
             logits, updates = _NET.apply({"params": p, **s}, b["x"], train=True,
                                          mutable=["batch_stats"])
             return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]), updates
-    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), model_state_sync=sync, weighted=weighted,
-                            first_bucket_mb=0.0002, bucket_cap_mb=0.002)
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1),
+                            reduce=jddp.Buckets(first_mb=0.0002, cap_mb=0.002),
+                            loss=jddp.Loss(model_state_sync=sync, weighted=weighted))
     text = ddp.lower(params, batch, ms).compile().as_text()
     assert ddp.bucket_plan.num_buckets >= 2
     assert len(schedule.collectives(text, "all-reduce")) == ddp.bucket_plan.num_buckets
@@ -240,7 +243,7 @@ def test_bad_loss_output_and_mode_errors():
     with pytest.raises(TypeError, match=r"must return \(loss, new_model_state\)"):
         ddp.step(ddp.init(params, model_state=ms), batch)
     with pytest.raises(ValueError, match="model_state_sync must be one of"):
-        jddp.DataParallel(_bn_loss, optax.sgd(0.1), model_state_sync="average")
+        jddp.DataParallel(_bn_loss, optax.sgd(0.1), loss=jddp.Loss(model_state_sync="average"))
     ddp = jddp.DataParallel(_bn_loss, optax.sgd(0.1))
     with pytest.raises(TypeError, match="cannot send"):
         ddp.init(params, model_state={"z": np.zeros(2, np.complex64)})
@@ -253,7 +256,7 @@ def test_prng_key_state_is_broadcast():
 
     batch = {"x": np.ones((16, 3), np.float32), "i": np.arange(16, dtype=np.int32) * 7}
     for sync in ("broadcast", "mean"):
-        ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), model_state_sync=sync)
+        ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), loss=jddp.Loss(model_state_sync=sync))
         state = ddp.init({"w": jnp.ones((3, 2))}, model_state={"key": jax.random.key(3)})
         state, _ = ddp.step(state, batch)
         want = jax.random.fold_in(jax.random.key(3), 0)  # replica 0's first example

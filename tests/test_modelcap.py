@@ -1,4 +1,4 @@
-"""bucket_cap_mb="model" and the default plan: the cost model picks the plan from the traced
+"""Buckets(cap_mb="model") and the default plan: the cost model picks the plan from the traced
 gradient sizes, no timing."""
 
 import dataclasses
@@ -102,12 +102,11 @@ def test_the_rules_hold_on_random_models():
             assert min(preds) >= preds[0] * (1 - ModelCap().margin)
             assert "kept" in c.note
         # The pin reproduces the plan: an explicit cap alone caps the first bucket too.
-        kw = dict(bucket_cap_mb=c.cap_mb)
+        kw = dict(cap_mb=c.cap_mb)
         if "first_mb" in c.pin:
-            kw["first_bucket_mb"] = c.chosen_first_mb
-        spelled = {"bucket_cap_mb": "cap_mb", "first_bucket_mb": "first_mb"}
+            kw["first_mb"] = c.chosen_first_mb
         assert c.pin == "reduce=jddp.Buckets({})".format(
-            ", ".join(f"{spelled[a]}={b:g}" for a, b in kw.items()))
+            ", ".join(f"{a}={b:g}" for a, b in kw.items()))
         pinned = make_plan([jax.ShapeDtypeStruct(s, d) for s, d in
                             zip(plan.shapes, plan.dtypes, strict=True)],
                            list(range(n)), **kw)
@@ -165,9 +164,10 @@ def _two_layer():
 
 def test_model_step_plans_before_running_trains_like_ddp_and_is_deterministic():
     loss, params, batches = _two_layer()
-    ddp = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb="model")
+    ddp = jddp.DataParallel(loss, optax.adam(1e-2), reduce=jddp.Buckets(cap_mb="model"))
     # DDP's default plan, pinned (given no cap, DataParallel takes the model's plan too).
-    fixed = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb=25.0, first_bucket_mb=1.0)
+    fixed = jddp.DataParallel(loss, optax.adam(1e-2), reduce=jddp.Buckets(cap_mb=25.0,
+                                                                          first_mb=1.0))
     assert ddp.cap_choice is None
     plan = ddp.plan(params, batches[0])  # chosen here, from the trace: nothing compiled or run
     choice = ddp.cap_choice
@@ -178,14 +178,14 @@ def test_model_step_plans_before_running_trains_like_ddp_and_is_deterministic():
     assert "Buckets(cap_mb='model') chose" in str(choice) and "<- chosen" in str(choice)
     # The same plan when computed again, by another trainer, and on a two-host layout (the
     # device count is what the choice reads, not the process or host count).
-    again = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb="model")
-    hosts = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb="model",
+    again = jddp.DataParallel(loss, optax.adam(1e-2), reduce=jddp.Buckets(cap_mb="model"))
+    hosts = jddp.DataParallel(loss, optax.adam(1e-2), reduce=jddp.Buckets(cap_mb="model"),
                               mesh=jddp.data_mesh(hosts=2))
     for other in (again, hosts):
         assert other.plan(params, batches[0]).buckets == plan.buckets
         assert other.cap_choice._replace(tune_s=0) == choice._replace(tune_s=0)
     assert ddp.plan(params, batches[0]).buckets == plan.buckets
-    pinned = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb=25.0)
+    pinned = jddp.DataParallel(loss, optax.adam(1e-2), reduce=jddp.Buckets(cap_mb=25.0))
     assert pinned.plan(params, batches[0]).buckets == plan.buckets
     # Training equals DDP's plan (a bucket changes only which leaves share an all-reduce).
     sm, sf = ddp.init(params), fixed.init(params)
@@ -200,7 +200,7 @@ def test_model_step_plans_before_running_trains_like_ddp_and_is_deterministic():
 
 def test_lower_chooses_first():
     loss, params, batches = _two_layer()
-    ddp = jddp.DataParallel(loss, optax.sgd(0.1), bucket_cap_mb="model")
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1), reduce=jddp.Buckets(cap_mb="model"))
     text = ddp.lower(params, batches[0]).as_text()
     assert ddp.cap_choice is not None and text.count("all_reduce") >= 1
 
@@ -209,14 +209,12 @@ def test_bad_model_options():
     loss, params, _ = _two_layer()
     opt = optax.sgd(0.1)
     with pytest.raises(ValueError, match="chooses the first bucket too"):
-        jddp.DataParallel(loss, opt, bucket_cap_mb="model", first_bucket_mb=1.0)
+        jddp.DataParallel(loss, opt, reduce=jddp.Buckets(cap_mb="model", first_mb=1.0))
     with pytest.raises(ValueError, match="cap_mb='model'\\) chooses the bucket plan"):
-        jddp.DataParallel(loss, opt, bucket_cap_mb="model",
-                          bucket_plan=jddp.DataParallel(loss, opt).plan(params, _two_layer()[2][0]))
-    with pytest.raises(ValueError, match="bucket_cap_mb='model' has nothing to choose"):
-        jddp.DataParallel(loss, opt, bucket_cap_mb="model", deterministic=True)
+        jddp.DataParallel(loss, opt, reduce=jddp.Buckets(
+            cap_mb="model", plan=jddp.DataParallel(loss, opt).plan(params, _two_layer()[2][0])))
     with pytest.raises(ValueError, match="'auto' \\(timed\\) or 'model'"):
-        jddp.DataParallel(loss, opt, bucket_cap_mb="models")
+        jddp.DataParallel(loss, opt, reduce=jddp.Buckets(cap_mb="models"))
     with pytest.raises(ValueError, match="margin"):
         ModelCap(margin=1.0)
     with pytest.raises(ValueError, match="candidates_mb"):
@@ -228,14 +226,15 @@ def test_bad_model_options():
     assert ModelCap(cluster=ClusterSpec(8), backward_s=0.1).backward_s == 0.1
 
 
-@pytest.mark.parametrize("opts", [{"zero_stage": 3}, {"accumulate_steps": 2}])
+@pytest.mark.parametrize("opts", [{"place": jddp.ZeRO(stage=3)},
+                                  {"accumulate": jddp.Accumulate(steps=2)}])
 def test_model_combines_with_sharded_stages_and_accumulation(opts):
     """The chosen plan drives the other step layouts too (stage 3's gathers, accumulation's
     synchronising call); training equals the pinned plan's to 1e-6."""
     loss, params, batches = _two_layer()
     states = []
     for cap in ("model", 25.0):
-        ddp = jddp.DataParallel(loss, optax.adam(1e-2), bucket_cap_mb=cap, **opts)
+        ddp = jddp.DataParallel(loss, optax.adam(1e-2), reduce=jddp.Buckets(cap_mb=cap), **opts)
         state = ddp.init(params)
         for b in batches:
             state, _ = ddp.step(state, b)
@@ -283,8 +282,8 @@ def test_default_is_the_models_plan_chosen_in_the_steps_one_trace():
     assert [b.nbytes for b in plan.buckets] == [2 * (1200 * 1200 + 1200) * 4] * 4
     assert "the default plan, chosen by the cost model" in plan.note and choice.pin in plan.note
     assert "the default plan (no cap given) chose cap 8 MiB" in str(choice)
-    ddps = jddp.DataParallel(loss, optax.sgd(0.1, momentum=0.9), bucket_cap_mb=25.0,
-                             first_bucket_mb=1.0)
+    ddps = jddp.DataParallel(loss, optax.sgd(0.1, momentum=0.9),
+                             reduce=jddp.Buckets(cap_mb=25.0, first_mb=1.0))
     ddps_compiled = ddps.step.lower(ddps.abstract_state(params), batch).compile()
     assert ddps.bucket_plan.num_buckets == 3 and ddps.cap_choice is None
     # One all-reduce per bucket (the loss rides on the last: 4 bytes).
@@ -293,26 +292,26 @@ def test_default_is_the_models_plan_chosen_in_the_steps_one_trace():
     assert reduced(ddps_compiled) == [5764800, 28824000, 11529604]
     # ddp.plan reports the same plan (its own trace, as before); "model" and the pin agree.
     assert ddp.plan(params, batch) == plan
-    model = jddp.DataParallel(loss, optax.sgd(0.1), bucket_cap_mb="model")
+    model = jddp.DataParallel(loss, optax.sgd(0.1), reduce=jddp.Buckets(cap_mb="model"))
     assert model.plan(params, batch).buckets == plan.buckets
     assert model.cap_choice._replace(tune_s=0, method="default") == choice._replace(tune_s=0)
-    pinned = jddp.DataParallel(loss, optax.sgd(0.1), bucket_cap_mb=8.0)
+    pinned = jddp.DataParallel(loss, optax.sgd(0.1), reduce=jddp.Buckets(cap_mb=8.0))
     assert pinned.plan(params, batch).buckets == plan.buckets
 
 
 def test_a_given_cap_keeps_ddps_rule():
-    """bucket_cap_mb=25 packs by DDP's rule exactly (no first bucket, torch's partition), with
-    no policy; first_bucket_mb alone also fixes DDP's default; bucket_plan is used as given."""
+    """Buckets(cap_mb=25) packs by DDP's rule exactly (no first bucket, torch's partition),
+    with no policy; first_mb alone also fixes DDP's default; plan= is used as given."""
     loss, _, params, batch = _bench_mlp()
     opt = optax.sgd(0.1)
-    for kw, sizes in (({"bucket_cap_mb": 25.0}, [10, 6]), ({"first_bucket_mb": 1.0}, [2, 10, 4]),
-                      ({"bucket_cap_mb": 25.0, "first_bucket_mb": 1.0}, [2, 10, 4])):
-        ddp = jddp.DataParallel(loss, opt, **kw)
+    for kw, sizes in (({"cap_mb": 25.0}, [10, 6]), ({"first_mb": 1.0}, [2, 10, 4]),
+                      ({"cap_mb": 25.0, "first_mb": 1.0}, [2, 10, 4])):
+        ddp = jddp.DataParallel(loss, opt, reduce=jddp.Buckets(**kw))
         plan = ddp.plan(params, batch)
         assert ddp.config.reduce.default_plan is None and ddp.cap_choice is None and plan.note == ""
         assert [len(b.indices) for b in plan.buckets] == sizes
         assert plan == jddp.plan_buckets(loss, params, batch, **kw)
-    fixed = jddp.DataParallel(loss, opt, bucket_plan=plan)
+    fixed = jddp.DataParallel(loss, opt, reduce=jddp.Buckets(plan=plan))
     assert fixed.config.reduce.default_plan is None and fixed.plan(params, batch) == plan
 
 
@@ -327,8 +326,9 @@ def test_small_models_keep_ddps_plan():
     assert plan.num_buckets == 1 and "DDP's plan is kept" in ddp.cap_choice.note
 
 
-@pytest.mark.parametrize("opts", [{"zero_stage": 1}, {"hook": jddp.bf16_compress()},
-                                  {"local_sgd": jddp.local_sgd.diloco(4)}])
+@pytest.mark.parametrize("opts", [{"place": jddp.ZeRO(stage=1)},
+                                  {"reduce": jddp.Buckets(hook=jddp.bf16_compress())},
+                                  {"sync": jddp.local_sgd.diloco(4)}])
 def test_default_is_ddps_plan_where_the_table_was_not_measured(opts):
     """Sharded stages, other hooks, local SGD (and the deterministic step, which has no
     buckets) keep DDP's 25 MiB plan with a 1 MiB first bucket by default."""
@@ -352,7 +352,7 @@ def test_default_keeps_ddps_plan_without_calibration_and_is_a_pure_function():
     combine thresholds by DDP's cap; on CPU the same inputs give the same plan every time and
     on a two-host 8-device layout (what every process of a job computes, with no exchange)."""
     loss, params, batches = _two_layer()
-    ddp = jddp.DataParallel(loss, optax.sgd(0.1), bucket_cap_mb=25.0, first_bucket_mb=1.0)
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1), reduce=jddp.Buckets(cap_mb=25.0, first_mb=1.0))
     ddps = ddp.plan(params, batches[0])
     policy = modelcap.DefaultPlan()
     packed = []
@@ -381,8 +381,10 @@ def test_default_keeps_ddps_plan_without_calibration_and_is_a_pure_function():
         policy.policy = ModelCap()  # type: ignore[misc]
     one, two = (jddp.DataParallel(loss, optax.sgd(0.1), mesh=m)
                 for m in (jddp.data_mesh(), jddp.data_mesh(hosts=2)))
-    pinned = jddp.DataParallel(loss, optax.sgd(0.1), bucket_cap_mb=choice.cap_mb,
-                               first_bucket_mb=choice.chosen_first_mb).plan(params, batches[0])
+    pinned = jddp.DataParallel(loss, optax.sgd(0.1),
+                               reduce=jddp.Buckets(cap_mb=choice.cap_mb,
+                                                   first_mb=choice.chosen_first_mb)
+                               ).plan(params, batches[0])
     assert one.plan(params, batches[0]) == two.plan(params, batches[0])
     assert one.plan(params, batches[0]).buckets == pinned.buckets
     assert pinned.num_buckets == 1 < ddps.num_buckets

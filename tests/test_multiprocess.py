@@ -16,7 +16,7 @@ import os, sys
 import numpy as np
 
 mode, ckdir, out = sys.argv[1:4]
-stages = sys.argv[4].split(",")  # "3": zero_stage=3; "2o": jddp.ZeRO(stage=2, offload=True)
+stages = sys.argv[4].split(",")  # "3": jddp.ZeRO(stage=3); "2o": jddp.ZeRO(stage=2, offload=True)
 import jax
 import jddp
 if mode == "single":
@@ -51,8 +51,10 @@ for stage in stages:  # each stage: its own DataParallel, checkpoint directory a
                                 reduce=jddp.Buckets(cap_mb=0.001, first_mb=0.0005),
                                 place=jddp.ZeRO(stage=int(stage[:-1]), offload=True))
     else:
-        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh, bucket_cap_mb=0.001,
-                                first_bucket_mb=0.0005, zero_stage=int(stage))
+        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh,
+                                reduce=jddp.Buckets(cap_mb=0.001, first_mb=0.0005),
+                                place=jddp.ZeRO(stage=int(stage)) if int(stage) else
+                                jddp.Replicate())
     mngr = ckpt.manager(os.path.join(ckdir, str(stage)))
     if mode == "resume":
         like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)

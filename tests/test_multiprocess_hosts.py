@@ -54,11 +54,12 @@ results = {}
 variants = {
     "flat": dict(hook=None),
     "hierarchical": dict(hook=jddp.hooks.hierarchical()),
-    "diloco": dict(local_sgd=jddp.local_sgd.diloco(2)),
+    "diloco": dict(sync=jddp.local_sgd.diloco(2)),
 }
 for name, kw in variants.items():
-    ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh, bucket_cap_mb=0.001,
-                            first_bucket_mb=0.0005, **kw)
+    ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh,
+                            reduce=jddp.Buckets(cap_mb=0.001, first_mb=0.0005,
+                                                hook=kw.pop("hook", None)), **kw)
     state = ddp.init(params)
     losses = []
     for b in batches:

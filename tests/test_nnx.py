@@ -71,7 +71,8 @@ def test_data_parallel_matches_single_device_nnx(tx):
     ref_params, ref_losses = single_device(MLP(nnx.Rngs(0)), tx, data)
 
     model = MLP(nnx.Rngs(0))
-    ddp = jddp.nnx.DataParallel(model, tx, loss_fn=mse, bucket_cap_mb=0.002, first_bucket_mb=0.001)
+    ddp = jddp.nnx.DataParallel(model, tx, loss_fn=mse,
+                                reduce=jddp.Buckets(cap_mb=0.002, first_mb=0.001))
     state = ddp.init()
     losses = []
     for b in data:
@@ -133,7 +134,8 @@ def test_model_state_batchnorm_and_rng_are_synchronised():
     n = jax.device_count()
     data = batches(n=1, size=8 * n)
     model = BNNet(nnx.Rngs(0))
-    ddp = jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=mse, model_state_sync="mean")
+    ddp = jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=mse,
+                                loss=jddp.Loss(model_state_sync="mean"))
     state = ddp.init()
     count0 = int(state.model_state["drop"]["rngs"]["count"].get_value())
     state, metrics = ddp.step(state, data[0])
@@ -166,7 +168,8 @@ def test_model_state_batchnorm_and_rng_are_synchronised():
 def test_one_all_reduce_per_bucket(net):
     """Model state and metrics ride on the last bucket's all-reduce: no collective of their own."""
     ddp = jddp.nnx.DataParallel(
-        net(nnx.Rngs(0)), optax.sgd(0.1), loss_fn=mse, bucket_cap_mb=0.0005, first_bucket_mb=0.0002
+        net(nnx.Rngs(0)), optax.sgd(0.1), loss_fn=mse,
+        reduce=jddp.Buckets(cap_mb=0.0005, first_mb=0.0002)
     )
     state = ddp.init()
     hlo = ddp.lower(state, batches(n=1)[0]).compile().as_text()
@@ -182,7 +185,8 @@ def test_accumulate_steps_matches_large_batch_nnx(tx):
 
     model = MLP(nnx.Rngs(0))
     ddp = jddp.nnx.DataParallel(
-        model, tx, loss_fn=mse, accumulate_steps=2, bucket_cap_mb=0.002, first_bucket_mb=0.001
+        model, tx, loss_fn=mse, reduce=jddp.Buckets(cap_mb=0.002, first_mb=0.001),
+        accumulate=jddp.Accumulate(steps=2)
     )
     state = ddp.init()
     losses = []
@@ -203,7 +207,8 @@ def test_core_features_with_model_state():
     n = jax.device_count()
     data = batches(n=2, size=4 * n)
     ddp = jddp.nnx.DataParallel(
-        BNNet(nnx.Rngs(0)), optax.sgd(0.1), loss_fn=mse, accumulate_steps=2, skip_not_finite=True
+        BNNet(nnx.Rngs(0)), optax.sgd(0.1), loss_fn=mse, accumulate=jddp.Accumulate(steps=2),
+        loss_scale=jddp.SkipNotFinite()
     )
     state = ddp.init()
     count0 = int(state.model_state["drop"]["rngs"]["count"].get_value())
@@ -274,7 +279,7 @@ def test_per_example_dropout_keys_equal_single_device():
         grads = nnx.grad(dropout_mse)(ref, b, keys)
         opt.update(ref, grads)
     model = DropNet(nnx.Rngs(0))
-    ddp = jddp.nnx.DataParallel(model, tx, loss_fn=dropout_mse, rng=True)
+    ddp = jddp.nnx.DataParallel(model, tx, loss_fn=dropout_mse, loss=jddp.Loss(rng=True))
     state = ddp.init()
     for b in data:
         state, metrics = ddp.step(state, b, rng=key)
@@ -287,19 +292,19 @@ def test_per_example_dropout_keys_equal_single_device():
 
 
 def test_local_sgd_with_nnx_equals_the_functional_trainer():
-    """jddp.nnx.DataParallel(local_sgd=diloco(2)) on 2 hosts x 4 devices equals
+    """jddp.nnx.DataParallel(sync=diloco(2)) on 2 hosts x 4 devices equals
     jddp.DataParallel with DiLoCo on the split state (itself checked against the algorithm in
     tests/test_local_sgd.py), and merge()/update() give the global (outer) parameters."""
     data = batches(n=4)
     spec = jddp.local_sgd.diloco(2)
     mesh = jddp.data_mesh(hosts=2)
     model = MLP(nnx.Rngs(0))
-    ddp = jddp.nnx.DataParallel(model, optax.adam(1e-2), loss_fn=mse, mesh=mesh, local_sgd=spec,
-                                bucket_cap_mb=0.002, first_bucket_mb=0.001)
+    ddp = jddp.nnx.DataParallel(model, optax.adam(1e-2), loss_fn=mse, mesh=mesh,
+                                reduce=jddp.Buckets(cap_mb=0.002, first_mb=0.001), sync=spec)
     state = ddp.init()
     loss, params, _ = jddp.nnx.wrap(MLP(nnx.Rngs(0)), mse)
-    core = jddp.DataParallel(loss, optax.adam(1e-2), mesh=mesh, local_sgd=spec,
-                             bucket_cap_mb=0.002, first_bucket_mb=0.001)
+    core = jddp.DataParallel(loss, optax.adam(1e-2), mesh=mesh,
+                             reduce=jddp.Buckets(cap_mb=0.002, first_mb=0.001), sync=spec)
     cstate = core.init(params)
     for b in data:
         state, metrics = ddp.step(state, b)
@@ -314,7 +319,7 @@ def test_local_sgd_with_nnx_equals_the_functional_trainer():
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_mixed_precision_equals_the_reference_with_the_same_casts(stage):
-    """``mixed_precision=MixedPrecision(bf16, float32)`` through the NNX front end: the model is
+    """``precision=MixedPrecision(bf16, float32)`` through the NNX front end: the model is
     merged from bfloat16 ``Param`` copies (the loss traced once, in bfloat16), master parameters
     and optimizer state stay float32, and 3 Adam steps equal the single-device reference doing
     the same casts (tests/_reference.py with ``param_dtype`` and ``shards=8``, on
@@ -330,9 +335,10 @@ def test_mixed_precision_equals_the_reference_with_the_same_casts(stage):
         return mse(model, batch)
 
     ddp = jddp.nnx.DataParallel(
-        MLP(nnx.Rngs(0)), optax.adam(1e-2), loss_fn=loss, zero_stage=stage,
-        mixed_precision=MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32),
-        bucket_cap_mb=0.002, first_bucket_mb=0.001)
+        MLP(nnx.Rngs(0)), optax.adam(1e-2), loss_fn=loss,
+        reduce=jddp.Buckets(cap_mb=0.002, first_mb=0.001),
+        place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+        precision=MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32))
     state = ddp.init()
     for b in data:
         state, metrics = ddp.step(state, b)
@@ -355,8 +361,8 @@ def test_mixed_precision_keeps_the_model_state_dtypes():
     from jddp.precision import MixedPrecision
 
     ddp = jddp.nnx.DataParallel(
-        BNNet(nnx.Rngs(0)), optax.adam(1e-2), loss_fn=mse, zero_stage=3,
-        model_state_sync="mean", mixed_precision=MixedPrecision(param_dtype=jnp.bfloat16))
+        BNNet(nnx.Rngs(0)), optax.adam(1e-2), loss_fn=mse, loss=jddp.Loss(model_state_sync="mean"),
+        place=jddp.ZeRO(stage=3), precision=MixedPrecision(param_dtype=jnp.bfloat16))
     state = ddp.init()
     dtypes = jax.tree.map(lambda x: x.dtype, state.model_state)
     for b in batches(2):
@@ -376,11 +382,12 @@ def test_rng_true_with_a_two_argument_loss_is_a_clear_error_at_construction():
     model = MLP(nnx.Rngs(0))
     with pytest.raises(TypeError, match=r"jddp\.Loss\(rng=True\) passes one PRNG key(.|\n)*loss_fn\(m, b\)"
                                         r"(.|\n)*drop Loss\(rng=True\)"):
-        jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=_mse, rng=True)
+        jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=_mse, loss=jddp.Loss(rng=True))
     with pytest.raises(TypeError, match=r"needs loss=jddp\.Loss\(rng=True\)"):
         jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=lambda m, b, rng: _mse(m, b))
     for ok in (lambda m, b, rng: _mse(m, b), lambda m, b, *rest: _mse(m, b)):
-        jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=ok, rng=True)  # accepted
+        jddp.nnx.DataParallel(model, optax.sgd(0.1), loss_fn=ok,
+                              loss=jddp.Loss(rng=True))  # accepted
 
 
 class _Free(nnx.Module):

@@ -30,7 +30,7 @@ def _copy(tree):
 
 
 def test_nonfinite_step_is_skipped_everywhere():
-    ddp = jddp.DataParallel(_loss, optax.adam(1e-2), skip_not_finite=True)
+    ddp = jddp.DataParallel(_loss, optax.adam(1e-2), loss_scale=jddp.SkipNotFinite())
     state, metrics = ddp.step(ddp.init(_params()), _batch())
     assert float(metrics["skipped"]) == 0.0 and int(state.step) == 1
     before = _copy((state.params, state.opt_state))
@@ -58,7 +58,7 @@ def test_skip_keeps_model_state():
     def loss_fn(params, model_state, batch):
         return _loss(params, batch), {"count": model_state["count"] + 1.0}
 
-    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), skip_not_finite=True)
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), loss_scale=jddp.SkipNotFinite())
     state = ddp.init(_params(), model_state={"count": jnp.zeros(())})
     state, _ = ddp.step(state, _batch())
     state, metrics = ddp.step(state, _batch(bad_row=0))

@@ -76,7 +76,7 @@ def single_device(loss, tx, data, params):
 
 
 def data_parallel(loss, tx, data, params, **kw):
-    ddp = jddp.DataParallel(loss, tx, bucket_cap_mb=0.004, first_bucket_mb=0.001, **kw)
+    ddp = jddp.DataParallel(loss, tx, reduce=jddp.Buckets(cap_mb=0.004, first_mb=0.001), **kw)
     state = ddp.init(params)
     losses = []
     for b in data:

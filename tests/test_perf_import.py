@@ -25,3 +25,20 @@ def test_perf_submodules_import_on_first_attribute_access():
     assert lines[0] == "StepTimer jddp.perf.schedule"
     assert lines[1] == "[]"
     assert lines[2] == "AttributeError module 'jddp.perf' has no attribute 'nonexistent'"
+
+
+def test_import_jddp_loads_neither_the_cost_model_nor_the_hlo_reader():
+    """Both load where they are used (the default plan on CPU, reports, program checks,
+    ``jddp.perf``), not with ``import jddp``; a report then loads the HLO reader."""
+    code = (
+        "import sys, jddp\n"
+        "print(sorted(m for m in sys.modules if m in ('jddp._src.costmodel',\n"
+        "                                             'jddp._src.introspect.hlo')))\n"
+        "from jddp._src import traffic\n"
+        "traffic.traffic('HloModule m', [0])\n"
+        "print('jddp._src.introspect.hlo' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["[]", "True"]

@@ -1,4 +1,4 @@
-"""Mixed precision (``mixed_precision=jddp.precision.MixedPrecision(...)``): float32 master
+"""Mixed precision (``precision=jddp.precision.MixedPrecision(...)``): float32 master
 parameters, bfloat16 compute, float32 reduction, at every ZeRO stage; stage 3 gathers bfloat16.
 
 Tolerances: against the single-device reference doing the same casts (tests/_reference.py with
@@ -25,7 +25,7 @@ from tests import _reference
 from tests._models import mlp_loss, mlp_params, regression_batch
 
 SIZES = [8, 32, 24, 3]
-SMALL_CAPS = dict(bucket_cap_mb=0.001, first_bucket_mb=0.0002)  # one layer per bucket
+SMALL_CAPS = dict(cap_mb=0.001, first_mb=0.0002)  # one layer per bucket
 BF16 = MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
 N = 8
 
@@ -43,8 +43,9 @@ def test_each_stage_equals_the_reference_with_the_same_casts(stage, opts):
     in backward, where each equation's VJP is recomputed on bfloat16 leaves (with hpZ, k=4,
     from the bfloat16 secondary copy)."""
     params, batches = mlp_params(0, SIZES), _batches(3)
-    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, mixed_precision=BF16,
-                            **SMALL_CAPS, **opts)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), reduce=jddp.Buckets(**SMALL_CAPS),
+                            place=jddp.ZeRO(stage=stage, **opts) if stage else jddp.Replicate(),
+                            precision=BF16)
     state = ddp.init(params)
     for b in batches:
         state, m = ddp.step(state, b)
@@ -71,8 +72,9 @@ def test_the_loss_computes_in_param_dtype_and_the_gradients_reduce_in_float32():
 
     params, batch = mlp_params(0, SIZES), _batches(1)[0]
     for stage in (0, 2):
-        ddp = jddp.DataParallel(loss, optax.sgd(0.1), zero_stage=stage, mixed_precision=BF16,
-                                **SMALL_CAPS)
+        ddp = jddp.DataParallel(loss, optax.sgd(0.1), reduce=jddp.Buckets(**SMALL_CAPS),
+                                place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+                                precision=BF16)
         text = ddp.step.lower(ddp.init(params), batch).compile().as_text()
         grads = [c for c in schedule.collectives(text) if c.kind in ("all-reduce",
                                                                       "reduce-scatter")]
@@ -103,8 +105,8 @@ def test_stage_3_gathers_param_dtype_and_comm_bytes_match_the_gpu_program(policy
     monkeypatch.setattr(collectives, "WIRE_PLATFORM", "gpu")
     params, batch = mlp_params(0, [64, 256, 256, 8]), regression_batch(0, 32, 64, 8)
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
-    opts = dict(zero_stage=3, mixed_precision=policy, reshard_after_forward=reshard,
-                microbatches=micro, **SMALL_CAPS)
+    opts = dict(place=jddp.ZeRO(stage=3, reshard_after_forward=reshard), precision=policy,
+                accumulate=jddp.Accumulate(microbatches=micro), reduce=jddp.Buckets(**SMALL_CAPS))
     cpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), **opts)
     _, m = cpu.step(cpu.init(params), batch)
     gpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=topologies.gpu_mesh(N), **opts)
@@ -125,8 +127,9 @@ def test_stage_3_gathers_param_dtype_and_comm_bytes_match_the_gpu_program(policy
         assert len(gathers) > cpu.bucket_plan.num_buckets
 
 
-@pytest.mark.parametrize("stage,opts", [(0, {"accumulate_steps": 2}),
-                                        (3, {"accumulate_steps": 2}), (3, {"microbatches": 2})],
+@pytest.mark.parametrize("stage,opts", [(0, {"accumulate": jddp.Accumulate(steps=2)}),
+                                        (3, {"accumulate": jddp.Accumulate(steps=2)}),
+                                        (3, {"accumulate": jddp.Accumulate(microbatches=2)})],
                          ids=["0-accumulate", "3-accumulate", "3-microbatches"])
 def test_composes_with_accumulation(stage, opts):
     """Local gradients of a window are summed in float32 (the accumulator), then reduced; at
@@ -136,10 +139,11 @@ def test_composes_with_accumulation(stage, opts):
     # device (rows i*8..i*8+3 of the first half, then of the second, for device i).
     ref = _reference.train(mlp_loss, optax.adam(1e-2), params,
                            [batches[0:2], batches[2:4]], param_dtype=jnp.bfloat16, shards=N)
-    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, mixed_precision=BF16,
-                            **SMALL_CAPS, **opts)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), reduce=jddp.Buckets(**SMALL_CAPS),
+                            place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+                            precision=BF16, **opts)
     state = ddp.init(params)
-    if "microbatches" in opts:
+    if opts["accumulate"].microbatches > 1:
         calls = [_device_interleaved(batches[0], batches[1]),
                  _device_interleaved(batches[2], batches[3])]
     else:
@@ -162,9 +166,9 @@ def _device_interleaved(a, b):
 def test_float16_with_loss_scaling_and_microbatches():
     params, batches = mlp_params(0, SIZES), _batches(2)
     fp16 = MixedPrecision(param_dtype=jnp.float16)
-    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=2, microbatches=2,
-                            mixed_precision=fp16, loss_scale=DynamicScale(init_scale=2.0**8),
-                            **SMALL_CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), reduce=jddp.Buckets(**SMALL_CAPS),
+                            accumulate=jddp.Accumulate(microbatches=2), place=jddp.ZeRO(stage=2),
+                            precision=fp16, loss_scale=DynamicScale(init_scale=2.0**8))
     state = ddp.init(params)
     for b in batches:
         state, m = ddp.step(state, b)
@@ -176,13 +180,14 @@ def test_float16_with_loss_scaling_and_microbatches():
 
 def test_reduce_dtype_bfloat16_is_the_bf16_compress_hook():
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1),
-                            mixed_precision=MixedPrecision(reduce_dtype=jnp.bfloat16))
+                            precision=MixedPrecision(reduce_dtype=jnp.bfloat16))
     assert ddp.hook.name == jddp.bf16_compress().name
     with pytest.raises(ValueError, match="hook decides"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), hook=jddp.powersgd(),
-                          mixed_precision=MixedPrecision(reduce_dtype=jnp.bfloat16))
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=jddp.powersgd()),
+                          precision=MixedPrecision(reduce_dtype=jnp.bfloat16))
     # A compressing hook with the default float32 reduce_dtype: the hook's wire dtype.
-    jddp.DataParallel(mlp_loss, optax.sgd(0.1), hook=jddp.bf16_compress(), mixed_precision=BF16)
+    jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=jddp.bf16_compress()),
+                      precision=BF16)
 
 
 def test_clear_errors():
@@ -194,15 +199,16 @@ def test_clear_errors():
         MixedPrecision(param_dtype=jnp.float64)
     with pytest.raises(ValueError, match="loss_scale="):
         jddp.DataParallel(mlp_loss, optax.sgd(0.1),
-                          mixed_precision=MixedPrecision(param_dtype=jnp.float16))
+                          precision=MixedPrecision(param_dtype=jnp.float16))
     with pytest.raises(TypeError, match="MixedPrecision"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), mixed_precision=jnp.bfloat16)
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), mixed_precision=BF16)
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), precision=jnp.bfloat16)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), precision=BF16)
     bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), mlp_params(0, SIZES))
     with pytest.raises(TypeError, match="master parameters"):
         ddp.init(bf16_params)
     with pytest.raises(ValueError, match="deterministic"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), mixed_precision=BF16, deterministic=True)
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), precision=BF16,
+                          reduce=jddp.Deterministic())
 
 
 def _digits():
@@ -228,8 +234,10 @@ def digits_losses(policy, stage, steps=20, batch_size=128):
         "w2": jax.random.normal(k[1], (128, 128)) * (2 / 128) ** 0.5, "b2": jnp.zeros(128),
         "w3": jax.random.normal(k[2], (128, 10)) * (1 / 128) ** 0.5, "b3": jnp.zeros(10),
     }
-    ddp = jddp.DataParallel(_digits_loss, optax.adam(3e-3), zero_stage=stage,
-                            mixed_precision=policy, bucket_cap_mb=0.05, first_bucket_mb=0.01)
+    ddp = jddp.DataParallel(_digits_loss, optax.adam(3e-3),
+                            reduce=jddp.Buckets(cap_mb=0.05, first_mb=0.01),
+                            place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+                            precision=policy)
     state, rng, losses = ddp.init(params), np.random.default_rng(1), []
     for _ in range(steps):
         idx = rng.choice(len(x), batch_size, replace=False)

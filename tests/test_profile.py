@@ -26,8 +26,8 @@ def test_timer_and_trace_name_each_bucket(tmp_path):
     params = {"w0": rng.normal(size=(16, 32)).astype(np.float32),
               "w1": rng.normal(size=(32, 4)).astype(np.float32)}
     mesh = jddp.data_mesh()
-    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh, bucket_cap_mb=0.0001,
-                            first_bucket_mb=0.0001)
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh,
+                            reduce=jddp.Buckets(cap_mb=0.0001, first_mb=0.0001))
     state = ddp.init(params)
     batch = jddp.shard_batch({"x": rng.normal(size=(16, 16)).astype(np.float32),
                               "y": rng.normal(size=(16, 4)).astype(np.float32)}, mesh)

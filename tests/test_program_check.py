@@ -56,14 +56,15 @@ def mlp(order, use_scale=False):
 # A data-dependent branch: whether the loss uses "scale" depends on this process's own data.
 use_scale = float(local.mean() + (1.0 if me == 0 else -1.0)) > 0
 cases = {
-    "caps": (mlp((0, 1, 2)), {"bucket_cap_mb": 25.0 if me == 0 else 0.001}),
-    "model": (mlp((0, 1, 2) if me == 0 else (0, 2, 1)), {"bucket_cap_mb": 0.001}),
-    "branch": (mlp((0, 1, 2), use_scale), {"bucket_cap_mb": 0.001}),
+    "caps": (mlp((0, 1, 2)), {"cap_mb": 25.0 if me == 0 else 0.001}),
+    "model": (mlp((0, 1, 2) if me == 0 else (0, 2, 1)), {"cap_mb": 0.001}),
+    "branch": (mlp((0, 1, 2), use_scale), {"cap_mb": 0.001}),
 }
 for name, (loss_fn, kw) in cases.items():
     if only is not None and name != only:
         continue
-    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh, first_bucket_mb=0.0005, **kw)
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh,
+                            reduce=jddp.Buckets(first_mb=0.0005, **kw))
     state = ddp.init(params)
     t = time.perf_counter()
     try:
@@ -89,8 +90,8 @@ def timed(fn):
         return out
     return run
 programs.check_across_processes, programs.signature = timed(check), timed(sign)
-ddp = jddp.DataParallel(mlp((0, 1, 2)), optax.sgd(0.1), mesh=mesh, bucket_cap_mb=0.001,
-                        first_bucket_mb=0.0005)
+ddp = jddp.DataParallel(mlp((0, 1, 2)), optax.sgd(0.1), mesh=mesh,
+                        reduce=jddp.Buckets(cap_mb=0.001, first_mb=0.0005))
 state = ddp.init(params)
 for _ in range(3):
     state, metrics = ddp.step(state, batch)

@@ -20,7 +20,7 @@ from tests._models import max_abs_diff, mlp_loss, mlp_params, regression_batch
 def _compiled_step(sizes, cap_mb, first_mb, seed=0, batch_size=16):
     params = mlp_params(seed, sizes)
     ddp = jddp.DataParallel(
-        mlp_loss, optax.sgd(0.1), bucket_cap_mb=cap_mb, first_bucket_mb=first_mb
+        mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(cap_mb=cap_mb, first_mb=first_mb)
     )
     state = ddp.init(params)
     batch = regression_batch(seed, batch_size, sizes[0], sizes[-1])
@@ -117,7 +117,7 @@ def test_value_and_grad_in_shard_map(check_vma, cap):
 
     def step(p, b):
         loss, grads = jddp.value_and_grad(
-            mlp_loss, "data", bucket_cap_mb=cap, first_bucket_mb=min(cap, 1.0)
+            mlp_loss, "data", cap_mb=cap, first_mb=min(cap, 1.0)
         )(p, b)
         return lax.pmean(loss, "data"), grads
 
@@ -155,7 +155,7 @@ def test_value_and_grad_in_pmap():
     ref_loss, ref_grads = _reference_grads(params, batch)
     local = jax.tree.map(lambda x: x.reshape(8, 4, *x.shape[1:]), batch)
     loss, grads = jax.pmap(
-        jddp.value_and_grad(mlp_loss, "data", bucket_cap_mb=1e-4, first_bucket_mb=1e-4),
+        jddp.value_and_grad(mlp_loss, "data", cap_mb=1e-4, first_mb=1e-4),
         axis_name="data",
         in_axes=(None, 0),
     )(params, local)
@@ -196,7 +196,7 @@ def test_bucketed_equals_unbucketed_reduction():
         return lax.pmean(jax.grad(mlp_loss)(p, b), "data")
 
     def bucketed(p, b):
-        return jddp.value_and_grad(mlp_loss, bucket_cap_mb=0.003, first_bucket_mb=0.001)(p, b)[1]
+        return jddp.value_and_grad(mlp_loss, cap_mb=0.003, first_mb=0.001)(p, b)[1]
 
     run = functools.partial(
         jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False
@@ -211,7 +211,7 @@ def test_hook_that_changes_shape_is_rejected():
         return tuple(g.reshape(-1) for g in lax.psum(grads, ctx.axis_name)), states
 
     hook = jddp.CommHook(lambda leaf: (), bad_reduce, "flatten")
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), hook=hook)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook))
     state = ddp.init(mlp_params(0, [4, 8, 2]))
     with pytest.raises(ValueError, match="changed leaf .* A hook must return gradients"):
         ddp.step(state, regression_batch(0, 16, 4, 2))
@@ -220,6 +220,6 @@ def test_hook_that_changes_shape_is_rejected():
 def test_fixed_plan_for_other_params_is_rejected():
     params = mlp_params(0, [4, 8, 2])
     plan = jddp.plan_buckets(mlp_loss, params, regression_batch(0, 2, 4, 2))
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), bucket_plan=plan)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(plan=plan))
     with pytest.raises(ValueError, match="does not match the tree the bucket plan"):
         ddp.init(mlp_params(0, [4, 8, 8, 2]))

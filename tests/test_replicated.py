@@ -46,7 +46,8 @@ def test_default_plan_leaves_syncbn_scales_to_jax_and_trains_the_same():
     batch, params, ms = _setup()
     opt = optax.sgd(0.1, momentum=0.9)
     ddp = jddp.DataParallel(_loss_fn(_Net()), opt)  # no cap: the default plan
-    given = jddp.DataParallel(_loss_fn(_Net()), opt, bucket_cap_mb=25)  # DDP's rule, every leaf
+    given = jddp.DataParallel(_loss_fn(_Net()), opt,
+                              reduce=jddp.Buckets(cap_mb=25))  # DDP's rule, every leaf
     plan = ddp.plan(params, batch, ms)
     # The scales meet rsqrt(var) (a pmean) first; the biases and kernels meet activations.
     assert plan.implicit == _scales(plan) and len(plan.implicit) == 2
@@ -88,12 +89,12 @@ def test_default_plan_leaves_syncbn_scales_to_jax_and_trains_the_same():
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"bucket_cap_mb": 25},
-    {"hook": jddp.hooks.fp16_compress()},
-    {"accumulate_steps": 2},
-    {"microbatches": 2},
-    {"zero_stage": 1},
-    {"mixed_precision": jddp.precision.MixedPrecision(param_dtype=jnp.bfloat16)},
+    {"reduce": jddp.Buckets(cap_mb=25)},
+    {"reduce": jddp.Buckets(hook=jddp.hooks.fp16_compress())},
+    {"accumulate": jddp.Accumulate(steps=2)},
+    {"accumulate": jddp.Accumulate(microbatches=2)},
+    {"place": jddp.ZeRO(stage=1)},
+    {"precision": jddp.precision.MixedPrecision(param_dtype=jnp.bfloat16)},
 ])
 def test_every_leaf_is_bucketed_where_something_else_reads_the_buckets(kwargs):
     """A cap given keeps DDP's rule for every leaf; a hook sees every gradient; no_sync calls
@@ -110,7 +111,8 @@ def test_every_leaf_is_bucketed_where_something_else_reads_the_buckets(kwargs):
 
 def test_per_device_batchnorm_and_plain_layers_keep_every_leaf_in_a_bucket():
     batch, params, ms = _setup()
-    ddp = jddp.DataParallel(_loss_fn(_Net(None)), optax.sgd(0.1), model_state_sync="mean")
+    ddp = jddp.DataParallel(_loss_fn(_Net(None)), optax.sgd(0.1),
+                            loss=jddp.Loss(model_state_sync="mean"))
     assert ddp.plan(params, batch, ms).implicit == ()
 
 
@@ -181,8 +183,8 @@ def test_a_metric_that_reads_a_scale_adds_no_bytes():
         return loss, (updates, {"scale_sq": jnp.sum(params["BatchNorm_0"]["scale"] ** 2)})
 
     runs = {}
-    for name, kwargs in {"default": {}, "given": {"bucket_cap_mb": 25}}.items():
-        ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), has_aux=True, **kwargs)
+    for name, kwargs in {"default": {}, "given": {"reduce": jddp.Buckets(cap_mb=25)}}.items():
+        ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), loss=jddp.Loss(has_aux=True), **kwargs)
         state, metrics = ddp.step(ddp.init(params, ms), batch)
         runs[name] = (ddp.bucket_plan.implicit, metrics, state)
     (implicit, metrics, state), (given, given_metrics, given_state) = runs["default"], runs["given"]
@@ -249,7 +251,7 @@ def test_late_casts_train_like_the_buckets(norm, expect):
         return jnp.mean((h @ p["out"] - b["y"]) ** 2)
 
     runs = {}
-    for name, kwargs in {"default": {}, "given": {"bucket_cap_mb": 25}}.items():
+    for name, kwargs in {"default": {}, "given": {"reduce": jddp.Buckets(cap_mb=25)}}.items():
         ddp = jddp.DataParallel(loss, optax.sgd(0.1, momentum=0.9), **kwargs)
         state = ddp.init(params)
         for _ in range(3):
@@ -276,7 +278,7 @@ def test_two_level_mesh():
     mesh = jddp.data_mesh(hosts=2)
     loss = _loss_fn(_Net(("hosts", "local")))
     runs = {}
-    for name, kwargs in {"default": {}, "given": {"bucket_cap_mb": 25}}.items():
+    for name, kwargs in {"default": {}, "given": {"reduce": jddp.Buckets(cap_mb=25)}}.items():
         ddp = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh, **kwargs)
         state = ddp.init(params, ms)
         for _ in range(2):
@@ -308,7 +310,7 @@ def test_nnx_syncbn():
 
     batch = sorted_regression_batch(3)
     runs = {}
-    for name, kwargs in {"default": {}, "given": {"bucket_cap_mb": 25}}.items():
+    for name, kwargs in {"default": {}, "given": {"reduce": jddp.Buckets(cap_mb=25)}}.items():
         ddp = jddp.nnx.DataParallel(Net("data", nnx.Rngs(0)), optax.sgd(0.1), loss_fn=mse,
                                     **kwargs)
         state = ddp.init()

@@ -52,8 +52,8 @@ def _ring(nbytes, n):
 def test_report_matches_the_plan_comm_bytes_and_the_program():
     mesh = jddp.data_mesh()
     n = mesh.size
-    ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh, bucket_cap_mb=0.01,
-                            first_bucket_mb=0.005)
+    ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), mesh=mesh,
+                            reduce=jddp.Buckets(cap_mb=0.01, first_mb=0.005))
     state, batch = ddp.init(_params()), _batch(mesh)
     calls.clear()
     rep = ddp.report(state, batch)
@@ -93,8 +93,9 @@ def test_report_matches_the_plan_comm_bytes_and_the_program():
 def test_report_levels_on_two_hosts_and_windows_with_accumulation():
     mesh = jddp.data_mesh(hosts=2)
     n = mesh.size
-    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh, bucket_cap_mb=0.01,
-                            first_bucket_mb=0.005, accumulate_steps=2)
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh,
+                            reduce=jddp.Buckets(cap_mb=0.01, first_mb=0.005),
+                            accumulate=jddp.Accumulate(steps=2))
     state, batch = ddp.init(_params()), _batch(mesh)
     rep = ddp.report(state, batch)
     assert rep.hosts == 2 and rep.window == 2
@@ -119,8 +120,10 @@ def test_window_totals_count_the_accumulating_branch_per_call(stage, shard):
     ``k - 1`` calls, the synchronising branch's once; the window's total is the sum of the
     window's ``comm_bytes``."""
     k = 3
-    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), bucket_cap_mb=0.01, first_bucket_mb=0.005,
-                            accumulate_steps=k, zero_stage=stage, shard_accumulator=shard)
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1),
+                            reduce=jddp.Buckets(cap_mb=0.01, first_mb=0.005),
+                            accumulate=jddp.Accumulate(steps=k, shard=shard),
+                            place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
     state, batch = ddp.init(_params()), _batch(ddp.config.mesh)
     rep = ddp.report(state, batch)
     assert {c.branch for c in rep.collectives} == {0, 1}
@@ -136,7 +139,8 @@ def test_window_totals_count_the_accumulating_branch_per_call(stage, shard):
 @pytest.mark.skipif(not topologies.has_gpu_compiler(), reason="no CUDA compiler plugin")
 def test_report_on_a_compile_only_gpu_mesh_shows_overlap():
     mesh = topologies.gpu_mesh(8)
-    ddp = jddp.DataParallel(layer_list_loss, optax.sgd(0.1), mesh=mesh, bucket_cap_mb=1.0)
+    ddp = jddp.DataParallel(layer_list_loss, optax.sgd(0.1), mesh=mesh,
+                            reduce=jddp.Buckets(cap_mb=1.0))
     params = layer_list_like(4, 512)
     batch = {k: jax.ShapeDtypeStruct((64, 512), jnp.float32) for k in ("x", "y")}
     rep = ddp.report(ddp.abstract_state(params), batch)
@@ -184,8 +188,9 @@ def test_report_reads_optimizers_with_global_reductions_over_sharded_leaves(opt,
     mesh, bytes exactly the compiled program's, sent bytes the ring model of those."""
     mesh = jddp.data_mesh()
     n = mesh.size
-    ddp = jddp.DataParallel(loss_fn, OPTIMIZERS[opt](), mesh=mesh, zero_stage=stage,
-                            bucket_cap_mb=0.01, first_bucket_mb=0.005)
+    ddp = jddp.DataParallel(loss_fn, OPTIMIZERS[opt](), mesh=mesh,
+                            reduce=jddp.Buckets(cap_mb=0.01, first_mb=0.005),
+                            place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
     state, batch = ddp.init(_params()), _batch(mesh)
     calls.clear()
     rep = ddp.report(state, batch)
@@ -211,8 +216,9 @@ def test_unknown_replica_groups_are_an_entry_of_the_report_not_an_error():
     reported with unknown groups (size 0, level "unknown", no bytes sent counted), the rest
     exact."""
     mesh = jddp.data_mesh()
-    ddp = jddp.DataParallel(loss_fn, OPTIMIZERS["clip"](), mesh=mesh, zero_stage=1,
-                            bucket_cap_mb=0.01, first_bucket_mb=0.005)
+    ddp = jddp.DataParallel(loss_fn, OPTIMIZERS["clip"](), mesh=mesh,
+                            reduce=jddp.Buckets(cap_mb=0.01, first_mb=0.005),
+                            place=jddp.ZeRO(stage=1))
     state, batch = ddp.init(_params()), _batch(mesh)
     text = ddp.step.lower(state, batch).compile().as_text()
     forms = set(re.findall(r"replica_groups=(mesh\[[^\]]*\] \{[^}]*\})", text))

@@ -48,7 +48,7 @@ def _mlp(layers, width, cast, seed=0):
     batch = {"x": jnp.asarray(rng.standard_normal((32, width)), jnp.float32),
              "y": jnp.asarray(rng.standard_normal((32, width)), jnp.float32)}
     mb = width * (width + 1) * 4 / 2**20  # one layer per bucket
-    return params, loss, batch, dict(bucket_cap_mb=mb, first_bucket_mb=mb)
+    return params, loss, batch, jddp.Buckets(cap_mb=mb, first_mb=mb)
 
 
 def _compiled(ddp, params, batch):
@@ -77,8 +77,9 @@ def test_cast_in_the_loss_keeps_resharding():
     for name, cast, reshard in [("f32", False, True), ("cast", True, True),
                                 ("cast_keep", True, False)]:
         params, loss, batch, caps = _mlp(12, 384, cast)
-        ddp = jddp.DataParallel(loss, optax.adam(1e-3), zero_stage=3, donate=False,
-                                reshard_after_forward=reshard, **caps)
+        ddp = jddp.DataParallel(loss, optax.adam(1e-3),
+                                place=jddp.ZeRO(stage=3, reshard_after_forward=reshard),
+                                donate=False, reduce=caps)
         compiled = _compiled(ddp, params, batch)
         peaks[name], gathers[name], plans[name] = _peak(compiled), _gathers(compiled), \
             ddp.bucket_plan
@@ -110,9 +111,10 @@ def test_cast_at_the_top_keeps_the_use_order():
         return fn
 
     batch = {"x": jnp.ones((16, 32), jnp.float32)}
-    caps = dict(bucket_cap_mb=32 * 33 * 4 / 2**20, first_bucket_mb=32 * 33 * 4 / 2**20)
+    caps = dict(cap_mb=32 * 33 * 4 / 2**20, first_mb=32 * 33 * 4 / 2**20)
     for stage in (0, 3):
-        plans = [jddp.DataParallel(loss(cast), optax.sgd(0.1), zero_stage=stage, **caps)
+        plans = [jddp.DataParallel(loss(cast), optax.sgd(0.1), reduce=jddp.Buckets(**caps),
+                                   place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
                  .plan(params, batch) for cast in (False, True)]
         order = [sorted(b.paths) for b in plans[1].buckets]
         assert order == [sorted(b.paths) for b in plans[0].buckets]
@@ -144,10 +146,12 @@ def test_values_computed_from_a_kernel_are_regathered(use):
 
     batch = {"x": jnp.asarray(rng.standard_normal((16, width)), jnp.float32),
              "y": jnp.asarray(rng.standard_normal((16, width)), jnp.float32)}
-    caps = dict(bucket_cap_mb=0.015, first_bucket_mb=0.015)
+    caps = dict(cap_mb=0.015, first_mb=0.015)
     out = {}
     for stage in (0, 3):
-        ddp = jddp.DataParallel(loss, optax.adam(1e-2), zero_stage=stage, donate=False, **caps)
+        ddp = jddp.DataParallel(loss, optax.adam(1e-2), reduce=jddp.Buckets(**caps),
+                                place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+                                donate=False)
         state = ddp.init(params)
         if stage == 3:
             again = 3 if use in ("tanh", "l2") else 2
@@ -165,9 +169,9 @@ def test_cast_in_the_loss_equals_the_reference(reshard):
     steps equal the one-device reference doing the same casts on 8 shards (1e-5), and the
     compiled step gathers each kernel but the first again in the backward."""
     params, loss, batch, _ = _mlp(4, 64, cast=True, seed=2)
-    caps = dict(bucket_cap_mb=0.02, first_bucket_mb=0.02)
-    ddp = jddp.DataParallel(loss, optax.adam(1e-2), zero_stage=3, donate=False,
-                            reshard_after_forward=reshard, **caps)
+    caps = dict(cap_mb=0.02, first_mb=0.02)
+    ddp = jddp.DataParallel(loss, optax.adam(1e-2), reduce=jddp.Buckets(**caps),
+                            place=jddp.ZeRO(stage=3, reshard_after_forward=reshard), donate=False)
     state = ddp.init(params)
     compiled = ddp.step.lower(state, batch).compile()
     # One forward gather per bucket, and every kernel but the first's again in the backward.
@@ -196,8 +200,9 @@ def test_what_cannot_be_resharded_is_warned_and_planned():
 
     batch = {"x": jnp.asarray(rng.standard_normal((16, width)), jnp.float32),
              "s": jnp.full((16,), 0.5, jnp.float32)}
-    caps = dict(bucket_cap_mb=0.015, first_bucket_mb=0.015)
-    ddp = jddp.DataParallel(loss, optax.sgd(0.1), zero_stage=3, donate=False, **caps)
+    caps = dict(cap_mb=0.015, first_mb=0.015)
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1), reduce=jddp.Buckets(**caps),
+                            place=jddp.ZeRO(stage=3), donate=False)
     state = ddp.init(params)
     with pytest.warns(UserWarning, match=r"reshard_after_forward: 1 parameter leaves .*l0\.w "
                                          r"\(read by mul with a traced scalar\).*\(h @ w\) \* s"):
@@ -205,13 +210,13 @@ def test_what_cannot_be_resharded_is_warned_and_planned():
     plan = ddp.bucket_plan
     assert [plan.paths[i] for i in plan.not_resharded] == ["l0.w"]
     assert "NOT resharded" in plan.table() and "l0.w" in plan.table()
-    base = jddp.DataParallel(loss, optax.sgd(0.1), donate=False, **caps)
+    base = jddp.DataParallel(loss, optax.sgd(0.1), donate=False, reduce=jddp.Buckets(**caps))
     bstate, _ = base.step(base.init(params), batch)
     assert base.bucket_plan.not_resharded == ()  # stage 0: nothing to reshard
     assert ref.max_abs_diff(jax.device_get(ddp.global_params(state)),
                             jax.device_get(bstate.params)) < 1e-6
-    keep = jddp.DataParallel(loss, optax.sgd(0.1), zero_stage=3, reshard_after_forward=False,
-                             donate=False, **caps)
+    keep = jddp.DataParallel(loss, optax.sgd(0.1), reduce=jddp.Buckets(**caps),
+                             place=jddp.ZeRO(stage=3, reshard_after_forward=False), donate=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # keeping every gathered copy is what was asked for
         keep.step(keep.init(params), batch)
@@ -263,7 +268,7 @@ def _lm_batch(seed=0):
             "y": rng.integers(0, V, (16, T)).astype(np.int32)}
 
 
-LM_CAPS = dict(bucket_cap_mb=0.05, first_bucket_mb=0.05)
+LM_CAPS = dict(cap_mb=0.05, first_mb=0.05)
 
 
 def test_nnx_bf16_policy_lm_regathers_like_float32():
@@ -279,8 +284,9 @@ def test_nnx_bf16_policy_lm_regathers_like_float32():
     for name, policy, reshard in [("f32", None, True), ("bf16", MixedPrecision(), True),
                                   ("bf16_keep", MixedPrecision(), False)]:
         ddp = jddp.nnx.DataParallel(_LM(nnx.Rngs(0)), optax.adam(1e-3), loss_fn=_lm_loss,
-                                    zero_stage=3, reshard_after_forward=reshard,
-                                    mixed_precision=policy, donate=False, **LM_CAPS)
+                                    reduce=jddp.Buckets(**LM_CAPS),
+                                    place=jddp.ZeRO(stage=3, reshard_after_forward=reshard),
+                                    precision=policy, donate=False)
         state = ddp.init()
         compiled = ddp.step.lower(state, batch).compile()
         gathers[name], peaks[name] = _gathers(compiled), _peak(compiled)
@@ -305,8 +311,9 @@ def test_nnx_bf16_policy_lm_equals_the_reference():
     out = {}
     for stage in (0, 3):
         ddp = jddp.nnx.DataParallel(_LM(nnx.Rngs(0)), optax.sgd(0.1), loss_fn=_lm_loss,
-                                    zero_stage=stage, mixed_precision=MixedPrecision(),
-                                    donate=False, **LM_CAPS)
+                                    reduce=jddp.Buckets(**LM_CAPS),
+                                    place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+                                    precision=MixedPrecision(), donate=False)
         state = ddp.init()
         for b in batches:
             state, metrics = ddp.step(state, b)

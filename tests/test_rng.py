@@ -1,4 +1,4 @@
-"""Per-example randomness: DataParallel(rng=True), step(..., rng=key), jddp.random.
+"""Per-example randomness: DataParallel(loss=jddp.Loss(rng=True)), step(..., rng=key), jddp.random.
 
 The keys a device's loss receives are a function of the run's key, the step and each example's
 position in the global batch, so masks differ across devices and examples, repeat across runs,
@@ -20,7 +20,7 @@ import jddp
 from tests._models import max_abs_diff, mlp_params
 
 SIZES = [6, 16, 3]
-CAPS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)
+CAPS = dict(cap_mb=0.002, first_mb=0.001)
 RATE = 0.5
 
 
@@ -70,7 +70,8 @@ def test_rng_step_on_8_devices_equals_single_device_with_the_same_example_keys(k
     key = key_fn(7)
     params = mlp_params(0, SIZES)
     batches = _batches(3, 32)
-    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), rng=True, **CAPS)
+    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                            loss=jddp.Loss(rng=True))
     state = ddp.init(params)
     losses = []
     for b in batches:
@@ -91,8 +92,9 @@ def test_rng_with_microbatches_and_accumulation_equals_single_device():
     key = jax.random.key(3)
     params = mlp_params(1, SIZES)
     batches = _batches(4, 32, seed=1)
-    ddp = jddp.DataParallel(_loss, optax.adam(1e-2), rng=True, accumulate_steps=2,
-                            microbatches=2, **CAPS)
+    ddp = jddp.DataParallel(_loss, optax.adam(1e-2), reduce=jddp.Buckets(**CAPS),
+                            loss=jddp.Loss(rng=True),
+                            accumulate=jddp.Accumulate(steps=2, microbatches=2))
     state = ddp.init(params)
     for b in batches:
         state, _ = ddp.step(state, b, rng=key)
@@ -109,7 +111,8 @@ def _mask_loss(params, model_state, batch, rng):
 
 
 def _masks_of_two_steps(key):
-    ddp = jddp.DataParallel(_mask_loss, optax.sgd(0.1), rng=True, model_state_sync="none")
+    ddp = jddp.DataParallel(_mask_loss, optax.sgd(0.1),
+                            loss=jddp.Loss(rng=True, model_state_sync="none"))
     params = {"w": jnp.ones((4, 2), jnp.float32)}
     state = ddp.init(params, {"masks": jnp.zeros((2, 64), jnp.float32)})  # 16 examples / 8 devs
     batch = {"x": np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)}
@@ -160,8 +163,8 @@ def test_flax_dropout_with_per_example_is_the_same_on_1_and_8_devices():
 
     results = []
     for devices in (jax.devices()[:1], jax.devices()):
-        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), rng=True,
-                                mesh=jddp.data_mesh(devices), **CAPS)
+        ddp = jddp.DataParallel(loss_fn, optax.adam(1e-2), reduce=jddp.Buckets(**CAPS),
+                                loss=jddp.Loss(rng=True), mesh=jddp.data_mesh(devices))
         state = ddp.init(params)
         losses = []
         for _ in range(3):
@@ -180,7 +183,8 @@ def test_loss_with_rng_is_traced_once():
         calls.append(1)
         return _loss(p, b, rng)
 
-    ddp = jddp.DataParallel(loss, optax.sgd(0.1), rng=True, microbatches=2, **CAPS)
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                            loss=jddp.Loss(rng=True), accumulate=jddp.Accumulate(microbatches=2))
     state = ddp.init(mlp_params(0, SIZES))
     ddp.step.lower(state, _batches(1, 32)[0], rng=jax.random.key(0)).compile()
     assert len(calls) == 1
@@ -189,7 +193,7 @@ def test_loss_with_rng_is_traced_once():
 def test_rng_errors_are_clear():
     params = mlp_params(0, SIZES)
     batch = _batches(1, 16)[0]
-    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), rng=True)
+    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), loss=jddp.Loss(rng=True))
     state = ddp.init(params)
     with pytest.raises(ValueError, match=r"loss=jddp\.Loss\(rng=True\).*ddp\.step\(state, batch, rng=key\)"):
         ddp.step(state, batch)
@@ -200,8 +204,8 @@ def test_rng_errors_are_clear():
     plain = jddp.DataParallel(lambda p, b: jnp.sum(p["Dense_0"]["bias"] ** 2), optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"build the DataParallel with loss=jddp\.Loss\(rng=True\)"):
         plain.step(plain.init(params), batch, rng=jax.random.key(0))
-    with pytest.raises(TypeError, match=r"rng must be True or False.*step\(state, batch, rng=key\)"):
-        jddp.DataParallel(_loss, optax.sgd(0.1), rng=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"rng must be True or False"):
+        jddp.DataParallel(_loss, optax.sgd(0.1), loss=jddp.Loss(rng=jax.random.key(0)))
 
 
 def test_example_keys_do_not_depend_on_the_split():
@@ -215,7 +219,9 @@ def test_example_keys_do_not_depend_on_the_split():
 def test_per_example_keys_add_no_collective():
     from jddp.perf import schedule
 
-    ddp = jddp.DataParallel(_loss, optax.sgd(0.1), rng=True, bucket_cap_mb=0.0002, first_bucket_mb=0.0001)
+    ddp = jddp.DataParallel(_loss, optax.sgd(0.1),
+                            reduce=jddp.Buckets(cap_mb=0.0002, first_mb=0.0001),
+                            loss=jddp.Loss(rng=True))
     lowered = ddp.step.lower(ddp.init(mlp_params(0, SIZES)), _batches(1, 32)[0],
                              rng=jax.random.key(0))
     text = lowered.compile().as_text()

@@ -21,7 +21,7 @@ from tests._models import max_abs_diff, mlp_loss, mlp_params, regression_batch
 
 N = 8
 SIZES = [8, 16, 16, 8]  # every leaf divisible by 8: the bounds below hold without slack
-CAPS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)
+CAPS = dict(cap_mb=0.002, first_mb=0.001)
 K = 4
 
 
@@ -37,10 +37,15 @@ def _calls(rows=(16, 16, 16, 16), seed=0):
     return [regression_batch(100 * seed + i, r, SIZES[0], SIZES[-1]) for i, r in enumerate(rows)]
 
 
-def _ddp(stage, shard, **kw):
-    return jddp.DataParallel(kw.pop("loss", mlp_loss), kw.pop("opt", optax.adam(1e-2)),
-                             zero_stage=stage, accumulate_steps=K, shard_accumulator=shard,
-                             **CAPS, **kw)
+def _ddp(stage, shard, loss=mlp_loss, opt=None, hook=None, microbatches=1, weighted=False,
+         donate=True):
+    return jddp.DataParallel(loss, optax.adam(1e-2) if opt is None else opt,
+                             reduce=jddp.Buckets(hook=hook, **CAPS),
+                             accumulate=jddp.Accumulate(steps=K, microbatches=microbatches,
+                                                        shard=shard),
+                             loss=jddp.Loss(weighted=weighted),
+                             place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+                             donate=donate)
 
 
 def _window(ddp, params, calls, masks=None, sync="auto"):
@@ -156,21 +161,24 @@ def test_comm_bytes_and_collectives_of_each_call(stage):
 
 
 def test_option_defaults_and_errors():
-    cfg = lambda **kw: jddp.DataParallel(mlp_loss, optax.sgd(0.1), **kw).config
-    assert cfg(zero_stage=2, accumulate_steps=2).accumulate.shard
-    assert cfg(zero_stage=3, accumulate_steps=2, hook=jddp.bf16_compress()).accumulate.shard
-    assert not cfg(zero_stage=1, accumulate_steps=2).accumulate.shard
-    assert not cfg(zero_stage=3).accumulate.shard
-    assert not cfg(zero_stage=3, accumulate_steps=2, shard_accumulator=False).accumulate.shard
-    assert not cfg(zero_stage=2, accumulate_steps=2, hook=jddp.powersgd()).accumulate.shard
-    for kw, why in (({"zero_stage": 1, "accumulate_steps": 2}, "only ZeRO stages 2-3"),
-                    ({"zero_stage": 2}, "accumulate_steps=1"),
-                    ({"zero_stage": 2, "accumulate_steps": 2, "hook": jddp.powersgd()},
-                     "the hook has state")):
+    def cfg(stage, steps=1, hook=None, shard=None):
+        return jddp.DataParallel(mlp_loss, optax.sgd(0.1), place=jddp.ZeRO(stage=stage),
+                                 accumulate=jddp.Accumulate(steps=steps, shard=shard),
+                                 reduce=jddp.Buckets(hook=hook)).config
+
+    assert cfg(2, steps=2).accumulate.shard
+    assert cfg(3, steps=2, hook=jddp.bf16_compress()).accumulate.shard
+    assert not cfg(1, steps=2).accumulate.shard
+    assert not cfg(3).accumulate.shard
+    assert not cfg(3, steps=2, shard=False).accumulate.shard
+    assert not cfg(2, steps=2, hook=jddp.powersgd()).accumulate.shard
+    for kw, why in (({"stage": 1, "steps": 2}, "only ZeRO stages 2-3"),
+                    ({"stage": 2}, "accumulate_steps=1"),
+                    ({"stage": 2, "steps": 2, "hook": jddp.powersgd()}, "the hook has state")):
         with pytest.raises(ValueError, match=f"Accumulate\\(shard=True\\).*{why}"):
-            cfg(shard_accumulator=True, **kw)
+            cfg(shard=True, **kw)
     with pytest.raises(TypeError, match="Accumulate.shard must be True or False"):
-        cfg(zero_stage=2, accumulate_steps=2, shard_accumulator="yes")
+        cfg(2, steps=2, shard="yes")
 
 
 def test_state_of_the_other_layout_is_a_clear_error():

@@ -14,7 +14,7 @@ import jddp
 from tests._models import max_abs_diff, mlp_loss, mlp_params, regression_batch
 
 SIZES = [6, 16, 16, 3]
-CAPS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)
+CAPS = dict(cap_mb=0.002, first_mb=0.001)
 
 
 def _counting(fn):
@@ -35,18 +35,21 @@ VARIANTS = {
     # name: (DataParallel options, step keyword arguments, stateful)
     "plain": ({}, {}, False),
     "model state": ({}, {}, True),
-    "weighted": ({"weighted": True}, {}, False),
-    "powersgd": ({"hook": jddp.powersgd(rank=1, start_iter=0)}, {}, False),
-    "accumulate sync=False": ({"accumulate_steps": 2}, {"sync": False}, False),
-    "accumulate sync=True": ({"accumulate_steps": 2}, {"sync": True}, False),
-    "accumulate sync=None": ({"accumulate_steps": 2}, {"sync": None}, False),
-    "microbatches=2": ({"microbatches": 2}, {}, False),
-    "accumulate+microbatches sync=None": ({"accumulate_steps": 2, "microbatches": 2}, {}, True),
+    "weighted": ({"loss": jddp.Loss(weighted=True)}, {}, False),
+    "powersgd": ({"reduce": jddp.Buckets(hook=jddp.powersgd(rank=1, start_iter=0), **CAPS)}, {},
+                 False),
+    "accumulate sync=False": ({"accumulate": jddp.Accumulate(steps=2)}, {"sync": False}, False),
+    "accumulate sync=True": ({"accumulate": jddp.Accumulate(steps=2)}, {"sync": True}, False),
+    "accumulate sync=None": ({"accumulate": jddp.Accumulate(steps=2)}, {"sync": None}, False),
+    "microbatches=2": ({"accumulate": jddp.Accumulate(microbatches=2)}, {}, False),
+    "accumulate+microbatches sync=None": ({"accumulate": jddp.Accumulate(steps=2, microbatches=2)},
+                                          {}, True),
     "two-level mesh, hierarchical": ({"mesh": jddp.data_mesh(hosts=2),
-                                      "hook": jddp.hooks.hierarchical()}, {}, True),
-    "diloco local step": ({"local_sgd": jddp.local_sgd.diloco(100)}, {}, True),
-    "diloco on two hosts": ({"local_sgd": jddp.local_sgd.diloco(1),
-                             "mesh": jddp.data_mesh(hosts=2)}, {}, True),
+                                      "reduce": jddp.Buckets(hook=jddp.hooks.hierarchical(), **CAPS)},
+                                     {}, True),
+    "diloco local step": ({"sync": jddp.local_sgd.diloco(100)}, {}, True),
+    "diloco on two hosts": ({"sync": jddp.local_sgd.diloco(1), "mesh": jddp.data_mesh(hosts=2)},
+                            {}, True),
 }
 
 
@@ -56,11 +59,11 @@ def test_loss_is_traced_once_per_compiled_program(name):
     evaluation all read one jaxpr: the user's Python loss runs once per compile."""
     options, call, stateful = VARIANTS[name]
     base = _stateful if stateful else mlp_loss
-    if options.get("weighted"):
+    if "loss" in options:  # weighted: per-example losses
         def base(p, b):  # noqa: F811 - per-example losses
             return jnp.mean((jnp.tanh(b["x"] @ p["Dense_0"]["kernel"]) - 0.0) ** 2, axis=-1)
     loss, calls = _counting(base)
-    ddp = jddp.DataParallel(loss, optax.adam(1e-3), **options, **CAPS)
+    ddp = jddp.DataParallel(loss, optax.adam(1e-3), **{"reduce": jddp.Buckets(**CAPS), **options})
     params = mlp_params(0, SIZES)
     state = ddp.init(params, {"n": jnp.zeros(())}) if stateful else ddp.init(params)
     batch = regression_batch(0, 32, SIZES[0], SIZES[-1])
@@ -106,7 +109,7 @@ def _nnx_loss(model, b):
 )
 def test_bad_hooks_are_named_at_construction(hook, match):
     with pytest.raises(TypeError, match=match):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), hook=hook)
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook))
 
 
 @pytest.mark.parametrize("leaves_per_bucket", ["one", "many"])
@@ -115,15 +118,15 @@ def test_hook_returning_only_gradients_is_a_clear_error(leaves_per_bucket):
         return tuple(jax.lax.pmean(g, ctx.axis_name) for g in grads)  # forgot the states
 
     hook = jddp.CommHook(lambda leaf: (), reduce, "grads_only")
-    caps = dict(bucket_cap_mb=1e-6, first_bucket_mb=1e-6) if leaves_per_bucket == "one" else {}
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), hook=hook, **caps)
+    caps = dict(cap_mb=1e-6, first_mb=1e-6) if leaves_per_bucket == "one" else {}
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook, **caps))
     with pytest.raises(TypeError, match=r"'grads_only' must return a pair \(mean_grads, new_states"):
         ddp.step(ddp.init(mlp_params(0, SIZES)), regression_batch(0, 16, 6, 3))
 
 
 def test_hook_that_does_not_reduce_points_to_local_sgd():
     hook = jddp.CommHook(lambda leaf: (), lambda g, s, ctx: (tuple(g), s), "local")
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), hook=hook)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook))
     with pytest.raises(ValueError, match="unreduced.*local SGD"):
         ddp.step(ddp.init(mlp_params(0, SIZES)), regression_batch(0, 16, 6, 3))
 
@@ -144,8 +147,8 @@ def test_zero_size_parameter_leaves_train():
         "b0": jnp.zeros((0,)),
     }
     batch = {"x": rng.normal(size=(32, 6)).astype(np.float32)}
-    ddp = jddp.DataParallel(_zero_size_loss, optax.sgd(0.1), bucket_cap_mb=1e-6,
-                            first_bucket_mb=1e-6)
+    ddp = jddp.DataParallel(_zero_size_loss, optax.sgd(0.1),
+                            reduce=jddp.Buckets(cap_mb=1e-6, first_mb=1e-6))
     state, metrics = ddp.step(ddp.init(params), batch)
     ref = jax.jit(jax.grad(_zero_size_loss))(params, batch)
     want = jax.tree.map(lambda p, g: p - 0.1 * g, params, ref)
@@ -178,7 +181,8 @@ def test_plan_before_the_first_step_is_the_steps_plan_even_with_collectives_in_f
         out, upd = net.apply({"params": p, **ms}, b["x"], mutable=["batch_stats"])
         return jnp.mean(out**2), upd
 
-    ddp = jddp.DataParallel(loss, optax.sgd(0.1), bucket_cap_mb=0.0002, first_bucket_mb=0.0001)
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1),
+                            reduce=jddp.Buckets(cap_mb=0.0002, first_mb=0.0001))
     params, ms = variables["params"], {"batch_stats": variables["batch_stats"]}
     plan = ddp.plan(params, {"x": x}, ms)
     assert plan.num_buckets >= 2
@@ -189,7 +193,7 @@ def test_plan_before_the_first_step_is_the_steps_plan_even_with_collectives_in_f
 def test_lower_is_step_lower_on_the_abstract_state():
     params = mlp_params(0, SIZES)
     batch = regression_batch(0, 16, 6, 3)
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), **CAPS)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS))
     a = ddp.lower(params, batch).as_text()
     b = ddp.step.lower(ddp.abstract_state(params), batch).as_text()
     assert a == b

@@ -48,7 +48,7 @@ def test_syncbn_on_8_devices_equals_one_device_with_whole_batch_statistics():
     batch, params, ms = _setup()
     ddp = jddp.DataParallel(_loss_fn(_Net("batch")), optax.sgd(0.1),
                             mesh=jddp.data_mesh(axis_name="batch"),
-                            bucket_cap_mb=0.002, first_bucket_mb=0.001)
+                            reduce=jddp.Buckets(cap_mb=0.002, first_mb=0.001))
     state = ddp.init(params, ms)
     single = _loss_fn(_Net(None))  # one device: BatchNorm over the whole batch
     ref_p, ref_ms, tx = params, ms, optax.sgd(0.1)
@@ -63,7 +63,8 @@ def test_syncbn_on_8_devices_equals_one_device_with_whole_batch_statistics():
     assert max_abs_diff(state.model_state, ref_ms) < 2e-5
 
     # DDP-style per-device BatchNorm (no axis_name, statistics averaged) is another model.
-    ddp_bn = jddp.DataParallel(_loss_fn(_Net(None)), optax.sgd(0.1), model_state_sync="mean")
+    ddp_bn = jddp.DataParallel(_loss_fn(_Net(None)), optax.sgd(0.1),
+                               loss=jddp.Loss(model_state_sync="mean"))
     other = ddp_bn.init(params, ms)
     for _ in range(3):
         other, _ = ddp_bn.step(other, batch)

@@ -64,10 +64,10 @@ def mesh(topology: str):
     return topologies.tpu_mesh(topology)
 
 
-def make_ddp(topology: str, cap: float, **kwargs) -> jddp.DataParallel:
+def make_ddp(topology: str, cap: float, chain: str = "auto", **kwargs) -> jddp.DataParallel:
     return jddp.DataParallel(
-        loss_fn, optax.sgd(0.1), mesh=mesh(topology), bucket_cap_mb=cap,
-        first_bucket_mb=min(1.0, cap), **kwargs,
+        loss_fn, optax.sgd(0.1), mesh=mesh(topology),
+        reduce=jddp.Buckets(cap_mb=cap, first_mb=min(1.0, cap), chain=chain), **kwargs,
     )
 
 
@@ -132,7 +132,7 @@ def _all_reduce_count(text: str) -> int:
 
 @pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
 def test_no_sync_step_has_no_all_reduce(topology):
-    ddp = make_ddp(topology, 2.0, accumulate_steps=4)
+    ddp = make_ddp(topology, 2.0, accumulate=jddp.Accumulate(steps=4))
     lowered = ddp.lower(params_like(), batch_like(mesh(topology).size), sync=False)
     text = lowered.compile().as_text()
     assert _all_reduce_count(text) == 0
@@ -145,7 +145,7 @@ def test_no_sync_step_has_no_all_reduce(topology):
 
 @pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
 def test_fused_microbatches_reduce_once_per_bucket_after_the_loop(topology):
-    ddp = make_ddp(topology, 2.0, microbatches=4)
+    ddp = make_ddp(topology, 2.0, accumulate=jddp.Accumulate(microbatches=4))
     text = ddp.lower(params_like(), batch_like(mesh(topology).size)).compile().as_text()
     sched = schedule.read_schedule(text)
     ars = sched.all_reduces
@@ -172,7 +172,8 @@ def test_sharded_stages_one_reduce_scatter_and_one_all_gather_per_bucket(stage):
     """
     topology = "v5e:2x4"
     keep = dict(reshard_after_forward=False) if stage == 3 else {}  # one gather per bucket
-    ddp = make_ddp(topology, 1.0, zero_stage=stage, **keep)
+    ddp = make_ddp(topology, 1.0,
+                   place=jddp.ZeRO(stage=stage, **keep) if stage else jddp.Replicate())
     text = ddp.lower(params_like(), batch_like(8)).compile().as_text()
     plan = ddp.bucket_plan
     k = plan.num_buckets

@@ -41,8 +41,7 @@ def test_equals_single_device(n, name, optimizer, tol):
         mlp_loss,
         optimizer,
         mesh=jddp.data_mesh(jax.devices()[:n]),
-        bucket_cap_mb=0.002,
-        first_bucket_mb=0.001,
+        reduce=jddp.Buckets(cap_mb=0.002, first_mb=0.001),
     )
     state = ddp.init(params)
     losses = []
@@ -107,7 +106,7 @@ def test_aux_metrics_are_averaged():
         loss = mlp_loss(p, b)
         return loss, {"mean_y": jnp.mean(b["y"])}
 
-    ddp = jddp.DataParallel(loss_with_aux, optax.sgd(0.1), has_aux=True)
+    ddp = jddp.DataParallel(loss_with_aux, optax.sgd(0.1), loss=jddp.Loss(has_aux=True))
     state = ddp.init(params)
     _, metrics = ddp.step(state, batch)
     np.testing.assert_allclose(float(metrics["mean_y"]), np.mean(batch["y"]), rtol=1e-5)
@@ -166,7 +165,8 @@ def test_lower_from_shape_structs_matches_step():
     """ddp.lower(params_like, batch_like) compiles the same program ddp.step runs."""
     params = mlp_params(3, SIZES)
     batch = regression_batch(0, 16, SIZES[0], SIZES[-1])
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), bucket_cap_mb=0.002, first_bucket_mb=0.001)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1),
+                            reduce=jddp.Buckets(cap_mb=0.002, first_mb=0.001))
     params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     batch_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     abstract = ddp.lower(params_like, batch_like).compile().as_text()
@@ -181,7 +181,8 @@ def test_lower_from_shape_structs_matches_step():
 def test_plan_before_the_first_step_matches_the_traced_plan():
     params = mlp_params(3, SIZES)
     batch = regression_batch(0, 16, SIZES[0], SIZES[-1])
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), bucket_cap_mb=0.002, first_bucket_mb=0.001)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1),
+                            reduce=jddp.Buckets(cap_mb=0.002, first_mb=0.001))
     assert ddp.bucket_plan is None
     planned = ddp.plan(params, batch)
     ddp.step(ddp.init(params), batch)
@@ -189,18 +190,29 @@ def test_plan_before_the_first_step_matches_the_traced_plan():
     assert planned.num_buckets > 1
 
 
-@pytest.mark.parametrize("name", ["has_aux", "weighted", "keep_unused", "skip_not_finite",
-                                  "donate", "hybrid_shard", "rng"])
+FLAGS = {  # each boolean option, as the policy keyword that holds it
+    "has_aux": lambda v: {"loss": jddp.Loss(has_aux=v)},
+    "weighted": lambda v: {"loss": jddp.Loss(weighted=v)},
+    "keep_unused": lambda v: {"reduce": jddp.Buckets(keep_unused=v)},
+    "donate": lambda v: {"donate": v},
+    "hybrid": lambda v: {"place": jddp.ZeRO(stage=2, hybrid=v)},
+    "offload": lambda v: {"place": jddp.ZeRO(stage=2, offload=v)},
+    "rng": lambda v: {"loss": jddp.Loss(rng=v)},
+}
+
+
+@pytest.mark.parametrize("name", list(FLAGS))
 @pytest.mark.parametrize("value", ["no", 0, None, np.array([True])])
 def test_every_boolean_option_takes_only_a_bool(name, value):
     """bool("no") is True: a truthiness test would turn weighted="no" on. Every flag is refused
     with a TypeError naming it, before anything is traced."""
     with pytest.raises(TypeError, match=rf"{name} must be True or False"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), **{name: value})
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), **FLAGS[name](value))
     for bad in ("error_feedback", "warm_start"):
         with pytest.raises(TypeError, match=rf"{bad} must be True or False"):
             jddp.powersgd(**{bad: value})
-    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), weighted=np.bool_(True), keep_unused=False)
+    ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(keep_unused=False),
+                            loss=jddp.Loss(weighted=np.bool_(True)))
     assert ddp.config.loss.weighted is True and ddp.config.reduce.keep_unused is False
 
 

@@ -61,7 +61,7 @@ def test_pad_batch_pads_to_a_multiple_and_masks():
 @pytest.mark.parametrize("n_real", [13, 3])
 def test_padded_step_equals_single_device_on_real_examples(opt, n_real):
     params = _init()
-    ddp = jddp.DataParallel(_per_example, opt, weighted=True)
+    ddp = jddp.DataParallel(_per_example, opt, loss=jddp.Loss(weighted=True))
     state = ddp.init(params)
     ref_params, ref_opt = params, opt.init(params)
     for step in range(3):
@@ -80,7 +80,7 @@ def test_padded_step_equals_single_device_on_real_examples(opt, n_real):
 def test_weighted_without_mask_is_the_plain_mean_and_weights_are_honoured():
     params = _init()
     batch = _data(16)
-    ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), weighted=True)
+    ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), loss=jddp.Loss(weighted=True))
     plain = jddp.DataParallel(_mean_loss, optax.sgd(0.1))
     a, ma = ddp.step(ddp.init(params), batch)
     b, mb = plain.step(plain.init(params), batch)
@@ -104,7 +104,7 @@ def test_per_example_metrics_are_averaged_over_real_examples():
 
     real = _data(11)
     padded, mask = jddp.pad_batch(real, 8)
-    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), has_aux=True, weighted=True)
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), loss=jddp.Loss(has_aux=True, weighted=True))
     _, metrics = ddp.step(ddp.init(_init()), padded, mask=mask)
     np.testing.assert_allclose(
         metrics["abs_err"], np.sqrt(_per_example(_init(), real)).mean(), rtol=RTOL
@@ -121,7 +121,7 @@ def test_inf_loss_on_padding_is_ignored():
     real["pad"] = np.zeros(13, bool)
     padded, mask = jddp.pad_batch(real, 8)
     padded["pad"] = ~mask
-    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), weighted=True)
+    ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), loss=jddp.Loss(weighted=True))
     state, metrics = ddp.step(ddp.init(_init()), padded, mask=mask)
     assert np.isfinite(metrics["loss"])
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
@@ -129,7 +129,7 @@ def test_inf_loss_on_padding_is_ignored():
 
 def test_mask_errors():
     params, batch = _init(), _data(16)
-    ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), weighted=True)
+    ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), loss=jddp.Loss(weighted=True))
     state = ddp.init(params)
     with pytest.raises(ValueError, match=r"mask has shape \(8,\) but the batch has 16 examples"):
         ddp.step(state, batch, mask=np.ones(8, bool))
@@ -140,7 +140,7 @@ def test_mask_errors():
     with pytest.raises(ValueError, match=r"jddp\.Loss\(weighted=True\)"):
         plain.step(plain.init(params), batch, mask=np.ones(16, bool))
     with pytest.raises(TypeError, match="must return the unreduced losses"):
-        wrong = jddp.DataParallel(_mean_loss, optax.sgd(0.1), weighted=True)
+        wrong = jddp.DataParallel(_mean_loss, optax.sgd(0.1), loss=jddp.Loss(weighted=True))
         wrong.step(wrong.init(params), batch)
     with pytest.raises(ValueError, match="jddp.pad_batch"):
         plain.step(plain.init(params), _data(13))
@@ -190,8 +190,9 @@ def test_per_token_weighted_lm_on_8_devices_equals_single_device_on_real_tokens(
     """weighted=True with a (batch, seq) mask: the step's gradient is the mean over the global
     batch's real tokens (not a mean of per-device means), as on one device."""
     params = _TinyLM.init()
-    ddp = jddp.DataParallel(_TinyLM.per_token, opt, weighted=True,
-                            bucket_cap_mb=0.0005, first_bucket_mb=0.0002)
+    ddp = jddp.DataParallel(_TinyLM.per_token, opt,
+                            reduce=jddp.Buckets(cap_mb=0.0005, first_mb=0.0002),
+                            loss=jddp.Loss(weighted=True))
     state = ddp.init(params)
 
     def ref_loss(p, batch, weights):

@@ -80,7 +80,7 @@ def _batch():
 
 
 def test_unused_are_reported_once_and_not_sent():
-    ddp = jddp.DataParallel(_aux_loss, optax.adam(1e-2), has_aux=True)
+    ddp = jddp.DataParallel(_aux_loss, optax.adam(1e-2), loss=jddp.Loss(has_aux=True))
     state = ddp.init(_params())
     with pytest.warns(UserWarning, match="4 parameter leaves have no gradient path") as rec:
         state, metrics = ddp.step(state, _batch())
@@ -105,14 +105,15 @@ def test_unused_are_reported_once_and_not_sent():
 
 
 def test_keep_unused_reduces_them_without_warning():
-    ddp = jddp.DataParallel(_aux_loss, optax.sgd(0.1), has_aux=True, keep_unused=True)
+    ddp = jddp.DataParallel(_aux_loss, optax.sgd(0.1), reduce=jddp.Buckets(keep_unused=True),
+                            loss=jddp.Loss(has_aux=True))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         state, _ = ddp.step(ddp.init(_params()), _batch())
     plan = ddp.bucket_plan
     assert plan.unused == ()
     assert plan.total_bytes == 4 * sum(x.size for x in jax.tree.leaves(_params()))
-    ref = jddp.DataParallel(_aux_loss, optax.sgd(0.1), has_aux=True)
+    ref = jddp.DataParallel(_aux_loss, optax.sgd(0.1), loss=jddp.Loss(has_aux=True))
     with pytest.warns(UserWarning):
         ref_state, _ = ref.step(ref.init(_params()), _batch())
     jax.tree.map(np.testing.assert_array_equal, state.params, ref_state.params)

@@ -47,7 +47,8 @@ def test_adamw_leaves_a_parameter_without_gradient_untouched(zero_stage):
     ref = _reference(opt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the one-time "unused" warning
-        ddp = jddp.DataParallel(lambda p, b: _loss(p, b).mean(), opt, zero_stage=zero_stage)
+        ddp = jddp.DataParallel(lambda p, b: _loss(p, b).mean(), opt,
+                                place=jddp.ZeRO(stage=zero_stage) if zero_stage else jddp.Replicate())
         state = ddp.init(_params())
         for _ in range(STEPS):
             state, _ = ddp.step(state, _batch())
@@ -61,7 +62,8 @@ def test_adamw_leaves_a_parameter_without_gradient_untouched(zero_stage):
 def test_keep_unused_updates_it_like_optax():
     opt = optax.adamw(0.05, weight_decay=0.5)
     ref = _reference(opt)
-    ddp = jddp.DataParallel(lambda p, b: _loss(p, b).mean(), opt, keep_unused=True)
+    ddp = jddp.DataParallel(lambda p, b: _loss(p, b).mean(), opt,
+                            reduce=jddp.Buckets(keep_unused=True))
     state = ddp.init(_params())
     for _ in range(STEPS):
         state, _ = ddp.step(state, _batch())

@@ -1,4 +1,4 @@
-"""Sharded data parallelism (zero_stage=1|2|3): the same training as stage 0 for any optax
+"""Sharded data parallelism (place=jddp.ZeRO(stage=1|2|3)): the same training as stage 0 for any optax
 transformation, the collectives of each stage in the compiled step, and the memory they save.
 
 Tolerances (float32, 5 steps): parameters within 1e-5 relative (plus 1e-7 absolute) of stage 0
@@ -22,8 +22,8 @@ from tests._models import layer_list_like, layer_list_loss, mlp_loss, mlp_params
 
 # A layer whose output size (3) no device count divides: its bias stays whole on every device.
 SIZES = [8, 32, 24, 3]
-CAPS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)
-SMALL_CAPS = dict(bucket_cap_mb=0.001, first_bucket_mb=0.0002)  # one layer per bucket
+CAPS = dict(cap_mb=0.002, first_mb=0.001)
+SMALL_CAPS = dict(cap_mb=0.001, first_mb=0.0002)  # one layer per bucket
 N = 8
 
 
@@ -91,7 +91,8 @@ def test_every_stage_trains_like_stage_0_and_one_device(name):
     ref_params, ref_losses = _single_device(OPTIMIZERS[name](), params, batches)
     results = {}
     for stage in (0, 1, 2, 3):
-        ddp = jddp.DataParallel(mlp_loss, OPTIMIZERS[name](), zero_stage=stage, **CAPS)
+        ddp = jddp.DataParallel(mlp_loss, OPTIMIZERS[name](), reduce=jddp.Buckets(**CAPS),
+                                place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
         state, losses = _train(ddp, params, batches)
         assert ddp.bucket_plan.num_buckets > 1
         results[stage] = (jax.tree.map(np.asarray, state.params), losses)
@@ -122,7 +123,8 @@ def test_collectives_of_each_stage_in_the_compiled_step(stage):
     forward's), none in a loop. (Resharding's backward gathers: test_reshard_after_forward.)"""
     params = mlp_params(2, SIZES)
     keep = dict(reshard_after_forward=False) if stage == 3 else {}
-    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage, **SMALL_CAPS, **keep)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), reduce=jddp.Buckets(**SMALL_CAPS),
+                            place=jddp.ZeRO(stage=stage, **keep) if stage else jddp.Replicate())
     found = _collectives(ddp, ddp.init(params), _batches(1)[0])
     plan = ddp.bucket_plan
     k = plan.num_buckets
@@ -157,8 +159,9 @@ def test_accumulation_collectives_at_stage_2_and_3():
     tests/test_shard_accumulator.py.)"""
     params, batch = mlp_params(3, SIZES), _batches(1)[0]
     for stage in (2, 3):
-        ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage,
-                                accumulate_steps=2, shard_accumulator=False, **SMALL_CAPS)
+        ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), reduce=jddp.Buckets(**SMALL_CAPS),
+                                accumulate=jddp.Accumulate(steps=2, shard=False),
+                                place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
         state = ddp.init(params)
         quiet = _collectives(ddp, state, batch, sync=False)
         loud = _collectives(ddp, state, batch, sync=True)
@@ -182,7 +185,8 @@ def _per_device_bytes(tree):
 def test_state_at_rest_per_device(stage):
     """Adam: 3P at stage 0, P + 2P/N at stages 1-2, 3P/N at stage 3 (+1% for leaves kept whole)."""
     params = mlp_params(4, [8, 64, 64, 64, 8])  # every leaf divisible by 8
-    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=stage)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2),
+                            place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
     state = ddp.init(params)
     p = sum(x.nbytes for x in jax.tree.leaves(params))
     held = _per_device_bytes((state.params, state.opt_state))
@@ -197,7 +201,9 @@ def test_hooks_at_sharded_stages():
     for hook in (jddp.bf16_compress(), jddp.fp16_compress()):
         ref = None
         for stage in (0, 2, 3):
-            ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=stage, hook=hook, **CAPS)
+            ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1),
+                                    reduce=jddp.Buckets(hook=hook, **CAPS),
+                                    place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
             state, _ = _train(ddp, params, batches)
             got = jax.tree.map(np.asarray, state.params)
             if ref is None:
@@ -219,8 +225,10 @@ def test_metrics_are_exact_with_compressed_hooks(stage):
     params, batch = mlp_params(6, SIZES), _batches(1, seed=6)[0]
     ref_loss, ref_aux = _loss_with_aux(params, batch)
     for hook in (jddp.bf16_compress(), jddp.fp16_compress()):
-        ddp = jddp.DataParallel(_loss_with_aux, optax.sgd(0.1), has_aux=True, zero_stage=stage,
-                                hook=hook, **CAPS)
+        ddp = jddp.DataParallel(_loss_with_aux, optax.sgd(0.1),
+                                reduce=jddp.Buckets(hook=hook, **CAPS),
+                                loss=jddp.Loss(has_aux=True),
+                                place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
         _, m = ddp.step(ddp.init(params), batch)
         assert float(m["loss"]) == pytest.approx(float(ref_loss), rel=1e-6)
         assert float(m["norm"]) == pytest.approx(float(ref_aux["norm"]), rel=1e-6)
@@ -242,8 +250,10 @@ def test_powersgd_at_sharded_stages_equals_stage_0(stage):
     params, batches = mlp_params(7, SIZES), _batches(4, seed=7)
     results = {}
     for s in (0, stage):
-        ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=s,
-                                hook=jddp.powersgd(rank=1, start_iter=2), **CAPS)
+        ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2),
+                                reduce=jddp.Buckets(hook=jddp.powersgd(rank=1, start_iter=2),
+                                                    **CAPS),
+                                place=jddp.ZeRO(stage=s) if s else jddp.Replicate())
         results[s] = _train_hook_state(ddp, params, batches)
     ref, got = results[0][0], results[stage][0]
     _close(jax.tree.map(np.asarray, got.params), ref.params, rtol=1e-5, atol=1e-6)
@@ -269,8 +279,10 @@ def test_comm_bytes_equal_the_compiled_collectives(stage):
     params, batch = mlp_params(8, SIZES), _batches(1, seed=8)[0]
     sent = {}
     for name, hook in (("none", None), ("powersgd", jddp.powersgd(start_iter=0))):
-        ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=stage, hook=hook,
-                                accumulate_steps=2, donate=False, **CAPS)
+        ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook, **CAPS),
+                                accumulate=jddp.Accumulate(steps=2),
+                                place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+                                donate=False)
         state = ddp.init(params)
         for sync in (False, True):
             compiled = ddp.step.lower(state, batch, sync=sync).compile()
@@ -283,8 +295,9 @@ def test_comm_bytes_equal_the_compiled_collectives(stage):
     assert (sent["powersgd", False] > 0) == (stage == 3)
     assert sent["powersgd", True] < sent["none", True]
     if stage == 3:  # scanned micro-batches: the whole parameters gathered once more
-        ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=3, microbatches=2,
-                                donate=False, **CAPS)
+        ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
+                                accumulate=jddp.Accumulate(microbatches=2),
+                                place=jddp.ZeRO(stage=3), donate=False)
         state = ddp.init(params)
         compiled = ddp.step.lower(state, batch).compile()
         _, m = compiled(state, batch, None, None)
@@ -306,13 +319,16 @@ def test_comm_bytes_of_bf16_equal_the_compiled_gpu_collectives(monkeypatch):
     params = [{k: np.random.default_rng(i).normal(size=v.shape).astype(np.float32)
                for k, v in layer.items()} for i, layer in enumerate(like)]
     batch = {k: np.ones((64, 64), np.float32) for k in ("x", "y")}
-    caps = dict(bucket_cap_mb=0.02, first_bucket_mb=0.01)
+    caps = dict(cap_mb=0.02, first_mb=0.01)
     for stage in (0, 1, 2, 3):
-        cpu = jddp.DataParallel(layer_list_loss, optax.sgd(0.1), zero_stage=stage,
-                                hook=jddp.bf16_compress(), **caps)
+        cpu = jddp.DataParallel(layer_list_loss, optax.sgd(0.1),
+                                reduce=jddp.Buckets(hook=jddp.bf16_compress(), **caps),
+                                place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
         _, m = cpu.step(cpu.init(params), batch)
-        gpu = jddp.DataParallel(layer_list_loss, optax.sgd(0.1), zero_stage=stage,
-                                hook=jddp.bf16_compress(), mesh=topologies.gpu_mesh(8), **caps)
+        gpu = jddp.DataParallel(layer_list_loss, optax.sgd(0.1),
+                                reduce=jddp.Buckets(hook=jddp.bf16_compress(), **caps),
+                                place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+                                mesh=topologies.gpu_mesh(8))
         text = gpu.lower(like, {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
                                 for k, v in batch.items()}).compile().as_text()
         assert cpu.bucket_plan.num_buckets > 1
@@ -332,8 +348,9 @@ def test_stage_1_comm_bytes_on_the_gpu_target():
     sizes = [64, 250, 256, 256, 8]  # the first layer's bias (250,) stays whole on 8 devices
     params, batch = mlp_params(0, sizes), regression_batch(0, 32, 64, 8)
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
-    caps = dict(bucket_cap_mb=0.1, first_bucket_mb=0.1)
-    cpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=1, **caps)
+    caps = dict(cap_mb=0.1, first_mb=0.1)
+    cpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), reduce=jddp.Buckets(**caps),
+                            place=jddp.ZeRO(stage=1))
     _, m = cpu.step(cpu.init(params), batch)
     plan = cpu.bucket_plan
     last = plan.buckets[-1].indices
@@ -344,8 +361,9 @@ def test_stage_1_comm_bytes_on_the_gpu_target():
     texts = {}
     for rewrite in (True, False):
         opts = None if rewrite else {"xla_disable_hlo_passes": "reduce-scatter-creator"}
-        gpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), zero_stage=1, compiler_options=opts,
-                                mesh=topologies.gpu_mesh(N), **caps)
+        gpu = jddp.DataParallel(mlp_loss, optax.adam(1e-2), reduce=jddp.Buckets(**caps),
+                                place=jddp.ZeRO(stage=1), compiler_options=opts,
+                                mesh=topologies.gpu_mesh(N))
         texts[rewrite] = gpu.lower(*like).compile().as_text()
     found = schedule.collectives(texts[True])
     assert [c.nbytes for c in found if c.kind == "reduce-scatter"] == [split]
@@ -358,8 +376,8 @@ def test_stage_1_comm_bytes_on_the_gpu_target():
 
 @pytest.mark.parametrize("stage", [4, -1, "3", True, 2.0])
 def test_bad_stage_is_named(stage):
-    with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=stage)
+    with pytest.raises(ValueError, match="ZeRO.stage must be 1, 2 or 3"):
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1), place=jddp.ZeRO(stage=stage))
 
 
 def test_model_state_weighted_unused_and_skipping_at_stage_3():
@@ -380,8 +398,10 @@ def test_model_state_weighted_unused_and_skipping_at_stage_3():
     masks = [rng.random(32) < 0.7 for _ in batches]
     results = {}
     for stage in (0, 3):
-        ddp = jddp.DataParallel(loss, optax.adam(1e-2), zero_stage=stage, weighted=True,
-                                skip_not_finite=True, model_state_sync="mean", **CAPS)
+        ddp = jddp.DataParallel(loss, optax.adam(1e-2), reduce=jddp.Buckets(**CAPS),
+                                loss=jddp.Loss(weighted=True, model_state_sync="mean"),
+                                place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
+                                loss_scale=jddp.SkipNotFinite())
         state = ddp.init(params, ms)
         for b, m in zip(batches, masks, strict=True):
             state, metrics = ddp.step(state, b, mask=m)
@@ -412,7 +432,8 @@ def test_nnx_front_end_at_stage_3():
     out = {}
     for stage in (0, 3):
         ddp = jddp.nnx.DataParallel(MLP(nnx.Rngs(0)), optax.adam(1e-2), loss_fn=loss,
-                                    zero_stage=stage, **CAPS)
+                                    reduce=jddp.Buckets(**CAPS),
+                                    place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
         state = ddp.init()
         for b in _batches(3, seed=7):
             state, _ = ddp.step(state, b)
@@ -427,12 +448,13 @@ def test_a_model_that_fits_only_when_sharded():
     batch = regression_batch(8, 64, 64, 8)
     peaks = {}
     for stage in (0, 3):
-        ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), zero_stage=stage)
+        ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3),
+                                place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
         ma = ddp.lower(params, batch).compile().memory_analysis()
         peaks[stage] = ma.argument_size_in_bytes + ma.temp_size_in_bytes
     limit = (peaks[0] + peaks[3]) // 2
     assert peaks[3] < limit < peaks[0], peaks
-    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), zero_stage=3)
+    ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), place=jddp.ZeRO(stage=3))
     state = ddp.init(params)
     losses = []
     for _ in range(3):
@@ -460,7 +482,7 @@ def _deep(layers=8, width=256, tied=False):
     data = {"x": jnp.asarray(rng.standard_normal((32, width)), jnp.float32),
             "y": jnp.asarray(rng.standard_normal((32, width)), jnp.float32)}
     mb = width * (width + 1) * 4 / 2**20
-    return params, loss, data, dict(bucket_cap_mb=mb, first_bucket_mb=mb)
+    return params, loss, data, jddp.Buckets(cap_mb=mb, first_mb=mb)
 
 
 def _peak(ddp, state, batch):
@@ -478,10 +500,10 @@ def test_reshard_after_forward_memory_and_bytes():
     params, loss, batch, caps = _deep()
     p_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
     peaks, sent, gathers = {}, {}, {}
-    for name, kw in [("s2", dict(zero_stage=2)), ("keep", dict(zero_stage=3,
-                                                               reshard_after_forward=False)),
-                     ("reshard", dict(zero_stage=3))]:
-        ddp = jddp.DataParallel(loss, optax.adam(1e-3), donate=False, **caps, **kw)
+    for name, kw in [("s2", dict(place=jddp.ZeRO(stage=2))),
+                     ("keep", dict(place=jddp.ZeRO(stage=3, reshard_after_forward=False))),
+                     ("reshard", dict(place=jddp.ZeRO(stage=3)))]:
+        ddp = jddp.DataParallel(loss, optax.adam(1e-3), donate=False, reduce=caps, **kw)
         state = ddp.init(params)
         peaks[name] = _peak(ddp, state, batch)
         text = ddp.step.lower(state, batch).compile().as_text()
@@ -505,8 +527,9 @@ def test_a_model_that_fits_only_with_resharding():
     params, loss, batch, caps = _deep()
     peaks, states = {}, {}
     for reshard in (False, True):
-        ddp = jddp.DataParallel(loss, optax.adam(1e-3), zero_stage=3, donate=False,
-                                reshard_after_forward=reshard, **caps)
+        ddp = jddp.DataParallel(loss, optax.adam(1e-3),
+                                place=jddp.ZeRO(stage=3, reshard_after_forward=reshard),
+                                donate=False, reduce=caps)
         states[reshard] = (ddp, ddp.init(params))
         peaks[reshard] = _peak(ddp, states[reshard][1], batch)
     limit = (peaks[False] + peaks[True]) // 2
@@ -525,11 +548,13 @@ def test_reshard_after_forward_equals_stage_0(tied):
     kernel is read twice (tied: each use gathers it again in backward, its gradient is the sum
     of both uses' and is reduce-scattered once, with its bucket)."""
     params, loss, batch, caps = _deep(layers=4, width=64, tied=tied)
-    caps = dict(bucket_cap_mb=0.02, first_bucket_mb=0.02)
+    caps = dict(cap_mb=0.02, first_mb=0.02)
     out = {}
-    for name, kw in [("s0", dict()), ("keep", dict(zero_stage=3, reshard_after_forward=False)),
-                     ("reshard", dict(zero_stage=3, reshard_after_forward=True))]:
-        ddp = jddp.DataParallel(loss, optax.adam(1e-2), donate=False, **caps, **kw)
+    for name, kw in [("s0", dict()),
+                     ("keep", dict(place=jddp.ZeRO(stage=3, reshard_after_forward=False))),
+                     ("reshard", dict(place=jddp.ZeRO(stage=3, reshard_after_forward=True)))]:
+        ddp = jddp.DataParallel(loss, optax.adam(1e-2), donate=False, reduce=jddp.Buckets(**caps),
+                                **kw)
         state = ddp.init(params)
         for _ in range(3):
             state, m = ddp.step(state, batch)
@@ -551,10 +576,11 @@ def test_backward_prefetch_equals_stage_0(monkeypatch):
     assert not reduction.backward_prefetch()  # off on CPU: a prefetch cannot overlap there
     monkeypatch.setattr(reduction, "backward_prefetch", lambda: True)
     params, loss, batch, _ = _deep(layers=4, width=64, tied=True)
-    caps = dict(bucket_cap_mb=0.02, first_bucket_mb=0.02)
+    caps = dict(cap_mb=0.02, first_mb=0.02)
     out = {}
-    for name, kw in [("s0", dict()), ("reshard", dict(zero_stage=3))]:
-        ddp = jddp.DataParallel(loss, optax.adam(1e-2), donate=False, **caps, **kw)
+    for name, kw in [("s0", dict()), ("reshard", dict(place=jddp.ZeRO(stage=3)))]:
+        ddp = jddp.DataParallel(loss, optax.adam(1e-2), donate=False, reduce=jddp.Buckets(**caps),
+                                **kw)
         state = ddp.init(params)
         text = ddp.step.lower(state, batch).compile().as_text()
         for _ in range(3):
@@ -571,7 +597,9 @@ def test_backward_prefetch_equals_stage_0(monkeypatch):
 
 def test_reshard_after_forward_option_errors():
     with pytest.raises(ValueError, match=r"jddp\.ZeRO\(stage=3\) only"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=2, reshard_after_forward=True)
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1),
+                          place=jddp.ZeRO(stage=2, reshard_after_forward=True))
     # An int group size (ZeRO++'s hpZ): tests/test_hpz.py.
     with pytest.raises(TypeError, match="True or False"):
-        jddp.DataParallel(mlp_loss, optax.sgd(0.1), zero_stage=3, reshard_after_forward="yes")
+        jddp.DataParallel(mlp_loss, optax.sgd(0.1),
+                          place=jddp.ZeRO(stage=3, reshard_after_forward="yes"))

@@ -71,9 +71,11 @@ def _make(name: str, mesh, loss, params):
     elif name == "int8":
         kw["hook"] = jddp.hooks.int8_compress()
     elif name in ("hybrid1", "hybrid2"):
-        kw.update(zero_stage=int(name[-1]), hybrid_shard=True)
+        kw["place"] = jddp.ZeRO(stage=int(name[-1]), hybrid=True)
     elif name == "diloco8":
-        kw["local_sgd"] = jddp.local_sgd.diloco(8)
+        kw["sync"] = jddp.local_sgd.diloco(8)
+    if "hook" in kw:
+        kw["reduce"] = jddp.Buckets(hook=kw.pop("hook"))
     return jddp.DataParallel(loss, opt, **kw)
 
 

@@ -118,21 +118,22 @@ def make(name: str, mesh, args):
 
     import jddp
 
-    kw: dict = {"mesh": mesh, "bucket_cap_mb": args.bucket_cap_mb}
+    kw: dict = {"mesh": mesh}
     if name == "hierarchical":
         kw["hook"] = jddp.hooks.hierarchical()
     elif name == "hierarchical+int8":
         kw["hook"] = jddp.hooks.hierarchical(inner=jddp.hooks.int8_compress())
     elif name == "diloco":
-        kw["local_sgd"] = jddp.local_sgd.diloco(args.period)
+        kw["sync"] = jddp.local_sgd.diloco(args.period)
     elif name == "streaming":
-        kw["local_sgd"] = jddp.local_sgd.diloco(args.period, fragments=args.fragments)
+        kw["sync"] = jddp.local_sgd.diloco(args.period, fragments=args.fragments)
     elif name == "diloco+int8":
-        kw["local_sgd"] = jddp.local_sgd.diloco(
+        kw["sync"] = jddp.local_sgd.diloco(
             args.period, compress=jddp.hooks.int8_compress(error_feedback=False))
     elif name != "flat":
         raise ValueError(f"unknown variant {name!r}")
-    return jddp.DataParallel(loss_fn, optax.adam(args.lr), **kw)
+    reduce = jddp.Buckets(cap_mb=args.bucket_cap_mb, hook=kw.pop("hook", None))
+    return jddp.DataParallel(loss_fn, optax.adam(args.lr), reduce=reduce, **kw)
 
 
 # ---------------------------------------------------------------------------------- the ranks

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -214,8 +214,3 @@ def resolve_shard(accumulate: Accumulate, c: Combination) -> bool:
         return accumulate.shard
     return (c.policies.stage >= 2 and accumulate.steps > 1 and not _hook_keeps_state(c)
             and not local_sgd(c) and not deterministic(c))
-
-
-def describe(value: Any) -> str:
-    """A short name of a policy value, for messages."""
-    return f"jddp.{type(value).__name__}(...)"

@@ -961,16 +961,6 @@ def hierarchical_reduce(grads: Sequence[jax.Array], states: Sequence[Any], ctx: 
     return _gather_leaves(means, layout, local, grads), new_states
 
 
-def hierarchical_mean(grads: Sequence[jax.Array], hosts: str, local: Any, num_replicas: int,
-                      concat: bool = False) -> tuple[jax.Array, ...]:
-    """The mean over ``(hosts, local)`` of each leaf (:func:`hierarchical_reduce` with a plain
-    all-reduce across hosts)."""
-    ctx = HookContext(axis_name=(hosts,) + vma.axis_names(local), axis_size=num_replicas,
-                      step=jnp.zeros((), jnp.int32), bucket_index=0)
-    return hierarchical_reduce(grads, tuple(() for _ in grads), ctx, hosts, local, None,
-                               concat)[0]
-
-
 _CONCAT_STATE_ERROR = (
     "hierarchical(concat=True, inner={name}): the inner hook keeps state per leaf, and with "
     "concat its shards span several leaves. Use concat=False (the default) with a stateful inner "

@@ -108,16 +108,6 @@ class DynamicScale:
         )
 
 
-def check_loss_scale(value: Any) -> DynamicScale | None:
-    """``value`` if it is ``None`` or a :class:`DynamicScale`; a clear error otherwise."""
-    if value is None or isinstance(value, DynamicScale):
-        return value
-    raise TypeError(
-        f"loss_scale must be a jddp.precision.DynamicScale (or None), got {type(value).__name__} "
-        f"{value!r}. For the defaults of Flax's DynamicScale: loss_scale=DynamicScale()."
-    )
-
-
 def check_state(state: Any, config: DynamicScale | None) -> None:
     """Trace-time check that ``state.loss_scale`` matches the trainer's ``loss_scale`` option."""
     has = getattr(state, "loss_scale", None) is not None

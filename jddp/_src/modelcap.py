@@ -41,17 +41,20 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from jddp._src import costmodel, options, skeleton
+from jddp._src import options, skeleton
 from jddp._src.autocap import CapChoice, ChoosingStep
 from jddp._src.hooks import CommHook, allreduce_mean
 from jddp._src.planner import BucketPlan, assign_buckets
 from jddp._src.step import Step
 from jddp._src.tree import MiB
+
+if TYPE_CHECKING:  # the cost model loads when a plan is chosen, not with `import jddp`
+    from jddp._src import costmodel
 
 #: Caps (MiB) that "model" considers by default, each with and without a 1 MiB first bucket.
 DEFAULT_CANDIDATES_MB: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 50.0, 100.0)
@@ -102,7 +105,7 @@ class ModelCap:
         object.__setattr__(self, "merge", options.flag(self.merge, "ModelCap.merge"))
         if not (0.0 <= float(self.margin) < 1.0):
             raise ValueError(f"ModelCap.margin must be in [0, 1), got {self.margin!r}.")
-        if self.cluster is not None and not isinstance(self.cluster, costmodel.ClusterSpec):
+        if self.cluster is not None and not _is_cluster(self.cluster):
             raise TypeError("ModelCap.cluster must be a jddp.perf.costmodel.ClusterSpec, got "
                             f"{type(self.cluster).__name__}.")
         if self.backward_s is not None and not float(self.backward_s) >= 0.0:
@@ -113,6 +116,12 @@ class ModelCap:
                 "device's backward time, s): overlap is weighed against it. Measure it with "
                 "jddp.perf.calibrate.profile_step, or use jddp.Buckets(cap_mb='auto')."
             )
+
+
+def _is_cluster(value: Any) -> bool:
+    from jddp._src import costmodel
+
+    return isinstance(value, costmodel.ClusterSpec)
 
 
 def resolve(bucket_cap_mb: Any) -> ModelCap | None:
@@ -128,6 +137,8 @@ def platform_cluster(platform: str, num_devices: int) -> costmodel.ClusterSpec |
     """The built-in cluster of a platform (``None`` where there is none: GPU, TPU)."""
     if platform != "cpu":
         return None
+    from jddp._src import costmodel
+
     return costmodel.ClusterSpec(
         num_devices, devices_per_node=max(1, num_devices), async_collectives=False,
         allreduce_table=CPU_ALLREDUCE_TABLE, name="XLA:CPU, built-in table (jddp.buckets)")
@@ -170,6 +181,8 @@ def predict(nbytes: Sequence[int], dtypes: Sequence[Any], cap_mb: float, first_m
             cluster: costmodel.ClusterSpec, backward_s: float | None) -> float:
     """The cost model's iteration time (s) for one plan; with no compute given (``backward_s``
     None), its communication alone."""
+    from jddp._src import costmodel
+
     profile = costmodel.ModelProfile.from_sizes(
         list(nbytes), backward_s=float(backward_s or 0.0), dtypes=[str(d) for d in dtypes])
     return costmodel.simulate_iteration(profile, cluster, bucket_cap_mb=cap_mb,

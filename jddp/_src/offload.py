@@ -61,8 +61,3 @@ def on_host(x: Any) -> bool:
     """Whether an array (or shape struct) is placed in host memory."""
     kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
     return kind is not None and kind != "device"
-
-
-def host_leaf_indices(state: Any) -> tuple[int, ...]:
-    """Positions, among ``jax.tree.leaves(state)``, of the leaves placed in host memory."""
-    return tuple(i for i, x in enumerate(jax.tree.leaves(state)) if on_host(x))

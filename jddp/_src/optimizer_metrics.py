@@ -49,11 +49,6 @@ def optimizer_metrics(opt_state: Any) -> dict[str, jax.Array]:
     }
 
 
-def add_optimizer_metrics(metrics: dict, opt_state: Any) -> dict:
-    """``metrics`` with :func:`optimizer_metrics` added; a clear error on a name clash."""
-    return merge_optimizer_metrics(metrics, optimizer_metrics(opt_state))
-
-
 def merge_optimizer_metrics(metrics: dict, extra: dict) -> dict:
     """``metrics`` with the optimizer's ``extra`` metrics added; a clear error on a name clash."""
     clash = sorted(set(extra) & set(metrics))

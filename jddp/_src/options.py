@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Literal, get_args
 
 import jax.numpy as jnp
@@ -59,6 +60,37 @@ def bucket_caps(bucket_cap_mb: Any = None, first_bucket_mb: Any = None,
             f"the first bucket is meant to be small. Lower {first_name} or raise {cap_name}."
         )
     return cap, first
+
+
+def renamed_args(fn: str, given: dict[str, Any], old: dict[str, Any],
+                 names: dict[str, str], stacklevel: int = 3) -> dict[str, Any]:
+    """``given`` (new keyword to value, ``None``: not given) with the old keywords in ``old``
+    moved to their new names (``names``: old to new), each with a ``DeprecationWarning`` at the
+    caller of ``fn`` (``stacklevel`` frames up from here); an old keyword next to its new one is
+    an error."""
+    given = dict(given)
+    for name, value in old.items():
+        if name not in names:
+            raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}.")
+        new = names[name]
+        if value is None:
+            continue
+        if given[new] is not None:
+            raise ValueError(f"{fn}() got {name}= and {new}=: pass {new}= only.")
+        warnings.warn(f"{fn}({name}=...) is deprecated: use {new}=... (the same value). The old "
+                      "keyword works for one release (docs/migration.md).",
+                      DeprecationWarning, stacklevel=stacklevel)
+        given[new] = value
+    return given
+
+
+def renamed_caps(fn: str, cap_mb: Any, first_mb: Any, old: dict[str, Any]) -> tuple[int, int]:
+    """``(cap, first)`` in bytes from ``jddp.Buckets``' names (``cap_mb``, ``first_mb``), the
+    round-3 names in ``old`` (``bucket_cap_mb``, ``first_bucket_mb``) deprecated (see
+    :func:`renamed_args`; the same values give the same plan)."""
+    caps = renamed_args(fn, {"cap_mb": cap_mb, "first_mb": first_mb}, old,
+                        {"bucket_cap_mb": "cap_mb", "first_bucket_mb": "first_mb"}, stacklevel=4)
+    return bucket_caps(caps["cap_mb"], caps["first_mb"], ("cap_mb", "first_mb"))
 
 
 def chain(mode: Any) -> Chain:

@@ -201,8 +201,9 @@ def make_plan(
     params: Any,
     use_times: Sequence[int | None],
     *,
-    bucket_cap_mb: float | None = None,
-    first_bucket_mb: float | None = None,
+    cap_mb: float | None = None,
+    first_mb: float | None = None,
+    **renamed: Any,
 ) -> BucketPlan:
     """Builds a plan from each leaf's first-use time (``None`` for unused leaves).
 
@@ -212,11 +213,11 @@ def make_plan(
     Args:
       params: the parameters (arrays or shape structs).
       use_times: one per leaf of ``params``.
-      bucket_cap_mb: the bucket cap in MiB.
-      first_bucket_mb: the first bucket's cap in MiB (default: DDP's rule, see
-        :class:`jddp.DataParallel`).
+      cap_mb: the bucket cap in MiB (``jddp.Buckets(cap_mb=...)``).
+      first_mb: the first bucket's cap in MiB (default: DDP's rule, see :class:`jddp.Buckets`).
+      **renamed: ``bucket_cap_mb``/``first_bucket_mb``, the old names (deprecated).
     """
-    cap, first = options.bucket_caps(bucket_cap_mb, first_bucket_mb)
+    cap, first = options.renamed_caps("make_plan", cap_mb, first_mb, renamed)
     return build_plan(params, use_times, cap, first)
 
 
@@ -301,9 +302,10 @@ def plan_buckets(
     fun: Callable[..., Any],
     params: Any,
     *args: Any,
-    bucket_cap_mb: float | None = None,
-    first_bucket_mb: float | None = None,
+    cap_mb: float | None = None,
+    first_mb: float | None = None,
     keep_unused: bool = False,
+    **renamed: Any,
 ) -> BucketPlan:
     """Plans buckets for ``fun(params, *args)`` from the order in which it first uses each leaf.
 
@@ -315,13 +317,15 @@ def plan_buckets(
     Args:
       fun: the loss function; it is traced (not run) on ``params`` and ``args``, which may be arrays
         or ``jax.ShapeDtypeStruct``s. Every output counts as loss.
-      bucket_cap_mb: the bucket cap in MiB (default: DDP's 25).
-      first_bucket_mb: the first bucket's cap in MiB (default: DDP's rule, see
-        :class:`jddp.DataParallel`).
+      cap_mb: the bucket cap in MiB (default: DDP's 25), as ``jddp.Buckets(cap_mb=...)``.
+      first_mb: the first bucket's cap in MiB (default: DDP's rule, see
+        :class:`jddp.Buckets`).
       keep_unused: put every leaf in a bucket, even those whose gradient is zero by construction
         (they are reduced last).
+      **renamed: ``bucket_cap_mb``/``first_bucket_mb``, the old names of ``cap_mb``/``first_mb``
+        (deprecated: a ``DeprecationWarning``, the same plan).
     """
-    cap, first = options.bucket_caps(bucket_cap_mb, first_bucket_mb)
+    cap, first = options.renamed_caps("plan_buckets", cap_mb, first_mb, renamed)
     traced = jaxpr_lib.trace(fun, params, *args)
     return plan_traced(traced, params, cap_bytes=cap, first_bytes=first, keep_unused=keep_unused)
 

@@ -152,7 +152,3 @@ class Policies:
     def stage(self) -> int:
         """The ZeRO stage (0 for :class:`Replicate`)."""
         return self.place.stage if isinstance(self.place, ZeRO) else 0
-
-    @property
-    def deterministic(self) -> bool:
-        return isinstance(self.reduce, Deterministic)

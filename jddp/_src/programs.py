@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 
-from jddp._src.introspect import hlo, jax_private
+from jddp._src.introspect import jax_private
 
 #: Seconds a process waits at the check for the others (they may still be compiling); override
 #: with the environment variable ``JDDP_PROGRAM_CHECK_TIMEOUT``.
@@ -165,6 +165,8 @@ def signature(compiled: Any, plan: Any = None) -> ProgramFingerprint:
     Args:
       plan: the bucket plan the program was traced with (a ``BucketPlan``), if any.
     """
+    from jddp._src.introspect import hlo  # the HLO reader loads when a program is checked
+
     text = hlo.read_text(compiled)
     buckets = _bucket_paths(plan)
     h = hashlib.sha256(hlo.canonical_text(text).encode())
@@ -175,6 +177,8 @@ def signature(compiled: Any, plan: Any = None) -> ProgramFingerprint:
 def describe(compiled: Any, buckets: tuple[tuple[str, ...], ...] = ()) -> ProgramSignature:
     """The :class:`ProgramSignature` of a compiled program: its collectives, read from the HLO
     text (replica groups in a form the reader does not know count as size ``-1``, warned)."""
+    from jddp._src.introspect import hlo
+
     out = []
     for c in hlo.collectives(compiled):
         groups = c.known_groups

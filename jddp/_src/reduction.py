@@ -62,7 +62,6 @@ from jddp._src.hooks import (
     padded_flat,
     unflatten_like,
 )
-from jddp._src.introspect import hlo
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.planner import BucketPlan, plan_traced
 from jddp._src.tree import nbytes, ring_bytes
@@ -728,10 +727,13 @@ def _dep_cotangent(dep: Any, token_dep: Any, chain: str, axis_name: Any) -> Any:
 def _in_bucket_scope(fn: Callable[..., Any], bucket: int) -> Callable[..., Any]:
     """``fn`` under ``jax.named_scope`` of the bucket: its collectives carry the bucket's name in
     the compiled program's ``op_name`` (``ddp.report``, the program check, profiler traces)."""
+    from jddp._src.introspect import hlo  # the name's one definition; loaded at trace time
+
+    name = hlo.bucket_scope(bucket)
 
     @functools.wraps(fn)
     def scoped(*args: Any) -> Any:
-        with jax.named_scope(hlo.bucket_scope(bucket)):
+        with jax.named_scope(name):
             return fn(*args)
 
     return scoped
@@ -930,6 +932,8 @@ def _regathered_vjp(run: Callable[[tuple, tuple], list], others: tuple, cts: lis
     # Under its bucket's name, as the forward's gather: the report and profiles file it there.
     # (Leaves of several buckets read by one equation are gathered in one collective: the first
     # bucket's name.)
+    from jddp._src.introspect import hlo  # the name's one definition; loaded at trace time
+
     buckets = [b for b, bucket in enumerate(reducer.inner.plan.buckets)
                if any(idx[k] in bucket.indices for k in need)]
     with jax.named_scope(hlo.bucket_scope(buckets[0])) if buckets else contextlib.nullcontext():
@@ -1395,12 +1399,13 @@ def value_and_grad(
     fun: Callable[..., Any],
     axis_name: Any = "data",
     *,
-    bucket_cap_mb: float | None = None,
-    first_bucket_mb: float | None = None,
+    cap_mb: float | None = None,
+    first_mb: float | None = None,
     has_aux: bool = False,
     hook: CommHook | None = None,
     plan: BucketPlan | None = None,
     chain: options.Chain = "auto",
+    **renamed: Any,
 ) -> Callable[..., Any]:
     """Drop-in for ``jax.value_and_grad`` inside ``shard_map`` or ``pmap``: bucketed, averaged grads.
 
@@ -1412,20 +1417,22 @@ def value_and_grad(
     Args:
       fun: ``fun(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``); differentiated with
         respect to its first argument.
-      bucket_cap_mb: bucket cap in MiB (DDP's ``bucket_cap_mb``). Not given: DDP's default
-        plan (25 MiB after a 1 MiB first bucket) — not the cost model's plan that
-        :class:`jddp.DataParallel` takes when no cap is given; pass the caps its
+      cap_mb: bucket cap in MiB (DDP's ``bucket_cap_mb``; ``jddp.Buckets(cap_mb=...)``). Not
+        given: DDP's default plan (25 MiB after a 1 MiB first bucket) — not the cost model's
+        plan that :class:`jddp.DataParallel` takes when no cap is given; pass the caps its
         ``cap_choice.pin`` names for the same plan.
-      first_bucket_mb: cap of the first bucket in MiB (default: DDP's rule, see
-        :class:`jddp.DataParallel`).
+      first_mb: cap of the first bucket in MiB (default: DDP's rule, see
+        :class:`jddp.Buckets`).
       hook: a stateless communication hook for each bucket (stateful hooks need
         :class:`jddp.DataParallel`, which carries their state).
       plan: a precomputed bucket plan; by default one is made from ``fun``'s traced use order.
       chain: how buckets are kept apart in XLA: ``"auto"`` (``"barrier"`` on GPU, ``"add"`` on
         CPU and TPU), ``"add"``, ``"barrier"``, or ``"none"`` to let XLA combine them.
+      **renamed: ``bucket_cap_mb``/``first_bucket_mb``, the old names of ``cap_mb``/``first_mb``
+        (deprecated: a ``DeprecationWarning``, the same plan and bits).
     """
     options.chain(chain)
-    cap, first = options.bucket_caps(bucket_cap_mb, first_bucket_mb)
+    cap, first = options.renamed_caps("value_and_grad", cap_mb, first_mb, renamed)
     the_hook = allreduce_mean() if hook is None else check_hook(hook)
 
     @functools.wraps(fun)

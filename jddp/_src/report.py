@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jddp._src.introspect import hlo
 from jddp._src.traffic import sent_per_device, traffic
 from jddp._src.tree import fmt_bytes
 
@@ -272,6 +271,8 @@ def memory(compiled: Any, state: Any) -> MemoryReport | None:
 
 def collectives(source: Any, host_of_device: Sequence[int]) -> tuple[CollectiveReport, ...]:
     """The :class:`CollectiveReport` of every collective of a compiled program."""
+    from jddp._src.introspect import hlo  # the HLO reader loads with the first report
+
     host = list(host_of_device)
     out = []
     for i, t in enumerate(traffic(hlo.read_module(source), host).collectives):

@@ -8,10 +8,12 @@ check across processes, ``ddp.report``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from jddp._src.introspect.hlo import Collective, collectives
 from jddp._src.tree import fmt_bytes, ring_bytes
+
+if TYPE_CHECKING:  # the HLO reader loads when traffic is read, not with `import jddp`
+    from jddp._src.introspect.hlo import Collective
 
 __all__ = ["CollectiveTraffic", "Traffic", "sent_per_device", "traffic"]
 
@@ -96,6 +98,8 @@ def traffic(source: Any, host_of_device: Sequence[int]) -> Traffic:
     hosts = max(1, len(set(host)))
     out = []
     total_in = total_across = 0.0
+    from jddp._src.introspect.hlo import collectives
+
     for c in collectives(source):
         known = c.known_groups
         # Unknown groups (a form hlo cannot read, warned there): no bytes counted, not crossing.

@@ -347,12 +347,24 @@ class DataParallel:
     def _build(self, params: Any, model_state: Any) -> TrainState:
         return skeleton.build_state(self.config, params, model_state)
 
-    def abstract_state(self, params_like: Any, model_state_like: Any = None) -> TrainState:
+    def abstract_state(self, params: Any = None, model_state: Any = None,
+                       **renamed: Any) -> TrainState:
         """The TrainState ``init`` would build, as ``jax.ShapeDtypeStruct``s with shardings.
 
         Nothing is allocated or computed, so this works on meshes of compile-only devices.
+
+        Args:
+          params: the parameters, as arrays or ``jax.ShapeDtypeStruct``s (as ``init`` takes).
+          model_state: the model state, likewise (``init``'s keyword).
+          **renamed: ``params_like``/``model_state_like``, the old names (deprecated).
         """
-        return skeleton.abstract_state(self.config, params_like, model_state_like)
+        params, model_state = options.renamed_args(
+            "abstract_state", {"params": params, "model_state": model_state}, renamed,
+            {"params_like": "params", "model_state_like": "model_state"}).values()
+        if params is None:
+            raise TypeError("abstract_state() missing the parameters: abstract_state(params, "
+                            "model_state=None), as init takes them.")
+        return skeleton.abstract_state(self.config, params, model_state)
 
     def plan(self, params: Any, batch: Any, model_state: Any = None, mask: Any = None) -> BucketPlan:
         """The bucket plan the step uses for ``params`` and a global ``batch``, before any step.

@@ -10,6 +10,8 @@ them only as ``from jddp._src.introspect import hlo, jax_private, jaxpr`` (a tes
 - :mod:`~jddp._src.introspect.jax_private`: every access to ``jax._src``, one named function each.
 """
 
-from jddp._src.introspect import hlo, jax_private, jaxpr
+# hlo (the HLO reader) is imported where it is used (reports, program checks, jddp.perf), not
+# with `import jddp`: a training step does not read compiled HLO.
+from jddp._src.introspect import jax_private, jaxpr
 
 __all__ = ["hlo", "jax_private", "jaxpr"]

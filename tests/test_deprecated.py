@@ -1,0 +1,135 @@
+"""The round-3 keywords' own checks: each still validates its value under its old name (and
+warns), for the release that keeps them. The spellings' equality is tests/test_policies.py's."""
+
+from __future__ import annotations
+
+import optax
+import pytest
+from jax.sharding import Mesh
+
+import jddp
+from tests._models import mlp_loss
+
+
+def _old(**kw):
+    """``DataParallel`` built with round-3 keywords: it must warn."""
+    with pytest.warns(DeprecationWarning, match="is deprecated: use"):
+        return jddp.DataParallel(mlp_loss, optax.sgd(0.1), **kw)
+
+
+def _mesh(n):
+    import jax
+    import numpy as np
+    return Mesh(np.array(jax.devices()[:n]), ("data",))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(deterministic=True, hook=jddp.bf16_compress()), "hook="),
+    (dict(deterministic=True, bucket_cap_mb="auto"), "nothing to tune"),
+    (dict(group_size=4), "pass deterministic=True with it"),
+])
+def test_deterministic_keywords_refuse_what_the_policy_cannot_express(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        _old(mesh=_mesh(2), **kw)
+
+
+def test_hybrid_shard_needs_a_sharded_stage():
+    with pytest.raises(ValueError, match="zero_stage=1, 2 or 3"):
+        _old(mesh=jddp.data_mesh(hosts=2), hybrid_shard=True)
+    with pytest.raises(TypeError, match="hybrid_shard must be True or False"):
+        _old(mesh=jddp.data_mesh(hosts=2), zero_stage=2, hybrid_shard="yes")
+
+
+@pytest.mark.parametrize("stage", [4, -1, "3", True, 2.0])
+def test_bad_zero_stage_is_named(stage):
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
+        _old(zero_stage=stage)
+
+
+def test_deterministic_refuses_a_cap_to_choose():
+    with pytest.raises(ValueError, match="bucket_cap_mb='model' has nothing to choose"):
+        _old(bucket_cap_mb="model", deterministic=True)
+
+
+def test_a_key_given_as_rng_points_at_step():
+    import jax
+    with pytest.raises(TypeError, match=r"rng must be True or False.*step\(state, batch, rng=key\)"):
+        _old(rng=jax.random.key(0))
+
+
+def test_plan_buckets_and_value_and_grad_take_the_buckets_names():
+    """cap_mb=/first_mb= (jddp.Buckets' names); the old names warn at the caller, naming the
+    new one, and give the same plan and the same bits."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from jddp.buckets import make_plan
+    from tests._models import mlp_params, regression_batch
+
+    params, batch = mlp_params(0, [8, 32, 32, 4]), regression_batch(0, 16, 8, 4)
+    new = jddp.plan_buckets(mlp_loss, params, batch, cap_mb=0.002, first_mb=0.001)
+    with pytest.warns(DeprecationWarning, match=r"plan_buckets\((bucket_cap|first_bucket)_mb="
+                                                r"\.\.\.\) is deprecated: use (cap|first)_mb=") as rec:
+        old = jddp.plan_buckets(mlp_loss, params, batch, bucket_cap_mb=0.002,
+                                first_bucket_mb=0.001)
+    assert old == new and new.num_buckets > 1
+    assert {w.filename for w in rec} == {__file__}
+    with pytest.warns(DeprecationWarning, match=r"make_plan\(first_bucket_mb=\.\.\.\)"):
+        assert make_plan(params, list(range(6)), first_bucket_mb=0.001, cap_mb=0.002) == \
+            make_plan(params, list(range(6)), first_mb=0.001, cap_mb=0.002)
+    with pytest.raises(ValueError, match="pass cap_mb= only"):
+        jddp.plan_buckets(mlp_loss, params, batch, cap_mb=1.0, bucket_cap_mb=1.0)
+
+    mesh = _mesh(8)
+
+    def grads(**caps):
+        fn = jax.shard_map(lambda p, b: jddp.value_and_grad(mlp_loss, "data", **caps)(p, b)[1],
+                           mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+        return jax.jit(fn)(params, batch)
+
+    want = grads(cap_mb=0.002, first_mb=0.001)
+    with pytest.warns(DeprecationWarning, match=r"value_and_grad\((bucket_cap|first_bucket)_mb="):
+        got = grads(bucket_cap_mb=0.002, first_bucket_mb=0.001)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jnp.all(jnp.isfinite(jax.tree.leaves(want)[0]))
+
+
+def test_abstract_state_takes_inits_keyword():
+    """abstract_state(params, model_state=...) as init(params, model_state=...); the positional
+    form works; params_like=/model_state_like= warn and give the same state."""
+    import jax
+    import jax.numpy as jnp
+
+    from tests._models import mlp_params
+
+    params = mlp_params(0, [8, 16, 4])
+    ms = {"n": jnp.zeros((3,))}
+    ddp = jddp.DataParallel(lambda p, s, b: (mlp_loss(p, b), s), optax.sgd(0.1),
+                            place=jddp.ZeRO(stage=3))
+    new = ddp.abstract_state(params, model_state=ms)
+    assert jax.tree.structure(new) == jax.tree.structure(ddp.abstract_state(params, ms))
+    assert new.model_state["n"].shape == (3,)
+    with pytest.warns(DeprecationWarning, match=r"abstract_state\((params|model_state)_like="
+                                                r"\.\.\.\) is deprecated: use (params|model_state)=") as rec:
+        old = ddp.abstract_state(params_like=params, model_state_like=ms)
+    assert {w.filename for w in rec} == {__file__}
+    assert old == new
+    with pytest.raises(TypeError, match="missing the parameters"):
+        ddp.abstract_state(model_state=ms)
+
+
+def test_local_sgd_given_the_function_says_to_call_it():
+    with pytest.raises(TypeError, match=r"call it: jddp\.local_sgd\.diloco\(period=\.\.\.\)"):
+        _old(local_sgd=jddp.local_sgd.diloco)
+
+
+@pytest.mark.parametrize("name", ["has_aux", "weighted", "keep_unused", "skip_not_finite",
+                                  "hybrid_shard", "rng"])
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_every_round3_flag_takes_only_a_bool(name, value):
+    """Checked under its own name before it moves into its policy."""
+    with pytest.raises(TypeError, match=rf"{name} must be True or False"):
+        _old(**{name: value})

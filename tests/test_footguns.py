@@ -44,12 +44,8 @@ def _param_only_plan(order):
 
 
 def _plan_buckets(f, *args, cap_mb):
-    """Each bucket's leaves, both caps ``cap_mb`` (the Buckets names where plan_buckets has
-    them, else the ones it has)."""
-    try:
-        plan = jddp.plan_buckets(f, *args, cap_mb=cap_mb, first_mb=cap_mb)
-    except TypeError:
-        plan = jddp.plan_buckets(f, *args, bucket_cap_mb=cap_mb, first_bucket_mb=cap_mb)
+    """Each bucket's leaves, both caps ``cap_mb``."""
+    plan = jddp.plan_buckets(f, *args, cap_mb=cap_mb, first_mb=cap_mb)
     return [list(b.indices) for b in plan.buckets]
 
 

@@ -388,13 +388,22 @@ def _moves(stage: int, optimizer: optax.GradientTransformation, n: int, layout: 
                   (tuple(p_dims), s_dims, tuple(g_dims)))
 
 
+def _all_to_all(kind: str, nbytes: float, n: int, hosts: int) -> Bytes:
+    """An all-to-all of ``nbytes`` per device over ``n`` devices on ``hosts`` hosts: not a ring,
+    each device sends its ``1/n`` share straight to each of the others, ``n - n / hosts`` of
+    them on other hosts (as :func:`jddp._src.traffic.traffic` reads it)."""
+    total = ring(kind, nbytes, n).total
+    return Bytes(total, total * (n - n // hosts) / (n - 1) if hosts > 1 and n > 1 else 0.0)
+
+
 def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
     """Bytes one device sends in :func:`update`'s collectives (the ring model), from the buffers
     it moves: per dtype, the all-to-alls of ``(n, width)`` rows to the owners and back, the
     all-gathers of the owners' ``(1, width)`` whole leaves, and (when some owner reads another's
     gradient) the all-gather of the gradients' pieces. ``hosts``: hosts the shard axis spans."""
     def each(kind: str, pack: _Pack, rows: int) -> Bytes:
-        return sum((ring(kind, rows * w * wire_itemsize(dt), n, hosts)
+        move = _all_to_all if kind == "all-to-all" else ring
+        return sum((move(kind, rows * w * wire_itemsize(dt), n, hosts)
                     for dt, w in zip(pack.groups, pack.width, strict=True)), Bytes())
 
     out = Bytes()

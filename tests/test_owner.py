@@ -190,12 +190,13 @@ def test_comm_bytes_are_the_compiled_programs_bytes(stage, clip):
     assert "all-to-all" in kinds  # the optimizer state's pieces, to the owners and back
 
 
-@pytest.mark.parametrize("case", ["accumulate", "bf16-reduce", "adamw-stage3", "two-hosts",
-                                  "two-hosts-hybrid"])
+@pytest.mark.parametrize("case", ["accumulate", "bf16-reduce", "adamw-stage3", "adafactor-offload",
+                                  "two-hosts", "two-hosts-hybrid"])
 def test_comm_bytes_exact_over_a_window_narrow_dtypes_and_other_optimizers(case):
     """Over an accumulation window (the update runs on the synchronising call only), with
     bfloat16 gradients (XLA:CPU sends them as float32), with AdamW (reads the parameters: stage
-    3 sends their pieces to the owners), and on two hosts, where ``comm_bytes_hosts`` counts the
+    3 sends their pieces to the owners), with Adafactor's factored moments (state leaves shaped
+    unlike their parameter) offloaded, and on two hosts, where ``comm_bytes_hosts`` counts the
     all-to-alls' shares sent to the other host (sharding across hosts, or inside each)."""
     place, opt, kw = jddp.ZeRO(stage=2, shard="owner"), _muon(), {}
     if case == "accumulate":
@@ -205,6 +206,8 @@ def test_comm_bytes_exact_over_a_window_narrow_dtypes_and_other_optimizers(case)
                                                         reduce_dtype=jnp.bfloat16)
     elif case == "adamw-stage3":
         place, opt = jddp.ZeRO(stage=3, shard="owner"), optax.adamw(1e-3)
+    elif case == "adafactor-offload":
+        place, opt = jddp.ZeRO(stage=2, shard="owner", offload=True), optax.adafactor(1e-3)
     else:
         kw["mesh"] = jddp.data_mesh(hosts=2)
         place = jddp.ZeRO(stage=3, shard="owner", hybrid=case.endswith("hybrid"))

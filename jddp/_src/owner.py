@@ -18,7 +18,9 @@ cost, largest first), and only the owner computes the leaf's update:
   orthogonalization of each matrix runs once, on its owner, and no collective runs inside it;
 - the owners' updates and new state go back to the pieces (one all-to-all per dtype) and, for
   leaves stored whole (stages 1-2's parameters, scalars), to every device (one all-gather per
-  dtype); each device adds the updates to the parameters it stores.
+  dtype); each device adds the updates to the parameters it stores;
+- the bytes those collectives send (:func:`sent`, for ``metrics["comm_bytes"]``) are counted from
+  the buffers :func:`update` builds, when it is traced: they depend on the optimizer state.
 
 Inputs that live in pieces and belong to another owner read as zeros on a device: :func:`analyse`
 traces the optimizer once and refuses, naming the leaf, an optimizer whose update of one leaf

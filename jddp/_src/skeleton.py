@@ -217,11 +217,9 @@ def _add_update_bytes(comm: dict, sent: list[Bytes], synced: Any) -> dict:
     window's synchronising call runs it)."""
     if not sent or "comm_bytes" not in comm:
         return comm
-    extra = sent[-1]
-    comm["comm_bytes"] = comm["comm_bytes"] + jnp.where(synced, extra.total, 0.0)
-    if "comm_bytes_hosts" in comm:
-        comm["comm_bytes_hosts"] = comm["comm_bytes_hosts"] + jnp.where(synced, extra.across, 0.0)
-    return comm
+    extra = {"comm_bytes": sent[-1].total, "comm_bytes_hosts": sent[-1].across}
+    return {k: v + jnp.where(synced, extra[k], 0.0) if k in extra else v
+            for k, v in comm.items()}
 
 
 def _local_phases(cfg: StepConfig, observe: PlanObserver, lv: Roles, layout: zero.Layout,

@@ -161,6 +161,65 @@ def test_the_report_shows_each_leafs_owner():
     assert "owner" in str(rep) and "l00.w" in str(rep)
 
 
+def _comm_bytes_and_report(place, opt, accumulate=1, mesh=None, **kw):
+    """``(sum of metrics["comm_bytes"] over one window, ddp.report(state, batch), last metrics)``."""
+    mesh = mesh or jddp.data_mesh()
+    ddp = jddp.DataParallel(_loss, opt, mesh=mesh, place=place,
+                            accumulate=jddp.Accumulate(steps=accumulate), **kw)
+    state = ddp.init(_params(4))
+    batch = jddp.shard_global_batch(_batches(1)[0], mesh)
+    rep = ddp.report(state, batch)
+    total = 0.0
+    for _ in range(accumulate):
+        state, metrics = ddp.step(state, batch)
+        total += float(metrics["comm_bytes"])
+    return total, rep, metrics
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clip", "noclip"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_comm_bytes_are_the_compiled_programs_bytes(stage, clip):
+    """``metrics["comm_bytes"]`` equals ``ddp.report(...).sent_per_step``: the owners' all-to-alls
+    of the optimizer state and the gradients (or the gradients' all-gather when a global norm
+    reads every leaf) are counted from the buffers the update moves, with 4 matrices on 8
+    devices (owners with nothing to update send padding too)."""
+    opt = _muon() if clip else optax.contrib.muon(2e-2)
+    got, rep, _ = _comm_bytes_and_report(jddp.ZeRO(stage=stage, shard="owner"), opt)
+    assert rep.sent_per_step == pytest.approx(got, rel=1e-6)
+    kinds = {c.kind for c in rep.collectives}
+    assert "all-to-all" in kinds  # the optimizer state's pieces, to the owners and back
+
+
+@pytest.mark.parametrize("case", ["accumulate", "bf16-reduce", "adamw-stage3", "adafactor-offload",
+                                  "two-hosts", "two-hosts-hybrid"])
+def test_comm_bytes_exact_over_a_window_narrow_dtypes_and_other_optimizers(case):
+    """Over an accumulation window (the update runs on the synchronising call only), with
+    bfloat16 gradients (XLA:CPU sends them as float32), with AdamW (reads the parameters: stage
+    3 sends their pieces to the owners), with Adafactor's factored moments (state leaves shaped
+    unlike their parameter) offloaded, and on two hosts, where ``comm_bytes_hosts`` counts the
+    all-to-alls' shares sent to the other host (sharding across hosts, or inside each)."""
+    place, opt, kw = jddp.ZeRO(stage=2, shard="owner"), _muon(), {}
+    if case == "accumulate":
+        kw["accumulate"] = 3
+    elif case == "bf16-reduce":
+        kw["precision"] = jddp.precision.MixedPrecision(param_dtype=jnp.bfloat16,
+                                                        reduce_dtype=jnp.bfloat16)
+    elif case == "adamw-stage3":
+        place, opt = jddp.ZeRO(stage=3, shard="owner"), optax.adamw(1e-3)
+    elif case == "adafactor-offload":
+        place, opt = jddp.ZeRO(stage=2, shard="owner", offload=True), optax.adafactor(1e-3)
+    else:
+        kw["mesh"] = jddp.data_mesh(hosts=2)
+        place = jddp.ZeRO(stage=3, shard="owner", hybrid=case.endswith("hybrid"))
+    got, rep, metrics = _comm_bytes_and_report(place, opt, **kw)
+    assert rep.sent_per_window == pytest.approx(got, rel=1e-6)
+    if case.startswith("two-hosts"):  # the report's across-hosts bytes are per host
+        n = jax.device_count()
+        across = float(metrics["comm_bytes_hosts"])
+        assert across > 0
+        assert rep.across_hosts_per_window * rep.hosts / n == pytest.approx(across, rel=1e-6)
+
+
 # --------------------------------------------------------------------------- 2 processes x 4
 
 SCRIPT = r'''

@@ -18,7 +18,9 @@ cost, largest first), and only the owner computes the leaf's update:
   orthogonalization of each matrix runs once, on its owner, and no collective runs inside it;
 - the owners' updates and new state go back to the pieces (one all-to-all per dtype) and, for
   leaves stored whole (stages 1-2's parameters, scalars), to every device (one all-gather per
-  dtype); each device adds the updates to the parameters it stores.
+  dtype); each device adds the updates to the parameters it stores;
+- the bytes those collectives send (:func:`sent`, for ``metrics["comm_bytes"]``) are counted from
+  the buffers :func:`update` builds, when it is traced: they depend on the optimizer state.
 
 Inputs that live in pieces and belong to another owner read as zeros on a device: :func:`analyse`
 traces the optimizer once and refuses, naming the leaf, an optimizer whose update of one leaf
@@ -40,10 +42,11 @@ from jax.extend.core import ClosedJaxpr
 from jax.interpreters import partial_eval as pe
 from jax.sharding import PartitionSpec as P
 
-from jddp._src import zero
+from jddp._src import vma, zero
+from jddp._src.collectives import wire_itemsize
 from jddp._src.planner import BucketPlan
 from jddp._src.reduction import Bytes, ring
-from jddp._src.topology import Roles, Topology
+from jddp._src.topology import Topology
 from jddp._src.tree import key_path_str
 
 Shape = Sequence[int]
@@ -362,27 +365,89 @@ def _apply(plan: BucketPlan, params: list, updates: list) -> list:
             for i, (p, u) in enumerate(zip(params, updates, strict=True))]
 
 
-def update(stage: int, optimizer: optax.GradientTransformation, topo: Topology,
-           layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: Any,
-           grads: Any) -> tuple[Any, Any]:
-    """``(new_params, new_opt_state)``: each leaf's update computed on its owner, applied where
-    the leaf is stored (global view in and out, stored as at ``ZeRO(stage=stage)``).
+class _Moves(NamedTuple):
+    """What :func:`update` moves for one model and optimizer (static: from the shapes)."""
 
-    Gradients in pieces (from stage 2) go to their owners by an all-to-all, or are all-gathered
-    when some owner reads another's gradient (a global norm); parameters in pieces (stage 3) go
-    to their owners only when the optimizer reads them (:func:`analyse`)."""
-    n, axis = topo.shard_count, topo.shard
+    params: _Io
+    state: _Io
+    grads: _Io
+    needs: Needs
+    dims: tuple[tuple[int | None, ...], ...]  # as stored: parameters, state, gradients
+
+
+def _moves(stage: int, optimizer: optax.GradientTransformation, n: int, layout: zero.Layout,
+           plan: BucketPlan, params: Any, opt_state: Any, grads: Any) -> _Moves:
     owners = assign(layout.shapes, n)
     p_dims = layout.dims if stage >= 3 else (None,) * len(layout.dims)
     g_dims = layout.dims if stage >= 2 else (None,) * len(layout.dims)
     s_owner = state_owners(params, opt_state, owners)
     s_dims = tuple(zero.shard_dim(np.shape(x), n) for x in jax.tree.leaves(opt_state))
-    pio = _io(_leaves(params, owners.owner, p_dims), n)
-    sio = _io(_leaves(opt_state, s_owner, s_dims), n)
-    gio = _io(_leaves(grads, owners.owner, g_dims), n)
     needs = analyse(optimizer, params, opt_state, grads, owners.owner, s_owner,
                     [d is not None for d in p_dims], [d is not None for d in s_dims], plan.paths)
+    return _Moves(_io(_leaves(params, owners.owner, p_dims), n),
+                  _io(_leaves(opt_state, s_owner, s_dims), n),
+                  _io(_leaves(grads, owners.owner, g_dims), n), needs,
+                  (tuple(p_dims), s_dims, tuple(g_dims)))
+
+
+def _all_to_all(kind: str, nbytes: float, n: int, hosts: int) -> Bytes:
+    """An all-to-all of ``nbytes`` per device over ``n`` devices on ``hosts`` hosts: not a ring,
+    each device sends its ``1/n`` share straight to each of the others, ``n - n / hosts`` of
+    them on other hosts (as :func:`jddp._src.traffic.traffic` reads it)."""
+    total = ring(kind, nbytes, n).total
+    return Bytes(total, total * (n - n // hosts) / (n - 1) if hosts > 1 and n > 1 else 0.0)
+
+
+def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
+    """Bytes one device sends in :func:`update`'s collectives (the ring model), from the buffers
+    it moves: per dtype, the all-to-alls of ``(n, width)`` rows to the owners and back, the
+    all-gathers of the owners' ``(1, width)`` whole leaves, and (when some owner reads another's
+    gradient) the all-gather of the gradients' pieces. ``hosts``: hosts the shard axis spans."""
+    def each(kind: str, pack: _Pack, rows: int) -> Bytes:
+        move = _all_to_all if kind == "all-to-all" else ring
+        return sum((move(kind, rows * w * wire_itemsize(dt), n, hosts)
+                    for dt, w in zip(pack.groups, pack.width, strict=True)), Bytes())
+
+    out = Bytes()
+    if moves.needs.all_grads:  # _gather_whole: one all-gather of the pieces per dtype
+        pieces: dict[Any, int] = {}
+        for i in moves.grads.send.where:
+            lf = moves.grads.leaves[i]
+            dt = jnp.dtype(lf.dtype)
+            pieces[dt] = pieces.get(dt, 0) + moves.grads.send.where[i][2]
+        for dt, size in pieces.items():
+            out = out + ring("all-gather", size * wire_itemsize(dt), n, hosts)
+    else:
+        out = out + each("all-to-all", moves.grads.send, n)
+    if moves.needs.params:
+        out = out + each("all-to-all", moves.params.send, n)
+    for io in (moves.params, moves.state):  # the state to its owners; both back from them
+        out = out + each("all-to-all", io.send, n) + each("all-gather", io.whole, 1)
+    return out + each("all-to-all", moves.state.send, n)
+
+
+def update(stage: int, optimizer: optax.GradientTransformation, topo: Topology,
+           layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: Any,
+           grads: Any, record: Any = None) -> tuple[Any, Any]:
+    """``(new_params, new_opt_state)``: each leaf's update computed on its owner, applied where
+    the leaf is stored (global view in and out, stored as at ``ZeRO(stage=stage)``).
+
+    Gradients in pieces (from stage 2) go to their owners by an all-to-all, or are all-gathered
+    when some owner reads another's gradient (a global norm); parameters in pieces (stage 3) go
+    to their owners only when the optimizer reads them (:func:`analyse`).
+
+    Args:
+      record: called, when traced, with the :class:`Bytes` one device sends here (:func:`sent`;
+        for ``metrics["comm_bytes"]``); ``None``: not counted.
+    """
+    n, axis = topo.shard_count, topo.shard
+    moves = _moves(stage, optimizer, n, layout, plan, params, opt_state, grads)
+    pio, sio, gio, needs = moves.params, moves.state, moves.grads, moves.needs
+    if record is not None:
+        record(sent(moves, n, _hosts(topo)))
     p_tree, s_tree = jax.tree.structure(params), jax.tree.structure(opt_state)
+    p_specs, s_specs, g_specs = ([P() if d is None else P(*([None] * d), axis) for d in dims]
+                                 for dims in moves.dims)
 
     def local(p: list, s: list, g: list) -> tuple[list, list]:
         g_in = _gather_whole(g, gio.leaves, axis) if needs.all_grads else g
@@ -406,39 +471,14 @@ def update(stage: int, optimizer: optax.GradientTransformation, topo: Topology,
         return _apply(plan, p, _from_owners(pio, us, uw, n, axis)), \
             _from_owners(sio, ss, sw, n, axis)
 
-    def specs(dims: Sequence[int | None]) -> list:
-        return [P() if d is None else P(*([None] * d), axis) for d in dims]
-
     new_p, new_s = jax.shard_map(
-        local, mesh=topo.mesh, in_specs=(specs(p_dims), specs(s_dims), specs(g_dims)),
-        out_specs=(specs(p_dims), specs(s_dims)), check_vma=False,
+        local, mesh=topo.mesh, in_specs=(p_specs, s_specs, g_specs),
+        out_specs=(p_specs, s_specs), check_vma=False,
     )(jax.tree.leaves(params), jax.tree.leaves(opt_state), jax.tree.leaves(grads))
     return jax.tree.unflatten(p_tree, new_p), jax.tree.unflatten(s_tree, new_s)
 
 
-def update_bytes(stage: int, topo: Topology, lv: Roles, plan: BucketPlan,
-                 layout: zero.Layout) -> Bytes:
-    """Bytes one device sends in :func:`update` for the parameters and gradients (the ring
-    model), counted as if the gradients were all-gathered from stage 2 (the all-to-all that
-    replaces it when no owner reads another's gradient sends about ``1/n`` of that) and, at
-    stage 3, the parameters' pieces went to their owners (skipped when the optimizer does not
-    read parameters) and their updates came back; below stage 3 the owners' updates go to every
-    device. The optimizer state's all-to-alls (to the owners and back, about its size / n each)
-    are not counted: the optimizer is not known here. ``ddp.report`` counts every collective of
-    the compiled step."""
-    n = layout.n
-    owners = assign(layout.shapes, n)
-    split = [i for i, d in enumerate(layout.dims) if d is not None]
-    piece = sum(int(np.prod(layout.shapes[i])) // n * np.dtype(plan.dtypes[i]).itemsize
-                for i in split)
-    out = Bytes()
-    if stage >= 2:
-        out = out + ring("all-gather", piece, n)
-    if stage >= 3:
-        out = out + Bytes(2.0 * piece * (n - 1) / n)
-    else:
-        per_owner = [0] * n
-        for i, o in enumerate(owners.owner):
-            per_owner[o] += int(np.prod(layout.shapes[i])) * np.dtype(plan.dtypes[i]).itemsize
-        out = out + ring("all-gather", max(per_owner, default=0), n)
-    return out
+def _hosts(topo: Topology) -> int:
+    """Hosts the shard axis spans (1 on one host, or sharding inside each host)."""
+    h = topo.axes.hosts
+    return int(topo.mesh.shape[h]) if h is not None and h in vma.axis_names(topo.shard) else 1

@@ -240,9 +240,10 @@ class Replicate:
 
     def update(self, optimizer: optax.GradientTransformation, topo: Topology,
                layout: zero.Layout, plan: BucketPlan, chain: options.Chain, params: Any,
-               opt_state: Any, grads: Any) -> tuple[Any, Any]:
+               opt_state: Any, grads: Any, record: Any = None) -> tuple[Any, Any]:
         """``(new_params, new_opt_state)`` of one replica: the optimizer on the reduced
-        gradients, unused leaves kept (:func:`keep_unused`)."""
+        gradients, unused leaves kept (:func:`keep_unused`). ``record``: told the bytes the
+        update itself sends when traced (none here: never called)."""
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return keep_unused(plan, params, optax.apply_updates(params, updates)), opt_state
 
@@ -444,18 +445,20 @@ class ZeRO:
 
     def update(self, optimizer: optax.GradientTransformation, topo: Topology,
                layout: zero.Layout, plan: BucketPlan, chain: options.Chain, params: Any,
-               opt_state: Any, grads: Any) -> tuple[Any, Any]:
+               opt_state: Any, grads: Any, record: Any = None) -> tuple[Any, Any]:
         """``(new_params, new_opt_state)`` of one replica: each device updates its pieces.
 
         The update runs in the global view on leaves of their true shapes, so any optax
         transformation works unchanged (XLA adds the collectives a global norm or a factored
         moment needs). Stages 1 and 2 then all-gather the updated pieces, one all-gather per
         bucket (:func:`gather_params`). With ``shard="owner"`` each leaf is updated on its
-        owner (:func:`jddp._src.owner.update`).
+        owner (:func:`jddp._src.owner.update`), which tells ``record`` (when not ``None``)
+        the bytes it sends once traced: they depend on the optimizer state, which
+        :meth:`update_bytes` does not see.
         """
         if self.shard == "owner":
             return owner.update(self.stage, optimizer, topo, layout, plan, params, opt_state,
-                                grads)
+                                grads, record)
         axis = topo.shard
         specs = layout.specs(params, axis)
         opt_specs = jax.tree.map(lambda x: zero.leaf_spec(jnp.shape(x), topo.shard_count, axis),
@@ -476,11 +479,9 @@ class ZeRO:
     def update_bytes(self, topo: Topology, lv: Roles, plan: BucketPlan,
                      layout: zero.Layout) -> Bytes:
         """Bytes sent after the update to make the parameters whole again: stages 1-2's
-        all-gather of the updated pieces (:func:`gather_params`); none at stage 3. With
-        ``shard="owner"``: :func:`jddp._src.owner.update_bytes`."""
-        if self.shard == "owner":
-            return owner.update_bytes(self.stage, topo, lv, plan, layout)
-        if self.stage >= 3:
+        all-gather of the updated pieces (:func:`gather_params`); none at stage 3, and none
+        here with ``shard="owner"``: :meth:`update` records its bytes when traced."""
+        if self.stage >= 3 or self.shard == "owner":
             return Bytes()
         return gather_bytes(topo, lv, plan, layout)
 

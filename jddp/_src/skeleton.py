@@ -41,6 +41,7 @@ from jddp._src.hooks import init_hook_state
 from jddp._src.objective import Objective
 from jddp._src.optimizer_metrics import merge_optimizer_metrics, optimizer_metrics
 from jddp._src.planner import BucketPlan
+from jddp._src.reduction import Bytes
 from jddp._src.state import TrainState
 from jddp._src.topology import Roles
 from jddp._src.tree import broadcast_to_devices
@@ -195,18 +196,30 @@ def train_step(
     state = cfg.place.fetch(state)  # offloaded, the optimizer state comes from host memory
     plan = plans[-1]
     # Phase 3: the optimizer at its placement, wrapped (jddp._src.update).
+    sent: list[Bytes] = []  # what the update itself sends, told when traced (owner sharding)
     inner = functools.partial(cfg.place.update, cfg.optimizer, cfg.topology, layout, plan,
-                              cfg.reduce.chain)
+                              cfg.reduce.chain, record=sent.append)
     new_state, update_metrics = cfg.update.apply(inner, lv, state, res, sync)
+    comm = _add_update_bytes(dict(res.comm or {}), sent, res.synced)
     # Phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step).
     report = cfg.accumulate.report(cfg.loss, state.accum, cfg.topology.num_devices)
     new_state, metrics = cfg.sync.after_update(cfg, lv, sync_phase, plan, new_state, res.island,
-                                               dict(res.metrics), dict(res.comm or {}), report,
+                                               dict(res.metrics), comm, report,
                                                res.synced, sync)
     metrics = {**metrics, **cfg.accumulate.window_metrics(state.accum, res.synced),
                **res.local_metrics, **update_metrics}
     metrics = _optimizer_metrics(lv, metrics, new_state.opt_state)
     return cfg.place.store(new_state), metrics
+
+
+def _add_update_bytes(comm: dict, sent: list[Bytes], synced: Any) -> dict:
+    """``comm`` plus the bytes the update sent (``sent``: what it recorded when traced; only a
+    window's synchronising call runs it)."""
+    if not sent or "comm_bytes" not in comm:
+        return comm
+    extra = {"comm_bytes": sent[-1].total, "comm_bytes_hosts": sent[-1].across}
+    return {k: v + jnp.where(synced, extra[k], 0.0) if k in extra else v
+            for k, v in comm.items()}
 
 
 def _local_phases(cfg: StepConfig, observe: PlanObserver, lv: Roles, layout: zero.Layout,

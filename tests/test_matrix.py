@@ -701,9 +701,7 @@ def test_syncbn_cells_leave_the_scale_to_jax_where_declared():
         if not cell.name.startswith("syncbn"):
             continue
         case = CASES[cell.expect[1]]
-        ddp = jddp.DataParallel(case.loss, case.optimizer(),
-                                place=jddp.ZeRO(stage=cell.stage) if cell.stage else jddp.Replicate(),
-                                **cell.options())
+        ddp = jddp.DataParallel(case.loss, case.optimizer(), **_options(cell, {}))
         plan = ddp.plan(case.params(), batch, case.model_state)
         seen[cell_id(cell)] = tuple(plan.paths[i] for i in plan.implicit)
     scale = ("BN.scale",)

@@ -164,8 +164,8 @@ def test_value_and_grad_inside_pmap_is_one_mean():
     ref = jax.grad(loss_fn)(params, data)
     sharded = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), data)
     grads = jax.pmap(
-        lambda p, b: jddp.value_and_grad(loss_fn, axis_name="b", bucket_cap_mb=0.01,
-                                         first_bucket_mb=0.005)(p, b)[1],
+        lambda p, b: jddp.value_and_grad(loss_fn, axis_name="b", cap_mb=0.01,
+                                         first_mb=0.005)(p, b)[1],
         axis_name="b",
     )(jax_utils.replicate(params), sharded)
     for i in range(n):

@@ -338,7 +338,7 @@ def test_equal_fingerprints_never_parse_the_program(monkeypatch):
     def unreadable(*a, **k):
         raise AssertionError("parsed on the happy path")
 
-    monkeypatch.setattr(programs.hlo, "collectives", unreadable)
+    monkeypatch.setattr(hlo, "collectives", unreadable)
     sigs = [programs.signature(_hlo(UNREADABLE, user=str(p))) for p in range(3)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -173,7 +173,7 @@ def test_option_defaults_and_errors():
     assert not cfg(3, steps=2, shard=False).accumulate.shard
     assert not cfg(2, steps=2, hook=jddp.powersgd()).accumulate.shard
     for kw, why in (({"stage": 1, "steps": 2}, "only ZeRO stages 2-3"),
-                    ({"stage": 2}, "accumulate_steps=1"),
+                    ({"stage": 2}, "steps=1: there is no accumulator"),
                     ({"stage": 2, "steps": 2, "hook": jddp.powersgd()}, "the hook has state")):
         with pytest.raises(ValueError, match=f"Accumulate\\(shard=True\\).*{why}"):
             cfg(shard=True, **kw)

@@ -35,7 +35,6 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src import offload, options, owner, vma, zero
 from jddp._src import precision as precision_lib
-from jddp._src.introspect import hlo
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.planner import BucketPlan
 from jddp._src.reduction import Bytes, Sharded, chain_dependency, resolve_chain, ring
@@ -426,6 +425,8 @@ class ZeRO:
         if self.stage < 3:
             return varying, Bytes()
         pieces = jax.tree.leaves(precision_lib.compute_params(precision, params))
+        from jddp._src.introspect import hlo  # the name's one definition; loaded at trace time
+
         # Each bucket's gather under its name, as the forward's (ddp.report files it there).
         scopes = [hlo.bucket_scope(b) for b in range(plan.num_buckets)] + [None]
         whole = zero.gather_buckets(pieces, layout, bucket_groups(plan)[::-1], topo.shard,

@@ -95,7 +95,9 @@ def train(mesh, *, deterministic=True, microbatches=1, accumulate_steps=1, shard
             if shard is not None:
                 part = shard(part, mesh)
             state, metrics = ddp.step(state, part[0], part[1], rng=key)
-        losses.append(np.asarray(metrics["loss"]).tobytes().hex())
+        # The window's loss (the update's examples): the same on every layout. "loss" is the
+        # last call's own examples, a different set when the window spans calls.
+        losses.append(np.asarray(metrics.get("window_loss", metrics["loss"])).tobytes().hex())
     digest = hashlib.sha256()
     for leaf in jax.tree.leaves((state.params, state.model_state, state.opt_state)):
         digest.update(np.asarray(leaf.addressable_data(0)).tobytes())

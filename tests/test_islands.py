@@ -7,13 +7,16 @@ global parameters and outer optimizer state and torchft's view (members, healed)
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -104,10 +107,11 @@ def _wait(what: str, cond, timeout: float, proc: subprocess.Popen | None = None)
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def _start(out: Path, tmp: Path, islands: int = 3, **env: str) -> subprocess.Popen:
+def _start(out: Path, tmp: Path, islands: int = 3, quorum: str | None = None,
+           **env: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jddp.launch", "--islands", str(islands),
            "--devices-per-process", "2", "--island-grace", str(GRACE), "--grace", "2",
-           "--timeout", "400", str(JOB)]
+           "--timeout", "400", *(["--quorum", quorum] if quorum else []), str(JOB)]
     e = child_env(OUT=str(out), **compile_cache(tmp / "cache"), **env)
     return subprocess.Popen(cmd, cwd=REPO, env=e, stdout=open(tmp / "launcher.log", "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -196,6 +200,44 @@ def test_restart_with_no_live_island_ends_the_run(tmp_path):
     assert sorted({r["attempt"] for r in _records(out, 0) if "start" in r}) == [0, 1]
 
 
+@contextlib.contextmanager
+def _lighthouse(min_replicas: int) -> Iterator[str]:
+    """A torchft Lighthouse on a free local port that waits for ``min_replicas`` islands;
+    yields its ``host:port`` (for ``jddp-run --quorum``) and ends it on exit."""
+    from jddp._src.island_launch import lighthouse_command
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    cmd = lighthouse_command(addr, GRACE)
+    cmd[cmd.index("--min_replicas") + 1] = str(min_replicas)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not _listening(addr):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the test's Lighthouse did not listen on {addr} within 30 s "
+                            f"(exit status {proc.poll()})")
+            time.sleep(0.05)
+        yield addr
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _listening(addr: str) -> bool:
+    host, port = addr.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 def _reference(members: dict[int, list[int]], islands: int, outer_steps: int) -> dict:
     """DiLoCo over islands written out: each island's two device replicas run SGD on their half
     of its batch; the outer step averages the members' deltas (equal examples: equal weights)."""
@@ -235,15 +277,20 @@ def test_scripted_membership_equals_reference(tmp_path):
     members = {0: [0, 1, 2], 1: [0, 2], 2: [1], 3: [1, 2]}
     out = tmp_path / "out"
     out.mkdir()
-    proc = _start(out, tmp_path, STEPS="16", MEMBERS=json.dumps(members))
-    _finish(proc, tmp_path)
+    # Membership here is the script's alone: a Lighthouse that forms each quorum only with all 3
+    # islands. jddp-run's own (min_replicas 1) forms it with the islands that are heartbeating
+    # when the first asks, so on a loaded machine an island that starts late is left out of every
+    # outer step (it then runs its own quorum), and the test would check timing, not averaging.
+    with _lighthouse(3) as quorum:
+        proc = _start(out, tmp_path, quorum=quorum, STEPS="16", MEMBERS=json.dumps(members))
+        _finish(proc, tmp_path)
     want = _reference(members, 3, 4)
     for i in range(3):
+        outer = [(r["members"], r["examples"]) for r in _outer(out, i)]
+        assert outer == [(3, 96), (3, 64), (3, 32), (3, 64)], f"island {i}: {outer}"
         got = np.load(out / f"island{i}.npz")
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-6, err_msg=f"{i}/{k}")
-        assert [r["members"] for r in _outer(out, i)] == [3, 3, 3, 3]
-        assert [r["examples"] for r in _outer(out, i)] == [96, 64, 32, 64]
 
 
 def _consecutive(out: Path, island: int) -> None:

@@ -18,7 +18,7 @@ needs the CUDA compiler plugin, no GPU): build, lowering and compile only, nothi
 
 ``--steady`` also times the step itself, jddp's step with 4 buckets with the chain's always-zero
 scalar built the way it was before it was kept from being duplicated (``chain_dependency`` in
-jddp/_src/reduction.py) against the current one, alternated round by round, at the first depth.
+jddp/_src/reduce/reduction.py) against the current one, alternated round by round, at the first depth.
 
     python benchmarks/compile_depth.py --json benchmarks/out/compile_depth.json \\
         --png benchmarks/out/compile_depth.png
@@ -198,7 +198,8 @@ def duplicated_chain_scalar():
     import jax.numpy as jnp
     import numpy as np
 
-    from jddp._src import placement, reduction
+    from jddp._src.place import placement
+    from jddp._src.reduce import reduction
 
     current = reduction.chain_dependency
 

@@ -3,7 +3,7 @@
 Three counts:
 
 - *StepConfig reads*: attribute accesses ``X.<name>`` where ``<name>`` is a field or property of
-  ``StepConfig`` (as defined in that tree's ``jddp/_src/config.py``) and ``X`` is a config value
+  ``StepConfig`` (as defined in that tree's ``jddp/_src/step/config.py``) and ``X`` is a config value
   (a name ``cfg``/``config``/``c``/``self._cfg``-style attribute ending in ``cfg`` or
   ``config``); ``config.py`` itself is counted separately. Once ``StepConfig`` holds policies,
   these are mostly calls of the policies' methods (``cfg.place.update``), not flags.
@@ -11,7 +11,7 @@ Three counts:
   option names on a name ``cfg``/``config``/``_cfg``/``self``, split into reads off a config and
   reads through ``self`` (a policy reading its own field, e.g. ``Accumulate.microbatches``).
 - *branches in the skeleton*: ``if``/``else`` expressions and statements of
-  ``jddp/_src/skeleton.py`` whose test reads an attribute of ``cfg`` (0: the step asks no
+  ``jddp/_src/step/skeleton.py`` whose test reads an attribute of ``cfg`` (0: the step asks no
   policy which it is).
 
 Also counts ``DataParallel``'s keywords.

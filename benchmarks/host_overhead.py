@@ -28,8 +28,8 @@ def main():
     import optax
 
     import jddp
-    from jddp._src import step as step_lib
-    from jddp._src import watchdog
+    from jddp._src.runtime import watchdog
+    from jddp._src.step import step as step_lib
 
     def measure(leaves: int) -> dict:
         params = {f"l{i}": jnp.zeros((8,), jnp.float32) for i in range(leaves)}

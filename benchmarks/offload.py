@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jddp  # noqa: E402
-from jddp._src.report import state_bytes_per_device  # noqa: E402
+from jddp._src.plan.report import state_bytes_per_device  # noqa: E402
 
 MIB = 2**20
 STAGES = (1, 2, 3)

@@ -33,7 +33,7 @@ def main() -> None:
 
     import jddp
     from benchmarks._mlp import mlp_loss, mlp_params
-    from jddp._src import verify as verify_lib
+    from jddp._src.runtime import verify as verify_lib
 
     mesh = jddp.data_mesh()
     params = mlp_params(args.width, args.depth)

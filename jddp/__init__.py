@@ -23,12 +23,7 @@ from jddp import (  # noqa: F401
     trainer,
     verify,
 )
-from jddp._src.evaluation import Evaluator
-from jddp._src.hooks import CommHook, HookContext, bf16_compress, fp16_compress, powersgd
-from jddp._src.loss_scale import DynamicScale
-from jddp._src.mesh import data_mesh, replicate, shard_batch
-from jddp._src.planner import BucketPlan, plan_buckets
-from jddp._src.policies import (
+from jddp._src.api.policies import (
     Accumulate,
     Buckets,
     Deterministic,
@@ -38,12 +33,17 @@ from jddp._src.policies import (
     SkipNotFinite,
     ZeRO,
 )
-from jddp._src.programs import ProgramMismatchError
-from jddp._src.reduction import value_and_grad
-from jddp._src.state import TrainState
-from jddp._src.trainer import DataParallel
-from jddp._src.uneven import pad_batch
-from jddp._src.verify import ReplicaDivergenceError, verify_replicas
+from jddp._src.data.evaluation import Evaluator
+from jddp._src.data.uneven import pad_batch
+from jddp._src.plan.planner import BucketPlan, plan_buckets
+from jddp._src.reduce.hooks import CommHook, HookContext, bf16_compress, fp16_compress, powersgd
+from jddp._src.reduce.reduction import value_and_grad
+from jddp._src.runtime.mesh import data_mesh, replicate, shard_batch
+from jddp._src.runtime.verify import ReplicaDivergenceError, verify_replicas
+from jddp._src.step.programs import ProgramMismatchError
+from jddp._src.step.state import TrainState
+from jddp._src.step.trainer import DataParallel
+from jddp._src.update.loss_scale import DynamicScale
 from jddp.distributed import (
     global_batch_from_local,
     initialize,

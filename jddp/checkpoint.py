@@ -52,8 +52,8 @@ import numpy as np
 from flax import nnx
 
 from jddp import distributed
-from jddp._src import hostsync, rendezvous
-from jddp._src.nnx import DataParallel as NnxDataParallel
+from jddp._src.runtime import hostsync, rendezvous
+from jddp._src.step.nnx import DataParallel as NnxDataParallel
 
 __all__ = ["manager", "restore", "restore_or_init", "save", "save_if_due", "wait"]
 

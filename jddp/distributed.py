@@ -49,11 +49,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jddp._src import cluster, hostsync, preemption, watchdog
-from jddp._src import mesh as mesh_lib
-from jddp._src.cluster import ClusterEnvironmentError, NotInitializedError
 from jddp._src.introspect import jax_private
-from jddp._src.watchdog import report_progress
+from jddp._src.runtime import cluster, hostsync, preemption, watchdog
+from jddp._src.runtime import mesh as mesh_lib
+from jddp._src.runtime.cluster import ClusterEnvironmentError, NotInitializedError
+from jddp._src.runtime.watchdog import report_progress
 
 __all__ = [
     "ENV_COORDINATOR",
@@ -402,7 +402,7 @@ def _checked(where: _Where) -> _Where:
 def _where(coordinator_address: str | None, num_processes: int | None,
            process_id: int | None) -> _Where:
     """Explicit arguments, then jddp-run's variables, then a launcher's (Open MPI, SLURM,
-    Hydra: `jddp._src.cluster`), then JAX's own detection (Cloud TPU, ...)."""
+    Hydra: `jddp._src.runtime.cluster`), then JAX's own detection (Cloud TPU, ...)."""
     if num_processes == 1 and coordinator_address is None and process_id in (None, 0):
         return _Where("args", None, 1, 0)
     if any(v is not None for v in (coordinator_address, num_processes, process_id)):

@@ -1,5 +1,5 @@
 """Data-parallel evaluation over a data set of any size: every real example counted once."""
 
-from jddp._src.evaluation import Evaluator
+from jddp._src.data.evaluation import Evaluator
 
 __all__ = ["Evaluator"]

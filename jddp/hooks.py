@@ -5,7 +5,7 @@ A hook is a pair of pure functions, like an optax ``GradientTransformation``: ``
 and docs/hooks.md.
 """
 
-from jddp._src.hooks import (
+from jddp._src.reduce.hooks import (
     CommHook,
     HookContext,
     allreduce_mean,

@@ -48,8 +48,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, BinaryIO, NamedTuple
 
-from jddp._src import multinode
-from jddp._src.watchdog import ENV_CONTROL_FD, ENV_LAUNCHER_PID, ENV_RESTART_COUNT
+from jddp._src.runtime import multinode
+from jddp._src.runtime.watchdog import ENV_CONTROL_FD, ENV_LAUNCHER_PID, ENV_RESTART_COUNT
 from jddp.distributed import (
     ENV_COORDINATOR,
     ENV_LOCAL_DEVICE_COUNT,
@@ -235,7 +235,7 @@ class _Guardian:
     loader workers, would be orphaned: each rank leads its own process group), exists only on
     Linux, and must be set in the child between fork and exec (a `preexec_fn`, unsafe while the
     launcher's output threads run) or by the rank's Python (late, and never for a script that
-    does not import jddp). The rank side has a second line of its own (`jddp/_src/watchdog.py`).
+    does not import jddp). The rank side has a second line of its own (`jddp/_src/runtime/watchdog.py`).
     """
 
     def __init__(self) -> None:
@@ -579,7 +579,7 @@ def _launch_nodes(options: _Options, master_addr: str, nnodes: int, node_rank: i
                   max_restarts: int, rdzv_timeout_s: float, guardian: _Guardian,
                   signals: list[int], current: list[subprocess.Popen]) -> int:
     """One node's agent of a job with a given coordinator (`master_addr`): with several nodes,
-    node 0 decides every attempt and the others follow (`jddp/_src/multinode.py`)."""
+    node 0 decides every attempt and the others follow (`jddp/_src/runtime/multinode.py`)."""
     link: multinode.Master | multinode.Worker | None = None
     try:
         if nnodes > 1:
@@ -1096,7 +1096,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nnodes > 1 or args.master_addr is not None:
             ap.error("--islands N runs each island as its own job: start one jddp-run per "
                      "island on other nodes instead of --nnodes (docs/islands.md)")
-        from jddp._src.island_launch import launch_islands
+        from jddp._src.runtime.island_launch import launch_islands
 
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # end the islands on the way out
         return launch_islands(

@@ -16,10 +16,10 @@ islands that fail and rejoin, meeting at the outer step through torchft (docs/is
 See docs/scaling.md for when to use which, and what each averages.
 """
 
-from jddp._src.islands import IslandDiLoCo, island_diloco, island_env
-from jddp._src.islands import status as island_status
-from jddp._src.local_sgd import LocalSGD, diloco, post_local_sgd
-from jddp._src.state import OuterState
+from jddp._src.step.state import OuterState
+from jddp._src.sync.islands import IslandDiLoCo, island_diloco, island_env
+from jddp._src.sync.islands import status as island_status
+from jddp._src.sync.local_sgd import LocalSGD, diloco, post_local_sgd
 
 __all__ = ["IslandDiLoCo", "LocalSGD", "OuterState", "diloco", "island_diloco", "island_env",
            "island_status", "post_local_sgd"]

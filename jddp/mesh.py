@@ -1,8 +1,7 @@
 """The data mesh (1-D, or two-level: hosts x local devices), and placing parameters (replicated)
 and batches (sharded) on it."""
 
-from jddp._src.checks import batch_size, check_batch
-from jddp._src.mesh import (
+from jddp._src.runtime.mesh import (
     HOSTS_AXIS,
     LOCAL_AXIS,
     DataAxes,
@@ -14,6 +13,7 @@ from jddp._src.mesh import (
     replicated,
     shard_batch,
 )
+from jddp._src.step.checks import batch_size, check_batch
 
 __all__ = [
     "HOSTS_AXIS",

@@ -6,6 +6,6 @@ and the example's position in the global batch (:func:`example_keys`); :func:`pe
 Flax model's dropout draw from them. See ``docs/flax.md``.
 """
 
-from jddp._src.rng import example_keys, per_example, step_key
+from jddp._src.data.rng import example_keys, per_example, step_key
 
 __all__ = ["example_keys", "per_example", "step_key"]

@@ -4,8 +4,7 @@
 step programs (checked before the first run of each).
 """
 
-from jddp._src.programs import ProgramMismatchError
-from jddp._src.verify import (
+from jddp._src.runtime.verify import (
     Divergence,
     LeafDesc,
     ReplicaDivergenceError,
@@ -15,6 +14,7 @@ from jddp._src.verify import (
     sync_from_process0,
     verify_replicas,
 )
+from jddp._src.step.programs import ProgramMismatchError
 
 __all__ = [
     "Divergence",

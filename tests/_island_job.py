@@ -72,7 +72,7 @@ def main():
     import jax
     import optax
 
-    from jddp._src.islands import fingerprint
+    from jddp._src.sync.islands import fingerprint
 
     sleep = float(os.environ.get("SLEEP", "0"))
     members = {int(k): v for k, v in json.loads(os.environ.get("MEMBERS", "{}")).items()}

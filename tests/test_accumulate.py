@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jddp
-from jddp._src.accumulation import accumulator_dtype
+from jddp._src.update.accumulation import accumulator_dtype
 from jddp.perf import schedule
 from tests._models import max_abs_diff, mlp_loss, mlp_params, regression_batch
 

@@ -160,14 +160,14 @@ def test_docs_docstrings_and_examples_teach_only_the_policies():
     """One spelling: no deprecated keyword of DataParallel in the docs, the docstrings or the
     examples, except the migration page's table of old and new spellings (and the module that
     maps them)."""
-    from jddp._src.deprecated import OWNERS
+    from jddp._src.api.deprecated import OWNERS
 
     files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
              *sorted((ROOT / "examples").glob("*.py")), *sorted((ROOT / "jddp").rglob("*.py"))]
     bad = []
     for path in files:
         rel = path.relative_to(ROOT).as_posix()
-        if rel == "jddp/_src/deprecated.py":
+        if rel == "jddp/_src/api/deprecated.py":
             continue
         text = path.read_text()
         if rel == "docs/migration.md":  # its table names the old keywords on purpose

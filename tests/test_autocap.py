@@ -7,7 +7,7 @@ import pytest
 from _models import max_abs_diff, mlp_loss, mlp_params, regression_batch
 
 import jddp
-from jddp._src import autocap
+from jddp._src.plan import autocap
 from jddp.buckets import AutoCap, CapChoice
 
 SIZES = [32, 48, 48, 48, 16]  # 4 layers, 6-9 KiB each: caps of a few KiB give different plans

@@ -24,7 +24,7 @@ import pytest
 
 import jddp
 import jddp.distributed as dist
-from jddp._src import cluster
+from jddp._src.runtime import cluster
 from tests.launch_util import REPO, child_env, run_launcher
 
 # Open MPI 4.1.4, `mpirun -np 2 --mca oob_tcp_if_include lo` on this machine (rank 1; trimmed).

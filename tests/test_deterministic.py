@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jddp
-from jddp._src import deterministic as det_lib
+from jddp._src.reduce import deterministic as det_lib
 from tests.launch_util import REPO, child_env, compile_cache, run_launcher
 
 AVX = {"XLA_FLAGS": "--xla_cpu_max_isa=AVX", "JAX_PLATFORMS": "cpu"}

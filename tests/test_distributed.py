@@ -174,7 +174,7 @@ print("LOCAL", info.process_id, local[:, 0].tolist(), "SHAPE", arr.shape,
       "OK", bool(np.array_equal(gathered, global_batch)), "RANKS", ranks.tolist(),
       "MAIN", dist.is_main_process())
 
-from jddp._src import hostsync
+from jddp._src.runtime import hostsync
 me = info.process_id
 g = hostsync.allgather({"a": np.int32(me + 5), "b": np.full((3,), me, np.float32)})
 b = hostsync.broadcast_from_process0({"x": np.arange(4.0) * (me + 1), "k": np.int64(7 + me),

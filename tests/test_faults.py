@@ -1,7 +1,7 @@
 """Issue #16, "long runs survive": every fault, what happens, how long it takes, nothing left behind.
 
 Fast tests drive the launcher with scripts that do not start JAX's backend: plain Python, or the
-rank side of the watchdog (jddp/_src/watchdog.py, standard library only) loaded from its file, so
+rank side of the watchdog (jddp/_src/runtime/watchdog.py, standard library only) loaded from its file, so
 each rank starts in well under a second. The slow ones run real 2-process x 2-device JAX jobs over
 Gloo. Every launcher run has a timeout, and every test checks that the processes it started
 (ranks, their children, the guardian) are gone.
@@ -878,7 +878,7 @@ def test_preemption_grace_follows_the_loops_pace():
     """The deadline after a notice: grace_s if the process never asked for the preemption point;
     else grace_s plus twice its longest recent interval, after the later of the notice and its
     last ask; none once the point is reached."""
-    from jddp._src import preemption
+    from jddp._src.runtime import preemption
 
     now = [100.0]
     grace = preemption.Grace(4.0, 0, clock=lambda: now[0])

@@ -321,7 +321,7 @@ def test_no_message_recommends_a_deprecated_keyword():
     import pathlib
     import re
 
-    from jddp._src.deprecated import OWNERS
+    from jddp._src.api.deprecated import OWNERS
 
     root = pathlib.Path(jddp.__file__).parent
     pattern = re.compile(r"\b(" + "|".join(sorted(OWNERS)) + r")=")

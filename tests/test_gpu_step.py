@@ -291,7 +291,7 @@ def test_stage_3_reshard_gathers_again_in_backward():
 def test_stage_3_backward_prefetch_control():
     """The control: without the prefetch (the backward gathers wait for their own equation's
     output cotangent, as on CPU) no backward gather has a GEMM between its start and done."""
-    from jddp._src import reduction
+    from jddp._src.reduce import reduction
 
     ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(),
                             reduce=jddp.Buckets(cap_mb=1.0, first_mb=1.0), place=jddp.ZeRO(stage=3))

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jddp
-from jddp._src import collectives
+from jddp._src.reduce import collectives
 
 N = 8
 

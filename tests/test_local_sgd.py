@@ -544,7 +544,7 @@ def test_streaming_diloco_equals_its_reference():
     buckets) takes its outer step after the steps t with (t - offset_f) % period == 0
     (offset_f = f * period / F), every leaf's own outer optimizer, and only its leaves restart
     from the global values; each averaging step sends one fragment across, not the model."""
-    from jddp._src.local_sgd import fragments
+    from jddp._src.sync.local_sgd import fragments
 
     spec, inner = jddp.local_sgd.diloco(4, fragments=2), optax.adam(1e-2)
     assert [spec.due(s) for s in range(8)] == [(), (1,), (), (0,), (), (1,), (), (0,)]

@@ -25,7 +25,7 @@ import optax
 import pytest
 
 import jddp
-from jddp._src import compat
+from jddp._src.step import compat
 from tests import _reference as ref
 from tests._models import mlp_loss, mlp_params, regression_batch
 from tests.launch_util import run_launcher
@@ -591,7 +591,7 @@ def _to_numpy(tree):
 
 
 # A cell named by its features ({"hook": ..., "accumulate_steps": 2, ...}): each feature is
-# the field of the policy that owns it (jddp._src.deprecated.OWNERS, the same bits).
+# the field of the policy that owns it (jddp._src.api.deprecated.OWNERS, the same bits).
 FEATURES = {"reduce": {"hook": "hook", "chain": "chain"},
             "loss": {"weighted": "weighted", "rng": "rng", "has_aux": "has_aux",
                      "sum_metrics": "sum_metrics", "model_state_sync": "model_state_sync"},
@@ -604,7 +604,7 @@ POLICIES = {"reduce": jddp.Buckets, "loss": jddp.Loss, "accumulate": jddp.Accumu
 def _options(cell: Cell, caps: dict) -> dict:
     """The cell's policy keywords at its stage, with ``caps``: a cell named by its features
     ({"hook": ..., "accumulate_steps": 2}) gets each as the field of the policy that owns it
-    (jddp._src.deprecated.OWNERS: the same bits); policies it gives are kept as given."""
+    (jddp._src.api.deprecated.OWNERS: the same bits); policies it gives are kept as given."""
     opts: dict[str, Any] = {}
     fields: dict[str, dict] = {k: {} for k in FEATURES}
     features = cell.options()
@@ -731,7 +731,7 @@ def test_matrix_is_declared_consistently():
 
 def test_refused_cells_are_the_compat_table():
     """The matrix's refused combinations are exactly the rows of jddp's one table of refused
-    combinations (jddp._src.compat): one cell per row, each raising that row's reason. The
+    combinations (jddp._src.step.compat): one cell per row, each raising that row's reason. The
     one other refused cell is a value checked against the mesh, not a combination."""
     rows = [c.name for c in CELLS if c.extra.get("row")]
     declared = {c.expect[1] for c in CELLS if c.extra.get("row")}

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jddp
-from jddp._src.objective import STEP_METRICS
+from jddp._src.step.objective import STEP_METRICS
 from tests._models import mlp_params
 
 SIZES = [6, 16, 3]

@@ -13,8 +13,8 @@ import pytest
 from _models import max_abs_diff
 
 import jddp
-from jddp._src import modelcap
 from jddp._src.introspect import hlo
+from jddp._src.plan import modelcap
 from jddp.buckets import CapChoice, ModelCap, assign_buckets, make_plan
 from jddp.perf.costmodel import ClusterSpec
 from tests import _reference as ref

@@ -198,7 +198,7 @@ def test_failing_rank_on_node_1_is_named_with_its_error_and_one_status(tmp_path)
 def test_the_job_status_is_the_earliest_failure_on_any_node():
     # Node 0's own rank failed after (because of) node 1's: the job's status is node 1's. Before,
     # the master's own failure always won, and node 1 exited with a status it never printed.
-    from jddp._src import multinode
+    from jddp._src.runtime import multinode
 
     cause = multinode.AttemptEnd(137, "rank 3 (node 1) exited with status 137 (SIGKILL)", True,
                                  time=100.0)

@@ -1,4 +1,4 @@
-"""Owner-sharded placement, ``jddp.ZeRO(stage=s, shard="owner")`` (jddp/_src/owner.py): each leaf
+"""Owner-sharded placement, ``jddp.ZeRO(stage=s, shard="owner")`` (jddp/_src/place/owner.py): each leaf
 updated whole on one device. Equal to single-device ``optax.contrib.muon``; the orthogonalization
 done once (FLOPs per device of the compiled step) without collectives inside it; refusals."""
 
@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jddp
-from jddp._src import owner
+from jddp._src.place import owner
 from tests import _reference as ref
 from tests import test_matrix as tm
 from tests.launch_util import run_launcher

@@ -32,9 +32,9 @@ def test_import_jddp_loads_neither_the_cost_model_nor_the_hlo_reader():
     ``jddp.perf``), not with ``import jddp``; a report then loads the HLO reader."""
     code = (
         "import sys, jddp\n"
-        "print(sorted(m for m in sys.modules if m in ('jddp._src.costmodel',\n"
+        "print(sorted(m for m in sys.modules if m in ('jddp._src.plan.costmodel',\n"
         "                                             'jddp._src.introspect.hlo')))\n"
-        "from jddp._src import traffic\n"
+        "from jddp._src.plan import traffic\n"
         "traffic.traffic('HloModule m', [0])\n"
         "print('jddp._src.introspect.hlo' in sys.modules)\n"
     )

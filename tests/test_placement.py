@@ -1,4 +1,4 @@
-"""The place policy (``jddp._src.placement``): ``Replicate`` and ``ZeRO`` answer the same
+"""The place policy (``jddp._src.place.placement``): ``Replicate`` and ``ZeRO`` answer the same
 questions the step asks, each for where its state lives, and ``ZeRO`` resolves against the mesh.
 Nothing here compiles; the step programs these answers build are checked by
 ``scripts/step_programs.py`` and the training tests (test_zero, test_offload, test_hpz)."""
@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jddp
-from jddp._src import placement
-from jddp._src.state import TrainState
+from jddp._src.place import placement
+from jddp._src.step.state import TrainState
 from tests._models import mlp_loss
 
 

@@ -1,4 +1,4 @@
-"""The platform-specific paths of the bucketed reduction (jddp/_src/platform_paths.py): one
+"""The platform-specific paths of the bucketed reduction (jddp/_src/reduce/platform_paths.py): one
 table decides them on every platform, each on only for XLA:CPU, and the CPU step with every path
 off (what GPU and TPU run) is DDP's: the plan, the gradient mean's order, and the same training."""
 
@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jddp
-from jddp._src import platform_paths
+from jddp._src.reduce import platform_paths
 from tests import _reference as ref
 from tests._models import mlp_loss, mlp_params, regression_batch
 from tests.test_replicated import _loss_fn, _Net, _setup

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import jddp
-from jddp._src import deprecated
+from jddp._src.api import deprecated
 
 D_IN, D_HID, D_OUT, BATCH = 6, 16, 3, 64
 
@@ -304,7 +304,7 @@ def test_a_keyword_given_the_wrong_policy_names_what_it_takes(keyword, value, ma
 
 def test_defaults_are_the_plain_policies():
     ddp = jddp.DataParallel(LOSSES["plain"], optax.sgd(0.1))
-    assert ddp.policies == jddp._src.policies.Policies()
+    assert ddp.policies == jddp._src.api.policies.Policies()
     assert ddp.policies.reduce == jddp.Buckets() and ddp.policies.place == jddp.Replicate()
     assert ddp.policies.sync == jddp.EveryStep() and ddp.policies.loss_scale is None
 

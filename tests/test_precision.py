@@ -17,7 +17,8 @@ import optax
 import pytest
 
 import jddp
-from jddp._src import collectives, zero
+from jddp._src.place import zero
+from jddp._src.reduce import collectives
 from jddp.perf import schedule, topologies
 from jddp.perf.traffic import sent_per_device
 from jddp.precision import DynamicScale, MixedPrecision

@@ -1,4 +1,4 @@
-"""The program check across processes (``jddp._src.programs``): processes that compiled
+"""The program check across processes (``jddp._src.step.programs``): processes that compiled
 different step programs get ``jddp.ProgramMismatchError`` on every process, naming the processes
 and the first differing collective, before any collective runs (no Gloo abort, no hang)."""
 
@@ -11,8 +11,8 @@ import warnings
 
 import pytest
 
-from jddp._src import programs
 from jddp._src.introspect import hlo
+from jddp._src.step import programs
 from jddp.launch import free_port
 from tests.launch_util import REPO, child_env, run_launcher
 
@@ -30,7 +30,7 @@ else:
     jddp.initialize(timeout_s=60)
 import jax.numpy as jnp
 import optax
-from jddp._src import programs
+from jddp._src.step import programs
 
 me = jax.process_index()
 mesh = jddp.data_mesh()
@@ -260,7 +260,7 @@ import os, time
 os.environ["JDDP_PROGRAM_CHECK_TIMEOUT"] = "2"
 import jax, jddp
 jddp.initialize(timeout_s=60)
-from jddp._src import programs
+from jddp._src.step import programs
 sig = programs.ProgramSignature((), ())
 if jax.process_index() == 1:
     time.sleep(4)  # arrives after process 0 stopped waiting

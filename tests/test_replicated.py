@@ -1,5 +1,5 @@
 """The default plan leaves to JAX the leaves first combined with cross-replica statistics
-(SyncBatchNorm's scales, ``BucketPlan.implicit``; jddp/_src/replicated.py): which leaves, where
+(SyncBatchNorm's scales, ``BucketPlan.implicit``; jddp/_src/reduce/replicated.py): which leaves, where
 (only where nothing else reads a bucket), equal training to the one-device reference and to the
 all-bucket program, the same bytes, and 2 processes x 4 devices."""
 

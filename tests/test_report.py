@@ -226,7 +226,7 @@ def test_unknown_replica_groups_are_an_entry_of_the_report_not_an_error():
     odd = text
     for form in forms:
         odd = odd.replace(form, "mesh_v9<<" + form[5:].replace("]", ">>", 1))
-    from jddp._src import report as report_lib
+    from jddp._src.plan import report as report_lib
 
     good = report_lib.collectives(text, [0] * mesh.size)
     with pytest.warns(schedule.UnknownReplicaGroupsWarning, match="could not read"):

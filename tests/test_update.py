@@ -1,4 +1,4 @@
-"""The update wrappers of jddp/_src/update.py as values: the rule for whether a call updates
+"""The update wrappers of jddp/_src/update/update.py as values: the rule for whether a call updates
 (the host's next ``state.step`` and phase 3 read the same one), the accumulation window's
 per-device decisions, and the composition a DataParallel builds from its policies."""
 
@@ -10,9 +10,9 @@ import optax
 import pytest
 
 import jddp
-from jddp._src import policies
-from jddp._src.state import AccumState
-from jddp._src.update import Accumulate, SkipNotFinite, Update
+from jddp._src.api import policies
+from jddp._src.step.state import AccumState
+from jddp._src.update.update import Accumulate, SkipNotFinite, Update
 from tests._models import mlp_loss
 
 
@@ -73,7 +73,7 @@ def test_microbatch_split(m):
 def test_data_parallel_composes_its_update():
     """The public policies are the wrappers: ``shard`` resolved, the guard as given, a weighted
     loss's empty window skipped; ``jddp.Accumulate`` and ``jddp.SkipNotFinite`` are the classes
-    of jddp/_src/update.py (policies.py re-exports them)."""
+    of jddp/_src/update/update.py (policies.py re-exports them)."""
     assert jddp.Accumulate is policies.Accumulate is Accumulate
     assert jddp.SkipNotFinite is policies.SkipNotFinite is SkipNotFinite
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), place=jddp.ZeRO(stage=2),

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jddp
-from jddp._src import verify as verify_lib
+from jddp._src.runtime import verify as verify_lib
 
 
 def _params():

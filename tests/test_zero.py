@@ -15,7 +15,8 @@ import optax
 import pytest
 
 import jddp
-from jddp._src import collectives, zero
+from jddp._src.place import zero
+from jddp._src.reduce import collectives
 from jddp.perf import schedule, topologies
 from jddp.perf.traffic import sent_per_device
 from tests._models import layer_list_like, layer_list_loss, mlp_loss, mlp_params, regression_batch
@@ -571,7 +572,7 @@ def test_backward_prefetch_equals_stage_0(monkeypatch):
     gathered again, and the first once more for its tied use (no gather merged by the
     combiner, none dropped), and comm_bytes equals the
     compiled program's collectives."""
-    from jddp._src import reduction
+    from jddp._src.reduce import reduction
 
     assert not reduction.backward_prefetch()  # off on CPU: a prefetch cannot overlap there
     monkeypatch.setattr(reduction, "backward_prefetch", lambda: True)

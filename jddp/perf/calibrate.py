@@ -32,8 +32,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jddp._src import mesh as mesh_lib
-from jddp._src import skeleton
+from jddp._src.runtime import mesh as mesh_lib
+from jddp._src.step import skeleton
 from jddp.perf.costmodel import Link, ModelProfile
 from jddp.random import example_keys
 

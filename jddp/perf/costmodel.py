@@ -30,7 +30,7 @@ Known simplifications (each makes predictions optimistic, none is modelled):
 - the host-side cost of launching collectives and of stragglers is not modelled.
 """
 
-from jddp._src.costmodel import (
+from jddp._src.plan.costmodel import (
     DEFAULT_CAP_CANDIDATES_MB,
     STRATEGIES,
     BucketTiming,

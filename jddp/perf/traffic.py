@@ -25,7 +25,7 @@ matched the bytes measured on the processes' sockets (``benchmarks/hierarchical.
     print(traffic(text, jddp.mesh.host_of_device(mesh)).table())
 """
 
-from jddp._src.traffic import (
+from jddp._src.plan.traffic import (
     CollectiveTraffic,
     Traffic,
     sent_per_device,

@@ -33,7 +33,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jddp._src import options, xla_options
+from jddp._src.api import options
+from jddp._src.reduce import xla_options
 from jddp.buckets import BucketPlan
 
 __all__ = ["GPU_COMBINE_THRESHOLD_BYTES", "Recommendation", "recommended"]

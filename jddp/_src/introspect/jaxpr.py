@@ -22,8 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 from jax.extend import core as jex_core
 
-from jddp._src import vma
-from jddp._src.introspect import jax_private
+from jddp._src.introspect import jax_private, vma
 
 # Primitives whose sub-jaxpr is walked (and, when evaluating, inlined) as if it were written out in
 # place: plain calls whose inputs map one-to-one on the callee's inputs.
@@ -304,7 +303,7 @@ def eval_with_hooks(
         ``full`` the value of every leaf they read (from ``hooked``); :func:`fill` puts them
         together. ``None``: bind.
       casts: where replicated values become per-device ones, when ``hooked`` returns some
-        parameters replicated (:class:`jddp._src.replicated.LateCasts`); ``None``: as traced.
+        parameters replicated (:class:`jddp._src.reduce.replicated.LateCasts`); ``None``: as traced.
 
     Returns:
       The output, with the traced function's structure.

@@ -1,0 +1,1 @@
+"""The public options: policy values, their validators and the deprecated spellings."""

@@ -1,0 +1,1 @@
+"""Input: exactly-once loaders, uneven inputs, per-example randomness, evaluation."""

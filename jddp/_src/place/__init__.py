@@ -1,0 +1,1 @@
+"""Where the training state lives: replicated, ZeRO-sharded, owner-sharded, offloaded."""

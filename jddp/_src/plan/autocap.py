@@ -1,0 +1,407 @@
+"""``jddp.Buckets(cap_mb="auto")``: the bucket cap chosen for this model on this machine, once.
+
+The best cap depends on the model (its gradient sizes in backward order) and on the machine (the
+cost of one all-reduce against the backward work it could sit next to), and the cost model's
+error on a host (8-21%, ``benchmarks/costmodel_validate.py``) is larger than the few percent that
+separate good caps. So the choice is measured, like Horovod's autotune, on the real step:
+
+1. candidate caps are the ones that give *different* bucket plans for this model (caps that group
+   the leaves alike time alike; each plan is timed once, under its smallest candidate cap, and
+   DDP's default 25 MiB is always one of them);
+2. each candidate's step is compiled and run on copies of the state (the training state does not
+   advance; the copies hold the memory of ``donate=False``), round-robin, ``rounds`` times;
+3. each candidate is compared with the default cap (25 MiB) round by round (the two ran
+   back to back, so the machine's drift cancels): a candidate is kept only if its median ratio
+   to the default beats it by more than ``margin`` *and* by more than the spread (max - min) of
+   that ratio over its own rounds, i.e. above the noise it was measured with; the largest such
+   gain wins, else the default stays. Process 0's choice is broadcast, so every process compiles
+   the same program;
+4. the winning candidate's compiled step becomes ``ddp.step`` (no recompile), ``ddp.config``
+   carries the chosen cap from then on, and :class:`CapChoice` (``ddp.cap_choice``) reports the
+   timings and how to pin the choice (``Buckets(cap_mb=<cap>)``).
+
+The cost: one compile per candidate plan and ``rounds + 1`` extra steps of each, on the first call
+of ``ddp.step`` (or of :meth:`AutoStep.tune`), bounded by ``AutoCap.max_tune_s`` (checked between
+rounds: a round that starts in time finishes; with fewer than two timed rounds there is no spread,
+and the default is kept; ``CapChoice.note`` says why nothing was timed). All caps give the same
+gradients up to float rounding (a bucket only changes which leaves share an all-reduce), so the
+choice never changes what is trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jddp._src.api import options
+from jddp._src.plan.planner import BucketPlan, assign_buckets
+from jddp._src.reduce.reducers import Bucketed
+from jddp._src.runtime import hostsync
+from jddp._src.step import skeleton
+from jddp._src.step.config import StepConfig
+from jddp._src.step.step import Step
+from jddp._src.tree import MiB
+
+#: Caps (MiB) that "auto" considers by default, before identical plans are merged.
+DEFAULT_CANDIDATES_MB: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 50.0, 100.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoCap:
+    """How ``Buckets(cap_mb="auto")`` chooses (pass an instance as ``Buckets.cap_mb`` to change it).
+
+    Attributes:
+      candidates_mb: caps to consider (MiB); caps that give the same plan are timed once.
+      rounds: timed round-robin rounds per candidate (after one warm-up call each).
+      margin: a cap replaces the default (25 MiB) only if its median step is at least this
+        fraction faster (and faster by more than the spread of its own rounds).
+      max_tune_s: bound on the tuning's wall time in seconds (compiles included), checked
+        between rounds; 0 times nothing and keeps the default.
+    """
+
+    candidates_mb: tuple[float, ...] = DEFAULT_CANDIDATES_MB
+    rounds: int = 5
+    margin: float = 0.03
+    max_tune_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        caps = tuple(float(c) for c in self.candidates_mb)
+        for c in caps:
+            options.cap_bytes(c, "AutoCap.candidates_mb")
+        if not caps:
+            raise ValueError("AutoCap.candidates_mb must name at least one cap (MiB).")
+        object.__setattr__(self, "candidates_mb", caps)
+        options.count(self.rounds, "AutoCap.rounds")
+        if not (0.0 <= float(self.margin) < 1.0):
+            raise ValueError(f"AutoCap.margin must be in [0, 1), got {self.margin!r}.")
+        if not float(self.max_tune_s) >= 0.0:
+            raise ValueError(f"AutoCap.max_tune_s must be >= 0 seconds, got {self.max_tune_s!r}.")
+
+
+class CapChoice(NamedTuple):
+    """What ``Buckets(cap_mb="auto")`` (timed), ``"model"`` (predicted) or the default plan (the
+    same prediction, no cap given) chose, and from what.
+
+    Attributes:
+      cap_mb: the chosen cap (MiB); ``Buckets(cap_mb=cap_mb)`` pins it.
+      candidates_mb: the cap timed for each distinct plan (MiB).
+      num_buckets: buckets of each candidate's plan.
+      median_s: each candidate's median step time (seconds), measured on process 0 (NaN when
+        there was a single candidate: nothing is timed then).
+      default_mb: the cap the choice was compared against (DDP's default).
+      tune_s: wall time the choice took (compiles and timed steps).
+      ratio: each candidate's median, over rounds, of its step time divided by the default's
+        in the same round (NaN when nothing was timed).
+      spread: the max - min of that ratio over the rounds: the noise it was measured with. A
+        candidate is kept only when ``1 - ratio`` exceeds both ``margin`` and ``spread``.
+      rounds: timed rounds (0: nothing was timed, see ``note``).
+      note: why nothing was timed, or why timing stopped early (empty otherwise); with
+        ``"model"``, the reason for the choice.
+      method: ``"timed"`` (``Buckets(cap_mb="auto")``), ``"model"`` (the cost model, nothing
+        timed: ``median_s`` is NaN, ``ratio`` is each prediction over the default's) or
+        ``"default"`` (the same cost model, for a ``DataParallel`` given no cap).
+      first_mb: with ``"model"``, each candidate's first bucket (MiB).
+      predicted_s: with ``"model"``, each candidate's predicted time (s; NaN without a
+        calibration for the platform).
+      chosen_first_mb: with ``"model"``, the chosen plan's first bucket (MiB).
+    """
+
+    cap_mb: float
+    candidates_mb: tuple[float, ...]
+    num_buckets: tuple[int, ...]
+    median_s: tuple[float, ...]
+    default_mb: float
+    tune_s: float
+    ratio: tuple[float, ...] = ()
+    spread: tuple[float, ...] = ()
+    rounds: int = 0
+    note: str = ""
+    method: str = "timed"
+    first_mb: tuple[float, ...] = ()
+    predicted_s: tuple[float, ...] = ()
+    chosen_first_mb: float = math.nan
+
+    @property
+    def pin(self) -> str:
+        """The ``DataParallel`` arguments that give the chosen plan without choosing again."""
+        if self.method == "timed" or self.chosen_first_mb == self.cap_mb:
+            return f"reduce=jddp.Buckets(cap_mb={self.cap_mb:g})"
+        return f"reduce=jddp.Buckets(cap_mb={self.cap_mb:g}, first_mb={self.chosen_first_mb:g})"
+
+    def table(self) -> str:
+        if self.method != "timed":
+            return _model_table(self)
+        rows = [f"Buckets(cap_mb='auto') chose {self.cap_mb:g} MiB (pin it with "
+                f"{self.pin}); tuning took {self.tune_s:.1f} s, "
+                f"{self.rounds} timed round(s)",
+                f"{'cap MiB':>8} {'buckets':>7} {'median ms':>10} {'vs default':>10} "
+                f"{'spread':>7}"]
+        nan = (math.nan,) * len(self.candidates_mb)
+        for cap, nb, t, r, sp in zip(self.candidates_mb, self.num_buckets, self.median_s,
+                                     self.ratio or nan, self.spread or nan, strict=True):
+            mark = "  <- chosen" if cap == self.cap_mb else ""
+            rows.append(f"{cap:>8g} {nb:>7} {t * 1e3:>10.2f} {r:>10.3f} {sp:>7.3f}{mark}")
+        if self.note:
+            rows.append(self.note)
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _model_table(c: CapChoice) -> str:
+    """``CapChoice.table`` for ``Buckets(cap_mb="model")`` and the default plan: each candidate's
+    prediction."""
+    who = "Buckets(cap_mb='model')" if c.method == "model" else "the default plan (no cap given)"
+    rows = [f"{who} chose cap {c.cap_mb:g} MiB, first bucket "
+            f"{min(c.chosen_first_mb, c.cap_mb):g} MiB (pin it with {c.pin}); nothing timed: "
+            f"{c.note}",
+            f"{'cap MiB':>8} {'first MiB':>9} {'buckets':>7} {'predicted ms':>12} "
+            f"{'vs default':>10}"]
+    for cap, first, nb, p, r in zip(c.candidates_mb, c.first_mb, c.num_buckets, c.predicted_s,
+                                    c.ratio, strict=True):
+        mark = "  <- chosen" if (cap, first) == (c.cap_mb, c.chosen_first_mb) else ""
+        mark += "  (DDP's default)" if (cap, first) == (c.candidates_mb[0], c.first_mb[0]) else ""
+        rows.append(f"{cap:>8g} {min(first, cap):>9g} {nb:>7} {p * 1e3:>12.2f} {r:>10.3f}{mark}")
+    return "\n".join(rows)
+
+
+def resolve(bucket_cap_mb: Any) -> AutoCap | None:
+    """The :class:`AutoCap` policy for ``"auto"`` or an ``AutoCap``; ``None`` for a number."""
+    if isinstance(bucket_cap_mb, AutoCap):
+        return bucket_cap_mb
+    if isinstance(bucket_cap_mb, str):
+        if bucket_cap_mb != "auto":
+            raise ValueError(
+                f"Buckets.cap_mb must be a number of MiB, 'auto' (timed) or 'model' (the cost "
+                f"model, no timing), got {bucket_cap_mb!r}."
+            )
+        return AutoCap()
+    return None
+
+
+def distinct_candidates(
+    plan: BucketPlan, caps_mb: Sequence[float], first_bytes: int, default_mb: float,
+    tolerance: float = 0.01,
+) -> list[tuple[float, int]]:
+    """``(cap_mb, num_buckets)`` of each distinct plan among ``caps_mb`` (and the default).
+
+    Two caps give the same plan, for timing purposes, when they make as many buckets and each
+    bucket's bytes differ by at most ``tolerance`` of the model's gradient bytes (a bias moving to
+    the next bucket costs a compile, not time). The default cap stands for its group; other groups
+    are timed under their smallest cap.
+    """
+    order = [i for b in plan.buckets for i in b.indices]
+    nbytes = [int(np.prod(plan.shapes[i], dtype=np.int64)) * plan.dtypes[i].itemsize
+              for i in order]
+    dtypes = [plan.dtypes[i] for i in order]
+    slack = tolerance * max(1, sum(nbytes))
+
+    def sizes(cap_mb: float) -> list[int]:
+        cap = options.cap_bytes(cap_mb, "bucket_cap_mb")
+        return [sum(nbytes[k] for k in b)
+                for b in assign_buckets(nbytes, dtypes, cap, min(first_bytes, cap))]
+
+    kept = [(default_mb, sizes(default_mb))]
+    for cap_mb in sorted(set(caps_mb) - {default_mb}):
+        mine = sizes(cap_mb)
+        if not any(len(mine) == len(other) and
+                   all(abs(a - b) <= slack for a, b in zip(mine, other, strict=True))
+                   for _, other in kept):
+            kept.append((cap_mb, mine))
+    return sorted((cap, len(s)) for cap, s in kept)
+
+
+class Verdict(NamedTuple):
+    """What :func:`pick` decided: the cap, and each candidate's ratio to the default (median
+    over rounds) and the spread of that ratio (max - min)."""
+
+    cap_mb: float
+    ratio: tuple[float, ...]
+    spread: tuple[float, ...]
+
+
+def pick(caps_mb: Sequence[float], times: Sequence[Sequence[float]], default_mb: float,
+         margin: float) -> Verdict:
+    """The cap with the largest gain over ``default_mb`` among those whose gain exceeds both
+    ``margin`` and the spread of their own rounds; else the default.
+
+    Args:
+      times: for each candidate, its step time in each round (candidates timed back to back in
+        every round, so round ``r`` of each is compared with round ``r`` of the default).
+    """
+    n = len(caps_mb)
+    d = list(caps_mb).index(default_mb)
+    rounds = min((len(t) for t in times), default=0)
+    if n == 1 or rounds < 2:  # one round measures no spread: nothing is kept above the noise
+        return Verdict(float(default_mb), (math.nan,) * n, (math.nan,) * n)
+    t = np.array([list(x)[:rounds] for x in times], dtype=np.float64)
+    ratios = t / t[d]
+    ratio, spread = np.median(ratios, axis=1), ratios.max(axis=1) - ratios.min(axis=1)
+    gain = 1.0 - ratio
+    kept = [i for i in range(n) if i != d and gain[i] > max(margin, spread[i])]
+    best = max(kept, key=lambda i: gain[i]) if kept else d
+    return Verdict(float(caps_mb[best]), tuple(float(r) for r in ratio),
+                   tuple(float(x) for x in spread))
+
+
+def _agree(value: float) -> float:
+    """Process 0's value on every process (the same cap compiles the same program everywhere)."""
+    if jax.process_count() == 1:
+        return value
+    return float(hostsync.broadcast_from_process0(np.float64(value)))
+
+
+def _copier(state: Any) -> Callable[[Any], Any]:
+    """A jitted copy of ``state`` with its shardings: fresh buffers for a donating candidate to
+    consume (jitted, so that arrays spanning several processes are copied too)."""
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(lambda s: jax.tree.map(lambda x: x.copy(), s), out_shardings=shardings)
+
+
+class _Forward:
+    """A candidate step's plan observer: keeps its plan; once chosen, reports to the trainer."""
+
+    def __init__(self) -> None:
+        self.latest: BucketPlan | None = None
+        self.target: Callable[[BucketPlan], None] | None = None
+
+    def __call__(self, plan: BucketPlan) -> None:
+        self.latest = plan
+        if self.target is not None:
+            self.target(plan)
+
+
+class ChoosingStep:
+    """A ``ddp.step`` that picks its bucket plan once, on the first call, then is the chosen
+    :class:`Step`: what ``Buckets(cap_mb="auto")`` (:class:`AutoStep`) and ``"model"``
+    (``modelcap.ModelStep``) share.
+
+    Args:
+      cfg: the configuration with the default caps (the plan a choice is compared against).
+      policy: how to choose.
+      make_step: builds a :class:`Step` for a configuration, reporting plans to an observer.
+      observer: the trainer's plan log.
+      on_choice: called once with the chosen configuration and the :class:`CapChoice`.
+    """
+
+    def __init__(
+        self,
+        cfg: StepConfig,
+        policy: Any,
+        make_step: Callable[[StepConfig, skeleton.PlanObserver], Step],
+        observer: skeleton.PlanObserver,
+        on_choice: Callable[[StepConfig, CapChoice], None],
+    ) -> None:
+        self._cfg = cfg
+        self._policy = policy
+        self._make_step = make_step
+        self._observer = observer
+        self._on_choice = on_choice
+        self._step: Step | None = None
+        self.choice: CapChoice | None = None
+
+    def cache_size(self) -> int:
+        """Programs the chosen step has compiled (0 before the choice)."""
+        return 0 if self._step is None else self._step.cache_size()
+
+    def _buckets(self) -> Bucketed:
+        """The bucketed reducer whose caps are chosen (the default caps until then)."""
+        reduce = self._cfg.reduce
+        assert isinstance(reduce, Bucketed)  # a chooser is a jddp.Buckets request
+        return reduce
+
+    def _with_caps(self, cap_bytes: int, first_bytes: int) -> StepConfig:
+        """The configuration with the bucket caps ``cap_bytes`` and ``first_bytes``."""
+        return dataclasses.replace(self._cfg, reduce=dataclasses.replace(
+            self._buckets(), cap_bytes=cap_bytes, first_bytes=first_bytes))
+
+
+class AutoStep(ChoosingStep):
+    """``ddp.step`` when ``Buckets(cap_mb="auto")``: chooses the cap on the first call (timing the
+    candidates), then is the chosen :class:`Step`. Arguments as :class:`ChoosingStep`'s, with an
+    :class:`AutoCap` policy."""
+
+    _policy: AutoCap
+
+    def tune(self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
+             rng: Any = None) -> CapChoice:
+        """Chooses the cap on these inputs (their values are not changed); once only."""
+        if self.choice is not None:
+            return self.choice
+        t0 = time.perf_counter()
+        cfg, policy, first = self._cfg, self._policy, self._buckets().first_bytes
+        default_mb = self._buckets().cap_bytes / MiB
+        plan = skeleton.plan(cfg, state, batch, mask, rng)
+        found = distinct_candidates(plan, policy.candidates_mb, first, default_mb)
+        caps = [c for c, _ in found]
+        steps, observers = [], []
+        for cap_mb in caps:
+            cap = options.cap_bytes(cap_mb, "bucket_cap_mb")
+            observers.append(_Forward())
+            steps.append(self._make_step(self._with_caps(cap, min(first, cap)), observers[-1]))
+        # With accumulation, time the synchronising program: the others have no collective.
+        tsync = cfg.accumulate.reducing(sync)
+        times: list[list[float]] = [[] for _ in caps]
+        # One distinct plan (a small model, or one dominated by a leaf above every cap): nothing
+        # to choose between, so nothing is timed; the step compiles on its first real call.
+        rounds = policy.rounds + 1 if len(caps) > 1 else 0
+        note = "" if rounds else "nothing was timed: every candidate cap gives the same plan"
+        copy = _copier(state) if rounds and steps[0].donates else None
+        deadline = t0 + float(policy.max_tune_s)
+        for r in range(rounds):  # round 0 compiles and warms up, untimed
+            # Every process must run the same rounds (they hold collectives): process 0 decides.
+            if _agree(float(time.perf_counter() < deadline)) < 0.5:
+                note = (f"timing stopped at the time bound (max_tune_s={policy.max_tune_s:g}) "
+                        f"after {max(0, r - 1)} timed round(s)"
+                        + ("; fewer than 2: no spread measured, the default is kept"
+                           if r - 1 < 2 else ""))
+                break
+            for i, step in enumerate(steps):
+                trial = state if copy is None else copy(state)
+                jax.block_until_ready(trial)
+                t = time.perf_counter()
+                jax.block_until_ready(step(trial, batch, mask, sync=tsync, rng=rng))
+                if r:
+                    times[i].append(time.perf_counter() - t)
+        medians = [float(np.median(t)) if t else math.nan for t in times]
+        verdict = pick(caps, times, default_mb, policy.margin)
+        chosen = _agree(verdict.cap_mb)
+        k = caps.index(chosen)  # the candidates are the same on every process
+        self._step = steps[k]
+        observers[k].target = self._observer
+        latest = observers[k].latest
+        if latest is not None:
+            self._observer(latest)
+        self.choice = CapChoice(float(chosen), tuple(caps), tuple(n for _, n in found),
+                                tuple(medians), default_mb, time.perf_counter() - t0,
+                                verdict.ratio, verdict.spread, min(len(t) for t in times),
+                                note)
+        self._on_choice(self._step.config, self.choice)
+        return self.choice
+
+    def chosen_step(self, what: str = "run") -> Step:
+        """The chosen :class:`Step`; a clear error (naming ``what``) before the choice."""
+        if self._step is None:
+            raise ValueError(
+                f"Buckets(cap_mb='auto') has not chosen a cap yet, so there is no program to "
+                f"{what}: take one step (ddp.step(state, batch)) or call ddp.step.tune(state, "
+                "batch) first, or pin the cap with a number (jddp.Buckets(cap_mb=25.0))."
+            )
+        return self._step
+
+    def __call__(self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
+                 rng: Any = None) -> Any:
+        if self._step is None:
+            self.tune(state, batch, mask, sync=sync, rng=rng)
+        return self.chosen_step("run")(state, batch, mask, sync=sync, rng=rng)
+
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """The chosen step's :meth:`Step.lower` (after the choice)."""
+        return self.chosen_step("lower").lower(*args, **kwargs)

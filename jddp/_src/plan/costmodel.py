@@ -1,0 +1,834 @@
+"""A cost model of one data-parallel iteration, and a bucket-size advisor built on it.
+
+Public as :mod:`jddp.perf.costmodel`, whose docstring describes it in full; here so that
+:mod:`jddp._src.plan.modelcap` (the default plan, ``Buckets(cap_mb="model")``) uses it without
+importing the performance tooling (``jddp._src`` never imports ``jddp.perf``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jddp._src.plan.planner import BucketPlan, assign_buckets
+from jddp._src.tree import MiB
+
+__all__ = [
+    "STRATEGIES",
+    "BucketTiming",
+    "CapAdvice",
+    "ClusterSpec",
+    "IterationEstimate",
+    "Link",
+    "ModelProfile",
+    "StrategyEstimate",
+    "DEFAULT_CAP_CANDIDATES_MB",
+    "advise_bucket_cap",
+    "across_bytes_per_step",
+    "allreduce_time",
+    "averaging_time",
+    "hierarchical_allreduce_time",
+    "overlap_speedup",
+    "ring_allreduce_time",
+    "scaling_efficiency",
+    "simulate_iteration",
+    "simulate_strategy",
+    "suggest_bucket_cap",
+]
+
+#: Caps (MiB) that :func:`advise_bucket_cap` tries by default; "inf" puts every gradient of a
+#: dtype in one bucket, the "no bucketing" extreme of the paper's sweep.
+DEFAULT_CAP_CANDIDATES_MB: tuple[float, ...] = (
+    0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, math.inf,
+)
+
+
+# ----------------------------------------------------------------------------------- inputs
+
+
+class Link(NamedTuple):
+    """One class of link in the alpha-beta model.
+
+    Attributes:
+      bandwidth: bytes per second one ring step moves over this link (the achieved bandwidth, not
+        the nominal line rate).
+      latency: seconds of fixed cost per ring step (alpha).
+    """
+
+    bandwidth: float
+    latency: float = 0.0
+
+    @classmethod
+    def gbit(cls, gbit_per_s: float, latency_us: float = 0.0) -> Link:
+        """A link given in Gbit/s (network convention) and microseconds."""
+        return cls(gbit_per_s * 1e9 / 8, latency_us * 1e-6)
+
+    @classmethod
+    def gbyte(cls, gbyte_per_s: float, latency_us: float = 0.0) -> Link:
+        """A link given in GB/s (10^9 bytes, NVLink convention) and microseconds."""
+        return cls(gbyte_per_s * 1e9, latency_us * 1e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """The devices and links a data-parallel job runs on.
+
+    Attributes:
+      num_devices: data-parallel replicas (N).
+      devices_per_node: devices that share the fast ``intra`` link (e.g. 8 GPUs on NVLink).
+      intra: the link between devices of one node.
+      inter: the link between nodes, as seen by one node's ring (the node's network bandwidth);
+        required when ``num_devices > devices_per_node``.
+      hierarchical: reduce inside nodes, all-reduce across nodes, broadcast inside nodes (NCCL's
+        tree/ring hybrids and Horovod's hierarchical all-reduce behave like this); otherwise one
+        flat ring over all devices, paced by its slowest link.
+      async_collectives: whether collectives run concurrently with compute. True for GPUs/TPUs;
+        False for XLA:CPU, whose all-reduce blocks the computation that issued it.
+      device_flops: achieved FLOP/s of one device; only used by FLOP-based profiles
+        (:meth:`ModelProfile.from_flops`).
+      allreduce_table: optional measured ``(bytes, seconds)`` points of one all-reduce on exactly
+        ``num_devices`` devices. When given, all-reduce times are interpolated from it (linearly,
+        extrapolated from the end segments) instead of the alpha-beta formula; use it when the
+        measured cost is not linear in bytes (caches on a CPU host). ``with_devices`` drops it.
+      name: a label for tables.
+    """
+
+    num_devices: int
+    devices_per_node: int = 8
+    intra: Link = Link.gbyte(130.0, 5.0)
+    inter: Link | None = None
+    hierarchical: bool = True
+    async_collectives: bool = True
+    device_flops: float | None = None
+    allreduce_table: tuple[tuple[float, float], ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        table = tuple(sorted((float(b), float(t)) for b, t in self.allreduce_table))
+        object.__setattr__(self, "allreduce_table", table)
+        if len(table) == 1 or any(b < 0 or t < 0 for b, t in table):
+            raise ValueError(
+                "allreduce_table needs at least two (bytes, seconds) points, all non-negative."
+            )
+        if int(self.num_devices) < 1:
+            raise ValueError(f"num_devices must be >= 1, got {self.num_devices}.")
+        if int(self.devices_per_node) < 1:
+            raise ValueError(f"devices_per_node must be >= 1, got {self.devices_per_node}.")
+        for label, link in (("intra", self.intra), ("inter", self.inter)):
+            if link is not None and (link.bandwidth <= 0 or link.latency < 0):
+                raise ValueError(f"{label} link needs bandwidth > 0 and latency >= 0, got {link}.")
+        if self.num_devices > self.devices_per_node:
+            if self.inter is None:
+                raise ValueError(
+                    f"{self.num_devices} devices span several nodes of {self.devices_per_node}; "
+                    "give the inter-node link (inter=Link.gbit(100, 10), for example)."
+                )
+            if self.num_devices % self.devices_per_node:
+                raise ValueError(
+                    f"num_devices ({self.num_devices}) must be a multiple of devices_per_node "
+                    f"({self.devices_per_node}) when it spans several nodes."
+                )
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.num_devices // self.devices_per_node)
+
+    def with_devices(self, num_devices: int) -> ClusterSpec:
+        """The same cluster with another number of devices (for scaling sweeps)."""
+        if num_devices == self.num_devices:
+            return self
+        return dataclasses.replace(self, num_devices=num_devices, allreduce_table=())
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelProfile:
+    """Per-leaf gradient sizes and compute times of one iteration on one device.
+
+    Leaves are listed in **backward order**: the order in which their gradients become ready
+    (for a feed-forward model, last layer first), which is also jddp's bucket order.
+
+    Attributes:
+      nbytes: gradient bytes of each leaf.
+      backward_s: backward compute attributed to each leaf: the time from the previous leaf's
+        gradient being ready to this one's. Leaf ``i`` is ready at
+        ``forward_s + sum(backward_s[:i + 1])``.
+      forward_s: forward pass time (nothing can be reduced before the backward starts).
+      optimizer_s: optimizer update time, after the last bucket is reduced.
+      dtypes: each leaf's dtype name (buckets never mix dtypes); default float32.
+      names: optional leaf names, for tables.
+    """
+
+    nbytes: tuple[int, ...]
+    backward_s: tuple[float, ...]
+    forward_s: float = 0.0
+    optimizer_s: float = 0.0
+    dtypes: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", tuple(int(b) for b in self.nbytes))
+        object.__setattr__(self, "backward_s", tuple(float(t) for t in self.backward_s))
+        if not self.dtypes:
+            object.__setattr__(self, "dtypes", ("float32",) * len(self.nbytes))
+        object.__setattr__(self, "dtypes", tuple(str(np.dtype(d)) for d in self.dtypes))
+        object.__setattr__(self, "names", tuple(self.names))
+        n = len(self.nbytes)
+        if len(self.backward_s) != n or len(self.dtypes) != n:
+            raise ValueError(
+                f"nbytes, backward_s and dtypes need one entry per leaf; got {n}, "
+                f"{len(self.backward_s)} and {len(self.dtypes)}."
+            )
+        if self.names and len(self.names) != n:
+            raise ValueError(f"names has {len(self.names)} entries for {n} leaves.")
+        if any(b < 0 for b in self.nbytes) or any(t < 0 for t in self.backward_s):
+            raise ValueError("nbytes and backward_s must be non-negative.")
+        if self.forward_s < 0 or self.optimizer_s < 0:
+            raise ValueError("forward_s and optimizer_s must be non-negative.")
+
+    @classmethod
+    def from_flops(
+        cls,
+        nbytes: Sequence[int],
+        forward_flops: Sequence[float],
+        device_flops: float,
+        *,
+        backward_factor: float = 2.0,
+        optimizer_s: float = 0.0,
+        dtypes: Sequence[Any] = (),
+        names: Sequence[str] = (),
+    ) -> ModelProfile:
+        """A profile estimated from each leaf's forward FLOPs at an achieved device throughput.
+
+        Args:
+          nbytes: gradient bytes per leaf, in backward order.
+          forward_flops: forward FLOPs of the operation that owns each leaf (0 for leaves such as
+            biases or norm scales that ride on another leaf's layer).
+          device_flops: achieved FLOP/s of one device (not the datasheet peak).
+          backward_factor: backward FLOPs per forward FLOP (2: gradients w.r.t. inputs and
+            weights).
+        """
+        if device_flops <= 0:
+            raise ValueError(f"device_flops must be positive, got {device_flops}.")
+        fwd = [float(f) for f in forward_flops]
+        return cls(
+            nbytes=tuple(nbytes),
+            backward_s=tuple(backward_factor * f / device_flops for f in fwd),
+            forward_s=sum(fwd) / device_flops,
+            optimizer_s=optimizer_s,
+            dtypes=tuple(dtypes),
+            names=tuple(names),
+        )
+
+    @classmethod
+    def from_sizes(
+        cls,
+        nbytes: Sequence[int],
+        *,
+        backward_s: float,
+        forward_s: float = 0.0,
+        optimizer_s: float = 0.0,
+        dtypes: Sequence[Any] = (),
+        names: Sequence[str] = (),
+    ) -> ModelProfile:
+        """A profile that spreads a total backward time over leaves in proportion to their size.
+
+        Right for dense layers on a fixed batch (FLOPs are proportional to weights); a rough
+        guess for convolutions, whose FLOPs also scale with the feature-map size.
+        """
+        total = float(sum(nbytes))
+        share = [b / total if total else 1.0 / max(1, len(nbytes)) for b in nbytes]
+        return cls(
+            nbytes=tuple(nbytes),
+            backward_s=tuple(backward_s * s for s in share),
+            forward_s=forward_s,
+            optimizer_s=optimizer_s,
+            dtypes=tuple(dtypes),
+            names=tuple(names),
+        )
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.nbytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes)
+
+    @property
+    def backward_total_s(self) -> float:
+        return float(sum(self.backward_s))
+
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward + optimizer: the step time with no communication at all."""
+        return self.forward_s + self.backward_total_s + self.optimizer_s
+
+    def ready_times(self) -> tuple[float, ...]:
+        """The time each leaf's gradient is ready, from the start of the forward pass."""
+        return tuple(float(t) for t in self.forward_s + np.cumsum(self.backward_s))
+
+    def scaled(self, compute_factor: float) -> ModelProfile:
+        """The same model with every compute time multiplied by ``compute_factor``."""
+        return dataclasses.replace(
+            self,
+            backward_s=tuple(t * compute_factor for t in self.backward_s),
+            forward_s=self.forward_s * compute_factor,
+            optimizer_s=self.optimizer_s * compute_factor,
+        )
+
+
+# ----------------------------------------------------------------------------------- outputs
+
+
+class BucketTiming(NamedTuple):
+    """When one bucket's all-reduce runs.
+
+    Attributes:
+      index: position in reduction order (0 first).
+      leaves: positions of its leaves in the profile (backward order).
+      nbytes: bytes reduced.
+      ready_s: when its last gradient is ready.
+      start_s: when its all-reduce starts (>= ready_s, >= previous end_s).
+      end_s: when its all-reduce ends.
+    """
+
+    index: int  # type: ignore[assignment]  # shadows tuple.index; the bucket number reads best
+    leaves: tuple[int, ...]
+    nbytes: int
+    ready_s: float
+    start_s: float
+    end_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+class IterationEstimate(NamedTuple):
+    """The predicted timeline of one iteration.
+
+    Attributes:
+      iteration_s: start of forward to end of optimizer.
+      compute_s: forward + backward + optimizer (the iteration with free communication).
+      forward_s, backward_s, optimizer_s: the parts of ``compute_s``.
+      comm_s: the sum of every bucket's all-reduce time.
+      exposed_comm_s: ``iteration_s - compute_s``: communication the step waits for.
+      overlap_fraction: share of ``comm_s`` hidden behind the backward (0 without overlap).
+      buckets: per-bucket timeline, in reduction order.
+      cap_bytes, first_bytes: the bucket caps used.
+      overlap: whether all-reduces overlapped the backward.
+    """
+
+    iteration_s: float
+    compute_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    comm_s: float
+    exposed_comm_s: float
+    overlap_fraction: float
+    buckets: tuple[BucketTiming, ...]
+    cap_bytes: int
+    first_bytes: int
+    overlap: bool
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+
+# ----------------------------------------------------------------------------------- all-reduce
+
+
+def ring_allreduce_time(nbytes: float, num_devices: int, link: Link) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` over ``num_devices`` (alpha-beta model).
+
+    A ring all-reduce is a reduce-scatter and an all-gather, each of ``N - 1`` steps moving
+    ``nbytes / N`` per device: ``2 (N-1)/N * nbytes / bandwidth + 2 (N-1) * latency``.
+    """
+    n = int(num_devices)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2.0 * (n - 1) / n * nbytes / link.bandwidth + 2.0 * (n - 1) * link.latency
+
+
+def hierarchical_allreduce_time(nbytes: float, cluster: ClusterSpec) -> float:
+    """Seconds for a two-level all-reduce: reduce-scatter inside each node (k devices), a ring
+    all-reduce of each 1/k shard across the m nodes, and an all-gather inside each node.
+
+    The k shard rings cross the network at once and share the node's ``inter`` bandwidth, so
+    the inter-node phase moves ``2 (m-1)/m * nbytes`` through the node's link in total.
+    """
+    k = min(cluster.devices_per_node, cluster.num_devices)
+    m = cluster.num_nodes
+    t = ring_allreduce_time(nbytes, k, cluster.intra)
+    if m > 1:
+        assert cluster.inter is not None  # checked by ClusterSpec
+        t += 2.0 * (m - 1) / m * nbytes / cluster.inter.bandwidth
+        t += 2.0 * (m - 1) * cluster.inter.latency
+    return t
+
+
+def allreduce_time(nbytes: float, cluster: ClusterSpec) -> float:
+    """Seconds for one all-reduce of ``nbytes`` on ``cluster`` (flat or hierarchical)."""
+    if nbytes <= 0 or cluster.num_devices <= 1:
+        return 0.0
+    if cluster.allreduce_table:
+        return _interpolate(cluster.allreduce_table, nbytes)
+    if cluster.num_devices <= cluster.devices_per_node:
+        return ring_allreduce_time(nbytes, cluster.num_devices, cluster.intra)
+    if cluster.hierarchical:
+        return hierarchical_allreduce_time(nbytes, cluster)
+    # One flat ring: every step waits for the slowest hop, and the node's network link carries
+    # the ring's traffic.
+    assert cluster.inter is not None
+    slow = Link(
+        min(cluster.intra.bandwidth, cluster.inter.bandwidth),
+        max(cluster.intra.latency, cluster.inter.latency),
+    )
+    return ring_allreduce_time(nbytes, cluster.num_devices, slow)
+
+
+def _interpolate(table: tuple[tuple[float, float], ...], nbytes: float) -> float:
+    """Piecewise-linear interpolation of measured times, extrapolated along the end segments."""
+    xs = [b for b, _ in table]
+    ys = [t for _, t in table]
+    if nbytes <= xs[0]:
+        i = 0
+    elif nbytes >= xs[-1]:
+        i = len(xs) - 2
+    else:
+        return float(np.interp(nbytes, xs, ys))
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    slope = (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
+    return max(0.0, y0 + slope * (nbytes - x0))
+
+
+# ----------------------------------------------------------------------------------- iteration
+
+
+def _cap_bytes(mb: float) -> int:
+    # inf (or anything past the address space) means "one bucket per dtype".
+    if mb <= 0 or math.isnan(mb):
+        raise ValueError(f"a bucket cap must be positive, got {mb} MiB.")
+    return int(min(mb * MiB, 2**62))
+
+
+def simulate_iteration(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    *,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    overlap: bool | None = None,
+) -> IterationEstimate:
+    """Predicts one iteration of bucketed data-parallel training.
+
+    Args:
+      profile: per-leaf gradient bytes and compute times of one device.
+      cluster: devices and links.
+      bucket_cap_mb: bucket cap in MiB (``math.inf``: one bucket per dtype).
+      first_bucket_mb: cap of the first bucket; clipped to ``bucket_cap_mb``.
+      overlap: all-reduces run concurrently with the rest of the backward (True), or only after
+        the whole backward (False: DDP with overlap off, or any backend without asynchronous
+        collectives). Default: ``cluster.async_collectives``.
+
+    Returns:
+      The iteration's timeline. Without overlap the buckets are placed after the backward; on
+      XLA:CPU jddp issues them inside the backward but each one blocks the compute, which gives
+      the same iteration time.
+    """
+    overlap = cluster.async_collectives if overlap is None else bool(overlap)
+    cap = _cap_bytes(bucket_cap_mb)
+    first = min(_cap_bytes(first_bucket_mb), cap)
+    groups = assign_buckets(profile.nbytes, profile.dtypes, cap, first) if profile.nbytes else []
+    ready = profile.ready_times()
+    backward_end = profile.forward_s + profile.backward_total_s
+    timings = []
+    prev_end = 0.0 if overlap else backward_end
+    comm = 0.0
+    for i, group in enumerate(groups):
+        nbytes = sum(profile.nbytes[j] for j in group)
+        r = max(ready[j] for j in group)
+        start = max(r, prev_end) if overlap else prev_end
+        duration = allreduce_time(nbytes, cluster)
+        prev_end = start + duration
+        comm += duration
+        timings.append(BucketTiming(i, tuple(group), nbytes, r, start, prev_end))
+    grads_done = max(backward_end, prev_end)
+    iteration = grads_done + profile.optimizer_s
+    compute = profile.compute_s
+    exposed = max(0.0, iteration - compute)
+    hidden = comm - exposed
+    return IterationEstimate(
+        iteration_s=iteration,
+        compute_s=compute,
+        forward_s=profile.forward_s,
+        backward_s=profile.backward_total_s,
+        optimizer_s=profile.optimizer_s,
+        comm_s=comm,
+        exposed_comm_s=exposed,
+        overlap_fraction=(hidden / comm) if comm > 0 else 0.0,
+        buckets=tuple(timings),
+        cap_bytes=cap,
+        first_bytes=first,
+        overlap=overlap,
+    )
+
+
+def overlap_speedup(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    *,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+) -> tuple[IterationEstimate, IterationEstimate, float]:
+    """The iteration with and without overlap, and the latency reduction overlap buys.
+
+    Returns:
+      ``(with_overlap, without_overlap, reduction)`` where ``reduction = 1 - with / without``;
+      the paper reports this number (38.0% for ResNet50, 35.2% for BERT, NCCL, 32 GPUs).
+    """
+    kw = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
+    on = simulate_iteration(profile, cluster, overlap=True, **kw)
+    off = simulate_iteration(profile, cluster, overlap=False, **kw)
+    return on, off, 1.0 - on.iteration_s / off.iteration_s
+
+
+def scaling_efficiency(estimate: IterationEstimate) -> float:
+    """Per-device throughput relative to one device with the same per-device batch (weak
+    scaling): ``compute_s / iteration_s``; 1.0 is linear scaling."""
+    return estimate.compute_s / estimate.iteration_s if estimate.iteration_s > 0 else 1.0
+
+
+# ----------------------------------------------------------------------------------- advisor
+
+
+class CapAdvice(NamedTuple):
+    """The outcome of :func:`advise_bucket_cap`.
+
+    Attributes:
+      cap_mb: the candidate with the lowest predicted iteration time (the smallest one among
+        candidates within ``tolerance`` of the best, since smaller buckets start earlier and
+        need less staging memory).
+      predictions: ``(cap_mb, estimate)`` for every candidate, in the order tried.
+      cluster: the cluster the advice is for.
+    """
+
+    cap_mb: float
+    predictions: tuple[tuple[float, IterationEstimate], ...]
+    cluster: ClusterSpec
+
+    def same_buckets(self) -> dict[float, float]:
+        """For each candidate, the first candidate that cuts the gradients into the same buckets.
+
+        A prediction is a function of the buckets (which leaves, in which order), so caps that
+        cut alike predict identical times: every cap at or above the model's gradient bytes
+        gives the first bucket (``first_bucket_mb``) and one more, or one bucket if the whole
+        model fits in the first (a small model: the example LM's 0.97 MiB of gradients fit in
+        the default 1 MiB first bucket, so caps from 1 MiB up all predict the same iteration).
+        """
+        seen: dict[tuple, float] = {}
+        out = {}
+        for cap, est in self.predictions:
+            out[cap] = seen.setdefault(_grouping(est), cap)
+        return out
+
+    @property
+    def note(self) -> str:
+        """Why some predictions are identical ("" when every candidate cuts differently)."""
+        first = self.same_buckets()
+        if len(set(first.values())) == len(first):
+            return ""
+        est = self.predictions[0][1]
+        total = sum(b.nbytes for b in est.buckets) / MiB
+        if len(set(first.values())) == 1:
+            return (
+                f"Every candidate cap cuts the {total:.3g} MiB of gradients into the same "
+                f"{est.num_buckets} bucket(s) (first bucket {est.first_bytes / MiB:g} MiB), so "
+                "every prediction is identical: the cap does not matter for this model. Smaller "
+                "caps (or a smaller first_bucket_mb) are the only ones that change the plan."
+            )
+        alike = sorted({c for c, f in first.items() if c != f})
+        return (
+            f"Caps {', '.join(_fmt_cap(c) for c in alike)} cut the {total:.3g} MiB of gradients "
+            "like a smaller candidate (marked '=' in the table) and predict the same time."
+        )
+
+    def table(self) -> str:
+        """One row per candidate: predicted iteration, exposed communication, buckets."""
+        rows = [
+            f"{'cap MiB':>8} {'buckets':>7} {'iter ms':>9} {'exposed ms':>10} {'comm ms':>9} "
+            f"{'overlap':>7}"
+        ]
+        first = self.same_buckets()
+        for cap, est in self.predictions:
+            mark = "  <- suggested" if cap == self.cap_mb else ""
+            if first[cap] != cap:
+                mark += f"  (= {_fmt_cap(first[cap])}: same buckets)"
+            rows.append(
+                f"{_fmt_cap(cap):>8} {est.num_buckets:>7} {est.iteration_s * 1e3:>9.3f} "
+                f"{est.exposed_comm_s * 1e3:>10.3f} {est.comm_s * 1e3:>9.3f} "
+                f"{est.overlap_fraction:>7.0%}{mark}"
+            )
+        return "\n".join(rows + ([self.note] if self.note else []))
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _grouping(est: IterationEstimate) -> tuple[tuple[int, ...], ...]:
+    """Which leaves each bucket of a prediction holds, in order: the plan it was predicted for."""
+    return tuple(b.leaves for b in est.buckets)
+
+
+def _fmt_cap(cap: float) -> str:
+    return "all" if math.isinf(cap) else f"{cap:g}"
+
+
+def _as_profile(
+    model: Any,
+    *,
+    backward_s: float | None,
+    forward_s: float,
+    optimizer_s: float,
+) -> ModelProfile:
+    """Builds a profile from a ModelProfile, a BucketPlan, a params pytree or leaf byte sizes."""
+    if isinstance(model, ModelProfile):
+        return model
+
+    if isinstance(model, BucketPlan):
+        order = [i for b in model.buckets for i in b.indices]
+        nbytes = [int(np.prod(model.shapes[i], dtype=np.int64)) * model.dtypes[i].itemsize
+                  for i in order]
+        dtypes = [model.dtypes[i] for i in order]
+        names = [model.paths[i] for i in order]
+    elif isinstance(model, Sequence) and all(isinstance(x, int | np.integer) for x in model):
+        nbytes, dtypes, names = [int(x) for x in model], [], []
+    else:
+        import jax  # only needed for pytrees
+
+        leaves = jax.tree.leaves(model)
+        # Without a traced use order, assume the tree's leaf order is the forward order, so the
+        # backward produces gradients in reverse. Pass ddp.plan(params, batch) for the real order.
+        leaves = leaves[::-1]
+        nbytes = [int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+                  for x in leaves]
+        dtypes = [np.dtype(x.dtype) for x in leaves]
+        names = []
+    if backward_s is None:
+        raise ValueError(
+            "The cost model needs compute times to weigh overlap against per-bucket latency: pass "
+            "backward_s= (seconds of one device's backward pass), or a ModelProfile (see "
+            "jddp.perf.calibrate.profile_step to measure one, or ModelProfile.from_flops)."
+        )
+    return ModelProfile.from_sizes(
+        nbytes, backward_s=backward_s, forward_s=forward_s, optimizer_s=optimizer_s,
+        dtypes=dtypes, names=names,
+    )
+
+
+def advise_bucket_cap(
+    model: Any,
+    cluster: ClusterSpec,
+    *,
+    candidates_mb: Iterable[float] = DEFAULT_CAP_CANDIDATES_MB,
+    first_bucket_mb: float = 1.0,
+    backward_s: float | None = None,
+    forward_s: float = 0.0,
+    optimizer_s: float = 0.0,
+    tolerance: float = 0.0,
+) -> CapAdvice:
+    """Predicts the iteration for each candidate bucket cap and picks the fastest.
+
+    Args:
+      model: a :class:`ModelProfile`; or a :class:`jddp.BucketPlan` (its bucket order is the
+        backward order); or a params pytree (reverse leaf order assumed); or gradient byte sizes
+        in backward order. For all but a profile, ``backward_s`` is spread over leaves in
+        proportion to their size.
+      cluster: the devices and links to plan for.
+      candidates_mb: caps to try, in MiB (``math.inf``: one bucket).
+      first_bucket_mb: the first bucket's cap (clipped to each candidate).
+      backward_s: the backward pass's compute time in seconds when ``model`` is not a profile.
+      forward_s: the forward pass's compute time, likewise.
+      optimizer_s: the optimizer update's compute time, likewise.
+      tolerance: relative slack; the smallest cap within ``(1 + tolerance)`` of the best
+        prediction is chosen.
+
+    Returns:
+      The advice, with every candidate's prediction (``advice.table()`` shows them).
+    """
+    profile = _as_profile(
+        model, backward_s=backward_s, forward_s=forward_s, optimizer_s=optimizer_s
+    )
+    caps = [float(c) for c in candidates_mb]
+    if not caps:
+        raise ValueError("candidates_mb is empty.")
+    preds = tuple(
+        (c, simulate_iteration(profile, cluster, bucket_cap_mb=c,
+                               first_bucket_mb=min(first_bucket_mb, c)))
+        for c in caps
+    )
+    best = min(est.iteration_s for _, est in preds)
+    # Ties (within tolerance) go to the smallest cap: less staging memory, earlier first start.
+    chosen = min(c for c, est in preds if est.iteration_s <= best * (1.0 + tolerance))
+    return CapAdvice(chosen, preds, cluster)
+
+
+def suggest_bucket_cap(
+    params_or_leaf_sizes: Any,
+    cluster: ClusterSpec,
+    **kwargs: Any,
+) -> float:
+    """The bucket cap (MiB) with the lowest predicted iteration time for a model on a cluster.
+
+    A thin wrapper over :func:`advise_bucket_cap` (same arguments), which also returns every
+    candidate's prediction so the choice can be explained::
+
+        from jddp.perf import costmodel
+
+        cluster = costmodel.ClusterSpec(64, inter=costmodel.Link.gbit(100, 10))
+        cap = costmodel.suggest_bucket_cap(profile, cluster)
+        print(costmodel.advise_bucket_cap(profile, cluster).table())
+
+    Returns:
+      One of the candidate caps, in MiB (``math.inf`` means a single bucket).
+    """
+    return advise_bucket_cap(params_or_leaf_sizes, cluster, **kwargs).cap_mb
+
+
+# ----------------------------------------------------------------------------- past one host
+
+#: Ways to cross the link between hosts that :func:`simulate_strategy` models.
+STRATEGIES: tuple[str, ...] = ("flat", "hierarchical", "hybrid", "hybrid_stage1", "local_sgd",
+                               "diloco")
+
+
+class StrategyEstimate(NamedTuple):
+    """One strategy's predicted step on a multi-host cluster.
+
+    Attributes:
+      strategy: one of :data:`STRATEGIES`.
+      period: steps per cross-host averaging (1 for the reductions every step).
+      step_s: seconds per step, averaged over a period.
+      sync_step_s: seconds of a step that crosses hosts (every step for flat, hierarchical and
+        hybrid; the averaging step of local SGD and DiLoCo).
+      local_step_s: seconds of a step that stays inside the hosts (``sync_step_s`` for the
+        reductions every step).
+      across_bytes: bytes one host sends to other hosts per step, averaged over a period.
+      compute_s: the step with free communication.
+    """
+
+    strategy: str
+    period: int
+    step_s: float
+    sync_step_s: float
+    local_step_s: float
+    across_bytes: float
+    compute_s: float
+
+    @property
+    def efficiency(self) -> float:
+        """``compute_s / step_s``: 1.0 is linear (weak) scaling."""
+        return self.compute_s / self.step_s if self.step_s > 0 else 1.0
+
+
+def averaging_time(nbytes: float, cluster: ClusterSpec) -> float:
+    """Seconds to average ``nbytes`` of parameters across the nodes once (local SGD, DiLoCo):
+    the copies inside a node are equal, so each of its ``k`` devices averages ``1/k`` of them
+    across the ``m`` nodes (the ``k`` rings share the node's ``inter`` link: ``2 (m-1)/m x
+    nbytes`` through it), then an all-gather inside the node puts them back together."""
+    k = min(cluster.devices_per_node, cluster.num_devices)
+    m = cluster.num_nodes
+    t = 0.0
+    if m > 1:
+        assert cluster.inter is not None  # checked by ClusterSpec
+        t += 2.0 * (m - 1) / m * nbytes / cluster.inter.bandwidth + 2.0 * (m - 1) * (
+            cluster.inter.latency)
+    if k > 1:
+        t += (k - 1) / k * nbytes / cluster.intra.bandwidth + (k - 1) * cluster.intra.latency
+    return t
+
+
+def across_bytes_per_step(nbytes: float, cluster: ClusterSpec, strategy: str,
+                          period: int = 1) -> float:
+    """Bytes one node sends to other nodes per step, for ``nbytes`` of gradients (parameters).
+
+    A flat ring over all ``N`` devices, nodes in order, has one hop out of each node carrying
+    ``2 (N-1)/N x nbytes``; the two-level reductions send ``2 (m-1)/m x nbytes`` per node (each of
+    the node's devices its ``1/k``); local SGD and DiLoCo that once per ``period`` steps.
+    ``"hybrid"`` is hybrid sharding at stages 2-3 (a reduce-scatter inside the node, then the
+    ``1/k`` pieces across); ``"hybrid_stage1"`` all-reduces the gradients over every device
+    (the hook's reduction, a flat ring by default), so it sends what ``"flat"`` sends (measured
+    on a shaped link: ``benchmarks/slowlink``).
+    """
+    _check_strategy(strategy)
+    m, n = cluster.num_nodes, cluster.num_devices
+    if m <= 1 or nbytes <= 0:
+        return 0.0
+    if strategy in ("flat", "hybrid_stage1"):
+        return 2.0 * (n - 1) / n * nbytes
+    two_level = 2.0 * (m - 1) / m * nbytes
+    if strategy in ("hierarchical", "hybrid"):
+        return two_level
+    return two_level / max(1, int(period))
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+
+
+def simulate_strategy(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    strategy: str,
+    *,
+    period: int = 1,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    overlap: bool | None = None,
+) -> StrategyEstimate:
+    """Predicts a step of ``strategy`` on a multi-node cluster.
+
+    - ``"flat"``: one ring all-reduce per bucket over every device, paced by the slowest link.
+    - ``"hierarchical"``: per bucket, a reduce-scatter inside the node, an all-reduce across
+      nodes on ``1/k`` of the bucket, an all-gather inside the node
+      (:func:`hierarchical_allreduce_time`, ``jddp.hooks.hierarchical``).
+    - ``"hybrid"``: stages 2-3 sharded inside the node, replicated across (PyTorch's HSDP): the
+      same bytes on the slow link as ``"hierarchical"`` and, in this model, the same time (its
+      parameter all-gather moves into the next forward pass, where it can overlap too); it saves
+      memory, which the model does not weigh.
+    - ``"hybrid_stage1"``: stage 1 with hybrid sharding reduces the gradients like the flat
+      step (only the optimizer state is sharded): ``"flat"``'s bytes and time (with
+      ``Buckets(hook=jddp.hooks.hierarchical())`` it is ``"hierarchical"``'s).
+    - ``"local_sgd"``, ``"diloco"``: every step reduces the gradients inside the node only
+      (overlapped with the backward like any bucket), and every ``period`` steps the parameters
+      are averaged across nodes after the update (:func:`averaging_time`, not overlapped);
+      DiLoCo's outer optimizer step adds ``profile.optimizer_s`` then.
+    """
+    _check_strategy(strategy)
+    period = max(1, int(period)) if strategy in ("local_sgd", "diloco") else 1
+    kw = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, overlap=overlap)
+    across = across_bytes_per_step(profile.total_bytes, cluster, strategy, period)
+    if strategy in ("flat", "hierarchical", "hybrid", "hybrid_stage1"):
+        spec = dataclasses.replace(cluster,
+                                   hierarchical=strategy not in ("flat", "hybrid_stage1"))
+        est = simulate_iteration(profile, spec, **kw)  # type: ignore[arg-type]
+        return StrategyEstimate(strategy, 1, est.iteration_s, est.iteration_s, est.iteration_s,
+                                across, est.compute_s)
+    node = dataclasses.replace(
+        cluster, num_devices=min(cluster.devices_per_node, cluster.num_devices),
+        allreduce_table=(),
+    )
+    local = simulate_iteration(profile, node, **kw)  # type: ignore[arg-type]
+    extra = averaging_time(profile.total_bytes, cluster)
+    if strategy == "diloco":
+        extra += profile.optimizer_s
+    sync = local.iteration_s + extra
+    return StrategyEstimate(strategy, period, local.iteration_s + extra / period, sync,
+                            local.iteration_s, across, local.compute_s)

@@ -1,0 +1,338 @@
+"""``jddp.Buckets(cap_mb="model")``: the plan the cost model predicts fastest, chosen without timing.
+
+``Buckets(cap_mb="auto")`` times candidate plans on the real step (tens of seconds on its first
+call); ``"model"`` predicts them instead, from the traced gradient sizes alone:
+
+1. the step's loss is traced (as for ``ddp.plan``, nothing compiled or run) for each gradient
+   leaf's bytes and dtype in backward order;
+2. the candidates are the plans DDP's packing rule (:func:`jddp.buckets.assign_buckets`) makes
+   under each cap of ``ModelCap.candidates_mb``, each with DDP's small first bucket (1 MiB) and
+   without one (every bucket capped alike, which is what an explicit ``bucket_cap_mb`` gives);
+   caps that pack the leaves into the same bucket sizes are one candidate, and DDP's default plan
+   (25 MiB, 1 MiB first) is always one;
+3. each candidate is costed by :func:`jddp.perf.costmodel.simulate_iteration` on the platform's
+   cluster: on XLA:CPU a built-in table of one bucket's all-reduce *inside a jddp step*
+   (:data:`CPU_ALLREDUCE_TABLE`, fitted to steps measured on this project's machine: a fixed cost
+   per collective, linear in bytes up to 16 MiB and much steeper past it), with no overlap (CPU
+   collectives block); on GPU and TPU there is no built-in calibration (overlap needs compute
+   times, which only timing gives), so DDP's plan stays unless ``ModelCap(cluster=...,
+   backward_s=...)`` describes the machine;
+4. the cheapest candidate replaces DDP's plan only when it is predicted cheaper by more than
+   ``ModelCap.margin``; ties go to fewer buckets. ``ddp.cap_choice`` has every candidate's
+   prediction, the reason and the arguments that pin the plan.
+
+The choice is a pure function of the traced gradient sizes and dtypes, the platform, the device
+count and the policy: every process of a job computes the same plan with no communication, no
+file and no clock, and computing it again gives the same plan.
+
+The same choice is the **default plan** of a ``DataParallel`` given none of ``bucket_cap_mb``,
+``first_bucket_mb`` and ``bucket_plan`` (:func:`default_plan`, :class:`DefaultPlan`), where the
+CPU table describes the step: stage 0 with the default all-reduce hook, not ``deterministic``, no
+local SGD (elsewhere, and on GPU/TPU, the default stays DDP's 25 MiB plan with a 1 MiB first
+bucket). There it is made inside the step's own trace (:func:`jddp._src.step.skeleton.plan`'s planner
+re-packs the traced leaves under the chosen caps: the loss is traced once, as for any step), so
+it costs no extra trace and no call of its own; ``ddp.cap_choice`` reports it. A cap the user
+gives keeps DDP's packing rule exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from jddp._src.api import options
+from jddp._src.plan.autocap import CapChoice, ChoosingStep
+from jddp._src.plan.planner import BucketPlan, assign_buckets
+from jddp._src.reduce.hooks import CommHook, allreduce_mean
+from jddp._src.step import skeleton
+from jddp._src.step.step import Step
+from jddp._src.tree import MiB
+
+if TYPE_CHECKING:  # the cost model loads when a plan is chosen, not with `import jddp`
+    from jddp._src.plan import costmodel
+
+#: Caps (MiB) that "model" considers by default, each with and without a 1 MiB first bucket.
+DEFAULT_CANDIDATES_MB: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 50.0, 100.0)
+
+#: One bucket's all-reduce inside a jddp step on XLA:CPU, as ``(bytes, seconds)`` points
+#: (interpolated linearly, extrapolated along the last segment). Fitted to the step times of
+#: ``benchmarks/peers.py`` on 8 simulated devices of a loaded 2-core machine (the MLP's plans of
+#: 1-8 buckets, the conv net's 1 and 2 buckets): about 3 ms per collective plus 2.2 ms/MiB up to
+#: 16 MiB; a 27.5 MiB bucket cost ~129 ms and a 38.5 MiB one ~268 ms (the buffers of 8 devices
+#: no longer fit in the cache).
+CPU_ALLREDUCE_TABLE: tuple[tuple[float, float], ...] = (
+    (0.0, 3e-3), (16.0 * MiB, 38e-3), (27.5 * MiB, 129e-3), (38.5 * MiB, 268e-3),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCap:
+    """How ``Buckets(cap_mb="model")`` chooses (pass an instance as ``Buckets.cap_mb`` to change it).
+
+    Attributes:
+      candidates_mb: caps to consider (MiB), each with a 1 MiB first bucket and without one.
+      margin: a candidate replaces DDP's default plan only if its predicted time is lower by more
+        than this fraction.
+      cluster: the machine to predict for (``jddp.perf.costmodel.ClusterSpec``); ``None``: the
+        built-in one for the platform (XLA:CPU only; elsewhere DDP's plan is kept).
+      backward_s: one device's backward time in seconds, spread over the leaves by size; needed
+        with an asynchronous ``cluster`` (overlap is weighed against it), else unused.
+      merge: whether a candidate may have fewer buckets than DDP's plan. False keeps at
+        least DDP's number: on a machine whose cores other processes also load, more and
+        smaller buckets were measured faster than the CPU table says (the Transformer LM of
+        ``benchmarks/peers.py`` at load 8-10: one bucket 1.07-1.17x DDP's two, four 0.84-0.86x;
+        on the idle machine one bucket is 0.93-0.95x DDP's two and four 1.05x).
+    """
+
+    candidates_mb: tuple[float, ...] = DEFAULT_CANDIDATES_MB
+    margin: float = 0.05
+    cluster: costmodel.ClusterSpec | None = None
+    backward_s: float | None = None
+    merge: bool = True
+
+    def __post_init__(self) -> None:
+        caps = tuple(float(c) for c in self.candidates_mb)
+        if not caps:
+            raise ValueError("ModelCap.candidates_mb must name at least one cap (MiB).")
+        for c in caps:
+            options.cap_bytes(c, "ModelCap.candidates_mb")
+        object.__setattr__(self, "candidates_mb", caps)
+        object.__setattr__(self, "merge", options.flag(self.merge, "ModelCap.merge"))
+        if not (0.0 <= float(self.margin) < 1.0):
+            raise ValueError(f"ModelCap.margin must be in [0, 1), got {self.margin!r}.")
+        if self.cluster is not None and not _is_cluster(self.cluster):
+            raise TypeError("ModelCap.cluster must be a jddp.perf.costmodel.ClusterSpec, got "
+                            f"{type(self.cluster).__name__}.")
+        if self.backward_s is not None and not float(self.backward_s) >= 0.0:
+            raise ValueError(f"ModelCap.backward_s must be >= 0 seconds, got {self.backward_s!r}.")
+        if self.cluster is not None and self.cluster.async_collectives and self.backward_s is None:
+            raise ValueError(
+                "ModelCap(cluster=...) with asynchronous collectives needs backward_s= (one "
+                "device's backward time, s): overlap is weighed against it. Measure it with "
+                "jddp.perf.calibrate.profile_step, or use jddp.Buckets(cap_mb='auto')."
+            )
+
+
+def _is_cluster(value: Any) -> bool:
+    from jddp._src.plan import costmodel
+
+    return isinstance(value, costmodel.ClusterSpec)
+
+
+def resolve(bucket_cap_mb: Any) -> ModelCap | None:
+    """The :class:`ModelCap` policy for ``"model"`` or a ``ModelCap``; ``None`` otherwise."""
+    if isinstance(bucket_cap_mb, ModelCap):
+        return bucket_cap_mb
+    if isinstance(bucket_cap_mb, str) and bucket_cap_mb == "model":
+        return ModelCap()
+    return None
+
+
+def platform_cluster(platform: str, num_devices: int) -> costmodel.ClusterSpec | None:
+    """The built-in cluster of a platform (``None`` where there is none: GPU, TPU)."""
+    if platform != "cpu":
+        return None
+    from jddp._src.plan import costmodel
+
+    return costmodel.ClusterSpec(
+        num_devices, devices_per_node=max(1, num_devices), async_collectives=False,
+        allreduce_table=CPU_ALLREDUCE_TABLE, name="XLA:CPU, built-in table (jddp.buckets)")
+
+
+def backward_sizes(plan: BucketPlan) -> tuple[list[int], list[np.dtype]]:
+    """Each used leaf's gradient bytes and dtype, in the plan's order (each dtype's leaves in
+    backward order, which is all that DDP's packing rule reads)."""
+    order = [i for b in plan.buckets for i in b.indices]
+    nbytes = [int(np.prod(plan.shapes[i], dtype=np.int64)) * plan.dtypes[i].itemsize
+              for i in order]
+    return nbytes, [plan.dtypes[i] for i in order]
+
+
+def distinct_plans(
+    nbytes: Sequence[int], dtypes: Sequence[Any], caps_mb: Sequence[float],
+    default: tuple[float, float],
+) -> list[tuple[float, float, tuple[int, ...]]]:
+    """``(cap_mb, first_mb, bucket sizes)`` of each distinct plan: ``default`` first, then its
+    cap without a small first bucket, then ``(cap, cap)`` and ``(cap, min(1, cap))`` for each
+    cap, larger caps first; a later pair whose bucket sizes equal an earlier one's is dropped
+    (so a tie prefers DDP's cap)."""
+    pairs = [default, (default[0], default[0])]
+    for cap in sorted(set(caps_mb), reverse=True):
+        pairs += [(cap, cap), (cap, min(options.DEFAULT_FIRST_BUCKET_MB, cap))]
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for cap_mb, first_mb in pairs:
+        cap = options.cap_bytes(cap_mb, "bucket_cap_mb")
+        first = min(options.cap_bytes(first_mb, "first_bucket_mb"), cap)
+        sizes = tuple(sum(nbytes[k] for k in b)
+                      for b in assign_buckets(nbytes, dtypes, cap, first))
+        if sizes not in seen:
+            seen.add(sizes)
+            out.append((cap_mb, first_mb, sizes))
+    return out
+
+
+def predict(nbytes: Sequence[int], dtypes: Sequence[Any], cap_mb: float, first_mb: float,
+            cluster: costmodel.ClusterSpec, backward_s: float | None) -> float:
+    """The cost model's iteration time (s) for one plan; with no compute given (``backward_s``
+    None), its communication alone."""
+    from jddp._src.plan import costmodel
+
+    profile = costmodel.ModelProfile.from_sizes(
+        list(nbytes), backward_s=float(backward_s or 0.0), dtypes=[str(d) for d in dtypes])
+    return costmodel.simulate_iteration(profile, cluster, bucket_cap_mb=cap_mb,
+                                        first_bucket_mb=first_mb).iteration_s
+
+
+def decide(plan: BucketPlan, platform: str, num_devices: int, policy: ModelCap,
+           default: tuple[float, float], method: str = "model") -> CapChoice:
+    """The plan the cost model picks for ``plan``'s gradient leaves (see the module docstring).
+
+    Args:
+      plan: a plan of the step under DDP's default caps (only its leaves' sizes, dtypes and
+        order are read).
+      platform: the devices' platform (``"cpu"``, ``"gpu"``, ``"tpu"``).
+      num_devices: the data-parallel device count.
+      default: DDP's default ``(cap_mb, first_mb)``, which a candidate must beat.
+      method: ``CapChoice.method``: ``"model"``, or ``"default"`` for the default plan.
+    """
+    t0 = time.perf_counter()
+    nbytes, dtypes = backward_sizes(plan)
+    found = distinct_plans(nbytes, dtypes, policy.candidates_mb, default)
+    cluster = policy.cluster or platform_cluster(platform, num_devices)
+    if cluster is None:
+        preds = [math.nan] * len(found)
+        best, note = 0, (f"no built-in calibration for platform {platform!r} (overlap needs "
+                         "compute times): DDP's plan is kept; pass ModelCap(cluster=..., "
+                         "backward_s=...) or use jddp.Buckets(cap_mb='auto')")
+    else:
+        preds = [predict(nbytes, dtypes, c, f, cluster, policy.backward_s) for c, f, _ in found]
+        best, note = _pick(preds, [len(s) for _, _, s in found], policy.margin, policy.merge)
+    return CapChoice(
+        cap_mb=found[best][0], candidates_mb=tuple(c for c, _, _ in found),
+        num_buckets=tuple(len(s) for _, _, s in found), median_s=(math.nan,) * len(found),
+        default_mb=default[0], tune_s=time.perf_counter() - t0,
+        ratio=tuple(p / preds[0] if preds[0] > 0 else math.nan for p in preds),
+        note=note, method=method, first_mb=tuple(f for _, f, _ in found),
+        predicted_s=tuple(preds), chosen_first_mb=found[best][1])
+
+
+def _pick(preds: Sequence[float], buckets: Sequence[int], margin: float,
+          merge: bool = True) -> tuple[int, str]:
+    """The index of the chosen candidate (0 is DDP's default) and the reason; without
+    ``merge``, only candidates with at least DDP's number of buckets are eligible."""
+    eligible = [i for i in range(len(preds)) if merge or buckets[i] >= buckets[0]]
+    best = min(eligible, key=lambda i: (preds[i], buckets[i], i))
+    if preds[0] <= 0.0:
+        return 0, "nothing to reduce across devices: DDP's plan is kept"
+    gain = 1.0 - preds[best] / preds[0]
+    among = "" if merge else f" with at least DDP's {buckets[0]} bucket(s)"
+    if best == 0 or gain <= margin:
+        return 0, (f"no candidate{among} is predicted more than {margin:.0%} faster than DDP's "
+                   f"plan (best: {gain:.0%}): DDP's plan is kept")
+    return best, (f"predicted {preds[best] * 1e3:.1f} ms against {preds[0] * 1e3:.1f} ms for "
+                  f"DDP's plan ({gain:.0%} less)")
+
+
+def default_plan(hook: CommHook, stage: int, local_sgd: bool) -> DefaultPlan | None:
+    """The default-plan chooser of a ``jddp.Buckets()`` given no cap, first bucket or plan
+    (reducing through ``hook``, at ZeRO ``stage``, with or without ``local_sgd``): the cost
+    model's where its CPU table was measured (stage 0, the default all-reduce hook, no local
+    SGD); ``None`` elsewhere, which keeps DDP's 25 MiB plan with a 1 MiB first bucket (sharded
+    stages, compression and hierarchical hooks and the local-SGD steps reduce otherwise than
+    the table's steps; the deterministic reduction has no buckets)."""
+    measured = stage == 0 and hook == allreduce_mean() and not local_sgd
+    return DefaultPlan() if measured else None
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultPlan:
+    """The plan of a ``DataParallel`` given no cap (a :class:`PlanPolicy
+    <jddp._src.step.config.PlanPolicy>`): :func:`decide` on the plan traced under DDP's default
+    caps, re-packed under the chosen ones inside the same trace. On a platform without a
+    built-in calibration (GPU, TPU) :func:`decide` keeps DDP's plan.
+
+    A value: the choice is returned by :meth:`choose` (a pure function of the traced plan's
+    leaves, the platform and the device count), not recorded; ``ddp.cap_choice`` asks it again
+    for the plan the step was traced with.
+
+    Attributes:
+      policy: the candidates and margin (:class:`ModelCap`; the built-in cluster only). Merging
+        DDP's buckets is allowed: on the idle machine one bucket beat DDP's two on the
+        benchmark conv net and LM (docs/performance.md); the measurement that had ruled it out
+        was taken with other jobs loading the cores.
+    """
+
+    policy: ModelCap = ModelCap()
+
+    def max_cap_bytes(self, platform: str) -> int:
+        """The largest cap :meth:`repack` can pick on ``platform`` (DDP's where uncalibrated)."""
+        caps: tuple[float, ...] = (options.DEFAULT_BUCKET_CAP_MB,)
+        if platform_cluster(platform, 2) is not None:
+            caps += self.policy.candidates_mb
+        return max(options.cap_bytes(c, "bucket_cap_mb") for c in caps)
+
+    def choose(self, plan: BucketPlan, platform: str, num_devices: int) -> CapChoice:
+        """The choice for the leaves of ``plan`` (any packing of the traced leaves: the
+        decision reads each dtype's leaves in backward order only), with its reason."""
+        default = (options.DEFAULT_BUCKET_CAP_MB, options.DEFAULT_FIRST_BUCKET_MB)
+        return decide(plan, platform, num_devices, self.policy, default, method="default")
+
+    def repack(self, plan: BucketPlan, pack: Callable[[int, int], BucketPlan], platform: str,
+               num_devices: int) -> BucketPlan:
+        """The chosen plan: ``plan`` itself when DDP's is kept, else ``pack(cap, first)`` with a
+        note that says why and how to pin it."""
+        choice = self.choose(plan, platform, num_devices)
+        cap = options.cap_bytes(choice.cap_mb, "bucket_cap_mb")
+        first = min(options.cap_bytes(choice.chosen_first_mb, "first_bucket_mb"), cap)
+        if (cap, first) == (plan.cap_bytes, plan.first_bytes):
+            return plan
+        return pack(cap, first)._replace(note=f"the default plan, chosen by the cost model (no cap given, "
+                                    f"nothing timed): {choice.note}; pin it with {choice.pin}")
+
+
+class ModelStep(ChoosingStep):
+    """``ddp.step`` when ``Buckets(cap_mb="model")``: the first call (or ``lower``, ``choose``,
+    ``ddp.plan``) traces the loss and lets the cost model pick the plan; then it is that
+    :class:`Step`. Arguments as :class:`ChoosingStep`'s, with a :class:`ModelCap` policy."""
+
+    _policy: ModelCap
+
+    def choose(self, state: Any, batch: Any, mask: Any = None, rng: Any = None) -> CapChoice:
+        """Picks the plan for these inputs (arrays or shape structs; nothing runs); once only."""
+        if self.choice is not None:
+            return self.choice
+        cfg, buckets = self._cfg, self._buckets()
+        plan = skeleton.plan(cfg, state, batch, mask, rng)
+        default = (buckets.cap_bytes / MiB, buckets.first_bytes / MiB)
+        choice = decide(plan, cfg.mesh.devices.flat[0].platform, cfg.topology.num_devices, self._policy,
+                        default)
+        cap = options.cap_bytes(choice.cap_mb, "bucket_cap_mb")
+        first = min(options.cap_bytes(choice.chosen_first_mb, "first_bucket_mb"), cap)
+        chosen = self._with_caps(cap, first)
+        self._step = self._make_step(chosen, self._observer)
+        self.choice = choice
+        self._on_choice(chosen, choice)
+        return choice
+
+    def chosen_step(self, state: Any, batch: Any, mask: Any = None, rng: Any = None) -> Step:
+        """The chosen :class:`Step` (choosing on these inputs first if needed)."""
+        self.choose(state, batch, mask, rng)
+        assert self._step is not None
+        return self._step
+
+    def __call__(self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
+                 rng: Any = None) -> Any:
+        return self.chosen_step(state, batch, mask, rng)(state, batch, mask, sync=sync, rng=rng)
+
+    def lower(self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,
+              step: int | None = None, rng: Any = None) -> jax.stages.Lowered:
+        """The chosen step's :meth:`Step.lower` (choosing first if needed)."""
+        return self.chosen_step(state, batch, mask, rng).lower(state, batch, mask, sync=sync,
+                                                                step=step, rng=rng)

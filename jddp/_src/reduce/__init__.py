@@ -1,0 +1,1 @@
+"""Gradient reduction: reducers, buckets reduced inside the backward pass, collectives."""

@@ -1,0 +1,536 @@
+"""The bucketed reducer's per-device phases: local gradients, then DDP's bucketed reduction.
+
+:meth:`jddp._src.reduce.reducers.Bucketed.local_step` runs :func:`bucketed_step` inside the skeleton's
+``shard_map`` (:mod:`jddp._src.step.skeleton`, phase 2), on every device:
+
+a. *local gradients* (:func:`_prepare`, :func:`_window_start`): the loss is traced **once**, on
+   this call's last micro-batch (:func:`jddp._src.introspect.jaxpr.trace`); the bucket plan is
+   read from that jaxpr (``cfg.reduce.plan``, then ``cfg.place.mark_not_resharded``); the
+   window's local gradients so far are summed (the accumulator, and this call's first ``m - 1``
+   micro-batches, scanned over the same jaxpr);
+b. *reduce* (:func:`_reduce`): a synchronising call evaluates the jaxpr on the last micro-batch
+   with one reducing backward hook per bucket (:func:`jddp._src.reduce.reduction.bucketed_vjp`) over the
+   island's axis (``Roles.axis``: every device, the devices of a host with local SGD, or none);
+   metrics, the window's weight and the model-state payload ride on the last bucket's
+   all-reduce;
+c. a call that does not synchronise (:func:`_accumulate`) adds its micro-batches' local
+   gradients to the accumulator (or reduce-scatters them into a sharded one) and runs no other
+   collective.
+
+Its result is a :class:`jddp._src.step.config.LocalResult`, the same record the deterministic reducer
+returns. The policies decide the rest: ``cfg.place`` (a sharded stage's reduce-scatter, stage 3's
+gathers), ``cfg.accumulate`` (micro-batches, the window), ``cfg.loss`` (keys, weights, metrics),
+``cfg.precision`` (compute and reduction dtypes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jddp._src.introspect import jaxpr as jaxpr_lib
+from jddp._src.introspect import vma
+from jddp._src.place import zero
+from jddp._src.plan.planner import BucketPlan
+from jddp._src.reduce.reduction import (
+    Bytes,
+    Reduced,
+    Sharded,
+    bucketed_vjp,
+)
+from jddp._src.runtime.topology import Roles
+from jddp._src.step.checks import batch_size
+from jddp._src.step.config import LocalResult, StepConfig
+from jddp._src.step.objective import Extras, LocalAux, Objective
+from jddp._src.step.state import AccumState, TrainState
+from jddp._src.tree import add_device_dim, strip_device_dim
+from jddp._src.update import accumulation as acc_lib
+from jddp._src.update import loss_scale as ls_lib
+from jddp._src.update import precision as precision_lib
+
+PlanObserver = Callable[[BucketPlan], None]
+
+
+# ------------------------------------------------------------------------------------ state
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+# ------------------------------------------------------------------------------------ the step
+
+
+def _varying(tree: Any, axis: Any) -> Any:
+    return jax.tree.map(lambda x: vma.to_varying(x, axis), tree)
+
+
+def _varying_loss(obj: Callable[..., Any], axis: Any) -> Callable[..., Any]:
+    """``obj`` with its loss typed as varying over ``axis``. A loss already reduced over the
+    mesh (``lax.pmean(loss, "data")``, the ``pmap`` habit) is typed invariant, and the
+    transpose of its reduction would hand each device 1/N of its gradient; cast to varying
+    (free: no data moves), the cast's transpose sums the devices' cotangents first, so every
+    device gets its whole gradient, as for a local loss (and as without vma types)."""
+    def loss_varying(*args: Any) -> Any:
+        loss, aux = obj(*args)
+        return vma.to_varying(loss, axis), aux
+
+    return loss_varying
+
+
+def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
+    """The model state this device's micro-batches start from, typed as varying when scanned or
+    accumulated (it becomes per-device as soon as a micro-batch updates it, and scan carries
+    keep one type).
+
+    That is the synchronised ``state.model_state`` at the start of a window and the device's own
+    state of the previous no-sync call inside one (``state.accum.model_state``).
+    """
+    ms = state.model_state
+    if ms is None:
+        return None
+    if cfg.loss.per_replica_state:
+        ms = strip_device_dim(ms)
+    acc = state.accum
+    if cfg.accumulate.is_identity:
+        # No scan carry: keep the replicated type, so that state the loss computes from
+        # collectives only (cross-replica BatchNorm) stays invariant and is not synchronised
+        # again (jddp._src.sync.model_state).
+        return ms
+    ms = _varying(ms, cfg.topology.data)
+    if acc is None:
+        return ms
+    # A select, not a reset on sync: see accumulation.live (the stale slot is never rewritten).
+    fresh = acc.count == 0
+    return jax.tree.map(lambda s, a: jnp.where(fresh, s, a[0]), ms, acc.model_state)
+
+
+def _plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any,
+          observer: PlanObserver | None, layout: zero.Layout | None = None) -> BucketPlan:
+    plan = cfg.reduce.plan(cfg, traced, params)
+    if layout is not None:  # what resharding cannot free (a warning, and in the plan)
+        plan = cfg.place.mark_not_resharded(plan, traced, layout)
+    if observer is not None:
+        observer(plan)
+    return plan
+
+
+def _aux_zeros(aux_shape: LocalAux, axis: Any) -> acc_lib.Sums:
+    """Per-device zeros for the aux sums of :class:`jddp._src.update.accumulation.Sums`."""
+    return acc_lib.Sums(
+        grads=None,
+        metrics=acc_lib.varying_zeros(aux_shape.metrics, axis),
+        sums=acc_lib.varying_zeros(aux_shape.sums, axis),
+        weight=vma.to_varying(jnp.zeros((), jnp.float32), axis),
+        model_state=None,
+    )
+
+
+def _metric_keys(cfg: StepConfig, aux_shape: LocalAux) -> list[str]:
+    window = ["window_loss"] if cfg.accumulate.accumulates else []
+    return [*aux_shape.metrics, *(k for k in aux_shape.sums if k != "loss"), "loss", *window]
+
+
+def _example_keys(cfg: StepConfig, state: TrainState, rng: Any, batch: Any) -> Any:
+    """This device's per-example keys (see :mod:`jddp._src.data.rng`), or ``None`` without ``rng``."""
+    local = batch_size(batch)
+
+    def where() -> tuple[Any, Any]:  # this device's first row, and the call in the window
+        call = jnp.zeros((), jnp.int32) if state.accum is None else state.accum.count
+        return lax.axis_index(cfg.topology.data) * local, call
+
+    return cfg.loss.example_keys(rng, state.step, local, where)
+
+
+def _scaled(fun: Callable[..., Any], scale: Any) -> Callable[..., Any]:
+    """``fun`` with its differentiated output multiplied by the loss scale (local gradients)."""
+    if scale is None:
+        return fun
+
+    def scaled(*args: Any) -> Any:
+        out = fun(*args)
+        return (out[0] * scale.astype(out[0].dtype), *out[1:])
+
+    return scaled
+
+
+# ------------------------------------------------------------ phase 1: the local gradients
+
+
+class Prepared(NamedTuple):
+    """The per-device step's inputs, read once; every phase after it uses them.
+
+    Attributes:
+      traced: the loss traced once (on the call's last micro-batch).
+      plan: the bucket plan read from it.
+      aux_shape: shape structs of the loss's :class:`LocalAux`.
+      params: this device's parameters as the reduction takes them (pieces at stage 3).
+      params_v: the parameters local gradients are taken at (varying; whole).
+      full_params: shape structs of the whole parameters.
+      ms0: the model state the call's micro-batches start from.
+      micro: the micro-batches, stacked; ``side``: their per-example inputs (weights, keys).
+      last: the last micro-batch; ``side_last``: its per-example inputs.
+      grad_fn: ``(params, ms, batch, side) -> (grads, LocalAux)``, local (scaled by the loss
+        scale).
+      loss_scale: the loss scale this call's gradients use (``None``: off).
+      sharded: the sharded stages' reduction (``None``: the hook's all-reduce).
+      layout: how the parameter leaves are split (:class:`jddp._src.place.zero.Layout`).
+      unit: the static normaliser of one micro-batch's sums (:meth:`Objective.unit`): what is
+        kept across calls (the accumulator, ``grad_fn``'s gradients) is plain sums times it.
+    """
+
+    traced: jaxpr_lib.Traced
+    plan: BucketPlan
+    aux_shape: LocalAux
+    params: Any
+    params_v: Any
+    full_params: Any
+    ms0: Any
+    micro: Any
+    side: Any
+    last: Any
+    side_last: Any
+    grad_fn: Callable[..., Any]
+    loss_scale: Any
+    sharded: Sharded | None
+    layout: zero.Layout
+    unit: float = 1.0
+
+
+def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
+             lv: Roles, layout: zero.Layout, state: TrainState, batch: Any,
+             weights: Any, rng: Any) -> Prepared:
+    """Phase 1's set-up: the micro-batches, the loss traced once and the bucket plan."""
+    treedef = jax.tree.structure(state.params)
+    full_params = jax.tree.unflatten(treedef, [
+        jax.ShapeDtypeStruct(shape, jnp.result_type(x))
+        for shape, x in zip(layout.shapes, jax.tree.leaves(state.params), strict=True)
+    ])
+    sharded = cfg.place.reduction(layout, lv)
+    # Stage 3's parameters are pieces here: its loss is traced on whole ones.
+    params_v = cfg.place.trace_params(_varying(state.params, cfg.topology.data), full_params)
+    ms0 = _start_model_state(cfg, state)
+    # Per-example inputs besides the batch, split like it: the mask's weights and the keys.
+    side = (weights, _example_keys(cfg, state, rng, batch))
+    (micro, side_m), (last, side_last) = cfg.accumulate.split((batch, side))
+    # The one trace of the user's loss in this program: planning, the scanned micro-batches, the
+    # accumulating branch and the reducing evaluation all read this jaxpr.
+    # Under a mixed-precision policy the loss is traced with param_dtype parameters.
+    traced = jaxpr_lib.trace(_varying_loss(obj, cfg.topology.data),
+                             precision_lib.compute_params(cfg.precision, params_v),
+                             ms0, last, *side_last)
+    plan = _plan(cfg, traced, full_params, observer, layout)
+    loss_scale = None if state.loss_scale is None else state.loss_scale.scale
+    # Sums kept for later (the accumulator, the scanned micro-batches) are plain sums, times the
+    # micro-batch's unit: the calls of a window may differ in shape (see Objective.unit).
+    unit = obj.unit(side_last[0])
+    raw_scale = None if unit == 1.0 else (
+        jnp.float32(unit) if loss_scale is None else loss_scale * unit)
+    grad_raw = jax.grad(_scaled(jaxpr_lib.as_function(traced),
+                                loss_scale if raw_scale is None else raw_scale), has_aux=True)
+
+    def grad_fn(p: Any, ms: Any, b: Any, s: Any) -> Any:  # s: the side inputs, as split
+        return grad_raw(p, ms, b, *s)
+
+    return Prepared(traced, plan, traced.out_shapes[1], state.params, params_v, full_params, ms0,
+                    micro, side_m, last, side_last, grad_fn, loss_scale, sharded, layout, unit)
+
+
+def _local_params(cfg: StepConfig, lv: Roles, prep: Prepared) -> tuple[Any, Bytes]:
+    """The parameters local gradients (earlier micro-batches, no-sync calls) are taken at, and
+    the bytes of getting them (stage 3 gathers them: :meth:`jddp._src.place.placement.ZeRO.local_params`).
+    """
+    return cfg.place.local_params(cfg.topology, lv, prep.plan, prep.layout, cfg.reduce.chain, prep.params,
+                                  prep.params_v, cfg.precision)
+
+
+def _head_sums(cfg: StepConfig, lv: Roles, prep: Prepared,
+               init: acc_lib.Sums) -> tuple[acc_lib.Sums, Bytes]:
+    """The local sums of this call's first ``m - 1`` micro-batches, added to ``init``, and the
+    bytes of the parameters they needed."""
+    head, side_head = cfg.accumulate.head((prep.micro, prep.side))
+    params, sent = _local_params(cfg, lv, prep)
+    return acc_lib.local_sums(prep.grad_fn, params, head, side_head, init), sent
+
+
+# ------------------------------------------------------------ phase 2: the reduction
+
+
+def _reduce_locally(traced: jaxpr_lib.Traced, params_v: Any, args: tuple, seed: Any,
+                    offset: list | None) -> tuple[Any, list]:
+    """An island of one device's "reduction": its own gradient (local SGD on a 1-D mesh)."""
+    fun = jaxpr_lib.as_function(traced)
+
+    def loss(p: Any) -> tuple:
+        out = fun(p, *args)
+        return out[0] * jnp.asarray(1.0 if seed is None else seed, out[0].dtype), out
+
+    grads, out = jax.grad(loss, has_aux=True)(params_v)
+    leaves = jax.tree.leaves(grads)
+    if offset is not None:
+        leaves = [g + o.astype(g.dtype) for g, o in zip(leaves, offset, strict=True)]
+    return out, leaves
+
+
+def _reduce(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
+            state: TrainState, phase: Any, args: tuple, seed: Any, offset: list | None,
+            extras: Callable[[Any], Extras]) -> Reduced:
+    """Phase 2: the gradients of the last micro-batch plus ``offset``, averaged over the
+    island's devices (``lv.axis``) bucket by bucket, and ``extras(out)`` riding on the last
+    bucket."""
+    hook_state = strip_device_dim(state.hook_state)
+    if lv.axis is None:
+        out, grads = _reduce_locally(prep.traced, _local_params(cfg, lv, prep)[0], args, seed,
+                                     offset)
+        return Reduced(out, grads, tuple(hook_state), extras(out))
+    return bucketed_vjp(
+        prep.traced, jax.tree.leaves(prep.params), args, plan=prep.plan, axis_name=lv.axis,
+        hook=cfg.reduce.hook, hook_state=hook_state, step=state.step, phase=phase,
+        chain=cfg.reduce.chain,
+        seed=seed, offset=offset, extras_fn=extras,
+        extras_shape=obj.extras_shape(prep.aux_shape, lv.size, lv.axis,
+                                      cfg.accumulate.accumulates), sharded=prep.sharded,
+        hosts_axis=lv.hosts, precision=cfg.precision,
+    )
+
+
+def _window_start(cfg: StepConfig, lv: Roles, prep: Prepared,
+                  acc: AccumState | None) -> tuple:
+    """``(offset, call, (loss0, weight0), model_state, sent)``: the window's local gradient sums
+    before this call's last micro-batch (the accumulator, then this call's first ``m - 1``
+    micro-batches), this call's aux sums so far, the earlier calls' loss and weight, the model
+    state the last micro-batch starts from, and the bytes sent for them (stage 3's gather)."""
+    call = _aux_zeros(prep.aux_shape, cfg.topology.data)
+    accumulate = cfg.accumulate
+    if acc is not None:
+        live_grads, live_loss, live_weight = acc_lib.live(acc)
+        # A sharded accumulator holds reduced sums: added after the reduction (_synchronise).
+        offset = accumulate.local_offset(live_grads)
+        window0 = (live_loss[0] / prep.unit, live_weight[0] / prep.unit)
+    else:
+        offset = None
+        window0 = (jnp.zeros((), jnp.float32),) * 2
+    ms_last, sent = prep.ms0, Bytes()
+    if accumulate.scans:
+        if offset is None:
+            offset = acc_lib.varying_zeros(jax.tree.map(lambda p: jax.ShapeDtypeStruct(
+                jnp.shape(p), accumulate.sum_dtype(jnp.result_type(p))),
+                prep.full_params), cfg.topology.data)
+        call, sent = _head_sums(cfg, lv, prep, call._replace(grads=offset, model_state=prep.ms0))
+        offset, ms_last = call.grads, call.model_state
+    return offset, call, window0, ms_last, sent
+
+
+def _synchronise(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
+                 layout: zero.Layout, phase: Any, state: TrainState) -> LocalResult:
+    """A synchronising call: the window's local sums, then the reducing evaluation of the last
+    micro-batch (phase 2), its metrics and model state."""
+    accumulate, acc = cfg.accumulate, state.accum
+    offset, call, (loss0, weight0), ms_last, gathered = _window_start(cfg, lv, prep, acc)
+    # The mean over the window's micro-batches.
+    count = accumulate.window_count(acc)
+    seed = None if accumulate.is_identity else 1.0 / count
+    offset_leaves = None
+    if offset is not None:  # plain sums (see Objective.unit), to this call's unit
+        assert seed is not None  # an offset means earlier micro-batches
+        offset_leaves = [o * jnp.asarray(seed / prep.unit, o.dtype)
+                         for o in jax.tree.leaves(offset)]
+    # The loss scale is the last micro-batch's seed (the offset's gradients are scaled).
+    ls = prep.loss_scale
+    loss_seed = seed if ls is None else (1.0 if seed is None else seed) * ls
+    # An island of one device encodes nothing: its own model state is the island's.
+    reducer = obj if lv.axis is not None else dataclasses.replace(obj, stateful=False)
+
+    def extras(out: Any) -> Extras:
+        aux: LocalAux = out[1]
+        sums = acc_lib.add(call.sums, aux.sums)
+        weight = call.weight + aux.weight
+        totals = LocalAux(aux.model_state, acc_lib.add(call.metrics, aux.metrics), sums, weight)
+        return reducer.extras(totals, loss0 + sums["loss"], weight0 + weight, lv.axis, lv.size,
+                              cfg.accumulate.accumulates)
+
+    red = _reduce(cfg, obj, lv, prep, state, phase, (ms_last, prep.last, *prep.side_last),
+                  loss_seed, offset_leaves, extras)
+    mean: Extras = red.extras
+    reduced = red.grads
+    if acc is not None:  # a sharded accumulator's earlier reduced sums, scaled alike
+        assert seed is not None
+        reduced = accumulate.add_reduced(reduced, acc, seed, prep.unit)
+    grads = jax.tree.unflatten(jax.tree.structure(state.params), reduced)
+    if ls is not None:  # unscaled after the reduction: the same on every replica
+        grads = ls_lib.unscale(grads, ls)
+    nonempty = jnp.asarray(True)
+    if cfg.loss.weighted:
+        # grads = mean_dev(sum of local gradients) / count; the wanted mean divides the sum
+        # over devices by the window's real weight, which rode on the last bucket.
+        nonempty = mean.window_weight > 0
+        scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+    metrics = cfg.loss.report(mean, accumulate.microbatches, count, lv.size)
+    # Stages 1-2 all-gather the updated pieces after the update (placement.gather_params).
+    updated = cfg.place.update_bytes(cfg.topology, lv, prep.plan, layout)
+    comm = _comm_bytes(cfg, red.sent + gathered + updated)
+    local: dict = {}
+    new_accum = None
+    if acc is not None:
+        aux_last: LocalAux = red.out[1]
+        call_loss = call.sums["loss"] + aux_last.sums["loss"]
+        call_weight = call.weight + aux_last.weight
+        local["local_loss"] = jnp.where(call_weight > 0, call_loss / call_weight, 0.0)[None]
+        # Only the counter is reset, also when the update is skipped (the window is consumed
+        # either way); the stale sums are masked by accumulation.live (no write, no copy).
+        new_accum = acc.replace(count=jnp.zeros((), jnp.int32))
+    new_ms = red.out[1].model_state if lv.axis is None else obj.decode_state(
+        mean, red.out[1].model_state, lv.size)
+    island = lv.island(lambda: mean._replace(state=()))
+    return LocalResult(grads, metrics, local, new_ms, red.hook_state, new_accum,
+                       jnp.asarray(True), nonempty, island, comm)
+
+
+class CallSums(NamedTuple):
+    """What an accumulating call adds to the window (see :func:`_accumulate`).
+
+    Attributes:
+      grads: the accumulator's new gradient sums (local, or reduced pieces when sharded).
+      loss: this device's loss sum over the call's micro-batches (the call's unit).
+      weight: its weight sum.
+      model_state: this device's model state after the call's last micro-batch.
+      sent: the bytes this call's collectives sent.
+    """
+
+    grads: Any
+    loss: jax.Array
+    weight: jax.Array
+    model_state: Any
+    sent: Bytes
+
+
+def _local_call(cfg: StepConfig, lv: Roles, prep: Prepared,
+                live_grads: Any) -> CallSums:
+    """The call's local gradients added to a per-device accumulator: no collective (stage 3
+    gathers the parameters it computes with)."""
+    params, gathered = _local_params(cfg, lv, prep)
+    call = acc_lib.local_sums(prep.grad_fn, params, prep.micro, prep.side,
+                              _aux_zeros(prep.aux_shape, cfg.topology.data)
+                              ._replace(grads=live_grads, model_state=prep.ms0))
+    return CallSums(call.grads, call.sums["loss"], call.weight, call.model_state, gathered)
+
+
+def _scattered_call(cfg: StepConfig, lv: Roles, prep: Prepared, state: TrainState,
+                    phase: Any, live_grads: Any) -> CallSums:
+    """The call's gradients reduce-scattered (one reduce-scatter per bucket, from inside the last
+    micro-batch's backward) and added to a sharded accumulator (``shard_accumulator``).
+
+    The accumulator then holds the window's earlier calls' sums averaged over the devices, in
+    pieces, scaled like ``grad_fn``'s gradients: :func:`_synchronise` adds it after its own
+    reduction, where the unsharded accumulator is added before it (the mean is linear).
+    """
+    offset, call, _, ms_last, gathered = _window_start(cfg, lv, prep, None)
+    ls = prep.loss_scale
+    seed = prep.unit if ls is None else ls * prep.unit  # grad_fn's scale (see _prepare)
+    red = bucketed_vjp(
+        prep.traced, jax.tree.leaves(prep.params), (ms_last, prep.last, *prep.side_last),
+        plan=prep.plan, axis_name=lv.axis, hook=cfg.reduce.hook,
+        hook_state=strip_device_dim(state.hook_state), step=state.step, phase=phase,
+        chain=cfg.reduce.chain, seed=seed,
+        offset=None if offset is None else jax.tree.leaves(offset),
+        sharded=prep.sharded, hosts_axis=lv.hosts, precision=cfg.precision,
+    )
+    aux: LocalAux = red.out[1]
+    grads = acc_lib.add(live_grads, jax.tree.unflatten(jax.tree.structure(live_grads),
+                                                       red.grads))
+    return CallSums(grads, call.sums["loss"] + aux.sums["loss"], call.weight + aux.weight,
+                    aux.model_state, red.sent + gathered)
+
+
+def _accumulate(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
+                layout: zero.Layout, phase: Any, state: TrainState) -> LocalResult:
+    """A call that does not synchronise: its micro-batches' gradients are added to the
+    accumulator, locally (no collective), or reduce-scattered into a sharded one."""
+    acc = state.accum
+    assert acc is not None
+    live_grads, live_loss, live_weight = acc_lib.live(acc)
+    call = (_scattered_call(cfg, lv, prep, state, phase, live_grads) if cfg.accumulate.shard
+            else _local_call(cfg, lv, prep, live_grads))
+    # Model state advances locally; TrainState.model_state stays the synchronised one until
+    # the window's sync call.
+    new_accum = AccumState(
+        count=acc.count + 1, grads=call.grads,
+        loss=live_loss + prep.unit * call.loss[None],
+        weight=live_weight + prep.unit * call.weight[None],
+        model_state=add_device_dim(call.model_state),
+    )
+    # The global metrics need a collective: "not computed" (see docs/accumulate.md).
+    metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(cfg, prep.aux_shape)}
+    loss = jnp.where(call.weight > 0, call.loss / call.weight, 0.0)
+    zeros = cfg.place.grad_zeros(state.params, layout)  # in pieces where the reduction scatters
+    island = lv.island(lambda: jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype),
+        obj.extras_shape(prep.aux_shape, 1, cfg.topology.data,
+                         cfg.accumulate.accumulates)._replace(state=())))
+    ms = state.model_state if state.model_state is None or not cfg.loss.per_replica_state \
+        else strip_device_dim(state.model_state)
+    return LocalResult(
+        zeros, metrics, {"local_loss": loss[None]}, ms, strip_device_dim(state.hook_state),
+        new_accum, jnp.asarray(False), jnp.asarray(True), island,
+        _comm_bytes(cfg, call.sent),  # local: none, or stage 3's gather; sharded: the scatters
+    )
+
+
+def _to_global(cfg: StepConfig, lv: Roles, res: LocalResult) -> LocalResult:
+    """The per-device results with the leading dimensions their specs split (per device, and
+    with local SGD per replica: :meth:`Roles.vary`, :meth:`Roles.add_dim`)."""
+    per_device_ms = cfg.loss.per_replica_state
+    # Every value typed first, then given its dimension (the program's order of operations).
+    res = res._replace(grads=lv.vary(res.grads), island=lv.vary(res.island),
+                       model_state=res.model_state if per_device_ms else lv.vary(res.model_state))
+    res = res._replace(metrics=lv.vary(res.metrics, means=True),
+                       nonempty=lv.vary(res.nonempty, means=True))
+    ms = res.model_state
+    if ms is not None:
+        ms = add_device_dim(ms) if per_device_ms else lv.add_dim(ms)
+    return res._replace(grads=lv.add_dim(res.grads), metrics=lv.add_dim(res.metrics, means=True),
+                        model_state=ms, hook_state=add_device_dim(res.hook_state),
+                        nonempty=lv.add_dim(res.nonempty, means=True), island=lv.add_dim(res.island))
+
+
+def bucketed_step(
+    cfg: StepConfig,
+    obj: Objective,
+    observer: PlanObserver | None,
+    sync: bool | None,
+    phase: Any,
+    lv: Roles,
+    layout: zero.Layout,
+    state: TrainState,
+    batch: Any,
+    weights: Any,
+    rng: Any = None,
+) -> LocalResult:
+    """The per-device step of the bucketed reduction (inside ``shard_map``;
+    :meth:`jddp._src.reduce.reducers.Bucketed.local_step`): phase 1 (local gradients) and phase 2 (the
+    reduction over the island), or accumulation only; see the module docstring."""
+    state = cfg.sync.island_state(cfg, state)
+    prep = _prepare(cfg, obj, observer, lv, layout, state, batch, weights, rng)
+    sync_fn = lambda s: _to_global(cfg, lv, _synchronise(cfg, obj, lv, prep, layout, phase, s))
+    acc_fn = lambda s: _to_global(cfg, lv, _accumulate(cfg, obj, lv, prep, layout, phase, s))
+    synchronises = cfg.accumulate.synchronises(state.accum, sync)
+    if isinstance(synchronises, bool):
+        return sync_fn(state) if synchronises else acc_fn(state)
+    # optax.MultiSteps semantics: the replicated counter picks the branch, in one program.
+    return lax.cond(synchronises, sync_fn, acc_fn, state)
+
+
+def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
+    """``comm_bytes`` (what one device sends in this call, a ring model of its collectives) and,
+    on a two-level mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
+    out = {"comm_bytes": jnp.asarray(sent.total, jnp.float32)}
+    if cfg.topology.axes.two_level:
+        out["comm_bytes_hosts"] = jnp.asarray(sent.across, jnp.float32)
+    return out
+
+

@@ -1,0 +1,84 @@
+"""Reduce-scatter that is right on every backend, including XLA:CPU across processes (Gloo).
+
+XLA:CPU runs a multi-process reduce-scatter through Gloo's ``ReduceScatterHalvingDoubling``, whose
+last phase copies the received shard over the front of its working buffer before the sends of
+the halving rounds from that buffer are known to be complete. When a send was only partly
+written to its socket (one TCP segment of 65483 bytes on loopback), the rest goes out from the
+overwritten memory, and the receiver sums in other values: ~26 wrong elements at the end of the
+first 1/N shard of a 256 KiB gradient, in a few percent of the steps, identical on every replica
+(docs/faults.md has the reproducer). :func:`scatter_sum` sends the same bytes through an
+all-to-all (Gloo's, which waits for its sends) and adds the pieces locally in device order, where
+the fault can occur; elsewhere it is ``lax.psum_scatter``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from jax import lax
+
+from jddp._src import tree
+from jddp._src.introspect import vma
+
+
+def traced_platform() -> str:
+    """The platform the step is traced for (the mesh's devices; else the default backend)."""
+    try:
+        return str(jax.sharding.get_abstract_mesh().abstract_device.platform)
+    except Exception:  # no mesh context (e.g. plain jit): the default backend decides
+        return jax.default_backend()
+
+
+#: Tests and benchmarks set this to count ``comm_bytes`` with another platform's wire types (e.g.
+#: ``"gpu"``: a CPU step's ``comm_bytes`` then counts what the compile-only GPU program sends);
+#: ``None``: the platform the step is traced for.
+WIRE_PLATFORM: str | None = None
+
+
+def wire_itemsize(dtype: Any, platform: str | None = None) -> int:
+    """Bytes per element a collective of ``dtype`` sends once compiled for ``platform`` (default:
+    the traced platform; :func:`jddp._src.tree.wire_dtype`)."""
+    where = WIRE_PLATFORM or platform or traced_platform()
+    return int(tree.wire_dtype(dtype, where).itemsize)
+
+
+def wire_nbytes(x: Any, platform: str | None = None) -> int:
+    """Bytes of an array or shape struct as a collective sends them (:func:`wire_itemsize`)."""
+    return tree.wire_nbytes(x, WIRE_PLATFORM or platform or traced_platform())
+
+
+#: Tests set this to force (True) or forbid (False) the all-to-all form; ``None``: decide.
+FORCE_ALL_TO_ALL: bool | None = None
+
+
+def gloo_reduce_scatter_unsafe() -> bool:
+    """True where ``lax.psum_scatter`` runs on Gloo's reduce-scatter: XLA:CPU with more than one
+    process and the Gloo collectives (JAX's default on CPU)."""
+    if FORCE_ALL_TO_ALL is not None:
+        return FORCE_ALL_TO_ALL
+    if jax.process_count() == 1 or jax.default_backend() != "cpu":
+        return False
+    return str(getattr(jax.config, "jax_cpu_collectives_implementation", "gloo")) == "gloo"
+
+
+def scatter_sum(x: Any, axis_name: Any) -> Any:
+    """The sum over ``axis_name`` of each array of ``x`` (an array or a tuple), scattered along
+    dimension 0 in ``tiled`` pieces: ``lax.psum_scatter(x, axis_name, scatter_dimension=0,
+    tiled=True)``, or the same as an all-to-all and a local sum where Gloo's reduce-scatter is
+    unsafe (:func:`gloo_reduce_scatter_unsafe`). Dimension 0 must be a multiple of the axis size.
+    """
+    if not gloo_reduce_scatter_unsafe():
+        return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
+    if isinstance(x, tuple):
+        return tuple(_all_to_all_sum(a, axis_name) for a in x)
+    return _all_to_all_sum(x, axis_name)
+
+
+def _all_to_all_sum(x: jax.Array, axis_name: Any) -> jax.Array:
+    n = math.prod(lax.axis_size(a) for a in vma.axis_names(axis_name))
+    pieces = x.reshape((n, x.shape[0] // n) + x.shape[1:])
+    # Row j of the result is device j's piece for this device; summed in device order, so every
+    # run adds the same values in the same order.
+    return lax.all_to_all(pieces, axis_name, 0, 0, tiled=False).sum(0)

@@ -1,0 +1,69 @@
+"""XLA options that keep one planned bucket one collective: sized from the largest bucket.
+
+XLA's GPU combiners build each bucket's collective out of its per-leaf collectives, and combine
+only up to a threshold (30 MiB by default, for all-reduce, reduce-scatter and all-gather), so a
+larger bucket is compiled as several collectives. jddp's chain keeps buckets apart whatever the
+threshold, so raising it keeps every bucket whole without merging buckets (docs/xla_flags.md).
+:class:`jddp._src.step.step.Step` sets these by default on GPU meshes; ``jddp.perf.xla_flags`` reports
+them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+
+from jddp._src.tree import MiB, dtype_of
+
+#: XLA's default GPU combine thresholds (all-reduce, reduce-scatter, all-gather), measured.
+GPU_COMBINE_THRESHOLD_BYTES = 30 * MiB
+# Headroom above the largest bucket: the last bucket also carries the loss and metrics, sharded
+# leaves are padded to a multiple of the device count, and whole MiB keep the flag readable.
+HEADROOM_BYTES = MiB
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+ALL_REDUCE = "xla_gpu_all_reduce_combine_threshold_bytes"
+SHARDED = ("xla_gpu_reduce_scatter_combine_threshold_bytes",
+           "xla_gpu_all_gather_combine_threshold_bytes")
+
+
+def combine_threshold(largest_bucket_bytes: int) -> int | None:
+    """The combine threshold that keeps a bucket of ``largest_bucket_bytes`` whole, or ``None``
+    when XLA's default already does."""
+    needed = int(largest_bucket_bytes) + HEADROOM_BYTES
+    if needed <= GPU_COMBINE_THRESHOLD_BYTES:
+        return None
+    return -(-needed // MiB) * MiB
+
+
+def largest_bucket_bound(leaf_bytes: Iterable[int], cap_bytes: int) -> int:
+    """An upper bound of the largest bucket DDP's packing rule can make, before planning.
+
+    A bucket is closed by the leaf that reaches the cap, so it is below ``cap + that leaf``; a
+    leaf larger than the cap is a bucket of its own.
+    """
+    return int(cap_bytes) + max(leaf_bytes, default=0)
+
+
+def leaf_bytes(params: Any) -> list[int]:
+    """Bytes of each leaf of ``params`` (arrays or shape structs)."""
+    return [math.prod(getattr(x, "shape", ())) * dtype_of(x).itemsize
+            for x in jax.tree.leaves(params)]
+
+
+def step_options(platform: str, largest_bucket_bytes: int, *, sharded: bool,
+                 given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The step's compiler options: ``given`` plus, on GPU, the combine thresholds a bucket of
+    ``largest_bucket_bytes`` needs, unless the user set them (``given`` or ``XLA_FLAGS``)."""
+    out = dict(given or {})
+    threshold = combine_threshold(largest_bucket_bytes)
+    if platform not in GPU_PLATFORMS or threshold is None:
+        return out
+    env = os.environ.get("XLA_FLAGS", "")
+    for name in (ALL_REDUCE, *(SHARDED if sharded else ())):
+        if name not in out and name not in env:
+            out[name] = threshold
+    return out

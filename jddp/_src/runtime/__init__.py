@@ -1,0 +1,1 @@
+"""The job around the step: mesh, topology, launchers, processes, watchdog, preemption."""

@@ -1,0 +1,1 @@
+"""The training step: the skeleton of phases, its configuration, state and drivers."""

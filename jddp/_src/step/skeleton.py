@@ -1,0 +1,259 @@
+"""The training step as a fixed skeleton of phases, each a call of the policy that owns it.
+
+One ``ddp.step(state, batch)`` (every front end and every combination of policies goes through
+it) runs, in order, and never asks which policy it has. First the set-up (global view, at trace
+time): the state and the optimizer state, the batch, then each policy's own checks of the call
+(``cfg.reduce.check_inputs``, ``cfg.update.check``, ``cfg.accumulate.check_call``,
+``cfg.loss.check_call``); the sync policy says where this kind of step reduces
+(``cfg.sync.roles``: a :class:`jddp._src.runtime.topology.Roles`). Then the phases:
+
+1-2. *local gradients, then reduce* (per device, in one ``jax.shard_map``): the reducer's
+   ``cfg.reduce.local_step`` (:class:`jddp._src.step.config.Reducer`; the buckets'
+   :func:`jddp._src.reduce.bucketed.bucketed_step`, or :class:`jddp.Deterministic`'s fixed tree),
+   returning a :class:`jddp._src.step.config.LocalResult`; the placement says what lives where
+   (``cfg.place``'s specs, its device view of an offloaded state).
+3. *update* (global view): ``cfg.update.apply`` (:mod:`jddp._src.update.update`: accumulation windows,
+   skip-if-not-finite and loss scaling wrapped around the update, like optax's ``MultiSteps`` and
+   ``apply_if_finite``) around the optimizer at its placement (``cfg.place.update``).
+4. *sync* (global view): ``cfg.sync.after_update`` (:class:`jddp._src.step.config.SyncPolicy`: nothing
+   for :class:`jddp._src.sync.every_step.EveryStep`; local SGD's parameter average or DiLoCo's outer step).
+
+The state's layout is the policies' too: :func:`build_state` and :func:`state_specs` ask the
+reducer (its accumulator), the placement (parameters, optimizer state), the update wrappers
+(their slots), the loss policy (per-replica model state) and the sync policy (per-replica copies).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jddp._src.place import zero
+from jddp._src.plan.planner import BucketPlan
+from jddp._src.reduce.hooks import init_hook_state
+from jddp._src.reduce.reduction import Bytes
+from jddp._src.runtime.topology import Roles
+from jddp._src.step.checks import check_batch, check_float_params
+from jddp._src.step.config import LocalResult, StepConfig
+from jddp._src.step.objective import Objective
+from jddp._src.step.state import TrainState
+from jddp._src.tree import broadcast_to_devices
+from jddp._src.update.optimizer_metrics import merge_optimizer_metrics, optimizer_metrics
+
+PlanObserver = Callable[[BucketPlan], None]
+
+
+def objective(cfg: StepConfig, stateful: bool) -> Objective:
+    """The user's loss as the step differentiates it."""
+    return cfg.loss.objective(cfg.loss_fn, stateful)
+
+
+def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainState:
+    """The initial :class:`TrainState` (pure; :func:`state_shardings` places it)."""
+    n = cfg.topology.num_devices
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=cfg.optimizer.init(params),
+        # With model_state_sync="none" each replica keeps its own copy.
+        model_state=cfg.loss.model_state_layout(model_state, n),
+        hook_state=broadcast_to_devices(init_hook_state(cfg.reduce.hook, params), n),
+        # The reduction decides the accumulator's layout (the deterministic one is its own).
+        accum=cfg.reduce.init_accum(cfg, params, model_state),  # None without a window
+        loss_scale=cfg.update.init_scale(),
+    )
+    return cfg.sync.build_state(cfg, state)  # local SGD / DiLoCo keep one copy per replica
+
+
+def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
+    """Partition specs of a state: replicated, except the per-device hook and accumulator state
+    (and model state with ``model_state_sync="none"``), sharded on their leading device axis."""
+    axis = cfg.topology.data
+    per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
+    place, topo = cfg.place, cfg.topology
+    specs = TrainState(
+        step=P(),  # type: ignore[arg-type]  # a tree of specs shaped like the state
+        params=jax.tree.map(lambda x: place.param_spec(topo, jnp.shape(x)), state.params),
+        opt_state=jax.tree.map(lambda x: place.opt_spec(topo, jnp.shape(x)), state.opt_state),
+        model_state=jax.tree.map(lambda _: cfg.loss.model_state_spec(P(axis), P()),
+                                 state.model_state),
+        hook_state=per_device(state.hook_state),
+        **cfg.update.specs(state, cfg.topology),
+    )
+    return cfg.sync.state_specs(cfg, state, specs)  # local SGD / DiLoCo's per-replica leaves
+
+
+def state_shardings(cfg: StepConfig, state: TrainState) -> TrainState:
+    """``NamedSharding``s of a state (or of its shape structs) on the data mesh (the optimizer
+    state's in host memory with ``ZeRO(offload=True)``)."""
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(cfg.mesh, s), state_specs(cfg, state),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    return cfg.place.stored(shardings)
+
+
+def abstract_state(cfg: StepConfig, params_like: Any, model_state_like: Any = None) -> TrainState:
+    """The state :func:`build_state` would give, as shape structs with shardings."""
+    abstract = jax.eval_shape(functools.partial(build_state, cfg), params_like, model_state_like)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract, state_shardings(cfg, abstract),
+    )
+
+
+def check_step_inputs(
+    cfg: StepConfig, state: Any, batch: Any, mask: Any, sync: bool | None, rng: Any = None
+) -> Any:
+    """Trace-time checks of one step call; returns the mask as float32 weights (or ``None``)."""
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"step expects the TrainState returned by init (or a previous step), got "
+            f"{type(state).__name__}."
+        )
+    check_float_params(state.params)
+    expected = jax.eval_shape(cfg.optimizer.init, state.params)
+    if jax.tree.structure(expected) != jax.tree.structure(state.opt_state):  # type: ignore[operator]
+        raise ValueError(
+            "state.opt_state does not match this DataParallel's optimizer: it was built for "
+            f"another optimizer or other params.\n  expected: {jax.tree.structure(expected)}\n"
+            f"  got:      {jax.tree.structure(state.opt_state)}\nBuild the state with this "
+            "DataParallel's init(), or restore a checkpoint saved with the same optimizer."
+        )
+    n = cfg.topology.num_devices
+    size = check_batch(batch, n)
+    cfg.reduce.check_inputs(cfg, state, size, sync)
+    cfg.update.check(state)
+    cfg.accumulate.check_call(size // n, n, sync)
+    return cfg.loss.check_call(mask, size, rng)
+
+
+def _result_specs(cfg: StepConfig, lv: Roles, view: TrainState,
+                  layout: zero.Layout) -> LocalResult:
+    axis = cfg.topology.data
+    rep = lv.replica_spec
+    glob = lv.mean_spec
+    grads = cfg.place.grad_specs(cfg.topology, layout, view.params, rep)
+    return LocalResult(
+        grads=grads, metrics=glob, local_metrics=P(axis),  # type: ignore[arg-type]
+        model_state=cfg.loss.model_state_spec(P(axis), rep),
+        hook_state=P(axis), accum=cfg.accumulate.specs(view.accum, cfg.topology),
+        synced=P(), nonempty=glob,
+        island=lv.island(lambda: rep),  # type: ignore[arg-type]
+        comm=P(),  # type: ignore[arg-type]  # (a prefix of None too: the deterministic step's)
+    )
+
+
+def _optimizer_metrics(lv: Roles, metrics: dict, opt_state: Any) -> dict:
+    """``metrics`` with the optimizer's hyperparameters (one per replica with local SGD)."""
+    return merge_optimizer_metrics(metrics, lv.per_replica(optimizer_metrics)(opt_state))
+
+
+def train_step(
+    cfg: StepConfig,
+    observer: PlanObserver | None,
+    state: TrainState,
+    batch: Any,
+    mask: Any = None,
+    rng: Any = None,
+    *,
+    sync: bool | None = None,
+    phase: Any = None,
+) -> tuple[TrainState, dict]:
+    """One training step (the function ``ddp.step`` jits): the four phases of the module
+    docstring.
+
+    Args:
+      observer: called with the bucket plan at trace time (the trainer reports it and warns
+        about unused parameters once); ``None`` for nothing.
+      sync: with accumulation, whether this call synchronises (static; ``None``: the state's
+        counter decides).
+      phase: the static phase for this step (:func:`step_phase`: the hook's, wrapped by the
+        sync policy's).
+      rng: the run's PRNG key, with ``jddp.Loss(rng=True)`` (each example's key derives from it).
+    """
+    sync_phase, hook_phase = cfg.sync.split_phase(phase, cfg.reduce.hook_phase)
+    lv = cfg.sync.roles(cfg.topology, sync_phase)
+    view = cfg.sync.replica_view(state)
+    weights = check_step_inputs(cfg, view, batch, mask, sync, rng)
+    batch, weights = cfg.topology.place_batch((batch, weights))
+    layout = zero.Layout.of(view.params, cfg.topology.shard_count)
+    plans: list[BucketPlan] = []
+
+    def observe(plan: BucketPlan) -> None:
+        plans.append(plan)
+        if observer is not None:
+            observer(plan)
+
+    res = _local_phases(cfg, observe, lv, layout, state, view, batch, weights, rng, sync,
+                        hook_phase)
+    state = cfg.place.fetch(state)  # offloaded, the optimizer state comes from host memory
+    plan = plans[-1]
+    # Phase 3: the optimizer at its placement, wrapped (jddp._src.update.update).
+    sent: list[Bytes] = []  # what the update itself sends, told when traced (owner sharding)
+    inner = functools.partial(cfg.place.update, cfg.optimizer, cfg.topology, layout, plan,
+                              cfg.reduce.chain, record=sent.append)
+    new_state, update_metrics = cfg.update.apply(inner, lv, state, res, sync)
+    comm = _add_update_bytes(dict(res.comm or {}), sent, res.synced)
+    # Phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step).
+    report = cfg.accumulate.report(cfg.loss, state.accum, cfg.topology.num_devices)
+    new_state, metrics = cfg.sync.after_update(cfg, lv, sync_phase, plan, new_state, res.island,
+                                               dict(res.metrics), comm, report,
+                                               res.synced, sync)
+    metrics = {**metrics, **cfg.accumulate.window_metrics(state.accum, res.synced),
+               **res.local_metrics, **update_metrics}
+    metrics = _optimizer_metrics(lv, metrics, new_state.opt_state)
+    return cfg.place.store(new_state), metrics
+
+
+def _add_update_bytes(comm: dict, sent: list[Bytes], synced: Any) -> dict:
+    """``comm`` plus the bytes the update sent (``sent``: what it recorded when traced; only a
+    window's synchronising call runs it)."""
+    if not sent or "comm_bytes" not in comm:
+        return comm
+    extra = {"comm_bytes": sent[-1].total, "comm_bytes_hosts": sent[-1].across}
+    return {k: v + jnp.where(synced, extra[k], 0.0) if k in extra else v
+            for k, v in comm.items()}
+
+
+def _local_phases(cfg: StepConfig, observe: PlanObserver, lv: Roles, layout: zero.Layout,
+                  state: TrainState, view: TrainState, batch: Any, weights: Any, rng: Any,
+                  sync: bool | None, hook_phase: Any) -> LocalResult:
+    """Phases 1-2 per device: the reducer's local gradients and reduction, in one
+    ``shard_map`` over the data mesh."""
+    data = P(cfg.topology.data)
+    # The per-device phases never read the optimizer state; offloaded, it stays on the host.
+    inside = cfg.place.device_view(state)
+    obj = objective(cfg, state.model_state is not None)
+    local = jax.shard_map(
+        functools.partial(cfg.reduce.local_step, cfg, obj, observe, sync, hook_phase, lv, layout),
+        mesh=cfg.mesh,
+        in_specs=(state_specs(cfg, inside), data, data, P()),
+        out_specs=_result_specs(cfg, lv, view, layout),
+        # Stages 2-3: untyped (see ZeRO.check_vma); the deterministic reduction is untyped
+        # too (Reducer.typed): its all-gathered sums are replicated by construction.
+        check_vma=cfg.place.check_vma and cfg.reduce.typed,
+    )
+    return local(inside, batch, weights, rng)
+
+
+def step_phase(cfg: StepConfig) -> Callable[[int], Any] | None:
+    """``step -> phase``, the static part of a step chosen on the host (one compiled program per
+    phase): the hook's phase, wrapped by the sync policy's (local SGD: the kind of step too)."""
+    return cfg.sync.phase_fn(cfg.reduce.hook_phase)
+
+
+def plan(cfg: StepConfig, state_like: Any, batch_like: Any, mask_like: Any = None,
+         rng_like: Any = None) -> BucketPlan:
+    """The bucket plan the step uses for these inputs (traced, not compiled or run)."""
+    found: list[BucketPlan] = []
+    rng_like = cfg.loss.key_like(rng_like)
+    jax.eval_shape(functools.partial(train_step, cfg, found.append), state_like, batch_like,
+                   mask_like, rng_like)
+    return found[-1]

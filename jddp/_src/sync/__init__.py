@@ -1,0 +1,1 @@
+"""Sync policies: how replicas stay in step (every step, local SGD, DiLoCo, islands)."""

@@ -1,0 +1,75 @@
+"""Phase 4 of the step, the sync policy: how replicas stay in step; :class:`EveryStep`, the default.
+
+A sync policy is one frozen, hashable value (``DataParallel(sync=...)``, held as
+``StepConfig.sync``) that the step calls unconditionally, at fixed points, and that never touches
+the reducer (torchft's ``LocalSGD``/``DiLoCo`` and PyTorch's ``PostLocalSGDOptimizer`` hook the
+optimizer's step the same way): on the host it picks each step's static phase
+(:meth:`SyncPolicy.phase_fn`); in the trace it splits that phase into its own part and the hook's
+(:meth:`~SyncPolicy.split_phase`), names where the step reduces (:meth:`~SyncPolicy.roles`),
+lays out its state (:meth:`~SyncPolicy.build_state`, :meth:`~SyncPolicy.state_specs`,
+:meth:`~SyncPolicy.replica_view`, :meth:`~SyncPolicy.island_state`) and runs after the update
+(:meth:`~SyncPolicy.after_update`). The protocol is written out in
+:class:`jddp._src.step.config.SyncPolicy`; the policies are :class:`EveryStep` (here: plain data
+parallelism, every method the identity) and :class:`jddp._src.sync.local_sgd.LocalSGD`.
+
+This module is a leaf below ``config`` (which holds the default); it imports only the topology.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any, ClassVar
+
+from jddp._src.runtime.topology import Roles, Topology
+
+HookPhase = Callable[[int], Hashable] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryStep:
+    """Replicas agree every step: the reduced gradient updates every replica alike (DDP).
+    The other sync policies are :func:`jddp.local_sgd.post_local_sgd` and
+    :func:`jddp.local_sgd.diloco`."""
+
+    islands: ClassVar[bool] = False  # one state, replicated (or sharded) over the whole mesh
+
+    def phase_fn(self, hook_phase: HookPhase) -> HookPhase:
+        """``step -> static phase``: the hook's own (``None``: one program)."""
+        return hook_phase
+
+    def split_phase(self, phase: Any, hook_phase: HookPhase) -> tuple[None, Any]:
+        """``(this policy's part of the phase, the hook's phase)``: all of it is the hook's."""
+        del hook_phase
+        return None, phase
+
+    def roles(self, topology: Topology, phase: None) -> Roles:
+        """Every step reduces over the whole data mesh."""
+        del phase
+        return topology.roles(None)
+
+    def build_state(self, cfg: Any, state: Any) -> Any:
+        """The data-parallel state as it is (one copy, replicated or sharded)."""
+        return state
+
+    def state_specs(self, cfg: Any, state: Any, specs: Any) -> Any:
+        """The data-parallel specs as they are."""
+        return specs
+
+    def replica_view(self, state: Any) -> Any:
+        """The state: every replica holds all of it."""
+        return state
+
+    def island_state(self, cfg: Any, state: Any) -> Any:
+        """The state: every device holds it as it is."""
+        return state
+
+    def after_update(self, cfg: Any, lv: Roles, phase: None, plan: Any, state: Any,
+                     island: Any, metrics: dict, comm: dict, report: Any, synced: Any,
+                     sync: bool | None) -> tuple[Any, dict]:
+        """Phase 4: nothing to do; the step's metrics and the bytes its reduction sent."""
+        return state, {**metrics, **comm}
+
+    def global_params(self, cfg: Any, state: Any) -> Any:
+        """The parameters to evaluate or export: the state's (every replica's)."""
+        return state.params

@@ -1,0 +1,241 @@
+"""Model state (Flax ``batch_stats`` and the like): keeping it consistent across replicas.
+
+Each replica computes new model state from its own shard of the batch, so replicas disagree after
+every step unless the state is synchronised. Three modes, chosen with
+``jddp.Loss(model_state_sync=...)``:
+
+- ``"broadcast"`` (default; DDP's ``broadcast_buffers=True``): every replica takes replica 0's new
+  state, bit for bit.
+- ``"mean"``: the new state is averaged over replicas (floating-point leaves; other leaves are
+  broadcast from replica 0). For running averages of per-shard statistics this is the average over
+  shards (for BatchNorm's running mean it equals the running mean of the global batch).
+- ``"none"``: no synchronisation; each replica keeps its own state, stored with a leading device
+  dimension (``state.model_state[i]`` is replica ``i``'s).
+
+No mode costs a collective of its own: the values ride on the last gradient bucket's all-reduce
+(the ``extras`` of :func:`jddp.reduce.bucketed_value_and_grad`), which is a mean. A mean cannot
+carry a float exactly (``x * N / N`` rounds for most ``N``), so ``"broadcast"`` sends the *bits* of
+replica 0's leaves: each leaf is bitcast to an unsigned integer and cut into ``b``-bit chunks,
+each chunk is stored in a float32 as ``chunk * N`` on replica 0 and ``0`` elsewhere. The sum over
+replicas is then ``chunk * N`` exactly (an integer below 2**24, one nonzero term), the mean is
+``chunk`` exactly, and the bits are reassembled: NaN payloads, signed zeros and subnormals survive.
+With ``N <= 256`` replicas, ``b = 16`` (a float32 leaf costs two float32 values).
+
+Leaves that are already the same on every replica are not sent at all: with ``check_vma=True``
+(jddp's step) JAX types each value as varying over the data axis or not, and a leaf computed from
+collectives only (cross-replica BatchNorm's statistics, averaged with ``lax.pmean`` inside the
+loss) is typed invariant, which JAX's own ``out_specs=P()`` contract relies on. Encoding,
+reducing and decoding such a leaf cost 8 elementwise ops per leaf for nothing (a ResNet-18 has 40
+of them); it is kept as computed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jddp._src.introspect import vma
+from jddp._src.tree import dtype_of, key_path_str
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _any_dtype(x: Any) -> Any:
+    """The dtype of ``x``, PRNG key dtypes included (which ``np.dtype`` rejects)."""
+    return x.dtype if hasattr(x, "dtype") else np.result_type(x)
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def check_model_state(model_state: Any, mode: str) -> None:
+    """Raises TypeError for model-state leaves that ``mode`` cannot synchronise."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model_state)[0]:
+        if _is_key(leaf):
+            continue  # sent as its key data
+        try:
+            dtype = dtype_of(leaf)
+        except TypeError:
+            dtype = None
+        ok = dtype is not None and (dtype == np.bool_ or dtype.itemsize in _UINT) and not (
+            np.issubdtype(dtype, np.complexfloating)
+        )
+        if mode != "none" and not ok:
+            raise TypeError(
+                f"Model state leaf {key_path_str(path)} has dtype {getattr(leaf, 'dtype', None)}, "
+                f"which jddp.Loss(model_state_sync={mode!r}) cannot send; use real, integer, boolean or "
+                "PRNG key arrays."
+            )
+
+
+def check_same_state(old: Any, new: Any) -> None:
+    """Raises ValueError unless ``new`` model state has the structure, shapes and dtypes of ``old``.
+
+    The state is carried from step to step (and its sharding fixed at ``init``), so a loss function
+    must return new state shaped exactly like the state it was given.
+    """
+    old_paths = jax.tree_util.tree_flatten_with_path(old)[0]
+    new_paths = jax.tree_util.tree_flatten_with_path(new)[0]
+    if jax.tree.structure(old) != jax.tree.structure(new):  # type: ignore[operator]
+        old_keys = [key_path_str(p) for p, _ in old_paths]
+        new_keys = [key_path_str(p) for p, _ in new_paths]
+        missing = [k for k in old_keys if k not in new_keys]
+        extra = [k for k in new_keys if k not in old_keys]
+        detail = []
+        if missing:
+            detail.append(f"missing {missing[:5]}")
+        if extra:
+            detail.append(f"unexpected {extra[:5]}")
+        raise ValueError(
+            "loss_fn returned model state with a different structure than the state it was given"
+            f" ({'; '.join(detail) or 'same leaves, different containers'}):\n"
+            f"  given:    {jax.tree.structure(old)}\n  returned: {jax.tree.structure(new)}\n"
+            "Return the full updated state (e.g. the 'batch_stats' collection from "
+            "model.apply(..., mutable=['batch_stats'])), with the same keys at every step."
+        )
+    for (path, a), (_, b) in zip(old_paths, new_paths, strict=True):
+        da, db = _any_dtype(a), _any_dtype(b)
+        if jnp.shape(a) != jnp.shape(b) or da != db:
+            raise ValueError(
+                f"loss_fn changed model state leaf {key_path_str(path)} from "
+                f"{da}{list(jnp.shape(a))} to {db}{list(jnp.shape(b))}; model state "
+                "must keep its shapes and dtypes from step to step."
+            )
+
+
+def _chunk_bits(n: int) -> int:
+    """Bits per chunk so that ``(2**bits - 1) * n`` is an integer exact in float32 (< 2**24)."""
+    bits = 16
+    while bits > 1 and (2**bits - 1) * n >= 2**24:
+        bits //= 2
+    if (2**bits - 1) * n >= 2**24:
+        raise ValueError(f"Cannot broadcast model state exactly over {n} replicas.")
+    return bits
+
+
+def _as_uint(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8)
+    return lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
+
+
+def _from_uint(u: jax.Array, dtype: np.dtype) -> jax.Array:
+    if dtype == np.bool_:
+        return u != 0
+    return lax.bitcast_convert_type(u, dtype)
+
+
+def _encode_bits(x: jax.Array, n: int, axis_name: Any) -> jax.Array:
+    """Replica 0's bits of ``x`` as exact float32 integers times ``n``, zeros on other replicas."""
+    u = _as_uint(x)
+    width = 8 * u.dtype.itemsize
+    bits = min(_chunk_bits(n), width)
+    mask = jnp.asarray(2**bits - 1, u.dtype)
+    chunks = [((u >> jnp.asarray(s, u.dtype)) & mask).astype(jnp.float32)
+              for s in range(0, width, bits)]
+    stacked = jnp.stack(chunks) * jnp.float32(n)  # integers < 2**24: exact
+    return jnp.where(lax.axis_index(axis_name) == 0, stacked, jnp.zeros_like(stacked))
+
+
+def _num_chunks(itemsize: int, n: int) -> int:
+    width = 8 * itemsize
+    return width // min(_chunk_bits(n), width)
+
+
+def _decode_bits(mean: jax.Array, dtype: np.dtype, n: int) -> jax.Array:
+    """Inverts :func:`_encode_bits` on the mean over replicas (which is each chunk, exactly)."""
+    itemsize = 1 if dtype == np.bool_ else np.dtype(dtype).itemsize
+    utype = _UINT[itemsize]
+    bits = min(_chunk_bits(n), 8 * itemsize)
+    # round() guards against a division implemented as a multiplication by 1/N.
+    chunks = jnp.clip(jnp.round(mean), 0, 2**bits - 1).astype(utype)
+    u = jnp.zeros(mean.shape[1:], utype)
+    for j in range(mean.shape[0]):
+        u = u | (chunks[j] << jnp.asarray(j * bits, utype))
+    return _from_uint(u, dtype)
+
+
+def _same_everywhere(x: Any, axis_name: Any) -> bool:
+    """Whether ``x`` (array or shape struct) is typed identical on every replica.
+
+    Only when varying types are tracked (``check_vma=True``: the axis index is varying); with
+    them off every value reads as invariant, so nothing can be concluded.
+    """
+    names = vma.axis_names(axis_name)
+    tracked = vma.varying_axes(lax.axis_index(axis_name))
+    return all(a in tracked for a in names) and not any(a in vma.varying_axes(x) for a in names)
+
+
+def encode_state(new_state: Any, mode: str, axis_name: Any, n: int) -> Any:
+    """The float32 payload whose mean over replicas carries the synchronised state.
+
+    Must run inside ``shard_map``/``pmap`` over ``axis_name`` (``n`` replicas). ``"mean"`` sends
+    float leaves as float32; every other leaf (and every leaf with ``"broadcast"``) is sent as
+    replica 0's bits. ``"none"`` sends nothing.
+    """
+    if mode == "none":
+        return ()
+
+    def enc(x):
+        if _same_everywhere(x, axis_name):
+            return ()  # nothing to send (see the module docstring)
+        if _is_key(x):  # PRNG keys: replica 0's key data, in every mode
+            return _encode_bits(jax.random.key_data(x), n, axis_name)
+        x = jnp.asarray(x)
+        if mode == "mean" and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(jnp.float32)
+        return _encode_bits(x, n, axis_name)
+
+    return jax.tree.map(enc, new_state)
+
+
+def payload_shape(state: Any, mode: str, n: int, axis_name: Any) -> Any:
+    """Shape structs of :func:`encode_state`'s payload for ``state`` (arrays or shape structs)."""
+    if mode == "none":
+        return ()
+
+    def shape(x):
+        if _same_everywhere(x, axis_name):
+            return ()
+        if _is_key(x):
+            data = jax.eval_shape(jax.random.key_data, x)
+            return jax.ShapeDtypeStruct(
+                (_num_chunks(np.dtype(data.dtype).itemsize, n), *data.shape), jnp.float32
+            )
+        dtype = dtype_of(x)
+        if mode == "mean" and jnp.issubdtype(dtype, jnp.floating):
+            return jax.ShapeDtypeStruct(np.shape(x), jnp.float32)
+        itemsize = 1 if dtype == np.bool_ else dtype.itemsize
+        return jax.ShapeDtypeStruct((_num_chunks(itemsize, n), *np.shape(x)), jnp.float32)
+
+    return jax.tree.map(shape, state)
+
+
+def decode_state(mean_payload: Any, like: Any, mode: str, n: int) -> Any:
+    """The synchronised state from the mean of :func:`encode_state`'s payload over replicas.
+
+    Args:
+      mean_payload: the payload averaged over the ``n`` replicas.
+      like: the local new state (for structure and dtypes).
+    """
+    if mode == "none":
+        return like
+
+    def dec(x, m):
+        if isinstance(m, tuple):  # not sent: already the same on every replica
+            return x
+        if _is_key(x):
+            data = _decode_bits(m, np.dtype(jax.random.key_data(x).dtype), n)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        dtype = dtype_of(x)
+        if mode == "mean" and jnp.issubdtype(dtype, jnp.floating):
+            return m.astype(dtype)
+        return _decode_bits(m, dtype, n)
+
+    # ``like`` first: its leaves are a prefix of the payload (``()`` where nothing was sent).
+    return jax.tree.map(dec, like, mean_payload)

@@ -1,0 +1,1 @@
+"""The update wrappers around the optimizer: accumulation, skip guards, loss scaling."""

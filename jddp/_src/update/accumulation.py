@@ -1,0 +1,213 @@
+"""Local gradient accumulation: the accumulator, and the local sums of micro-batches.
+
+The step (:mod:`jddp._src.reduce.bucketed`) uses these for DDP's ``no_sync`` (calls that only
+accumulate) and for fused micro-batches; the semantics are documented in ``docs/accumulate.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jddp._src.introspect import vma
+from jddp._src.step.state import AccumState
+from jddp._src.tree import broadcast_to_devices, key_path_str
+
+
+def accumulator_dtype(param_dtype: Any, override: Any = None) -> np.dtype:
+    """The dtype of a parameter's local gradient sum: ``override``, else at least float32."""
+    if override is not None:
+        return np.dtype(jnp.dtype(override))
+    return np.dtype(jnp.promote_types(param_dtype, jnp.float32))
+
+
+def init_accum(
+    params: Any, num_devices: int, dtype: Any = None, model_state: Any = None,
+    sharded: bool = False,
+) -> AccumState:
+    """An empty accumulator for ``params`` on ``num_devices`` devices (leading device dimension).
+
+    Args:
+      params: the parameters (one local gradient sum per leaf and device).
+      num_devices: the number of devices of the data mesh.
+      dtype: the dtype of the sums (default: see :func:`accumulator_dtype`).
+      model_state: the model state, if the model has one (its per-device slot between calls).
+      sharded: the gradient sums are reduced ones, shaped like the parameters (no device
+        dimension) and split over the devices like them (``shard_accumulator``).
+    """
+    lead = () if sharded else (num_devices,)
+    grads = jax.tree.map(
+        lambda p: jnp.zeros((*lead, *jnp.shape(p)), accumulator_dtype(jnp.result_type(p), dtype)),
+        params,
+    )
+    return AccumState(
+        count=jnp.zeros((), jnp.int32), grads=grads,
+        loss=jnp.zeros((num_devices,), jnp.float32),
+        weight=jnp.zeros((num_devices,), jnp.float32),
+        model_state=broadcast_to_devices(model_state, num_devices),
+    )
+
+
+def accum_specs(accum: AccumState | None, axis: Any,
+                grad_specs: Callable[[Any], Any] | None = None) -> AccumState | None:
+    """Partition specs: the counter is replicated, the local sums and model state are per device.
+
+    Args:
+      grad_specs: ``grad_specs(grads) -> specs`` of a sharded accumulator's gradient sums (split
+        like the parameters); ``None``: per device.
+    """
+    if accum is None:
+        return None
+    per_device = lambda tree: jax.tree.map(lambda _: P(axis), tree)
+    grads = per_device(accum.grads) if grad_specs is None else grad_specs(accum.grads)
+    return AccumState(  # a tree of specs shaped like the state
+        count=P(), grads=grads, loss=P(axis),  # type: ignore[arg-type]
+        weight=P(axis),  # type: ignore[arg-type]
+        model_state=per_device(accum.model_state),
+    )
+
+
+def check_accum(state: Any, accumulate_steps: int, num_devices: int,
+                sharded: bool = False) -> None:
+    """Trace-time checks that ``state.accum`` belongs to a trainer with ``accumulate_steps``
+    (and ``shard_accumulator`` resolved to ``sharded``)."""
+    if accumulate_steps == 1:
+        if state.accum is not None:
+            raise ValueError(
+                "state.accum holds an accumulator but this DataParallel does not accumulate "
+                "(Accumulate.steps=1); "
+                "use the DataParallel that built the state."
+            )
+        return
+    if not isinstance(state.accum, AccumState):
+        raise ValueError(
+            f"This DataParallel accumulates over {accumulate_steps} steps but state.accum is "
+            f"{type(state.accum).__name__}; build the state with this DataParallel's init()."
+        )
+    if jax.tree.structure(state.accum.grads) != jax.tree.structure(state.params):  # type: ignore[operator]
+        raise ValueError(
+            "state.accum.grads does not have the structure of state.params; build the state "
+            "with this DataParallel's init()."
+        )
+    if jax.tree.structure(state.accum.model_state) != jax.tree.structure(state.model_state):  # type: ignore[operator]
+        raise ValueError(
+            "state.accum.model_state does not have the structure of state.model_state; build "
+            "the state (params and model state) with this DataParallel's init()."
+        )
+    for (path, p), a in zip(
+        jax.tree_util.tree_flatten_with_path(state.params)[0],
+        jax.tree.leaves(state.accum.grads), strict=True,
+    ):
+        want = (*(() if sharded else (num_devices,)), *jnp.shape(p))
+        if jnp.shape(a) != want:
+            raise ValueError(
+                f"Accumulator for {key_path_str(path)} has shape {jnp.shape(a)}, expected {want} "
+                f"(the state was built for another device count, or with another "
+                f"jddp.Accumulate(shard=...): this DataParallel's accumulator is "
+                f"{'sharded' if sharded else 'per device'})? Build the state with this "
+                "DataParallel's init()."
+            )
+
+
+def check_microbatches(local_size: int, microbatches: int, num_devices: int) -> None:
+    if local_size % microbatches:
+        raise ValueError(
+            f"jddp.Accumulate(microbatches={microbatches}) does not divide the per-device batch "
+            f"of {local_size} "
+            f"examples (global batch {local_size * num_devices} on {num_devices} devices). Use a "
+            f"global batch that is a multiple of {num_devices * microbatches}."
+        )
+
+
+def split_microbatches(batch: Any, m: int) -> Any:
+    """Reshapes every leaf ``[b, ...]`` to ``[m, b // m, ...]`` (contiguous micro-batches)."""
+    return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+
+
+def live(acc: AccumState) -> tuple[Any, jax.Array, jax.Array]:
+    """The window's sums ``(grads, loss, weight)``, as zeros when it is empty (``count == 0``).
+
+    A synchronising step resets only the counter and leaves the old sums in the buffers: writing
+    zeros there would make XLA copy the donated accumulator (the reset would race the backward's
+    reads of it), and a ``where`` fused into the next add costs nothing.
+    """
+    fresh = acc.count == 0
+    grads = jax.tree.map(lambda g: jnp.where(fresh, jnp.zeros((), g.dtype), g), acc.grads)
+    return grads, jnp.where(fresh, 0.0, acc.loss), jnp.where(fresh, 0.0, acc.weight)
+
+
+def add(acc: Any, x: Any) -> Any:
+    """``acc + x`` leaf by leaf, in ``acc``'s shape and dtype.
+
+    ``x`` may lack the accumulator's leading device dimension; adding in the accumulator's own
+    shape (not ``(acc[0] + x)[None]``) keeps the add in place: XLA does not reuse a donated
+    buffer across the bitcasts of an index-then-expand.
+    """
+    return jax.tree.map(lambda a, b: a + b.astype(a.dtype).reshape(a.shape), acc, x)
+
+
+def varying_zeros(tree: Any, axis: Any, dtype: Any = None) -> Any:
+    """Zeros shaped like ``tree``, typed as per-device values.
+
+    ``lax.cond`` branches and scan carries must agree on the varying axes of their values, and
+    ``jnp.zeros_like`` would give a replicated constant.
+    """
+    return jax.tree.map(
+        lambda x: vma.to_varying(jnp.zeros(jnp.shape(x), dtype or jnp.result_type(x)), axis),
+        tree,
+    )
+
+
+class Sums(NamedTuple):
+    """Local sums over micro-batches (no collective): gradients and the objective's aux sums.
+
+    Attributes:
+      grads: gradient leaves' sums (a tree like params).
+      metrics: sums of the scalar metrics.
+      sums: sums of the ratio numerators.
+      weight: sum of the ratio denominators.
+      model_state: the model state after the last micro-batch.
+    """
+
+    grads: Any
+    metrics: dict
+    sums: dict
+    weight: jax.Array
+    model_state: Any
+
+
+def local_sums(
+    grad_fn: Callable[..., Any], params: Any, micro: Any, weights: Any, init: Sums
+) -> Sums:
+    """Adds every micro-batch's local gradient and aux sums to ``init``, in order.
+
+    Args:
+      grad_fn: ``grad_fn(params, model_state, batch, weights) -> (grads, LocalAux)``.
+      params: the parameters, already varying, so each gradient is local: no collective here, and
+        none inside the loop when there is more than one micro-batch.
+      micro: micro-batches stacked on a leading axis; ``weights`` likewise (or ``None``).
+      init: the sums so far; model state is threaded through the micro-batches in order.
+    """
+
+    def body(carry: Sums, xs):
+        mb, w = xs
+        g, aux = grad_fn(params, carry.model_state, mb, w)
+        return Sums(
+            add(carry.grads, g),
+            add(carry.metrics, aux.metrics),
+            add(carry.sums, aux.sums),
+            carry.weight + aux.weight,
+            aux.model_state,
+        ), None
+
+    n = jax.tree.leaves(micro)[0].shape[0]
+    if n == 1:
+        one = jax.tree.map(lambda x: x[0], (micro, weights))
+        return body(init, one)[0]
+    return lax.scan(body, init, (micro, weights))[0]

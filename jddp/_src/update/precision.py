@@ -1,0 +1,179 @@
+"""A mixed-precision policy (FSDP2's ``MixedPrecisionPolicy``): ``DataParallel(precision=
+MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32))``.
+
+What it means, at every ZeRO stage:
+
+- **Master parameters and optimizer state stay float32** in the state (sharded at stages 1-3 as
+  without a policy); a policy refuses master parameters that are not float32.
+- **Compute.** The loss is traced once with ``param_dtype`` parameters; each bucket's backward hook
+  hands the loss a ``param_dtype`` copy (:class:`Cast`, a wrapper of the step's reducer). At stage 3
+  the all-gathers carry ``param_dtype``: each device casts its piece before the gather (half the
+  bytes for bfloat16). Micro-batches and no-sync calls evaluate the same jaxpr, which casts the
+  float32 parameters to the traced dtype (:func:`jddp._src.introspect.jaxpr.as_function`).
+- **Gradients** leave the backward pass in ``param_dtype`` and are summed locally (accumulation)
+  and reduced in the master dtype, float32; ``reduce_dtype=float32`` (or ``None``) says exactly
+  that. A ``reduce_dtype`` narrower than float32 (``bfloat16``, ``float16``) is the wire dtype of
+  the reduction: the policy picks the matching compression hook (``bf16_compress`` /
+  ``fp16_compress``: divide by N, send, cast back to float32) when no hook is given, and refuses a
+  user's hook alongside it (the hook decides what it sends: give ``reduce_dtype=None`` or float32
+  with a compressing hook).
+- **float16** (as ``param_dtype`` or ``reduce_dtype``) needs ``loss_scale=DynamicScale()``: its
+  range is 6e-5 to 65504, so gradients underflow or overflow without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jddp._src.api import options
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """A mixed-precision policy (see the module docstring).
+
+    Attributes:
+      param_dtype: the dtype forward and backward compute with (the stage-3 gathers carry it);
+        ``None``: the master dtype (no cast).
+      reduce_dtype: the dtype gradients are reduced in; ``None`` or float32: float32. bfloat16 or
+        float16: the matching compression hook.
+    """
+
+    param_dtype: Any = jnp.bfloat16
+    reduce_dtype: Any = jnp.float32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param_dtype",
+                           options.float_dtype(self.param_dtype, "MixedPrecision(param_dtype=...)"))
+        object.__setattr__(self, "reduce_dtype", options.float_dtype(
+            self.reduce_dtype, "MixedPrecision(reduce_dtype=...)"))
+        for name in ("param_dtype", "reduce_dtype"):
+            d = getattr(self, name)
+            if d is not None and d.itemsize > 4:
+                raise ValueError(f"MixedPrecision({name}={d}) is wider than the float32 master "
+                                 "parameters; mixed precision computes in a narrower dtype.")
+
+    @property
+    def uses_float16(self) -> bool:
+        return np.dtype(np.float16) in (self.param_dtype, self.reduce_dtype)
+
+    @property
+    def compresses(self) -> bool:
+        """Whether gradients are reduced in a dtype narrower than float32 (by a hook)."""
+        return self.reduce_dtype is not None and self.reduce_dtype.itemsize < 4
+
+
+def check_policy(value: Any) -> MixedPrecision | None:
+    """``value`` if it is ``None`` or a :class:`MixedPrecision`; a clear error otherwise."""
+    if value is None or isinstance(value, MixedPrecision):
+        return value
+    raise TypeError(
+        f"precision= must be a jddp.precision.MixedPrecision (or None), got "
+        f"{type(value).__name__} {value!r}; e.g. MixedPrecision(param_dtype=jnp.bfloat16, "
+        "reduce_dtype=jnp.float32)."
+    )
+
+
+def resolve_hook(policy: MixedPrecision | None, hook: Any) -> Any:
+    """The hook of a step with ``policy`` (``hook``: the user's, or ``None``): the matching
+    compression hook for a narrow ``reduce_dtype``. The combinations this refuses (a narrow
+    ``reduce_dtype`` next to a user's hook, float16 without a loss scale) are rows of
+    :mod:`jddp._src.step.compat`, checked before."""
+    if policy is None or not policy.compresses or hook is not None:
+        return hook
+    from jddp._src.reduce.hooks import bf16_compress, fp16_compress  # a leaf module: no cycle
+
+    return bf16_compress() if policy.reduce_dtype == np.dtype(jnp.bfloat16) else fp16_compress()
+
+
+def check_master(policy: MixedPrecision | None, params: Any) -> None:
+    """Raises unless every parameter leaf is float32 when a policy is given (the policy's
+    master copy: a bfloat16 master would lose the small updates mixed precision keeps)."""
+    if policy is None:
+        return
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    bad = [(jax.tree_util.keystr(p), jnp.result_type(x)) for p, x in paths
+           if jnp.result_type(x) != np.float32]
+    if bad:
+        shown = ", ".join(f"{k}: {d}" for k, d in bad[:3])
+        raise TypeError(
+            f"precision=MixedPrecision(...) keeps float32 master parameters, but {len(bad)} "
+            "leaves are not "
+            f"float32 ({shown}). Pass float32 params to init(); the policy casts them to "
+            f"param_dtype={policy.param_dtype} for compute."
+        )
+
+
+def compute_params(policy: MixedPrecision | None, params: Any) -> Any:
+    """``params`` (arrays or shape structs) as the loss computes with them: ``param_dtype``."""
+    if policy is None or policy.param_dtype is None:
+        return params
+    dtype = policy.param_dtype
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype)
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, params)
+
+
+def gather_dtype(policy: MixedPrecision | None) -> np.dtype | None:
+    """The dtype stage 3 all-gathers parameter pieces in (``None``: theirs)."""
+    return None if policy is None else policy.param_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast:
+    """A reducer (:class:`jddp._src.reduce.reduction.BucketReducer`) whose forward hands the loss
+    ``dtype`` copies of the bucket's parameters; everything else is ``inner``'s (the backward
+    gets gradients already in the master dtype: :func:`jddp._src.reduce.reduction._bucket_vjp` sums
+    local gradients in the dtype of the reduction's result)."""
+
+    inner: Any
+    dtype: np.dtype
+
+    prefetch = property(lambda self: self.inner.prefetch)
+    axis_name = property(lambda self: self.inner.axis_name)
+
+    def out_struct(self, i: int) -> jax.ShapeDtypeStruct:
+        return self.inner.out_struct(i)
+
+    def check(self, leaves: Sequence[Any]) -> None:
+        self.inner.check(leaves)
+
+    def gathers(self, i: int) -> bool:
+        return self.inner.gathers(i)
+
+    def backward(self, b: int, grads: tuple, states: tuple, extras: tuple, step: Any) -> tuple:
+        return self.inner.backward(b, grads, states, extras, step)
+
+    def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Any:
+        return self.inner.bytes(b, extras, step)
+
+    def mean_bytes(self, extras: Sequence[Any]) -> Any:
+        return self.inner.mean_bytes(extras)
+
+    def unused_bytes(self) -> Any:
+        return self.inner.unused_bytes()
+
+    def forward(self, b: int, leaves: tuple) -> tuple:
+        return tuple(x.astype(self.dtype) for x in self.inner.forward(b, leaves))
+
+    def unused(self, i: int, leaf: jax.Array) -> jax.Array:
+        return self.inner.unused(i, leaf).astype(self.dtype)
+
+
+def wrap_reducer(reducer: Any, policy: MixedPrecision | None) -> Any:
+    """``reducer`` under ``policy`` (itself without one)."""
+    if policy is None or policy.param_dtype is None:
+        return reducer
+    return Cast(reducer, policy.param_dtype)
+
+

@@ -78,7 +78,7 @@ def message(old: str) -> str:
             f"The old keyword works for one release (docs/migration.md).")
 
 
-_PACKAGE = str(Path(__file__).resolve().parent.parent) + os.sep  # the jddp/ folder
+_PACKAGE = str(Path(__file__).resolve().parents[2]) + os.sep  # the jddp/ folder
 
 
 def _user_stacklevel() -> int:

@@ -10,13 +10,17 @@ time): the state and the optimizer state, the batch, then each policy's own chec
 1-2. *local gradients, then reduce* (per device, in one ``jax.shard_map``): the reducer's
    ``cfg.reduce.local_step`` (:class:`jddp._src.step.config.Reducer`; the buckets'
    :func:`jddp._src.reduce.bucketed.bucketed_step`, or :class:`jddp.Deterministic`'s fixed tree),
-   returning a :class:`jddp._src.step.config.LocalResult`; the placement says what lives where
+   returning a :class:`jddp._src.step.config.LocalResult`, on the sync policy's view of this
+   device's replica (``cfg.sync.island_state``); the placement says what lives where
    (``cfg.place``'s specs, its device view of an offloaded state).
 3. *update* (global view): ``cfg.update.apply`` (:mod:`jddp._src.update.update`: accumulation windows,
    skip-if-not-finite and loss scaling wrapped around the update, like optax's ``MultiSteps`` and
    ``apply_if_finite``) around the optimizer at its placement (``cfg.place.update``).
 4. *sync* (global view): ``cfg.sync.after_update`` (:class:`jddp._src.step.config.SyncPolicy`: nothing
    for :class:`jddp._src.sync.every_step.EveryStep`; local SGD's parameter average or DiLoCo's outer step).
+
+The skeleton calls every hook of the sync policy, each with a
+:class:`jddp._src.step.config.SyncContext` (:func:`sync_context`), never the config.
 
 The state's layout is the policies' too: :func:`build_state` and :func:`state_specs` ask the
 reducer (its accumulator), the placement (parameters, optimizer state), the update wrappers

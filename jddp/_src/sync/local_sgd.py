@@ -99,7 +99,7 @@ class LocalSGD:
     :func:`post_local_sgd` (:class:`DiLoCo` is the other local-SGD policy).
 
     ``LocalSGD(period, start_step, outer_optimizer, ...)`` with an ``outer_optimizer`` builds a
-    :class:`DiLoCo` (the spelling of one policy with a mode, kept).
+    :class:`DiLoCo`, so the one-class spelling keeps working.
 
     Attributes:
       period: ``H``, steps per averaging (1: every step).
@@ -124,7 +124,7 @@ class LocalSGD:
     def __new__(cls, *args: Any, **kwargs: Any) -> LocalSGD:
         outer = args[2] if len(args) > 2 else kwargs.get("outer_optimizer")
         if cls is LocalSGD and outer is not None:
-            cls = DiLoCo  # LocalSGD(period, 0, outer) is DiLoCo, as before the two classes
+            cls = DiLoCo  # LocalSGD(period, 0, outer): the one-class spelling of DiLoCo
         return object.__new__(cls)
 
     def __post_init__(self) -> None:

@@ -11,7 +11,9 @@ Pass one to :class:`jddp.DataParallel`::
 
 Every other option of the step composes with it (accumulation, micro-batches, masks, ``rng``,
 loss scaling, skipping, summed metrics, ``jddp.ZeRO`` inside each host); ``diloco(period,
-fragments=F)`` is streaming DiLoCo. Under ``jddp-run --islands N`` the same script runs as N
+fragments=F)`` is streaming DiLoCo. The policies are two classes: :class:`LocalSGD` (post-local
+SGD, :func:`post_local_sgd`) and :class:`DiLoCo` (a ``LocalSGD`` whose averaging is the outer
+step, :func:`diloco`). Under ``jddp-run --islands N`` the same script runs as N
 islands that fail and rejoin, meeting at the outer step through torchft (docs/islands.md).
 See docs/scaling.md for when to use which, and what each averages.
 """
@@ -19,7 +21,7 @@ See docs/scaling.md for when to use which, and what each averages.
 from jddp._src.step.state import OuterState
 from jddp._src.sync.islands import IslandDiLoCo, island_diloco, island_env
 from jddp._src.sync.islands import status as island_status
-from jddp._src.sync.local_sgd import LocalSGD, diloco, post_local_sgd
+from jddp._src.sync.local_sgd import DiLoCo, LocalSGD, diloco, post_local_sgd
 
-__all__ = ["IslandDiLoCo", "LocalSGD", "OuterState", "diloco", "island_diloco", "island_env",
-           "island_status", "post_local_sgd"]
+__all__ = ["DiLoCo", "IslandDiLoCo", "LocalSGD", "OuterState", "diloco", "island_diloco",
+           "island_env", "island_status", "post_local_sgd"]

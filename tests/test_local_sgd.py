@@ -632,3 +632,42 @@ def test_compressed_averaging(hosts):
     assert float(m_q[2][key]) == pytest.approx(sent, rel=1e-3)  # + the metrics psum
     with pytest.raises(ValueError, match="error_feedback=False"):
         jddp.local_sgd.diloco(3, compress=jddp.hooks.int8_compress())
+
+
+# ------------------------------------------------------------------ the policies as classes
+
+
+def test_post_local_sgd_and_diloco_are_two_classes():
+    """DiLoCo is a LocalSGD whose averaging is the outer step; every spelling builds the class
+    that owns its algorithm, and the one-class spelling LocalSGD(period, 0, outer) is DiLoCo."""
+    local_sgd = jddp.local_sgd
+    post, dil = local_sgd.post_local_sgd(4, 2), local_sgd.diloco(4)
+    assert type(post) is local_sgd.LocalSGD and not post.diloco
+    assert type(dil) is local_sgd.DiLoCo and isinstance(dil, local_sgd.LocalSGD) and dil.diloco
+    same = local_sgd.LocalSGD(4, 0, dil.outer_optimizer)
+    assert type(same) is local_sgd.DiLoCo and same == dil and hash(same) == hash(dil)
+    assert same != local_sgd.LocalSGD(4)
+    assert [post.kind(s) for s in range(8)] == ["sync", "sync", "average", "local", "local",
+                                                "local", "average", "local"]
+    assert [dil.kind(s) for s in range(8)] == ["local", "local", "local", "average"] * 2
+    with pytest.raises(TypeError, match="DiLoCo needs its outer_optimizer"):
+        local_sgd.DiLoCo(4)
+
+
+def test_sync_policies_get_a_context_and_import_no_other_policy_family():
+    """No SyncPolicy method takes the StepConfig or more than 6 parameters, and the sync
+    modules import only the step's protocols and state, the topology, tree and introspect."""
+    import inspect
+
+    from jddp._src.step.config import SyncPolicy
+    from tests.test_structure import ROOT, Package
+
+    for name, fn in inspect.getmembers(SyncPolicy, inspect.isfunction):
+        params = list(inspect.signature(fn).parameters.values())[1:]
+        assert len(params) <= 6, name
+        assert not any("StepConfig" in str(p.annotation) for p in params), name
+    allowed = ("jddp._src.sync", "jddp._src.step.config", "jddp._src.step.state",
+               "jddp._src.runtime.topology", "jddp._src.tree", "jddp._src.introspect")
+    for module, deps in Package(ROOT).import_graph().items():
+        if module.startswith("jddp._src.sync"):
+            assert all(d.startswith(allowed) for d in deps), (module, sorted(deps))

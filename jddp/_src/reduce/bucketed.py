@@ -514,7 +514,6 @@ def bucketed_step(
     """The per-device step of the bucketed reduction (inside ``shard_map``;
     :meth:`jddp._src.reduce.reducers.Bucketed.local_step`): phase 1 (local gradients) and phase 2 (the
     reduction over the island), or accumulation only; see the module docstring."""
-    state = cfg.sync.island_state(cfg, state)
     prep = _prepare(cfg, obj, observer, lv, layout, state, batch, weights, rng)
     sync_fn = lambda s: _to_global(cfg, lv, _synchronise(cfg, obj, lv, prep, layout, phase, s))
     acc_fn = lambda s: _to_global(cfg, lv, _accumulate(cfg, obj, lv, prep, layout, phase, s))

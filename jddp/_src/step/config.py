@@ -131,10 +131,74 @@ class LocalResult(NamedTuple):
     comm: dict | None = None
 
 
+class ReplicaMean(Protocol):
+    """The mean over the replicas of per-replica values, one chained collective per bucket of a
+    plan (local SGD's averaging): the reducer family's, bound by the skeleton to the step's
+    chain and to how an island holds a replica (:class:`jddp._src.reduce.replica_mean.ReplicaMean`)."""
+
+    def __call__(self, leaves: list, plan: BucketPlan, *, extras: tuple, hook: CommHook | None,
+                 step: Any) -> tuple[list, tuple]:
+        """``(means, extras' means)`` inside the per-device step (``extras`` ride on the last
+        bucket; ``hook``: a stateless hook instead of the float32 ``psum``)."""
+        ...
+
+    def sent(self, plan: BucketPlan, sizes: list[int],
+             hook: CommHook | None) -> tuple[float, float]:
+        """``(inside, across)``: bytes one device sends for one mean of leaves of ``sizes``
+        elements each (as one device holds them), in the global view."""
+        ...
+
+
+class SyncContext(NamedTuple):
+    """What a sync policy sees of the rest of the step (built once by the skeleton,
+    :func:`jddp._src.step.skeleton.sync_context`): resolved facts, never another policy.
+
+    Attributes:
+      topology: the mesh's roles (its replica axis, the replicas, the island's devices).
+      param_spec: ``(topology, shape) -> spec`` of a parameter leaf inside one replica (the
+        placement's).
+      opt_spec: the same for an optimizer-state leaf.
+      per_device_state: the model state is already kept per device (``model_state_sync="none"``):
+        not copied per replica again, not averaged.
+      model_state_sync: how the averaging carries the model state (:mod:`jddp._src.sync.model_state`).
+      mean: the bucketed mean over replicas (:class:`ReplicaMean`).
+    """
+
+    topology: Topology
+    param_spec: Callable[[Topology, tuple[int, ...]], Any]
+    opt_spec: Callable[[Topology, tuple[int, ...]], Any]
+    per_device_state: bool
+    model_state_sync: str
+    mean: ReplicaMean
+
+
+class SyncStep(NamedTuple):
+    """One traced step as phase 4 (:meth:`SyncPolicy.after_update`) sees it: static facts.
+
+    Attributes:
+      roles: where the step reduced (:meth:`SyncPolicy.roles` of ``phase``).
+      phase: the sync policy's part of the step's static phase.
+      plan: the step's bucket plan.
+      sync: the call's static ``sync`` (``False``: an accumulating call; ``None``: the counter).
+      report: the step's metrics from extras averaged over every device (the loss policy's).
+    """
+
+    roles: Roles
+    phase: Any
+    plan: BucketPlan
+    sync: bool | None
+    report: Callable[[Extras], dict]
+
+
 class SyncPolicy(Protocol):
-    """How replicas stay in step (:mod:`jddp._src.sync.every_step`): what the step asks its sync policy,
-    unconditionally (implemented by :class:`jddp._src.sync.every_step.EveryStep` and
-    :class:`jddp._src.sync.local_sgd.LocalSGD`).
+    """How replicas stay in step (:mod:`jddp._src.sync.every_step`): what the step asks its sync
+    policy, unconditionally (implemented by :class:`jddp._src.sync.every_step.EveryStep`,
+    :class:`jddp._src.sync.local_sgd.LocalSGD` and its :class:`~jddp._src.sync.local_sgd.DiLoCo`).
+    Every method that needs the rest of the step gets a :class:`SyncContext`, never the config.
+
+    A policy may also define host hooks, called by ``ddp.step`` around each call when present
+    (islands: :class:`jddp._src.sync.islands.IslandDiLoCo`): ``before_step(ctx, state, batch,
+    mask) -> state`` and ``after_step(ctx, phase, state) -> state``.
 
     Attributes:
       islands: replicas keep their own state (the topology's replica axis, :class:`Topology`).
@@ -156,11 +220,11 @@ class SyncPolicy(Protocol):
         """Where a step of this phase reduces and keeps its state."""
         ...
 
-    def build_state(self, cfg: StepConfig, state: TrainState) -> TrainState:
+    def build_state(self, ctx: SyncContext, state: TrainState) -> TrainState:
         """The data-parallel initial state laid out as the policy keeps it."""
         ...
 
-    def state_specs(self, cfg: StepConfig, state: TrainState, specs: TrainState) -> TrainState:
+    def state_specs(self, ctx: SyncContext, state: TrainState, specs: TrainState) -> TrainState:
         """``specs`` (the data-parallel ones) for the policy's layout of ``state``."""
         ...
 
@@ -168,18 +232,17 @@ class SyncPolicy(Protocol):
         """The state as one replica sees it (global view; for the checks and the layout)."""
         ...
 
-    def island_state(self, cfg: StepConfig, state: TrainState) -> TrainState:
+    def island_state(self, ctx: SyncContext, state: TrainState) -> TrainState:
         """The state as this device's replica holds it (inside the per-device step)."""
         ...
 
-    def after_update(self, cfg: StepConfig, lv: Roles, phase: Any, plan: BucketPlan,
-                     state: TrainState, island: Extras | None, metrics: dict, comm: dict,
-                     report: Callable[[Extras], dict], synced: Any,
-                     sync: bool | None) -> tuple[TrainState, dict]:
-        """Phase 4 (global view, after the update): the new state and the step's metrics."""
+    def after_update(self, ctx: SyncContext, step: SyncStep, state: TrainState,
+                     res: LocalResult) -> tuple[TrainState, dict]:
+        """Phase 4 (global view, after the update): the new state and the step's metrics, from
+        the per-device result ``res`` (its ``comm`` with the update's bytes added)."""
         ...
 
-    def global_params(self, cfg: StepConfig, state: TrainState) -> Any:
+    def global_params(self, ctx: SyncContext, state: TrainState) -> Any:
         """The parameters to evaluate or export."""
         ...
 

@@ -10,13 +10,17 @@ time): the state and the optimizer state, the batch, then each policy's own chec
 1-2. *local gradients, then reduce* (per device, in one ``jax.shard_map``): the reducer's
    ``cfg.reduce.local_step`` (:class:`jddp._src.step.config.Reducer`; the buckets'
    :func:`jddp._src.reduce.bucketed.bucketed_step`, or :class:`jddp.Deterministic`'s fixed tree),
-   returning a :class:`jddp._src.step.config.LocalResult`; the placement says what lives where
+   returning a :class:`jddp._src.step.config.LocalResult`, on the sync policy's view of this
+   device's replica (``cfg.sync.island_state``); the placement says what lives where
    (``cfg.place``'s specs, its device view of an offloaded state).
 3. *update* (global view): ``cfg.update.apply`` (:mod:`jddp._src.update.update`: accumulation windows,
    skip-if-not-finite and loss scaling wrapped around the update, like optax's ``MultiSteps`` and
    ``apply_if_finite``) around the optimizer at its placement (``cfg.place.update``).
 4. *sync* (global view): ``cfg.sync.after_update`` (:class:`jddp._src.step.config.SyncPolicy`: nothing
    for :class:`jddp._src.sync.every_step.EveryStep`; local SGD's parameter average or DiLoCo's outer step).
+
+The skeleton calls every hook of the sync policy, each with a
+:class:`jddp._src.step.config.SyncContext` (:func:`sync_context`), never the config.
 
 The state's layout is the policies' too: :func:`build_state` and :func:`state_specs` ask the
 reducer (its accumulator), the placement (parameters, optimizer state), the update wrappers
@@ -38,9 +42,10 @@ from jddp._src.place import zero
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.hooks import init_hook_state
 from jddp._src.reduce.reduction import Bytes
+from jddp._src.reduce.replica_mean import ReplicaMean
 from jddp._src.runtime.topology import Roles
 from jddp._src.step.checks import check_batch, check_float_params
-from jddp._src.step.config import LocalResult, StepConfig
+from jddp._src.step.config import LocalResult, StepConfig, SyncContext, SyncStep
 from jddp._src.step.objective import Objective
 from jddp._src.step.state import TrainState
 from jddp._src.tree import broadcast_to_devices
@@ -52,6 +57,22 @@ PlanObserver = Callable[[BucketPlan], None]
 def objective(cfg: StepConfig, stateful: bool) -> Objective:
     """The user's loss as the step differentiates it."""
     return cfg.loss.objective(cfg.loss_fn, stateful)
+
+
+def sync_context(cfg: StepConfig) -> SyncContext:
+    """What the sync policy sees of the step: the topology, the placement's leaf specs, the loss
+    policy's model-state facts, and the reducer family's mean over replicas."""
+    place = cfg.place
+    return SyncContext(
+        topology=cfg.topology, param_spec=place.param_spec, opt_spec=place.opt_spec,
+        per_device_state=cfg.loss.per_replica_state, model_state_sync=cfg.loss.model_state_sync,
+        mean=ReplicaMean(cfg.topology, cfg.reduce.chain, place.splits_params),
+    )
+
+
+def global_params(cfg: StepConfig, state: TrainState) -> Any:
+    """The parameters to evaluate or export (the sync policy's)."""
+    return cfg.sync.global_params(sync_context(cfg), state)
 
 
 def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainState:
@@ -68,7 +89,8 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
         accum=cfg.reduce.init_accum(cfg, params, model_state),  # None without a window
         loss_scale=cfg.update.init_scale(),
     )
-    return cfg.sync.build_state(cfg, state)  # local SGD / DiLoCo keep one copy per replica
+    # Local SGD / DiLoCo keep one copy per replica.
+    return cfg.sync.build_state(sync_context(cfg), state)
 
 
 def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
@@ -86,7 +108,8 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
         hook_state=per_device(state.hook_state),
         **cfg.update.specs(state, cfg.topology),
     )
-    return cfg.sync.state_specs(cfg, state, specs)  # local SGD / DiLoCo's per-replica leaves
+    # Local SGD / DiLoCo's per-replica leaves.
+    return cfg.sync.state_specs(sync_context(cfg), state, specs)
 
 
 def state_shardings(cfg: StepConfig, state: TrainState) -> TrainState:
@@ -203,9 +226,9 @@ def train_step(
     comm = _add_update_bytes(dict(res.comm or {}), sent, res.synced)
     # Phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step).
     report = cfg.accumulate.report(cfg.loss, state.accum, cfg.topology.num_devices)
-    new_state, metrics = cfg.sync.after_update(cfg, lv, sync_phase, plan, new_state, res.island,
-                                               dict(res.metrics), comm, report,
-                                               res.synced, sync)
+    new_state, metrics = cfg.sync.after_update(
+        sync_context(cfg), SyncStep(lv, sync_phase, plan, sync, report), new_state,
+        res._replace(comm=comm))
     metrics = {**metrics, **cfg.accumulate.window_metrics(state.accum, res.synced),
                **res.local_metrics, **update_metrics}
     metrics = _optimizer_metrics(lv, metrics, new_state.opt_state)
@@ -231,8 +254,16 @@ def _local_phases(cfg: StepConfig, observe: PlanObserver, lv: Roles, layout: zer
     # The per-device phases never read the optimizer state; offloaded, it stays on the host.
     inside = cfg.place.device_view(state)
     obj = objective(cfg, state.model_state is not None)
+    ctx = sync_context(cfg)
+    reduce = functools.partial(cfg.reduce.local_step, cfg, obj, observe, sync, hook_phase, lv,
+                               layout)
+
+    def per_device(state: TrainState, batch: Any, weights: Any, rng: Any) -> LocalResult:
+        # The sync policy's view of this device's replica (local SGD: the replica's own state).
+        return reduce(cfg.sync.island_state(ctx, state), batch, weights, rng)
+
     local = jax.shard_map(
-        functools.partial(cfg.reduce.local_step, cfg, obj, observe, sync, hook_phase, lv, layout),
+        per_device,
         mesh=cfg.mesh,
         in_specs=(state_specs(cfg, inside), data, data, P()),
         out_specs=_result_specs(cfg, lv, view, layout),

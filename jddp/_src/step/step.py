@@ -126,6 +126,7 @@ class Step:
         self._jit_fn: Any = None  # built on the first call or lower (see _jit)
         self._options_used: dict[str, Any] = {}
         self._phase_fn = skeleton.step_phase(cfg)
+        self._sync_ctx = skeleton.sync_context(cfg)  # for the sync policy's host hooks
         # Input signatures already checked to agree across processes, and the programs (input
         # signature, sync, phase) whose collectives were (multi-process runs only).
         self._agreed: set[tuple] = set()
@@ -213,7 +214,7 @@ class Step:
         # Sync policies with a host part (islands: jddp._src.sync.islands) see each step's input.
         before = getattr(self._cfg.sync, "before_step", None)
         if before is not None:
-            state = before(self._cfg, state, batch, mask)
+            state = before(self._sync_ctx, state, batch, mask)
         sync = options.step_sync(sync, self._cfg.accumulate.steps)
         if self._jit_fn is None:
             self._build_jit(state)
@@ -233,7 +234,7 @@ class Step:
         new_state, metrics = self._call(state, batch, mask, rng, sync=sync, phase=phase)
         after = getattr(self._cfg.sync, "after_step", None)
         if after is not None:
-            new_state = after(self._cfg, phase, new_state)
+            new_state = after(self._sync_ctx, phase, new_state)
         # The update's own rule (None: decided on the device; read it back next time).
         following = self._cfg.update.following(step, sync)
         self._known = None if following is None else (weakref.ref(new_state.step), following)

@@ -471,4 +471,4 @@ class DataParallel:
         """The parameters to evaluate or export: ``state.params``; with local SGD the mean of the
         replicas' parameters (each replica's own right after an averaging step), with DiLoCo the
         outer (global) parameters. Replicated on the mesh."""
-        return self.config.sync.global_params(self.config, state)
+        return skeleton.global_params(self.config, state)

@@ -8,9 +8,11 @@ optimizer's step the same way): on the host it picks each step's static phase
 (:meth:`~SyncPolicy.split_phase`), names where the step reduces (:meth:`~SyncPolicy.roles`),
 lays out its state (:meth:`~SyncPolicy.build_state`, :meth:`~SyncPolicy.state_specs`,
 :meth:`~SyncPolicy.replica_view`, :meth:`~SyncPolicy.island_state`) and runs after the update
-(:meth:`~SyncPolicy.after_update`). The protocol is written out in
+(:meth:`~SyncPolicy.after_update`); what it needs of the rest of the step comes resolved in a
+:class:`jddp._src.step.config.SyncContext`, never the config. The protocol is written out in
 :class:`jddp._src.step.config.SyncPolicy`; the policies are :class:`EveryStep` (here: plain data
-parallelism, every method the identity) and :class:`jddp._src.sync.local_sgd.LocalSGD`.
+parallelism, every method the identity), :class:`jddp._src.sync.local_sgd.LocalSGD` (post-local
+SGD) and its :class:`~jddp._src.sync.local_sgd.DiLoCo`.
 
 This module is a leaf below ``config`` (which holds the default); it imports only the topology.
 """
@@ -48,11 +50,11 @@ class EveryStep:
         del phase
         return topology.roles(None)
 
-    def build_state(self, cfg: Any, state: Any) -> Any:
+    def build_state(self, ctx: Any, state: Any) -> Any:
         """The data-parallel state as it is (one copy, replicated or sharded)."""
         return state
 
-    def state_specs(self, cfg: Any, state: Any, specs: Any) -> Any:
+    def state_specs(self, ctx: Any, state: Any, specs: Any) -> Any:
         """The data-parallel specs as they are."""
         return specs
 
@@ -60,16 +62,14 @@ class EveryStep:
         """The state: every replica holds all of it."""
         return state
 
-    def island_state(self, cfg: Any, state: Any) -> Any:
+    def island_state(self, ctx: Any, state: Any) -> Any:
         """The state: every device holds it as it is."""
         return state
 
-    def after_update(self, cfg: Any, lv: Roles, phase: None, plan: Any, state: Any,
-                     island: Any, metrics: dict, comm: dict, report: Any, synced: Any,
-                     sync: bool | None) -> tuple[Any, dict]:
+    def after_update(self, ctx: Any, step: Any, state: Any, res: Any) -> tuple[Any, dict]:
         """Phase 4: nothing to do; the step's metrics and the bytes its reduction sent."""
-        return state, {**metrics, **comm}
+        return state, {**res.metrics, **res.comm}
 
-    def global_params(self, cfg: Any, state: Any) -> Any:
+    def global_params(self, ctx: Any, state: Any) -> Any:
         """The parameters to evaluate or export: the state's (every replica's)."""
         return state.params

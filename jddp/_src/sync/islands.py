@@ -2,7 +2,7 @@
 
 An *island* is one jddp run (its own JAX world of one or more processes, started by
 ``jddp-run --islands N``, :mod:`jddp._src.runtime.island_launch`). Inside it DiLoCo runs as usual
-(:class:`jddp._src.sync.local_sgd.LocalSGD`: inner steps, the delta averaged over the island's own
+(:class:`jddp._src.sync.local_sgd.DiLoCo`: inner steps, the delta averaged over the island's own
 replicas in the jitted step). Islands meet only at the outer step, on the host, through torchft
 (its Lighthouse for the quorum, a ``Manager`` per island, its reconfigurable Gloo process group
 for the all-reduce, its checkpoint transport to heal a joining island):
@@ -41,8 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jddp._src.step.config import SyncContext
 from jddp._src.step.state import OuterState
-from jddp._src.sync.local_sgd import AVERAGE, LocalSGD
+from jddp._src.sync.local_sgd import AVERAGE, DiLoCo
 
 ENV_ISLAND = "JDDP_ISLAND"  # this island's index, 0 .. JDDP_ISLANDS - 1 (set by jddp-run --islands)
 ENV_ISLANDS = "JDDP_ISLANDS"  # how many islands the run was started with
@@ -101,7 +102,7 @@ def _capture(outer: optax.GradientTransformation) -> optax.GradientTransformatio
 
 
 @dataclasses.dataclass(frozen=True)
-class IslandDiLoCo(LocalSGD):
+class IslandDiLoCo(DiLoCo):
     """DiLoCo whose outer step averages the islands in torchft's current quorum.
 
     ``jddp.local_sgd.diloco(...)`` returns one inside ``jddp-run --islands`` (so a DiLoCo script
@@ -129,24 +130,24 @@ class IslandDiLoCo(LocalSGD):
             raise ValueError("IslandDiLoCo needs its outer optimizer: build it with "
                              "jddp.local_sgd.island_diloco(period, ...).")
 
-    def before_step(self, cfg: Any, state: Any, batch: Any, mask: Any) -> Any:
+    def before_step(self, ctx: SyncContext, state: Any, batch: Any, mask: Any) -> Any:
         """On the host before each step: counts the step's examples; on a restarted island's first
         step, joins the next outer step and takes the live global state from a member."""
         rt = _runtime()
         if rt.joined is False and island_env_required().attempt > 0:
             rt.joined = True
-            state = self._sync(cfg, state, rt, entry=True)
+            state = self._sync(ctx, state, rt, entry=True)
         rt.joined = True
         rt.examples += _rows(batch, mask)
         return state
 
-    def after_step(self, cfg: Any, phase: Any, state: Any) -> Any:
+    def after_step(self, ctx: SyncContext, phase: Any, state: Any) -> Any:
         """On the host after a step: after an outer-step phase, the outer step across islands."""
         if phase is None or phase.kind != AVERAGE:
             return state
-        return self._sync(cfg, state, _runtime(), entry=False)
+        return self._sync(ctx, state, _runtime(), entry=False)
 
-    def _sync(self, cfg: Any, state: Any, rt: _Runtime, entry: bool) -> Any:
+    def _sync(self, ctx: SyncContext, state: Any, rt: _Runtime, entry: bool) -> Any:
         outer = state.outer
         real_opt, delta = outer.opt_state
         anchor = _host(outer.params)
@@ -167,7 +168,7 @@ class IslandDiLoCo(LocalSGD):
                 "(docs/islands.md).\n")
             sys.stderr.flush()
             os._exit(EXIT_NO_PEER)
-        return _apply(cfg, self.outer, state, base, mean)
+        return _apply(ctx.topology.replicas, self.outer, state, base, mean)
 
 
 def island_env_required() -> IslandEnv:
@@ -397,7 +398,8 @@ def _spread(r: int, shardings: tuple, dtypes: tuple) -> Callable[..., Any]:
                    out_shardings=shardings)
 
 
-def _apply(cfg: Any, outer: Any, state: Any, base: _Snapshot, mean: list[np.ndarray] | None) -> Any:
+def _apply(replicas: int, outer: Any, state: Any, base: _Snapshot,
+           mean: list[np.ndarray] | None) -> Any:
     """The state after the agreed outer step: ``base`` moved by ``outer`` along ``mean``, the
     replicas restarted from it, the captured delta cleared."""
     real_opt, delta = state.outer.opt_state
@@ -406,7 +408,7 @@ def _apply(cfg: Any, outer: Any, state: Any, base: _Snapshot, mean: list[np.ndar
         anchor, opt = _outer_update(outer)(anchor, opt, _put(state.outer.params, mean))
     shardings = tuple(p.sharding for p in jax.tree.leaves(state.params))
     dtypes = tuple(p.dtype for p in jax.tree.leaves(state.params))
-    spread = _spread(cfg.topology.replicas, shardings, dtypes)
+    spread = _spread(replicas, shardings, dtypes)
     params = jax.tree.unflatten(jax.tree.structure(state.params),
                                 list(spread(tuple(jax.tree.leaves(anchor)))))
     zero = jax.tree.map(jnp.zeros_like, delta)

@@ -13,6 +13,7 @@ import pytest
 
 import jddp
 from jddp._src.reduce import platform_paths
+from jddp._src.step.skeleton import reduce_context
 from tests import _reference as ref
 from tests._models import mlp_loss, mlp_params, regression_batch
 from tests.test_replicated import _loss_fn, _Net, _setup
@@ -72,7 +73,7 @@ def test_the_syncbn_scales_go_in_buckets_with_the_paths_off(paths_off):
     batch, params, ms = _setup()
     ddp = jddp.DataParallel(_loss_fn(_Net()), optax.sgd(0.1))
     assert ddp.plan(params, batch, ms).implicit == ()
-    assert not ddp.config.reduce.jax_reduces(ddp.config)
+    assert not ddp.config.reduce.jax_reduces(reduce_context(ddp.config))
 
 
 def test_the_step_with_the_paths_off_equals_the_reference(paths_off):

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import jddp
+from jddp._src.step.skeleton import reduce_context
 from tests._models import batch_stats_loss, max_abs_diff, sorted_regression_batch
 from tests.launch_util import run_launcher
 
@@ -103,9 +104,9 @@ def test_every_leaf_is_bucketed_where_something_else_reads_the_buckets(kwargs):
     batch, params, ms = _setup()
     ddp = jddp.DataParallel(_loss_fn(_Net()), optax.sgd(0.1), **kwargs)
     plan = ddp.plan(params, batch, ms)
-    assert plan.implicit == () and not ddp.config.reduce.jax_reduces(ddp.config)
+    assert plan.implicit == () and not ddp.config.reduce.jax_reduces(reduce_context(ddp.config))
     default = jddp.DataParallel(_loss_fn(_Net()), optax.sgd(0.1)).config
-    assert default.reduce.jax_reduces(default)  # the bucketed reducer decides (on CPU here)
+    assert default.reduce.jax_reduces(reduce_context(default))  # the bucketed reducer decides (on CPU here)
     assert sorted(i for b in plan.buckets for i in b.indices) == list(range(len(plan.paths)))
 
 

@@ -5,7 +5,7 @@
 
 a. *local gradients* (:func:`_prepare`, :func:`_window_start`): the loss is traced **once**, on
    this call's last micro-batch (:func:`jddp._src.introspect.jaxpr.trace`); the bucket plan is
-   read from that jaxpr (``cfg.reduce.plan``, then ``cfg.place.mark_not_resharded``); the
+   read from that jaxpr (the reducer's ``plan``, then the placement's ``mark_not_resharded``); the
    window's local gradients so far are summed (the accumulator, and this call's first ``m - 1``
    micro-batches, scanned over the same jaxpr);
 b. *reduce* (:func:`_reduce`): a synchronising call evaluates the jaxpr on the last micro-batch
@@ -18,9 +18,13 @@ c. a call that does not synchronise (:func:`_accumulate`) adds its micro-batches
    collective.
 
 Its result is a :class:`jddp._src.step.config.LocalResult`, the same record the deterministic reducer
-returns. The policies decide the rest: ``cfg.place`` (a sharded stage's reduce-scatter, stage 3's
-gathers), ``cfg.accumulate`` (micro-batches, the window), ``cfg.loss`` (keys, weights, metrics),
-``cfg.precision`` (compute and reduction dtypes).
+returns. It reads the step through its :class:`jddp._src.step.config.ReduceContext` (the other
+policies' facts, resolved by the skeleton, and their operations: ``ctx.place``, a sharded stage's
+reduce-scatter and stage 3's gathers; ``ctx.accumulate``, micro-batches and the window; the loss
+policy's keys and metrics; ``ctx.precision``, compute and reduction dtypes) and the call's
+:class:`jddp._src.step.config.LocalCall` (the objective, the roles, the layout, the loss scale),
+both held with the reducer's own options in one :class:`Step`; the skeleton hands it the state of
+this device's replica.
 """
 
 from __future__ import annotations
@@ -43,23 +47,29 @@ from jddp._src.reduce.reduction import (
     Sharded,
     bucketed_vjp,
 )
-from jddp._src.runtime.topology import Roles
 from jddp._src.step.checks import batch_size
-from jddp._src.step.config import LocalResult, StepConfig
-from jddp._src.step.objective import Extras, LocalAux, Objective
+from jddp._src.step.config import LocalCall, LocalResult, ReduceContext
+from jddp._src.step.objective import Extras, LocalAux
 from jddp._src.step.state import AccumState, TrainState
 from jddp._src.tree import add_device_dim, strip_device_dim
 from jddp._src.update import accumulation as acc_lib
 from jddp._src.update import loss_scale as ls_lib
 from jddp._src.update import precision as precision_lib
 
-PlanObserver = Callable[[BucketPlan], None]
 
+class Step(NamedTuple):
+    """What every phase of one bucketed step reads.
 
-# ------------------------------------------------------------------------------------ state
+    Attributes:
+      ctx: the step's context (topology, the other policies' facts and operations).
+      call: this call's values (objective, observer, ``sync``, phase, roles, layout, loss scale).
+      reducer: the reducer's own options (:class:`jddp._src.reduce.reducers.Bucketed`: ``hook``,
+        ``chain``, ``plan``).
+    """
 
-
-# ------------------------------------------------------------------------------------ checks
+    ctx: ReduceContext
+    call: LocalCall
+    reducer: Any
 
 
 # ------------------------------------------------------------------------------------ the step
@@ -82,7 +92,7 @@ def _varying_loss(obj: Callable[..., Any], axis: Any) -> Callable[..., Any]:
     return loss_varying
 
 
-def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
+def _start_model_state(ctx: ReduceContext, state: TrainState) -> Any:
     """The model state this device's micro-batches start from, typed as varying when scanned or
     accumulated (it becomes per-device as soon as a micro-batch updates it, and scan carries
     keep one type).
@@ -93,15 +103,15 @@ def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
     ms = state.model_state
     if ms is None:
         return None
-    if cfg.loss.per_replica_state:
+    if ctx.loss.per_replica_state:
         ms = strip_device_dim(ms)
     acc = state.accum
-    if cfg.accumulate.is_identity:
+    if ctx.window.every_call:
         # No scan carry: keep the replicated type, so that state the loss computes from
         # collectives only (cross-replica BatchNorm) stays invariant and is not synchronised
         # again (jddp._src.sync.model_state).
         return ms
-    ms = _varying(ms, cfg.topology.data)
+    ms = _varying(ms, ctx.topology.data)
     if acc is None:
         return ms
     # A select, not a reset on sync: see accumulation.live (the stale slot is never rewritten).
@@ -109,13 +119,12 @@ def _start_model_state(cfg: StepConfig, state: TrainState) -> Any:
     return jax.tree.map(lambda s, a: jnp.where(fresh, s, a[0]), ms, acc.model_state)
 
 
-def _plan(cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any,
-          observer: PlanObserver | None, layout: zero.Layout | None = None) -> BucketPlan:
-    plan = cfg.reduce.plan(cfg, traced, params)
-    if layout is not None:  # what resharding cannot free (a warning, and in the plan)
-        plan = cfg.place.mark_not_resharded(plan, traced, layout)
-    if observer is not None:
-        observer(plan)
+def _plan(s: Step, traced: jaxpr_lib.Traced, params: Any) -> BucketPlan:
+    plan = s.reducer.plan(s.ctx, traced, params)
+    # What resharding cannot free (a warning, and in the plan).
+    plan = s.ctx.place.mark_not_resharded(plan, traced, s.call.layout)
+    if s.call.observer is not None:
+        s.call.observer(plan)
     return plan
 
 
@@ -130,20 +139,20 @@ def _aux_zeros(aux_shape: LocalAux, axis: Any) -> acc_lib.Sums:
     )
 
 
-def _metric_keys(cfg: StepConfig, aux_shape: LocalAux) -> list[str]:
-    window = ["window_loss"] if cfg.accumulate.accumulates else []
+def _metric_keys(ctx: ReduceContext, aux_shape: LocalAux) -> list[str]:
+    window = ["window_loss"] if ctx.window.accumulates else []
     return [*aux_shape.metrics, *(k for k in aux_shape.sums if k != "loss"), "loss", *window]
 
 
-def _example_keys(cfg: StepConfig, state: TrainState, rng: Any, batch: Any) -> Any:
+def _example_keys(ctx: ReduceContext, state: TrainState, rng: Any, batch: Any) -> Any:
     """This device's per-example keys (see :mod:`jddp._src.data.rng`), or ``None`` without ``rng``."""
     local = batch_size(batch)
 
     def where() -> tuple[Any, Any]:  # this device's first row, and the call in the window
         call = jnp.zeros((), jnp.int32) if state.accum is None else state.accum.count
-        return lax.axis_index(cfg.topology.data) * local, call
+        return lax.axis_index(ctx.topology.data) * local, call
 
-    return cfg.loss.example_keys(rng, state.step, local, where)
+    return ctx.example_keys(rng, state.step, local, where)
 
 
 def _scaled(fun: Callable[..., Any], scale: Any) -> Callable[..., Any]:
@@ -201,33 +210,32 @@ class Prepared(NamedTuple):
     unit: float = 1.0
 
 
-def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
-             lv: Roles, layout: zero.Layout, state: TrainState, batch: Any,
-             weights: Any, rng: Any) -> Prepared:
+def _prepare(s: Step, state: TrainState, batch: Any, weights: Any, rng: Any) -> Prepared:
     """Phase 1's set-up: the micro-batches, the loss traced once and the bucket plan."""
+    ctx, layout = s.ctx, s.call.layout
     treedef = jax.tree.structure(state.params)
     full_params = jax.tree.unflatten(treedef, [
         jax.ShapeDtypeStruct(shape, jnp.result_type(x))
         for shape, x in zip(layout.shapes, jax.tree.leaves(state.params), strict=True)
     ])
-    sharded = cfg.place.reduction(layout, lv)
+    sharded = ctx.place.reduction(layout, s.call.roles)
     # Stage 3's parameters are pieces here: its loss is traced on whole ones.
-    params_v = cfg.place.trace_params(_varying(state.params, cfg.topology.data), full_params)
-    ms0 = _start_model_state(cfg, state)
+    params_v = ctx.place.trace_params(_varying(state.params, ctx.topology.data), full_params)
+    ms0 = _start_model_state(ctx, state)
     # Per-example inputs besides the batch, split like it: the mask's weights and the keys.
-    side = (weights, _example_keys(cfg, state, rng, batch))
-    (micro, side_m), (last, side_last) = cfg.accumulate.split((batch, side))
+    side = (weights, _example_keys(ctx, state, rng, batch))
+    (micro, side_m), (last, side_last) = ctx.accumulate.split((batch, side))
     # The one trace of the user's loss in this program: planning, the scanned micro-batches, the
     # accumulating branch and the reducing evaluation all read this jaxpr.
     # Under a mixed-precision policy the loss is traced with param_dtype parameters.
-    traced = jaxpr_lib.trace(_varying_loss(obj, cfg.topology.data),
-                             precision_lib.compute_params(cfg.precision, params_v),
+    traced = jaxpr_lib.trace(_varying_loss(s.call.obj, ctx.topology.data),
+                             precision_lib.compute_params(ctx.precision, params_v),
                              ms0, last, *side_last)
-    plan = _plan(cfg, traced, full_params, observer, layout)
-    loss_scale = None if state.loss_scale is None else state.loss_scale.scale
+    plan = _plan(s, traced, full_params)
+    loss_scale = s.call.loss_scale
     # Sums kept for later (the accumulator, the scanned micro-batches) are plain sums, times the
     # micro-batch's unit: the calls of a window may differ in shape (see Objective.unit).
-    unit = obj.unit(side_last[0])
+    unit = s.call.obj.unit(side_last[0])
     raw_scale = None if unit == 1.0 else (
         jnp.float32(unit) if loss_scale is None else loss_scale * unit)
     grad_raw = jax.grad(_scaled(jaxpr_lib.as_function(traced),
@@ -240,20 +248,20 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
                     micro, side_m, last, side_last, grad_fn, loss_scale, sharded, layout, unit)
 
 
-def _local_params(cfg: StepConfig, lv: Roles, prep: Prepared) -> tuple[Any, Bytes]:
+def _local_params(s: Step, prep: Prepared) -> tuple[Any, Bytes]:
     """The parameters local gradients (earlier micro-batches, no-sync calls) are taken at, and
     the bytes of getting them (stage 3 gathers them: :meth:`jddp._src.place.placement.ZeRO.local_params`).
     """
-    return cfg.place.local_params(cfg.topology, lv, prep.plan, prep.layout, cfg.reduce.chain, prep.params,
-                                  prep.params_v, cfg.precision)
+    ctx = s.ctx
+    return ctx.place.local_params(ctx.topology, s.call.roles, prep.plan, prep.layout,
+                                  s.reducer.chain, prep.params, prep.params_v, ctx.precision)
 
 
-def _head_sums(cfg: StepConfig, lv: Roles, prep: Prepared,
-               init: acc_lib.Sums) -> tuple[acc_lib.Sums, Bytes]:
+def _head_sums(s: Step, prep: Prepared, init: acc_lib.Sums) -> tuple[acc_lib.Sums, Bytes]:
     """The local sums of this call's first ``m - 1`` micro-batches, added to ``init``, and the
     bytes of the parameters they needed."""
-    head, side_head = cfg.accumulate.head((prep.micro, prep.side))
-    params, sent = _local_params(cfg, lv, prep)
+    head, side_head = s.ctx.accumulate.head((prep.micro, prep.side))
+    params, sent = _local_params(s, prep)
     return acc_lib.local_sums(prep.grad_fn, params, head, side_head, init), sent
 
 
@@ -276,36 +284,35 @@ def _reduce_locally(traced: jaxpr_lib.Traced, params_v: Any, args: tuple, seed: 
     return out, leaves
 
 
-def _reduce(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
-            state: TrainState, phase: Any, args: tuple, seed: Any, offset: list | None,
-            extras: Callable[[Any], Extras]) -> Reduced:
+def _reduce(s: Step, prep: Prepared, state: TrainState, args: tuple, seed: Any,
+            offset: list | None, extras: Callable[[Any], Extras]) -> Reduced:
     """Phase 2: the gradients of the last micro-batch plus ``offset``, averaged over the
     island's devices (``lv.axis``) bucket by bucket, and ``extras(out)`` riding on the last
     bucket."""
+    lv, red = s.call.roles, s.reducer
     hook_state = strip_device_dim(state.hook_state)
     if lv.axis is None:
-        out, grads = _reduce_locally(prep.traced, _local_params(cfg, lv, prep)[0], args, seed,
-                                     offset)
+        out, grads = _reduce_locally(prep.traced, _local_params(s, prep)[0], args, seed, offset)
         return Reduced(out, grads, tuple(hook_state), extras(out))
     return bucketed_vjp(
         prep.traced, jax.tree.leaves(prep.params), args, plan=prep.plan, axis_name=lv.axis,
-        hook=cfg.reduce.hook, hook_state=hook_state, step=state.step, phase=phase,
-        chain=cfg.reduce.chain,
+        hook=red.hook, hook_state=hook_state, step=state.step, phase=s.call.phase,
+        chain=red.chain,
         seed=seed, offset=offset, extras_fn=extras,
-        extras_shape=obj.extras_shape(prep.aux_shape, lv.size, lv.axis,
-                                      cfg.accumulate.accumulates), sharded=prep.sharded,
-        hosts_axis=lv.hosts, precision=cfg.precision,
+        extras_shape=s.call.obj.extras_shape(prep.aux_shape, lv.size, lv.axis,
+                                             s.ctx.window.accumulates), sharded=prep.sharded,
+        hosts_axis=lv.hosts, precision=s.ctx.precision,
     )
 
 
-def _window_start(cfg: StepConfig, lv: Roles, prep: Prepared,
-                  acc: AccumState | None) -> tuple:
+def _window_start(s: Step, prep: Prepared, acc: AccumState | None) -> tuple:
     """``(offset, call, (loss0, weight0), model_state, sent)``: the window's local gradient sums
     before this call's last micro-batch (the accumulator, then this call's first ``m - 1``
     micro-batches), this call's aux sums so far, the earlier calls' loss and weight, the model
     state the last micro-batch starts from, and the bytes sent for them (stage 3's gather)."""
-    call = _aux_zeros(prep.aux_shape, cfg.topology.data)
-    accumulate = cfg.accumulate
+    data = s.ctx.topology.data
+    call = _aux_zeros(prep.aux_shape, data)
+    accumulate = s.ctx.accumulate
     if acc is not None:
         live_grads, live_loss, live_weight = acc_lib.live(acc)
         # A sharded accumulator holds reduced sums: added after the reduction (_synchronise).
@@ -315,25 +322,25 @@ def _window_start(cfg: StepConfig, lv: Roles, prep: Prepared,
         offset = None
         window0 = (jnp.zeros((), jnp.float32),) * 2
     ms_last, sent = prep.ms0, Bytes()
-    if accumulate.scans:
+    if s.ctx.window.scans:
         if offset is None:
             offset = acc_lib.varying_zeros(jax.tree.map(lambda p: jax.ShapeDtypeStruct(
                 jnp.shape(p), accumulate.sum_dtype(jnp.result_type(p))),
-                prep.full_params), cfg.topology.data)
-        call, sent = _head_sums(cfg, lv, prep, call._replace(grads=offset, model_state=prep.ms0))
+                prep.full_params), data)
+        call, sent = _head_sums(s, prep, call._replace(grads=offset, model_state=prep.ms0))
         offset, ms_last = call.grads, call.model_state
     return offset, call, window0, ms_last, sent
 
 
-def _synchronise(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
-                 layout: zero.Layout, phase: Any, state: TrainState) -> LocalResult:
+def _synchronise(s: Step, prep: Prepared, state: TrainState) -> LocalResult:
     """A synchronising call: the window's local sums, then the reducing evaluation of the last
     micro-batch (phase 2), its metrics and model state."""
-    accumulate, acc = cfg.accumulate, state.accum
-    offset, call, (loss0, weight0), ms_last, gathered = _window_start(cfg, lv, prep, acc)
+    ctx, lv, obj = s.ctx, s.call.roles, s.call.obj
+    accumulate, acc = ctx.accumulate, state.accum
+    offset, call, (loss0, weight0), ms_last, gathered = _window_start(s, prep, acc)
     # The mean over the window's micro-batches.
     count = accumulate.window_count(acc)
-    seed = None if accumulate.is_identity else 1.0 / count
+    seed = None if ctx.window.every_call else 1.0 / count
     offset_leaves = None
     if offset is not None:  # plain sums (see Objective.unit), to this call's unit
         assert seed is not None  # an offset means earlier micro-batches
@@ -351,10 +358,10 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
         weight = call.weight + aux.weight
         totals = LocalAux(aux.model_state, acc_lib.add(call.metrics, aux.metrics), sums, weight)
         return reducer.extras(totals, loss0 + sums["loss"], weight0 + weight, lv.axis, lv.size,
-                              cfg.accumulate.accumulates)
+                              ctx.window.accumulates)
 
-    red = _reduce(cfg, obj, lv, prep, state, phase, (ms_last, prep.last, *prep.side_last),
-                  loss_seed, offset_leaves, extras)
+    red = _reduce(s, prep, state, (ms_last, prep.last, *prep.side_last), loss_seed,
+                  offset_leaves, extras)
     mean: Extras = red.extras
     reduced = red.grads
     if acc is not None:  # a sharded accumulator's earlier reduced sums, scaled alike
@@ -364,16 +371,16 @@ def _synchronise(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
     if ls is not None:  # unscaled after the reduction: the same on every replica
         grads = ls_lib.unscale(grads, ls)
     nonempty = jnp.asarray(True)
-    if cfg.loss.weighted:
+    if ctx.loss.weighted:
         # grads = mean_dev(sum of local gradients) / count; the wanted mean divides the sum
         # over devices by the window's real weight, which rode on the last bucket.
         nonempty = mean.window_weight > 0
         scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-    metrics = cfg.loss.report(mean, accumulate.microbatches, count, lv.size)
+    metrics = ctx.report(mean, ctx.window.microbatches, count, lv.size)
     # Stages 1-2 all-gather the updated pieces after the update (placement.gather_params).
-    updated = cfg.place.update_bytes(cfg.topology, lv, prep.plan, layout)
-    comm = _comm_bytes(cfg, red.sent + gathered + updated)
+    updated = ctx.place.update_bytes(ctx.topology, lv, prep.plan, prep.layout)
+    comm = _comm_bytes(ctx, red.sent + gathered + updated)
     local: dict = {}
     new_accum = None
     if acc is not None:
@@ -409,19 +416,17 @@ class CallSums(NamedTuple):
     sent: Bytes
 
 
-def _local_call(cfg: StepConfig, lv: Roles, prep: Prepared,
-                live_grads: Any) -> CallSums:
+def _local_call(s: Step, prep: Prepared, live_grads: Any) -> CallSums:
     """The call's local gradients added to a per-device accumulator: no collective (stage 3
     gathers the parameters it computes with)."""
-    params, gathered = _local_params(cfg, lv, prep)
+    params, gathered = _local_params(s, prep)
     call = acc_lib.local_sums(prep.grad_fn, params, prep.micro, prep.side,
-                              _aux_zeros(prep.aux_shape, cfg.topology.data)
+                              _aux_zeros(prep.aux_shape, s.ctx.topology.data)
                               ._replace(grads=live_grads, model_state=prep.ms0))
     return CallSums(call.grads, call.sums["loss"], call.weight, call.model_state, gathered)
 
 
-def _scattered_call(cfg: StepConfig, lv: Roles, prep: Prepared, state: TrainState,
-                    phase: Any, live_grads: Any) -> CallSums:
+def _scattered_call(s: Step, prep: Prepared, state: TrainState, live_grads: Any) -> CallSums:
     """The call's gradients reduce-scattered (one reduce-scatter per bucket, from inside the last
     micro-batch's backward) and added to a sharded accumulator (``shard_accumulator``).
 
@@ -429,16 +434,17 @@ def _scattered_call(cfg: StepConfig, lv: Roles, prep: Prepared, state: TrainStat
     pieces, scaled like ``grad_fn``'s gradients: :func:`_synchronise` adds it after its own
     reduction, where the unsharded accumulator is added before it (the mean is linear).
     """
-    offset, call, _, ms_last, gathered = _window_start(cfg, lv, prep, None)
+    offset, call, _, ms_last, gathered = _window_start(s, prep, None)
     ls = prep.loss_scale
     seed = prep.unit if ls is None else ls * prep.unit  # grad_fn's scale (see _prepare)
+    lv, hook, chain = s.call.roles, s.reducer.hook, s.reducer.chain
     red = bucketed_vjp(
         prep.traced, jax.tree.leaves(prep.params), (ms_last, prep.last, *prep.side_last),
-        plan=prep.plan, axis_name=lv.axis, hook=cfg.reduce.hook,
-        hook_state=strip_device_dim(state.hook_state), step=state.step, phase=phase,
-        chain=cfg.reduce.chain, seed=seed,
+        plan=prep.plan, axis_name=lv.axis, hook=hook,
+        hook_state=strip_device_dim(state.hook_state), step=state.step, phase=s.call.phase,
+        chain=chain, seed=seed,
         offset=None if offset is None else jax.tree.leaves(offset),
-        sharded=prep.sharded, hosts_axis=lv.hosts, precision=cfg.precision,
+        sharded=prep.sharded, hosts_axis=lv.hosts, precision=s.ctx.precision,
     )
     aux: LocalAux = red.out[1]
     grads = acc_lib.add(live_grads, jax.tree.unflatten(jax.tree.structure(live_grads),
@@ -447,15 +453,15 @@ def _scattered_call(cfg: StepConfig, lv: Roles, prep: Prepared, state: TrainStat
                     aux.model_state, red.sent + gathered)
 
 
-def _accumulate(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
-                layout: zero.Layout, phase: Any, state: TrainState) -> LocalResult:
+def _accumulate(s: Step, prep: Prepared, state: TrainState) -> LocalResult:
     """A call that does not synchronise: its micro-batches' gradients are added to the
     accumulator, locally (no collective), or reduce-scattered into a sharded one."""
+    ctx = s.ctx
     acc = state.accum
     assert acc is not None
     live_grads, live_loss, live_weight = acc_lib.live(acc)
-    call = (_scattered_call(cfg, lv, prep, state, phase, live_grads) if cfg.accumulate.shard
-            else _local_call(cfg, lv, prep, live_grads))
+    call = (_scattered_call(s, prep, state, live_grads) if ctx.window.sharded
+            else _local_call(s, prep, live_grads))
     # Model state advances locally; TrainState.model_state stays the synchronised one until
     # the window's sync call.
     new_accum = AccumState(
@@ -465,26 +471,28 @@ def _accumulate(cfg: StepConfig, obj: Objective, lv: Roles, prep: Prepared,
         model_state=add_device_dim(call.model_state),
     )
     # The global metrics need a collective: "not computed" (see docs/accumulate.md).
-    metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(cfg, prep.aux_shape)}
+    metrics = {k: jnp.full((), jnp.nan, jnp.float32) for k in _metric_keys(ctx, prep.aux_shape)}
     loss = jnp.where(call.weight > 0, call.loss / call.weight, 0.0)
-    zeros = cfg.place.grad_zeros(state.params, layout)  # in pieces where the reduction scatters
-    island = lv.island(lambda: jax.tree.map(
-        lambda s: jnp.zeros(s.shape, s.dtype),
-        obj.extras_shape(prep.aux_shape, 1, cfg.topology.data,
-                         cfg.accumulate.accumulates)._replace(state=())))
-    ms = state.model_state if state.model_state is None or not cfg.loss.per_replica_state \
+    # In pieces where the reduction scatters.
+    zeros = ctx.place.grad_zeros(state.params, prep.layout)
+    island = s.call.roles.island(lambda: jax.tree.map(
+        lambda x: jnp.zeros(x.shape, x.dtype),
+        s.call.obj.extras_shape(prep.aux_shape, 1, ctx.topology.data,
+                                ctx.window.accumulates)._replace(state=())))
+    ms = state.model_state if state.model_state is None or not ctx.loss.per_replica_state \
         else strip_device_dim(state.model_state)
     return LocalResult(
         zeros, metrics, {"local_loss": loss[None]}, ms, strip_device_dim(state.hook_state),
         new_accum, jnp.asarray(False), jnp.asarray(True), island,
-        _comm_bytes(cfg, call.sent),  # local: none, or stage 3's gather; sharded: the scatters
+        _comm_bytes(ctx, call.sent),  # local: none, or stage 3's gather; sharded: the scatters
     )
 
 
-def _to_global(cfg: StepConfig, lv: Roles, res: LocalResult) -> LocalResult:
+def _to_global(s: Step, res: LocalResult) -> LocalResult:
     """The per-device results with the leading dimensions their specs split (per device, and
     with local SGD per replica: :meth:`Roles.vary`, :meth:`Roles.add_dim`)."""
-    per_device_ms = cfg.loss.per_replica_state
+    lv = s.call.roles
+    per_device_ms = s.ctx.loss.per_replica_state
     # Every value typed first, then given its dimension (the program's order of operations).
     res = res._replace(grads=lv.vary(res.grads), island=lv.vary(res.island),
                        model_state=res.model_state if per_device_ms else lv.vary(res.model_state))
@@ -498,37 +506,28 @@ def _to_global(cfg: StepConfig, lv: Roles, res: LocalResult) -> LocalResult:
                         nonempty=lv.add_dim(res.nonempty, means=True), island=lv.add_dim(res.island))
 
 
-def bucketed_step(
-    cfg: StepConfig,
-    obj: Objective,
-    observer: PlanObserver | None,
-    sync: bool | None,
-    phase: Any,
-    lv: Roles,
-    layout: zero.Layout,
-    state: TrainState,
-    batch: Any,
-    weights: Any,
-    rng: Any = None,
-) -> LocalResult:
-    """The per-device step of the bucketed reduction (inside ``shard_map``;
-    :meth:`jddp._src.reduce.reducers.Bucketed.local_step`): phase 1 (local gradients) and phase 2 (the
-    reduction over the island), or accumulation only; see the module docstring."""
-    prep = _prepare(cfg, obj, observer, lv, layout, state, batch, weights, rng)
-    sync_fn = lambda s: _to_global(cfg, lv, _synchronise(cfg, obj, lv, prep, layout, phase, s))
-    acc_fn = lambda s: _to_global(cfg, lv, _accumulate(cfg, obj, lv, prep, layout, phase, s))
-    synchronises = cfg.accumulate.synchronises(state.accum, sync)
+def bucketed_step(ctx: ReduceContext, call: LocalCall, reducer: Any, state: TrainState,
+                  batch: Any, weights: Any, rng: Any = None) -> LocalResult:
+    """The per-device step of the bucketed reduction (inside ``shard_map``, on this device's
+    replica's ``state``; :meth:`jddp._src.reduce.reducers.Bucketed.local_step`): phase 1 (local
+    gradients) and phase 2 (the reduction over the island), or accumulation only; see the
+    module docstring."""
+    s = Step(ctx, call, reducer)
+    prep = _prepare(s, state, batch, weights, rng)
+    sync_fn = lambda st: _to_global(s, _synchronise(s, prep, st))
+    acc_fn = lambda st: _to_global(s, _accumulate(s, prep, st))
+    synchronises = ctx.accumulate.synchronises(state.accum, call.sync)
     if isinstance(synchronises, bool):
         return sync_fn(state) if synchronises else acc_fn(state)
     # optax.MultiSteps semantics: the replicated counter picks the branch, in one program.
     return lax.cond(synchronises, sync_fn, acc_fn, state)
 
 
-def _comm_bytes(cfg: StepConfig, sent: Bytes) -> dict:
+def _comm_bytes(ctx: ReduceContext, sent: Bytes) -> dict:
     """``comm_bytes`` (what one device sends in this call, a ring model of its collectives) and,
     on a two-level mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
     out = {"comm_bytes": jnp.asarray(sent.total, jnp.float32)}
-    if cfg.topology.axes.two_level:
+    if ctx.topology.two_level:
         out["comm_bytes_hosts"] = jnp.asarray(sent.across, jnp.float32)
     return out
 

@@ -47,6 +47,7 @@ from jax import lax
 
 from jddp._src.data import rng as rng_lib
 from jddp._src.reduce.collectives import wire_itemsize
+from jddp._src.step.config import ReduceContext
 from jddp._src.step.state import AccumState
 from jddp._src.tree import dtype_of
 
@@ -100,10 +101,11 @@ def _odd_part(k: int) -> tuple[int, int]:
     return k, t
 
 
-def check_call(cfg: Any, global_size: int, sync: Any, model_state: Any, g: int) -> None:
+def check_call(ctx: ReduceContext, global_size: int, sync: Any, model_state: Any,
+               g: int) -> None:
     """Trace-time checks of one deterministic step call (batch size, ``sync``, model state) in
     groups of ``g`` examples."""
-    n = cfg.topology.num_devices
+    n = ctx.topology.num_devices
     if global_size % g:
         raise ValueError(
             f"jddp.Deterministic() cuts the global batch into groups of group_size={g} "
@@ -127,12 +129,12 @@ def check_call(cfg: Any, global_size: int, sync: Any, model_state: Any, g: int) 
         )
     if model_state is None:
         return
-    if cfg.loss.model_state_sync != "mean":
+    if ctx.loss.model_state_sync != "mean":
         raise ValueError(
             "jddp.Deterministic() with model state: every group starts from the step's model "
             "state and the new state is the mean of the groups' new states, in the fixed tree. "
             "That is model_state_sync='mean'; pass it explicitly, "
-            f"loss=jddp.Loss(model_state_sync='mean') (got {cfg.loss.model_state_sync!r})."
+            f"loss=jddp.Loss(model_state_sync='mean') (got {ctx.loss.model_state_sync!r})."
         )
     bad = [x for x in jax.tree.leaves(model_state)
            if not jnp.issubdtype(dtype_of(x), jnp.floating)]
@@ -170,7 +172,7 @@ def _fma_free(flags: str) -> bool:
     return bool(isa) and isa[-1].upper() in ("SSE4_2", "AVX")
 
 
-def check_backend(cfg: Any) -> None:
+def check_backend(platform: str) -> None:
     """Refuses a CPU backend that may contract multiply-adds into FMAs (warns off CPU).
 
     XLA's CPU code contracts ``a * b + c`` into one FMA (one rounding instead of two) where LLVM
@@ -180,7 +182,6 @@ def check_backend(cfg: Any) -> None:
     parameters after 4 steps, 1 device against 2, with bitwise-equal gradients). AVX has no FMA
     instructions, so ``--xla_cpu_max_isa=AVX`` removes the contraction everywhere.
     """
-    platform = cfg.mesh.devices.flat[0].platform
     if platform != "cpu":
         warnings.warn(
             f"jddp.Deterministic() on {platform}: the layout-independent summation applies, "
@@ -210,18 +211,18 @@ def check_backend(cfg: Any) -> None:
 # ------------------------------------------------------------------------------------ state
 
 
-def _stack_slots(cfg: Any) -> int:
-    return max(0, cfg.accumulate.steps.bit_length() - 1)
+def _stack_slots(ctx: ReduceContext) -> int:
+    return max(0, ctx.window.steps.bit_length() - 1)
 
 
-def init_accum(cfg: Any, params: Any, model_state: Any) -> AccumState | None:
+def init_accum(ctx: ReduceContext, params: Any, model_state: Any) -> AccumState | None:
     """The accumulator of a deterministic window: a binary counter of ``log2(accumulate_steps)``
     slots of finished subtree sums (gradients, loss, weight, model state), the same on every
     device and stored per device (leading device dimension, then the slot); ``None`` without a
     window."""
-    if not cfg.accumulate.accumulates:
+    if not ctx.window.accumulates:
         return None
-    n, s = cfg.topology.num_devices, _stack_slots(cfg)
+    n, s = ctx.topology.num_devices, _stack_slots(ctx)
     zeros = lambda tree: jax.tree.map(
         lambda x: jnp.zeros((n, s, *jnp.shape(x)), dtype_of(x)), tree)
     return AccumState(
@@ -232,16 +233,16 @@ def init_accum(cfg: Any, params: Any, model_state: Any) -> AccumState | None:
     )
 
 
-def check_accum(cfg: Any, state: Any) -> None:
+def check_accum(ctx: ReduceContext, state: Any) -> None:
     """Trace-time check that ``state.accum`` is a deterministic accumulator of this trainer."""
-    steps = cfg.accumulate.steps
+    steps = ctx.window.steps
     if steps == 1:
         if state.accum is not None:
             raise ValueError("state.accum holds an accumulator but this DataParallel does not "
                              "accumulate (Accumulate.steps=1); use the DataParallel that built "
                              "the state.")
         return
-    want = (cfg.topology.num_devices, _stack_slots(cfg))
+    want = (ctx.topology.num_devices, _stack_slots(ctx))
     acc = state.accum
     if (not isinstance(acc, AccumState) or jnp.shape(acc.loss) != want
             or jax.tree.structure(acc.grads) != jax.tree.structure(state.params)):  # type: ignore[operator]
@@ -380,7 +381,8 @@ def opaque(tree: Any, zero: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _finish(cfg: Any, window: Part, call: Part, zero: Any) -> tuple[Any, dict, Any, Any]:
+def _finish(ctx: ReduceContext, window: Part, call: Part,
+            zero: Any) -> tuple[Any, dict, Any, Any]:
     """``(grads, metrics, model_state, nonempty)`` from the window's sums (gradients, loss,
     weight, model state) and this call's (the other metrics, as in the default step).
 
@@ -389,15 +391,15 @@ def _finish(cfg: Any, window: Part, call: Part, zero: Any) -> tuple[Any, dict, A
     """
     scale = lambda x, r: x * r.astype(x.dtype)
     per_call = 1.0 / call.count
-    metrics = {k: v if k in cfg.loss.sum_metrics else scale(v, per_call)
+    metrics = {k: v if k in ctx.loss.sum_metrics else scale(v, per_call)
                for k, v in call.metrics.items()}
     per_group = 1.0 / window.count
     model_state = jax.tree.map(lambda x: scale(x, per_group), window.model_state)
     nonempty = jnp.asarray(True)
     # "loss" covers this call's examples, as the other metrics; with a window of several calls
     # "window_loss" is the window's (docs/accumulate.md).
-    windowed = cfg.accumulate.accumulates
-    if not cfg.loss.weighted:
+    windowed = ctx.window.accumulates
+    if not ctx.loss.weighted:
         grads = jax.tree.map(lambda g: scale(g, per_group), window.grads)
         window_loss = scale(window.sums["loss"], per_group)
         if windowed:
@@ -417,7 +419,8 @@ def _finish(cfg: Any, window: Part, call: Part, zero: Any) -> tuple[Any, dict, A
     return opaque((grads, metrics, model_state), zero) + (nonempty,)
 
 
-def _merge_window(cfg: Any, acc: AccumState, call: Part) -> tuple[Part, AccumState, Any]:
+def _merge_window(ctx: ReduceContext, acc: AccumState,
+                  call: Part) -> tuple[Part, AccumState, Any]:
     """Adds this call's sum to the window's binary counter; ``(window_sum, accum, synced)``.
 
     Call ``c`` of the window closes ``trailing_ones(c)`` subtrees: it adds the slots of the
@@ -432,7 +435,7 @@ def _merge_window(cfg: Any, acc: AccumState, call: Part) -> tuple[Part, AccumSta
                  jax.tree.map(first, ms["state"]), ms["count"][0])
     v = call._replace(metrics={}, sums={"loss": call.sums["loss"]})
     closed = jnp.zeros((), jnp.int32)
-    for level in range(_stack_slots(cfg)):
+    for level in range(_stack_slots(ctx)):
         # Calls 2**(l+1) - 1 (mod 2**(l+1)) close a subtree of 2**(l+1) calls.
         merge = (c + 1) % (2 << level) == 0
         v = jax.tree.map(lambda s, x, lv=level, m=merge: jnp.where(m, s[lv] + x, x), slots, v)
@@ -443,23 +446,24 @@ def _merge_window(cfg: Any, acc: AccumState, call: Part) -> tuple[Part, AccumSta
         return jnp.where(here, x[None], s)[None]
 
     new = jax.tree.map(store, slots, v)
-    synced = cfg.accumulate.closes(c)
+    synced = ctx.accumulate.closes(c)
     accum = acc.replace(count=jnp.where(synced, 0, c + 1), grads=new.grads,
                         loss=new.sums["loss"], weight=new.weight,
                         model_state={"state": new.model_state, "count": new.count})
     return v, accum, synced
 
 
-def local_step(cfg: Any, obj: Any, state: Any, batch: Any, weights: Any, rng: Any,
+def local_step(ctx: ReduceContext, obj: Any, state: Any, batch: Any, weights: Any, rng: Any,
                g: int) -> DetResult:
     """The per-device deterministic step in groups of ``g`` examples (inside ``shard_map``,
     untyped; called by :meth:`jddp.Deterministic.local_step`): see the module doc."""
-    axis, n = cfg.topology.data, cfg.topology.num_devices
+    topo = ctx.topology
+    axis, n = topo.data, topo.num_devices
     local = jax.tree.leaves(batch)[0].shape[0]
     groups = local // g  # this device's groups in this call
     acc = state.accum
     keys = None
-    if cfg.loss.rng:
+    if ctx.loss.rng:
         # A key per position in the window (not in the call): accumulation splits keep them.
         call = jnp.zeros((), jnp.int32) if acc is None else acc.count
         start = call * (local * n) + lax.axis_index(axis) * local
@@ -471,9 +475,9 @@ def local_step(cfg: Any, obj: Any, state: Any, batch: Any, weights: Any, rng: An
     new_accum, synced = None, jnp.asarray(True)
     window_sum = call_sum
     if acc is not None:
-        window_sum, new_accum, synced = _merge_window(cfg, acc, call_sum)
+        window_sum, new_accum, synced = _merge_window(ctx, acc, call_sum)
     grads, metrics, model_state, nonempty = _finish(
-        cfg, window_sum, call_sum, jnp.minimum(state.step, 0))
+        ctx, window_sum, call_sum, jnp.minimum(state.step, 0))
     if acc is not None:
         # The window's means exist on its last call only (as in the default step).
         metrics = {k: jnp.where(synced, v, jnp.nan) for k, v in metrics.items()}
@@ -481,9 +485,8 @@ def local_step(cfg: Any, obj: Any, state: Any, batch: Any, weights: Any, rng: An
         if model_state is not None:
             model_state = jax.tree.map(lambda new, old: jnp.where(synced, new, old),
                                        model_state, state.model_state)
-    hosts = cfg.topology.axes.hosts
-    total, across = bytes_sent(device_sum, n, n // int(cfg.mesh.shape[hosts]) if hosts else n,
-                               cfg.mesh.devices.flat[0].platform)
+    hosts = topo.hosts
+    total, across = bytes_sent(device_sum, n, topo.host_size if hosts else n, ctx.platform)
     metrics["comm_bytes"] = jnp.float32(total)
     if hosts is not None:
         metrics["comm_bytes_hosts"] = jnp.float32(across)

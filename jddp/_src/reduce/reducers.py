@@ -1,18 +1,22 @@
 """How gradients are reduced: the step's reduce policy (``StepConfig.reduce``), one object per way.
 
-The step (:mod:`jddp._src.step.skeleton`) asks ``cfg.reduce`` (a :class:`jddp._src.step.config.Reducer`)
-for what depends on the reduction, the same calls whichever it is:
+The step (:mod:`jddp._src.step.skeleton`) asks its reducer (``StepConfig.reduce``, a
+:class:`jddp._src.step.config.Reducer`) for what depends on the reduction, the same calls
+whichever it is, each with a :class:`jddp._src.step.config.ReduceContext` (what the reducer reads
+of the step, resolved by the skeleton; never the configuration):
 
-- ``plan(cfg, traced, params)``: the bucket plan from the traced loss (a chooser's reason in its
+- ``plan(ctx, traced, params)``: the bucket plan from the traced loss (a chooser's reason in its
   ``note``), and ``choice(plan, platform, num_devices)``: what a default-plan chooser picked;
-- ``local_step(...)``: the per-device phases 1-2 (local gradients, then the reduction);
-- ``init_accum`` / ``check_inputs``: the accumulator layout this reduction sums into;
+- ``local_step(ctx, call, state, batch, weights, rng)``: the per-device phases 1-2 (local
+  gradients, then the reduction) on this device's replica's state;
+- ``hook_state(params)``, ``init_accum`` / ``check_inputs``: the state this reduction keeps and
+  the accumulator it sums into;
 - ``largest_bucket(platform, params)``: what the compiler options must keep one collective;
-- ``hook``, ``hook_phase``, ``chain``, ``typed``: values the step reads.
+- ``phase``, ``chain``, ``typed``: values the step reads.
 
-Two reducers: :class:`Bucketed` (DDP's buckets, built from the public :class:`jddp.Buckets`)
-and :class:`Deterministic` (the public ``jddp.Deterministic``: fixed-size groups summed in one
-fixed tree, :mod:`jddp._src.reduce.deterministic`).
+Two reducers, on :class:`BaseReducer`'s defaults: :class:`Bucketed` (DDP's buckets, built from
+the public :class:`jddp.Buckets`) and :class:`Deterministic` (the public ``jddp.Deterministic``:
+fixed-size groups summed in one fixed tree, :mod:`jddp._src.reduce.deterministic`).
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.plan.planner import BucketPlan, build_plan, traced_use_times
 from jddp._src.reduce import bucketed, platform_paths, replicated, xla_options
 from jddp._src.reduce import deterministic as det_lib
-from jddp._src.reduce.hooks import CommHook, allreduce_mean
-from jddp._src.step.config import LocalResult, PlanPolicy, StepConfig
+from jddp._src.reduce.hooks import CommHook, allreduce_mean, init_hook_state
+from jddp._src.step.config import LocalCall, LocalResult, PlanPolicy, ReduceContext
 from jddp._src.step.state import AccumState
 
 # DDP's default caps (bucket_cap_mb=25, the first bucket 1 MiB).
@@ -48,8 +52,35 @@ def _traced_plan(traced: jaxpr_lib.Traced, params: Any, keep_unused: bool,
                                                      implicit)
 
 
+class BaseReducer:
+    """A reducer's defaults: a reduction without hook state, phases or chosen plan, typed
+    ``shard_map``, the collectives ordered as the platform's default (``chain="auto"``)."""
+
+    chain: ClassVar[options.Chain] = "auto"
+    typed: ClassVar[bool] = True
+
+    @property
+    def phase(self) -> Callable[[int], Hashable] | None:
+        """``step -> phase`` of the reduction: ``None``, one program for every step."""
+        return None
+
+    def hook_state(self, params: Any) -> tuple:
+        """No state: one empty entry per leaf of ``params`` (the layout of the state slot)."""
+        return tuple(() for _ in jax.tree.leaves(params))
+
+    def check(self, ctx: ReduceContext) -> None:
+        """Construction-time checks: none."""
+
+    def check_params(self, params: Any) -> None:
+        """Nothing to check: no plan is given."""
+
+    def choice(self, plan: BucketPlan, platform: str, num_devices: int) -> Any:
+        """No plan is chosen."""
+        del plan, platform, num_devices
+
+
 @dataclasses.dataclass(frozen=True)
-class Bucketed:
+class Bucketed(BaseReducer):
     """DDP's bucketed reduction: gradients averaged bucket by bucket from inside the backward
     pass, each bucket through ``hook`` (built from :class:`jddp.Buckets` by the trainer).
 
@@ -65,29 +96,28 @@ class Bucketed:
     """
 
     hook: CommHook = dataclasses.field(default_factory=allreduce_mean)
-    chain: options.Chain = "auto"
+    chain: options.Chain = "auto"  # type: ignore[misc]  # a field here, the base's default
     cap_bytes: int = DDP_CAP_BYTES
     first_bytes: int = DDP_FIRST_BYTES
     fixed_plan: BucketPlan | None = None
     default_plan: PlanPolicy | None = None
     keep_unused: bool = False
 
-    typed = True  # the per-device step's shard_map checks vma types (where the stage allows)
-
     @property
-    def hook_phase(self) -> Callable[[int], Hashable] | None:
+    def phase(self) -> Callable[[int], Hashable] | None:
         """``step -> phase`` of the hook (one compiled program per phase), or ``None``."""
         return self.hook.phase
 
-    def check(self, cfg: StepConfig) -> None:
-        """Construction-time checks against the backend: none."""
+    def hook_state(self, params: Any) -> tuple:
+        """The hook's initial state of one device (:func:`jddp._src.reduce.hooks.init_hook_state`)."""
+        return init_hook_state(self.hook, params)
 
     def check_params(self, params: Any) -> None:
         """Checks ``params`` against the fixed plan, if one was given."""
         if self.fixed_plan is not None:
             self.fixed_plan.check_tree(params)
 
-    def plan(self, cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any) -> BucketPlan:
+    def plan(self, ctx: ReduceContext, traced: jaxpr_lib.Traced, params: Any) -> BucketPlan:
         """The fixed plan (checked against ``params``), or the plan read from the traced loss
         under the caps; with a default-plan chooser, re-packed under the caps it picks from that
         plan's gradient sizes, its reason in the plan's ``note`` (the loss is not traced
@@ -95,13 +125,13 @@ class Bucketed:
         if self.fixed_plan is not None:
             self.check_params(params)
             return self.fixed_plan
-        implicit = replicated.replicated_leaves(traced) if self.jax_reduces(cfg) else ()
+        implicit = replicated.replicated_leaves(traced) if self.jax_reduces(ctx) else ()
         pack = _traced_plan(traced, params, self.keep_unused, implicit)
         plan = pack(self.cap_bytes, self.first_bytes)
-        platform = cfg.mesh.devices.flat[0].platform
+        platform = ctx.platform
         if self.default_plan is None or not platform_paths.paths(platform).fitted_plan:
             return plan
-        return self.default_plan.repack(plan, pack, platform, cfg.topology.num_devices)
+        return self.default_plan.repack(plan, pack, platform, ctx.topology.num_devices)
 
     def choice(self, plan: BucketPlan, platform: str, num_devices: int) -> Any:
         """What the default-plan chooser picks for ``plan``'s leaves, with its reason (a
@@ -110,7 +140,7 @@ class Bucketed:
             return None
         return self.default_plan.choose(plan, platform, num_devices)
 
-    def jax_reduces(self, cfg: StepConfig) -> bool:
+    def jax_reduces(self, ctx: ReduceContext) -> bool:
         """Whether the plan may leave to JAX the leaves it reduces better itself
         (:mod:`jddp._src.reduce.replicated`: SyncBN's scales, whose per-device backward cost 40 extra
         small fusions, 7-10% of the benchmark ResNet-18's step on XLA:CPU; left to JAX, the
@@ -124,11 +154,11 @@ class Bucketed:
         not communicate, and JAX's reduction would run per micro-batch), no mixed-precision
         policy, no local SGD, and ``shard_map`` with vma types (checked on the trace:
         :func:`jddp._src.reduce.replicated.replicated_leaves`)."""
-        platform = cfg.mesh.devices.flat[0].platform
-        return (self.default_plan is not None and platform_paths.paths(platform).jax_reduces
-                and self.hook == allreduce_mean() and not cfg.place.sharded
-                and cfg.accumulate.is_identity
-                and cfg.precision is None and not cfg.topology.islands)
+        topo = ctx.topology
+        return (self.default_plan is not None and platform_paths.paths(ctx.platform).jax_reduces
+                and self.hook == allreduce_mean() and not topo.sharded
+                and ctx.window.every_call
+                and ctx.precision is None and not topo.islands)
 
     def largest_cap_bytes(self, platform: str) -> int:
         """The largest bucket cap a plan can have on ``platform``: ``cap_bytes``, or the largest
@@ -147,28 +177,26 @@ class Bucketed:
         return xla_options.largest_bucket_bound(xla_options.leaf_bytes(params),
                                                 self.largest_cap_bytes(platform))
 
-    def init_accum(self, cfg: StepConfig, params: Any, model_state: Any) -> AccumState | None:
+    def init_accum(self, ctx: ReduceContext, params: Any,
+                   model_state: Any) -> AccumState | None:
         """The accumulator of a window: per-device local sums (or a sharded one); ``None``
         without a window."""
-        return cfg.accumulate.init(params, cfg.topology.num_devices, model_state)
+        return ctx.accumulate.init(params, ctx.topology.num_devices, model_state)
 
-    def check_inputs(self, cfg: StepConfig, state: Any, size: int, sync: Any) -> None:
+    def check_inputs(self, ctx: ReduceContext, state: Any, size: int, sync: Any) -> None:
         """Trace-time check that ``state.accum`` is this trainer's accumulator."""
         del size, sync  # any batch size and sync= reduce in buckets
-        cfg.accumulate.check(state, cfg.topology.num_devices, self.hook.name)
+        ctx.accumulate.check(state, ctx.topology.num_devices, self.hook.name)
 
-    def local_step(
-        self, cfg: StepConfig, obj: Any, observer: Any, sync: Any, phase: Any, lv: Any,
-        layout: Any, state: Any, batch: Any, weights: Any, rng: Any = None,
-    ) -> Any:
+    def local_step(self, ctx: ReduceContext, call: LocalCall, state: Any, batch: Any,
+                   weights: Any, rng: Any = None) -> Any:
         """Phases 1-2 per device (:func:`jddp._src.reduce.bucketed.bucketed_step`): the loss's local
         gradients, then the bucketed reduction over the island (or accumulation only)."""
-        return bucketed.bucketed_step(cfg, obj, observer, sync, phase, lv, layout, state, batch,
-                                      weights, rng)
+        return bucketed.bucketed_step(ctx, call, self, state, batch, weights, rng)
 
 
 @dataclasses.dataclass(frozen=True)
-class Deterministic:
+class Deterministic(BaseReducer):
     """The deterministic reduction: the same bits on any power-of-two device count, process
     count, two-level mesh and accumulation split of the same global batches. The batch is cut
     into groups of ``group_size`` examples whose gradients are summed in one fixed pairwise
@@ -180,11 +208,7 @@ class Deterministic:
 
     group_size: int = options.DEFAULT_GROUP_SIZE
 
-    # What the bucketed step's values are here: no hook (the default's stateless mean stands
-    # in, for ddp.hook and the empty hook state) and no chain of buckets.
-    chain: ClassVar[options.Chain] = "auto"
-    typed = False  # untyped shard_map: its all-gathered sums are replicated by construction
-    hook_phase = None
+    typed: ClassVar[bool] = False  # untyped shard_map: its all-gathered sums are replicated
 
     def __post_init__(self) -> None:
         g = self.group_size
@@ -193,62 +217,48 @@ class Deterministic:
                              f"group), got {g!r}.")
         object.__setattr__(self, "group_size", int(g))
 
-    @property
-    def hook(self) -> CommHook:
-        """The default hook (nothing goes through it)."""
-        return allreduce_mean()
-
-    def check(self, cfg: StepConfig) -> None:
+    def check(self, ctx: ReduceContext) -> None:
         """Construction-time check against the backend (:func:`jddp._src.reduce.deterministic.
         check_backend`; the refused combinations with other policies are rows of
         :mod:`jddp._src.step.compat`)."""
-        det_lib.check_backend(cfg)
+        det_lib.check_backend(ctx.platform)
 
-    def check_params(self, params: Any) -> None:
-        """Nothing to check: no plan is given."""
-
-    def plan(self, cfg: StepConfig, traced: jaxpr_lib.Traced, params: Any) -> BucketPlan:
+    def plan(self, ctx: ReduceContext, traced: jaxpr_lib.Traced, params: Any) -> BucketPlan:
         """DDP's default plan of the traced loss: reported, and its unused leaves kept, though
         no bucket is reduced."""
-        del cfg
+        del ctx
         return _traced_plan(traced, params, keep_unused=False)(DDP_CAP_BYTES, DDP_FIRST_BYTES)
-
-    def choice(self, plan: BucketPlan, platform: str, num_devices: int) -> None:
-        """No plan is chosen."""
-        del plan, platform, num_devices
 
     def largest_bucket(self, platform: str, params: Any) -> int | None:
         """The bound of DDP's default plan (the compiler options as for the default)."""
         del platform
         return xla_options.largest_bucket_bound(xla_options.leaf_bytes(params), DDP_CAP_BYTES)
 
-    def init_accum(self, cfg: StepConfig, params: Any, model_state: Any) -> AccumState | None:
+    def init_accum(self, ctx: ReduceContext, params: Any,
+                   model_state: Any) -> AccumState | None:
         """The window's binary counter of finished subtree sums
         (:func:`jddp._src.reduce.deterministic.init_accum`)."""
-        return det_lib.init_accum(cfg, params, model_state)
+        return det_lib.init_accum(ctx, params, model_state)
 
-    def check_inputs(self, cfg: StepConfig, state: Any, size: int, sync: Any) -> None:
+    def check_inputs(self, ctx: ReduceContext, state: Any, size: int, sync: Any) -> None:
         """Trace-time checks of the accumulator, the batch's groups, ``sync`` and the model
         state."""
-        det_lib.check_accum(cfg, state)
-        det_lib.check_call(cfg, size, sync, state.model_state, self.group_size)
+        det_lib.check_accum(ctx, state)
+        det_lib.check_call(ctx, size, sync, state.model_state, self.group_size)
 
-    def local_step(
-        self, cfg: StepConfig, obj: Any, observer: Any, sync: Any, phase: Any, lv: Any,
-        layout: Any, state: Any, batch: Any, weights: Any, rng: Any = None,
-    ) -> Any:
+    def local_step(self, ctx: ReduceContext, call: LocalCall, state: Any, batch: Any,
+                   weights: Any, rng: Any = None) -> Any:
         """Phases 1-2 per device: fixed-size groups summed in a fixed tree
         (:func:`jddp._src.reduce.deterministic.local_step`) instead of the local gradients and the
-        bucketed reduction (``sync``, ``phase``, ``lv`` and ``layout`` do not apply)."""
-        del sync, phase, lv, layout
+        bucketed reduction (of ``call`` only the objective and the observer apply)."""
         g = self.group_size
         group, w = jax.tree.map(lambda x: x[:g], (batch, weights))
-        keys = rng_lib.example_keys(rng, state.step, g) if cfg.loss.rng else None
+        keys = rng_lib.example_keys(rng, state.step, g) if ctx.loss.rng else None
         # Traced for the checks and the (reported, unused) bucket plan only.
-        traced = jaxpr_lib.trace(obj, state.params, state.model_state, group, w, keys)
+        traced = jaxpr_lib.trace(call.obj, state.params, state.model_state, group, w, keys)
         det_lib.check_no_collectives(traced.jaxpr.jaxpr)
-        if observer is not None:
-            observer(self.plan(cfg, traced, state.params))
-        out = det_lib.local_step(cfg, obj, state, batch, weights, rng, g)
+        if call.observer is not None:
+            call.observer(self.plan(ctx, traced, state.params))
+        out = det_lib.local_step(ctx, call.obj, state, batch, weights, rng, g)
         return LocalResult(out.grads, out.metrics, {}, out.model_state,
                                     state.hook_state, out.accum, out.synced, out.nonempty)

@@ -11,10 +11,11 @@ from jax.sharding import Mesh
 
 from jddp._src.api import options
 from jddp._src.place.placement import Place, Replicate
+from jddp._src.place.zero import Layout
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.hooks import CommHook
 from jddp._src.runtime.topology import Roles, Topology
-from jddp._src.step.objective import Extras, Loss
+from jddp._src.step.objective import Extras, Loss, Objective
 from jddp._src.step.state import AccumState, TrainState
 from jddp._src.sync.every_step import EveryStep, HookPhase
 from jddp._src.update.precision import MixedPrecision
@@ -40,23 +41,109 @@ class PlanPolicy(Protocol):
         ...
 
 
+class WindowFacts(NamedTuple):
+    """The accumulation window as a reducer sees it (resolved from :class:`Accumulate`).
+
+    Attributes:
+      steps: calls per window.
+      microbatches: micro-batches per call.
+      accumulates: the state carries an accumulator across calls (``steps > 1``).
+      every_call: every call is one micro-batch, reduced at once (no accumulator, no scan).
+      scans: a call sums its micro-batches before the last one locally.
+      sharded: the accumulator holds reduce-scattered pieces (``Accumulate(shard=True)``).
+    """
+
+    steps: int
+    microbatches: int
+    accumulates: bool
+    every_call: bool
+    scans: bool
+    sharded: bool
+
+
+class LossFacts(NamedTuple):
+    """The loss policy as a reducer sees it (resolved from :class:`jddp.Loss`).
+
+    Attributes:
+      weighted: the loss takes per-example weights (a mask); means divide by the real weight.
+      rng: the loss takes per-example keys.
+      per_replica_state: each replica keeps its own model state (``model_state_sync="none"``).
+      model_state_sync: how model state is synchronised (for messages and the checks).
+      sum_metrics: the metrics summed rather than averaged.
+    """
+
+    weighted: bool
+    rng: bool
+    per_replica_state: bool
+    model_state_sync: str
+    sum_metrics: tuple[str, ...]
+
+
+class ReduceContext(NamedTuple):
+    """What a reducer's phases read of the step, resolved once by the skeleton
+    (:func:`jddp._src.step.skeleton.reduce_context`): no reducer reads the configuration.
+
+    Attributes:
+      topology: the mesh's roles (data axis, device count, hosts, sharded, islands).
+      platform: the devices' platform (``"cpu"``, ``"gpu"``, ...).
+      window: the accumulation window's facts.
+      loss: the loss policy's facts.
+      precision: the mixed-precision policy (compute and reduction dtypes), or ``None``.
+      accumulate: the accumulation window's operations (split a call into micro-batches, the
+        accumulator's sums; :class:`jddp._src.update.update.Accumulate`).
+      place: the placement's operations (a sharded stage's reduction, stage 3's gathers, the
+        gradients' pieces; :mod:`jddp._src.place.placement`).
+      example_keys: the loss policy's per-example keys (:meth:`jddp.Loss.example_keys`).
+      report: the loss policy's metrics from the reduced extras (:meth:`jddp.Loss.report`).
+    """
+
+    topology: Topology
+    platform: str
+    window: WindowFacts
+    loss: LossFacts
+    precision: MixedPrecision | None
+    accumulate: Accumulate
+    place: Place
+    example_keys: Callable[..., Any]
+    report: Callable[..., dict]
+
+
+class LocalCall(NamedTuple):
+    """One call's values for the per-device phases (:meth:`Reducer.local_step`).
+
+    Attributes:
+      obj: the loss as the step differentiates it (:class:`jddp._src.step.objective.Objective`).
+      observer: called with the bucket plan at trace time (``None``: nothing).
+      sync: with accumulation, whether this call synchronises (static; ``None``: the counter).
+      phase: the reducer's part of the step's static phase (:attr:`Reducer.phase`).
+      roles: where this kind of step reduces and keeps its state (the sync policy's).
+      layout: how the parameter leaves are split (:class:`jddp._src.place.zero.Layout`).
+      loss_scale: the loss scale of this call's gradients (per device; ``None``: off).
+    """
+
+    obj: Objective
+    observer: Callable[[BucketPlan], None] | None
+    sync: bool | None
+    phase: Any
+    roles: Roles
+    layout: Layout
+    loss_scale: Any = None
+
+
 class Reducer(Protocol):
     """How a step reduces its gradients (``StepConfig.reduce``): what the step asks of it,
-    whichever it is (:class:`jddp._src.reduce.reducers.Bucketed` or :class:`jddp.Deterministic`)."""
-
-    @property
-    def hook(self) -> CommHook:
-        """The communication hook of every bucket."""
-        ...
+    whichever it is (:class:`jddp._src.reduce.reducers.Bucketed` or :class:`jddp.Deterministic`;
+    :class:`jddp._src.reduce.reducers.BaseReducer` gives the defaults). Each phase gets a
+    :class:`ReduceContext`, never the configuration."""
 
     @property
     def chain(self) -> options.Chain:
-        """How buckets (and the sharded stages' all-gathers) are kept apart."""
+        """How the step's collectives are kept apart (buckets, the sharded stages' gathers)."""
         ...
 
     @property
-    def hook_phase(self) -> Callable[[int], Hashable] | None:
-        """``step -> phase`` of the hook (one compiled program per phase), or ``None``."""
+    def phase(self) -> Callable[[int], Hashable] | None:
+        """``step -> phase`` of the reduction (one compiled program per phase), or ``None``."""
         ...
 
     @property
@@ -64,15 +151,19 @@ class Reducer(Protocol):
         """Whether the per-device step may run in a vma-typed ``shard_map``."""
         ...
 
-    def check(self, cfg: StepConfig) -> None:
-        """Construction-time checks of the configuration (the backend)."""
+    def hook_state(self, params: Any) -> tuple:
+        """The reduction's own state of one device, one entry per leaf of ``params``."""
+        ...
+
+    def check(self, ctx: ReduceContext) -> None:
+        """Construction-time checks (the backend)."""
         ...
 
     def check_params(self, params: Any) -> None:
         """Checks ``init``'s parameters against what the reducer was given (a fixed plan)."""
         ...
 
-    def plan(self, cfg: StepConfig, traced: Any, params: Any) -> BucketPlan:
+    def plan(self, ctx: ReduceContext, traced: Any, params: Any) -> BucketPlan:
         """The bucket plan of the traced loss (a chooser's reason in its ``note``)."""
         ...
 
@@ -84,18 +175,18 @@ class Reducer(Protocol):
         """A bound of the largest collective, for the compiler options (``None``: none)."""
         ...
 
-    def init_accum(self, cfg: StepConfig, params: Any, model_state: Any) -> Any:
+    def init_accum(self, ctx: ReduceContext, params: Any, model_state: Any) -> Any:
         """The empty accumulator of a window."""
         ...
 
-    def check_inputs(self, cfg: StepConfig, state: Any, size: int, sync: Any) -> None:
+    def check_inputs(self, ctx: ReduceContext, state: Any, size: int, sync: Any) -> None:
         """Trace-time checks of a call's accumulator, global batch ``size`` and ``sync``."""
         ...
 
-    def local_step(self, cfg: StepConfig, obj: Any, observer: Any, sync: Any, phase: Any,
-                   lv: Any, layout: Any, state: Any, batch: Any, weights: Any,
-                   rng: Any = None) -> Any:
-        """The per-device phases 1-2 (local gradients, then the reduction): a ``LocalResult``."""
+    def local_step(self, ctx: ReduceContext, call: LocalCall, state: Any, batch: Any,
+                   weights: Any, rng: Any = None) -> Any:
+        """The per-device phases 1-2 (local gradients, then the reduction) on this device's
+        replica's ``state``: a ``LocalResult``."""
         ...
 
 

@@ -9,10 +9,12 @@ time): the state and the optimizer state, the batch, then each policy's own chec
 
 1-2. *local gradients, then reduce* (per device, in one ``jax.shard_map``): the reducer's
    ``cfg.reduce.local_step`` (:class:`jddp._src.step.config.Reducer`; the buckets'
-   :func:`jddp._src.reduce.bucketed.bucketed_step`, or :class:`jddp.Deterministic`'s fixed tree),
-   returning a :class:`jddp._src.step.config.LocalResult`, on the sync policy's view of this
-   device's replica (``cfg.sync.island_state``); the placement says what lives where
-   (``cfg.place``'s specs, its device view of an offloaded state).
+   :func:`jddp._src.reduce.bucketed.bucketed_step`, or :class:`jddp.Deterministic`'s fixed tree)
+   on the state of this device's replica (``cfg.sync.island_state``), returning a
+   :class:`jddp._src.step.config.LocalResult`; the placement says what lives where
+   (``cfg.place``'s specs, its device view of an offloaded state). The reducer never sees the
+   configuration: it gets a :class:`jddp._src.step.config.ReduceContext` (:func:`reduce_context`)
+   and the call's :class:`jddp._src.step.config.LocalCall`.
 3. *update* (global view): ``cfg.update.apply`` (:mod:`jddp._src.update.update`: accumulation windows,
    skip-if-not-finite and loss scaling wrapped around the update, like optax's ``MultiSteps`` and
    ``apply_if_finite``) around the optimizer at its placement (``cfg.place.update``).
@@ -40,12 +42,20 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src.place import zero
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce.hooks import init_hook_state
 from jddp._src.reduce.reduction import Bytes
 from jddp._src.reduce.replica_mean import ReplicaMean
 from jddp._src.runtime.topology import Roles
 from jddp._src.step.checks import check_batch, check_float_params
-from jddp._src.step.config import LocalResult, StepConfig, SyncContext, SyncStep
+from jddp._src.step.config import (
+    LocalCall,
+    LocalResult,
+    LossFacts,
+    ReduceContext,
+    StepConfig,
+    SyncContext,
+    SyncStep,
+    WindowFacts,
+)
 from jddp._src.step.objective import Objective
 from jddp._src.step.state import TrainState
 from jddp._src.tree import broadcast_to_devices
@@ -75,6 +85,20 @@ def global_params(cfg: StepConfig, state: TrainState) -> Any:
     return cfg.sync.global_params(sync_context(cfg), state)
 
 
+def reduce_context(cfg: StepConfig) -> ReduceContext:
+    """What the reducer's phases read of the step (:class:`ReduceContext`): the topology, each
+    other policy's facts resolved here, and the operations of the policies it calls."""
+    acc, loss = cfg.accumulate, cfg.loss
+    window = WindowFacts(steps=acc.steps, microbatches=acc.microbatches,
+                         accumulates=acc.accumulates, every_call=acc.is_identity,
+                         scans=acc.scans, sharded=bool(acc.shard))
+    facts = LossFacts(weighted=loss.weighted, rng=loss.rng,
+                      per_replica_state=loss.per_replica_state,
+                      model_state_sync=loss.model_state_sync, sum_metrics=loss.sum_metrics)
+    return ReduceContext(cfg.topology, cfg.mesh.devices.flat[0].platform, window, facts,
+                         cfg.precision, acc, cfg.place, loss.example_keys, loss.report)
+
+
 def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainState:
     """The initial :class:`TrainState` (pure; :func:`state_shardings` places it)."""
     n = cfg.topology.num_devices
@@ -84,9 +108,10 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
         opt_state=cfg.optimizer.init(params),
         # With model_state_sync="none" each replica keeps its own copy.
         model_state=cfg.loss.model_state_layout(model_state, n),
-        hook_state=broadcast_to_devices(init_hook_state(cfg.reduce.hook, params), n),
+        hook_state=broadcast_to_devices(cfg.reduce.hook_state(params), n),
         # The reduction decides the accumulator's layout (the deterministic one is its own).
-        accum=cfg.reduce.init_accum(cfg, params, model_state),  # None without a window
+        accum=cfg.reduce.init_accum(reduce_context(cfg), params,
+                                    model_state),  # None without a window
         loss_scale=cfg.update.init_scale(),
     )
     # Local SGD / DiLoCo keep one copy per replica.
@@ -151,7 +176,7 @@ def check_step_inputs(
         )
     n = cfg.topology.num_devices
     size = check_batch(batch, n)
-    cfg.reduce.check_inputs(cfg, state, size, sync)
+    cfg.reduce.check_inputs(reduce_context(cfg), state, size, sync)
     cfg.update.check(state)
     cfg.accumulate.check_call(size // n, n, sync)
     return cfg.loss.check_call(mask, size, rng)
@@ -201,7 +226,7 @@ def train_step(
         sync policy's).
       rng: the run's PRNG key, with ``jddp.Loss(rng=True)`` (each example's key derives from it).
     """
-    sync_phase, hook_phase = cfg.sync.split_phase(phase, cfg.reduce.hook_phase)
+    sync_phase, hook_phase = cfg.sync.split_phase(phase, cfg.reduce.phase)
     lv = cfg.sync.roles(cfg.topology, sync_phase)
     view = cfg.sync.replica_view(state)
     weights = check_step_inputs(cfg, view, batch, mask, sync, rng)
@@ -253,14 +278,16 @@ def _local_phases(cfg: StepConfig, observe: PlanObserver, lv: Roles, layout: zer
     data = P(cfg.topology.data)
     # The per-device phases never read the optimizer state; offloaded, it stays on the host.
     inside = cfg.place.device_view(state)
-    obj = objective(cfg, state.model_state is not None)
-    ctx = sync_context(cfg)
-    reduce = functools.partial(cfg.reduce.local_step, cfg, obj, observe, sync, hook_phase, lv,
-                               layout)
+    ctx = reduce_context(cfg)
+    sctx = sync_context(cfg)
+    call = LocalCall(objective(cfg, state.model_state is not None), observe, sync, hook_phase,
+                     lv, layout)
 
     def per_device(state: TrainState, batch: Any, weights: Any, rng: Any) -> LocalResult:
-        # The sync policy's view of this device's replica (local SGD: the replica's own state).
-        return reduce(cfg.sync.island_state(ctx, state), batch, weights, rng)
+        state = cfg.sync.island_state(sctx, state)  # this device's replica's state
+        scale = None if state.loss_scale is None else state.loss_scale.scale
+        return cfg.reduce.local_step(ctx, call._replace(loss_scale=scale), state, batch,
+                                     weights, rng)
 
     local = jax.shard_map(
         per_device,
@@ -277,7 +304,7 @@ def _local_phases(cfg: StepConfig, observe: PlanObserver, lv: Roles, layout: zer
 def step_phase(cfg: StepConfig) -> Callable[[int], Any] | None:
     """``step -> phase``, the static part of a step chosen on the host (one compiled program per
     phase): the hook's phase, wrapped by the sync policy's (local SGD: the kind of step too)."""
-    return cfg.sync.phase_fn(cfg.reduce.hook_phase)
+    return cfg.sync.phase_fn(cfg.reduce.phase)
 
 
 def plan(cfg: StepConfig, state_like: Any, batch_like: Any, mask_like: Any = None,

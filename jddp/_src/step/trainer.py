@@ -190,7 +190,7 @@ class DataParallel:
                                    k == "loss_scale"})
         mesh = mesh_lib.check_mesh(mesh_lib.data_mesh() if mesh is None else mesh)
         config = step_config(loss_fn, optimizer, mesh, policies, precision)
-        config.reduce.check(config)
+        config.reduce.check(skeleton.reduce_context(config))
         object.__setattr__(self, "policies", policies)
         auto = policies.reduce.chooser() if isinstance(policies.reduce, pol.Buckets) else None
         self._install_step(config, auto, donate, compiler_options, _verify_every(verify_every))
@@ -288,7 +288,8 @@ class DataParallel:
     optimizer = property(lambda self: self.config.optimizer)
     mesh = property(lambda self: self.config.mesh)
     axis_name = property(lambda self: self.config.topology.data)
-    hook = property(lambda self: self.config.reduce.hook)
+    # The buckets' communication hook (None for a reduction without buckets).
+    hook = property(lambda self: getattr(self.config.reduce, "hook", None))
     model_state_sync = property(lambda self: self.config.loss.model_state_sync)
 
     @property

@@ -148,8 +148,3 @@ class Policies:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             check_kind(f.name, getattr(self, f.name))
-
-    @property
-    def stage(self) -> int:
-        """The ZeRO stage (0 for :class:`Replicate`)."""
-        return self.place.stage if isinstance(self.place, ZeRO) else 0

@@ -38,8 +38,8 @@ from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
 from jddp._src.place import offload, owner, zero
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce.reduction import Bytes, Sharded, chain_dependency, resolve_chain, ring
 from jddp._src.runtime.topology import Roles, Topology
+from jddp._src.tree import Bytes, chain_dependency, ring
 from jddp._src.update import precision as precision_lib
 
 Shape = Sequence[int]
@@ -72,15 +72,16 @@ def bucket_groups(plan: BucketPlan) -> list[tuple[int, ...]]:
 
 
 def gather_chain(chain: options.Chain) -> Any:
-    """How consecutive all-gathers are kept apart: the reduction's ``chain`` applied to pieces,
-    an always-zero add (as for the sharded stages' reduce-scatters) unless ``Buckets(chain="none")``."""
-    mode = resolve_chain(chain)
-    if mode != "none":
-        def add(prev: list, pieces: list) -> list:
-            dep = chain_dependency(prev, "add")
-            return [p + dep.astype(p.dtype) for p in pieces]
-        return add
-    return None
+    """How consecutive all-gathers are kept apart: an always-zero add on the previous pieces (as
+    for the sharded stages' reduce-scatters, whatever the reduction's ``chain`` resolves to),
+    ``None`` with ``Buckets(chain="none")``."""
+    if chain == "none":
+        return None
+
+    def add(prev: list, pieces: list) -> list:
+        dep = chain_dependency(prev, "add")
+        return [p + dep.astype(p.dtype) for p in pieces]
+    return add
 
 
 def gather_bytes(topo: Topology, lv: Roles, plan: BucketPlan, layout: zero.Layout,
@@ -144,25 +145,16 @@ def _constrain(mesh: Mesh, tree: Any, specs: Any) -> Any:
 _ZERO_OPTIONS = frozenset({"stage", "reshard_after_forward", "hybrid", "offload", "shard"})
 
 
-@dataclasses.dataclass(frozen=True, init=False)
-class Replicate:
-    """Every device holds the whole parameters, gradients and optimizer state (DDP).
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """A placement: every method the step calls, with the do-nothing default (the replicated
+    path: whole parameters, gradients and optimizer state on every device, in device memory).
 
-    Its methods are the replicated paths of the step (the same signatures as :class:`ZeRO`'s).
+    A placement overrides what it changes (:class:`ZeRO1`, :class:`ZeRO2`, :class:`ZeRO3`);
+    :class:`Replicate` overrides nothing. The user's value is resolved against the mesh once
+    (:meth:`resolve`, by :class:`jddp._src.step.config.StepConfig`), and the step calls the
+    resolved placement's methods.
     """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # No options: a ZeRO option given here is named, with where it belongs.
-        if not args and not kwargs:
-            return
-        given = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
-        zero_names = [k for k in kwargs if k in _ZERO_OPTIONS]
-        hint = (f" {', '.join(zero_names)} is an option of sharded placement: "
-                f"place=jddp.ZeRO(stage=..., {zero_names[0]}=...) (e.g. jddp.ZeRO(stage=1, "
-                "offload=True) keeps the optimizer state in host memory, split over devices)."
-                if zero_names else "")
-        raise TypeError(f"jddp.Replicate() takes no options (every device holds everything), "
-                        f"got {given}.{hint}")
 
     @property
     def sharded(self) -> bool:
@@ -175,6 +167,11 @@ class Replicate:
         return True
 
     @property
+    def splits_grads(self) -> bool:
+        """Whether each device keeps only its piece of every split reduced gradient."""
+        return False
+
+    @property
     def splits_params(self) -> bool:
         """Whether each device holds only its piece of every split parameter leaf."""
         return False
@@ -183,8 +180,8 @@ class Replicate:
         """The roles of ``mesh`` for a step placed so (``islands``: local SGD's replicas)."""
         return Topology.of(mesh, islands=islands)
 
-    def resolve(self, topology: Topology) -> Replicate:
-        """This policy checked against the mesh (nothing to resolve)."""
+    def resolve(self, topology: Topology) -> Place:
+        """The placement the step runs, checked against the mesh (here: itself)."""
         return self
 
     def param_spec(self, topo: Topology, shape: Shape) -> P:
@@ -219,7 +216,7 @@ class Replicate:
         """The reduced gradients of a call that does not synchronise (zeros, whole)."""
         return jax.tree.map(jnp.zeros_like, params)
 
-    def reduction(self, layout: zero.Layout, lv: Roles) -> Sharded | None:
+    def reduction(self, layout: zero.Layout, lv: Roles) -> zero.Sharded | None:
         """The sharded reduction's record (``None``: the hook's all-reduce)."""
         return None
 
@@ -230,8 +227,8 @@ class Replicate:
     def local_params(self, topo: Topology, lv: Roles, plan: BucketPlan, layout: zero.Layout,
                      chain: options.Chain, params: Any, varying: Any,
                      precision: precision_lib.MixedPrecision | None) -> tuple[Any, Bytes]:
-        """The parameters local gradients are taken at (``varying``) and the bytes of getting
-        them (none)."""
+        """The parameters local gradients (earlier micro-batches, no-sync calls) are taken at
+        (``varying``: as typed for local gradients) and the bytes of getting them (none)."""
         return varying, Bytes()
 
     def mark_not_resharded(self, plan: BucketPlan, traced: jaxpr_lib.Traced,
@@ -258,9 +255,31 @@ class Replicate:
         return None
 
 
+@dataclasses.dataclass(frozen=True, init=False)
+class Replicate(Place):
+    """Every device holds the whole parameters, gradients and optimizer state (DDP): every
+    method is :class:`Place`'s default."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No options: a ZeRO option given here is named, with where it belongs.
+        if not args and not kwargs:
+            return
+        given = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+        zero_names = [k for k in kwargs if k in _ZERO_OPTIONS]
+        hint = (f" {', '.join(zero_names)} is an option of sharded placement: "
+                f"place=jddp.ZeRO(stage=..., {zero_names[0]}=...) (e.g. jddp.ZeRO(stage=1, "
+                "offload=True) keeps the optimizer state in host memory, split over devices)."
+                if zero_names else "")
+        raise TypeError(f"jddp.Replicate() takes no options (every device holds everything), "
+                        f"got {given}.{hint}")
+
+
 @dataclasses.dataclass(frozen=True)
-class ZeRO:
+class ZeRO(Place):
     """Sharded data parallelism (ZeRO; FSDP's ``FULL_SHARD`` at stage 3).
+
+    The user's value: the step runs the placement it resolves to (:meth:`resolve`:
+    :class:`ZeRO1`, :class:`ZeRO2` or :class:`ZeRO3`, one class per stage).
 
     Attributes:
       stage: 1 shards the optimizer state over the data axis, 2 also reduce-scatters each
@@ -291,7 +310,7 @@ class ZeRO:
     def __post_init__(self) -> None:
         stage = self.stage
         if isinstance(stage, bool) or not isinstance(stage, int | np.integer) \
-                or stage not in (1, 2, 3):
+                or int(stage) not in _STAGES:
             hint = " Stage 0 (nothing sharded) is place=jddp.Replicate()." if stage == 0 else ""
             raise ValueError(f"ZeRO.stage must be 1, 2 or 3, got {stage!r}: 1 shards the "
                              f"optimizer state, 2 also the gradients, 3 also the parameters."
@@ -306,10 +325,15 @@ class ZeRO:
             raise ValueError(f"ZeRO.shard must be 'even' (every leaf split over the devices) or "
                              f"'owner' (each leaf whole on one owner device), got {self.shard!r}.")
 
+    def _staged(self) -> ZeRO1:
+        """This stage's placement, not yet checked against a mesh."""
+        return _STAGES[self.stage](self)
+
     def resharding(self) -> bool | int:
         """``reshard_after_forward`` resolved: ``None`` is ``True`` at stage 3, else ``False``;
         a bool or a group size ``k`` only at stage 3."""
-        return options.reshard_after_forward(self.reshard_after_forward, self.stage)
+        return options.reshard_after_forward(self.reshard_after_forward, self.stage,
+                                             self.splits_params)
 
     @property
     def reshard_group(self) -> int | None:
@@ -319,42 +343,48 @@ class ZeRO:
 
     @property
     def sharded(self) -> bool:
-        """Whether some state is sharded (also the jit's ``sharded`` compiler option)."""
         return True
 
     @property
     def check_vma(self) -> bool:
-        """Whether the per-device step's ``shard_map`` can be typed: not from stage 2, whose
-        reduce-scatter returns values vma types cannot express as replicated (whole leaves and
-        metrics riding on it); that ``shard_map`` is untyped, like pmap, which the bucket hooks
-        support (they do the only reduction either way)."""
-        return self.stage < 2
+        return self._staged().check_vma
+
+    @property
+    def splits_grads(self) -> bool:
+        return self._staged().splits_grads
 
     @property
     def splits_params(self) -> bool:
-        """Whether each device holds only its piece of every split parameter leaf (stage 3)."""
-        return self.stage >= 3
+        return self._staged().splits_params
 
     def topology(self, mesh: Mesh, *, islands: bool = False) -> Topology:
-        """The roles of ``mesh`` for a step placed so (``islands``: local SGD's replicas)."""
         # hybrid's needs (a two-level mesh) are a row of jddp._src.step.compat.
         return Topology.of(mesh, hybrid=self.hybrid, sharded=True, islands=islands)
 
-    def resolve(self, topology: Topology) -> ZeRO:
-        """This policy with an int ``reshard_after_forward`` checked against the mesh
-        (:func:`jddp._src.api.options.reshard_group`: ``1`` is ``False``, the shard count ``True``)
-        and ``None`` made explicit at stage 3."""
-        if self.stage < 3:
-            return self
-        in_host = topology.host_size if topology.two_level else None
-        k = options.reshard_group(self.resharding(), topology.shard_count, in_host)
-        return dataclasses.replace(self, reshard_after_forward=k)
+    def resolve(self, topology: Topology) -> Place:
+        """This stage's placement (:class:`ZeRO1`, :class:`ZeRO2`, :class:`ZeRO3`), checked
+        against the mesh."""
+        return self._staged().resolve(topology)
 
-    def param_spec(self, topo: Topology, shape: Shape) -> P:
-        """The partition spec of a parameter leaf of ``shape`` (split at stage 3)."""
-        if self.stage < 3:
-            return P()
-        return zero.leaf_spec(shape, topo.shard_count, topo.shard)
+
+@dataclasses.dataclass(frozen=True)
+class ZeRO1(Place):
+    """``ZeRO(stage=1)`` resolved: the optimizer state split over the shard axis, each device
+    updating its pieces, which are then all-gathered; and what every stage shares (the
+    topology, offload, ``shard="owner"``).
+
+    Attributes:
+      policy: the user's :class:`ZeRO` (resolved against the mesh at stage 3).
+    """
+
+    policy: ZeRO
+
+    @property
+    def sharded(self) -> bool:
+        return True
+
+    def topology(self, mesh: Mesh, *, islands: bool = False) -> Topology:
+        return self.policy.topology(mesh, islands=islands)
 
     def opt_spec(self, topo: Topology, shape: Shape) -> P:
         """The partition spec of an optimizer-state leaf of ``shape`` (split)."""
@@ -363,69 +393,153 @@ class ZeRO:
     def stored(self, shardings: Any) -> Any:
         """A state's ``NamedSharding`` s as it is kept between steps: with ``offload``, the
         optimizer state's in host memory."""
-        return offload.place(shardings) if self.offload else shardings
+        return offload.place(shardings) if self.policy.offload else shardings
 
     def device_view(self, state: Any) -> Any:
         """The state the per-device phases take: they never read the optimizer state, so
         offloaded it stays on the host."""
-        return state.replace(opt_state=None) if self.offload else state
+        return state.replace(opt_state=None) if self.policy.offload else state
 
     def fetch(self, state: Any) -> Any:
         """Inside the step, the state as the update reads it: with ``offload`` the optimizer
         state comes from host memory."""
-        return offload.fetch(state) if self.offload else state
+        return offload.fetch(state) if self.policy.offload else state
 
     def store(self, state: Any) -> Any:
         """Inside the step, the new state as it is kept between steps: with ``offload`` the
         optimizer state goes back to host memory."""
-        return offload.store(state) if self.offload else state
+        return offload.store(state) if self.policy.offload else state
+
+    def update(self, optimizer: optax.GradientTransformation, topo: Topology,
+               layout: zero.Layout, plan: BucketPlan, chain: options.Chain, params: Any,
+               opt_state: Any, grads: Any, record: Any = None) -> tuple[Any, Any]:
+        """``(new_params, new_opt_state)`` of one replica: each device updates its pieces.
+
+        The update runs in the global view on leaves of their true shapes, so any optax
+        transformation works unchanged (XLA adds the collectives a global norm or a factored
+        moment needs); then the parameters are made whole again (:meth:`_whole`). With
+        ``shard="owner"`` each leaf is updated on its owner
+        (:func:`jddp._src.place.owner.update`), which tells ``record`` (when not ``None``) the
+        bytes it sends once traced: they depend on the optimizer state, which
+        :meth:`update_bytes` does not see.
+        """
+        if self.policy.shard == "owner":
+            return owner.update((self.splits_params, self.splits_grads), optimizer, topo,
+                                layout, plan, params, opt_state, grads, record)
+        axis = topo.shard
+        specs = layout.specs(params, axis)
+        opt_specs = jax.tree.map(lambda x: zero.leaf_spec(jnp.shape(x), topo.shard_count, axis),
+                                 opt_state)
+        # Slicing a replicated array to this device's piece moves no data.
+        params = _constrain(topo.mesh, params, specs)
+        grads = _constrain(topo.mesh, grads, specs)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        new = _constrain(topo.mesh, keep_unused(plan, params, optax.apply_updates(params, updates)),
+                         specs)
+        opt_state = _constrain(topo.mesh, opt_state, opt_specs)
+        return self._whole(topo, chain, new, layout, plan, grads), opt_state
+
+    def _whole(self, topo: Topology, chain: options.Chain, new: Any, layout: zero.Layout,
+               plan: BucketPlan, grads: Any) -> Any:
+        """The updated parameters as the state keeps them: stages 1-2 all-gather the pieces,
+        one all-gather per bucket (:func:`gather_params`), the first after the last bucket's
+        gradient."""
+        last = [jax.tree.leaves(grads)[i] for i in (plan.buckets[-1].indices
+                                                    if plan.buckets else ())]
+        return gather_params(topo, chain, new, layout, plan, after=last)
+
+    def update_bytes(self, topo: Topology, lv: Roles, plan: BucketPlan,
+                     layout: zero.Layout) -> Bytes:
+        """Bytes sent after the update to make the parameters whole again: stages 1-2's
+        all-gather of the updated pieces (:func:`gather_params`); none here with
+        ``shard="owner"``: :meth:`update` records its bytes when traced."""
+        if self.policy.shard == "owner":
+            return Bytes()
+        return gather_bytes(topo, lv, plan, layout)
+
+    def owners(self, topo: Topology, params: Any) -> owner.OwnerPlan | None:
+        """With ``shard="owner"``, each leaf's owner device (:func:`jddp._src.place.owner.plan`),
+        else ``None``."""
+        return owner.plan(params, topo.shard_count) if self.policy.shard == "owner" else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeRO2(ZeRO1):
+    """``ZeRO(stage=2)`` resolved: stage 1, and each bucket's gradients reduce-scattered, so
+    each device keeps its pieces of the reduced gradients."""
+
+    @property
+    def check_vma(self) -> bool:
+        """Not typed: the reduce-scatter returns values vma types cannot express as replicated
+        (whole leaves and metrics riding on it); that ``shard_map`` is untyped, like pmap,
+        which the bucket hooks support (they do the only reduction either way)."""
+        return False
+
+    @property
+    def splits_grads(self) -> bool:
+        return True
 
     def grad_specs(self, topo: Topology, layout: zero.Layout, params: Any, rep: P) -> Any:
-        """Out specs of the reduced gradients: from stage 2 they come in pieces (after ``rep``,
-        the replica axis with local SGD)."""
-        if self.stage < 2:
-            return rep
+        """Out specs of the reduced gradients: in pieces (after ``rep``, the replica axis with
+        local SGD)."""
         return jax.tree.map(lambda s: P(*rep, *s), layout.specs(params, topo.shard),
                             is_leaf=lambda x: isinstance(x, P))
 
     def grad_zeros(self, params: Any, layout: zero.Layout) -> Any:
         """The reduced gradients of a call that does not synchronise: zeros, in this device's
-        pieces from stage 2."""
-        if self.stage < 2:
-            return jax.tree.map(jnp.zeros_like, params)
+        pieces."""
         return jax.tree.unflatten(jax.tree.structure(params), [
             jnp.zeros(zero.shard_shape(s, d, layout.n), jnp.result_type(x)) for s, d, x in
             zip(layout.shapes, layout.dims, jax.tree.leaves(params), strict=True)
         ])
 
-    def reduction(self, layout: zero.Layout, lv: Roles) -> Sharded | None:
-        """The sharded reduction's record from stage 2 (``None`` at stage 1: the hook's
-        all-reduce)."""
-        if self.stage < 2:
-            return None
-        return Sharded(self.stage, layout, lv.shard_axis, lv.hybrid, bool(self.resharding()),
-                       self.reshard_group)
+    def reduction(self, layout: zero.Layout, lv: Roles) -> zero.Sharded | None:
+        """Each bucket reduce-scattered (hybrid: then averaged across hosts)."""
+        return zero.Sharded(layout, lv.shard_axis, lv.hybrid)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeRO3(ZeRO2):
+    """``ZeRO(stage=3)`` resolved (FSDP's ``FULL_SHARD``): stage 2, and each device holds
+    only its pieces of the parameters, all-gathered bucket by bucket before their first use
+    (:class:`jddp._src.reduce.reduction.GatherInForward`)."""
+
+    @property
+    def splits_params(self) -> bool:
+        return True
+
+    def resolve(self, topology: Topology) -> ZeRO3:
+        """With an int ``reshard_after_forward`` checked against the mesh
+        (:func:`jddp._src.api.options.reshard_group`: ``1`` is ``False``, the shard count
+        ``True``) and ``None`` made explicit."""
+        in_host = topology.host_size if topology.two_level else None
+        k = options.reshard_group(self.policy.resharding(), topology.shard_count, in_host)
+        return ZeRO3(dataclasses.replace(self.policy, reshard_after_forward=k))
+
+    def param_spec(self, topo: Topology, shape: Shape) -> P:
+        """The partition spec of a parameter leaf of ``shape`` (split)."""
+        return zero.leaf_spec(shape, topo.shard_count, topo.shard)
+
+    def reduction(self, layout: zero.Layout, lv: Roles) -> zero.Sharded | None:
+        """Each bucket reduce-scattered, its parameters gathered in the forward pass."""
+        return zero.Sharded(layout, lv.shard_axis, lv.hybrid, bool(self.policy.resharding()),
+                            self.policy.reshard_group, gathers=True)
 
     def trace_params(self, varying: Any, whole: Any) -> Any:
-        """The parameters the loss is traced at: at stage 3 the parameters are pieces here, so
-        shape structs of whole ones (without vma types: that ``shard_map`` is untyped)."""
-        return whole if self.stage >= 3 else varying
+        """The parameters are pieces here: the loss is traced at shape structs of whole ones
+        (without vma types: that ``shard_map`` is untyped)."""
+        return whole
 
     def local_params(self, topo: Topology, lv: Roles, plan: BucketPlan, layout: zero.Layout,
                      chain: options.Chain, params: Any, varying: Any,
                      precision: precision_lib.MixedPrecision | None) -> tuple[Any, Bytes]:
-        """The parameters local gradients (earlier micro-batches, no-sync calls) are taken at,
-        and the bytes of getting them: stage 3 gathers every bucket once (chained, in first-use
-        order), in the branch that needs them (so that a call that does not use them does not
-        send them). Under a mixed-precision policy the pieces are cast to its ``param_dtype``
-        before the gather.
+        """Every bucket gathered once (chained, in first-use order), in the branch that needs
+        them (so that a call that does not use them does not send them). Under a
+        mixed-precision policy the pieces are cast to its ``param_dtype`` before the gather.
 
         Args:
-          params: this device's parameters (pieces at stage 3); ``varying``: as typed for local
-            gradients (whole below stage 3).
+          params: this device's pieces of the parameters.
         """
-        if self.stage < 3:
-            return varying, Bytes()
         pieces = jax.tree.leaves(precision_lib.compute_params(precision, params))
         from jddp._src.introspect import hlo  # the name's one definition; loaded at trace time
 
@@ -438,60 +552,25 @@ class ZeRO:
 
     def mark_not_resharded(self, plan: BucketPlan, traced: jaxpr_lib.Traced,
                            layout: zero.Layout) -> BucketPlan:
-        """``plan`` with the gathered leaves that stage 3's resharding cannot free (said at trace
-        time, a warning, and in the plan)."""
-        if self.stage < 3 or not self.resharding():
+        """``plan`` with the gathered leaves that resharding cannot free (said at trace time,
+        a warning, and in the plan)."""
+        if not self.policy.resharding():
             return plan
         kept = zero.not_resharded(traced, layout, plan.unused)
         zero.warn_not_resharded(kept, plan.paths)
         return plan._replace(not_resharded=tuple(kept))
 
-    def update(self, optimizer: optax.GradientTransformation, topo: Topology,
-               layout: zero.Layout, plan: BucketPlan, chain: options.Chain, params: Any,
-               opt_state: Any, grads: Any, record: Any = None) -> tuple[Any, Any]:
-        """``(new_params, new_opt_state)`` of one replica: each device updates its pieces.
-
-        The update runs in the global view on leaves of their true shapes, so any optax
-        transformation works unchanged (XLA adds the collectives a global norm or a factored
-        moment needs). Stages 1 and 2 then all-gather the updated pieces, one all-gather per
-        bucket (:func:`gather_params`). With ``shard="owner"`` each leaf is updated on its
-        owner (:func:`jddp._src.place.owner.update`), which tells ``record`` (when not ``None``)
-        the bytes it sends once traced: they depend on the optimizer state, which
-        :meth:`update_bytes` does not see.
-        """
-        if self.shard == "owner":
-            return owner.update(self.stage, optimizer, topo, layout, plan, params, opt_state,
-                                grads, record)
-        axis = topo.shard
-        specs = layout.specs(params, axis)
-        opt_specs = jax.tree.map(lambda x: zero.leaf_spec(jnp.shape(x), topo.shard_count, axis),
-                                 opt_state)
-        # Slicing a replicated array to this device's piece moves no data.
-        params = _constrain(topo.mesh, params, specs)
-        grads = _constrain(topo.mesh, grads, specs)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        new = _constrain(topo.mesh, keep_unused(plan, params, optax.apply_updates(params, updates)),
-                         specs)
-        opt_state = _constrain(topo.mesh, opt_state, opt_specs)
-        if self.stage < 3:
-            last = [jax.tree.leaves(grads)[i] for i in (plan.buckets[-1].indices
-                                                        if plan.buckets else ())]
-            new = gather_params(topo, chain, new, layout, plan, after=last)
-        return new, opt_state
+    def _whole(self, topo: Topology, chain: options.Chain, new: Any, layout: zero.Layout,
+               plan: BucketPlan, grads: Any) -> Any:
+        """The parameters stay in pieces: nothing to gather."""
+        return new
 
     def update_bytes(self, topo: Topology, lv: Roles, plan: BucketPlan,
                      layout: zero.Layout) -> Bytes:
-        """Bytes sent after the update to make the parameters whole again: stages 1-2's
-        all-gather of the updated pieces (:func:`gather_params`); none at stage 3, and none
-        here with ``shard="owner"``: :meth:`update` records its bytes when traced."""
-        if self.stage >= 3 or self.shard == "owner":
-            return Bytes()
-        return gather_bytes(topo, lv, plan, layout)
-
-    def owners(self, topo: Topology, params: Any) -> owner.OwnerPlan | None:
-        """With ``shard="owner"``, each leaf's owner device (:func:`jddp._src.place.owner.plan`),
-        else ``None``."""
-        return owner.plan(params, topo.shard_count) if self.shard == "owner" else None
+        """None: the parameters stay in pieces (``shard="owner"``: :meth:`update` records
+        its bytes when traced)."""
+        return Bytes()
 
 
-Place = Replicate | ZeRO
+# The placement of each stage (the one place a stage number is read).
+_STAGES: dict[int, type[ZeRO1]] = {1: ZeRO1, 2: ZeRO2, 3: ZeRO3}

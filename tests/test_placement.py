@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jddp
-from jddp._src.place import placement
+from jddp._src.place import placement, stages
 from jddp._src.step.state import TrainState
 from tests._models import mlp_loss
 
@@ -37,21 +37,21 @@ def test_placements_are_the_base_with_its_signatures():
     the user's ``ZeRO`` adds its fields' helper."""
     base = _methods(placement.Place)
     assert not [name for name in vars(placement.Replicate) if not name.startswith("_")]
-    for cls in (placement.ZeRO1, placement.ZeRO2, placement.ZeRO3):
+    for cls in (stages.ZeRO1, stages.ZeRO2, stages.ZeRO3):
         assert issubclass(cls, placement.Place)
         own = _methods(cls)
         assert set(own) <= set(base) and {name: base[name] for name in own} == own
         assert _properties(cls) <= _properties(placement.Place)
-    zero = _methods(placement.ZeRO)
+    zero = _methods(stages.ZeRO)
     assert set(zero) - set(base) == {"resharding"}
     assert {name: base[name] for name in set(zero) & set(base)} == {
         name: zero[name] for name in set(zero) & set(base)}
-    assert jddp.ZeRO is placement.ZeRO and jddp.Replicate is placement.Replicate
+    assert jddp.ZeRO is stages.ZeRO and jddp.Replicate is placement.Replicate
 
 
-@pytest.mark.parametrize("stage,cls,reshard", [(1, placement.ZeRO1, None),
-                                               (2, placement.ZeRO2, None),
-                                               (3, placement.ZeRO3, True)])
+@pytest.mark.parametrize("stage,cls,reshard", [(1, stages.ZeRO1, None),
+                                               (2, stages.ZeRO2, None),
+                                               (3, stages.ZeRO3, True)])
 def test_zero_resolves_to_its_stage(stage, cls, reshard):
     given = jddp.ZeRO(stage=stage, hybrid=True, offload=True)
     out = given.resolve(given.topology(jddp.data_mesh(hosts=2)))
@@ -104,7 +104,7 @@ def test_zero_resolves_reshard_after_forward_against_the_mesh(given, resolved):
 def test_config_holds_the_resolved_policy():
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1),
                             place=jddp.ZeRO(stage=3, reshard_after_forward=8))
-    assert ddp.config.place == placement.ZeRO3(jddp.ZeRO(stage=3, reshard_after_forward=True))
+    assert ddp.config.place == stages.ZeRO3(jddp.ZeRO(stage=3, reshard_after_forward=True))
     assert ddp.policies.place == jddp.ZeRO(stage=3, reshard_after_forward=8)
     assert jddp.DataParallel(mlp_loss, optax.sgd(0.1)).config.place == jddp.Replicate()
 

@@ -7,7 +7,8 @@ each parameter leaf has one **owner** device (:func:`assign`: greedy bin packing
 cost, largest first), and only the owner computes the leaf's update:
 
 - the parameters, gradients and optimizer state are *stored* as at ``ZeRO(stage=s)`` (the same
-  specs, checkpoints, forward gathers and reductions: :class:`jddp._src.place.placement.ZeRO`'s);
+  specs, checkpoints, forward gathers and reductions: the stage placements of
+  :mod:`jddp._src.place.stages`);
 - the update (:func:`update`) runs in one ``shard_map``: the optimizer state's pieces go to each
   leaf's owner (one all-to-all per dtype); so do the reduced gradients' pieces (from stage 2),
   unless some owner's update reads another's gradient (``clip_by_global_norm``): then they are

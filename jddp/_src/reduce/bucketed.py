@@ -242,7 +242,7 @@ def _prepare(cfg: StepConfig, obj: Objective, observer: PlanObserver | None,
 
 def _local_params(cfg: StepConfig, lv: Roles, prep: Prepared) -> tuple[Any, Bytes]:
     """The parameters local gradients (earlier micro-batches, no-sync calls) are taken at, and
-    the bytes of getting them (stage 3 gathers them: :meth:`jddp._src.place.placement.ZeRO.local_params`).
+    the bytes of getting them (stage 3 gathers them: :meth:`jddp._src.place.stages.ZeRO3.local_params`).
     """
     return cfg.place.local_params(cfg.topology, lv, prep.plan, prep.layout, cfg.reduce.chain, prep.params,
                                   prep.params_v, cfg.precision)

@@ -198,7 +198,7 @@ def duplicated_chain_scalar():
     import jax.numpy as jnp
     import numpy as np
 
-    from jddp._src.place import placement
+    from jddp._src.place import stages
     from jddp._src.reduce import reduction
 
     current = reduction.chain_dependency
@@ -210,11 +210,11 @@ def duplicated_chain_scalar():
                     jnp.zeros((), jnp.float32))
         return jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0)
 
-    reduction.chain_dependency = placement.chain_dependency = before
+    reduction.chain_dependency = stages.chain_dependency = before
     try:
         yield
     finally:
-        reduction.chain_dependency = placement.chain_dependency = current
+        reduction.chain_dependency = stages.chain_dependency = current
 
 
 def steady(depth, width, rounds, mesh):

@@ -150,7 +150,7 @@ def test_hpz_option_resolves_against_the_mesh():
         cfg = jddp.DataParallel(mlp_loss, optax.sgd(0.1), mesh=mesh,
                                 place=jddp.ZeRO(stage=3, reshard_after_forward=k,
                                                 hybrid=hybrid)).config
-        return cfg.place.reshard_after_forward, cfg.place.reshard_group
+        return cfg.place.policy.reshard_after_forward, cfg.place.policy.reshard_group
 
     assert resolved(1) == (False, None)
     assert resolved(8) == (True, None)

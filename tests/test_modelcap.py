@@ -339,10 +339,10 @@ def test_default_is_ddps_plan_where_the_table_was_not_measured(opts):
     assert reduce.first_bytes == MiB and ddp.cap_choice is None
     assert ddp.plan(params, batches[0]).num_buckets == 2
     mean = jddp.hooks.allreduce_mean()
-    assert modelcap.default_plan(mean, 0, False) == modelcap.DefaultPlan()
-    assert modelcap.default_plan(mean, 1, False) is None
-    assert modelcap.default_plan(mean, 0, True) is None
-    assert modelcap.default_plan(jddp.bf16_compress(), 0, False) is None
+    assert modelcap.default_plan(mean, False, False) == modelcap.DefaultPlan()
+    assert modelcap.default_plan(mean, True, False) is None
+    assert modelcap.default_plan(mean, False, True) is None
+    assert modelcap.default_plan(jddp.bf16_compress(), False, False) is None
     # The deterministic reduction has no buckets to choose: it is its own reducer, no chooser.
     assert jddp.Deterministic().choice(ddp.plan(params, batches[0]), "cpu", 8) is None
 

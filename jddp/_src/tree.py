@@ -1,14 +1,17 @@
 """Small helpers over pytrees, dtypes and byte counts, shared by every module (a leaf: it imports
-no other jddp module)."""
+no other jddp module): the ring byte model (:class:`Bytes`) and the dependency that keeps two
+collectives apart (:func:`chain_dependency`), which reducers and placements both use."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 MiB = 1024 * 1024
 
@@ -92,3 +95,50 @@ def ring_bytes(kind: str, nbytes: float, group: int) -> float:
     if kind == "all-gather":
         return float(g - 1) * nbytes
     return float(nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bytes:
+    """Bytes one device sends (the ring model of :func:`ring_bytes`): in all, and the part that
+    goes to other hosts on a two-level mesh. Python floats, or traced scalars when a hook chooses
+    its formulation on the step (PowerSGD's start)."""
+
+    total: Any = 0.0
+    across: Any = 0.0
+
+    def __add__(self, other: Bytes) -> Bytes:
+        return Bytes(self.total + other.total, self.across + other.across)
+
+    def scaled(self, factor: float) -> Bytes:
+        return Bytes(self.total * factor, self.across * factor)
+
+
+def ring(kind: str, nbytes: float, group: int, hosts: int = 1) -> Bytes:
+    """One ring collective over ``group`` devices placed host by host on ``hosts`` hosts: of the
+    ring's ``group`` hops, ``hosts`` cross a host boundary (none on one host)."""
+    total = ring_bytes(kind, nbytes, group)
+    return Bytes(total, total * hosts / group if hosts > 1 else 0.0)
+
+
+def chain_dependency(reduced: Sequence[jax.Array], chain: str) -> Any:
+    """What the next bucket's gradients are made to depend on, so XLA cannot combine the two.
+
+    For ``"add"``: a float32 scalar that depends on one element of every non-empty reduced leaf
+    and is always exactly 0 (the select on ``isfinite`` keeps it 0 even when a gradient is NaN or
+    Inf). For ``"barrier"``: the reduced leaves themselves (no arithmetic, no copy).
+
+    The scalar is computed once: it ends in a square root, exact on the +0 or -0 it takes, which
+    XLA counts as expensive and so does not duplicate into its consumers. Without it XLA's
+    fusion copies the whole sum (a few instructions per reduced leaf) into the fusion of every
+    gradient of the next bucket, and the compiled step grows with the product of the two
+    buckets' leaf counts: superlinearly with depth where the buckets grow with the model
+    (tests/test_compile_depth.py).
+    """
+    if chain == "barrier":
+        return tuple(reduced)
+    probe = sum(
+        (jnp.ravel(r)[0].astype(jnp.float32) for r in reduced if np.size(r)),
+        jnp.zeros((), jnp.float32),
+    )
+    # No gradient flows through it (it is 0 by construction; the square root's at 0 is not).
+    return lax.stop_gradient(lax.sqrt(jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0)))

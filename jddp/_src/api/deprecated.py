@@ -171,7 +171,7 @@ def _place(old: dict[str, Any]) -> Replicate | ZeRO:
                          "shards nothing: pass zero_stage=1, 2 or 3 with it (now "
                          "place=jddp.ZeRO(stage=..., hybrid=True)).")
     options.flag(fields.get("hybrid", False), "hybrid_shard")
-    options.reshard_after_forward(fields.get("reshard_after_forward"), 0)
+    options.reshard_after_forward(fields.get("reshard_after_forward"), 0, False)
     return Replicate()
 
 

@@ -169,12 +169,13 @@ def step_sync(sync: Any, accumulate_steps: int | None = None) -> bool | None:
     return None if sync is None else bool(sync)
 
 
-def reshard_after_forward(value: Any, stage: Any) -> bool | int:
-    """``reshard_after_forward``: ``None`` is True at stage 3; a bool or a positive int group size
-    (ZeRO++'s hpZ, FSDP2's int) only at stage 3. The group size is checked against the mesh by
+def reshard_after_forward(value: Any, stage: Any, gathers: bool) -> bool | int:
+    """``reshard_after_forward``: ``None`` is ``gathers``; a bool or a positive int group size
+    (ZeRO++'s hpZ, FSDP2's int) only where the parameters are gathered (``gathers``: stage 3;
+    ``stage`` names it in the error). The group size is checked against the mesh by
     :func:`reshard_group`."""
     if value is None:
-        return stage == 3
+        return gathers
     if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
         if value < 1:
             raise ValueError(
@@ -186,7 +187,7 @@ def reshard_after_forward(value: Any, stage: Any) -> bool | int:
     else:
         flag(value, "reshard_after_forward",
              " An int k keeps the gathered parameters sharded over groups of k devices.")
-    if stage != 3:
+    if not gathers:
         raise ValueError(
             f"reshard_after_forward={value} applies to jddp.ZeRO(stage=3) only (it frees the "
             f"gathered parameters after the forward pass); stage {stage} gathers no parameters. "

@@ -21,7 +21,8 @@ import dataclasses
 from typing import Any
 
 from jddp._src.api import options
-from jddp._src.place.placement import Place, Replicate, ZeRO
+from jddp._src.place.placement import Place, Replicate
+from jddp._src.place.stages import ZeRO as ZeRO  # a policy of this module's (jddp.ZeRO)
 from jddp._src.plan import autocap, modelcap
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.hooks import CommHook, check_hook
@@ -112,7 +113,7 @@ Sync = EveryStep | LocalSGD
 _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "loss": ((Loss,), "a jddp.Loss(...)"),
     "reduce": ((Buckets, Deterministic), "a jddp.Buckets(...) or jddp.Deterministic(...)"),
-    "place": ((Replicate, ZeRO), "a jddp.Replicate() or jddp.ZeRO(stage=...)"),
+    "place": ((Place,), "a jddp.Replicate() or jddp.ZeRO(stage=...)"),
     "accumulate": ((Accumulate,), "a jddp.Accumulate(steps=..., microbatches=...)"),
     "sync": ((EveryStep, LocalSGD), "a jddp.EveryStep(), jddp.local_sgd.diloco(...) or "
                                     "jddp.local_sgd.post_local_sgd(...)"),
@@ -148,8 +149,3 @@ class Policies:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             check_kind(f.name, getattr(self, f.name))
-
-    @property
-    def stage(self) -> int:
-        """The ZeRO stage (0 for :class:`Replicate`)."""
-        return self.place.stage if isinstance(self.place, ZeRO) else 0

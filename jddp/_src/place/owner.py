@@ -7,7 +7,8 @@ each parameter leaf has one **owner** device (:func:`assign`: greedy bin packing
 cost, largest first), and only the owner computes the leaf's update:
 
 - the parameters, gradients and optimizer state are *stored* as at ``ZeRO(stage=s)`` (the same
-  specs, checkpoints, forward gathers and reductions: :class:`jddp._src.place.placement.ZeRO`'s);
+  specs, checkpoints, forward gathers and reductions: the stage placements of
+  :mod:`jddp._src.place.stages`);
 - the update (:func:`update`) runs in one ``shard_map``: the optimizer state's pieces go to each
   leaf's owner (one all-to-all per dtype); so do the reduced gradients' pieces (from stage 2),
   unless some owner's update reads another's gradient (``clip_by_global_norm``): then they are
@@ -46,9 +47,8 @@ from jddp._src.introspect import vma
 from jddp._src.place import zero
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.collectives import wire_itemsize
-from jddp._src.reduce.reduction import Bytes, ring
 from jddp._src.runtime.topology import Topology
-from jddp._src.tree import key_path_str
+from jddp._src.tree import Bytes, key_path_str, ring
 
 Shape = Sequence[int]
 
@@ -376,11 +376,12 @@ class _Moves(NamedTuple):
     dims: tuple[tuple[int | None, ...], ...]  # as stored: parameters, state, gradients
 
 
-def _moves(stage: int, optimizer: optax.GradientTransformation, n: int, layout: zero.Layout,
-           plan: BucketPlan, params: Any, opt_state: Any, grads: Any) -> _Moves:
+def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n: int,
+           layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: Any,
+           grads: Any) -> _Moves:
     owners = assign(layout.shapes, n)
-    p_dims = layout.dims if stage >= 3 else (None,) * len(layout.dims)
-    g_dims = layout.dims if stage >= 2 else (None,) * len(layout.dims)
+    p_dims = layout.dims if pieces[0] else (None,) * len(layout.dims)
+    g_dims = layout.dims if pieces[1] else (None,) * len(layout.dims)
     s_owner = state_owners(params, opt_state, owners)
     s_dims = tuple(zero.shard_dim(np.shape(x), n) for x in jax.tree.leaves(opt_state))
     needs = analyse(optimizer, params, opt_state, grads, owners.owner, s_owner,
@@ -427,11 +428,12 @@ def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
     return out + each("all-to-all", moves.state.send, n)
 
 
-def update(stage: int, optimizer: optax.GradientTransformation, topo: Topology,
+def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, topo: Topology,
            layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: Any,
            grads: Any, record: Any = None) -> tuple[Any, Any]:
     """``(new_params, new_opt_state)``: each leaf's update computed on its owner, applied where
-    the leaf is stored (global view in and out, stored as at ``ZeRO(stage=stage)``).
+    the leaf is stored (global view in and out, stored as at the placement's stage: ``pieces``,
+    whether the parameters and the gradients are in pieces).
 
     Gradients in pieces (from stage 2) go to their owners by an all-to-all, or are all-gathered
     when some owner reads another's gradient (a global norm); parameters in pieces (stage 3) go
@@ -442,7 +444,7 @@ def update(stage: int, optimizer: optax.GradientTransformation, topo: Topology,
         for ``metrics["comm_bytes"]``); ``None``: not counted.
     """
     n, axis = topo.shard_count, topo.shard
-    moves = _moves(stage, optimizer, n, layout, plan, params, opt_state, grads)
+    moves = _moves(pieces, optimizer, n, layout, plan, params, opt_state, grads)
     pio, sio, gio, needs = moves.params, moves.state, moves.grads, moves.needs
     if record is not None:
         record(sent(moves, n, _hosts(topo)))

@@ -105,6 +105,32 @@ class Layout(NamedTuple):
         return tuple(i for i, d in enumerate(self.dims) if d is None)
 
 
+class Sharded(NamedTuple):
+    """How a sharded stage's buckets are reduced: the record a placement gives the bucket
+    reducer (:func:`jddp._src.reduce.reduction.make_reducer`; ``None`` there: the hook's
+    all-reduce).
+
+    Attributes:
+      layout: how every parameter leaf is split.
+      axis: the axis the pieces are split over (all data axes, or the devices of a host).
+      replicas: with hybrid sharding, the axis across which the pieces are replicated (hosts):
+        each bucket's pieces are then averaged over it after the reduce-scatter, so the slow
+        link carries ``1/L`` of the bucket.
+      reshard: stage 3's ``reshard_after_forward`` (``GatherInForward``).
+      group: hpZ's group size (an int ``reshard_after_forward``; ``GatherInForward``).
+      gathers: whether the parameters come in as this device's pieces, so the forward pass
+        all-gathers each bucket before its first use (stage 3); else they come in whole and
+        each bucket is only reduce-scattered (stage 2).
+    """
+
+    layout: Layout
+    axis: Any = None
+    replicas: str | None = None
+    reshard: bool = False
+    group: int | None = None
+    gathers: bool = False
+
+
 def to_rows(x: jax.Array, dim: int | None, n: int) -> jax.Array:
     """A full leaf as ``(n, k)`` rows: row ``i`` is device ``i``'s piece, flattened.
 

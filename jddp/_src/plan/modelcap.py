@@ -240,14 +240,15 @@ def _pick(preds: Sequence[float], buckets: Sequence[int], margin: float,
                   f"DDP's plan ({gain:.0%} less)")
 
 
-def default_plan(hook: CommHook, stage: int, local_sgd: bool) -> DefaultPlan | None:
+def default_plan(hook: CommHook, sharded: bool, local_sgd: bool) -> DefaultPlan | None:
     """The default-plan chooser of a ``jddp.Buckets()`` given no cap, first bucket or plan
-    (reducing through ``hook``, at ZeRO ``stage``, with or without ``local_sgd``): the cost
-    model's where its CPU table was measured (stage 0, the default all-reduce hook, no local
-    SGD); ``None`` elsewhere, which keeps DDP's 25 MiB plan with a 1 MiB first bucket (sharded
-    stages, compression and hierarchical hooks and the local-SGD steps reduce otherwise than
-    the table's steps; the deterministic reduction has no buckets)."""
-    measured = stage == 0 and hook == allreduce_mean() and not local_sgd
+    (reducing through ``hook``, with ``sharded`` state (a ZeRO stage) or not, with or without
+    ``local_sgd``): the cost model's where its CPU table was measured (nothing sharded, the
+    default all-reduce hook, no local SGD); ``None`` elsewhere, which keeps DDP's 25 MiB plan
+    with a 1 MiB first bucket (sharded stages, compression and hierarchical hooks and the
+    local-SGD steps reduce otherwise than the table's steps; the deterministic reduction has no
+    buckets)."""
+    measured = not sharded and hook == allreduce_mean() and not local_sgd
     return DefaultPlan() if measured else None
 
 

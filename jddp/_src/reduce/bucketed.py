@@ -250,7 +250,7 @@ def _prepare(s: Step, state: TrainState, batch: Any, weights: Any, rng: Any) -> 
 
 def _local_params(s: Step, prep: Prepared) -> tuple[Any, Bytes]:
     """The parameters local gradients (earlier micro-batches, no-sync calls) are taken at, and
-    the bytes of getting them (stage 3 gathers them: :meth:`jddp._src.place.placement.ZeRO.local_params`).
+    the bytes of getting them (stage 3 gathers them: :meth:`jddp._src.place.stages.ZeRO3.local_params`).
     """
     ctx = s.ctx
     return ctx.place.local_params(ctx.topology, s.call.roles, prep.plan, prep.layout,

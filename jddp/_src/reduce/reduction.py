@@ -49,6 +49,7 @@ from jddp._src.api import options
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
 from jddp._src.place import zero
+from jddp._src.place.zero import Sharded
 from jddp._src.plan.planner import BucketPlan, plan_traced
 from jddp._src.reduce import replicated
 from jddp._src.reduce.collectives import traced_platform, wire_itemsize, wire_nbytes
@@ -66,7 +67,7 @@ from jddp._src.reduce.hooks import (
     unflatten_like,
 )
 from jddp._src.step.checks import check_float_params, check_scalar_loss
-from jddp._src.tree import nbytes, ring_bytes
+from jddp._src.tree import Bytes, chain_dependency, nbytes, ring
 from jddp._src.update import precision as precision_lib
 
 
@@ -106,30 +107,6 @@ def backward_prefetch() -> bool:
     where a collective cannot overlap anything and a prefetch would only hold gathered leaves
     longer (on the 8-layer test MLP the compiled CPU peak rose from 2.41 to 3.46 MB)."""
     return traced_platform() != "cpu"
-
-
-def chain_dependency(reduced: Sequence[jax.Array], chain: str) -> Any:
-    """What the next bucket's gradients are made to depend on, so XLA cannot combine the two.
-
-    For ``"add"``: a float32 scalar that depends on one element of every non-empty reduced leaf
-    and is always exactly 0 (the select on ``isfinite`` keeps it 0 even when a gradient is NaN or
-    Inf). For ``"barrier"``: the reduced leaves themselves (no arithmetic, no copy).
-
-    The scalar is computed once: it ends in a square root, exact on the +0 or -0 it takes, which
-    XLA counts as expensive and so does not duplicate into its consumers. Without it XLA's
-    fusion copies the whole sum (a few instructions per reduced leaf) into the fusion of every
-    gradient of the next bucket, and the compiled step grows with the product of the two
-    buckets' leaf counts: superlinearly with depth where the buckets grow with the model
-    (tests/test_compile_depth.py).
-    """
-    if chain == "barrier":
-        return tuple(reduced)
-    probe = sum(
-        (jnp.ravel(r)[0].astype(jnp.float32) for r in reduced if np.size(r)),
-        jnp.zeros((), jnp.float32),
-    )
-    # No gradient flows through it (it is 0 by construction; the square root's at 0 is not).
-    return lax.stop_gradient(lax.sqrt(jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0)))
 
 
 def _dep_zeros(chain: str, structs: Sequence[jax.ShapeDtypeStruct], axis_name: Any,
@@ -221,29 +198,6 @@ def _check_hook_state(hook: CommHook, old: Any, new: Any, index: int) -> None:
 
 
 # ------------------------------------------------------------------------------------ bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class Bytes:
-    """Bytes one device sends (the ring model of :func:`jddp._src.tree.ring_bytes`): in all, and
-    the part that goes to other hosts on a two-level mesh. Python floats, or traced scalars when
-    a hook chooses its formulation on the step (PowerSGD's start)."""
-
-    total: Any = 0.0
-    across: Any = 0.0
-
-    def __add__(self, other: Bytes) -> Bytes:
-        return Bytes(self.total + other.total, self.across + other.across)
-
-    def scaled(self, factor: float) -> Bytes:
-        return Bytes(self.total * factor, self.across * factor)
-
-
-def ring(kind: str, nbytes: float, group: int, hosts: int = 1) -> Bytes:
-    """One ring collective over ``group`` devices placed host by host on ``hosts`` hosts: of the
-    ring's ``group`` hops, ``hosts`` cross a host boundary (none on one host)."""
-    total = ring_bytes(kind, nbytes, group)
-    return Bytes(total, total * hosts / group if hosts > 1 else 0.0)
 
 
 def span(axis_name: Any, hosts_axis: str | None) -> tuple[int, int]:
@@ -635,29 +589,6 @@ class GatherInForward:
         return self.gather_bytes(self.inner.plan.unused)
 
 
-class Sharded(NamedTuple):
-    """How a sharded stage reduces buckets (see :mod:`jddp._src.place.zero`).
-
-    Attributes:
-      stage: 2 (the bucket is reduce-scattered; parameters come in whole) or 3 (parameters come in
-        as this device's pieces: the forward pass all-gathers each bucket before its first use).
-      layout: how every parameter leaf is split.
-      axis: the axis the pieces are split over (all data axes, or the devices of a host).
-      replicas: with hybrid sharding, the axis across which the pieces are replicated (hosts):
-        each bucket's pieces are then averaged over it after the reduce-scatter, so the slow
-        link carries ``1/L`` of the bucket.
-      reshard: stage 3's ``reshard_after_forward`` (:class:`GatherInForward`).
-      group: hpZ's group size (an int ``reshard_after_forward``; :class:`GatherInForward`).
-    """
-
-    stage: int
-    layout: zero.Layout
-    axis: Any = None
-    replicas: str | None = None
-    reshard: bool = False
-    group: int | None = None
-
-
 def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
                  sharded: Sharded | None = None, hosts_axis: str | None = None,
                  phase: Any = None, stateful: bool = False,
@@ -680,7 +611,7 @@ def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
     )
     inner = (ReduceScatter(**common) if sharded.replicas is None
              else Hybrid(**common, replicas=sharded.replicas))
-    if sharded.stage >= 3:  # casts to a policy's param_dtype itself, before its gathers
+    if sharded.gathers:  # casts to a policy's param_dtype itself, before its gathers
         return GatherInForward(inner, sharded.reshard, precision_lib.gather_dtype(precision),
                                sharded.group)
     return precision_lib.wrap_reducer(inner, precision)

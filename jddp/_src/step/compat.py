@@ -83,7 +83,8 @@ def dynamic_scale(c: Combination) -> bool:
 
 
 def _offload(c: Combination) -> bool:
-    return zero(c) and c.policies.place.offload  # type: ignore[union-attr]
+    place = c.policies.place
+    return isinstance(place, ZeRO) and place.offload
 
 
 def one_level_mesh(c: Combination) -> bool:
@@ -94,8 +95,8 @@ def sharded_accumulator(c: Combination) -> bool:
     return c.policies.accumulate.shard is True
 
 
-def _stage_below_2(c: Combination) -> bool:
-    return c.policies.stage < 2
+def _grads_whole(c: Combination) -> bool:
+    return not c.policies.place.splits_grads
 
 
 def _hook_keeps_state(c: Combination) -> bool:
@@ -103,7 +104,8 @@ def _hook_keeps_state(c: Combination) -> bool:
 
 
 def _hybrid(c: Combination) -> bool:
-    return zero(c) and c.policies.place.hybrid  # type: ignore[union-attr]
+    place = c.policies.place
+    return isinstance(place, ZeRO) and place.hybrid
 
 
 def _precision(c: Combination) -> bool:
@@ -172,7 +174,7 @@ TABLE: tuple[Refusal, ...] = (
             "around the update, and local SGD or DiLoCo (sync=...) keep one optimizer state per "
             "replica, updated under vmap, plus DiLoCo's outer state: that placement is not "
             "offloaded. Use ZeRO(offload=False) with local SGD, or sync=jddp.EveryStep()."),
-    Refusal("sharded accumulator + stage below 2", sharded_accumulator, _stage_below_2,
+    Refusal("sharded accumulator + stage below 2", sharded_accumulator, _grads_whole,
             f"{_SHARD}, but only ZeRO stages 2-3 reduce-scatter gradients. Use "
             "place=jddp.ZeRO(stage=2 or 3), or Accumulate(shard=None)."),
     Refusal("sharded accumulator + stateful hook", sharded_accumulator, _hook_keeps_state,
@@ -212,5 +214,5 @@ def resolve_shard(accumulate: Accumulate, c: Combination) -> bool:
     deterministic reduction). Call after :func:`check`."""
     if accumulate.shard is not None:
         return accumulate.shard
-    return (c.policies.stage >= 2 and accumulate.steps > 1 and not _hook_keeps_state(c)
+    return (c.policies.place.splits_grads and accumulate.steps > 1 and not _hook_keeps_state(c)
             and not local_sgd(c) and not deterministic(c))

@@ -356,9 +356,10 @@ class StepConfig:
         :class:`jddp._src.update.loss_scale.DynamicScale` (dynamic loss scaling), or ``None``.
       update: derived: ``accumulate``, ``guard`` and a weighted loss's empty-window skip composed
         into the step's update wrappers (:class:`jddp._src.update.update.Update`).
-      place: where the state lives (:mod:`jddp._src.place.placement`): :class:`Replicate` (DDP) or
-        :class:`ZeRO` (stages 1-3, hybrid sharding, ``reshard_after_forward``, offload),
-        resolved against the mesh (:meth:`ZeRO.resolve`); the step calls its methods.
+      place: where the state lives (a :class:`jddp._src.place.placement.Place`): :class:`Replicate`
+        (DDP) or ``ZeRO`` (stages 1-3, hybrid sharding, ``reshard_after_forward``, offload),
+        resolved against the mesh (``ZeRO.resolve``: one placement per stage); the step calls
+        its methods.
       precision: the mixed-precision policy (:mod:`jddp._src.update.precision`; ``None``: off).
       sync: the sync policy (:class:`SyncPolicy`): :class:`jddp._src.sync.every_step.EveryStep` (plain data
         parallelism), or local SGD / DiLoCo (:class:`jddp._src.sync.local_sgd.LocalSGD`: per-replica

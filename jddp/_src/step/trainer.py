@@ -60,7 +60,7 @@ def _reducer(p: pol.Policies, precision: Any) -> Reducer:
     hook = precision_lib.resolve_hook(precision, reduce.hook)
     hook = allreduce_mean() if hook is None else hook
     cap, first = reduce.caps()
-    chooser = None if reduce.pinned else modelcap.default_plan(hook, p.stage,
+    chooser = None if reduce.pinned else modelcap.default_plan(hook, p.place.sharded,
                                                                 p.sync.islands)
     return Bucketed(hook=hook, chain=reduce.chain, cap_bytes=cap, first_bytes=first,
                     fixed_plan=reduce.plan, default_plan=chooser, keep_unused=reduce.keep_unused)

@@ -853,7 +853,7 @@ def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: Any = None) -
     return jax.tree.map(make, local_batch)
 
 
-def shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
+def _shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
     """Deprecated: `jddp.shard_batch(global_batch, mesh)` places the same batch (a global host
     batch present on every process, split over `axis`: default `"data"`, or both axes of a
     two-level `(hosts, local)` mesh; each process transfers only its own rows)."""
@@ -861,3 +861,11 @@ def shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> Py
                             "jddp.shard_batch(batch, mesh) (the same placement)")
     axis = _data_axis(mesh, axis)
     return global_batch_from_local(local_slice(global_batch, mesh, axis), mesh, axis)
+
+
+def __getattr__(name: str) -> Any:
+    """``shard_global_batch``, deprecated (it warns when called; ``jddp.shard_batch`` places the
+    same batch), kept off this module's API page."""
+    if name == "shard_global_batch":
+        return _shard_global_batch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -232,3 +232,35 @@ def test_lower_takes_inits_names():
     assert old == new
     with pytest.raises(TypeError, match=r"lower\(params, batch, model_state=None\)"):
         ddp.lower(params)
+
+
+def test_docs_examples_and_benchmarks_spell_only_the_new_names():
+    """No moved name in the docs, examples, benchmarks, scripts, tests or jddp's own text, except
+    the migration page and changelog (their tables name the old spellings), the module that maps
+    them, and this file."""
+    import pathlib
+    import re
+
+    from jddp._src.api.deprecated import MOVED
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    old = "|".join(re.escape(f"{module}.{name}") for module, name in MOVED)
+    pattern = re.compile(rf"(?<![\w.])({old}|(jddp\.|distributed\.|dist\.)shard_global_batch"
+                         r"|(params|batch|model_state)_like=)\b")
+    skip = {"docs/migration.md", "docs/changelog.md", "jddp/_src/api/deprecated.py",
+            "tests/test_deprecated.py"}
+    files = [root / "README.md", *root.glob("docs/**/*.md"),
+             *(p for d in ("examples", "benchmarks", "scripts", "tests", "jddp")
+               for p in (root / d).rglob("*.py"))]
+    bad = []
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        if rel in skip:
+            continue
+        text = path.read_text()
+        lines = text.splitlines()
+        for m in pattern.finditer(text):
+            line = text.count("\n", 0, m.start())
+            if "deprecated" not in lines[line].lower():  # the warning's own text
+                bad.append(f"{rel}:{line + 1}: {m.group(0)}")
+    assert not bad, "old spellings taught as current:\n" + "\n".join(bad)

@@ -40,7 +40,7 @@ def main() -> None:
                              "bias": np.zeros(b, np.float32)}
               for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:], strict=True))}
     mesh = jddp.data_mesh(hosts="process")
-    batch = jddp.shard_global_batch({"x": rng.normal(size=(64, 256)).astype(np.float32),
+    batch = jddp.shard_batch({"x": rng.normal(size=(64, 256)).astype(np.float32),
                                      "y": rng.normal(size=(64, 16)).astype(np.float32)}, mesh)
     runs = {}
     for force in (False, True):

@@ -99,7 +99,7 @@ def _worker(args: argparse.Namespace) -> None:
     runs = {}
     for name in args.variants:
         mesh, hook = setups[name]
-        data = jddp.global_batch_from_local(host, mesh)
+        data = jddp.distributed.global_batch_from_local(host, mesh)
         ddp = jddp.DataParallel(mlp_loss, optax.sgd(1e-3), mesh=mesh,
                                 reduce=jddp.Buckets(hook=hook, cap_mb=args.bucket_cap_mb))
         state = ddp.init(params)

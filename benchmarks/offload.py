@@ -142,7 +142,7 @@ def step_times(width: int, rounds: int, steps: int) -> dict:
             ddp, params_like, batch_like = trainer(mesh, width, stage, off)
             params = jax.tree.map(lambda a: jnp.asarray(
                 rng.standard_normal(a.shape) / np.sqrt(a.shape[0]), jnp.float32), params_like)
-            batch = jddp.shard_global_batch(jax.tree.map(lambda a: np.asarray(
+            batch = jddp.shard_batch(jax.tree.map(lambda a: np.asarray(
                 rng.standard_normal(a.shape), np.float32), batch_like), mesh)
             state = ddp.init(params)
             state, _ = ddp.step(state, batch)  # compile

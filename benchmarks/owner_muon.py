@@ -123,7 +123,7 @@ def main():
 
     params, batch, loss = model(args.width, args.layers, args.batch)
     mesh = jddp.data_mesh()
-    gbatch = jddp.shard_global_batch(batch, mesh)
+    gbatch = jddp.shard_batch(batch, mesh)
     runs, facts = {}, {}
     for name, (opt, place) in variants(args.stage).items():
         ddp = jddp.DataParallel(loss, opt(), mesh=mesh, place=place)

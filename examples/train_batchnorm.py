@@ -4,7 +4,8 @@ Runs on every available device (simulate 8 CPU devices with ``--devices 8``). Sh
 
 - model state (Flax ``batch_stats``) carried in ``TrainState.model_state`` and synchronised each
   step (``--sync broadcast|mean|none``),
-- uneven final batches padded with ``jddp.pad_batch`` and masked (``loss=jddp.Loss(weighted=True)``),
+- uneven final batches padded with ``jddp.data.pad_batch`` and masked
+  (``loss=jddp.Loss(weighted=True)``),
 - ``ddp.verify(state)`` checking that replicas stayed identical.
 
 Usage::
@@ -96,7 +97,7 @@ def main() -> None:
         for i in range(0, len(order), batch_size):
             idx = order[i:i + batch_size]
             # The last batch is short: pad it to the full size (one compiled step) and mask it.
-            batch, mask = jddp.pad_batch({"x": x_train[idx], "y": y_train[idx]},
+            batch, mask = jddp.data.pad_batch({"x": x_train[idx], "y": y_train[idx]},
                                          ddp.num_devices, size=batch_size)
             state, metrics = ddp.step(state, batch, mask=mask)
             for k in totals:

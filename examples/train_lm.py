@@ -19,7 +19,8 @@ What the port uses from jddp:
   masks differ across devices and equal a single device's;
 - ``jddp.Loss(sum_metrics=("tokens",))``: the real-token count of a step, summed over devices;
 - ``optax.inject_hyperparams``: ``metrics["learning_rate"]``;
-- ``jddp.Evaluator``: loss and token sums over the held-out files (perplexity, bits per byte).
+- ``jddp.evaluation.Evaluator``: loss and token sums over the held-out files (perplexity, bits
+  per byte).
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {"loss": loss * weights, "tokens": weights,
                 "correct": (jnp.argmax(logits, -1) == batch["targets"]) * weights}
 
-    evaluate = jddp.Evaluator(eval_fn, mesh=mesh)
+    evaluate = jddp.evaluation.Evaluator(eval_fn, mesh=mesh)
     # Through jddp.data.Loader: each process reads only its rows; epoch e's order is
     # permutation(n_train) from the generator seeded [seed, e] (the order this example always
     # used), whole batches only. Per-token weights (padding 0) ride along as a batch leaf.

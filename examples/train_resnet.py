@@ -13,7 +13,8 @@ SyncBN: the model's BatchNorm averages its statistics over the mesh axis named "
 (``lax.pmean`` inside the loss), so the mesh is built with ``jddp.data_mesh(axis_name="batch")``
 and a step equals one device training on the whole global batch. The learning rate comes from
 ``optax.inject_hyperparams`` and is reported in the step's metrics; test accuracy is evaluated on
-the data mesh with ``jddp.Evaluator`` (360 test images: the last batch is padded and masked).
+the data mesh with ``jddp.evaluation.Evaluator`` (360 test images: the last batch is padded and
+masked).
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "correct": jnp.argmax(logits, -1) == batch["label"],
                 "count": jnp.ones(logits.shape[0])}
 
-    evaluate = jddp.Evaluator(eval_fn, mesh=mesh)
+    evaluate = jddp.evaluation.Evaluator(eval_fn, mesh=mesh)
     # Training batches and the held-out set through jddp.data.Loader: each process reads only
     # its own rows; the order follows from (seed, epoch), so a resume continues exactly.
     loader = jddp.data.Loader(jddp.data.ArraySource({"image": x_train, "label": y_train}),

@@ -1,9 +1,12 @@
 """jddp: distributed data-parallel training for JAX, built like PyTorch DDP.
 
-What a training script uses is here; the rest is reachable from its module (``jddp.hooks``,
-``jddp.buckets``, ``jddp.mesh``, ``jddp.verify``, ``jddp.trainer``, ``jddp.distributed``,
-``jddp.checkpoint``, ``jddp.nnx``, ``jddp.local_sgd``, ``jddp.random``, ``jddp.precision``,
-``jddp.evaluation``, ``jddp.data``, and the performance tooling in ``jddp.perf``).
+What most training scripts use is here: the trainer and its policies, the mesh and the one way
+to place a batch, start-up, the built-in communication hooks and the errors a step raises. The
+rest lives in its module (``jddp.hooks``, ``jddp.buckets``, ``jddp.mesh``, ``jddp.verify``,
+``jddp.trainer``, ``jddp.distributed``, ``jddp.checkpoint``, ``jddp.nnx``, ``jddp.local_sgd``,
+``jddp.random``, ``jddp.precision``, ``jddp.evaluation``, ``jddp.data``, and the performance
+tooling in ``jddp.perf``). Names that used to be here too still work for one release, with a
+``DeprecationWarning`` naming their module (docs/migration.md).
 """
 
 import importlib
@@ -23,6 +26,7 @@ from jddp import (  # noqa: F401
     trainer,
     verify,
 )
+from jddp._src.api import deprecated as _deprecated
 from jddp._src.api.policies import (
     Accumulate,
     Buckets,
@@ -33,35 +37,26 @@ from jddp._src.api.policies import (
     SkipNotFinite,
     ZeRO,
 )
-from jddp._src.data.evaluation import Evaluator
-from jddp._src.data.uneven import pad_batch
-from jddp._src.plan.planner import BucketPlan, plan_buckets
-from jddp._src.reduce.hooks import CommHook, HookContext, bf16_compress, fp16_compress, powersgd
+from jddp._src.plan.planner import plan_buckets
+from jddp._src.reduce.hooks import bf16_compress, fp16_compress, powersgd
 from jddp._src.reduce.reduction import value_and_grad
-from jddp._src.runtime.mesh import data_mesh, replicate, shard_batch
-from jddp._src.runtime.verify import ReplicaDivergenceError, verify_replicas
+from jddp._src.runtime.mesh import data_mesh, shard_batch
+from jddp._src.runtime.verify import ReplicaDivergenceError
 from jddp._src.step.programs import ProgramMismatchError
 from jddp._src.step.state import TrainState
 from jddp._src.step.trainer import DataParallel
-from jddp._src.update.loss_scale import DynamicScale
 from jddp.distributed import (
-    global_batch_from_local,
     initialize,
     is_main_process,
-    shard_global_batch,
+    shard_global_batch,  # noqa: F401  (deprecated: warns when called)
 )
 
 __all__ = [
     "Accumulate",
-    "BucketPlan",
     "Buckets",
-    "CommHook",
     "DataParallel",
     "Deterministic",
-    "DynamicScale",
     "EveryStep",
-    "Evaluator",
-    "HookContext",
     "Loss",
     "ProgramMismatchError",
     "ReplicaDivergenceError",
@@ -70,30 +65,22 @@ __all__ = [
     "TrainState",
     "ZeRO",
     "bf16_compress",
-    "data",
     "data_mesh",
-    "distributed",
     "fp16_compress",
-    "global_batch_from_local",
-    "hooks",
     "initialize",
     "is_main_process",
-    "nnx",
-    "pad_batch",
     "plan_buckets",
     "powersgd",
-    "random",
-    "replicate",
     "shard_batch",
-    "shard_global_batch",
     "value_and_grad",
-    "verify_replicas",
 ]
 
 
 def __getattr__(name: str) -> Any:
     """``jddp.perf`` on first use: the tooling stays out of ``import jddp`` (its submodules
-    import lazily too), yet ``jddp.perf.profile`` works without an import of its own."""
+    import lazily too), yet ``jddp.perf.profile`` works without an import of its own. A name
+    that moved to its module (``jddp.data.pad_batch`` is ``jddp.data.pad_batch``) warns and gives
+    the same object."""
     if name == "perf":
         return importlib.import_module("jddp.perf")
-    raise AttributeError(f"module 'jddp' has no attribute {name!r}")
+    return _deprecated.moved(__name__, name)

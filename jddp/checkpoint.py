@@ -359,7 +359,7 @@ def restore(
 
     Args:
       target: a TrainState like the one saved: concrete, or abstract with shardings (e.g.
-        ``ddp.abstract_state(params_like)``), which places the restored arrays.
+        ``ddp.abstract_state(params)``), which places the restored arrays.
       step: which checkpoint (default: the latest).
       init_fn: ``init_fn() -> TrainState`` on the new device count (e.g. ``lambda:
         ddp.init(params)``), for per-device leaves that restart; called only when the device

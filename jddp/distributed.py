@@ -49,6 +49,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jddp._src.api import deprecated
 from jddp._src.introspect import jax_private
 from jddp._src.runtime import cluster, hostsync, preemption, watchdog
 from jddp._src.runtime import mesh as mesh_lib
@@ -81,7 +82,6 @@ __all__ = [
     "process_index",
     "reached_preemption_point",
     "report_progress",
-    "shard_global_batch",
 ]
 
 # Environment variables written by `jddp-run` for each rank it starts.
@@ -853,12 +853,19 @@ def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: Any = None) -
     return jax.tree.map(make, local_batch)
 
 
-def shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
-    """Places a global host batch, present on every process, as a batch sharded over `axis`
-    (default: `"data"`, or both axes of a two-level `(hosts, local)` mesh).
-
-    For data sets small enough that every process holds (or generates) all of it; each process
-    transfers only its own rows to its devices.
-    """
+def _shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
+    """Deprecated: `jddp.shard_batch(global_batch, mesh)` places the same batch (a global host
+    batch present on every process, split over `axis`: default `"data"`, or both axes of a
+    two-level `(hosts, local)` mesh; each process transfers only its own rows)."""
+    deprecated.renamed_call("jddp.shard_global_batch(batch, mesh)",
+                            "jddp.shard_batch(batch, mesh) (the same placement)")
     axis = _data_axis(mesh, axis)
     return global_batch_from_local(local_slice(global_batch, mesh, axis), mesh, axis)
+
+
+def __getattr__(name: str) -> Any:
+    """``shard_global_batch``, deprecated (it warns when called; ``jddp.shard_batch`` places the
+    same batch), kept off this module's API page."""
+    if name == "shard_global_batch":
+        return _shard_global_batch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

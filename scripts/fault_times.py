@@ -37,7 +37,7 @@ mesh = jddp.data_mesh()
 ddp = jddp.DataParallel(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2), optax.sgd(0.01), mesh=mesh)
 mngr = ckpt.manager(sys.argv[2], save_interval_steps=10**9)
 state = ckpt.restore_or_init(mngr, ddp, {"w": np.ones((3, 1), np.float32)})
-batch = jddp.shard_global_batch({"x": np.ones((8, 3), np.float32)}, mesh)
+batch = jddp.shard_batch({"x": np.ones((8, 3), np.float32)}, mesh)
 fault, rank = sys.argv[1], info.process_id
 for step in range(int(state.step), 100000):
     if step == 6:

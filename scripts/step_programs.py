@@ -46,10 +46,10 @@ def fingerprints(only: str | None = None) -> dict[str, list[str]]:
                      else ddp.init(case.params(), case.model_state))
             hashes = []
             for i, call in enumerate(case.calls()):
-                batch = jddp.shard_global_batch(call["batch"], mesh)
+                batch = jddp.shard_batch(call["batch"], mesh)
                 mask = call.get("mask")
                 if mask is not None:
-                    mask = jddp.shard_global_batch(mask, mesh)
+                    mask = jddp.shard_batch(mask, mesh)
                 kw = {"rng": call["rng"]} if "rng" in call else {}
                 text = ddp.step.lower(state, batch, mask, step=i, **kw).as_text()
                 hashes.append(hashlib.sha256(text.encode()).hexdigest()[:16])

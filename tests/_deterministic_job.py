@@ -131,8 +131,8 @@ else:
     n = jax.device_count()
     out = {
         f"{n} ({jax.process_count()} processes)": train(
-            jddp.data_mesh(), shard=jddp.shard_global_batch),
-        "process x local": train(jddp.data_mesh(hosts="process"), shard=jddp.shard_global_batch),
+            jddp.data_mesh(), shard=jddp.shard_batch),
+        "process x local": train(jddp.data_mesh(hosts="process"), shard=jddp.shard_batch),
     }
 if jax.process_index() == 0:
     with open(OUT, "w") as f:

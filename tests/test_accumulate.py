@@ -578,7 +578,7 @@ def test_weighted_window_of_uneven_shapes_equals_step_on_real_rows(m, sizes, kw)
     params = mlp_params(24, SIZES)
     first = regression_batch(240, sizes[0], SIZES[0], SIZES[-1])
     short = regression_batch(241, 21, SIZES[0], SIZES[-1])
-    padded, mask = jddp.pad_batch(short, 8, size=sizes[1])
+    padded, mask = jddp.data.pad_batch(short, 8, size=sizes[1])
     real = concat([first, short])
     ref_params, ref_losses = reference(params, [real], optax.sgd(0.1))
     ddp = jddp.DataParallel(_per_example, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),

@@ -129,8 +129,9 @@ def test_site_hooks_render_notest_fences_as_python_and_roles_as_code():
     assert hooks.on_page_markdown(md, page=page) == (
         "```python\nx = 1\n```\n![plot](benchmarks/out/peers.png)\n")
     rst = _script("griffe_rst")
-    assert rst.markdown("See :func:`plan_buckets` and :class:`~jddp.BucketPlan`. Example::\n") == (
-        "See `plan_buckets` and `jddp.BucketPlan`. Example:\n")
+    assert rst.markdown("See :func:`plan_buckets` and :class:`~jddp.buckets.BucketPlan`. "
+                        "Example::\n") == (
+        "See `plan_buckets` and `jddp.buckets.BucketPlan`. Example:\n")
 
 
 #: Old keywords that are no field of any policy nor an argument elsewhere: never written bare.

@@ -467,7 +467,7 @@ for step in range(50):
     r = np.random.default_rng(step)
     batch = {"x": r.normal(size=(8, 5)).astype(np.float32),
              "y": r.normal(size=(8, 3)).astype(np.float32)}
-    state, _ = ddp.step(state, jddp.shard_global_batch(batch, mesh))
+    state, _ = ddp.step(state, jddp.shard_batch(batch, mesh))
     if step == 2 and jddp.is_main_process():
         print("SAVING AT", time.time(), flush=True)
         ckpt.save(mngr, state, barrier_timeout_s=float(sys.argv[2]))

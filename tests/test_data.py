@@ -272,7 +272,7 @@ def test_evaluator_counts_every_real_example_once_through_a_loader():
                 "y": batch["y"] * v}
 
     for mesh in (jddp.data_mesh(), jddp.data_mesh(hosts=2)):
-        evaluate = jddp.Evaluator(eval_fn, mesh=mesh)
+        evaluate = jddp.evaluation.Evaluator(eval_fn, mesh=mesh)
         loader = Loader(ArraySource(data), global_batch_size=16, mesh=mesh, shuffle=False)
         for _ in range(2):  # epoch after epoch
             sums = evaluate(w, loader)

@@ -133,3 +133,134 @@ def test_every_round3_flag_takes_only_a_bool(name, value):
     """Checked under its own name before it moves into its policy."""
     with pytest.raises(TypeError, match=rf"{name} must be True or False"):
         _old(**{name: value})
+
+
+# ------------------------------------------- one spelling per name: what moved, what stays
+
+#: Every top-level spelling of the public contract (shared README §3): never a warning.
+_CONTRACT = ("data_mesh", "DataParallel", "value_and_grad", "plan_buckets", "initialize",
+             "bf16_compress", "Loss", "Buckets", "Deterministic", "Replicate", "ZeRO",
+             "Accumulate", "EveryStep", "hooks", "local_sgd", "precision", "data", "nnx")
+
+
+def test_the_contract_and_all_names_read_without_a_warning():
+    import warnings
+
+    assert len(jddp.__all__) <= 30, jddp.__all__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in (*_CONTRACT, *jddp.__all__):
+            assert getattr(jddp, name) is not None, name
+        for obj in (jddp.hooks.hierarchical, jddp.hooks.int8_compress, jddp.local_sgd.diloco,
+                    jddp.local_sgd.post_local_sgd, jddp.precision.MixedPrecision,
+                    jddp.data.Loader, jddp.nnx.DataParallel, jddp.mesh.shard_batch,
+                    jddp.mesh.replicate_tree, jddp.data.pad_batch):
+            assert callable(obj)
+        assert jddp.perf.__name__ == "jddp.perf"  # lazy, not a moved name
+
+
+def _moved():
+    from jddp._src.api.deprecated import MOVED
+    return sorted(MOVED.items())
+
+
+@pytest.mark.parametrize("old, home", _moved(), ids=lambda v: ".".join(v[:2]) if
+                         isinstance(v, tuple) and len(v) == 2 else None)
+def test_a_moved_name_warns_at_the_caller_and_is_the_same_object(old, home):
+    import importlib
+
+    module, name = old
+    with pytest.warns(DeprecationWarning, match=rf"^{module}\.{name} is deprecated: use "
+                                                rf"{home.spelling} \(the same object\).*"
+                                                r"docs/migration\.md") as rec:
+        obj = getattr(importlib.import_module(module), name)
+    assert obj is getattr(importlib.import_module(home.module), home.attr)
+    assert {w.filename for w in rec} == {__file__}
+    assert name not in importlib.import_module(module).__all__
+
+
+def test_from_import_of_a_moved_name_warns():
+    with pytest.warns(DeprecationWarning, match=r"jddp\.pad_batch is deprecated: use "
+                                                r"jddp\.data\.pad_batch"):
+        from jddp import pad_batch
+    assert pad_batch is jddp.data.pad_batch
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        jddp.no_such_name  # noqa: B018
+
+
+def test_replicate_and_shard_global_batch_place_as_their_new_names():
+    """jddp.replicate is jddp.mesh.replicate_tree; shard_global_batch (jddp. and
+    jddp.distributed.) warns when called and places the same arrays as jddp.shard_batch."""
+    import jax
+    import numpy as np
+
+    mesh = jddp.data_mesh(hosts=2)
+    tree = {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}
+    batch = {"x": np.arange(32.0, dtype=np.float32).reshape(16, 2), "y": np.arange(16)}
+    with pytest.warns(DeprecationWarning, match=r"jddp\.mesh\.replicate_tree"):
+        old = jddp.replicate(tree, mesh)
+    new = jddp.mesh.replicate_tree(tree, mesh)
+    assert old["w"].sharding == new["w"].sharding and old["w"].sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(old["w"]), np.asarray(new["w"]))
+    want = jddp.shard_batch(batch, mesh)
+    for fn in (jddp.shard_global_batch, jddp.distributed.shard_global_batch):
+        with pytest.warns(DeprecationWarning, match=r"jddp\.shard_global_batch\(batch, mesh\) "
+                                                    r"is deprecated: use jddp\.shard_batch") as rec:
+            got = fn(batch, mesh)
+        assert {w.filename for w in rec} == {__file__}
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_lower_takes_inits_names():
+    """lower(params, batch, model_state=...); params_like=/batch_like=/model_state_like= warn
+    and lower the same program."""
+    import jax
+
+    from tests._models import mlp_params, regression_batch
+
+    params, batch = mlp_params(0, [8, 16, 4]), regression_batch(0, 16, 8, 4)
+    ms = {"n": jax.numpy.zeros((3,))}
+    ddp = jddp.DataParallel(lambda p, s, b: (mlp_loss(p, b), s), optax.sgd(0.1))
+    new = ddp.lower(params, batch, model_state=ms).as_text()
+    with pytest.warns(DeprecationWarning, match=r"lower\((params|batch|model_state)_like=\.\.\.\) "
+                                                r"is deprecated: use (params|batch|model_state)=") \
+            as rec:
+        old = ddp.lower(params_like=params, batch_like=batch, model_state_like=ms).as_text()
+    assert {w.filename for w in rec} == {__file__} and len(rec) == 3
+    assert old == new
+    with pytest.raises(TypeError, match=r"lower\(params, batch, model_state=None\)"):
+        ddp.lower(params)
+
+
+def test_docs_examples_and_benchmarks_spell_only_the_new_names():
+    """No moved name in the docs, examples, benchmarks, scripts, tests or jddp's own text, except
+    the migration page and changelog (their tables name the old spellings), the module that maps
+    them, and this file."""
+    import pathlib
+    import re
+
+    from jddp._src.api.deprecated import MOVED
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    old = "|".join(re.escape(f"{module}.{name}") for module, name in MOVED)
+    pattern = re.compile(rf"(?<![\w.])({old}|(jddp\.|distributed\.|dist\.)shard_global_batch"
+                         r"|(params|batch|model_state)_like=)\b")
+    skip = {"docs/migration.md", "docs/changelog.md", "jddp/_src/api/deprecated.py",
+            "tests/test_deprecated.py"}
+    files = [root / "README.md", *root.glob("docs/**/*.md"),
+             *(p for d in ("examples", "benchmarks", "scripts", "tests", "jddp")
+               for p in (root / d).rglob("*.py"))]
+    bad = []
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        if rel in skip:
+            continue
+        text = path.read_text()
+        lines = text.splitlines()
+        for m in pattern.finditer(text):
+            line = text.count("\n", 0, m.start())
+            if "deprecated" not in lines[line].lower():  # the warning's own text
+                bad.append(f"{rel}:{line + 1}: {m.group(0)}")
+    assert not bad, "old spellings taught as current:\n" + "\n".join(bad)

@@ -40,11 +40,11 @@ def test_local_slice_is_whole_batch_in_single_process():
     np.testing.assert_array_equal(local["y"], batch["y"])
 
 
-def test_shard_global_batch_places_leading_dim_over_data_axis():
+def test_shard_batch_places_leading_dim_over_data_axis():
     mesh = _mesh_1d()
     n = len(jax.devices())
     batch = {"x": np.arange(4.0 * n).reshape(2 * n, 2), "y": np.arange(2 * n, dtype=np.int32)}
-    placed = dist.shard_global_batch(batch, mesh)
+    placed = jddp.shard_batch(batch, mesh)
     for key in batch:
         arr = placed[key]
         assert arr.shape == batch[key].shape
@@ -74,7 +74,7 @@ def test_local_slice_rejects_bad_batches():
 
 def test_reexports():
     assert jddp.initialize is dist.initialize
-    assert jddp.shard_global_batch is dist.shard_global_batch
+    assert jddp.shard_batch is jddp.mesh.shard_batch
     assert jddp.distributed is dist
     assert jddp.is_main_process()  # single process here
 

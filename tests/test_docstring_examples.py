@@ -45,7 +45,7 @@ def loss_fn(params, batch):
     loss = jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
     return loss, {"loss_x2": 2 * loss}
 """,
-    "jddp.Evaluator": """
+    "jddp.evaluation.Evaluator": """
 import types, flax.linen as nn
 class Net(nn.Module):
     @nn.compact
@@ -137,7 +137,7 @@ EXAMPLES = examples()
 
 def test_every_docstring_example_is_run_or_says_why():
     names = {n for n, _ in EXAMPLES}
-    assert {"jddp.DataParallel", "jddp.nnx.DataParallel", "jddp.Evaluator"} <= names
+    assert {"jddp.DataParallel", "jddp.nnx.DataParallel", "jddp.evaluation.Evaluator"} <= names
     unknown = names - SETUP.keys() - NOT_RUN.keys()
     assert not unknown, f"docstring examples with no SETUP (or NOT_RUN reason): {unknown}"
 

@@ -1,5 +1,5 @@
-"""jddp.Evaluator: sums over a data set whose size the devices do not divide, every real example
-counted once (Flax's pad_shard_unpad semantics)."""
+"""jddp.evaluation.Evaluator: sums over a data set whose size the devices do not divide, every
+real example counted once (Flax's pad_shard_unpad semantics)."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def _data(n, seed=0):
 def test_sums_count_every_real_example_once(n):
     params = mlp_params(0, SIZES)
     data = _data(n)
-    evaluate = jddp.Evaluator(_eval_fn, batch_size=16)
-    sums = evaluate(jddp.replicate(params, jddp.data_mesh()), data)
+    evaluate = jddp.evaluation.Evaluator(_eval_fn, batch_size=16)
+    sums = evaluate(jddp.mesh.replicate_tree(params, jddp.data_mesh()), data)
     logits = np.asarray(_logits(params, data["x"]))
     assert sums["count"] == n
     assert sums["correct"] == int(np.sum(np.argmax(logits, -1) == data["label"]))
@@ -58,7 +58,7 @@ def test_per_token_values_and_host_variables():
         per_token = (batch["t"] * params["s"]).astype(jnp.float32)
         return {"tokens": batch["w"], "total": per_token * batch["w"]}
 
-    evaluate = jddp.Evaluator(eval_fn, batch_size=8)
+    evaluate = jddp.evaluation.Evaluator(eval_fn, batch_size=8)
     sums = evaluate({"s": np.float32(2.0)}, {"t": tokens, "w": weights})
     assert sums["tokens"] == weights.sum()
     assert sums["total"] == float((tokens * 2.0 * weights).sum())
@@ -71,7 +71,7 @@ def test_a_trained_state_is_evaluated_in_place():
     data = _data(40, seed=3)
     for i in range(3):
         state, _ = ddp.step(state, _data(32, seed=i))
-    sums = jddp.Evaluator(_eval_fn, mesh=ddp.mesh, batch_size=32)(state.params, data)
+    sums = jddp.evaluation.Evaluator(_eval_fn, mesh=ddp.mesh, batch_size=32)(state.params, data)
     host = jax.device_get(state.params)
     want = optax.softmax_cross_entropy_with_integer_labels(
         _logits(host, data["x"]), data["label"]).sum()
@@ -80,11 +80,11 @@ def test_a_trained_state_is_evaluated_in_place():
 
 def test_evaluator_errors_are_clear():
     with pytest.raises(ValueError, match="batch_size must be a positive multiple of the 8"):
-        jddp.Evaluator(_eval_fn, batch_size=12)
-    evaluate = jddp.Evaluator(lambda p, b: {"mean": jnp.mean(b["x"])}, batch_size=8)
+        jddp.evaluation.Evaluator(_eval_fn, batch_size=12)
+    evaluate = jddp.evaluation.Evaluator(lambda p, b: {"mean": jnp.mean(b["x"])}, batch_size=8)
     with pytest.raises(ValueError, match=r"'mean' has shape \(\).*one value per example"):
         evaluate({}, _data(8))
     with pytest.raises(TypeError, match="dict of per-example arrays"):
-        jddp.Evaluator(lambda p, b: b["x"], batch_size=8)({}, _data(8))
+        jddp.evaluation.Evaluator(lambda p, b: b["x"], batch_size=8)({}, _data(8))
     with pytest.raises(ValueError, match="empty"):
         evaluate({}, _data(0))

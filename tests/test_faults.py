@@ -472,7 +472,7 @@ import jax, jax.numpy as jnp, optax
 mesh = jddp.data_mesh()
 ddp = jddp.DataParallel(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2), optax.sgd(0.1), mesh=mesh)
 state = ddp.init({"w": np.ones((3, 1), np.float32)})
-batch = lambda: jddp.shard_global_batch({"x": np.ones((8, 3), np.float32)}, mesh)
+batch = lambda: jddp.shard_batch({"x": np.ones((8, 3), np.float32)}, mesh)
 """
 
 
@@ -568,7 +568,7 @@ else:  # the reference: plain training, no checkpoints at all
 print("START", attempt, int(state.step), flush=True)
 preempted = False
 for step in range(int(state.step), STEPS):
-    state, metrics = ddp.step(state, jddp.shard_global_batch(batch_for(step), mesh))
+    state, metrics = ddp.step(state, jddp.shard_batch(batch_for(step), mesh))
     if faults:
         ckpt.save_if_due(mngr, state, step=step + 1)
     if faults and attempt == 0 and rank == 1 and step + 1 == 6:
@@ -741,7 +741,7 @@ def test_all_false_mask_skips_the_update():
 
 
 def test_string_hook_and_optimizer_factory_are_named():
-    with pytest.raises(TypeError, match="hook must be a jddp.CommHook.*got str 'fp16'"):
+    with pytest.raises(TypeError, match="hook must be a jddp.hooks.CommHook.*got str 'fp16'"):
         jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook="fp16"))
     with pytest.raises(TypeError, match=r"optax GradientTransformation.*call the factory"):
         jddp.DataParallel(mlp_loss, optax.adam)
@@ -768,7 +768,7 @@ def test_processes_with_different_batch_shapes_fail_at_the_first_step(tmp_path, 
     """Rank 0 builds 8 global rows, rank 1 builds 4: this used to finish with exit 0."""
     script = _script(tmp_path, "shapes.py", JAX_PREAMBLE, """
         rows = 8 if rank == 0 else 4
-        b = jddp.shard_global_batch({"x": np.ones((rows, 3), np.float32)}, mesh)
+        b = jddp.shard_batch({"x": np.ones((rows, 3), np.float32)}, mesh)
         state, metrics = ddp.step(state, b)
         print("TRAINED", flush=True)
     """)
@@ -835,7 +835,7 @@ info = jddp.initialize(timeout_s=30)
 import jax, jax.numpy as jnp
 mesh = jddp.data_mesh()
 f = jax.jit(lambda x: jnp.sum(x))
-x = jddp.shard_global_batch(np.ones((8, 4), np.float32), mesh)
+x = jddp.shard_batch(np.ones((8, 4), np.float32), mesh)
 for step in range(1, 10**6):
     float(f(x))
     jddp.distributed.reached_preemption_point(step)

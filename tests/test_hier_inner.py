@@ -23,7 +23,7 @@ SIZES = [6, 16, 16, 16, 3]
 CAPS = dict(cap_mb=0.002, first_mb=0.001)
 
 
-def _ef_bf16() -> jddp.CommHook:
+def _ef_bf16() -> jddp.hooks.CommHook:
     """An error-feedback bf16 hook whose reduce works on any arrays and any axis: residual state
     elementwise (the leaf's shape)."""
 
@@ -38,7 +38,7 @@ def _ef_bf16() -> jddp.CommHook:
                     for m, q, s in zip(ms, low, states, strict=True))
         return tuple(x.astype(g.dtype) for x, g in zip(summed, grads, strict=True)), new
 
-    return jddp.CommHook(init, reduce, "ef_bf16")
+    return jddp.hooks.CommHook(init, reduce, "ef_bf16")
 
 
 def _train(hook, steps=3, mesh=None, stage=0):

@@ -26,7 +26,7 @@ def _reduce_with(hook, local):
     @jax.jit
     @functools.partial(jax.shard_map, mesh=_mesh(), in_specs=P("data"), out_specs=P())
     def run(xs):
-        ctx = jddp.HookContext("data", N, jnp.zeros((), jnp.int32), 0)
+        ctx = jddp.hooks.HookContext("data", N, jnp.zeros((), jnp.int32), 0)
         out, _ = hook.reduce(tuple(x[0] for x in xs), states, ctx)
         return out
 
@@ -140,7 +140,7 @@ def _sum_hook():
         new = tuple({"sum": s["sum"] + g} for g, s in zip(grads, states, strict=True))
         return out, new
 
-    return jddp.CommHook(init, reduce, "sum")
+    return jddp.hooks.CommHook(init, reduce, "sum")
 
 
 def test_stateful_hook_state_is_per_device_and_survives_jit_and_donation():
@@ -246,7 +246,7 @@ def test_hook_changing_dtype_or_shape_is_a_clear_error():
         return tuple(lax_mean(g, ctx).reshape(-1) for g in grads), states
 
     for fn, what in [(bad_dtype, "bfloat16"), (bad_shape, "changed leaf")]:
-        hook = jddp.CommHook(lambda leaf: (), fn, "bad")
+        hook = jddp.hooks.CommHook(lambda leaf: (), fn, "bad")
         ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook))
         with pytest.raises(ValueError, match="Communication hook 'bad' changed leaf") as e:
             ddp.step(ddp.init(params), batch)
@@ -260,7 +260,7 @@ def lax_mean(g, ctx):
 def test_hook_with_integer_state_is_a_clear_error():
     params, _ = _mlp()
     int_state = lambda leaf: jnp.zeros((), jnp.int32)
-    hook = jddp.CommHook(int_state, jddp.hooks.allreduce_mean().reduce, "counter")
+    hook = jddp.hooks.CommHook(int_state, jddp.hooks.allreduce_mean().reduce, "counter")
     with pytest.raises(TypeError, match="'counter' made a int32 state leaf .* must be floating"):
         jddp.DataParallel(_mlp_loss, optax.sgd(0.1),
                           reduce=jddp.Buckets(hook=hook)).init(params)
@@ -273,7 +273,7 @@ def test_hook_changing_state_dtype_is_a_clear_error():
         out, _ = jddp.hooks.allreduce_mean().reduce(grads, (), ctx)
         return out, tuple(jax.tree.map(lambda s: s.astype(jnp.float16), s) for s in states)
 
-    hook = jddp.CommHook(lambda leaf: jnp.zeros(3, jnp.float32), reduce, "drift")
+    hook = jddp.hooks.CommHook(lambda leaf: jnp.zeros(3, jnp.float32), reduce, "drift")
     ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook))
     with pytest.raises(ValueError, match="changed a state leaf .* keep its shapes and dtypes"):
         ddp.step(ddp.init(params), batch)

@@ -63,12 +63,11 @@ def test_three_level_mesh_is_refused_clearly():
 def test_batches_are_split_over_both_axes():
     mesh = jddp.data_mesh(hosts=2)
     x = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
-    for placed in (jddp.shard_batch({"x": x}, mesh)["x"],
-                   jddp.shard_global_batch({"x": x}, mesh)["x"]):
-        shards = sorted(placed.addressable_shards, key=lambda s: s.index[0].start)
-        assert [s.data.shape for s in shards] == [(4, 3)] * 8
-        assert [s.device.id for s in shards] == [d.id for d in mesh.devices.flat]
-        np.testing.assert_array_equal(np.concatenate([np.asarray(s.data) for s in shards]), x)
+    placed = jddp.shard_batch({"x": x}, mesh)["x"]
+    shards = sorted(placed.addressable_shards, key=lambda s: s.index[0].start)
+    assert [s.data.shape for s in shards] == [(4, 3)] * 8
+    assert [s.device.id for s in shards] == [d.id for d in mesh.devices.flat]
+    np.testing.assert_array_equal(np.concatenate([np.asarray(s.data) for s in shards]), x)
 
 
 def _stateful(p, ms, b):
@@ -240,14 +239,14 @@ def test_verify_compares_per_host_copies_inside_each_host():
     mesh = jddp.data_mesh(hosts=2)
     sharding = NamedSharding(mesh, P("hosts"))
     same = jax.device_put(np.arange(2 * 3, dtype=np.float32).reshape(2, 3), sharding)
-    assert jddp.verify_replicas({"x": same}, mesh) == []
+    assert jddp.verify.verify_replicas({"x": same}, mesh) == []
     # Device 6 (host 1) holds another copy of host 1's row.
     rows = [np.asarray(same.addressable_data(i)) for i in range(8)]
     rows[6] = rows[6] + 0.5
     bad = jax.make_array_from_single_device_arrays(
         (2, 3), sharding, [jax.device_put(r, d) for r, d in zip(rows, mesh.devices.flat,
                                                                    strict=True)])
-    (div,) = jddp.verify_replicas({"x": bad}, mesh, raise_error=False)
+    (div,) = jddp.verify.verify_replicas({"x": bad}, mesh, raise_error=False)
     assert div.replicas == (6,) and div.max_abs_diff == pytest.approx(0.5)
 
 

@@ -23,7 +23,7 @@ def _reducer(hook, mesh, axes):
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(axes), P(axes), P()),
                        out_specs=(P(), P(axes)))
     def run(xs, rs, step):
-        ctx = jddp.HookContext(axes, N, step, 0)
+        ctx = jddp.hooks.HookContext(axes, N, step, 0)
         out, st = hook.reduce(tuple(x[0] for x in xs), tuple({"residual": r[0]} for r in rs), ctx)
         return out, tuple(s["residual"][None] for s in st)
 

@@ -26,12 +26,13 @@ PSUM_SCRIPT = """
 import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
+import jddp
 import jddp.distributed as dist
 
 info = dist.initialize(timeout_s=30)
 mesh = Mesh(np.array(jax.devices()), ("data",))
 global_batch = np.arange(jax.device_count() * 2, dtype=np.float32)
-x = dist.shard_global_batch(global_batch, mesh)
+x = jddp.shard_batch(global_batch, mesh)
 total = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v.sum(), "data"), mesh=mesh,
                               in_specs=P("data"), out_specs=P()))(x)
 print(f"RESULT rank={info.process_id} procs={jax.process_count()} "
@@ -49,6 +50,7 @@ import os, subprocess, sys, time
 import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
+import jddp
 import jddp.distributed as dist
 
 info = dist.initialize(timeout_s=30)
@@ -60,7 +62,7 @@ if info.process_id == 1 and mode == "raise-early":
     time.sleep(1.0)
     raise RuntimeError("rank 1 fails on purpose")
 mesh = Mesh(np.array(jax.devices()), ("data",))
-x = dist.shard_global_batch(np.ones(jax.device_count(), np.float32), mesh)
+x = jddp.shard_batch(np.ones(jax.device_count(), np.float32), mesh)
 f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v.sum(), "data"), mesh=mesh,
                           in_specs=P("data"), out_specs=P()))
 print("PSUM", float(f(x)), flush=True)
@@ -282,7 +284,7 @@ loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
 ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh)
 state = ddp.init({"w": np.zeros((3, 1), np.float32), "b": np.zeros((1,), np.float32)})
 for _ in range(5):
-    state, metrics = ddp.step(state, jddp.shard_global_batch({"x": X, "y": Y}, mesh))
+    state, metrics = ddp.step(state, jddp.shard_batch({"x": X, "y": Y}, mesh))
 w = multihost_utils.process_allgather(state.params["w"], tiled=True)
 print("W", ",".join(repr(float(v)) for v in np.ravel(w)), "DEVICES", jax.device_count())
 """

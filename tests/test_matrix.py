@@ -346,8 +346,8 @@ def _compat_cells() -> list:
         ("deterministic + ZeRO", lambda: {"reduce": det()}, "1d", 2),
         ("deterministic + local SGD", lambda: {"reduce": det(),
                                                "sync": jddp.local_sgd.post_local_sgd(2)}, "1d", 0),
-        ("deterministic + loss scale", lambda: {"reduce": det(),
-                                                "loss_scale": jddp.DynamicScale()}, "1d", 0),
+        ("deterministic + loss scale",
+         lambda: {"reduce": det(), "loss_scale": jddp.precision.DynamicScale()}, "1d", 0),
         ("deterministic + mixed precision", lambda: {"reduce": det(), "precision": _mp()}, "1d",
          0),
         ("deterministic + odd accumulation", lambda: {
@@ -656,11 +656,11 @@ def run_cell(cell: Cell, multi: bool = False, repeats: int = 1) -> Any:
         else:
             state = ddp.init(case.params(), case.model_state)
         for call in case.calls():
-            batch = jddp.shard_global_batch(call["batch"], mesh)
+            batch = jddp.shard_batch(call["batch"], mesh)
             kw = {"rng": call["rng"]} if "rng" in call else {}
             mask = call.get("mask")
             if mask is not None:
-                mask = jddp.shard_global_batch(mask, mesh)
+                mask = jddp.shard_batch(mask, mesh)
             state, _ = ddp.step(state, batch, mask, **kw)
         runs.append(_to_numpy(ddp.global_params(state)))
     return runs[0] if repeats == 1 else runs
@@ -695,7 +695,7 @@ def test_cell(index):
 def test_syncbn_cells_leave_the_scale_to_jax_where_declared():
     """The default-plan SyncBN cells run the path they are declared for: the scale in no
     bucket at stage 0 with every call synchronising, in a bucket with accumulation or ZeRO."""
-    batch = jddp.shard_global_batch(_batches(1)[0], jddp.data_mesh())
+    batch = jddp.shard_batch(_batches(1)[0], jddp.data_mesh())
     seen = {}
     for cell in CELLS:
         if not cell.name.startswith("syncbn"):

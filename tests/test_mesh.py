@@ -25,7 +25,7 @@ def test_shard_batch_splits_leading_dim():
 
 def test_replicate():
     mesh = jddp.data_mesh()
-    tree = jddp.replicate({"w": np.ones((2, 2), np.float32)}, mesh)
+    tree = jddp.mesh.replicate_tree({"w": np.ones((2, 2), np.float32)}, mesh)
     assert tree["w"].sharding.is_fully_replicated
 
 

@@ -412,7 +412,7 @@ runs = []
 for _ in range(2):  # the second run reuses the compiled step
     state = ddp.init(mlp_params(1024, 6))
     for b in batches:
-        state, _ = ddp.step(state, jddp.shard_global_batch(b, mesh))
+        state, _ = ddp.step(state, jddp.shard_batch(b, mesh))
     runs += [np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(state.params)]
 if jax.process_index() == 0:
     np.savez(sys.argv[1], *runs)
@@ -439,7 +439,7 @@ def test_default_plan_on_two_processes(tmp_path):
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1, momentum=0.9))
     state = ddp.init(mlp_params(1024, 6))
     for b in batches:
-        state, _ = ddp.step(state, jddp.shard_global_batch(b, ddp.mesh))
+        state, _ = ddp.step(state, jddp.shard_batch(b, ddp.mesh))
     one = [np.asarray(x) for x in jax.tree.leaves(state.params)]
     sizes = [b.nbytes for b in ddp.bucket_plan.buckets]
     assert ddp.cap_choice.method == "default" and sizes == [16 * MiB + 16 * 1024, 8 * MiB + 8192]

@@ -63,7 +63,7 @@ for stage in stages:  # each stage: its own DataParallel, checkpoint directory a
     else:
         state, todo = ddp.init(params), batches
     for b in todo:
-        state, _ = ddp.step(state, jddp.shard_global_batch(b, mesh))
+        state, _ = ddp.step(state, jddp.shard_batch(b, mesh))
         if mode == "full" and int(state.step) == 3:
             ckpt.save(mngr, state)
     # Whole leaves on every process (at stage 3 each process holds pieces of them).

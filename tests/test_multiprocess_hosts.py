@@ -63,7 +63,7 @@ for name, kw in variants.items():
     state = ddp.init(params)
     losses = []
     for b in batches:
-        state, m = ddp.step(state, jddp.shard_global_batch(b, mesh))
+        state, m = ddp.step(state, jddp.shard_batch(b, mesh))
         losses.append(float(m["loss"]))
     final = ddp.global_params(state)
     step = 1 if name == "diloco" else 0  # DiLoCo's averaging program
@@ -97,7 +97,7 @@ def hook_error(p, key):
     i = lax.axis_index(axes)
     x = jax.random.normal(jax.random.fold_in(key, i), (8, 64))
     g = tuple(jax.tree.leaves(jax.grad(mlp_loss)(p, x)))
-    ctx = jddp.HookContext(axis_name=axes, axis_size=8, step=jnp.zeros((), jnp.int32),
+    ctx = jddp.hooks.HookContext(axis_name=axes, axis_size=8, step=jnp.zeros((), jnp.int32),
                            bucket_index=0, hosts_axis="hosts", local_axis="local")
     got, _ = hook.reduce(g, tuple(() for _ in g), ctx)
     want = lax.psum(g, axes)

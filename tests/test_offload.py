@@ -34,7 +34,7 @@ def _ddp(stage: int, off: bool, **kw):
 
 
 def _batch(i: int):
-    return jddp.shard_global_batch(regression_batch(i, 32, SIZES[0], SIZES[-1]),
+    return jddp.shard_batch(regression_batch(i, 32, SIZES[0], SIZES[-1]),
                                    jddp.data_mesh())
 
 
@@ -90,7 +90,7 @@ def test_offload_with_accumulation_and_skip():
     assert _kinds(a.opt_state) == {offload.HOST}
     _bitwise(a.params, b.params)
     bad = jax.tree.map(lambda x: jnp.asarray(x).at[0, 0].set(jnp.nan), regression_batch(9, 32, 8, 3))
-    bad = jddp.shard_global_batch(bad, jddp.data_mesh())
+    bad = jddp.shard_batch(bad, jddp.data_mesh())
     before = _host(a.opt_state)
     for _ in range(2):
         a, m = got.step(a, bad)

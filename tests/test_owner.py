@@ -86,7 +86,7 @@ def _train(place, opt, batches, accumulate=1, mesh=None):
                             accumulate=jddp.Accumulate(steps=accumulate))
     state = ddp.init(_params())
     for b in batches:
-        state, _ = ddp.step(state, jddp.shard_global_batch(b, mesh))
+        state, _ = ddp.step(state, jddp.shard_batch(b, mesh))
     return ddp, state
 
 
@@ -102,7 +102,7 @@ def _program(place, opt):
     mesh = jddp.data_mesh()
     ddp = jddp.DataParallel(_loss, opt, mesh=mesh, place=place)
     state = ddp.init(_params())
-    batch = jddp.shard_global_batch(_batches(1)[0], mesh)
+    batch = jddp.shard_batch(_batches(1)[0], mesh)
     cost = ddp.step.lower(state, batch).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return float(cost["flops"]), len(ddp.report(state, batch).collectives)
@@ -153,7 +153,7 @@ def test_the_report_shows_each_leafs_owner():
     mesh = jddp.data_mesh()
     ddp = jddp.DataParallel(_loss, _muon(), mesh=mesh, place=jddp.ZeRO(stage=2, shard="owner"))
     state = ddp.init(_params())
-    rep = ddp.report(state, jddp.shard_global_batch(_batches(1)[0], mesh))
+    rep = ddp.report(state, jddp.shard_batch(_batches(1)[0], mesh))
     owners = rep.to_dict()["owners"]
     assert sorted(owners) == sorted(f"l{i:02d}.{k}" for i in range(LAYERS) for k in "wb")
     per = [sum(1 for p, d in owners.items() if p.endswith(".w") and d == k) for k in range(8)]
@@ -167,7 +167,7 @@ def _comm_bytes_and_report(place, opt, accumulate=1, mesh=None, **kw):
     ddp = jddp.DataParallel(_loss, opt, mesh=mesh, place=place,
                             accumulate=jddp.Accumulate(steps=accumulate), **kw)
     state = ddp.init(_params(4))
-    batch = jddp.shard_global_batch(_batches(1)[0], mesh)
+    batch = jddp.shard_batch(_batches(1)[0], mesh)
     rep = ddp.report(state, batch)
     total = 0.0
     for _ in range(accumulate):

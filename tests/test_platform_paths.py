@@ -82,7 +82,7 @@ def test_the_step_with_the_paths_off_equals_the_reference(paths_off):
     ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-2))
     state = ddp.init(params)
     for b in batches:
-        state, _ = ddp.step(state, jddp.shard_global_batch(b, ddp.mesh))
+        state, _ = ddp.step(state, jddp.shard_batch(b, ddp.mesh))
     want = ref.train(mlp_loss, optax.adam(1e-2), params, [[b] for b in batches]).params
     got = ddp.global_params(state)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):

@@ -67,7 +67,7 @@ class Case:
 def _cases() -> list[Case]:
     mp = jddp.precision.MixedPrecision(param_dtype=jnp.bfloat16)
     post = jddp.local_sgd.post_local_sgd(2)
-    scale = jddp.DynamicScale()
+    scale = jddp.precision.DynamicScale()
     bf16 = jddp.bf16_compress()
     return [
         Case("bucket_cap_mb", {"bucket_cap_mb": 0.001}, {"reduce": jddp.Buckets(cap_mb=0.001)}),
@@ -242,7 +242,7 @@ POLICIES = [jddp.Loss(), jddp.Loss(has_aux=True, sum_metrics=["n"]), jddp.Bucket
             jddp.Buckets(cap_mb="model"), jddp.Deterministic(group_size=4), jddp.Replicate(),
             jddp.ZeRO(stage=3, reshard_after_forward=4, hybrid=True), jddp.ZeRO(stage=1),
             jddp.Accumulate(steps=4, microbatches=2, dtype=jnp.float32), jddp.EveryStep(),
-            jddp.SkipNotFinite(), jddp.DynamicScale(), jddp.local_sgd.diloco(4)]
+            jddp.SkipNotFinite(), jddp.precision.DynamicScale(), jddp.local_sgd.diloco(4)]
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=[type(p).__name__ for p in POLICIES])
@@ -272,7 +272,7 @@ def test_policies_normalise_their_fields():
      r"Buckets.first_mb \(2.0\) is larger than Buckets.cap_mb"),
     (lambda: jddp.Buckets(cap_mb="model", first_mb=1.0), ValueError, "first bucket too"),
     (lambda: jddp.Buckets(hook=jddp.bf16_compress), TypeError, "call it"),
-    (lambda: jddp.Buckets(plan="p"), TypeError, "Buckets.plan must be a jddp.BucketPlan"),
+    (lambda: jddp.Buckets(plan="p"), TypeError, "Buckets.plan must be a jddp.buckets.BucketPlan"),
     (lambda: jddp.Buckets(chain="fast"), ValueError, "chain must be one of"),
     (lambda: jddp.Deterministic(group_size=0), ValueError, "Deterministic.group_size"),
     (lambda: jddp.ZeRO(stage=0), ValueError, r"place=jddp.Replicate\(\)"),
@@ -345,7 +345,8 @@ def test_the_documented_example_builds_and_trains(sync):
         accumulate=jddp.Accumulate(steps=2, microbatches=2),
         sync=jddp.EveryStep() if sync == "every_step" else jddp.local_sgd.diloco(period=2),
         precision=jddp.precision.MixedPrecision(param_dtype=jnp.bfloat16),
-        loss_scale=jddp.DynamicScale(), donate=True, compiler_options=None, verify_every=None)
+        loss_scale=jddp.precision.DynamicScale(), donate=True, compiler_options=None,
+        verify_every=None)
     state = ddp.init(_params())
     for i in range(4):  # two windows; DiLoCo's period ends on the last (its loss is global)
         state, metrics = ddp.step(state, _batch(i), jnp.ones((BATCH,)),

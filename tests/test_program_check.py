@@ -40,7 +40,7 @@ params = {f"d{i}": {"w": (rng.normal(size=(16, 16)) / 4).astype(np.float32),
                     "b": np.zeros((16,), np.float32)} for i in range(3)}
 params["scale"] = np.ones((16,), np.float32)
 local = rng.normal(size=(8, 16)).astype(np.float32)
-batch = jddp.global_batch_from_local({"x": local + (1.0 if me == 0 else -1.0),
+batch = jddp.distributed.global_batch_from_local({"x": local + (1.0 if me == 0 else -1.0),
                                       "y": local}, mesh)
 
 def mlp(order, use_scale=False):

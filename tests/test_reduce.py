@@ -210,7 +210,7 @@ def test_hook_that_changes_shape_is_rejected():
     def bad_reduce(grads, states, ctx):
         return tuple(g.reshape(-1) for g in lax.psum(grads, ctx.axis_name)), states
 
-    hook = jddp.CommHook(lambda leaf: (), bad_reduce, "flatten")
+    hook = jddp.hooks.CommHook(lambda leaf: (), bad_reduce, "flatten")
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook))
     state = ddp.init(mlp_params(0, [4, 8, 2]))
     with pytest.raises(ValueError, match="changed leaf .* A hook must return gradients"):

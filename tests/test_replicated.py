@@ -134,7 +134,7 @@ runs = []
 for _ in range(2):  # the second run reuses the compiled step
     state = ddp.init(params, ms)
     for _ in range(3):
-        state, _ = ddp.step(state, jddp.shard_global_batch(batch, mesh))
+        state, _ = ddp.step(state, jddp.shard_batch(batch, mesh))
     runs += [np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(state.params)]
 if jax.process_index() == 0:
     np.savez(sys.argv[1], *runs)
@@ -283,7 +283,7 @@ def test_two_level_mesh():
         ddp = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh, **kwargs)
         state = ddp.init(params, ms)
         for _ in range(2):
-            state, metrics = ddp.step(state, jddp.shard_global_batch(batch, mesh))
+            state, metrics = ddp.step(state, jddp.shard_batch(batch, mesh))
         runs[name] = (ddp.bucket_plan.implicit, state.params,
                       float(metrics["comm_bytes"]), float(metrics["comm_bytes_hosts"]))
     (implicit, got, sent, hosts), (given, want, sent_given, hosts_given) = runs.values()

@@ -117,7 +117,7 @@ def test_hook_returning_only_gradients_is_a_clear_error(leaves_per_bucket):
     def reduce(grads, states, ctx):
         return tuple(jax.lax.pmean(g, ctx.axis_name) for g in grads)  # forgot the states
 
-    hook = jddp.CommHook(lambda leaf: (), reduce, "grads_only")
+    hook = jddp.hooks.CommHook(lambda leaf: (), reduce, "grads_only")
     caps = dict(cap_mb=1e-6, first_mb=1e-6) if leaves_per_bucket == "one" else {}
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook, **caps))
     with pytest.raises(TypeError, match=r"'grads_only' must return a pair \(mean_grads, new_states"):
@@ -125,7 +125,7 @@ def test_hook_returning_only_gradients_is_a_clear_error(leaves_per_bucket):
 
 
 def test_hook_that_does_not_reduce_points_to_local_sgd():
-    hook = jddp.CommHook(lambda leaf: (), lambda g, s, ctx: (tuple(g), s), "local")
+    hook = jddp.hooks.CommHook(lambda leaf: (), lambda g, s, ctx: (tuple(g), s), "local")
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(hook=hook))
     with pytest.raises(ValueError, match="unreduced.*local SGD"):
         ddp.step(ddp.init(mlp_params(0, SIZES)), regression_batch(0, 16, 6, 3))

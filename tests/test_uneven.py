@@ -41,20 +41,20 @@ def _data(n, seed=1):
 
 def test_pad_batch_pads_to_a_multiple_and_masks():
     batch = _data(13)
-    padded, mask = jddp.pad_batch(batch, 8)
+    padded, mask = jddp.data.pad_batch(batch, 8)
     assert padded["x"].shape == (16, 6) and mask.shape == (16,) and mask.dtype == np.bool_
     assert mask.sum() == 13 and mask[:13].all()
     np.testing.assert_array_equal(padded["x"][13:], np.repeat(batch["x"][-1:], 3, 0))
-    full, mask = jddp.pad_batch(batch, 8, size=32)
+    full, mask = jddp.data.pad_batch(batch, 8, size=32)
     assert full["y"].shape == (32,) and mask.sum() == 13
-    same, mask = jddp.pad_batch(_data(16), 8)
+    same, mask = jddp.data.pad_batch(_data(16), 8)
     assert same["x"].shape == (16, 6) and mask.all()
-    jax_padded, _ = jddp.pad_batch({"x": jnp.ones((3, 2))}, 4)
+    jax_padded, _ = jddp.data.pad_batch({"x": jnp.ones((3, 2))}, 4)
     assert isinstance(jax_padded["x"], jax.Array) and jax_padded["x"].shape == (4, 2)
     with pytest.raises(ValueError, match="multiple of the 8 devices"):
-        jddp.pad_batch(batch, 8, size=20)
+        jddp.data.pad_batch(batch, 8, size=20)
     with pytest.raises(ValueError, match="different leading dimensions"):
-        jddp.pad_batch({"x": np.ones((3, 1)), "y": np.ones(4)}, 8)
+        jddp.data.pad_batch({"x": np.ones((3, 1)), "y": np.ones(4)}, 8)
 
 
 @pytest.mark.parametrize("opt", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
@@ -66,7 +66,7 @@ def test_padded_step_equals_single_device_on_real_examples(opt, n_real):
     ref_params, ref_opt = params, opt.init(params)
     for step in range(3):
         real = _data(n_real, seed=10 + step)
-        padded, mask = jddp.pad_batch(real, ddp.num_devices, size=16)
+        padded, mask = jddp.data.pad_batch(real, ddp.num_devices, size=16)
         state, metrics = ddp.step(state, padded, mask=mask)
         loss, grads = jax.value_and_grad(_mean_loss)(ref_params, real)
         updates, ref_opt = opt.update(grads, ref_opt, ref_params)
@@ -103,7 +103,7 @@ def test_per_example_metrics_are_averaged_over_real_examples():
         return losses, {"abs_err": jnp.sqrt(losses), "const": jnp.float32(2.0)}
 
     real = _data(11)
-    padded, mask = jddp.pad_batch(real, 8)
+    padded, mask = jddp.data.pad_batch(real, 8)
     ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), loss=jddp.Loss(has_aux=True, weighted=True))
     _, metrics = ddp.step(ddp.init(_init()), padded, mask=mask)
     np.testing.assert_allclose(
@@ -119,7 +119,7 @@ def test_inf_loss_on_padding_is_ignored():
 
     real = _data(13)
     real["pad"] = np.zeros(13, bool)
-    padded, mask = jddp.pad_batch(real, 8)
+    padded, mask = jddp.data.pad_batch(real, 8)
     padded["pad"] = ~mask
     ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), loss=jddp.Loss(weighted=True))
     state, metrics = ddp.step(ddp.init(_init()), padded, mask=mask)
@@ -142,7 +142,7 @@ def test_mask_errors():
     with pytest.raises(TypeError, match="must return the unreduced losses"):
         wrong = jddp.DataParallel(_mean_loss, optax.sgd(0.1), loss=jddp.Loss(weighted=True))
         wrong.step(wrong.init(params), batch)
-    with pytest.raises(ValueError, match="jddp.pad_batch"):
+    with pytest.raises(ValueError, match="jddp.data.pad_batch"):
         plain.step(plain.init(params), _data(13))
 
 

@@ -24,7 +24,7 @@ from tests._models import mlp_loss
     (Update(accumulate=Accumulate(steps=4)), True, True),
     (Update(accumulate=Accumulate(microbatches=4)), None, True),  # no window: every call
     (Update(guard=SkipNotFinite()), None, None),  # a guard decides on the device
-    (Update(guard=jddp.DynamicScale()), True, None),
+    (Update(guard=jddp.precision.DynamicScale()), True, None),
     (Update(skip_empty=True), None, None),  # an empty weighted window is skipped
     (Update(accumulate=Accumulate(steps=2), guard=SkipNotFinite()), False, False),
 ])
@@ -38,7 +38,7 @@ def test_skips_and_the_scale_slot():
     assert not Update().skips and Update().init_scale() is None
     assert Update(guard=SkipNotFinite()).skips
     assert Update(guard=SkipNotFinite()).init_scale() is None  # no state of its own
-    scale = Update(guard=jddp.DynamicScale(init_scale=8.0)).init_scale()
+    scale = Update(guard=jddp.precision.DynamicScale(init_scale=8.0)).init_scale()
     assert float(scale.scale) == 8.0 and int(scale.fin_steps) == 0
 
 

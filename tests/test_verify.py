@@ -66,7 +66,7 @@ def test_verify_replicas_names_diverged_leaves():
     ddp = jddp.DataParallel(loss, optax.sgd(0.1), mesh=mesh)
     state = ddp.init({"w": jnp.ones((3, 2)), "b": jnp.zeros(2)})
     ddp.verify(state)  # init is consistent
-    assert jddp.verify_replicas(state.params, mesh) == []
+    assert jddp.verify.verify_replicas(state.params, mesh) == []
     bad = state.replace(
         params={"w": _diverged(mesh, state.params["w"], 5, 1e-3), "b": state.params["b"]},
         step=_diverged(mesh, state.step, 2, 1),
@@ -76,24 +76,24 @@ def test_verify_replicas_names_diverged_leaves():
     text = str(err.value)
     assert "params.w" in text and "replicas [5]" in text and "step" in text
     assert "params.b" not in text
-    found = jddp.verify_replicas(bad.params, mesh, raise_error=False)
+    found = jddp.verify.verify_replicas(bad.params, mesh, raise_error=False)
     assert [d.path for d in found] == ["w"] and found[0].replicas == (5,)
     np.testing.assert_allclose(found[0].max_abs_diff, 1e-3, rtol=1e-3)
     # A tolerance above the difference accepts it.
-    assert jddp.verify_replicas(bad.params, mesh, atol=1e-2) == []
+    assert jddp.verify.verify_replicas(bad.params, mesh, atol=1e-2) == []
 
 
 def test_verify_replicas_nan_semantics_and_errors():
     mesh = jddp.data_mesh()
     nan = jnp.array([np.nan, 1.0])
     same = jax.device_put(nan, NamedSharding(mesh, P()))
-    assert jddp.verify_replicas({"x": same}, mesh) == []  # NaN equals NaN
+    assert jddp.verify.verify_replicas({"x": same}, mesh) == []  # NaN equals NaN
     one_nan = _diverged(mesh, jnp.array([0.0, 1.0]), 3, np.array([np.nan, 0.0]))
-    (div,) = jddp.verify_replicas({"x": one_nan}, mesh, atol=1e9, raise_error=False)
+    (div,) = jddp.verify.verify_replicas({"x": one_nan}, mesh, atol=1e9, raise_error=False)
     assert div.replicas == (3,) and div.max_abs_diff == np.inf
     sharded = jax.device_put(jnp.zeros(8), NamedSharding(mesh, P("data")))
     with pytest.raises(TypeError, match="not a replicated"):
-        jddp.verify_replicas({"x": sharded}, mesh)
+        jddp.verify.verify_replicas({"x": sharded}, mesh)
 
 
 # Two processes x 2 devices: init takes process 0's values, or names the mismatching leaf.

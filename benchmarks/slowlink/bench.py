@@ -98,7 +98,7 @@ def _worker(args: argparse.Namespace) -> None:
     local = args.batch // jax.process_count()
     host = {"x": rng.normal(size=(local, args.width)).astype(np.float32),
             "y": rng.normal(size=(local, args.width)).astype(np.float32)}
-    data = jddp.global_batch_from_local(host, mesh)
+    data = jddp.distributed.global_batch_from_local(host, mesh)
     runs: dict = {}
     for name in args.variants:
         ddp = _make(name, mesh, mlp_loss, params)

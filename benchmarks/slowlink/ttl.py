@@ -294,12 +294,12 @@ def _setup(args: argparse.Namespace):
 
     def batches(step: int):
         parts = [host_batch(train, args, r, step) for r in mine]
-        return jddp.global_batch_from_local(
+        return jddp.distributed.global_batch_from_local(
             {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}, mesh)
 
     positions = np.random.default_rng(12345).integers(args.context, len(held), size=args.eval_size)
     held_out = {k: v[me::nproc] for k, v in examples(held, positions, args.context).items()}
-    eval_batch = jddp.global_batch_from_local(held_out, mesh)
+    eval_batch = jddp.distributed.global_batch_from_local(held_out, mesh)
     eval_jit = jax.jit(loss_fn, out_shardings=NamedSharding(mesh, P()))
     return mesh, link, init_params(args), batches, lambda p: eval_jit(p, eval_batch)
 

@@ -1,13 +1,16 @@
-"""The deprecated 0.1.0 keywords of ``DataParallel``, mapped one to one onto the policies.
+"""The deprecated spellings: the 0.1.0 keywords of ``DataParallel``, mapped one to one onto the
+policies, and the public names that moved to the module that owns them.
 
 Each old keyword still works for one release: it warns (``DeprecationWarning``, naming the new
 spelling) and becomes the field of the policy that owns it, so both spellings build the same
 step and give the same bits. An old keyword next to the new keyword of the policy that owns it
-is an error (which one would win is not obvious).
+is an error (which one would win is not obvious). A moved name (:data:`MOVED`) is the same
+object under its new name; reading the old one warns, naming the new one.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import warnings
@@ -69,6 +72,54 @@ OWNERS: dict[str, Owner] = {
     "skip_nonfinite": Owner("loss_scale", "jddp.SkipNotFinite() (jddp.DynamicScale() skips "
                                           "too)"),
 }
+
+
+class Moved(NamedTuple):
+    """Where a public name went: how to spell it now, and the module and name of its object."""
+
+    spelling: str
+    module: str
+    attr: str
+
+
+def _home(module: str, name: str) -> Moved:
+    return Moved(f"{module}.{name}", module, name)
+
+
+# (module, old name) -> its new home. jddp's top level keeps what most training scripts use;
+# the rest lives in the module that documents it.
+MOVED: dict[tuple[str, str], Moved] = {
+    ("jddp", "BucketPlan"): _home("jddp.buckets", "BucketPlan"),
+    ("jddp", "CommHook"): _home("jddp.hooks", "CommHook"),
+    ("jddp", "HookContext"): _home("jddp.hooks", "HookContext"),
+    ("jddp", "DynamicScale"): _home("jddp.precision", "DynamicScale"),
+    ("jddp", "Evaluator"): _home("jddp.evaluation", "Evaluator"),
+    ("jddp", "pad_batch"): _home("jddp.data", "pad_batch"),
+    ("jddp", "global_batch_from_local"): _home("jddp.distributed", "global_batch_from_local"),
+    ("jddp", "verify_replicas"): _home("jddp.verify", "verify_replicas"),
+    # jddp.Replicate is the placement policy; placing a tree is jddp.mesh's.
+    ("jddp", "replicate"): _home("jddp.mesh", "replicate_tree"),
+    ("jddp.mesh", "replicate"): _home("jddp.mesh", "replicate_tree"),
+}
+
+
+def moved(module: str, name: str) -> Any:
+    """The object of ``module``'s moved name ``name`` (for the module's ``__getattr__``), with a
+    ``DeprecationWarning`` naming its new spelling at the line that read it; for any other name
+    the ``AttributeError`` Python would raise."""
+    home = MOVED.get((module, name))
+    if home is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warnings.warn(f"{module}.{name} is deprecated: use {home.spelling} (the same object). The "
+                  "old name works for one release (docs/migration.md).", DeprecationWarning,
+                  stacklevel=3)
+    return getattr(importlib.import_module(home.module), home.attr)
+
+
+def renamed_call(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warns that the function ``old`` is deprecated for ``new`` (at its caller, by default)."""
+    warnings.warn(f"{old} is deprecated: use {new}. The old function works for one release "
+                  "(docs/migration.md).", DeprecationWarning, stacklevel=stacklevel)
 
 
 def message(old: str) -> str:

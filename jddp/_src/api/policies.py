@@ -6,7 +6,7 @@ sync=..., precision=..., loss_scale=...)`` takes one policy per phase of the ste
 or :class:`Deterministic`), where the training state lives (:class:`Replicate` or
 :class:`ZeRO`), how calls accumulate (:class:`Accumulate`), how replicas are kept in step
 (:class:`EveryStep`, or :func:`jddp.local_sgd.diloco` / :func:`~jddp.local_sgd.post_local_sgd`)
-and how the update is guarded (:class:`SkipNotFinite`, or ``jddp.DynamicScale``).
+and how the update is guarded (:class:`SkipNotFinite`, or ``jddp.precision.DynamicScale``).
 
 Every policy is a frozen, hashable dataclass built by keyword; an invalid field raises at
 construction with the field's name and the fix. Combinations of policies that do not work
@@ -57,7 +57,7 @@ class Buckets:
         otherwise the first bucket is capped like the others).
       hook: the communication hook of every bucket (default: mean all-reduce), e.g.
         ``jddp.bf16_compress()`` or ``jddp.powersgd(rank=1)``.
-      plan: a fixed :class:`jddp.BucketPlan` instead of planning from the traced use order.
+      plan: a fixed :class:`jddp.buckets.BucketPlan` instead of planning from the traced use order.
       chain: how buckets are kept apart in the compiled step: ``"auto"`` (``"barrier"`` on
         GPU, ``"add"`` on CPU and TPU), ``"add"``, ``"barrier"`` or ``"none"``.
       keep_unused: keep parameters without a gradient path to the loss in the buckets (by
@@ -78,7 +78,7 @@ class Buckets:
         if self.hook is not None:
             _set(self, "hook", check_hook(self.hook))
         if self.plan is not None and not isinstance(self.plan, BucketPlan):
-            raise TypeError(f"Buckets.plan must be a jddp.BucketPlan (ddp.plan(...) or "
+            raise TypeError(f"Buckets.plan must be a jddp.buckets.BucketPlan (ddp.plan(...) or "
                             f"jddp.plan_buckets(...)), got {type(self.plan).__name__}.")
         _set(self, "chain", options.chain(self.chain))
         _set(self, "keep_unused", options.flag(self.keep_unused, "Buckets.keep_unused"))
@@ -118,8 +118,7 @@ _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "sync": ((EveryStep, LocalSGD), "a jddp.EveryStep(), jddp.local_sgd.diloco(...) or "
                                     "jddp.local_sgd.post_local_sgd(...)"),
     "loss_scale": ((SkipNotFinite, DynamicScale),
-                   "a jddp.precision.DynamicScale (jddp.DynamicScale()), jddp.SkipNotFinite() "
-                   "or None"),
+                   "a jddp.precision.DynamicScale(), jddp.SkipNotFinite() or None"),
 }
 
 

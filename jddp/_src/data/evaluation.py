@@ -1,8 +1,9 @@
 """Data-parallel evaluation over a whole data set, with every real example counted exactly once.
 
 A data set rarely divides into global batches of a size the devices divide. :class:`Evaluator`
-cuts it into global batches of ``batch_size``, pads the last one (``jddp.pad_batch``: repeats of
-the last real example, so the model sees valid inputs) and masks the padding out of the sums:
+cuts it into global batches of ``batch_size``, pads the last one (``jddp.data.pad_batch``:
+repeats of the last real example, so the model sees valid inputs) and masks the padding out of the
+sums:
 Flax's ``pad_shard_unpad`` semantics, without an unpad, because only sums leave the devices.
 
 ``eval_fn(variables, batch)`` runs on each device's shard and returns per-example values (a dict
@@ -59,7 +60,7 @@ class Evaluator:
                     "loss": xent(logits, batch["label"]),
                     "count": jnp.ones(len(logits))}
 
-        evaluate = jddp.Evaluator(eval_fn, mesh=mesh, batch_size=256)
+        evaluate = jddp.evaluation.Evaluator(eval_fn, mesh=mesh, batch_size=256)
         variables = {"params": state.params, **state.model_state}
         sums = evaluate(variables, {"image": x, "label": y})
         accuracy = sums["correct"] / sums["count"]

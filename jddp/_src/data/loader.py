@@ -22,8 +22,8 @@ axis of the mesh. The design rests on three rules:
   (``drop_last=False``): it is filled up to the full size with the first examples of the same
   epoch's order, wrapping around (``DistributedSampler``'s padding), and ``mask`` (a ``(B,)``
   bool array, sharded like the batch) marks the real rows, the first ``real`` ones; for a full
-  batch ``mask`` is ``None``. A weighted step given the mask
-  (``loss=jddp.Loss(weighted=True)``, ``step(state, batch, mask=mask)``) and ``jddp.Evaluator``
+  batch ``mask`` is ``None``. A weighted step given the mask (``loss=jddp.Loss(weighted=True)``,
+  ``step(state, batch, mask=mask)``) and ``jddp.evaluation.Evaluator``
   count every example exactly once. Why real rows and not zeros: the mask can be dropped without
   a trace (``batch, _ = next(loader)`` before a non-weighted step, which refuses a mask), and
   zero rows then train silently towards whatever the model predicts for an all-zero input with

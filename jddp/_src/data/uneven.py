@@ -5,7 +5,7 @@ PyTorch DDP lets the ranks that ran out of data shadow the others' collectives (
 the short batch is padded to a multiple of the device count instead, and a mask marks the real
 examples:
 
-    padded, mask = jddp.pad_batch(batch, ddp.num_devices)
+    padded, mask = jddp.data.pad_batch(batch, ddp.num_devices)
     state, metrics = ddp.step(state, padded, mask=mask)
 
 With padding, devices hold different numbers of real examples, so the mean of per-device mean losses

@@ -646,7 +646,7 @@ def advise_bucket_cap(
     """Predicts the iteration for each candidate bucket cap and picks the fastest.
 
     Args:
-      model: a :class:`ModelProfile`; or a :class:`jddp.BucketPlan` (its bucket order is the
+      model: a :class:`ModelProfile`; or a :class:`jddp.buckets.BucketPlan` (its bucket order is the
         backward order); or a params pytree (reverse leaf order assumed); or gradient byte sizes
         in backward order. For all but a profile, ``backward_s`` is spread over leaves in
         proportion to their size.

@@ -194,7 +194,7 @@ def plan_bytes_sent(hook: CommHook, plan: Any, axis_size: int, step: Any = 0) ->
 
     Args:
       hook: the communication hook.
-      plan: a :class:`jddp.BucketPlan`.
+      plan: a :class:`jddp.buckets.BucketPlan`.
       axis_size: the number of replicas.
       step: the optimizer step (an int or a traced scalar).
 
@@ -265,12 +265,13 @@ def check_hook(hook: Any) -> CommHook:
         call = f"jddp.{name}()" if name in _HOOK_FACTORIES else f"{name or 'the factory'}(...)"
         raise TypeError(
             f"hook={name or repr(hook)} is a function, not a communication hook: call it, e.g. "
-            f"hook={call}. A hook is a jddp.CommHook(init, reduce), where init(leaf_struct) -> "
-            "state and reduce(grads, states, ctx) -> (mean_grads, new_states)."
+            f"hook={call}. A hook is a jddp.hooks.CommHook(init, reduce), where "
+            "init(leaf_struct) -> state and reduce(grads, states, ctx) -> (mean_grads, "
+            "new_states)."
         )
     if not (callable(getattr(hook, "init", None)) and callable(getattr(hook, "reduce", None))):
         raise TypeError(
-            f"hook must be a jddp.CommHook(init, reduce) (e.g. jddp.fp16_compress()), got "
+            f"hook must be a jddp.hooks.CommHook(init, reduce) (e.g. jddp.fp16_compress()), got "
             f"{type(hook).__name__} {hook!r}. init(leaf_struct) -> state; reduce(grads, states, "
             "ctx) -> (mean_grads, new_states)."
         )

@@ -188,12 +188,33 @@ def batch_sharding(mesh: Mesh, axis_name: Any = None) -> NamedSharding:
     return NamedSharding(mesh, P(axis_name or mesh_axis(mesh)))
 
 
-def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Places every leaf of ``tree`` whole on every device of ``mesh``."""
+def replicate_tree(tree: Any, mesh: Mesh) -> Any:
+    """Places every leaf of ``tree`` whole on every device of ``mesh`` (e.g. parameters for a
+    ``jddp.evaluation.Evaluator``); :func:`replicated` is its sharding."""
     return jax.device_put(tree, replicated(mesh))
 
 
 def shard_batch(batch: Any, mesh: Mesh) -> Any:
-    """Places a global batch on ``mesh``, split on its leading dimension (checked first)."""
+    """Places a global batch on ``mesh``, split on its leading dimension over the data axes.
+
+    The one way to place a batch yourself (``ddp.step`` places a host batch the same way, and a
+    ``jddp.data.Loader`` yields placed ones). Works for any number of processes: each passes the
+    same global batch (NumPy or host arrays) and transfers only the rows its own devices hold.
+    To assemble a batch from rows that each process loaded alone, use
+    ``jddp.distributed.global_batch_from_local``.
+
+    Raises:
+      ValueError: an empty batch, or one whose size is not a multiple of the mesh's devices.
+    """
     check_batch(batch, mesh.size)
-    return jax.device_put(batch, batch_sharding(mesh))
+    sharding = batch_sharding(mesh)
+    if sharding.is_fully_addressable:
+        return jax.device_put(batch, sharding)
+
+    def put(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.device_put(x, sharding)  # already global: reshard
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, batch)

@@ -104,7 +104,7 @@ def check_batch(batch: Any, num_devices: int) -> int:
             f"The global batch size {size} is not divisible by the {num_devices} devices of the "
             f"data mesh. Use a multiple of {num_devices} (e.g. {lo or num_devices} or "
             f"{lo + num_devices}), drop the remainder, or pad and mask the last batch "
-            "(jddp.pad_batch)."
+            "(jddp.data.pad_batch)."
         )
     return size
 
@@ -120,7 +120,7 @@ def check_mask(mask: Any, global_size: int) -> jax.Array:
         raise ValueError(
             f"The mask has shape {shape} but the batch has {global_size} examples; it must have "
             f"the batch as its leading dimension: ({global_size},) for one entry per example "
-            "(True/1 real, False/0 padding; jddp.pad_batch returns one), or the shape of the "
+            "(True/1 real, False/0 padding; jddp.data.pad_batch returns one), or the shape of the "
             "unreduced loss for per-token weights."
         )
     dtype = dtype_of(mask)
@@ -194,10 +194,9 @@ def placement_error(state: Any, batch: Any, mask: Any, mesh: Any) -> ValueError 
         return ValueError(
             f"The step's input {path} is on devices {where}, but this DataParallel's mesh has "
             f"devices {ids}{f' (and {len(bad) - 1} more leaves)' if len(bad) > 1 else ''}. Pass the "
-            "batch as host data (NumPy arrays: the step splits it over the mesh), or place it "
-            "on the mesh: jddp.shard_batch(batch, ddp.mesh) (one process), "
-            "jddp.shard_global_batch(batch, ddp.mesh), or a jddp.data.Loader built with "
-            "mesh=ddp.mesh."
+            "batch as host data (NumPy arrays: the step splits it over the mesh), place it "
+            "with jddp.shard_batch(batch, ddp.mesh) (any number of processes), or read it from "
+            "a jddp.data.Loader built with mesh=ddp.mesh."
         )
     bad = _off_mesh(state, devices)
     if bad:

@@ -150,8 +150,8 @@ TABLE: tuple[Refusal, ...] = (
             f"{_DET}: it does not combine with local SGD or DiLoCo (sync=...). Use "
             "sync=jddp.EveryStep(), or reduce=jddp.Buckets()."),
     Refusal("deterministic + loss scale", deterministic, dynamic_scale,
-            f"{_DET}: it does not combine with loss_scale=jddp.DynamicScale(). Drop the loss "
-            "scale, or use reduce=jddp.Buckets()."),
+            f"{_DET}: it does not combine with loss_scale=jddp.precision.DynamicScale(). Drop "
+            "the loss scale, or use reduce=jddp.Buckets()."),
     Refusal("deterministic + mixed precision", deterministic, _precision,
             f"{_DET} in the master dtype: mixed precision is not supported with the "
             "deterministic reduction (reduce=jddp.Deterministic()). Drop precision=, or use "
@@ -190,7 +190,7 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("float16 without loss scaling", _float16, _no_dynamic_scale,
             "MixedPrecision with float16 needs loss scaling: float16 holds magnitudes from "
             "about 6e-5 to 65504 only, so gradients underflow to zero or overflow to Inf. Pass "
-            "loss_scale=jddp.DynamicScale(), or use bfloat16 (float32's range)."),
+            "loss_scale=jddp.precision.DynamicScale(), or use bfloat16 (float32's range)."),
 )
 
 ROWS: dict[str, Refusal] = {row.name: row for row in TABLE}

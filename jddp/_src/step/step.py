@@ -282,8 +282,8 @@ class Step:
         verify_lib.check_processes_agree(
             {"batch": batch, "mask": mask}, "global batch shapes",
             "Every process must pass the same global batch (same leaves, shapes and dtypes), e.g. "
-            "jddp.shard_global_batch or jddp.global_batch_from_local with the same per-process "
-            "batch size everywhere.",
+            "jddp.shard_batch, or jddp.distributed.global_batch_from_local with the same "
+            "per-process batch size everywhere.",
         )
         self._agreed.add(signature)
         return signature

@@ -144,8 +144,8 @@ class DataParallel:
       precision: ``jddp.precision.MixedPrecision(param_dtype=..., reduce_dtype=...)``: float32
         master parameters, compute in ``param_dtype``, gradients reduced in ``reduce_dtype``
         ([Mixed precision](../precision.md)). ``None``: off.
-      loss_scale: the update guard: ``jddp.DynamicScale()`` (dynamic loss scaling for float16:
-        non-finite steps are skipped and the scale adapts; ``state.loss_scale``,
+      loss_scale: the update guard: ``jddp.precision.DynamicScale()`` (dynamic loss scaling for
+        float16: non-finite steps are skipped and the scale adapts; ``state.loss_scale``,
         ``metrics["loss_scale"]``), :class:`jddp.SkipNotFinite` (skip steps whose reduced
         gradient has a NaN or Inf, ``metrics["skipped"]``), or ``None``.
       donate: donate the old state's buffers to the new one (default True).
@@ -246,7 +246,7 @@ class DataParallel:
         device count: NumPy or host arrays (each process passes the same global batch, or a
         ``jddp.data.Loader``'s), or arrays already sharded with ``jddp.shard_batch``.
       mask: with ``Loss(weighted=True)``, the weights of the losses ``loss_fn`` returns:
-        ``jddp.pad_batch``'s boolean mask of the real examples, or weights shaped like the
+        ``jddp.data.pad_batch``'s boolean mask of the real examples, or weights shaped like the
         per-example (or per-token) losses.
       sync: with ``Accumulate(steps=k)``, whether this call ends the accumulation window
         (reduces and updates); ``None``: every ``k``-th call does.
@@ -390,24 +390,37 @@ class DataParallel:
 
     def lower(
         self,
-        params_like: Any,
-        batch_like: Any,
-        model_state_like: Any = None,
+        params: Any = None,
+        batch: Any = None,
+        model_state: Any = None,
         *,
         sync: bool | None = None,
         step: int | None = None,
+        **renamed: Any,
     ) -> jax.stages.Lowered:
         """Lowers the step from abstract (or concrete) params and batch: ``step.lower`` on
         :meth:`abstract_state`. ``.compile().as_text()`` is the compiled HLO; with a mesh of
         compile-only devices (``jddp.perf``) it is the program a GPU or TPU cluster would run.
 
         Args:
+          params: the parameters, as arrays or ``jax.ShapeDtypeStruct``s (as ``init`` takes).
+          batch: a global batch, likewise.
+          model_state: the model state, likewise (``init``'s keyword).
           sync: the accumulation variant (see docs/accumulate.md).
           step: the step whose program to lower, for hooks that change with it (PowerSGD's
             ``start_iter``; default: step 0).
+          **renamed: ``params_like``/``batch_like``/``model_state_like``, the old names
+            (deprecated).
         """
-        state = self.abstract_state(params_like, model_state_like)
-        return self.step.lower(state, batch_like, sync=sync, step=step)
+        params, batch, model_state = options.renamed_args(
+            "lower", {"params": params, "batch": batch, "model_state": model_state}, renamed,
+            {"params_like": "params", "batch_like": "batch",
+             "model_state_like": "model_state"}).values()
+        if params is None or batch is None:
+            raise TypeError("lower() takes the parameters and a global batch: lower(params, "
+                            "batch, model_state=None), as init and step take them.")
+        state = self.abstract_state(params, model_state)
+        return self.step.lower(state, batch, sync=sync, step=step)
 
     def report(
         self, state: Any, batch: Any, mask: Any = None, *, sync: bool | None = None,

@@ -6,9 +6,9 @@ is the optimizer at its placement (the *inner* update, passed in as a callable) 
 - :class:`Accumulate` (``MultiSteps``): only the call that closes a window updates; it owns the
   accumulator (``TrainState.accum``: its init, partition specs and trace-time check) and the
   per-device phases ask it how a call splits and whether it synchronises;
-- a *guard* (``apply_if_finite``): :class:`SkipNotFinite`, or :class:`jddp.DynamicScale`, which
-  owns the loss scale (``TrainState.loss_scale``) and adapts it; a weighted loss's empty window is
-  skipped the same way.
+- a *guard* (``apply_if_finite``): :class:`SkipNotFinite`, or
+  :class:`jddp.precision.DynamicScale`, which owns the loss scale (``TrainState.loss_scale``)
+  and adapts it; a weighted loss's empty window is skipped the same way.
 
 :class:`Update` composes them once (``StepConfig.update``); the host's rule for the next
 ``state.step`` (:meth:`Update.runs`) is the one phase 3 applies. ``TrainState`` keeps its ``accum``
@@ -225,7 +225,8 @@ class SkipNotFinite:
     """The update guard that skips a step whose reduced gradient has a NaN or Inf (optax's
     ``apply_if_finite``): params, optimizer, model and hook state and ``state.step`` stay,
     ``metrics["skipped"]`` is 1.0. With accumulation the whole window's gradient decides; a
-    skipped window is consumed. ``jddp.DynamicScale()`` skips such steps too (and scales)."""
+    skipped window is consumed. ``jddp.precision.DynamicScale()`` skips such steps too (and
+    scales)."""
 
 
 Guard = SkipNotFinite | DynamicScale

@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 import jddp.distributed as dist
+from jddp._src.runtime import coordinator
 from tests.launch_util import child_env, run_launcher
 
 REMOTE = "198.51.100.1:1234"  # TEST-NET-2: not an address of this host
@@ -23,7 +24,7 @@ def loopback_hostname(monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("initialize tried to reach the coordinator before its Gloo check")
 
-    monkeypatch.setattr(dist, "_wait_for_coordinator", no_network)
+    monkeypatch.setattr(coordinator, "wait_for_coordinator", no_network)
     monkeypatch.setattr(dist.jax.distributed, "initialize", no_network)
 
 

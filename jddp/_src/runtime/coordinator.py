@@ -124,6 +124,21 @@ def wait_for_coordinator(address: str, deadline: float, timeout_s: float) -> Non
             time.sleep(min(0.2, max(remaining, 0.0)))
 
 
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True if binding `host:port` fails because something holds it (as the coordinator would)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # The coordinator (gRPC) sets SO_REUSEADDR too: a port in TIME_WAIT is not "in use".
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
+
+
 def check_port_free(coordinator_address: str, bind_address: str | None = None) -> None:
     """Raises `CoordinatorPortInUseError` if process 0 could not bind the coordinator's port.
 
@@ -134,15 +149,11 @@ def check_port_free(coordinator_address: str, bind_address: str | None = None) -
     _, port = split_address(coordinator_address)
     bind = bind_address or f"[::]:{port}"
     host, bind_port = split_address(bind)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            # Like the coordinator (gRPC): a port in TIME_WAIT from an ended job is free to bind.
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, bind_port))
-    except OSError as e:
-        if e.errno != errno.EADDRINUSE:
-            return  # e.g. no IPv6 on this host: nothing to say; let JAX try
+        taken = port_in_use(bind_port, host)
+    except OSError:
+        return  # e.g. no IPv6 on this host: nothing to say; let JAX try
+    if taken:
         raise CoordinatorPortInUseError(
             errno.EADDRINUSE,
             f"jddp: process 0 cannot start the coordinator: port {bind_port} is already in use on "
@@ -151,7 +162,7 @@ def check_port_free(coordinator_address: str, bind_address: str | None = None) -
             f"the port in {ENV_COORDINATOR} or coordinator_address (under mpirun or srun: "
             f"{cluster.ENV_COORDINATOR_PORT}=<free port>; check with `ss -ltnp | grep "
             f":{bind_port}`).",
-        ) from None
+        )
 
 
 def bind_address(coordinator_address: str) -> str | None:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from jddp._src.runtime import multinode
-from jddp._src.runtime.coordinator import ENV_NNODES, EXIT_RESUME
+from jddp._src.runtime.coordinator import ENV_NNODES, EXIT_RESUME, port_in_use
 from jddp._src.runtime.launch.procs import (
     DRAIN_S,
     EXIT_PORT_IN_USE,
@@ -24,7 +24,6 @@ from jddp._src.runtime.launch.procs import (
     describe,
     free_port,
     note,
-    port_in_use,
     pump,
     signal_groups,
     terminate,

@@ -1,5 +1,5 @@
 """`jddp-run`'s command line: its parser (every token from the script on is the script's) and
-`main`, which starts one job (`agent.launch`) or islands (`island_launch.launch_islands`)."""
+`main`, which starts one job (`agent.launch`) or islands (`islands.launch_islands`)."""
 
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nnodes > 1 or args.master_addr is not None:
             ap.error("--islands N runs each island as its own job: start one jddp-run per "
                      "island on other nodes instead of --nnodes (docs/islands.md)")
-        from jddp._src.runtime.island_launch import launch_islands
+        from jddp._src.runtime.launch.islands import launch_islands
 
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # end the islands on the way out
         return launch_islands(

@@ -1,13 +1,8 @@
-"""The rank processes of `jddp-run`: their environment, exit statuses, output, and ending them.
-
-A guardian process, in a session of its own, kills every rank's process group if the launcher
-dies, whatever kills it (SIGKILL included): each rank leads its own group (so that ending a rank
-reaches its children), so nothing sent to the launcher's group reaches the ranks by itself.
-"""
+"""The rank processes of `jddp-run`: their environment, exit statuses, output, the guardian
+that ends them if the launcher dies, and ending them."""
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import socket
@@ -60,20 +55,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """True if binding `host:port` fails because something holds it (as the coordinator would)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        # The coordinator (gRPC) sets SO_REUSEADDR too: a port in TIME_WAIT is not "in use".
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                return True
-            raise
-    return False
 
 
 def build_rank_env(

@@ -157,3 +157,8 @@ def test_cost_model_takes_the_buckets_names():
         cm.simulate_iteration(prof, c, cap_mb=1.0, bucket_cap_mb=1.0)
     with pytest.raises(TypeError, match="unexpected keyword argument 'cap'"):
         cm.simulate_iteration(prof, c, cap=1.0)
+    from jddp.perf import xla_flags
+
+    with pytest.warns(DeprecationWarning, match=r"recommended\(bucket_cap_mb=\.\.\.\)"):
+        assert xla_flags.recommended("gpu", bucket_cap_mb=50.0) == xla_flags.recommended(
+            "gpu", cap_mb=50.0)

@@ -234,7 +234,7 @@ def _launch_nodes(options: Options, master_addr: str, nnodes: int, node_rank: in
                     link.finish(end.status, end.reason)
                 return end.status
             note(f"{end.reason}; restarting the job on every node ({attempt + 1} of "
-                  f"{max_restarts} restarts)")
+                 f"{max_restarts} restarts)")
             attempt += 1
     finally:
         if link is not None:

@@ -135,7 +135,7 @@ class ErrorLine:
 
 
 def pump(stream: BinaryIO, out: BinaryIO, prefix: bytes, lock: threading.Lock,
-          error: ErrorLine | None = None) -> None:
+         error: ErrorLine | None = None) -> None:
     """Copies `stream` to `out` line by line, each line prefixed (a partial last line too);
     `error` (if given) sees every line."""
     for line in iter(stream.readline, b""):

@@ -282,8 +282,8 @@ class Watcher:
                 self.resumable.add(rank)
                 if self.preempt_deadline is None:
                     note(f"{name} saved a checkpoint and asks to be resumed "
-                          f"({describe(status)}); waiting up to "
-                          f"{self.options.preemption_grace_s:g} s for the others")
+                         f"({describe(status)}); waiting up to "
+                         f"{self.options.preemption_grace_s:g} s for the others")
                     self.preempt_deadline = now + self.options.preemption_grace_s
             else:
                 return self.end(status, f"{name} exited with {describe(status)}"
@@ -308,7 +308,7 @@ class Watcher:
             # Only the rank itself gets it: its children (data loaders) must live to the end.
             grace = self.options.preemption_grace_s
             note(f"got SIGTERM: passing it to every rank (preemption: save and exit with "
-                  f"{EXIT_RESUME}); waiting up to {grace:g} s")
+                 f"{EXIT_RESUME}); waiting up to {grace:g} s")
             for r in sorted(self.running):
                 try:
                     self.procs[r].send_signal(signal.SIGTERM)
@@ -329,7 +329,7 @@ class Watcher:
         if order is not None and order.status == EXIT_RESUME and self.preempt_deadline is None:
             # Preempted elsewhere: this node's ranks reach the same sync point and save too.
             note(f"{order.reason}; waiting up to {self.options.preemption_grace_s:g} s for "
-                  "this node's ranks to save")
+                 "this node's ranks to save")
             self.preempt_deadline = now + self.options.preemption_grace_s
         elif order is not None and order.status != EXIT_RESUME:
             return self.end(order.status, order.reason, order.restartable, order.time)

@@ -205,7 +205,7 @@ def test_gloo_check_runs_under_a_launcher(launcher_env, monkeypatch):
         raise AssertionError("initialize went on past its Gloo check")
 
     monkeypatch.setattr(coordinator, "wait_for_coordinator", no_network)
-    monkeypatch.setattr(dist.jax.distributed, "initialize", no_network)
+    monkeypatch.setattr(jax.distributed, "initialize", no_network)
     launcher_env(SLURM_STEP)
     with pytest.raises(dist.GlooAddressError, match="JDDP_GLOO_INTERFACE"):
         dist.initialize(timeout_s=1)

@@ -4,6 +4,7 @@ host name resolves to loopback fails at once, naming the fix."""
 import socket
 import textwrap
 
+import jax
 import pytest
 
 import jddp.distributed as dist
@@ -25,7 +26,7 @@ def loopback_hostname(monkeypatch):
         raise AssertionError("initialize tried to reach the coordinator before its Gloo check")
 
     monkeypatch.setattr(coordinator, "wait_for_coordinator", no_network)
-    monkeypatch.setattr(dist.jax.distributed, "initialize", no_network)
+    monkeypatch.setattr(jax.distributed, "initialize", no_network)
 
 
 def test_multi_host_job_with_loopback_hostname_fails_at_once(loopback_hostname, monkeypatch):

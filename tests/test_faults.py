@@ -37,7 +37,7 @@ from tests.launch_util import (
     wait_all_dead,
 )
 
-WATCHDOG_PY = REPO / "jddp" / "_src" / "watchdog.py"
+WATCHDOG_PY = REPO / "jddp" / "_src" / "runtime" / "watchdog.py"
 
 # Loads the rank side of the watchdog without importing jddp (and so JAX): it needs only the
 # standard library. `wd` is the module.

@@ -138,7 +138,7 @@ time.sleep(1000)
 def _plain_nodes(tmp_path, mode, *extra):
     script = tmp_path / "plain.py"
     script.write_text(textwrap.dedent(PLAIN).format(
-        watchdog=str(REPO / "jddp" / "_src" / "watchdog.py")))
+        watchdog=str(REPO / "jddp" / "_src" / "runtime" / "watchdog.py")))
     master = f"127.0.0.1:{free_port()}"
     return [
         subprocess.Popen(

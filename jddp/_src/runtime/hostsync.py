@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+PyTree = Any
 _AXIS = "processes"
 
 
@@ -58,7 +59,7 @@ def _sum_rows(tree: Any) -> Any:
     return jax.tree.map(lambda a: a.sum(0, dtype=a.dtype), tree)
 
 
-def allgather(tree: Any) -> Any:
+def allgather(tree: PyTree) -> PyTree:
     """Every process's host values, stacked on a new leading axis in process order (numpy).
 
     For small host values (step numbers, flags, metrics), in place of JAX's

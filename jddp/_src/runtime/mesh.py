@@ -22,6 +22,8 @@ from jax.sharding import PartitionSpec as P
 from jddp._src.runtime import cluster
 from jddp._src.step.checks import check_batch
 
+PyTree = Any
+
 #: Axis names of a two-level mesh built by :func:`data_mesh` (across hosts, inside a host).
 HOSTS_AXIS = "hosts"
 LOCAL_AXIS = "local"
@@ -224,7 +226,7 @@ def _local_rows(mesh: Mesh, axis: Any, global_rows: int) -> list[tuple[int, int]
     return sorted(ranges)
 
 
-def local_slice(global_batch: Any, mesh: Mesh, axis: Any = None) -> Any:
+def local_slice(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
     """Returns the rows of a global host batch that this process's devices hold.
 
     Every leaf's leading dimension is the global batch, split over mesh axis `axis` (default:
@@ -254,7 +256,7 @@ def local_slice(global_batch: Any, mesh: Mesh, axis: Any = None) -> Any:
     return jax.tree.map(take, global_batch)
 
 
-def global_batch_from_local(local_batch: Any, mesh: Mesh, axis: Any = None) -> Any:
+def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
     """Assembles a global `jax.Array` batch from each process's local part.
 
     Every process calls it with its own rows (its local batch); the leading dimension of the
@@ -273,7 +275,7 @@ def global_batch_from_local(local_batch: Any, mesh: Mesh, axis: Any = None) -> A
     return jax.tree.map(make, local_batch)
 
 
-def shard_global_batch(global_batch: Any, mesh: Mesh, axis: Any = None) -> Any:
+def shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
     """Places a global host batch, present on every process, as a batch sharded over `axis`
     (default: `"data"`, or both axes of a two-level `(hosts, local)` mesh).
 

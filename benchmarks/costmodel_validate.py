@@ -148,8 +148,8 @@ def run(repeats: int) -> dict:
                   f"{'pred table':>10} {'err':>6}")
             rows = []
             for cap in CAPS_MB:
-                preds = {k: costmodel.simulate_iteration(prof, c, bucket_cap_mb=cap,
-                                                         first_bucket_mb=min(1.0, cap))
+                preds = {k: costmodel.simulate_iteration(prof, c, cap_mb=cap,
+                                                         first_mb=min(1.0, cap))
                          for k, c in clusters.items()}
                 m = med[cap]
                 nb = ddps[cap].bucket_plan.num_buckets

@@ -73,7 +73,7 @@ def run() -> dict:
                   f"{'best ms':>8}   (cap {DEFAULT_CAP:g} MiB unless noted)")
             for n in DEVICES:
                 c = cluster(n, s)
-                on, off, gain = cm.overlap_speedup(prof, c, bucket_cap_mb=DEFAULT_CAP)
+                on, off, gain = cm.overlap_speedup(prof, c, cap_mb=DEFAULT_CAP)
                 adv = cm.advise_bucket_cap(prof, c, candidates_mb=CAPS_MB)
                 best = dict(adv.predictions)[adv.cap_mb]
                 row = {"model": mname, "scenario": sname, "devices": n,
@@ -92,7 +92,7 @@ def run() -> dict:
                       f"{gain:>8.1%} {fmt_cap(adv.cap_mb):>8} {best.iteration_s * 1e3:>8.1f}")
             for n in (32, 256):
                 c = cluster(n, s)
-                preds = [(cap, cm.simulate_iteration(prof, c, bucket_cap_mb=cap))
+                preds = [(cap, cm.simulate_iteration(prof, c, cap_mb=cap))
                          for cap in CAPS_MB]
                 out["cap_sweep"].append({
                     "model": mname, "scenario": sname, "devices": n,
@@ -102,8 +102,8 @@ def run() -> dict:
                 print(f"  cap sweep @ {n:>3} GPUs (ms): " + "  ".join(
                     f"{fmt_cap(k)}:{p.iteration_s * 1e3:.1f}" for k, p in preds))
             flat = cm.simulate_iteration(prof, cluster(256, s, hierarchical=False),
-                                         bucket_cap_mb=DEFAULT_CAP)
-            hier = cm.simulate_iteration(prof, cluster(256, s), bucket_cap_mb=DEFAULT_CAP)
+                                         cap_mb=DEFAULT_CAP)
+            hier = cm.simulate_iteration(prof, cluster(256, s), cap_mb=DEFAULT_CAP)
             out["flat_ring_256"].append({"model": mname, "scenario": sname,
                                          "flat_s": flat.iteration_s,
                                          "hierarchical_s": hier.iteration_s})
@@ -161,7 +161,7 @@ def plot_timeline(path: str) -> None:
     prof = rp.resnet50_profile(32, s["device_flops"])
     fig, axes = plt.subplots(2, 1, figsize=(10, 3.6), sharex=True)
     for ax, overlap in zip(axes, (True, False), strict=True):
-        est = cm.simulate_iteration(prof, cluster(32, s), bucket_cap_mb=DEFAULT_CAP,
+        est = cm.simulate_iteration(prof, cluster(32, s), cap_mb=DEFAULT_CAP,
                                     overlap=overlap)
         ax.barh(1, est.forward_s * 1e3, color="tab:blue", label="forward")
         ax.barh(1, est.backward_s * 1e3, left=est.forward_s * 1e3, color="tab:orange",

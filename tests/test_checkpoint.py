@@ -89,8 +89,9 @@ def test_sigterm_in_a_single_process_saves_at_the_next_step(tmp_path, monkeypatc
     import signal
 
     import jddp.distributed as dist
+    from jddp._src.runtime import preemption
 
-    monkeypatch.setattr(dist, "_sigterm_seen", type(dist._sigterm_seen)())  # a fresh flag
+    monkeypatch.setattr(preemption, "_sigterm_seen", type(preemption._sigterm_seen)())  # fresh
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1))
@@ -101,7 +102,7 @@ def test_sigterm_in_a_single_process_saves_at_the_next_step(tmp_path, monkeypatc
         assert not ckpt.save_if_due(mngr, state, step=1)  # not due: no first-step save
         state, _ = ddp.step(state, batches[1])
         assert not ckpt.save_if_due(mngr, state, step=2)  # not due; installs the handler
-        assert signal.getsignal(signal.SIGTERM) is dist._on_sigterm
+        assert signal.getsignal(signal.SIGTERM) is preemption._on_sigterm
         os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice: the process goes on
         state, _ = ddp.step(state, batches[2])
         assert dist.reached_preemption_point(3)

@@ -24,7 +24,7 @@ import pytest
 
 import jddp
 import jddp.distributed as dist
-from jddp._src.runtime import cluster
+from jddp._src.runtime import cluster, coordinator, join
 from tests.launch_util import REPO, child_env, run_launcher
 
 # Open MPI 4.1.4, `mpirun -np 2 --mca oob_tcp_if_include lo` on this machine (rank 1; trimmed).
@@ -204,26 +204,26 @@ def test_gloo_check_runs_under_a_launcher(launcher_env, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("initialize went on past its Gloo check")
 
-    monkeypatch.setattr(dist, "_wait_for_coordinator", no_network)
-    monkeypatch.setattr(dist.jax.distributed, "initialize", no_network)
+    monkeypatch.setattr(coordinator, "wait_for_coordinator", no_network)
+    monkeypatch.setattr(jax.distributed, "initialize", no_network)
     launcher_env(SLURM_STEP)
     with pytest.raises(dist.GlooAddressError, match="JDDP_GLOO_INTERFACE"):
         dist.initialize(timeout_s=1)
 
 
 def test_join_failure_names_the_launcher_and_the_fix():
-    where = dist._Where("cluster", "node18:61497", 8, 3, cluster.detect(OMPI5))
-    message = dist._join_failure(where, 120)
+    where = join.Where("cluster", "node18:61497", 8, 3, cluster.detect(OMPI5))
+    message = join.join_failure(where, 120)
     assert "Open MPI 5 (mpirun, PRRTE)'s variables" in message
     assert "JAX_COORDINATOR_ADDRESS=<host of process 0>:<port>" in message
 
 
 def test_loopback_coordinator_listens_on_loopback_only(monkeypatch):
     monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
-    assert dist._bind_address("127.0.0.1:5000") == "127.0.0.1:5000"
-    assert dist._bind_address("node1:5000") is None  # JAX's default: every interface
+    assert coordinator.bind_address("127.0.0.1:5000") == "127.0.0.1:5000"
+    assert coordinator.bind_address("node1:5000") is None  # JAX's default: every interface
     monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "10.0.0.1:5000")
-    assert dist._bind_address("127.0.0.1:5000") == "10.0.0.1:5000"
+    assert coordinator.bind_address("127.0.0.1:5000") == "10.0.0.1:5000"
 
 
 # ------------------------------------------------- #35 (2): forgetting jddp.initialize()

@@ -77,7 +77,7 @@ def test_link_units():
 def test_timeline_order_and_serialisation():
     prof = rp.resnet50_profile(32, 10e12)
     c = cm.ClusterSpec(32, intra=NVLINK, inter=NET)
-    est = cm.simulate_iteration(prof, c, bucket_cap_mb=5)
+    est = cm.simulate_iteration(prof, c, cap_mb=5)
     ready = prof.ready_times()
     prev_end = 0.0
     for i, b in enumerate(est.buckets):
@@ -99,11 +99,11 @@ def test_no_overlap_is_compute_plus_comm():
     rng = np.random.default_rng(0)
     prof = random_profile(rng, 20)
     c = cm.ClusterSpec(8, intra=NVLINK)
-    off = cm.simulate_iteration(prof, c, bucket_cap_mb=2, overlap=False)
+    off = cm.simulate_iteration(prof, c, cap_mb=2, overlap=False)
     assert off.iteration_s == pytest.approx(prof.compute_s + off.comm_s)
     assert off.overlap_fraction == pytest.approx(0.0, abs=1e-12)
     cpu = cm.ClusterSpec(8, intra=NVLINK, async_collectives=False)
-    assert cm.simulate_iteration(prof, cpu, bucket_cap_mb=2).iteration_s == pytest.approx(
+    assert cm.simulate_iteration(prof, cpu, cap_mb=2).iteration_s == pytest.approx(
         off.iteration_s)
 
 
@@ -114,7 +114,7 @@ def test_random_properties(seed):
     c = random_cluster(rng)
     cap = float(rng.choice([0.25, 1, 4, 25, 100, math.inf]))
     first = min(cap, float(rng.choice([0.1, 1.0])))
-    on, off, gain = cm.overlap_speedup(prof, c, bucket_cap_mb=cap, first_bucket_mb=first)
+    on, off, gain = cm.overlap_speedup(prof, c, cap_mb=cap, first_mb=first)
     eps = 1e-12
     # Never faster than compute; overlap never slower than no overlap.
     assert on.iteration_s >= prof.compute_s - eps
@@ -131,8 +131,8 @@ def test_random_properties(seed):
         inter=cm.Link(c.inter.bandwidth * 2, c.inter.latency / 2),
         hierarchical=c.hierarchical)
     for ov in (True, False):
-        a = cm.simulate_iteration(prof, c, bucket_cap_mb=cap, first_bucket_mb=first, overlap=ov)
-        b = cm.simulate_iteration(prof, faster, bucket_cap_mb=cap, first_bucket_mb=first,
+        a = cm.simulate_iteration(prof, c, cap_mb=cap, first_mb=first, overlap=ov)
+        b = cm.simulate_iteration(prof, faster, cap_mb=cap, first_mb=first,
                                   overlap=ov)
         assert b.iteration_s <= a.iteration_s + eps
     # All-reduce time is monotone in bytes.
@@ -172,7 +172,7 @@ def test_zero_compute_prefers_one_bucket():
     prof = cm.ModelProfile(nbytes=(MiB,) * 50, backward_s=(0.0,) * 50)
     c = cm.ClusterSpec(256, inter=NET)
     assert cm.suggest_bucket_cap(prof, c, candidates_mb=(1, 10, math.inf),
-                                   first_bucket_mb=1000) == math.inf
+                                   first_mb=1000) == math.inf
 
 
 def test_allreduce_table_interpolation():

@@ -264,3 +264,32 @@ def test_docs_examples_and_benchmarks_spell_only_the_new_names():
             if "deprecated" not in lines[line].lower():  # the warning's own text
                 bad.append(f"{rel}:{line + 1}: {m.group(0)}")
     assert not bad, "old spellings taught as current:\n" + "\n".join(bad)
+
+
+def test_cost_model_takes_the_buckets_names():
+    """``jddp.perf.costmodel``'s caps are ``cap_mb``/``first_mb``; ``bucket_cap_mb``/
+    ``first_bucket_mb`` warn at the caller and predict exactly the same."""
+    from jddp.perf import costmodel as cm
+
+    prof = cm.ModelProfile.from_sizes([2**20] * 12, backward_s=0.01)
+    c = cm.ClusterSpec(16, devices_per_node=8, inter=cm.Link.gbit(25, 10))
+    calls = [(cm.simulate_iteration, {}), (cm.overlap_speedup, {}),
+             (cm.simulate_strategy, {"strategy": "hierarchical"})]
+    for fn, kw in calls:
+        want = fn(prof, c, cap_mb=2.0, first_mb=0.5, **kw)
+        with pytest.warns(DeprecationWarning, match=rf"{fn.__name__}\((bucket_cap|first_bucket)"
+                                                    r"_mb=\.\.\.\) is deprecated") as rec:
+            got = fn(prof, c, bucket_cap_mb=2.0, first_bucket_mb=0.5, **kw)
+        assert got == want and {w.filename for w in rec} == {__file__}
+    with pytest.warns(DeprecationWarning, match=r"advise_bucket_cap\(first_bucket_mb="):
+        old = cm.advise_bucket_cap(prof, c, first_bucket_mb=0.5, candidates_mb=(1, 4))
+    assert old == cm.advise_bucket_cap(prof, c, first_mb=0.5, candidates_mb=(1, 4))
+    with pytest.raises(ValueError, match="pass cap_mb= only"):
+        cm.simulate_iteration(prof, c, cap_mb=1.0, bucket_cap_mb=1.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'cap'"):
+        cm.simulate_iteration(prof, c, cap=1.0)
+    from jddp.perf import xla_flags
+
+    with pytest.warns(DeprecationWarning, match=r"recommended\(bucket_cap_mb=\.\.\.\)"):
+        assert xla_flags.recommended("gpu", bucket_cap_mb=50.0) == xla_flags.recommended(
+            "gpu", cap_mb=50.0)

@@ -665,9 +665,10 @@ def test_a_ranks_own_subprocess_does_not_take_the_link(tmp_path):
 
 def test_command_line_flags_reach_launch(monkeypatch):
     import jddp.launch as launch_lib
+    from jddp._src.runtime.launch import cli
 
     seen = {}
-    monkeypatch.setattr(launch_lib, "launch",
+    monkeypatch.setattr(cli, "launch",
                         lambda command, n, **kw: seen.update(command=command, n=n, **kw) or 0)
     assert launch_lib.main(["-n", "3", "--step-timeout", "7", "--first-step-timeout", "90",
                             "--max-restarts", "4", "--preemption-grace", "12", "--grace", "2",

@@ -4,9 +4,11 @@ host name resolves to loopback fails at once, naming the fix."""
 import socket
 import textwrap
 
+import jax
 import pytest
 
 import jddp.distributed as dist
+from jddp._src.runtime import coordinator
 from tests.launch_util import child_env, run_launcher
 
 REMOTE = "198.51.100.1:1234"  # TEST-NET-2: not an address of this host
@@ -23,8 +25,8 @@ def loopback_hostname(monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("initialize tried to reach the coordinator before its Gloo check")
 
-    monkeypatch.setattr(dist, "_wait_for_coordinator", no_network)
-    monkeypatch.setattr(dist.jax.distributed, "initialize", no_network)
+    monkeypatch.setattr(coordinator, "wait_for_coordinator", no_network)
+    monkeypatch.setattr(jax.distributed, "initialize", no_network)
 
 
 def test_multi_host_job_with_loopback_hostname_fails_at_once(loopback_hostname, monkeypatch):

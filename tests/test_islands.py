@@ -204,7 +204,7 @@ def test_restart_with_no_live_island_ends_the_run(tmp_path):
 def _lighthouse(min_replicas: int) -> Iterator[str]:
     """A torchft Lighthouse on a free local port that waits for ``min_replicas`` islands;
     yields its ``host:port`` (for ``jddp-run --quorum``) and ends it on exit."""
-    from jddp._src.runtime.island_launch import lighthouse_command
+    from jddp._src.runtime.launch.islands import lighthouse_command
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -327,9 +327,9 @@ def test_everything_after_the_script_belongs_to_the_script(tmp_path):
          "y"], timeout=30)
     assert rc == 0, (out, err)
     assert "ARGS ['--n=20', '-n', '3', '--timeout', 'x', '--', 'y']" in out, out
-    from jddp.launch import _parser
+    from jddp._src.runtime.launch.cli import parser
 
-    ap = _parser()
+    ap = parser()
     assert ap.split(["-n", "2", "-m", "pkg.train", "--lr", "1"]) == (
         ["-n", "2", "-m", "pkg.train"], ["--lr", "1"])
     assert ap.split(["--port=5", "--", "-weird.py", "--n=2"]) == (["--port=5", "-weird.py"],

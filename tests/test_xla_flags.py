@@ -31,5 +31,5 @@ def test_tpu_and_cpu_need_nothing(backend):
 def test_errors():
     with pytest.raises(ValueError, match="backend"):
         xla_flags.recommended("metal", 25.0)
-    with pytest.raises(ValueError, match="bucket_cap_mb"):
+    with pytest.raises(ValueError, match="cap_mb"):
         xla_flags.recommended("gpu", 0)

@@ -213,36 +213,9 @@ def profile_step(
       A profile whose times are per step as seen by one device (on simulated devices: the wall
       time of all of them sharing the host's cores).
     """
-    mesh = ddp.mesh
-    axis = ddp.axis_name
     params = state.params
     plan = ddp.plan(params, batch)
-    # The loss exactly as the step differentiates it (the pipeline's objective), without metrics.
-    objective = skeleton.objective(ddp.config, stateful=False)
-
-    def loss(p, b):
-        # With rng=True the loss takes per-example keys: any keys cost the same.
-        keys = None
-        if ddp.config.loss.rng:
-            keys = example_keys(jax.random.key(0), 0, jax.tree.leaves(b)[0].shape[0])
-        return objective(p, None, b, None, keys)[0]
-
-    def fwd(p, b):
-        return loss(p, b)
-
-    def fwd_bwd(p, b):
-        return jax.value_and_grad(loss)(p, b)
-
-    def local_step(p, o, b):
-        value, grads = jax.value_and_grad(loss)(p, b)
-        updates, o = ddp.optimizer.update(grads, o, p)
-        return value, jax.tree.map(lambda a, u: a + u, p, updates), o
-
-    def local(fn, n_rep):
-        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * n_rep + (P(axis),),
-                                     out_specs=P(), check_vma=False))
-
-    f0, f1, f2 = local(fwd, 1), local(fwd_bwd, 1), local(local_step, 2)
+    f0, f1, f2 = _local_programs(ddp)
     med = alternate_medians(
         {
             "fwd": lambda: f0(params, batch),
@@ -271,3 +244,32 @@ def profile_step(
         dtypes=tuple(plan.dtypes[i] for i in order),
         names=tuple(plan.paths[i] for i in order),
     )
+
+
+def _local_programs(ddp: Any) -> tuple[Any, Any, Any]:
+    """``ddp``'s forward, forward and backward, and whole local step (with the update), each
+    jitted over every device of its mesh with no collective (gradients left local)."""
+    mesh, axis = ddp.mesh, ddp.axis_name
+    # The loss exactly as the step differentiates it (the pipeline's objective), without metrics.
+    objective = skeleton.objective(ddp.config, stateful=False)
+
+    def loss(p, b):
+        # With rng=True the loss takes per-example keys: any keys cost the same.
+        keys = None
+        if ddp.config.loss.rng:
+            keys = example_keys(jax.random.key(0), 0, jax.tree.leaves(b)[0].shape[0])
+        return objective(p, None, b, None, keys)[0]
+
+    def fwd_bwd(p, b):
+        return jax.value_and_grad(loss)(p, b)
+
+    def local_step(p, o, b):
+        value, grads = jax.value_and_grad(loss)(p, b)
+        updates, o = ddp.optimizer.update(grads, o, p)
+        return value, jax.tree.map(lambda a, u: a + u, p, updates), o
+
+    def local(fn, n_rep):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * n_rep + (P(axis),),
+                                     out_specs=P(), check_vma=False))
+
+    return local(loss, 1), local(fwd_bwd, 1), local(local_step, 2)

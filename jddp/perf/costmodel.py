@@ -30,27 +30,31 @@ Known simplifications (each makes predictions optimistic, none is modelled):
 - the host-side cost of launching collectives and of stragglers is not modelled.
 """
 
-from jddp._src.plan.costmodel import (
+from jddp._src.plan.capadvice import (
     DEFAULT_CAP_CANDIDATES_MB,
-    STRATEGIES,
-    BucketTiming,
     CapAdvice,
+    advise_bucket_cap,
+    suggest_bucket_cap,
+)
+from jddp._src.plan.costmodel import (
+    BucketTiming,
     ClusterSpec,
     IterationEstimate,
     Link,
     ModelProfile,
-    StrategyEstimate,
-    across_bytes_per_step,
-    advise_bucket_cap,
     allreduce_time,
-    averaging_time,
     hierarchical_allreduce_time,
     overlap_speedup,
     ring_allreduce_time,
     scaling_efficiency,
     simulate_iteration,
+)
+from jddp._src.plan.strategies import (
+    STRATEGIES,
+    StrategyEstimate,
+    across_bytes_per_step,
+    averaging_time,
     simulate_strategy,
-    suggest_bucket_cap,
 )
 
 __all__ = [

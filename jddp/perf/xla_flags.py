@@ -21,7 +21,7 @@ a step compiled another way (``jddp.value_and_grad`` in your own ``jit``):
 
     from jddp.perf import xla_flags
 
-    rec = xla_flags.recommended("gpu", plan=ddp.plan(params, batch))   # or bucket_cap_mb=50
+    rec = xla_flags.recommended("gpu", plan=ddp.plan(params, batch))   # or cap_mb=50
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + rec.xla_flags).strip()
     # before JAX initialises its backend; or, per compile:
     ddp.lower(params, batch).compile(compiler_options=rec.compiler_options)
@@ -67,7 +67,7 @@ class Recommendation:
 
 
 def recommended(
-    backend: str, bucket_cap_mb: float = 25.0, *, plan: BucketPlan | None = None
+    backend: str, cap_mb: float | None = None, *, plan: BucketPlan | None = None, **renamed: Any
 ) -> Recommendation:
     """The XLA options jddp recommends for ``backend`` and a bucket plan (or cap).
 
@@ -78,8 +78,9 @@ def recommended(
     Args:
         backend: ``"gpu"`` (also ``"cuda"``, ``"rocm"``), ``"tpu"`` or ``"cpu"``, e.g.
             ``jax.default_backend()``.
-        bucket_cap_mb: the ``bucket_cap_mb`` given to :class:`jddp.DataParallel` (MiB).
-        plan: the bucket plan the step uses (overrides ``bucket_cap_mb``).
+        cap_mb: the bucket cap of the step's ``jddp.Buckets(cap_mb=...)`` (MiB; default 25);
+            ``bucket_cap_mb`` is its deprecated name.
+        plan: the bucket plan the step uses (overrides ``cap_mb``).
 
     Returns:
         A :class:`Recommendation`. On GPU with buckets that exceed XLA's combine threshold
@@ -89,11 +90,14 @@ def recommended(
     Raises:
         ValueError: for an unknown backend or an invalid cap.
     """
+    cap_mb = options.renamed_args("recommended", {"cap_mb": cap_mb}, renamed,
+                                  {"bucket_cap_mb": "cap_mb"})["cap_mb"]
     if plan is not None:
         cap = max((b.nbytes for b in plan.buckets), default=0)
-        bucket_cap_mb = cap / (1024 * 1024)
+        cap_mb = cap / (1024 * 1024)
     else:
-        cap = options.cap_bytes(bucket_cap_mb, "bucket_cap_mb")
+        cap_mb = 25.0 if cap_mb is None else cap_mb
+        cap = options.cap_bytes(cap_mb, "cap_mb")
     name = backend.lower()
     if name in _GPU:
         threshold = xla_options.combine_threshold(cap)
@@ -102,7 +106,7 @@ def recommended(
                 {},
                 "",
                 (
-                    f"GPU: {bucket_cap_mb:g} MiB buckets fit XLA's default all-reduce combine "
+                    f"GPU: {cap_mb:g} MiB buckets fit XLA's default all-reduce combine "
                     "threshold (30 MiB); no flags needed.",
                 ),
             )
@@ -111,7 +115,7 @@ def recommended(
             {"xla_gpu_all_reduce_combine_threshold_bytes": threshold},
             f"--xla_gpu_all_reduce_combine_threshold_bytes={threshold}",
             (
-                f"GPU: buckets of up to {bucket_cap_mb:g} MiB exceed XLA's default all-reduce "
+                f"GPU: buckets of up to {cap_mb:g} MiB exceed XLA's default all-reduce "
                 f"combine threshold (30 MiB) and would each be split into several all-reduces; "
                 f"a threshold of {mib} MiB keeps each bucket one all-reduce (jddp's chain still "
                 "keeps buckets apart).",

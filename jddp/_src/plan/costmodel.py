@@ -1,6 +1,7 @@
-"""A cost model of one data-parallel iteration, and a bucket-size advisor built on it.
+"""A cost model of one data-parallel iteration: its inputs, collective times, the timeline.
 
-Public as :mod:`jddp.perf.costmodel`, whose docstring describes it in full; here so that
+Public as :mod:`jddp.perf.costmodel` (with the bucket-cap advisor, :mod:`.capadvice`, and the
+multi-host strategies, :mod:`.strategies`), whose docstring describes it in full; here so that
 :mod:`jddp._src.plan.modelcap` (the default plan, ``Buckets(cap_mb="model")``) uses it without
 importing the performance tooling (``jddp._src`` never imports ``jddp.perf``).
 """
@@ -9,42 +10,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from jddp._src.plan.planner import BucketPlan, assign_buckets
+from jddp._src.api import options
+from jddp._src.plan.planner import assign_buckets
 from jddp._src.tree import MiB
 
 __all__ = [
-    "STRATEGIES",
     "BucketTiming",
-    "CapAdvice",
     "ClusterSpec",
     "IterationEstimate",
     "Link",
     "ModelProfile",
-    "StrategyEstimate",
-    "DEFAULT_CAP_CANDIDATES_MB",
-    "advise_bucket_cap",
-    "across_bytes_per_step",
     "allreduce_time",
-    "averaging_time",
     "hierarchical_allreduce_time",
     "overlap_speedup",
     "ring_allreduce_time",
     "scaling_efficiency",
     "simulate_iteration",
-    "simulate_strategy",
-    "suggest_bucket_cap",
 ]
 
-#: Caps (MiB) that :func:`advise_bucket_cap` tries by default; "inf" puts every gradient of a
-#: dtype in one bucket, the "no bucketing" extreme of the paper's sweep.
-DEFAULT_CAP_CANDIDATES_MB: tuple[float, ...] = (
-    0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, math.inf,
-)
+# The round-3 keywords of the caps, deprecated for jddp.Buckets' names (the same values).
+OLD_CAP_NAMES = {"bucket_cap_mb": "cap_mb", "first_bucket_mb": "first_mb"}
 
 
 # ----------------------------------------------------------------------------------- inputs
@@ -422,29 +412,35 @@ def simulate_iteration(
     profile: ModelProfile,
     cluster: ClusterSpec,
     *,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
+    cap_mb: float | None = None,
+    first_mb: float | None = None,
     overlap: bool | None = None,
+    **renamed: Any,
 ) -> IterationEstimate:
     """Predicts one iteration of bucketed data-parallel training.
 
     Args:
       profile: per-leaf gradient bytes and compute times of one device.
       cluster: devices and links.
-      bucket_cap_mb: bucket cap in MiB (``math.inf``: one bucket per dtype).
-      first_bucket_mb: cap of the first bucket; clipped to ``bucket_cap_mb``.
+      cap_mb: bucket cap in MiB (``math.inf``: one bucket per dtype); default 25, as
+        ``jddp.Buckets(cap_mb=25)``.
+      first_mb: cap of the first bucket, default 1; clipped to ``cap_mb``.
       overlap: all-reduces run concurrently with the rest of the backward (True), or only after
         the whole backward (False: DDP with overlap off, or any backend without asynchronous
         collectives). Default: ``cluster.async_collectives``.
+      **renamed: ``bucket_cap_mb``/``first_bucket_mb``, the old names of ``cap_mb``/``first_mb``
+        (deprecated).
 
     Returns:
       The iteration's timeline. Without overlap the buckets are placed after the backward; on
       XLA:CPU jddp issues them inside the backward but each one blocks the compute, which gives
       the same iteration time.
     """
+    caps = options.renamed_args("simulate_iteration", {"cap_mb": cap_mb, "first_mb": first_mb},
+                                renamed, OLD_CAP_NAMES)
+    cap = _cap_bytes(25.0 if caps["cap_mb"] is None else caps["cap_mb"])
+    first = min(_cap_bytes(1.0 if caps["first_mb"] is None else caps["first_mb"]), cap)
     overlap = cluster.async_collectives if overlap is None else bool(overlap)
-    cap = _cap_bytes(bucket_cap_mb)
-    first = min(_cap_bytes(first_bucket_mb), cap)
     groups = assign_buckets(profile.nbytes, profile.dtypes, cap, first) if profile.nbytes else []
     ready = profile.ready_times()
     backward_end = profile.forward_s + profile.backward_total_s
@@ -484,16 +480,22 @@ def overlap_speedup(
     profile: ModelProfile,
     cluster: ClusterSpec,
     *,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
+    cap_mb: float | None = None,
+    first_mb: float | None = None,
+    **renamed: Any,
 ) -> tuple[IterationEstimate, IterationEstimate, float]:
     """The iteration with and without overlap, and the latency reduction overlap buys.
+
+    Args:
+      cap_mb, first_mb: the caps, as in :func:`simulate_iteration` (``bucket_cap_mb``,
+        ``first_bucket_mb``: their deprecated names).
 
     Returns:
       ``(with_overlap, without_overlap, reduction)`` where ``reduction = 1 - with / without``;
       the paper reports this number (38.0% for ResNet50, 35.2% for BERT, NCCL, 32 GPUs).
     """
-    kw = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
+    kw = options.renamed_args("overlap_speedup", {"cap_mb": cap_mb, "first_mb": first_mb},
+                              renamed, OLD_CAP_NAMES)
     on = simulate_iteration(profile, cluster, overlap=True, **kw)
     off = simulate_iteration(profile, cluster, overlap=False, **kw)
     return on, off, 1.0 - on.iteration_s / off.iteration_s
@@ -503,332 +505,3 @@ def scaling_efficiency(estimate: IterationEstimate) -> float:
     """Per-device throughput relative to one device with the same per-device batch (weak
     scaling): ``compute_s / iteration_s``; 1.0 is linear scaling."""
     return estimate.compute_s / estimate.iteration_s if estimate.iteration_s > 0 else 1.0
-
-
-# ----------------------------------------------------------------------------------- advisor
-
-
-class CapAdvice(NamedTuple):
-    """The outcome of :func:`advise_bucket_cap`.
-
-    Attributes:
-      cap_mb: the candidate with the lowest predicted iteration time (the smallest one among
-        candidates within ``tolerance`` of the best, since smaller buckets start earlier and
-        need less staging memory).
-      predictions: ``(cap_mb, estimate)`` for every candidate, in the order tried.
-      cluster: the cluster the advice is for.
-    """
-
-    cap_mb: float
-    predictions: tuple[tuple[float, IterationEstimate], ...]
-    cluster: ClusterSpec
-
-    def same_buckets(self) -> dict[float, float]:
-        """For each candidate, the first candidate that cuts the gradients into the same buckets.
-
-        A prediction is a function of the buckets (which leaves, in which order), so caps that
-        cut alike predict identical times: every cap at or above the model's gradient bytes
-        gives the first bucket (``first_bucket_mb``) and one more, or one bucket if the whole
-        model fits in the first (a small model: the example LM's 0.97 MiB of gradients fit in
-        the default 1 MiB first bucket, so caps from 1 MiB up all predict the same iteration).
-        """
-        seen: dict[tuple, float] = {}
-        out = {}
-        for cap, est in self.predictions:
-            out[cap] = seen.setdefault(_grouping(est), cap)
-        return out
-
-    @property
-    def note(self) -> str:
-        """Why some predictions are identical ("" when every candidate cuts differently)."""
-        first = self.same_buckets()
-        if len(set(first.values())) == len(first):
-            return ""
-        est = self.predictions[0][1]
-        total = sum(b.nbytes for b in est.buckets) / MiB
-        if len(set(first.values())) == 1:
-            return (
-                f"Every candidate cap cuts the {total:.3g} MiB of gradients into the same "
-                f"{est.num_buckets} bucket(s) (first bucket {est.first_bytes / MiB:g} MiB), so "
-                "every prediction is identical: the cap does not matter for this model. Smaller "
-                "caps (or a smaller first_bucket_mb) are the only ones that change the plan."
-            )
-        alike = sorted({c for c, f in first.items() if c != f})
-        return (
-            f"Caps {', '.join(_fmt_cap(c) for c in alike)} cut the {total:.3g} MiB of gradients "
-            "like a smaller candidate (marked '=' in the table) and predict the same time."
-        )
-
-    def table(self) -> str:
-        """One row per candidate: predicted iteration, exposed communication, buckets."""
-        rows = [
-            f"{'cap MiB':>8} {'buckets':>7} {'iter ms':>9} {'exposed ms':>10} {'comm ms':>9} "
-            f"{'overlap':>7}"
-        ]
-        first = self.same_buckets()
-        for cap, est in self.predictions:
-            mark = "  <- suggested" if cap == self.cap_mb else ""
-            if first[cap] != cap:
-                mark += f"  (= {_fmt_cap(first[cap])}: same buckets)"
-            rows.append(
-                f"{_fmt_cap(cap):>8} {est.num_buckets:>7} {est.iteration_s * 1e3:>9.3f} "
-                f"{est.exposed_comm_s * 1e3:>10.3f} {est.comm_s * 1e3:>9.3f} "
-                f"{est.overlap_fraction:>7.0%}{mark}"
-            )
-        return "\n".join(rows + ([self.note] if self.note else []))
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-def _grouping(est: IterationEstimate) -> tuple[tuple[int, ...], ...]:
-    """Which leaves each bucket of a prediction holds, in order: the plan it was predicted for."""
-    return tuple(b.leaves for b in est.buckets)
-
-
-def _fmt_cap(cap: float) -> str:
-    return "all" if math.isinf(cap) else f"{cap:g}"
-
-
-def _as_profile(
-    model: Any,
-    *,
-    backward_s: float | None,
-    forward_s: float,
-    optimizer_s: float,
-) -> ModelProfile:
-    """Builds a profile from a ModelProfile, a BucketPlan, a params pytree or leaf byte sizes."""
-    if isinstance(model, ModelProfile):
-        return model
-
-    if isinstance(model, BucketPlan):
-        order = [i for b in model.buckets for i in b.indices]
-        nbytes = [int(np.prod(model.shapes[i], dtype=np.int64)) * model.dtypes[i].itemsize
-                  for i in order]
-        dtypes = [model.dtypes[i] for i in order]
-        names = [model.paths[i] for i in order]
-    elif isinstance(model, Sequence) and all(isinstance(x, int | np.integer) for x in model):
-        nbytes, dtypes, names = [int(x) for x in model], [], []
-    else:
-        import jax  # only needed for pytrees
-
-        leaves = jax.tree.leaves(model)
-        # Without a traced use order, assume the tree's leaf order is the forward order, so the
-        # backward produces gradients in reverse. Pass ddp.plan(params, batch) for the real order.
-        leaves = leaves[::-1]
-        nbytes = [int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
-                  for x in leaves]
-        dtypes = [np.dtype(x.dtype) for x in leaves]
-        names = []
-    if backward_s is None:
-        raise ValueError(
-            "The cost model needs compute times to weigh overlap against per-bucket latency: pass "
-            "backward_s= (seconds of one device's backward pass), or a ModelProfile (see "
-            "jddp.perf.calibrate.profile_step to measure one, or ModelProfile.from_flops)."
-        )
-    return ModelProfile.from_sizes(
-        nbytes, backward_s=backward_s, forward_s=forward_s, optimizer_s=optimizer_s,
-        dtypes=dtypes, names=names,
-    )
-
-
-def advise_bucket_cap(
-    model: Any,
-    cluster: ClusterSpec,
-    *,
-    candidates_mb: Iterable[float] = DEFAULT_CAP_CANDIDATES_MB,
-    first_bucket_mb: float = 1.0,
-    backward_s: float | None = None,
-    forward_s: float = 0.0,
-    optimizer_s: float = 0.0,
-    tolerance: float = 0.0,
-) -> CapAdvice:
-    """Predicts the iteration for each candidate bucket cap and picks the fastest.
-
-    Args:
-      model: a :class:`ModelProfile`; or a :class:`jddp.buckets.BucketPlan` (its bucket order is the
-        backward order); or a params pytree (reverse leaf order assumed); or gradient byte sizes
-        in backward order. For all but a profile, ``backward_s`` is spread over leaves in
-        proportion to their size.
-      cluster: the devices and links to plan for.
-      candidates_mb: caps to try, in MiB (``math.inf``: one bucket).
-      first_bucket_mb: the first bucket's cap (clipped to each candidate).
-      backward_s: the backward pass's compute time in seconds when ``model`` is not a profile.
-      forward_s: the forward pass's compute time, likewise.
-      optimizer_s: the optimizer update's compute time, likewise.
-      tolerance: relative slack; the smallest cap within ``(1 + tolerance)`` of the best
-        prediction is chosen.
-
-    Returns:
-      The advice, with every candidate's prediction (``advice.table()`` shows them).
-    """
-    profile = _as_profile(
-        model, backward_s=backward_s, forward_s=forward_s, optimizer_s=optimizer_s
-    )
-    caps = [float(c) for c in candidates_mb]
-    if not caps:
-        raise ValueError("candidates_mb is empty.")
-    preds = tuple(
-        (c, simulate_iteration(profile, cluster, bucket_cap_mb=c,
-                               first_bucket_mb=min(first_bucket_mb, c)))
-        for c in caps
-    )
-    best = min(est.iteration_s for _, est in preds)
-    # Ties (within tolerance) go to the smallest cap: less staging memory, earlier first start.
-    chosen = min(c for c, est in preds if est.iteration_s <= best * (1.0 + tolerance))
-    return CapAdvice(chosen, preds, cluster)
-
-
-def suggest_bucket_cap(
-    params_or_leaf_sizes: Any,
-    cluster: ClusterSpec,
-    **kwargs: Any,
-) -> float:
-    """The bucket cap (MiB) with the lowest predicted iteration time for a model on a cluster.
-
-    A thin wrapper over :func:`advise_bucket_cap` (same arguments), which also returns every
-    candidate's prediction so the choice can be explained::
-
-        from jddp.perf import costmodel
-
-        cluster = costmodel.ClusterSpec(64, inter=costmodel.Link.gbit(100, 10))
-        cap = costmodel.suggest_bucket_cap(profile, cluster)
-        print(costmodel.advise_bucket_cap(profile, cluster).table())
-
-    Returns:
-      One of the candidate caps, in MiB (``math.inf`` means a single bucket).
-    """
-    return advise_bucket_cap(params_or_leaf_sizes, cluster, **kwargs).cap_mb
-
-
-# ----------------------------------------------------------------------------- past one host
-
-#: Ways to cross the link between hosts that :func:`simulate_strategy` models.
-STRATEGIES: tuple[str, ...] = ("flat", "hierarchical", "hybrid", "hybrid_stage1", "local_sgd",
-                               "diloco")
-
-
-class StrategyEstimate(NamedTuple):
-    """One strategy's predicted step on a multi-host cluster.
-
-    Attributes:
-      strategy: one of :data:`STRATEGIES`.
-      period: steps per cross-host averaging (1 for the reductions every step).
-      step_s: seconds per step, averaged over a period.
-      sync_step_s: seconds of a step that crosses hosts (every step for flat, hierarchical and
-        hybrid; the averaging step of local SGD and DiLoCo).
-      local_step_s: seconds of a step that stays inside the hosts (``sync_step_s`` for the
-        reductions every step).
-      across_bytes: bytes one host sends to other hosts per step, averaged over a period.
-      compute_s: the step with free communication.
-    """
-
-    strategy: str
-    period: int
-    step_s: float
-    sync_step_s: float
-    local_step_s: float
-    across_bytes: float
-    compute_s: float
-
-    @property
-    def efficiency(self) -> float:
-        """``compute_s / step_s``: 1.0 is linear (weak) scaling."""
-        return self.compute_s / self.step_s if self.step_s > 0 else 1.0
-
-
-def averaging_time(nbytes: float, cluster: ClusterSpec) -> float:
-    """Seconds to average ``nbytes`` of parameters across the nodes once (local SGD, DiLoCo):
-    the copies inside a node are equal, so each of its ``k`` devices averages ``1/k`` of them
-    across the ``m`` nodes (the ``k`` rings share the node's ``inter`` link: ``2 (m-1)/m x
-    nbytes`` through it), then an all-gather inside the node puts them back together."""
-    k = min(cluster.devices_per_node, cluster.num_devices)
-    m = cluster.num_nodes
-    t = 0.0
-    if m > 1:
-        assert cluster.inter is not None  # checked by ClusterSpec
-        t += 2.0 * (m - 1) / m * nbytes / cluster.inter.bandwidth + 2.0 * (m - 1) * (
-            cluster.inter.latency)
-    if k > 1:
-        t += (k - 1) / k * nbytes / cluster.intra.bandwidth + (k - 1) * cluster.intra.latency
-    return t
-
-
-def across_bytes_per_step(nbytes: float, cluster: ClusterSpec, strategy: str,
-                          period: int = 1) -> float:
-    """Bytes one node sends to other nodes per step, for ``nbytes`` of gradients (parameters).
-
-    A flat ring over all ``N`` devices, nodes in order, has one hop out of each node carrying
-    ``2 (N-1)/N x nbytes``; the two-level reductions send ``2 (m-1)/m x nbytes`` per node (each of
-    the node's devices its ``1/k``); local SGD and DiLoCo that once per ``period`` steps.
-    ``"hybrid"`` is hybrid sharding at stages 2-3 (a reduce-scatter inside the node, then the
-    ``1/k`` pieces across); ``"hybrid_stage1"`` all-reduces the gradients over every device
-    (the hook's reduction, a flat ring by default), so it sends what ``"flat"`` sends (measured
-    on a shaped link: ``benchmarks/slowlink``).
-    """
-    _check_strategy(strategy)
-    m, n = cluster.num_nodes, cluster.num_devices
-    if m <= 1 or nbytes <= 0:
-        return 0.0
-    if strategy in ("flat", "hybrid_stage1"):
-        return 2.0 * (n - 1) / n * nbytes
-    two_level = 2.0 * (m - 1) / m * nbytes
-    if strategy in ("hierarchical", "hybrid"):
-        return two_level
-    return two_level / max(1, int(period))
-
-
-def _check_strategy(strategy: str) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
-
-
-def simulate_strategy(
-    profile: ModelProfile,
-    cluster: ClusterSpec,
-    strategy: str,
-    *,
-    period: int = 1,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
-    overlap: bool | None = None,
-) -> StrategyEstimate:
-    """Predicts a step of ``strategy`` on a multi-node cluster.
-
-    - ``"flat"``: one ring all-reduce per bucket over every device, paced by the slowest link.
-    - ``"hierarchical"``: per bucket, a reduce-scatter inside the node, an all-reduce across
-      nodes on ``1/k`` of the bucket, an all-gather inside the node
-      (:func:`hierarchical_allreduce_time`, ``jddp.hooks.hierarchical``).
-    - ``"hybrid"``: stages 2-3 sharded inside the node, replicated across (PyTorch's HSDP): the
-      same bytes on the slow link as ``"hierarchical"`` and, in this model, the same time (its
-      parameter all-gather moves into the next forward pass, where it can overlap too); it saves
-      memory, which the model does not weigh.
-    - ``"hybrid_stage1"``: stage 1 with hybrid sharding reduces the gradients like the flat
-      step (only the optimizer state is sharded): ``"flat"``'s bytes and time (with
-      ``Buckets(hook=jddp.hooks.hierarchical())`` it is ``"hierarchical"``'s).
-    - ``"local_sgd"``, ``"diloco"``: every step reduces the gradients inside the node only
-      (overlapped with the backward like any bucket), and every ``period`` steps the parameters
-      are averaged across nodes after the update (:func:`averaging_time`, not overlapped);
-      DiLoCo's outer optimizer step adds ``profile.optimizer_s`` then.
-    """
-    _check_strategy(strategy)
-    period = max(1, int(period)) if strategy in ("local_sgd", "diloco") else 1
-    kw = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, overlap=overlap)
-    across = across_bytes_per_step(profile.total_bytes, cluster, strategy, period)
-    if strategy in ("flat", "hierarchical", "hybrid", "hybrid_stage1"):
-        spec = dataclasses.replace(cluster,
-                                   hierarchical=strategy not in ("flat", "hybrid_stage1"))
-        est = simulate_iteration(profile, spec, **kw)  # type: ignore[arg-type]
-        return StrategyEstimate(strategy, 1, est.iteration_s, est.iteration_s, est.iteration_s,
-                                across, est.compute_s)
-    node = dataclasses.replace(
-        cluster, num_devices=min(cluster.devices_per_node, cluster.num_devices),
-        allreduce_table=(),
-    )
-    local = simulate_iteration(profile, node, **kw)  # type: ignore[arg-type]
-    extra = averaging_time(profile.total_bytes, cluster)
-    if strategy == "diloco":
-        extra += profile.optimizer_s
-    sync = local.iteration_s + extra
-    return StrategyEstimate(strategy, period, local.iteration_s + extra / period, sync,
-                            local.iteration_s, across, local.compute_s)

@@ -186,8 +186,8 @@ def predict(nbytes: Sequence[int], dtypes: Sequence[Any], cap_mb: float, first_m
 
     profile = costmodel.ModelProfile.from_sizes(
         list(nbytes), backward_s=float(backward_s or 0.0), dtypes=[str(d) for d in dtypes])
-    return costmodel.simulate_iteration(profile, cluster, bucket_cap_mb=cap_mb,
-                                        first_bucket_mb=first_mb).iteration_s
+    return costmodel.simulate_iteration(profile, cluster, cap_mb=cap_mb,
+                                        first_mb=first_mb).iteration_s
 
 
 def decide(plan: BucketPlan, platform: str, num_devices: int, policy: ModelCap,

@@ -16,12 +16,14 @@ other local devices are not needed for it.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+PyTree = Any
 _AXIS = "processes"
 
 
@@ -57,11 +59,15 @@ def _sum_rows(tree: Any) -> Any:
     return jax.tree.map(lambda a: a.sum(0, dtype=a.dtype), tree)
 
 
-def allgather(tree: Any) -> Any:
-    """Every process's leaves, stacked on a new leading axis in process order (numpy).
+def allgather(tree: PyTree) -> PyTree:
+    """Every process's host values, stacked on a new leading axis in process order (numpy).
 
-    Every process must call it with a tree of the same structure, shapes and dtypes. One
-    process: each leaf with a leading axis of 1.
+    For small host values (step numbers, flags, metrics), in place of JAX's
+    `multihost_utils.process_allgather`: this runs over one device per process and returns when
+    all of it is done. JAX's runs one collective per local device and returns once the first is
+    done; a script that ends right after may then never exit (seen with 8 CPU devices per process
+    over Gloo on a loaded machine, in a few jobs of a hundred). Every process must call it with a
+    tree of the same structure, shapes and dtypes; one process gets a leading axis of 1.
     """
     if jax.process_count() == 1:
         return jax.tree.map(lambda x: np.expand_dims(np.asarray(x), 0), tree)
@@ -86,3 +92,36 @@ def broadcast_from_process0(tree: Any) -> Any:
         lambda x: _to_global(np.asarray(x) if source else np.zeros_like(x), mesh), tree)
     out = jax.jit(_sum_rows, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
     return jax.tree.map(_read, out)
+
+
+def process_index() -> int:
+    """This process's index in the job (0 in a single-process run)."""
+    return jax.process_index()
+
+
+def process_count() -> int:
+    """Number of processes in the job."""
+    return jax.process_count()
+
+
+def is_main_process() -> bool:
+    """True on process 0, the one that should log and print (checkpoints are collective: every
+    process calls `jddp.checkpoint.save`)."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Returns once every process has reached `barrier(name)`.
+
+    jddp's `multihost_utils.sync_global_devices`, over one device per process (see `allgather`).
+
+    Raises:
+      RuntimeError: the processes reached barriers of different names (their code diverged).
+    """
+    mine = np.uint32(zlib.crc32(name.encode()))
+    seen = np.ravel(allgather(mine))
+    if not (seen == mine).all():
+        raise RuntimeError(
+            f"barrier {name!r}: the processes reached barriers of different names (crc32 by "
+            f"process: {seen.tolist()}); every process must reach the same barriers in the same "
+            "order.")

@@ -1,4 +1,5 @@
-"""The data mesh, and placing parameters (replicated) and batches (sharded) on it.
+"""The data mesh, and placing parameters (replicated) and batches (sharded) on it, from one
+process or from each process's part.
 
 A data mesh is 1-D (one axis, every device a replica: the default) or two-level: ``(hosts,
 local)``, one row per host. Every axis is a data axis (the batch is split over all of them, and a
@@ -20,6 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src.runtime import cluster
 from jddp._src.step.checks import check_batch
+
+PyTree = Any
 
 #: Axis names of a two-level mesh built by :func:`data_mesh` (across hosts, inside a host).
 HOSTS_AXIS = "hosts"
@@ -218,3 +221,87 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(put, batch)
+
+
+def _data_axis(mesh: Mesh, axis: Any) -> Any:
+    """``axis``; by default ``"data"`` if the mesh has that axis (a model-parallel mesh keeps its
+    other axes for the model), else every data axis of ``mesh`` (both of a two-level mesh)."""
+    if axis is not None:
+        return axis
+    return "data" if "data" in mesh.axis_names else mesh_axis(mesh)
+
+
+def _axis_size(mesh: Mesh, axis: Any) -> int:
+    names = tuple(axis) if isinstance(axis, tuple | list) else (axis,)
+    return int(np.prod([mesh.shape[a] for a in names]))
+
+
+def _local_rows(mesh: Mesh, axis: Any, global_rows: int) -> list[tuple[int, int]]:
+    """Row ranges of a leading-dim-sharded array that this process's devices hold, in order."""
+    index_map = batch_sharding(mesh, axis).addressable_devices_indices_map((global_rows,))
+    ranges = set()
+    for index in index_map.values():
+        assert index is not None  # a leading-dim sharding always gives an index
+        start, stop, _ = index[0].indices(global_rows)
+        ranges.add((start, stop))
+    return sorted(ranges)
+
+
+def local_slice(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
+    """Returns the rows of a global host batch that this process's devices hold.
+
+    Every leaf's leading dimension is the global batch, split over mesh axis `axis` (default:
+    `"data"`, or both axes of a two-level `(hosts, local)` mesh). The result is what
+    `global_batch_from_local` expects, so `global_batch_from_local(local_slice(b, mesh), mesh)`
+    places `b` across all processes. In a single-process run it is the whole batch.
+    """
+    axis = _data_axis(mesh, axis)
+    leaves = jax.tree.leaves(global_batch)
+    if not leaves:
+        return global_batch
+    rows = {np.shape(x)[0] for x in leaves}
+    if len(rows) != 1:
+        raise ValueError(f"batch leaves disagree on the leading (batch) dimension: {rows}")
+    (global_rows,) = rows
+    size = _axis_size(mesh, axis)
+    if global_rows % size:
+        raise ValueError(f"global batch {global_rows} is not divisible by mesh axis "
+                         f"{axis!r} of size {size}")
+    ranges = _local_rows(mesh, axis, global_rows)
+
+    def take(x):
+        x = np.asarray(x)
+        parts = [x[start:stop] for start, stop in ranges]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+    return jax.tree.map(take, global_batch)
+
+
+def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
+    """Assembles a global `jax.Array` batch from each process's local part.
+
+    Every process calls it with its own rows (its local batch); the leading dimension of the
+    result is the global batch (local rows x processes along `axis`), sharded over `axis`
+    (default: `"data"`, or both axes of a two-level `(hosts, local)` mesh). Wraps
+    `jax.make_array_from_process_local_data`.
+    """
+    axis = _data_axis(mesh, axis)
+
+    def make(x):
+        x = np.asarray(x)
+        if x.ndim == 0:
+            raise ValueError("batch leaves need a leading batch dimension; got a scalar")
+        return jax.make_array_from_process_local_data(batch_sharding(mesh, axis), x)
+
+    return jax.tree.map(make, local_batch)
+
+
+def shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
+    """Places a global host batch, present on every process, as a batch sharded over `axis`
+    (default: `"data"`, or both axes of a two-level `(hosts, local)` mesh).
+
+    For data sets small enough that every process holds (or generates) all of it; each process
+    transfers only its own rows to its devices.
+    """
+    axis = _data_axis(mesh, axis)
+    return global_batch_from_local(local_slice(global_batch, mesh, axis), mesh, axis)

@@ -1,4 +1,5 @@
-"""A bounded grace between a preemption notice (SIGTERM) and the preemption point.
+"""The preemption point (`reached_preemption_point`), the exits after it (`exit_for_resume`,
+`hard_exit`), and a bounded grace between a preemption notice (SIGTERM) and that point.
 
 With JAX's preemption service on, a multi-process rank does not die of SIGTERM: JAX records it
 as a preemption notice, and every rank saves at the same later step when the loop asks
@@ -31,12 +32,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
+
+from jax.experimental import multihost_utils
 
 from jddp._src.introspect import jax_private
-from jddp._src.runtime import watchdog
+from jddp._src.runtime import coordinator, watchdog
+from jddp._src.runtime.coordinator import EXIT_RESUME
 
-__all__ = ["DEFAULT_GRACE_S", "NOTICE_KEY", "Grace", "current", "start"]
+__all__ = ["DEFAULT_GRACE_S", "NOTICE_KEY", "Grace", "current", "exit_for_resume", "hard_exit",
+           "reached_preemption_point", "start"]
 
 DEFAULT_GRACE_S = 4.0
 NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"  # set by XLA's PreemptionSyncManager on a notice
@@ -170,3 +175,111 @@ def start(grace_s: float, rank: int, distributed_state: Any | None) -> Grace:
                 distributed_state, _CountingSyncManager(manager, grace))
             grace.start_thread(distributed_state.client)
     return grace
+
+
+def hard_exit(status: int = 1) -> NoReturn:
+    """Ends this process now with `status`, without waiting for the other processes.
+
+    Use it instead of `sys.exit(status)` to fail a rank of a multi-process job: a normal exit
+    runs JAX's shutdown, which waits (up to the shutdown timeout) for every other process to
+    finish too, and may turn the status into an abort (134) when they do not.
+    """
+    if status == 0:
+        watchdog.announce_exit()  # as atexit would have: jddp-run's early-exit check needs it
+    watchdog.flush_and_exit(status)
+
+
+def exit_for_resume(leave_timeout_s: float = 30.0) -> NoReturn:
+    """Ends this process with `EXIT_RESUME` (75): preempted, checkpoint saved, resume me.
+
+    Call it on every process once the preemption checkpoint is saved
+    (`jddp.checkpoint.save_if_due` does). Every process reaches this point at the same step, so
+    in a multi-process job they leave `jax.distributed` together (its shutdown barrier) before
+    exiting: process 0 hosts the coordination service, and an abrupt exit there would cut off
+    the RPCs the others still have in flight (an orbax barrier's reply, their error polling),
+    which ends them with status 1 or an abort (134) instead of 75.
+
+    Args:
+      leave_timeout_s: bound on that shutdown; a process still waiting then (another process
+        never arrived) exits with 75 anyway.
+    """
+    _leave_distributed(leave_timeout_s, EXIT_RESUME)
+    hard_exit(EXIT_RESUME)
+
+
+def _leave_distributed(timeout_s: float, status: int) -> None:
+    """Disconnects from `jax.distributed` with its shutdown barrier, bounded by `timeout_s`."""
+    if jax_private.coordination_client() is None:
+        return
+    grace = current()
+    if grace is not None:
+        grace.stop()  # its thread must not be inside a call to the client that shuts down
+    timer = coordinator.exit_timer(
+        timeout_s, f"jddp: process {jax_private.distributed_state().process_id} waited "
+        f"{timeout_s:.0f} s for the other processes to leave the job; exiting with {status}",
+        status=status)
+    try:
+        jax_private.shutdown_distributed()
+    except Exception as e:  # a peer already gone: exiting is all that is left to do
+        sys.stderr.write(f"jddp: leaving jax.distributed: {e}\n")
+    finally:
+        timer.cancel()
+
+
+_sigterm_seen = threading.Event()  # single-process preemption notice (see reached_preemption_point)
+_grace_s: float | None = DEFAULT_GRACE_S  # initialize(preemption_grace_s=...)
+
+
+def set_single_process_grace(grace_s: float | None) -> None:
+    """The bound of a single process's watch (set up on its first ask), from `initialize`."""
+    global _grace_s
+    _grace_s = grace_s
+
+
+def _single_process_grace() -> Grace | None:
+    """The single process's preemption watch (set up on first use), None without a bound."""
+    grace = current()
+    if grace is None and _grace_s is not None:
+        grace = start(_grace_s, 0, None)
+    return grace
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    _sigterm_seen.set()
+    # A second SIGTERM does what SIGTERM did before: end the process.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    grace = _single_process_grace()
+    if grace is not None:
+        grace.note_notice()
+        grace.start_thread(None)
+
+
+def reached_preemption_point(step: int) -> bool:
+    """True at the step where every process should save a checkpoint and exit, after SIGTERM.
+
+    Call it once per training step, with increasing `step`, on every process. In a multi-process
+    job (`jax.distributed` initialised, preemption service on) this is JAX's
+    `multihost_utils.reached_preemption_sync_point`: a SIGTERM to any process is a preemption
+    notice, and every process gets True at the same step, the one after the highest step any of
+    them had reached (about 1 s after the signal in our runs). In a single process the first call
+    installs a SIGTERM handler (main thread only, and only over the default action) and later
+    calls return True once a SIGTERM came; a second SIGTERM ends the process as usual.
+
+    Args:
+      step: the host-side step number (e.g. `state.step` after the update).
+    """
+    if jax_private.coordination_client() is not None:
+        try:
+            return bool(multihost_utils.reached_preemption_sync_point(step))
+        except RuntimeError:
+            return False  # the preemption service is off: SIGTERM simply ends the process
+    grace = _single_process_grace()
+    if grace is not None:
+        grace.note_ask(_sigterm_seen.is_set())
+    if _sigterm_seen.is_set():
+        return True
+    # Only over the default action: a handler of the program's own is left alone.
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    return False

@@ -8,7 +8,7 @@ Under `jddp-run` every rank gets one end of a Unix socket pair to the launcher (
   `report_progress(step, token)` only queues `(step, token)`; a daemon thread polls the oldest
   queued token's `is_ready()` every `POLL_S` and reports the highest step whose token is ready,
   together with the highest step dispatched (which tells the launcher that a rank is *inside* a
-  step that needs every rank, see `jddp/launch.py`);
+  step that needs every rank, see `jddp/_src/runtime/launch/watch.py`);
 * announces a normal exit (atexit, `announce_exit`) with the rank's last steps, before JAX's
   shutdown barrier starts to wait for the other ranks: the launcher can then tell a finished job
   from a rank that left while the others wait for it in a collective;

@@ -1,7 +1,7 @@
 """DiLoCo across islands that fail and rejoin: the outer step through torchft's quorum.
 
 An *island* is one jddp run (its own JAX world of one or more processes, started by
-``jddp-run --islands N``, :mod:`jddp._src.runtime.island_launch`). Inside it DiLoCo runs as usual
+``jddp-run --islands N``, :mod:`jddp._src.runtime.launch.islands`). Inside it DiLoCo runs as usual
 (:class:`jddp._src.sync.local_sgd.DiLoCo`: inner steps, the delta averaged over the island's own
 replicas in the jitted step). Islands meet only at the outer step, on the host, through torchft
 (its Lighthouse for the quorum, a ``Manager`` per island, its reconfigurable Gloo process group

@@ -26,17 +26,11 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import BinaryIO
 
+from jddp._src.runtime.launch.procs import exit_status, free_port, pump, terminate
 from jddp._src.sync import islands as isl
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _listening(host: str, port: int) -> bool:
@@ -60,10 +54,7 @@ def lighthouse_command(bind: str, grace_s: float) -> list[str]:
             "--join_timeout_ms", ms, "--quorum_tick_ms", "50"]
 
 
-def _pump(stream: BinaryIO, prefix: bytes) -> None:
-    for line in iter(stream.readline, b""):
-        sys.stdout.buffer.write(prefix + line)
-        sys.stdout.buffer.flush()
+_OUTPUT = threading.Lock()  # the islands' and the Lighthouse's lines, one at a time
 
 
 def _die_with_parent() -> None:
@@ -84,27 +75,19 @@ def _start(argv: Sequence[str], env: Mapping[str, str], prefix: str) -> subproce
                          stderr=subprocess.STDOUT, start_new_session=True,
                          preexec_fn=_die_with_parent)
     assert p.stdout is not None
-    threading.Thread(target=_pump, args=(p.stdout, prefix.encode()), daemon=True).start()
+    threading.Thread(target=pump, args=(p.stdout, sys.stdout.buffer, prefix.encode(), _OUTPUT),
+                     daemon=True).start()
     return p
 
 
 def _end(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM to each process group, SIGKILL to what is left after ``grace_s``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.05)
+    """SIGTERM to each live process group, SIGKILL to what is left after ``grace_s``."""
+    terminate([p for p in procs if p.poll() is None], grace_s)
 
 
 def _quorum(quorum: str | None, grace_s: float) -> tuple[str, subprocess.Popen | None]:
     """``(the Lighthouse's host:port, the process started here or None)``."""
-    host, port = ("127.0.0.1", _free_port()) if quorum is None else (
+    host, port = ("127.0.0.1", free_port()) if quorum is None else (
         quorum.rsplit(":", 1)[0], int(quorum.rsplit(":", 1)[1]))
     addr = f"{host}:{port}"
     if host not in LOCAL_HOSTS and host != socket.gethostname():
@@ -156,7 +139,7 @@ def launch_islands(script: Sequence[str], islands: int, *, nprocs: int = 1,
     def start(i: int) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("JDDP_")}
         env.update({isl.ENV_ISLAND: str(i), isl.ENV_ISLANDS: str(islands),
-                    isl.ENV_QUORUM: addr, isl.ENV_STORE: f"127.0.0.1:{_free_port()}",
+                    isl.ENV_QUORUM: addr, isl.ENV_STORE: f"127.0.0.1:{free_port()}",
                     isl.ENV_ATTEMPT: str(attempts[i]), isl.ENV_GRACE: str(island_grace_s)})
         procs[i] = _start(island_argv(script, nprocs, devices_per_process, grace_s), env,
                           f"[island{i}] ")
@@ -190,8 +173,7 @@ def launch_islands(script: Sequence[str], islands: int, *, nprocs: int = 1,
                 if attempts[i] >= max_restarts:
                     print(f"[jddp-run] island {i} failed (status {rc}) after {attempts[i]} "
                           "restarts: ending the run", flush=True)
-                    status = rc if rc > 0 else 128 - rc
-                    return status
+                    return exit_status(rc)
                 attempts[i] += 1
                 print(f"[jddp-run] island {i} exited with status {rc}: restarting it (attempt "
                       f"{attempts[i]}); it rejoins at the next outer step", flush=True)

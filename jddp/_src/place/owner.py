@@ -43,7 +43,7 @@ from jax.interpreters import partial_eval as pe
 from jax.sharding import PartitionSpec as P
 
 from jddp._src.introspect import vma
-from jddp._src.place import zero
+from jddp._src.place import owner_state, zero
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.collectives import wire_itemsize
 from jddp._src.reduce.reduction import Bytes, ring
@@ -142,15 +142,16 @@ def plan(params: Any, n: int) -> OwnerPlan:
                      assign([tuple(np.shape(x)) for _, x in leaves], n))
 
 
-def state_owners(params: Any, opt_state: Any, owners: Owners) -> tuple[int, ...]:
+def state_owners(params: Any, opt_state: Any, owners: Owners,
+                 rest: int | None = 0) -> tuple[int | None, ...]:
     """The owner of each optimizer-state leaf: that of the parameter leaf it is the slot of (its
     tree path ends with the parameter's path: optax's ``mu``, ``nu``, GaLore's projectors, ...),
-    device 0 for the rest (counts, coefficients; every device computes them)."""
+    ``rest`` for the others (counts, coefficients: every device keeps them, ``None``)."""
     by_path = {tuple(path): i for i, (path, _) in
                enumerate(jax.tree_util.tree_leaves_with_path(params))}
-    out = []
+    out: list[int | None] = []
     for path, _ in jax.tree_util.tree_leaves_with_path(opt_state):
-        path, found = tuple(path), 0
+        path, found = tuple(path), rest
         for start in range(len(path)):  # the longest matching suffix first
             hit = by_path.get(path[start:])
             if hit is not None:
@@ -158,6 +159,21 @@ def state_owners(params: Any, opt_state: Any, owners: Owners) -> tuple[int, ...]
                 break
         out.append(found)
     return tuple(out)
+
+
+def state_layout(params: Any, opt_state: Any, n: int) -> owner_state.StateLayout:
+    """Where ``opt_state`` (of ``params``) lives packed per owner on ``n`` devices: each slot
+    of a parameter on that parameter's owner, the rest on every device."""
+    owners = assign([tuple(np.shape(x)) for x in jax.tree.leaves(params)], n)
+    return owner_state.make_layout(opt_state, state_owners(params, opt_state, owners, None), n)
+
+
+def init_state(optimizer: optax.GradientTransformation, params: Any,
+               n: int) -> owner_state.Packed:
+    """The optimizer's initial state of ``params``, packed per owner on ``n`` devices (as
+    ``ZeRO(shard="owner")`` keeps it between steps: :mod:`jddp._src.place.owner_state`)."""
+    opt_state = optimizer.init(params)
+    return owner_state.pack(opt_state, state_layout(params, opt_state, n))
 
 
 # ------------------------------------------------------------------------------ packing
@@ -370,25 +386,31 @@ class _Moves(NamedTuple):
     """What :func:`update` moves for one model and optimizer (static: from the shapes)."""
 
     params: _Io
-    state: _Io
     grads: _Io
+    state: owner_state.StateLayout
+    common: tuple[_Leaf, ...]  # the state leaves every device keeps (device 0 computes them)
+    common_pack: _Pack         # their new values, from device 0 to every device
     needs: Needs
-    dims: tuple[tuple[int | None, ...], ...]  # as stored: parameters, state, gradients
+    dims: tuple[tuple[int | None, ...], ...]  # as stored: parameters, gradients
 
 
 def _moves(stage: int, optimizer: optax.GradientTransformation, n: int, layout: zero.Layout,
-           plan: BucketPlan, params: Any, opt_state: Any, grads: Any) -> _Moves:
+           plan: BucketPlan, params: Any, opt_state: owner_state.Packed, grads: Any) -> _Moves:
     owners = assign(layout.shapes, n)
     p_dims = layout.dims if stage >= 3 else (None,) * len(layout.dims)
     g_dims = layout.dims if stage >= 2 else (None,) * len(layout.dims)
-    s_owner = state_owners(params, opt_state, owners)
-    s_dims = tuple(zero.shard_dim(np.shape(x), n) for x in jax.tree.leaves(opt_state))
-    needs = analyse(optimizer, params, opt_state, grads, owners.owner, s_owner,
-                    [d is not None for d in p_dims], [d is not None for d in s_dims], plan.paths)
+    lay = opt_state.layout
+    abstract = jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct(sh, jnp.dtype(dt)) for sh, dt
+                                                in zip(lay.shapes, lay.dtypes, strict=True)])
+    needs = analyse(optimizer, params, abstract, grads, owners.owner,
+                    [0 if o is None else o for o in lay.owner],
+                    [d is not None for d in p_dims], [o is not None for o in lay.owner],
+                    plan.paths)
+    common = tuple(_Leaf(lay.shapes[i], jnp.dtype(lay.dtypes[i]), None, 0) for i in lay.common())
     return _Moves(_io(_leaves(params, owners.owner, p_dims), n),
-                  _io(_leaves(opt_state, s_owner, s_dims), n),
-                  _io(_leaves(grads, owners.owner, g_dims), n), needs,
-                  (tuple(p_dims), s_dims, tuple(g_dims)))
+                  _io(_leaves(grads, owners.owner, g_dims), n), lay, common,
+                  _pack(common, range(len(common)), n, False), needs,
+                  (tuple(p_dims), tuple(g_dims)))
 
 
 def _all_to_all(kind: str, nbytes: float, n: int, hosts: int) -> Bytes:
@@ -401,9 +423,12 @@ def _all_to_all(kind: str, nbytes: float, n: int, hosts: int) -> Bytes:
 
 def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
     """Bytes one device sends in :func:`update`'s collectives (the ring model), from the buffers
-    it moves: per dtype, the all-to-alls of ``(n, width)`` rows to the owners and back, the
-    all-gathers of the owners' ``(1, width)`` whole leaves, and (when some owner reads another's
-    gradient) the all-gather of the gradients' pieces. ``hosts``: hosts the shard axis spans."""
+    it moves: per dtype, the gradients' pieces to their owners (an all-to-all of ``(n, width)``
+    rows, or, when some owner reads another's gradient, an all-gather of the pieces), stage 3's
+    parameter pieces to their owners (when the optimizer reads them) and the updates' pieces
+    back, the owners' ``(1, width)`` whole leaves to every device (all-gathers) and device 0's
+    common optimizer-state leaves (counts). The packed optimizer state itself does not move.
+    ``hosts``: hosts the shard axis spans."""
     def each(kind: str, pack: _Pack, rows: int) -> Bytes:
         move = _all_to_all if kind == "all-to-all" else ring
         return sum((move(kind, rows * w * wire_itemsize(dt), n, hosts)
@@ -422,20 +447,52 @@ def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
         out = out + each("all-to-all", moves.grads.send, n)
     if moves.needs.params:
         out = out + each("all-to-all", moves.params.send, n)
-    for io in (moves.params, moves.state):  # the state to its owners; both back from them
-        out = out + each("all-to-all", io.send, n) + each("all-gather", io.whole, 1)
-    return out + each("all-to-all", moves.state.send, n)
+    out = out + each("all-to-all", moves.params.send, n) + each("all-gather", moves.params.whole, 1)
+    return out + each("all-gather", moves.common_pack, 1)
+
+
+def _state_inputs(moves: _Moves, k: int, rows: list, common: list) -> Any:
+    """The optax state a branch's optimizer reads: device ``k``'s owned leaves from its rows,
+    the common leaves from its copy, zeros for the leaves other devices own."""
+    lay = moves.state
+    owned = owner_state.owned_leaves(lay, k, rows)
+    mine = dict(zip(lay.common(), common, strict=True))
+    return jax.tree.unflatten(lay.treedef, [
+        owned[i] if i in owned else mine[i][0] if i in mine
+        else jnp.zeros(lay.shapes[i], lay.dtypes[i]) for i in range(len(lay.shapes))])
+
+
+def _state_outputs(moves: _Moves, k: int, new: list) -> tuple[list, list]:
+    """Owner ``k``'s new state: its ``(1, width)`` rows per dtype, and (device 0) the common
+    leaves as ``(1, width)`` rows per dtype."""
+    lay = moves.state
+    rows = [owner_state.row(lay, k, {i: new[i] for i in lay.owned(k)}, g)
+            for g in range(len(lay.groups))]
+    parts = {j: jnp.reshape(new[i], (1, -1)) for j, i in enumerate(lay.common())} if k == 0 else {}
+    return rows, _rows(moves.common_pack, k, moves.common, parts, 1)
+
+
+def _common_from_zero(moves: _Moves, bufs: list, axis: Any) -> list:
+    """Every device's copy (``(1, *shape)``) of device 0's new common state leaves."""
+    got = [lax.all_gather(b, axis, axis=0, tiled=True) for b in bufs]
+    out = []
+    for j, lf in enumerate(moves.common):
+        g, off, size = moves.common_pack.where[j]
+        out.append(jnp.reshape(got[g][0, off:off + size], (1, *lf.shape)))
+    return out
 
 
 def update(stage: int, optimizer: optax.GradientTransformation, topo: Topology,
-           layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: Any,
-           grads: Any, record: Any = None) -> tuple[Any, Any]:
+           layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: owner_state.Packed,
+           grads: Any, record: Any = None) -> tuple[Any, owner_state.Packed]:
     """``(new_params, new_opt_state)``: each leaf's update computed on its owner, applied where
-    the leaf is stored (global view in and out, stored as at ``ZeRO(stage=stage)``).
+    the leaf is stored (global view; parameters and gradients stored as at
+    ``ZeRO(stage=stage)``, the optimizer state packed per owner: :func:`init_state`).
 
     Gradients in pieces (from stage 2) go to their owners by an all-to-all, or are all-gathered
     when some owner reads another's gradient (a global norm); parameters in pieces (stage 3) go
-    to their owners only when the optimizer reads them (:func:`analyse`).
+    to their owners only when the optimizer reads them (:func:`analyse`). Each owner reads and
+    writes its optimizer state where it lives.
 
     Args:
       record: called, when traced, with the :class:`Bytes` one device sends here (:func:`sent`;
@@ -443,40 +500,45 @@ def update(stage: int, optimizer: optax.GradientTransformation, topo: Topology,
     """
     n, axis = topo.shard_count, topo.shard
     moves = _moves(stage, optimizer, n, layout, plan, params, opt_state, grads)
-    pio, sio, gio, needs = moves.params, moves.state, moves.grads, moves.needs
+    pio, gio, needs = moves.params, moves.grads, moves.needs
     if record is not None:
         record(sent(moves, n, _hosts(topo)))
-    p_tree, s_tree = jax.tree.structure(params), jax.tree.structure(opt_state)
-    p_specs, s_specs, g_specs = ([P() if d is None else P(*([None] * d), axis) for d in dims]
-                                 for dims in moves.dims)
+    p_tree = jax.tree.structure(params)
+    p_specs, g_specs = ([P() if d is None else P(*([None] * d), axis) for d in dims]
+                        for dims in moves.dims)
+    rows_spec = [P(axis)] * len(opt_state.rows)
+    common_spec = [P(axis)] * len(opt_state.common)
 
-    def local(p: list, s: list, g: list) -> tuple[list, list]:
+    def local(p: list, rows: list, common: list, g: list) -> tuple[list, list, list]:
         g_in = _gather_whole(g, gio.leaves, axis) if needs.all_grads else g
         g_got = [] if needs.all_grads else _to_owners(gio, g, n, axis)
         p_got = _to_owners(pio, p, n, axis) if needs.params else []
-        s_got = _to_owners(sio, s, n, axis)
 
         def branch(k: int) -> Any:
-            def run(p_got: list, s_got: list, g_got: list, g_in: list, p: list, s: list) -> Any:
+            def run(p_got: list, g_got: list, g_in: list, p: list, rows: list,
+                    common: list) -> Any:
                 own_p = _owned_whole(pio, p_got, k) if needs.params else {}
                 pp = jax.tree.unflatten(p_tree, _branch_inputs(pio, p, own_p))
-                ss = jax.tree.unflatten(s_tree, _branch_inputs(sio, s, _owned_whole(sio, s_got, k)))
                 gg = g_in if needs.all_grads else _branch_inputs(gio, g, _owned_whole(gio, g_got, k))
-                updates, new_s = optimizer.update(jax.tree.unflatten(p_tree, gg), ss, pp)
+                updates, new_s = optimizer.update(jax.tree.unflatten(p_tree, gg),
+                                                  _state_inputs(moves, k, rows, common), pp)
                 return (_branch_outputs(pio, jax.tree.leaves(updates), k, n),
-                        _branch_outputs(sio, jax.tree.leaves(new_s), k, n))
+                        _state_outputs(moves, k, jax.tree.leaves(new_s)))
             return run
 
-        (us, uw), (ss, sw) = lax.switch(lax.axis_index(axis), [branch(k) for k in range(n)],
-                                        p_got, s_got, g_got, g_in, p, s)
-        return _apply(plan, p, _from_owners(pio, us, uw, n, axis)), \
-            _from_owners(sio, ss, sw, n, axis)
+        (us, uw), (new_rows, common_bufs) = lax.switch(
+            lax.axis_index(axis), [branch(k) for k in range(n)], p_got, g_got, g_in, p, rows,
+            common)
+        return (_apply(plan, p, _from_owners(pio, us, uw, n, axis)), new_rows,
+                _common_from_zero(moves, common_bufs, axis))
 
-    new_p, new_s = jax.shard_map(
-        local, mesh=topo.mesh, in_specs=(p_specs, s_specs, g_specs),
-        out_specs=(p_specs, s_specs), check_vma=False,
-    )(jax.tree.leaves(params), jax.tree.leaves(opt_state), jax.tree.leaves(grads))
-    return jax.tree.unflatten(p_tree, new_p), jax.tree.unflatten(s_tree, new_s)
+    new_p, new_rows, new_common = jax.shard_map(
+        local, mesh=topo.mesh, in_specs=(p_specs, rows_spec, common_spec, g_specs),
+        out_specs=(p_specs, rows_spec, common_spec), check_vma=False,
+    )(jax.tree.leaves(params), list(opt_state.rows), list(opt_state.common),
+      jax.tree.leaves(grads))
+    return (jax.tree.unflatten(p_tree, new_p),
+            owner_state.Packed(new_rows, new_common, opt_state.layout))
 
 
 def _hosts(topo: Topology) -> int:

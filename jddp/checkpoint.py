@@ -52,6 +52,7 @@ import numpy as np
 from flax import nnx
 
 from jddp import distributed
+from jddp._src.place import owner_state
 from jddp._src.runtime import hostsync, rendezvous
 from jddp._src.step.nnx import DataParallel as NnxDataParallel
 
@@ -212,6 +213,8 @@ def save(
     # The state first: a step still running on this process is not the other processes' delay.
     jax.block_until_ready(state)
     step = int(np.asarray(jax.device_get(state.step))) if step is None else int(step)
+    # Owner sharding keeps the optimizer state packed per owner: stored as optax's own tree.
+    state = owner_state.portable(state)
     _expect_all("jddp.checkpoint.save", step, barrier_timeout_s)
     if step in mngr.all_steps():
         if not overwrite:
@@ -384,15 +387,20 @@ def restore(
             return x
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
 
-    abstract = jax.tree.map(as_abstract, target)
+    concrete = not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(target))
+    packed = jax.tree.map(as_abstract, target)
+    # A checkpoint holds optax's own optimizer state; owner sharding's packed one is packed again.
+    abstract = owner_state.portable_abstract(packed)
     if loader is not None:  # first: a wrong data set fails before any array is read
         _restore_loader(mngr, step, loader)
     saved_tree = _saved_tree(mngr, step)
     if saved_tree is None:  # a manager not made by manager(): no shapes to compare; load strictly
-        return _load_state(mngr, step, lib.args.StandardRestore(abstract))
+        return owner_state.repack(
+            _load_state(mngr, step, lib.args.StandardRestore(abstract)), packed)
     changed = _per_device_changes(saved_tree, abstract)
     if not changed:
-        return _load_state(mngr, step, lib.args.StandardRestore(abstract))
+        return owner_state.repack(
+            _load_state(mngr, step, lib.args.StandardRestore(abstract)), packed)
     old_n, new_n = changed[0][1][0], changed[0][2][0]
     where = f"saved on {old_n} devices, restored on {new_n}"
     per_replica = [p for p, _, _ in changed if p.startswith("model_state")]
@@ -417,9 +425,9 @@ def restore(
             "checkpoint at a window boundary restores on any device count)."
         )
     if init_fn is not None:
-        fresh = init_fn()
-    elif not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(target)):
-        fresh = target
+        fresh = owner_state.portable(init_fn())
+    elif concrete:
+        fresh = owner_state.portable(target)
     else:
         raise ValueError(
             f"Checkpoint of step {step} is {where}: its per-device state ({changed[0][0]}, ...) "
@@ -435,9 +443,9 @@ def restore(
             f"{', ...' if len(hooks) > 4 else ''}); PowerSGD's error feedback and warm start "
             "begin anew.", stacklevel=2,
         )
-    return jax.tree_util.tree_map_with_path(
+    return owner_state.repack(jax.tree_util.tree_map_with_path(
         lambda p, old, new: new if _path(p) in restart else old, state, fresh
-    )
+    ), packed)
 
 
 def _host_step(state: Any) -> int:

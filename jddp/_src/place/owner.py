@@ -239,16 +239,22 @@ class Needs(NamedTuple):
 
     all_grads: bool  # some owner reads another owner's gradient (a global norm)
     params: bool     # some owner reads its own parameters (weight decay, trust ratios)
+    common_local: bool = False  # the common state leaves read only what every device holds
 
 
 def analyse(optimizer: optax.GradientTransformation, params: Any, opt_state: Any, grads: Any,
             param_owner: Sequence[int], state_owner: Sequence[int],
             split_params: Sequence[bool], split_state: Sequence[bool],
-            paths: Sequence[str]) -> Needs:
+            paths: Sequence[str], common: Sequence[bool] = ()) -> Needs:
     """Which inputs each owner's update reads, from the optimizer traced once and pruned to each
     owner's outputs (its updates and new state). Refuses, naming the leaf, an optimizer whose
     update of a leaf reads another owner's parameters or optimizer state (those live in pieces
-    elsewhere and read as zeros on the owner)."""
+    elsewhere and read as zeros on the owner).
+
+    Args:
+      common: per state leaf, whether every device keeps it (then counted as device 0's above,
+        and ``Needs.common_local`` says whether every device can compute it alike).
+    """
     def run(g: Any, p: Any, s: Any) -> Any:
         updates, new_s = optimizer.update(g, s, p)
         return jax.tree.leaves(updates), jax.tree.leaves(new_s)
@@ -278,7 +284,12 @@ def analyse(optimizer: optax.GradientTransformation, params: Any, opt_state: Any
                     "each device the gradients it needs, but only its own parameters and "
                     "optimizer state). Use ZeRO(shard='even') or jddp.Replicate() with this "
                     "optimizer.")
-    return Needs(all_grads, params_read)
+    local = False
+    if any(common):
+        _, used = pe.dce_jaxpr(closed.jaxpr, [False] * np_ + list(common))
+        local = not any(u and split_in[j] and not (j < ng and all_grads)
+                        for j, u in enumerate(used))
+    return Needs(all_grads, params_read, local)
 
 
 def _gather_whole(pieces: list, leaves: Sequence[_Leaf], axis: Any) -> list:
@@ -405,7 +416,7 @@ def _moves(stage: int, optimizer: optax.GradientTransformation, n: int, layout: 
     needs = analyse(optimizer, params, abstract, grads, owners.owner,
                     [0 if o is None else o for o in lay.owner],
                     [d is not None for d in p_dims], [o is not None for o in lay.owner],
-                    plan.paths)
+                    plan.paths, [o is None for o in lay.owner])
     common = tuple(_Leaf(lay.shapes[i], jnp.dtype(lay.dtypes[i]), None, 0) for i in lay.common())
     return _Moves(_io(_leaves(params, owners.owner, p_dims), n),
                   _io(_leaves(grads, owners.owner, g_dims), n), lay, common,
@@ -448,7 +459,7 @@ def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
     if moves.needs.params:
         out = out + each("all-to-all", moves.params.send, n)
     out = out + each("all-to-all", moves.params.send, n) + each("all-gather", moves.params.whole, 1)
-    return out + each("all-gather", moves.common_pack, 1)
+    return out if moves.needs.common_local else out + each("all-gather", moves.common_pack, 1)
 
 
 def _state_inputs(moves: _Moves, k: int, rows: list, common: list) -> Any:
@@ -463,17 +474,23 @@ def _state_inputs(moves: _Moves, k: int, rows: list, common: list) -> Any:
 
 
 def _state_outputs(moves: _Moves, k: int, new: list) -> tuple[list, list]:
-    """Owner ``k``'s new state: its ``(1, width)`` rows per dtype, and (device 0) the common
-    leaves as ``(1, width)`` rows per dtype."""
+    """Owner ``k``'s new state: its ``(1, width)`` rows per dtype, and the common leaves: its
+    own copies when every device computes them alike, else device 0's as ``(1, width)`` rows
+    per dtype (all-gathered by :func:`_common_from_zero`)."""
     lay = moves.state
     rows = [owner_state.row(lay, k, {i: new[i] for i in lay.owned(k)}, g)
             for g in range(len(lay.groups))]
+    if moves.needs.common_local:  # every device computed them alike: its own copy
+        return rows, [jnp.reshape(new[i], (1, *lay.shapes[i])) for i in lay.common()]
     parts = {j: jnp.reshape(new[i], (1, -1)) for j, i in enumerate(lay.common())} if k == 0 else {}
     return rows, _rows(moves.common_pack, k, moves.common, parts, 1)
 
 
 def _common_from_zero(moves: _Moves, bufs: list, axis: Any) -> list:
-    """Every device's copy (``(1, *shape)``) of device 0's new common state leaves."""
+    """Every device's copy (``(1, *shape)``) of device 0's new common state leaves (computed
+    alike on every device: its own)."""
+    if moves.needs.common_local:
+        return bufs
     got = [lax.all_gather(b, axis, axis=0, tiled=True) for b in bufs]
     out = []
     for j, lf in enumerate(moves.common):

@@ -212,9 +212,10 @@ def repack(restored: Any, target: Any) -> Any:
     """``restored`` (shaped like :func:`portable_abstract` of ``target``) with each optax tree
     packed again where ``target`` has a :class:`Packed`, placed like the target's rows."""
     leaves, treedef = jax.tree.flatten(target, is_leaf=is_packed)
+    outer: Any = treedef  # (PyTreeDef's stubs lack flatten_up_to)
     if not any(is_packed(x) for x in leaves):
         return restored
-    got = treedef.flatten_up_to(restored)
+    got = outer.flatten_up_to(restored)
     out = []
     for t, r in zip(leaves, got, strict=True):
         if not is_packed(t):
@@ -225,4 +226,4 @@ def repack(restored: Any, target: Any) -> Any:
         if all(s is not None for s in where):
             p = jax.device_put(p, Packed(where[:len(t.rows)], where[len(t.rows):], t.layout))
         out.append(p)
-    return treedef.unflatten(out)
+    return outer.unflatten(out)

@@ -6,21 +6,23 @@ the shards and communicates in every iteration; replicated, every device repeats
 each parameter leaf has one **owner** device (:func:`assign`: greedy bin packing of the update's
 cost, largest first), and only the owner computes the leaf's update:
 
-- the parameters, gradients and optimizer state are *stored* as at ``ZeRO(stage=s)`` (the same
-  specs, checkpoints, forward gathers and reductions: :class:`jddp._src.place.placement.ZeRO`'s);
-- the update (:func:`update`) runs in one ``shard_map``: the optimizer state's pieces go to each
-  leaf's owner (one all-to-all per dtype); so do the reduced gradients' pieces (from stage 2),
-  unless some owner's update reads another's gradient (``clip_by_global_norm``): then they are
-  all-gathered, and global norms see every leaf exactly; at stage 3 the parameters' pieces go
-  to the owners only if the optimizer reads parameters (weight decay);
+- the parameters and gradients are *stored* as at ``ZeRO(stage=s)`` (the same specs, forward
+  gathers and reductions: :class:`jddp._src.place.placement.ZeRO`'s); the optimizer state is
+  stored per owner (:mod:`jddp._src.place.owner_state`: each device keeps only its leaves' state,
+  which therefore never moves; checkpoints hold optax's own tree);
+- the update (:func:`update`) runs in one ``shard_map``: the reduced gradients' pieces (from
+  stage 2) go to each leaf's owner (one all-to-all per dtype), unless some owner's update reads
+  another's gradient (``clip_by_global_norm``): then they are all-gathered, and global norms see
+  every leaf exactly; at stage 3 the parameters' pieces go to the owners only if the optimizer
+  reads them (weight decay);
 - every device then runs the optimizer in one branch of a ``lax.switch`` on its own index, whose
   outputs are the leaves it owns only: XLA removes the rest of the update from that branch, so the
   orthogonalization of each matrix runs once, on its owner, and no collective runs inside it;
-- the owners' updates and new state go back to the pieces (one all-to-all per dtype) and, for
-  leaves stored whole (stages 1-2's parameters, scalars), to every device (one all-gather per
-  dtype); each device adds the updates to the parameters it stores;
+- the owners' updates go back to the pieces (stage 3: one all-to-all per dtype) or, for leaves
+  stored whole (stages 1-2), to every device (one all-gather per dtype); each device adds the
+  updates to the parameters it stores, and keeps its new optimizer state where it is;
 - the bytes those collectives send (:func:`sent`, for ``metrics["comm_bytes"]``) are counted from
-  the buffers :func:`update` builds, when it is traced: they depend on the optimizer state.
+  the buffers :func:`update` builds, when it is traced: they depend on what the optimizer reads.
 
 Inputs that live in pieces and belong to another owner read as zeros on a device: :func:`analyse`
 traces the optimizer once and refuses, naming the leaf, an optimizer whose update of one leaf

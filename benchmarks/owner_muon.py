@@ -3,9 +3,10 @@ and even-sharded (GSPMD-partitioned) ZeRO, with AdamW at the same placements as 
 
 On a tanh MLP of ``--layers`` square matrices (default 16 of 128x128, batch 128): the compiled
 step's FLOPs per device (``compiled.cost_analysis()``), its collectives (count, from the HLO) and
-the bytes its collectives carry (``ddp.report``), and the step time of every variant alternated
-in one run (medians). Also the same program compiled for 8 H100s (compile only) where this
-machine has XLA's GPU compiler.
+the bytes its collectives carry (``ddp.report``; also at stages 1-3 against AdamW's, with
+``metrics["comm_bytes"]``), and the step time of every variant alternated in one run
+(medians). Also the same program compiled for 8 H100s (compile only) where this machine has
+XLA's GPU compiler.
 
     python benchmarks/owner_muon.py --json benchmarks/out/owner_muon.json
 """
@@ -83,6 +84,30 @@ def program_facts(ddp, state, batch):
             "sent_per_step": float(rep.sent_per_step)}
 
 
+def bytes_by_stage(params, batch, loss, mesh):
+    """Per stage 1-3: owner Muon's and even AdamW's collective bytes per step (operands, from
+    the compiled program), their ring bytes sent per device, and ``metrics["comm_bytes"]``."""
+    import optax
+
+    import jddp
+
+    out = {}
+    for stage in (1, 2, 3):
+        for name, opt, place in (
+                ("owner_muon", optax.contrib.muon(2e-2), jddp.ZeRO(stage=stage, shard="owner")),
+                ("even_adamw", optax.adamw(1e-3), jddp.ZeRO(stage=stage))):
+            ddp = jddp.DataParallel(loss, opt, mesh=mesh, place=place)
+            state = ddp.init(params)
+            rep = ddp.report(state, batch)
+            _, metrics = ddp.step(state, batch)
+            out[f"stage{stage}_{name}"] = {
+                "bytes_per_step": float(rep.bytes_per_step),
+                "sent_per_step": float(rep.sent_per_step),
+                "comm_bytes": float(metrics["comm_bytes"]),
+                "collectives": len(rep.collectives)}
+    return out
+
+
 def gpu_facts(stage, args):
     """The same steps compiled for ``--devices`` H100s (compile only), or ``None``."""
     import jax
@@ -136,6 +161,7 @@ def main():
             return m["loss"]
 
         runs[name] = run
+    by_stage = bytes_by_stage(params, gbatch, loss, mesh)
     timed = {k: runs[k] for k in ("owner_muon", "replicate_muon", "even_muon", "even_adamw")}
     first, times = time_alternated(timed, args.warmup, args.iters)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -145,6 +171,7 @@ def main():
         "model": f"{args.layers} x {args.width}x{args.width} tanh MLP, batch {args.batch}",
         "devices": args.devices, "stage": args.stage, "platform": jax.default_backend(),
         "facts": facts,
+        "bytes_by_stage": by_stage,
         "muon_flops_whole_model_estimate": rep_extra,
         "owner_flops_bound": facts["even_adamw"]["flops_per_device"] + 1.15 * rep_extra
         / args.devices,

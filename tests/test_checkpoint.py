@@ -152,12 +152,12 @@ print("FINISHED", int(state.step))
 # ----------------------------------------------------------------- another number of devices
 
 
-def _on(n, hook=None, stage=0, **options):
+def _on(n, hook=None, stage=0, shard="even", **options):
     mesh = jddp.data_mesh(jax.devices()[:n])
     return jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=mesh,
                              reduce=jddp.Buckets(cap_mb=0.001, first_mb=0.0005, hook=hook),
-                             place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate(),
-                             **options)
+                             place=jddp.ZeRO(stage=stage, shard=shard) if stage
+                             else jddp.Replicate(), **options)
 
 
 def _host(tree):
@@ -275,21 +275,26 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path):
 # ------------------------------------------------------------------------------ sharded stages
 
 
-@pytest.mark.parametrize("saved,resumed", [((3, 8), (3, 8)), ((3, 8), (3, 4)), ((2, 4), (2, 8)),
-                                            ((0, 8), (3, 8)), ((3, 8), (0, 4))])
+@pytest.mark.parametrize("saved,resumed", [
+    ((3, 8), (3, 8)), ((3, 8), (3, 4)), ((2, 4), (2, 8)), ((0, 8), (3, 8)), ((3, 8), (0, 4)),
+    # owner sharding keeps the optimizer state packed per owner; a checkpoint holds optax's own
+    ((3, 8, "owner"), (3, 8, "owner")), ((2, 8, "owner"), (3, 4)), ((3, 8), (1, 8, "owner")),
+    ((1, 8, "owner"), (2, 4, "owner")), ((3, 8, "owner"), (0, 8))],
+    ids=lambda c: "-".join(map(str, c)))
 def test_sharded_state_restores_on_any_device_count_and_stage(tmp_path, saved, resumed):
-    """A checkpoint holds every leaf at its true shape, so it restores bit-exactly onto the same
-    layout, and onto another device count or stage by resharding; training then goes on like an
-    uninterrupted run at the old configuration (bit-exact on the same layout, to float rounding
-    of the reduction otherwise)."""
-    (s_stage, s_n), (r_stage, r_n) = saved, resumed
+    """A checkpoint holds every leaf at its true shape (owner sharding's packed optimizer state
+    as optax's own tree), so it restores bit-exactly onto the same layout, and onto another
+    device count, stage or shard by resharding; training then goes on like an uninterrupted run
+    at the old configuration (bit-exact on the same layout, to float rounding of the reduction
+    otherwise)."""
+    (s_stage, s_n, *s_shard), (r_stage, r_n, *r_shard) = saved, resumed
     params, batches = mlp_params(6, SIZES), _batches(4)
-    a = _on(s_n, stage=s_stage)
+    a = _on(s_n, stage=s_stage, shard=(s_shard or ["even"])[0])
     state = _run(a, a.init(params), batches[:2])
     mngr = ckpt.manager(tmp_path / "c")
     ckpt.save(mngr, state)
     reference = _run(a, state, batches[2:])
-    b = _on(r_n, stage=r_stage)
+    b = _on(r_n, stage=r_stage, shard=(r_shard or ["even"])[0])
     restored = ckpt.restore_or_init(mngr, b, params)
     assert int(restored.step) == 2
     want = b.abstract_state(params)

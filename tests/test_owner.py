@@ -187,7 +187,38 @@ def test_comm_bytes_are_the_compiled_programs_bytes(stage, clip):
     got, rep, _ = _comm_bytes_and_report(jddp.ZeRO(stage=stage, shard="owner"), opt)
     assert rep.sent_per_step == pytest.approx(got, rel=1e-6)
     kinds = {c.kind for c in rep.collectives}
-    assert "all-to-all" in kinds  # the optimizer state's pieces, to the owners and back
+    # from stage 2 the gradients' pieces go to their owners (all-gathered for a global norm);
+    # at stage 3 the updates' pieces come back
+    assert ("all-to-all" in kinds) == (stage == 3 or (stage == 2 and not clip))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_optimizer_state_does_not_move(stage):
+    """The optimizer state lives packed per owner (each device its own leaves'): the compiled
+    step's collective bytes are AdamW's at the same even stage (stage 1: the all-reduce and the
+    parameters' all-gather, equal), plus from stage 2 only the gradients' pieces sent to their
+    owners, and at stage 3 the updates' pieces sent back (the reduce-scatter to the owners that
+    would remove them is not built); nothing of the optimizer state."""
+    def program(place, opt):
+        mesh = jddp.data_mesh()
+        ddp = jddp.DataParallel(_loss, opt, mesh=mesh, place=place)
+        state = ddp.init(_params())
+        rep = ddp.report(state, jddp.shard_global_batch(_batches(1)[0], mesh))
+        by_kind = {}
+        for c in rep.collectives:
+            by_kind[c.kind] = by_kind.get(c.kind, 0) + c.bytes
+        return rep.bytes_per_step, by_kind, state
+
+    got, kinds, state = program(jddp.ZeRO(stage=stage, shard="owner"), optax.contrib.muon(2e-2))
+    want, adamw_kinds, _ = program(jddp.ZeRO(stage=stage), optax.adamw(1e-3))
+    pieces = sum(int(np.prod(np.shape(x))) * 4 for x in jax.tree.leaves(_params())) // 8
+    moved = {1: 0, 2: pieces, 3: 2 * pieces}[stage]  # 16 + 16 equal leaves: balanced rows
+    assert kinds.get("all-to-all", 0) == moved
+    assert got - moved <= want, (got, want, kinds, adamw_kinds)
+    # each device stores 1/8 of the state: its two matrices' momentum, its two biases' moments
+    rows = state.opt_state.rows
+    assert [r.shape for r in rows] == [(8, 2 * WIDTH * WIDTH + 2 * 2 * WIDTH)]
+    assert all(s.data.shape == (1, rows[0].shape[1]) for s in rows[0].addressable_shards)
 
 
 @pytest.mark.parametrize("case", ["accumulate", "bf16-reduce", "adamw-stage3", "adafactor-offload",

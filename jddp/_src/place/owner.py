@@ -6,22 +6,24 @@ the shards and communicates in every iteration; replicated, every device repeats
 each parameter leaf has one **owner** device (:func:`assign`: greedy bin packing of the update's
 cost, largest first), and only the owner computes the leaf's update:
 
-- the parameters, gradients and optimizer state are *stored* as at ``ZeRO(stage=s)`` (the same
-  specs, checkpoints, forward gathers and reductions: the stage placements of
-  :mod:`jddp._src.place.stages`);
-- the update (:func:`update`) runs in one ``shard_map``: the optimizer state's pieces go to each
-  leaf's owner (one all-to-all per dtype); so do the reduced gradients' pieces (from stage 2),
-  unless some owner's update reads another's gradient (``clip_by_global_norm``): then they are
-  all-gathered, and global norms see every leaf exactly; at stage 3 the parameters' pieces go
-  to the owners only if the optimizer reads parameters (weight decay);
+- the parameters and gradients are *stored* as at ``ZeRO(stage=s)`` (the same specs, forward
+  gathers and reductions: the stage placements of
+  :mod:`jddp._src.place.stages`); the optimizer state is
+  stored per owner (:mod:`jddp._src.place.owner_state`: each device keeps only its leaves' state,
+  which therefore never moves; checkpoints hold optax's own tree);
+- the update (:func:`update`) runs in one ``shard_map``: the reduced gradients' pieces (from
+  stage 2) go to each leaf's owner (one all-to-all per dtype), unless some owner's update reads
+  another's gradient (``clip_by_global_norm``): then they are all-gathered, and global norms see
+  every leaf exactly; at stage 3 the parameters' pieces go to the owners only if the optimizer
+  reads them (weight decay);
 - every device then runs the optimizer in one branch of a ``lax.switch`` on its own index, whose
   outputs are the leaves it owns only: XLA removes the rest of the update from that branch, so the
   orthogonalization of each matrix runs once, on its owner, and no collective runs inside it;
-- the owners' updates and new state go back to the pieces (one all-to-all per dtype) and, for
-  leaves stored whole (stages 1-2's parameters, scalars), to every device (one all-gather per
-  dtype); each device adds the updates to the parameters it stores;
+- the owners' updates go back to the pieces (stage 3: one all-to-all per dtype) or, for leaves
+  stored whole (stages 1-2), to every device (one all-gather per dtype); each device adds the
+  updates to the parameters it stores, and keeps its new optimizer state where it is;
 - the bytes those collectives send (:func:`sent`, for ``metrics["comm_bytes"]``) are counted from
-  the buffers :func:`update` builds, when it is traced: they depend on the optimizer state.
+  the buffers :func:`update` builds, when it is traced: they depend on what the optimizer reads.
 
 Inputs that live in pieces and belong to another owner read as zeros on a device: :func:`analyse`
 traces the optimizer once and refuses, naming the leaf, an optimizer whose update of one leaf
@@ -44,7 +46,7 @@ from jax.interpreters import partial_eval as pe
 from jax.sharding import PartitionSpec as P
 
 from jddp._src.introspect import vma
-from jddp._src.place import zero
+from jddp._src.place import owner_state, zero
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.collectives import wire_itemsize
 from jddp._src.runtime.topology import Topology
@@ -142,15 +144,16 @@ def plan(params: Any, n: int) -> OwnerPlan:
                      assign([tuple(np.shape(x)) for _, x in leaves], n))
 
 
-def state_owners(params: Any, opt_state: Any, owners: Owners) -> tuple[int, ...]:
+def state_owners(params: Any, opt_state: Any, owners: Owners,
+                 rest: int | None = 0) -> tuple[int | None, ...]:
     """The owner of each optimizer-state leaf: that of the parameter leaf it is the slot of (its
     tree path ends with the parameter's path: optax's ``mu``, ``nu``, GaLore's projectors, ...),
-    device 0 for the rest (counts, coefficients; every device computes them)."""
+    ``rest`` for the others (counts, coefficients: every device keeps them, ``None``)."""
     by_path = {tuple(path): i for i, (path, _) in
                enumerate(jax.tree_util.tree_leaves_with_path(params))}
-    out = []
+    out: list[int | None] = []
     for path, _ in jax.tree_util.tree_leaves_with_path(opt_state):
-        path, found = tuple(path), 0
+        path, found = tuple(path), rest
         for start in range(len(path)):  # the longest matching suffix first
             hit = by_path.get(path[start:])
             if hit is not None:
@@ -158,6 +161,21 @@ def state_owners(params: Any, opt_state: Any, owners: Owners) -> tuple[int, ...]
                 break
         out.append(found)
     return tuple(out)
+
+
+def state_layout(params: Any, opt_state: Any, n: int) -> owner_state.StateLayout:
+    """Where ``opt_state`` (of ``params``) lives packed per owner on ``n`` devices: each slot
+    of a parameter on that parameter's owner, the rest on every device."""
+    owners = assign([tuple(np.shape(x)) for x in jax.tree.leaves(params)], n)
+    return owner_state.make_layout(opt_state, state_owners(params, opt_state, owners, None), n)
+
+
+def init_state(optimizer: optax.GradientTransformation, params: Any,
+               n: int) -> owner_state.Packed:
+    """The optimizer's initial state of ``params``, packed per owner on ``n`` devices (as
+    ``ZeRO(shard="owner")`` keeps it between steps: :mod:`jddp._src.place.owner_state`)."""
+    opt_state = optimizer.init(params)
+    return owner_state.pack(opt_state, state_layout(params, opt_state, n))
 
 
 # ------------------------------------------------------------------------------ packing
@@ -223,16 +241,22 @@ class Needs(NamedTuple):
 
     all_grads: bool  # some owner reads another owner's gradient (a global norm)
     params: bool     # some owner reads its own parameters (weight decay, trust ratios)
+    common_local: bool = False  # the common state leaves read only what every device holds
 
 
 def analyse(optimizer: optax.GradientTransformation, params: Any, opt_state: Any, grads: Any,
             param_owner: Sequence[int], state_owner: Sequence[int],
             split_params: Sequence[bool], split_state: Sequence[bool],
-            paths: Sequence[str]) -> Needs:
+            paths: Sequence[str], common: Sequence[bool] = ()) -> Needs:
     """Which inputs each owner's update reads, from the optimizer traced once and pruned to each
     owner's outputs (its updates and new state). Refuses, naming the leaf, an optimizer whose
     update of a leaf reads another owner's parameters or optimizer state (those live in pieces
-    elsewhere and read as zeros on the owner)."""
+    elsewhere and read as zeros on the owner).
+
+    Args:
+      common: per state leaf, whether every device keeps it (then counted as device 0's above,
+        and ``Needs.common_local`` says whether every device can compute it alike).
+    """
     def run(g: Any, p: Any, s: Any) -> Any:
         updates, new_s = optimizer.update(g, s, p)
         return jax.tree.leaves(updates), jax.tree.leaves(new_s)
@@ -262,7 +286,12 @@ def analyse(optimizer: optax.GradientTransformation, params: Any, opt_state: Any
                     "each device the gradients it needs, but only its own parameters and "
                     "optimizer state). Use ZeRO(shard='even') or jddp.Replicate() with this "
                     "optimizer.")
-    return Needs(all_grads, params_read)
+    local = False
+    if any(common):
+        _, used = pe.dce_jaxpr(closed.jaxpr, [False] * np_ + list(common))
+        local = not any(u and split_in[j] and not (j < ng and all_grads)
+                        for j, u in enumerate(used))
+    return Needs(all_grads, params_read, local)
 
 
 def _gather_whole(pieces: list, leaves: Sequence[_Leaf], axis: Any) -> list:
@@ -370,26 +399,31 @@ class _Moves(NamedTuple):
     """What :func:`update` moves for one model and optimizer (static: from the shapes)."""
 
     params: _Io
-    state: _Io
     grads: _Io
+    state: owner_state.StateLayout
+    common: tuple[_Leaf, ...]  # the state leaves every device keeps (device 0 computes them)
+    common_pack: _Pack         # their new values, from device 0 to every device
     needs: Needs
-    dims: tuple[tuple[int | None, ...], ...]  # as stored: parameters, state, gradients
+    dims: tuple[tuple[int | None, ...], ...]  # as stored: parameters, gradients
 
 
-def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n: int,
-           layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: Any,
-           grads: Any) -> _Moves:
+def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n: int, layout: zero.Layout,
+           plan: BucketPlan, params: Any, opt_state: owner_state.Packed, grads: Any) -> _Moves:
     owners = assign(layout.shapes, n)
     p_dims = layout.dims if pieces[0] else (None,) * len(layout.dims)
     g_dims = layout.dims if pieces[1] else (None,) * len(layout.dims)
-    s_owner = state_owners(params, opt_state, owners)
-    s_dims = tuple(zero.shard_dim(np.shape(x), n) for x in jax.tree.leaves(opt_state))
-    needs = analyse(optimizer, params, opt_state, grads, owners.owner, s_owner,
-                    [d is not None for d in p_dims], [d is not None for d in s_dims], plan.paths)
+    lay = opt_state.layout
+    abstract = jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct(sh, jnp.dtype(dt)) for sh, dt
+                                                in zip(lay.shapes, lay.dtypes, strict=True)])
+    needs = analyse(optimizer, params, abstract, grads, owners.owner,
+                    [0 if o is None else o for o in lay.owner],
+                    [d is not None for d in p_dims], [o is not None for o in lay.owner],
+                    plan.paths, [o is None for o in lay.owner])
+    common = tuple(_Leaf(lay.shapes[i], jnp.dtype(lay.dtypes[i]), None, 0) for i in lay.common())
     return _Moves(_io(_leaves(params, owners.owner, p_dims), n),
-                  _io(_leaves(opt_state, s_owner, s_dims), n),
-                  _io(_leaves(grads, owners.owner, g_dims), n), needs,
-                  (tuple(p_dims), s_dims, tuple(g_dims)))
+                  _io(_leaves(grads, owners.owner, g_dims), n), lay, common,
+                  _pack(common, range(len(common)), n, False), needs,
+                  (tuple(p_dims), tuple(g_dims)))
 
 
 def _all_to_all(kind: str, nbytes: float, n: int, hosts: int) -> Bytes:
@@ -402,9 +436,12 @@ def _all_to_all(kind: str, nbytes: float, n: int, hosts: int) -> Bytes:
 
 def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
     """Bytes one device sends in :func:`update`'s collectives (the ring model), from the buffers
-    it moves: per dtype, the all-to-alls of ``(n, width)`` rows to the owners and back, the
-    all-gathers of the owners' ``(1, width)`` whole leaves, and (when some owner reads another's
-    gradient) the all-gather of the gradients' pieces. ``hosts``: hosts the shard axis spans."""
+    it moves: per dtype, the gradients' pieces to their owners (an all-to-all of ``(n, width)``
+    rows, or, when some owner reads another's gradient, an all-gather of the pieces), stage 3's
+    parameter pieces to their owners (when the optimizer reads them) and the updates' pieces
+    back, the owners' ``(1, width)`` whole leaves to every device (all-gathers) and device 0's
+    common optimizer-state leaves (counts). The packed optimizer state itself does not move.
+    ``hosts``: hosts the shard axis spans."""
     def each(kind: str, pack: _Pack, rows: int) -> Bytes:
         move = _all_to_all if kind == "all-to-all" else ring
         return sum((move(kind, rows * w * wire_itemsize(dt), n, hosts)
@@ -423,21 +460,59 @@ def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
         out = out + each("all-to-all", moves.grads.send, n)
     if moves.needs.params:
         out = out + each("all-to-all", moves.params.send, n)
-    for io in (moves.params, moves.state):  # the state to its owners; both back from them
-        out = out + each("all-to-all", io.send, n) + each("all-gather", io.whole, 1)
-    return out + each("all-to-all", moves.state.send, n)
+    out = out + each("all-to-all", moves.params.send, n) + each("all-gather", moves.params.whole, 1)
+    return out if moves.needs.common_local else out + each("all-gather", moves.common_pack, 1)
+
+
+def _state_inputs(moves: _Moves, k: int, rows: list, common: list) -> Any:
+    """The optax state a branch's optimizer reads: device ``k``'s owned leaves from its rows,
+    the common leaves from its copy, zeros for the leaves other devices own."""
+    lay = moves.state
+    owned = owner_state.owned_leaves(lay, k, rows)
+    mine = dict(zip(lay.common(), common, strict=True))
+    return jax.tree.unflatten(lay.treedef, [
+        owned[i] if i in owned else mine[i][0] if i in mine
+        else jnp.zeros(lay.shapes[i], lay.dtypes[i]) for i in range(len(lay.shapes))])
+
+
+def _state_outputs(moves: _Moves, k: int, new: list) -> tuple[list, list]:
+    """Owner ``k``'s new state: its ``(1, width)`` rows per dtype, and the common leaves: its
+    own copies when every device computes them alike, else device 0's as ``(1, width)`` rows
+    per dtype (all-gathered by :func:`_common_from_zero`)."""
+    lay = moves.state
+    rows = [owner_state.row(lay, k, {i: new[i] for i in lay.owned(k)}, g)
+            for g in range(len(lay.groups))]
+    if moves.needs.common_local:  # every device computed them alike: its own copy
+        return rows, [jnp.reshape(new[i], (1, *lay.shapes[i])) for i in lay.common()]
+    parts = {j: jnp.reshape(new[i], (1, -1)) for j, i in enumerate(lay.common())} if k == 0 else {}
+    return rows, _rows(moves.common_pack, k, moves.common, parts, 1)
+
+
+def _common_from_zero(moves: _Moves, bufs: list, axis: Any) -> list:
+    """Every device's copy (``(1, *shape)``) of device 0's new common state leaves (computed
+    alike on every device: its own)."""
+    if moves.needs.common_local:
+        return bufs
+    got = [lax.all_gather(b, axis, axis=0, tiled=True) for b in bufs]
+    out = []
+    for j, lf in enumerate(moves.common):
+        g, off, size = moves.common_pack.where[j]
+        out.append(jnp.reshape(got[g][0, off:off + size], (1, *lf.shape)))
+    return out
 
 
 def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, topo: Topology,
-           layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: Any,
-           grads: Any, record: Any = None) -> tuple[Any, Any]:
+           layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: owner_state.Packed,
+           grads: Any, record: Any = None) -> tuple[Any, owner_state.Packed]:
     """``(new_params, new_opt_state)``: each leaf's update computed on its owner, applied where
-    the leaf is stored (global view in and out, stored as at the placement's stage: ``pieces``,
-    whether the parameters and the gradients are in pieces).
+    the leaf is stored (global view; parameters and gradients stored as at the placement's stage:
+    ``pieces``, whether the parameters and the gradients are in pieces; the optimizer state
+    packed per owner: :func:`init_state`).
 
     Gradients in pieces (from stage 2) go to their owners by an all-to-all, or are all-gathered
     when some owner reads another's gradient (a global norm); parameters in pieces (stage 3) go
-    to their owners only when the optimizer reads them (:func:`analyse`).
+    to their owners only when the optimizer reads them (:func:`analyse`). Each owner reads and
+    writes its optimizer state where it lives.
 
     Args:
       record: called, when traced, with the :class:`Bytes` one device sends here (:func:`sent`;
@@ -445,40 +520,45 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
     """
     n, axis = topo.shard_count, topo.shard
     moves = _moves(pieces, optimizer, n, layout, plan, params, opt_state, grads)
-    pio, sio, gio, needs = moves.params, moves.state, moves.grads, moves.needs
+    pio, gio, needs = moves.params, moves.grads, moves.needs
     if record is not None:
         record(sent(moves, n, _hosts(topo)))
-    p_tree, s_tree = jax.tree.structure(params), jax.tree.structure(opt_state)
-    p_specs, s_specs, g_specs = ([P() if d is None else P(*([None] * d), axis) for d in dims]
-                                 for dims in moves.dims)
+    p_tree = jax.tree.structure(params)
+    p_specs, g_specs = ([P() if d is None else P(*([None] * d), axis) for d in dims]
+                        for dims in moves.dims)
+    rows_spec = [P(axis)] * len(opt_state.rows)
+    common_spec = [P(axis)] * len(opt_state.common)
 
-    def local(p: list, s: list, g: list) -> tuple[list, list]:
+    def local(p: list, rows: list, common: list, g: list) -> tuple[list, list, list]:
         g_in = _gather_whole(g, gio.leaves, axis) if needs.all_grads else g
         g_got = [] if needs.all_grads else _to_owners(gio, g, n, axis)
         p_got = _to_owners(pio, p, n, axis) if needs.params else []
-        s_got = _to_owners(sio, s, n, axis)
 
         def branch(k: int) -> Any:
-            def run(p_got: list, s_got: list, g_got: list, g_in: list, p: list, s: list) -> Any:
+            def run(p_got: list, g_got: list, g_in: list, p: list, rows: list,
+                    common: list) -> Any:
                 own_p = _owned_whole(pio, p_got, k) if needs.params else {}
                 pp = jax.tree.unflatten(p_tree, _branch_inputs(pio, p, own_p))
-                ss = jax.tree.unflatten(s_tree, _branch_inputs(sio, s, _owned_whole(sio, s_got, k)))
                 gg = g_in if needs.all_grads else _branch_inputs(gio, g, _owned_whole(gio, g_got, k))
-                updates, new_s = optimizer.update(jax.tree.unflatten(p_tree, gg), ss, pp)
+                updates, new_s = optimizer.update(jax.tree.unflatten(p_tree, gg),
+                                                  _state_inputs(moves, k, rows, common), pp)
                 return (_branch_outputs(pio, jax.tree.leaves(updates), k, n),
-                        _branch_outputs(sio, jax.tree.leaves(new_s), k, n))
+                        _state_outputs(moves, k, jax.tree.leaves(new_s)))
             return run
 
-        (us, uw), (ss, sw) = lax.switch(lax.axis_index(axis), [branch(k) for k in range(n)],
-                                        p_got, s_got, g_got, g_in, p, s)
-        return _apply(plan, p, _from_owners(pio, us, uw, n, axis)), \
-            _from_owners(sio, ss, sw, n, axis)
+        (us, uw), (new_rows, common_bufs) = lax.switch(
+            lax.axis_index(axis), [branch(k) for k in range(n)], p_got, g_got, g_in, p, rows,
+            common)
+        return (_apply(plan, p, _from_owners(pio, us, uw, n, axis)), new_rows,
+                _common_from_zero(moves, common_bufs, axis))
 
-    new_p, new_s = jax.shard_map(
-        local, mesh=topo.mesh, in_specs=(p_specs, s_specs, g_specs),
-        out_specs=(p_specs, s_specs), check_vma=False,
-    )(jax.tree.leaves(params), jax.tree.leaves(opt_state), jax.tree.leaves(grads))
-    return jax.tree.unflatten(p_tree, new_p), jax.tree.unflatten(s_tree, new_s)
+    new_p, new_rows, new_common = jax.shard_map(
+        local, mesh=topo.mesh, in_specs=(p_specs, rows_spec, common_spec, g_specs),
+        out_specs=(p_specs, rows_spec, common_spec), check_vma=False,
+    )(jax.tree.leaves(params), list(opt_state.rows), list(opt_state.common),
+      jax.tree.leaves(grads))
+    return (jax.tree.unflatten(p_tree, new_p),
+            owner_state.Packed(new_rows, new_common, opt_state.layout))
 
 
 def _hosts(topo: Topology) -> int:

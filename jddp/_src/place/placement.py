@@ -116,6 +116,11 @@ class Place:
         """The partition spec of an optimizer-state leaf of ``shape`` (replicated)."""
         return P()
 
+    def init_opt_state(self, optimizer: optax.GradientTransformation, topo: Topology,
+                       params: Any) -> Any:
+        """The optimizer's initial state as kept between steps (optax's own)."""
+        return optimizer.init(params)
+
     def stored(self, shardings: Any) -> Any:
         """A state's ``NamedSharding`` s as it is kept between steps (all in device memory)."""
         return shardings

@@ -137,7 +137,8 @@ class ZeRO(Place):
         updates the pieces in the global view; ``"owner"`` gives each leaf one owner device
         that runs its whole update (docs/sharded.md: for whole-matrix optimizers such as
         ``optax.contrib.muon``, whose orthogonalization then runs once and without collectives).
-        The state is stored as with ``"even"``.
+        The parameters and gradients are stored as with ``"even"``, the optimizer state
+        packed per owner (each device only its leaves'; checkpoints hold optax's own state).
     """
 
     stage: int = 3
@@ -228,6 +229,15 @@ class ZeRO1(Place):
     def opt_spec(self, topo: Topology, shape: Shape) -> P:
         """The partition spec of an optimizer-state leaf of ``shape`` (split)."""
         return zero.leaf_spec(shape, topo.shard_count, topo.shard)
+
+    def init_opt_state(self, optimizer: optax.GradientTransformation, topo: Topology,
+                       params: Any) -> Any:
+        """The optimizer's initial state as kept between steps: optax's own, or with
+        ``shard="owner"`` packed per owner (:func:`jddp._src.place.owner.init_state`; its
+        rows are split like any leaf, one per device)."""
+        if self.policy.shard == "owner":
+            return owner.init_state(optimizer, params, topo.shard_count)
+        return optimizer.init(params)
 
     def stored(self, shardings: Any) -> Any:
         """A state's ``NamedSharding`` s as it is kept between steps: with ``offload``, the

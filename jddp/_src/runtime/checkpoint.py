@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jddp._src.place import owner_state
 from jddp._src.runtime import hostsync, preemption, rendezvous
 from jddp._src.runtime.coordinator import EXIT_RESUME
 from jddp._src.step.nnx import DataParallel as NnxDataParallel
@@ -176,6 +177,8 @@ def save(
     # The state first: a step still running on this process is not the other processes' delay.
     jax.block_until_ready(state)
     step = int(np.asarray(jax.device_get(state.step))) if step is None else int(step)
+    # Owner sharding keeps the optimizer state packed per owner: stored as optax's own tree.
+    state = owner_state.portable(state)
     _expect_all("jddp.checkpoint.save", step, barrier_timeout_s)
     if step in mngr.all_steps():
         if not overwrite:
@@ -342,15 +345,19 @@ def restore(
         raise FileNotFoundError(
             f"No checkpoint of step {step} in {mngr.directory}; saved steps: {mngr.all_steps()}."
         )
-    abstract = jax.tree.map(_as_abstract, target)
+    packed = jax.tree.map(_as_abstract, target)
+    # A checkpoint holds optax's own optimizer state; owner sharding's packed one is packed again.
+    abstract = owner_state.portable_abstract(packed)
     if loader is not None:  # first: a wrong data set fails before any array is read
         _restore_loader(mngr, step, loader)
     saved_tree = _saved_tree(mngr, step)
     # A manager not made by manager() has no shapes to compare: load strictly.
     changed = [] if saved_tree is None else _per_device_changes(saved_tree, abstract)
     if not changed:
-        return _load_state(mngr, step, lib.args.StandardRestore(abstract))
-    return _restore_changed(mngr, step, abstract, target, changed, init_fn)
+        return owner_state.repack(_load_state(mngr, step, lib.args.StandardRestore(abstract)),
+                                  packed)
+    return owner_state.repack(_restore_changed(mngr, step, abstract, target, changed, init_fn),
+                              packed)
 
 
 def _as_abstract(x: Any) -> Any:
@@ -388,9 +395,9 @@ def _restore_changed(mngr: Any, step: int, abstract: Any, target: Any,
             "checkpoint at a window boundary restores on any device count)."
         )
     if init_fn is not None:
-        fresh = init_fn()
+        fresh = owner_state.portable(init_fn())
     elif not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(target)):
-        fresh = target
+        fresh = owner_state.portable(target)
     else:
         raise ValueError(
             f"Checkpoint of step {step} is {where}: its per-device state ({changed[0][0]}, ...) "

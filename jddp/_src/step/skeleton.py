@@ -105,7 +105,7 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
     state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        opt_state=cfg.optimizer.init(params),
+        opt_state=cfg.place.init_opt_state(cfg.optimizer, cfg.topology, params),
         # With model_state_sync="none" each replica keeps its own copy.
         model_state=cfg.loss.model_state_layout(model_state, n),
         hook_state=broadcast_to_devices(cfg.reduce.hook_state(params), n),
@@ -166,7 +166,8 @@ def check_step_inputs(
             f"{type(state).__name__}."
         )
     check_float_params(state.params)
-    expected = jax.eval_shape(cfg.optimizer.init, state.params)
+    expected = jax.eval_shape(functools.partial(cfg.place.init_opt_state, cfg.optimizer,
+                                                cfg.topology), state.params)
     if jax.tree.structure(expected) != jax.tree.structure(state.opt_state):  # type: ignore[operator]
         raise ValueError(
             "state.opt_state does not match this DataParallel's optimizer: it was built for "

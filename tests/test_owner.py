@@ -203,7 +203,7 @@ def test_the_optimizer_state_does_not_move(stage):
         mesh = jddp.data_mesh()
         ddp = jddp.DataParallel(_loss, opt, mesh=mesh, place=place)
         state = ddp.init(_params())
-        rep = ddp.report(state, jddp.shard_global_batch(_batches(1)[0], mesh))
+        rep = ddp.report(state, jddp.shard_batch(_batches(1)[0], mesh))
         by_kind = {}
         for c in rep.collectives:
             by_kind[c.kind] = by_kind.get(c.kind, 0) + c.bytes

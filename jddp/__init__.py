@@ -36,8 +36,10 @@ from jddp._src.api.policies import (
 from jddp._src.data.evaluation import Evaluator
 from jddp._src.data.uneven import pad_batch
 from jddp._src.plan.planner import BucketPlan, plan_buckets
-from jddp._src.reduce.hooks import CommHook, HookContext, bf16_compress, fp16_compress, powersgd
-from jddp._src.reduce.reduction import value_and_grad
+from jddp._src.reduce.dropin import value_and_grad
+from jddp._src.reduce.hooks import CommHook, HookContext
+from jddp._src.reduce.hooks.cast import bf16_compress, fp16_compress
+from jddp._src.reduce.hooks.powersgd import powersgd
 from jddp._src.runtime.mesh import data_mesh, replicate, shard_batch
 from jddp._src.runtime.verify import ReplicaDivergenceError, verify_replicas
 from jddp._src.step.programs import ProgramMismatchError

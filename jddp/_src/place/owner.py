@@ -45,8 +45,8 @@ from jax.sharding import PartitionSpec as P
 from jddp._src.introspect import vma
 from jddp._src.place import zero
 from jddp._src.plan.planner import BucketPlan
+from jddp._src.reduce.bytemodel import Bytes, ring
 from jddp._src.reduce.collectives import wire_itemsize
-from jddp._src.reduce.reduction import Bytes, ring
 from jddp._src.runtime.topology import Topology
 from jddp._src.tree import key_path_str
 

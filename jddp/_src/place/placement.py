@@ -10,7 +10,7 @@ parameters' :class:`jddp._src.place.zero.Layout`, the bucket plan), never the st
 - partition specs of the parameters, the optimizer state and the reduced gradients, and the
   zeros a non-synchronising call returns for the latter (:meth:`ZeRO.param_spec`,
   :meth:`ZeRO.opt_spec`, :meth:`ZeRO.grad_specs`, :meth:`ZeRO.grad_zeros`);
-- the sharded reduction's record (:class:`jddp._src.reduce.reduction.Sharded`, or ``None`` for the
+- the sharded reduction's record (:class:`jddp._src.reduce.sharded.Sharded`, or ``None`` for the
   hook's all-reduce), whether ``shard_map`` can be typed (``check_vma``), the parameters the
   loss is traced at and local gradients are taken at, the plan's not-resharded leaves;
 - the optimizer update (each device updates its pieces, stages 1-2 then all-gather them) and
@@ -38,7 +38,9 @@ from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
 from jddp._src.place import offload, owner, zero
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce.reduction import Bytes, Sharded, chain_dependency, resolve_chain, ring
+from jddp._src.reduce.bytemodel import Bytes, ring
+from jddp._src.reduce.chain import chain_dependency, resolve_chain
+from jddp._src.reduce.sharded import Sharded
 from jddp._src.runtime.topology import Roles, Topology
 from jddp._src.update import precision as precision_lib
 

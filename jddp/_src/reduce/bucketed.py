@@ -9,7 +9,7 @@ a. *local gradients* (:func:`_prepare`, :func:`_window_start`): the loss is trac
    window's local gradients so far are summed (the accumulator, and this call's first ``m - 1``
    micro-batches, scanned over the same jaxpr);
 b. *reduce* (:func:`_reduce`): a synchronising call evaluates the jaxpr on the last micro-batch
-   with one reducing backward hook per bucket (:func:`jddp._src.reduce.reduction.bucketed_vjp`) over the
+   with one reducing backward hook per bucket (:func:`jddp._src.reduce.backward.bucketed_vjp`) over the
    island's axis (``Roles.axis``: every device, the devices of a host with local SGD, or none);
    metrics, the window's weight and the model-state payload ride on the last bucket's
    all-reduce;
@@ -37,12 +37,9 @@ from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
 from jddp._src.place import zero
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce.reduction import (
-    Bytes,
-    Reduced,
-    Sharded,
-    bucketed_vjp,
-)
+from jddp._src.reduce.backward import Reduced, bucketed_vjp
+from jddp._src.reduce.bytemodel import Bytes
+from jddp._src.reduce.sharded import Sharded
 from jddp._src.runtime.topology import Roles
 from jddp._src.step.checks import batch_size
 from jddp._src.step.config import LocalResult, StepConfig

@@ -36,8 +36,8 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src.place import zero
 from jddp._src.plan.planner import BucketPlan
+from jddp._src.reduce.bytemodel import Bytes
 from jddp._src.reduce.hooks import init_hook_state
-from jddp._src.reduce.reduction import Bytes
 from jddp._src.runtime.topology import Roles
 from jddp._src.step.checks import check_batch, check_float_params
 from jddp._src.step.config import LocalResult, StepConfig

@@ -33,7 +33,7 @@ the optimizer's step. So every option of the step composes with local SGD by con
 kind of step (``sync``, ``local``, ``average``) is a static phase picked on the host
 (:meth:`LocalSGD.phase_fn`), so a local step is a program without cross-replica collectives.
 Averaging reuses the bucket plan and the chained one-collective-per-bucket reduction
-(:func:`jddp._src.reduce.reduction.bucketed_mean`); the step's loss, metrics and model state ride on the
+(:func:`jddp._src.reduce.averaging.bucketed_mean`); the step's loss, metrics and model state ride on the
 last bucket. The option itself (its fields, validation and schedule) and its constructors
 (:func:`post_local_sgd`, :func:`diloco`) live here too: one object owns the feature.
 """
@@ -57,16 +57,10 @@ from jax.sharding import PartitionSpec as P
 from jddp._src.introspect import vma
 from jddp._src.place import zero
 from jddp._src.plan.planner import BucketPlan
+from jddp._src.reduce.averaging import bucketed_mean
+from jddp._src.reduce.bytemodel import bucket_bytes_sent, ring_allgather_bytes, ring_allreduce_bytes
 from jddp._src.reduce.collectives import wire_itemsize
-from jddp._src.reduce.hooks import (
-    CommHook,
-    bucket_bytes_sent,
-    check_hook,
-    hook_name,
-    ring_allgather_bytes,
-    ring_allreduce_bytes,
-)
-from jddp._src.reduce.reduction import bucketed_mean
+from jddp._src.reduce.hooks import CommHook, check_hook, hook_name
 from jddp._src.runtime.topology import AVERAGE, LOCAL, SYNC, Roles, Topology
 from jddp._src.step.config import StepConfig
 from jddp._src.step.objective import Extras

@@ -87,7 +87,7 @@ def resolve_hook(policy: MixedPrecision | None, hook: Any) -> Any:
     :mod:`jddp._src.step.compat`, checked before."""
     if policy is None or not policy.compresses or hook is not None:
         return hook
-    from jddp._src.reduce.hooks import bf16_compress, fp16_compress  # a leaf module: no cycle
+    from jddp._src.reduce.hooks.cast import bf16_compress, fp16_compress  # a leaf: no cycle
 
     return bf16_compress() if policy.reduce_dtype == np.dtype(jnp.bfloat16) else fp16_compress()
 
@@ -131,9 +131,9 @@ def gather_dtype(policy: MixedPrecision | None) -> np.dtype | None:
 
 @dataclasses.dataclass(frozen=True)
 class Cast:
-    """A reducer (:class:`jddp._src.reduce.reduction.BucketReducer`) whose forward hands the loss
+    """A reducer (:class:`jddp._src.reduce.allreduce.BucketReducer`) whose forward hands the loss
     ``dtype`` copies of the bucket's parameters; everything else is ``inner``'s (the backward
-    gets gradients already in the master dtype: :func:`jddp._src.reduce.reduction._bucket_vjp` sums
+    gets gradients already in the master dtype: :func:`jddp._src.reduce.backward._bucket_vjp` sums
     local gradients in the dtype of the reduction's result)."""
 
     inner: Any

@@ -224,9 +224,13 @@ class GatherInForward:
         if self.group is None:
             return self.gather_bytes(indices)
         inner = self.inner
-        dtypes = inner.plan.dtypes if self.dtype is None else [self.dtype] * len(inner.plan.dtypes)
-        piece = zero.split_bytes(inner.layout, dtypes, indices)
+        piece = zero.split_bytes(inner.layout, self._gathered_dtypes(), indices)
         return ring("all-gather", piece * inner.layout.n // self.group, self.group)
+
+    def _gathered_dtypes(self) -> list[Any]:
+        """Each leaf's dtype as it is gathered (a mixed-precision policy's, else its own)."""
+        dtypes = self.inner.plan.dtypes
+        return list(dtypes) if self.dtype is None else [self.dtype] * len(dtypes)
 
     def unused(self, i: int, leaf: jax.Array) -> jax.Array:
         return self._gather((i,), (leaf,))[0]
@@ -238,8 +242,8 @@ class GatherInForward:
     def gather_bytes(self, indices: Sequence[int]) -> Bytes:
         inner = self.inner
         group, hosts = span(inner.shard_axis, inner.hosts_axis)
-        dtypes = inner.plan.dtypes if self.dtype is None else [self.dtype] * len(inner.plan.dtypes)
-        return ring("all-gather", zero.split_bytes(inner.layout, dtypes, indices), group, hosts)
+        return ring("all-gather", zero.split_bytes(inner.layout, self._gathered_dtypes(), indices),
+                    group, hosts)
 
     def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Bytes:
         return (self.inner.bytes(b, extras, step)

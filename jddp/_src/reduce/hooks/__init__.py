@@ -165,6 +165,11 @@ def init_hook_state(hook: CommHook, params: Any) -> tuple:
     return tuple(states)
 
 
+def leaf_str(x: Any) -> str:
+    """An array's or struct's dtype and shape as messages show them: ``float32[3, 4]``."""
+    return f"{jnp.result_type(x)}{list(jnp.shape(x))}"
+
+
 def hook_name(hook: Any) -> str:
     """The name a hook is shown under in messages."""
     return str(getattr(hook, "name", "hook"))
@@ -201,8 +206,7 @@ def check_output(hook: CommHook, grads: Sequence[jax.Array], out: Any, index: in
         if jnp.shape(r) != jnp.shape(g) or jnp.result_type(r) != jnp.result_type(g):
             raise ValueError(
                 f"Communication hook {name!r} changed leaf {j} of bucket {index} from "
-                f"{jnp.result_type(g)}{list(jnp.shape(g))} to {jnp.result_type(r)}"
-                f"{list(jnp.shape(r))}. A hook must return gradients with the shapes and dtypes it "
+                f"{leaf_str(g)} to {leaf_str(r)}. A hook must return gradients with the shapes and dtypes it "
                 "was given (cast back after compressing)."
             )
     return tuple(reduced), tuple(new_states)
@@ -235,8 +239,7 @@ def check_state(hook: CommHook, old: Any, new: Any, index: int) -> None:
         if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b):
             raise ValueError(
                 f"Communication hook {name!r} changed a state leaf of bucket {index} from "
-                f"{jnp.result_type(a)}{list(jnp.shape(a))} to {jnp.result_type(b)}"
-                f"{list(jnp.shape(b))}; hook state must keep its shapes and dtypes."
+                f"{leaf_str(a)} to {leaf_str(b)}; hook state must keep its shapes and dtypes."
             )
 
 

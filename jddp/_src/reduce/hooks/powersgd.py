@@ -17,7 +17,7 @@ from jddp._src.api import options
 from jddp._src.introspect import vma
 from jddp._src.reduce import bytemodel
 from jddp._src.reduce.collectives import wire_nbytes
-from jddp._src.reduce.hooks import CommHook, HookContext
+from jddp._src.reduce.hooks import CommHook, HookContext, leaf_str
 
 
 def _matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
@@ -58,7 +58,7 @@ def _q_init(n: int, m: int, r: int, seed: int, step: Any = None) -> jax.Array:
 
 def _describe(state: Any) -> str:
     """A hook state's structure with each leaf's dtype and shape, for messages."""
-    shown = jax.tree.map(lambda x: f"{jnp.result_type(x)}{list(jnp.shape(x))}", state)
+    shown = jax.tree.map(leaf_str, state)
     return repr(shown) if jax.tree.leaves(state) else repr(state)
 
 

@@ -12,7 +12,7 @@ from jax import lax
 
 from jddp._src.api import options
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce.chain import chain_dependency, resolve_chain
+from jddp._src.reduce.chain import chain_dependency, chained, resolve_chain
 from jddp._src.reduce.collectives import axis_size, gather_invariant, padded_flat, unflatten_like
 from jddp._src.reduce.hooks import CommHook, HookContext, check_output, check_reduced
 
@@ -67,10 +67,8 @@ def bucketed_mean(
     for b, idx in enumerate(groups):
         last = b == len(groups) - 1
         vals = tuple(leaves[i] for i in idx)
-        if dep is not None and mode == "add":
-            vals = tuple(v + dep.astype(v.dtype) for v in vals)
-        elif dep is not None and mode == "barrier" and vals:
-            vals, _ = lax.optimization_barrier((vals, dep))
+        if dep is not None:
+            vals = chained(vals, dep, mode)
         ctx = HookContext(axis_name, axis_size(axis_name), jnp.asarray(step, jnp.int32), b)
         means, riders = _mean_bucket(vals, tuple(extras) if last else (), ctx, local_axis, hook)
         if last:

@@ -94,13 +94,18 @@ def local_grads(ct_leaves: tuple, offset: Any, ct_dep: Any, chain: str) -> tuple
     grads = tuple(ct_leaves)
     if offset:
         grads = tuple(g + o.astype(g.dtype) for g, o in zip(grads, offset, strict=True))
+    return chained(grads, ct_dep, chain)
+
+
+def chained(values: tuple, dep: Any, chain: str) -> tuple:
+    """``values`` made to depend on ``dep``, the previous bucket's :func:`chain_dependency`."""
     # JAX emits one collective per leaf and XLA's combiner merges independent ones, so every
     # leaf needs the dependency: a scalar carried alongside would not keep the leaves apart.
     if chain == "add":
-        grads = tuple(g + ct_dep.astype(g.dtype) for g in grads)
-    elif chain == "barrier" and ct_dep:
-        grads, _ = lax.optimization_barrier((grads, ct_dep))
-    return grads
+        return tuple(v + dep.astype(v.dtype) for v in values)
+    if chain == "barrier" and values and dep:
+        values, _ = lax.optimization_barrier((values, dep))
+    return tuple(values)
 
 
 def dep_cotangent(dep: Any, token_dep: Any, chain: str, axis_name: Any) -> Any:

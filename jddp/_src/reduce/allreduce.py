@@ -23,8 +23,9 @@ from jddp._src.tree import nbytes
 
 class BucketReducer(Protocol):
     """How a bucket's parameters reach the loss (``forward``) and how its gradients are reduced
-    (``backward``), and the bytes that costs (``bytes``). :func:`bucketed_vjp` puts one custom
-    VJP per bucket around any reducer; see docs/design.md, "Adding a reducer"."""
+    (``backward``), and the bytes that costs (``bytes``).
+    :func:`jddp._src.reduce.backward.bucketed_vjp` puts one custom VJP per bucket around any
+    reducer; see docs/design.md, "Adding a reducer"."""
 
     @property
     def axis_name(self) -> Any: ...  # the axes the mean is over

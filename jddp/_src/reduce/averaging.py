@@ -30,7 +30,8 @@ def bucketed_mean(
 ) -> tuple[list[jax.Array], tuple]:
     """The mean over ``axis_name`` of per-replica values shaped like the plan's leaves (local
     SGD's parameters, DiLoCo's parameter deltas), one collective per bucket, in plan order (the
-    last layers first), chained like the gradient buckets (:func:`resolve_chain`).
+    last layers first), chained like the gradient buckets
+    (:func:`jddp._src.reduce.chain.resolve_chain`).
 
     Leaves the plan leaves out (unused parameters) ride on the last bucket; so do ``extras``
     (float32 values averaged the same way: the step's loss, metrics, model-state payload).

@@ -291,7 +291,8 @@ def bucketed_vjp(
       hook_state: one state per leaf (see :func:`jddp._src.reduce.hooks.init_hook_state`).
       step: the optimizer step, passed to hooks.
       phase: the hook's static phase for this step (``hook.phase(step)``).
-      chain: how consecutive buckets are kept apart (see :func:`resolve_chain`).
+      chain: how consecutive buckets are kept apart (see
+        :func:`jddp._src.reduce.chain.resolve_chain`).
       seed: the cotangent of the differentiated output (default 1): scales every local gradient
         before the reduction (a mean over micro-batches, a loss scale).
       offset: local gradient leaves (already scaled like ``seed``) added before the reduction,

@@ -76,7 +76,8 @@ def dep_zeros(chain: str, structs: Sequence[jax.ShapeDtypeStruct], axis_name: An
 
     ``"barrier"`` needs the previous bucket's reduced arrays themselves: an optimization barrier
     on a scalar derived from them does not keep XLA's GPU combiner from merging the buckets.
-    ``other``: mesh axes the reduced values still vary over (see :func:`bucketed_vjp`).
+    ``other``: mesh axes the reduced values still vary over (see
+    :func:`jddp._src.reduce.backward.bucketed_vjp`).
     """
     if chain == "barrier":
         axes = (*vma.axis_names(axis_name), *other)

@@ -147,9 +147,10 @@ class GatherInForward:
       inner: the backward's reducer (:class:`ReduceScatter` or :class:`Hybrid`).
       reshard: FSDP's ``reshard_after_forward``: every equation that reads a gathered leaf, or
         a value computed from leaves alone (a cast, a transpose: recomputed inside it, see
-        :func:`jddp._src.introspect.jaxpr.eval_with_hooks`), runs through :func:`regathered`,
-        which keeps only the pieces for its backward and gathers the leaf again there, so a gathered bucket
-        lives from its gather to its last forward use, and again around each backward use.
+        :func:`jddp._src.introspect.jaxpr.eval_with_hooks`), runs through
+        :func:`jddp._src.reduce.regather.regathered`, which keeps only the pieces for its
+        backward and gathers the leaf again there, so a gathered bucket lives from its gather
+        to its last forward use, and again around each backward use.
         ``False``: a gathered bucket stays whole until the backward is done with it (the
         user's operations keep it as a residual).
       dtype: the dtype the loss computes with (a mixed-precision policy's ``param_dtype``):

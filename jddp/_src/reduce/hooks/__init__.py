@@ -23,12 +23,13 @@ Without it, a ring all-reduce of the gradients at their own dtype is assumed
 The reduction runs inside the backward pass, so a hook sees the gradients as soon as its bucket is
 ready.
 
-This package holds the protocol (:class:`CommHook`, :class:`HookContext`), the checks every hook's
-output passes, and one module per family of built-in hooks: :mod:`.mean` (:func:`allreduce_mean`,
-the default), :mod:`.cast` (``fp16_compress``, ``bf16_compress``), :mod:`.int8`
-(``int8_compress``), :mod:`.powersgd` (DDP's ``powerSGD_hook``: rank-r factors with error feedback
-and warm start) and :mod:`.hierarchical` (reduce-scatter inside the host, all-reduce across hosts,
-all-gather inside the host, on a two-level mesh). They are public as :mod:`jddp.hooks`.
+This package holds the protocol (:class:`CommHook`, :class:`HookContext`), the checks every
+hook's output passes, and one module per family of built-in hooks: :mod:`.mean`
+(:func:`.mean.allreduce_mean`, the default), :mod:`.cast` (``fp16_compress``,
+``bf16_compress``), :mod:`.int8` (``int8_compress``), :mod:`.powersgd` (DDP's
+``powerSGD_hook``: rank-r factors with error feedback and warm start) and
+:mod:`.hierarchical` (reduce-scatter inside the host, all-reduce across hosts, all-gather
+inside the host, on a two-level mesh). They are public as :mod:`jddp.hooks`.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class CommHook(NamedTuple):
       bytes_by_level: ``bytes_by_level(leaves, hosts, local, step) -> (inside, across)``: bytes
         one device sends inside its host and to other hosts for a bucket on a two-level mesh of
         ``hosts`` x ``local`` devices; ``None`` means a flat ring over all devices, hosts in
-        order (:func:`ring_bytes_by_level`).
+        order (:func:`jddp.hooks.ring_bytes_by_level`).
       scatter_bytes_by_level: ``scatter_bytes_by_level(rows, hosts, local, step) -> (inside,
         across)``: bytes one device sends in ``scatter`` of the ``(N, K)`` matrix ``rows`` over
         ``hosts`` x ``local`` devices (``hosts`` is 1 on one level); ``None``: half of the hook's

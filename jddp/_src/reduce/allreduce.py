@@ -10,20 +10,20 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
 
 import jax
-from jax import lax
 
 from jddp._src.introspect import vma
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce.bytemodel import Bytes, f32_structs, hook_bytes, ring, span
+from jddp._src.reduce import bytemodel
+from jddp._src.reduce.bytemodel import Bytes
 from jddp._src.reduce.chain import chain_dependency
 from jddp._src.reduce.collectives import axis_size, levels
 from jddp._src.reduce.hooks import CommHook, HookContext, check_output, check_reduced, check_state
-from jddp._src.tree import nbytes
 
 
 class BucketReducer(Protocol):
     """How a bucket's parameters reach the loss (``forward``) and how its gradients are reduced
-    (``backward``), and the bytes that costs (``bytes``).
+    (``backward``; the bytes its collectives send are recorded as they are issued:
+    :mod:`jddp._src.reduce.bytemodel`), and the bytes the forward sends (``forward_bytes``).
     :func:`jddp._src.reduce.backward.bucketed_vjp` puts one custom VJP per bucket around any
     reducer; see docs/design.md, "Adding a reducer"."""
 
@@ -39,8 +39,7 @@ class BucketReducer(Protocol):
     def unused(self, i: int, leaf: jax.Array) -> jax.Array: ...
     def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
                  step: jax.Array) -> tuple[tuple, tuple, tuple]: ...
-    def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Bytes: ...
-    def mean_bytes(self, extras: Sequence[Any]) -> Bytes: ...
+    def forward_bytes(self, b: int) -> Bytes: ...
     def unused_bytes(self) -> Bytes: ...
 
 
@@ -50,7 +49,7 @@ def exact_mean(extras: Sequence[jax.Array], after: Sequence[jax.Array], axis_nam
     if not extras:
         return ()
     dep = chain_dependency(after, "add")
-    summed = lax.psum(tuple(e + dep.astype(e.dtype) for e in extras), axis_name)
+    summed = bytemodel.psum(tuple(e + dep.astype(e.dtype) for e in extras), axis_name)
     n = axis_size(axis_name)
     return tuple(e / n for e in summed)
 
@@ -114,32 +113,21 @@ class AllReduce:
         ctx = self.context(b, step)
         if self.fuses(b, extras):
             both = grads + tuple(extras)
-            out = hook.reduce(both, tuple(states) + ((),) * len(extras), ctx)
+            out = bytemodel.reduce_counted(hook, both, tuple(states) + ((),) * len(extras), ctx)
             both, new_states = check_output(hook, both, out, b)
             reduced, mean_extras, new_states = both[:n], both[n:], new_states[:n]
         else:
-            out = hook.reduce(grads, tuple(states), ctx)
+            out = bytemodel.reduce_counted(hook, grads, tuple(states), ctx)
             reduced, new_states = check_output(hook, grads, out, b)
             mean_extras = exact_mean(extras, reduced, self.axis_name)
         check_reduced(hook, reduced, self.axis_name, b)
         check_state(hook, tuple(states), new_states, b)
         return reduced, new_states, mean_extras
 
-    def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Bytes:
-        """Bytes one device sends to reduce bucket ``b`` (and the extras, on the last)."""
-        leaves = self.plan.leaf_structs(b)
-        if self.fuses(b, extras):
-            return hook_bytes(self.hook, [*leaves, *f32_structs(extras)], self.axis_name,
-                              self.hosts_axis, step)
-        return (hook_bytes(self.hook, leaves, self.axis_name, self.hosts_axis, step)
-                + self.mean_bytes(extras))
-
-    def mean_bytes(self, extras: Sequence[Any]) -> Bytes:
-        """Bytes of :func:`exact_mean` of ``extras``."""
-        if not extras:
-            return Bytes()
-        group, hosts = span(self.axis_name, self.hosts_axis)
-        return ring("all-reduce", sum(nbytes(e) for e in f32_structs(extras)), group, hosts)
+    def forward_bytes(self, b: int) -> Bytes:
+        """Bytes the forward pass sends for bucket ``b``: none (the parameters are whole)."""
+        del b
+        return Bytes()
 
     def unused_bytes(self) -> Bytes:
         return Bytes()

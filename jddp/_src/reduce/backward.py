@@ -41,7 +41,7 @@ from jddp._src.api import options
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce import regather, replicated
+from jddp._src.reduce import bytemodel, regather, replicated
 from jddp._src.reduce.allreduce import AllReduce, BucketReducer
 from jddp._src.reduce.bytemodel import Bytes, f32_structs, ring, span
 from jddp._src.reduce.chain import (
@@ -331,7 +331,7 @@ def bucketed_vjp(
     seen = frozenset().union(*(vma.varying_axes(x) for x in jax.tree.leaves(
         (tuple(param_leaves), tuple(args)))))
     other = tuple(a for a in sorted(seen) if a not in names)
-    run = _Run(traced, plan, reducer, mode, other, step, offset)
+    run = _Run(traced, plan, reducer, mode, other, step, offset, hosts_axis)
     return run(param_leaves, hook_state, args, seed, extras_fn, extras_shape)
 
 
@@ -345,6 +345,7 @@ class _Run(NamedTuple):
     other: tuple
     step: jax.Array
     offset: Sequence[Any] | None
+    hosts_axis: str | None
 
     def __call__(self, param_leaves: Sequence[jax.Array], hook_state: Sequence[Any],
                  args: Sequence[Any], seed: Any, extras_fn: Callable[[Any], Any] | None,
@@ -373,14 +374,16 @@ class _Run(NamedTuple):
                     extras if plan.num_buckets else extras_zero)
         # The buckets' reduced gradients come back as the carry's cotangent (see _bucket_vjp);
         # the parameters' own is JAX's reduction of the leaves read replicated (plan.implicit).
-        leaf_cts, new_states, grad_leaves, _, reduced = vjp_fn((seed, ct_token))
+        # What the backward's collectives send is recorded as they are issued (the hooks');
+        # what the forward sends (stage 3's all-gathers) the reducer says.
+        with bytemodel.recording(self.hosts_axis) as backward:
+            leaf_cts, new_states, grad_leaves, _, reduced = vjp_fn((seed, ct_token))
+            if not plan.num_buckets:
+                reduced = tuple(bytemodel.pmean(extras, axis_name)) if extras else ()
         sent = reducer.unused_bytes()
         for b in range(plan.num_buckets):
-            sent = sent + reducer.bytes(b, extras_structs if b == last and extras else (),
-                                        self.step)
-        if not plan.num_buckets:
-            reduced = tuple(lax.pmean(extras, axis_name)) if extras else ()
-            sent = sent + reducer.mean_bytes(extras_structs if extras else ())
+            sent = sent + reducer.forward_bytes(b)
+        sent = sent + backward.sent
         if run.regathers:  # reshard_after_forward: each backward use gathers its leaf again
             assert isinstance(reducer, GatherInForward)
             for i in run.regathers:

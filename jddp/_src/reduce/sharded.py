@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -16,10 +15,11 @@ from jax import lax
 
 from jddp._src.place import zero
 from jddp._src.plan.planner import BucketPlan
+from jddp._src.reduce import bytemodel
 from jddp._src.reduce.allreduce import AllReduce, BucketReducer, exact_mean
-from jddp._src.reduce.bytemodel import Bytes, ring, scatter_bytes, span
+from jddp._src.reduce.bytemodel import Bytes, ring, span
 from jddp._src.reduce.chain import chain_dependency, on_gpu
-from jddp._src.reduce.collectives import levels, wire_itemsize
+from jddp._src.reduce.collectives import levels
 from jddp._src.reduce.hooks import CommHook, HookContext
 from jddp._src.update import precision as precision_lib
 
@@ -67,7 +67,7 @@ class ReduceScatter(AllReduce):
 
     def scatter(self, rows: jax.Array, ctx: HookContext) -> jax.Array:
         """This device's mean row of an ``(N, K)`` matrix."""
-        return self.hook.scatter(rows, ctx)  # type: ignore[misc]  # scatters: it has one
+        return bytemodel.scatter_counted(self.hook, rows, ctx)
 
     def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
                  step: jax.Array) -> tuple[tuple, tuple, tuple]:
@@ -90,25 +90,6 @@ class ReduceScatter(AllReduce):
         pieces = tuple(zero.reduce_scatter(grads, dims, n, self.shard_axis, scatter))
         return pieces, tuple(states), exact_mean(extras, pieces, self.axis_name)
 
-    def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Bytes:
-        if not self.scatters:
-            return super().bytes(b, extras, step)
-        fused = self.fuses(b, extras)
-        idx = self.plan.buckets[b].indices
-        width = sum(math.prod(self.out_struct(i).shape) for i in idx)
-        if fused:
-            width += sum(math.prod(jnp.shape(e)) for e in extras)
-        dtype = jnp.result_type(*(self.plan.dtypes[i] for i in idx))
-        rows = jax.ShapeDtypeStruct((self.layout.n, width), dtype)
-        sent = self.scatter_bytes(rows, step)
-        return sent if fused else sent + self.mean_bytes(extras)
-
-    def scatter_bytes(self, rows: jax.ShapeDtypeStruct, step: Any) -> Bytes:
-        """Bytes of :meth:`scatter`: the hook's ``scatter_bytes_by_level``, or, as a ring
-        reduce-scatter sends half what a ring all-reduce of the same rows does, half the hook's
-        own accounting of that all-reduce."""
-        return scatter_bytes(self.hook, rows, self.shard_axis, self.hosts_axis, step)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Hybrid(ReduceScatter):
@@ -128,13 +109,8 @@ class Hybrid(ReduceScatter):
                            self.shard_axis)
 
     def scatter(self, rows: jax.Array, ctx: HookContext) -> jax.Array:
-        return lax.pmean(super().scatter(rows, ctx), self.replicas)
-
-    def scatter_bytes(self, rows: jax.ShapeDtypeStruct, step: Any) -> Bytes:
-        inside = scatter_bytes(self.hook, rows, self.shard_axis, None, step)
-        hosts = int(lax.axis_size(self.replicas))
-        row = rows.shape[1] * wire_itemsize(rows.dtype)
-        return inside + ring("all-reduce", row, hosts, hosts)
+        row = super().scatter(rows, ctx)
+        return bytemodel.pmean(row, self.replicas, hosts_axis=self.replicas)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,17 +217,15 @@ class GatherInForward:
         return self.inner.backward(b, grads, states, extras, step)
 
     def gather_bytes(self, indices: Sequence[int]) -> Bytes:
+        """Bytes of one all-gather of the leaves ``indices`` over the shard axis."""
         inner = self.inner
         group, hosts = span(inner.shard_axis, inner.hosts_axis)
         return ring("all-gather", zero.split_bytes(inner.layout, self._gathered_dtypes(), indices),
                     group, hosts)
 
-    def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Bytes:
-        return (self.inner.bytes(b, extras, step)
-                + self.gather_bytes(self.inner.plan.buckets[b].indices))
-
-    def mean_bytes(self, extras: Sequence[Any]) -> Bytes:
-        return self.inner.mean_bytes(extras)
+    def forward_bytes(self, b: int) -> Bytes:
+        """Bytes of bucket ``b``'s all-gather in the forward pass."""
+        return self.gather_bytes(self.inner.plan.buckets[b].indices)
 
     def unused_bytes(self) -> Bytes:
         return self.gather_bytes(self.inner.plan.unused)

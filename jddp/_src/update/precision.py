@@ -154,11 +154,8 @@ class Cast:
     def backward(self, b: int, grads: tuple, states: tuple, extras: tuple, step: Any) -> tuple:
         return self.inner.backward(b, grads, states, extras, step)
 
-    def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Any:
-        return self.inner.bytes(b, extras, step)
-
-    def mean_bytes(self, extras: Sequence[Any]) -> Any:
-        return self.inner.mean_bytes(extras)
+    def forward_bytes(self, b: int) -> Any:
+        return self.inner.forward_bytes(b)
 
     def unused_bytes(self) -> Any:
         return self.inner.unused_bytes()

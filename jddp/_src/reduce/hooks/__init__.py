@@ -14,11 +14,11 @@ The equivalent of DDP's ``register_comm_hook``. A hook is a pair of pure functio
 its scalar metrics (the loss) ride on the last bucket's all-reduce instead of a collective of their
 own, so the step has exactly one all-reduce per bucket.
 
-``bytes_sent(leaves, axis_size, step)`` (optional) says how many bytes one device sends to reduce a
-bucket whose gradients have the shapes and dtypes ``leaves``; it is static arithmetic (``step`` may
-be traced, for hooks that switch formulation), so the trainer reports it without a collective.
-Without it, a ring all-reduce of the gradients at their own dtype is assumed
-(:mod:`jddp._src.reduce.bytemodel`).
+The bytes a hook sends (``comm_bytes``) are counted as it issues its collectives: the built-in
+hooks call the recorded collectives of :mod:`jddp._src.reduce.bytemodel`, so what is reported
+cannot drift from what is sent. A hook may declare its bytes instead (``bytes_sent``,
+``bytes_by_level``, ``scatter_bytes_by_level``: static arithmetic on the leaves' structs); one
+that calls ``jax.lax`` collectives itself counts as a ring all-reduce of its gradients.
 
 The reduction runs inside the backward pass, so a hook sees the gradients as soon as its bucket is
 ready.
@@ -83,7 +83,9 @@ class CommHook(NamedTuple):
       fuses_extras: ``reduce`` averages any extra float32 scalars appended to ``grads`` (with state
         ``()``) exactly, so the step's metrics can ride on the last bucket's collective.
       bytes_sent: ``bytes_sent(leaves, axis_size, step) -> bytes`` one device sends for a bucket
-        with gradient structs ``leaves``; ``None`` means a ring all-reduce at the leaves' dtype.
+        with gradient structs ``leaves`` (declared; it overrides what is counted). ``None``: the
+        built-in hooks' bytes are counted as they issue their collectives; a hook that calls
+        ``jax.lax`` collectives itself counts as a ring all-reduce at the leaves' dtype.
       phase: ``phase(step: int) -> hashable``, for hooks whose collectives change with the step
         (PowerSGD's start). :class:`jddp.DataParallel` compiles one step per phase and passes it
         as ``HookContext.phase``, so no collective sits inside a ``lax.cond``.
@@ -91,17 +93,19 @@ class CommHook(NamedTuple):
         (``jddp.ZeRO(stage=2)`` and 3): ``rows`` is a bucket as an ``(N, K)`` matrix, one row per
         device; the result is the mean over devices of this device's row, shape ``(1, K)``.
         Used only by stateless hooks (it takes no state); its bytes are
-        ``scatter_bytes_by_level``'s, or half ``bytes_sent`` of the rows (a ring
-        reduce-scatter). ``None``, or a hook with state: the sharded stages reduce the bucket
-        with ``reduce`` and keep this device's piece.
+        ``scatter_bytes_by_level``'s, half ``bytes_sent`` of the rows, or counted like
+        ``reduce``'s (a ring reduce-scatter of the rows for ``jax.lax`` collectives). ``None``,
+        or a hook with state: the sharded stages reduce the bucket with ``reduce`` and keep
+        this device's piece.
       bytes_by_level: ``bytes_by_level(leaves, hosts, local, step) -> (inside, across)``: bytes
         one device sends inside its host and to other hosts for a bucket on a two-level mesh of
-        ``hosts`` x ``local`` devices; ``None`` means a flat ring over all devices, hosts in
-        order (:func:`jddp.hooks.ring_bytes_by_level`).
+        ``hosts`` x ``local`` devices (declared); ``None``: ``bytes_sent`` split like a flat
+        ring over all devices, hosts in order (:func:`jddp.hooks.ring_bytes_by_level`), or
+        counted as for ``bytes_sent``.
       scatter_bytes_by_level: ``scatter_bytes_by_level(rows, hosts, local, step) -> (inside,
         across)``: bytes one device sends in ``scatter`` of the ``(N, K)`` matrix ``rows`` over
-        ``hosts`` x ``local`` devices (``hosts`` is 1 on one level); ``None``: half of the hook's
-        all-reduce accounting of ``rows`` (a ring reduce-scatter).
+        ``hosts`` x ``local`` devices (``hosts`` is 1 on one level; declared); ``None``: see
+        ``scatter``.
     """
 
     init: Callable[[jax.ShapeDtypeStruct], Any]

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax.numpy as jnp
-from jax import lax
 
 from jddp._src.reduce import bytemodel
-from jddp._src.reduce.collectives import gather_invariant, scatter_sum, wire_itemsize
 from jddp._src.reduce.hooks import CommHook, HookContext, no_state
 
 
@@ -28,32 +25,25 @@ def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
         # device does not overflow; a mean above float16's max comes back inf (docs/hooks.md).
         low = tuple((g / jnp.asarray(n, g.dtype)).astype(dtype) for g in grads)
         if method == "psum":
-            summed = lax.psum(low, ctx.axis_name)
+            summed = bytemodel.psum(low, ctx.axis_name)
             out = tuple(r.astype(g.dtype) for r, g in zip(summed, grads, strict=True))
         else:
             # Gather the compressed shards and sum them locally in float32: the wire carries half
             # the bytes, and the addition is not done by the backend in half precision.
-            gathered = gather_invariant(low, ctx.axis_name)
+            gathered = bytemodel.all_gather(low, ctx.axis_name)
             out = tuple(
                 x.astype(jnp.float32).sum(0).astype(g.dtype)
                 for x, g in zip(gathered, grads, strict=True)
             )
         return out, states
 
-    def bytes_sent(leaves, axis_size, step):
-        del step
-        size = sum(math.prod(x.shape) for x in leaves) * wire_itemsize(dtype)
-        if method == "psum":
-            return bytemodel.ring_allreduce_bytes(size, axis_size)
-        return bytemodel.ring_allgather_bytes(size, axis_size)
-
     def scatter(rows, ctx: HookContext):
         # As reduce: divide first, send in low precision, return in the bucket's dtype.
         low = (rows / jnp.asarray(ctx.axis_size, rows.dtype)).astype(dtype)
-        out = scatter_sum(low, ctx.axis_name)
+        out = bytemodel.scatter_sum(low, ctx.axis_name)
         return out.astype(rows.dtype)
 
-    return CommHook(no_state, reduce, name, fuses_extras=False, bytes_sent=bytes_sent,
+    return CommHook(no_state, reduce, name, fuses_extras=False,
                     scatter=scatter if method == "psum" else None)
 
 

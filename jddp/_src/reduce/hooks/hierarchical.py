@@ -15,12 +15,9 @@ from jax import lax
 from jddp._src.reduce import bytemodel
 from jddp._src.reduce.collectives import (
     axis_size,
-    gather_invariant,
     levels,
     padded_flat,
-    scatter_sum,
     unflatten_like,
-    wire_nbytes,
 )
 from jddp._src.reduce.hooks import CommHook, HookContext, check_hook, hook_name
 from jddp._src.reduce.hooks.mean import allreduce_mean
@@ -41,14 +38,14 @@ def _scatter_leaves(grads: Sequence[jax.Array], live: Sequence[int], local: Any,
     else:
         layout = [[i] for i in live]
         flats = tuple(padded_flat(grads[i], parts) for i in live)
-    return scatter_sum(flats, local), layout
+    return bytemodel.scatter_sum(flats, local), layout
 
 
 def _gather_leaves(shards: Sequence[jax.Array], layout: list[list[int]], local: Any,
                    grads: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     """Inverse of :func:`_scatter_leaves` (an all-gather inside the host); leaves of size zero
     come back as zeros."""
-    full = gather_invariant(tuple(shards), local, axis=0, tiled=True)
+    full = bytemodel.all_gather(tuple(shards), local, axis=0, tiled=True)
     out: list[Any] = [jnp.zeros(jnp.shape(g), jnp.result_type(g)) for g in grads]
     for f, idx in zip(full, layout, strict=True):
         start = 0
@@ -114,15 +111,16 @@ def _reduce(grads: Sequence[jax.Array], states: Sequence[Any], ctx: HookContext,
     scaled = [g * jnp.asarray(scale, jnp.result_type(g)) for g in grads]
     shards, layout = _scatter_leaves(scaled, live, local, parts, concat)
     if inner is None:
-        return _gather_leaves(lax.psum(shards, hosts), layout, local, grads), tuple(states)
+        return _gather_leaves(bytemodel.psum(shards, hosts), layout, local, grads), tuple(states)
     inner_ctx = ctx._replace(axis_name=hosts, axis_size=ctx.axis_size // parts,
                              hosts_axis=hosts, local_axis=None)
     if concat:
         if any(jax.tree.leaves(states[i]) for i in live):
             raise ValueError(_CONCAT_STATE_ERROR.format(name=hook_name(inner)))
-        means, _ = inner.reduce(shards, tuple(() for _ in shards), inner_ctx)
+        means, _ = bytemodel.reduce_counted(inner, shards, tuple(() for _ in shards), inner_ctx)
         return _gather_leaves(means, layout, local, grads), tuple(states)
-    means, new = inner.reduce(shards, _shard_states(states, grads, live, local, parts), inner_ctx)
+    means, new = bytemodel.reduce_counted(
+        inner, shards, _shard_states(states, grads, live, local, parts), inner_ctx)
     new_states = _unshard_states(new, states, grads, live, local, parts)
     return _gather_leaves(means, layout, local, grads), new_states
 
@@ -144,20 +142,6 @@ def _check_inner_state(inner: CommHook, leaf: jax.ShapeDtypeStruct, state: Any) 
                 "(the gradient's shape, e.g. an error-feedback residual) or scalar. Hooks that "
                 "need the matrix (PowerSGD) cannot be the inner hook: use them as the hook itself."
             )
-
-
-def _shard_structs(leaves: Sequence[Any], local: int, concat: bool) -> list[jax.ShapeDtypeStruct]:
-    """The 1-D shards one device sends across hosts for a bucket of ``leaves`` (one per live leaf,
-    or per dtype with ``concat``), padded like :func:`_reduce` pads."""
-    if concat:
-        by_dtype: dict[Any, int] = {}
-        for x in leaves:
-            d = jnp.dtype(x.dtype)
-            by_dtype[d] = by_dtype.get(d, 0) + math.prod(x.shape)
-        sizes = [(n, d) for d, n in by_dtype.items() if n]
-    else:
-        sizes = [(math.prod(x.shape), jnp.dtype(x.dtype)) for x in leaves if math.prod(x.shape)]
-    return [jax.ShapeDtypeStruct(((n + (-n) % local) // local,), d) for n, d in sizes]
 
 
 def hierarchical(hosts_axis: str | None = None, *, concat: bool = False,
@@ -217,22 +201,11 @@ def hierarchical(hosts_axis: str | None = None, *, concat: bool = False,
     def reduce(grads, states, ctx: HookContext):
         hosts, local = levels(ctx.axis_name, hosts_axis or ctx.hosts_axis)
         if hosts is None:
-            return inner_hook.reduce(grads, states, ctx)
+            return bytemodel.reduce_counted(inner_hook, grads, states, ctx)
         return _reduce(grads, states, ctx, hosts, local, inner, concat)
-
-    def bytes_by_level(leaves, hosts, local, step):
-        pieces = _shard_structs(leaves, local, concat)
-        padded = sum(wire_nbytes(p) for p in pieces) * local
-        inside = 2.0 * (local - 1) / local * padded  # reduce-scatter + all-gather, full precision
-        across = bytemodel.bucket_bytes_sent(inner_hook, pieces, hosts, step) if pieces else 0.0
-        return inside, across
-
-    def bytes_sent(leaves, axis_size, step):
-        # Without the split (a 1-D mesh): the inner hook over the whole axis.
-        return bytemodel.bucket_bytes_sent(inner_hook, leaves, axis_size, step)
 
     name = "hierarchical[concat]" if concat else "hierarchical"
     if inner is not None:
         name = f"{name}(inner={hook_name(inner)})"
     return CommHook(init, reduce, name, fuses_extras=bool(inner_hook.fuses_extras),
-                    bytes_sent=bytes_sent, phase=inner_hook.phase, bytes_by_level=bytes_by_level)
+                    phase=inner_hook.phase)

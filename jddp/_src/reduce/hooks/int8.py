@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +11,6 @@ from jax import lax
 from jddp._src.api import options
 from jddp._src.introspect import vma
 from jddp._src.reduce import bytemodel
-from jddp._src.reduce.collectives import gather_invariant
 from jddp._src.reduce.hooks import CommHook, HookContext
 
 _ROUNDINGS = ("nearest", "stochastic")
@@ -80,48 +76,8 @@ def _int8_exchange(x: jax.Array, ctx: HookContext, block: int,
     would overflow). Returns ``(this device's mean row, q, scale)`` (the latter two for the
     rounding error)."""
     q, scale = _quantize(x, block, key)
-    received = lax.all_to_all(_pack(q, scale), ctx.axis_name, 0, 0, tiled=True)
+    received = bytemodel.all_to_all(_pack(q, scale), ctx.axis_name, 0, 0, tiled=True)
     return _unpack(received, x.shape[1], block).sum(0) / ctx.axis_size, q, scale
-
-
-def _int8_width(leaves: Sequence[Any], axis_size: int, block: int) -> int:
-    """Bytes of one device's int8 row of a bucket of ``leaves``: its chunk and the scales."""
-    chunk = _chunk(sum(math.prod(x.shape) for x in leaves), axis_size, block)
-    return chunk + 4 * (chunk // block)
-
-
-def _int8_bytes_sent(leaves: Sequence[Any], axis_size: int, step: Any, *, block: int) -> float:
-    """:func:`int8_compress`'s ``bytes_sent``: all-to-all ((N-1)/N of N rows) + all-gather
-    ((N-1) x one row)."""
-    del step
-    live = [x for x in leaves if math.prod(x.shape)]
-    return 2.0 * (axis_size - 1) * _int8_width(live, axis_size, block) \
-        if live and axis_size > 1 else 0.0
-
-
-def _int8_bytes_by_level(leaves: Sequence[Any], hosts: int, local: int, step: Any, *,
-                         block: int) -> tuple[float, float]:
-    """:func:`int8_compress`'s ``bytes_by_level``: the all-to-all sends one row to every other
-    device directly, ``N-L`` of them on other hosts; the all-gather is a ring over the devices
-    in host order (:func:`jddp._src.reduce.bytemodel.ring_bytes_by_level`'s split)."""
-    del step
-    n = hosts * local
-    live = [x for x in leaves if math.prod(x.shape)]
-    if not live or n == 1:
-        return 0.0, 0.0
-    w = _int8_width(live, n, block)
-    gather_in, gather_across = bytemodel.ring_bytes_by_level(1.0, hosts, local)
-    share = gather_across / (gather_in + gather_across)
-    return ((local - 1) * w + (n - 1) * w * (1 - share), (n - local) * w + (n - 1) * w * share)
-
-
-def _int8_scatter_bytes_by_level(rows: Any, hosts: int, local: int, step: Any, *,
-                                 block: int) -> tuple[float, float]:
-    """:func:`int8_compress`'s ``scatter_bytes_by_level``: the all-to-all alone, one padded row
-    to each other device, ``N-L`` of them on other hosts."""
-    del step
-    w = _int8_width([rows], hosts * local, block)
-    return float((local - 1) * w), float((hosts - 1) * local * w)
 
 
 def _int8_scatter(rows: jax.Array, ctx: HookContext, block: int, stochastic: bool,
@@ -154,7 +110,7 @@ def _int8_reduce(grads, states, ctx: HookContext, block: int, stochastic: bool,
     mine, q, scale = _int8_exchange(x, ctx, block, key1)
     # Phase 2 (an all-gather in int8) of each device's mean chunk.
     q2, scale2 = _quantize(mine[None], block, key2)
-    gathered = gather_invariant(_pack(q2, scale2)[0], ctx.axis_name, axis=0, tiled=False)
+    gathered = bytemodel.all_gather(_pack(q2, scale2)[0], ctx.axis_name, axis=0, tiled=False)
     mean = _unpack(gathered, chunk, block).reshape(-1)
     new_states = list(states)
     if error_feedback:
@@ -232,12 +188,8 @@ def int8_compress(
         return _int8_scatter(rows, ctx, block_size, stochastic, seed)
 
     name = f"int8_compress(block={block_size}, {rounding})"
-    scatter_bytes = functools.partial(_int8_scatter_bytes_by_level, block=block_size)
     return CommHook(init, reduce, name, fuses_extras=False,
-                    bytes_sent=functools.partial(_int8_bytes_sent, block=block_size),
-                    bytes_by_level=functools.partial(_int8_bytes_by_level, block=block_size),
-                    scatter=None if error_feedback else scatter,
-                    scatter_bytes_by_level=None if error_feedback else scatter_bytes)
+                    scatter=None if error_feedback else scatter)
 
 
 # ----------------------------------------------------------------------------------- PowerSGD

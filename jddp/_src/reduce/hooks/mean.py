@@ -7,10 +7,9 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from jddp._src.reduce import platform_paths
-from jddp._src.reduce.collectives import scatter_sum, traced_platform
+from jddp._src.reduce import bytemodel, platform_paths
+from jddp._src.reduce.collectives import traced_platform
 from jddp._src.reduce.hooks import CommHook, HookContext, no_state
 
 
@@ -35,14 +34,14 @@ def _divide_after_sum(grads: Sequence[jax.Array], n: int) -> bool:
 def _allreduce_mean(grads, state, ctx: HookContext):
     scale = 1.0 / ctx.axis_size
     if _divide_after_sum(grads, ctx.axis_size):
-        summed = lax.psum(tuple(grads), ctx.axis_name)
+        summed = bytemodel.psum(tuple(grads), ctx.axis_name)
         return tuple(s * jnp.asarray(scale, s.dtype) for s in summed), state
-    return lax.psum(tuple(g * jnp.asarray(scale, g.dtype) for g in grads), ctx.axis_name), state
+    return bytemodel.psum(tuple(g * jnp.asarray(scale, g.dtype) for g in grads), ctx.axis_name), state
 
 
 def _mean_scatter(rows: jax.Array, ctx: HookContext) -> jax.Array:
     scale = jnp.asarray(1.0 / ctx.axis_size, rows.dtype)
-    return scatter_sum(rows * scale, ctx.axis_name)
+    return bytemodel.scatter_sum(rows * scale, ctx.axis_name)
 
 
 def allreduce_mean() -> CommHook:

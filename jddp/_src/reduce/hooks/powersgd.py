@@ -11,12 +11,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jddp._src.api import options
 from jddp._src.introspect import vma
 from jddp._src.reduce import bytemodel
-from jddp._src.reduce.collectives import wire_nbytes
 from jddp._src.reduce.hooks import CommHook, HookContext, leaf_str
 
 
@@ -91,7 +89,7 @@ class _PowerSGD:
         return state
 
     def plain(self, grads, states, ctx: HookContext):
-        summed = lax.psum(tuple(grads), ctx.axis_name)
+        summed = bytemodel.psum(tuple(grads), ctx.axis_name)
         return tuple(s / ctx.axis_size for s in summed), tuple(states)
 
     def compressed(self, grads, states, ctx: HookContext):
@@ -110,12 +108,12 @@ class _PowerSGD:
         # One all-reduce for the uncompressed leaves and every P; one more for every Q.
         plain_idx = [i for i, r in enumerate(rs) if not r]
         ps = {i: mats[i] @ qs[i] for i in mats}
-        summed = lax.psum((tuple(grads[i] for i in plain_idx), tuple(ps.values())), ctx.axis_name)
+        summed = bytemodel.psum((tuple(grads[i] for i in plain_idx), tuple(ps.values())), ctx.axis_name)
         out: list[Any] = [None] * len(grads)
         for i, s in zip(plain_idx, summed[0], strict=True):
             out[i] = s / n_dev
         ps = {i: _orthogonalize(p) for i, p in zip(ps, summed[1], strict=True)}
-        q_sum = lax.psum(tuple(mats[i].T @ ps[i] for i in ps), ctx.axis_name)
+        q_sum = bytemodel.psum(tuple(mats[i].T @ ps[i] for i in ps), ctx.axis_name)
         new_states = list(states)
         for i, q in zip(ps, q_sum, strict=True):
             q = q / n_dev
@@ -170,26 +168,12 @@ class _PowerSGD:
         # No static phase (a caller that does not track the step on the host): switch in the
         # graph. Both branches' collectives are compiled in; only one runs. XLA:CPU was seen to
         # deadlock on collectives inside a conditional with many steps in flight, hence the phase.
-        return lax.cond(
+        return bytemodel.cond(
             ctx.step < self.start_iter,
             lambda g, s: self.plain(g, s, ctx),
             lambda g, s: self.compressed(g, s, ctx),
             tuple(grads), tuple(states),
         )
-
-    def bytes_sent(self, leaves, axis_size, step):
-        full = sum(wire_nbytes(x) for x in leaves)
-        rs = self.ranks(leaves)
-        plain_b = sum(wire_nbytes(x) for x, r in zip(leaves, rs, strict=True) if not r)
-        p_b = sum(4 * _matrix_shape(x.shape)[0] * r for x, r in zip(leaves, rs, strict=True) if r)
-        q_b = sum(4 * _matrix_shape(x.shape)[1] * r for x, r in zip(leaves, rs, strict=True) if r)
-        before = bytemodel.ring_allreduce_bytes(full, axis_size)
-        after = bytemodel.ring_allreduce_bytes(plain_b + p_b, axis_size) + (
-            bytemodel.ring_allreduce_bytes(q_b, axis_size) if q_b else 0.0
-        )
-        if not any(rs):
-            return before
-        return jnp.where(jnp.asarray(step) < self.start_iter, before, after)
 
     def phase(self, step: int) -> str:
         return "plain" if step < self.start_iter else "compressed"
@@ -241,7 +225,7 @@ def powersgd(
     start_iter = int(start_iter)
     impl = _PowerSGD(rank, start_iter, min_compression_rate, error_feedback, warm_start, seed)
     name = f"powersgd(rank={rank}, start_iter={start_iter})"
-    return CommHook(impl.init, impl.reduce, name, fuses_extras=True, bytes_sent=impl.bytes_sent,
+    return CommHook(impl.init, impl.reduce, name, fuses_extras=True,
                     phase=impl.phase)
 
 

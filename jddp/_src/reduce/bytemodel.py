@@ -209,10 +209,17 @@ def _declared(hook: CommHook, leaves: Sequence[Any], group: int, hosts: int,
         return None
     total = sent(tuple(leaves), group, step)
     if 1 < hosts < group:
-        inside, across = ring_bytes_by_level(1.0, hosts, group // hosts)  # the split, per byte
-        share = across / (inside + across) if inside + across else 0.0
-        return Bytes(total * (1.0 - share) + total * share, total * share)
+        inside, across = _flat_split(total, hosts, group // hosts)
+        return Bytes(inside + across, across)
     return Bytes(total, total if hosts > 1 else 0.0)
+
+
+def _flat_split(total: Any, hosts: int, local: int) -> tuple[Any, Any]:
+    """``(inside, across)``: ``total`` bytes split as a flat ring over ``hosts`` x ``local``
+    devices splits its bytes (:func:`ring_bytes_by_level`)."""
+    inside, across = ring_bytes_by_level(1.0, hosts, local)  # the split, per byte
+    share = across / (inside + across) if inside + across else 0.0
+    return total * (1.0 - share), total * share
 
 
 def reduce_counted(hook: CommHook, grads: tuple, states: tuple, ctx: HookContext) -> Any:
@@ -387,10 +394,8 @@ def bucket_bytes_by_level(
     if fn is not None:
         return fn(tuple(leaves), hosts, local, step)
     if getattr(hook, "bytes_sent", None) is not None:
-        total = hook.bytes_sent(tuple(leaves), hosts * local, step)  # type: ignore[misc]
-        inside, across = ring_bytes_by_level(1.0, hosts, local)  # the flat ring's split, per byte
-        share = across / (inside + across) if inside + across else 0.0
-        return total * (1.0 - share), total * share
+        return _flat_split(hook.bytes_sent(tuple(leaves), hosts * local, step),  # type: ignore[misc]
+                           hosts, local)
     sent = _offline(hook, leaves, {"hosts": hosts, "local": local}, "hosts", step)
     return sent.total - sent.across, sent.across
 

@@ -18,7 +18,7 @@ needs the CUDA compiler plugin, no GPU): build, lowering and compile only, nothi
 
 ``--steady`` also times the step itself, jddp's step with 4 buckets with the chain's always-zero
 scalar built the way it was before it was kept from being duplicated (``chain_dependency`` in
-jddp/_src/reduce/reduction.py) against the current one, alternated round by round, at the first depth.
+jddp/_src/reduce/chain.py) against the current one, alternated round by round, at the first depth.
 
     python benchmarks/compile_depth.py --json benchmarks/out/compile_depth.json \\
         --png benchmarks/out/compile_depth.png
@@ -199,9 +199,11 @@ def duplicated_chain_scalar():
     import numpy as np
 
     from jddp._src.place import stages
-    from jddp._src.reduce import reduction
+    from jddp._src.reduce import allreduce, averaging, backward, chain, regather, sharded
 
-    current = reduction.chain_dependency
+    # Every module that calls it holds its own name for it.
+    users = (allreduce, averaging, backward, regather, sharded, stages)
+    current = chain.chain_dependency
 
     def before(reduced, chain):
         if chain == "barrier":
@@ -210,11 +212,13 @@ def duplicated_chain_scalar():
                     jnp.zeros((), jnp.float32))
         return jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0)
 
-    reduction.chain_dependency = stages.chain_dependency = before
+    for module in users:
+        module.chain_dependency = before
     try:
         yield
     finally:
-        reduction.chain_dependency = stages.chain_dependency = current
+        for module in users:
+            module.chain_dependency = current
 
 
 def steady(depth, width, rounds, mesh):

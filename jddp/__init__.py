@@ -38,8 +38,9 @@ from jddp._src.api.policies import (
     ZeRO,
 )
 from jddp._src.plan.planner import plan_buckets
-from jddp._src.reduce.hooks import bf16_compress, fp16_compress, powersgd
-from jddp._src.reduce.reduction import value_and_grad
+from jddp._src.reduce.dropin import value_and_grad
+from jddp._src.reduce.hooks.cast import bf16_compress, fp16_compress
+from jddp._src.reduce.hooks.powersgd import powersgd
 from jddp._src.runtime.mesh import data_mesh, shard_batch
 from jddp._src.runtime.verify import ReplicaDivergenceError
 from jddp._src.step.programs import ProgramMismatchError

@@ -291,16 +291,16 @@ def test_stage_3_reshard_gathers_again_in_backward():
 def test_stage_3_backward_prefetch_control():
     """The control: without the prefetch (the backward gathers wait for their own equation's
     output cotangent, as on CPU) no backward gather has a GEMM between its start and done."""
-    from jddp._src.reduce import reduction
+    from jddp._src.reduce import regather
 
     ddp = jddp.DataParallel(loss_fn, optax.sgd(0.1), mesh=mesh(),
                             reduce=jddp.Buckets(cap_mb=1.0, first_mb=1.0), place=jddp.ZeRO(stage=3))
-    prefetch = reduction.backward_prefetch
+    prefetch = regather.backward_prefetch
     try:
-        reduction.backward_prefetch = lambda: False
+        regather.backward_prefetch = lambda: False
         sched = schedule.read_schedule(ddp.lower(params_like(), batch_like()).compile())
     finally:
-        reduction.backward_prefetch = prefetch
+        regather.backward_prefetch = prefetch
     k = ddp.bucket_plan.num_buckets
     backward = sched.of_kind("all-gather")[k:]
     assert backward and all(g.dots_between == 0 for g in backward), sched.table()

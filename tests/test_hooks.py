@@ -224,6 +224,35 @@ def test_comm_bytes_metric(wire, monkeypatch):
         assert float(m["comm_bytes"]) == pytest.approx(2 * (N - 1) / N * (nbytes * factor + 4))
 
 
+def test_comm_bytes_are_counted_as_a_hook_issues_them():
+    """The built-in hooks' bytes are recorded as they issue their collectives: outside a step
+    (``plan_bytes_sent``) they price what the step counts, the float32 loss aside (its own
+    all-reduce behind a compressing hook). A hook that calls ``jax.lax`` itself counts as a ring
+    all-reduce of its bucket; one that declares ``bytes_sent`` is taken at its word."""
+    params, batch = _mlp()
+    nbytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    loss_bytes = 2 * (N - 1) / N * 4
+
+    def mean(grads, states, ctx):
+        return tuple(jax.lax.psum(g, ctx.axis_name) / ctx.axis_size for g in grads), states
+
+    own = jddp.CommHook(lambda leaf: (), mean, "own")
+    declared = own._replace(bytes_sent=lambda leaves, n, step: 1000.0)
+    for hook in [own, declared, jddp.hooks.int8_compress(), jddp.bf16_compress()]:
+        ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1),
+                                reduce=jddp.Buckets(cap_mb=1e-4, first_mb=1e-4, hook=hook))
+        _, m = ddp.step(ddp.init(params), batch)
+        plan = ddp.bucket_plan
+        assert plan.num_buckets > 1
+        if hook is own:
+            want = 2 * (N - 1) / N * nbytes
+        elif hook is declared:
+            want = 1000.0 * plan.num_buckets
+        else:
+            want = float(jddp.hooks.plan_bytes_sent(hook, plan, N))
+        assert float(m["comm_bytes"]) == pytest.approx(want + loss_bytes, rel=1e-6)
+
+
 def test_unused_leaf_keeps_its_hook_state():
     params, batch = _mlp()
     params = {**params, "unused": jnp.ones((32, 32))}

@@ -572,10 +572,10 @@ def test_backward_prefetch_equals_stage_0(monkeypatch):
     gathered again, and the first once more for its tied use (no gather merged by the
     combiner, none dropped), and comm_bytes equals the
     compiled program's collectives."""
-    from jddp._src.reduce import reduction
+    from jddp._src.reduce import regather
 
-    assert not reduction.backward_prefetch()  # off on CPU: a prefetch cannot overlap there
-    monkeypatch.setattr(reduction, "backward_prefetch", lambda: True)
+    assert not regather.backward_prefetch()  # off on CPU: a prefetch cannot overlap there
+    monkeypatch.setattr(regather, "backward_prefetch", lambda: True)
     params, loss, batch, _ = _deep(layers=4, width=64, tied=True)
     caps = dict(cap_mb=0.02, first_mb=0.02)
     out = {}

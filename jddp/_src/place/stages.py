@@ -8,7 +8,7 @@ every stage shares (the topology, offload, ``shard="owner"``); :class:`ZeRO2` al
 reduced gradients in pieces (each bucket reduce-scattered); :class:`ZeRO3` also the parameters
 (gathered bucket by bucket in the forward pass). Each overrides only the methods its stage
 changes; the collectives are :mod:`jddp._src.place.zero`'s, the bucket reducers
-:mod:`jddp._src.reduce.reduction`'s (from the :class:`jddp._src.place.zero.Sharded` record a
+:mod:`jddp._src.reduce.sharded`'s (from the :class:`jddp._src.place.zero.Sharded` record a
 stage gives).
 """
 
@@ -351,7 +351,7 @@ class ZeRO2(ZeRO1):
 class ZeRO3(ZeRO2):
     """``ZeRO(stage=3)`` resolved (FSDP's ``FULL_SHARD``): stage 2, and each device holds
     only its pieces of the parameters, all-gathered bucket by bucket before their first use
-    (:class:`jddp._src.reduce.reduction.GatherInForward`)."""
+    (:class:`jddp._src.reduce.sharded.GatherInForward`)."""
 
     @property
     def splits_params(self) -> bool:

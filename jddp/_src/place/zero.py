@@ -11,7 +11,7 @@ pieces live (``jddp.ZeRO(stage=...)``; the decisions are :mod:`jddp._src.place.p
   bucket before its first use (the planner's first-use order is the prefetch order: the next
   bucket's gather runs while the current layer computes) and the backward pass reduce-scatters
   its gradient. With ``reshard_after_forward`` (the default) each gathered leaf is dropped after
-  its forward use and gathered again for the backward (``reduction._regathered``; on GPU and TPU
+  its forward use and gathered again for the backward (``regather.regathered``; on GPU and TPU
   one use ahead, while the next use's backward computes), also where the loss reads it through a
   cast or a transpose (recomputed from the gathered leaf; what cannot be recomputed is warned
   about and listed by :func:`not_resharded`); without it a gathered bucket stays
@@ -107,7 +107,7 @@ class Layout(NamedTuple):
 
 class Sharded(NamedTuple):
     """How a sharded stage's buckets are reduced: the record a placement gives the bucket
-    reducer (:func:`jddp._src.reduce.reduction.make_reducer`; ``None`` there: the hook's
+    reducer (:func:`jddp._src.reduce.sharded.make_reducer`; ``None`` there: the hook's
     all-reduce).
 
     Attributes:

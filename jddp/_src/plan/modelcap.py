@@ -49,7 +49,8 @@ import numpy as np
 from jddp._src.api import options
 from jddp._src.plan.autocap import CapChoice, ChoosingStep
 from jddp._src.plan.planner import BucketPlan, assign_buckets
-from jddp._src.reduce.hooks import CommHook, allreduce_mean
+from jddp._src.reduce.hooks import CommHook
+from jddp._src.reduce.hooks.mean import allreduce_mean
 from jddp._src.step import skeleton
 from jddp._src.step.step import Step
 from jddp._src.tree import MiB

@@ -9,7 +9,7 @@ a. *local gradients* (:func:`_prepare`, :func:`_window_start`): the loss is trac
    window's local gradients so far are summed (the accumulator, and this call's first ``m - 1``
    micro-batches, scanned over the same jaxpr);
 b. *reduce* (:func:`_reduce`): a synchronising call evaluates the jaxpr on the last micro-batch
-   with one reducing backward hook per bucket (:func:`jddp._src.reduce.reduction.bucketed_vjp`) over the
+   with one reducing backward hook per bucket (:func:`jddp._src.reduce.backward.bucketed_vjp`) over the
    island's axis (``Roles.axis``: every device, the devices of a host with local SGD, or none);
    metrics, the window's weight and the model-state payload ride on the last bucket's
    all-reduce;
@@ -40,18 +40,14 @@ from jax import lax
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
 from jddp._src.place import zero
+from jddp._src.place.zero import Sharded
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce.reduction import (
-    Bytes,
-    Reduced,
-    Sharded,
-    bucketed_vjp,
-)
+from jddp._src.reduce.backward import Reduced, bucketed_vjp
 from jddp._src.step.checks import batch_size
 from jddp._src.step.config import LocalCall, LocalResult, ReduceContext
 from jddp._src.step.objective import Extras, LocalAux
 from jddp._src.step.state import AccumState, TrainState
-from jddp._src.tree import add_device_dim, strip_device_dim
+from jddp._src.tree import Bytes, add_device_dim, strip_device_dim
 from jddp._src.update import accumulation as acc_lib
 from jddp._src.update import loss_scale as ls_lib
 from jddp._src.update import precision as precision_lib

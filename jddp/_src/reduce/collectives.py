@@ -1,4 +1,6 @@
-"""Reduce-scatter that is right on every backend, including XLA:CPU across processes (Gloo).
+"""Collective helpers shared by the hooks and reducers: axis sizes and levels, the wire's bytes
+per element, flat padded buffers, an invariant all-gather, and a reduce-scatter that is right on
+every backend, including XLA:CPU across processes (Gloo).
 
 XLA:CPU runs a multi-process reduce-scatter through Gloo's ``ReduceScatterHalvingDoubling``, whose
 last phase copies the received shard over the front of its working buffer before the sends of
@@ -17,10 +19,44 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from jddp._src import tree
-from jddp._src.introspect import vma
+from jddp._src.introspect import jax_private, vma
+
+#: ``all_gather`` whose result is typed as the same on every replica (``check_vma``).
+gather_invariant = jax_private.all_gather_invariant
+
+
+def axis_size(axis_name: Any) -> int:
+    """The number of replicas along ``axis_name`` (a static int inside shard_map or pmap)."""
+    return int(math.prod(lax.axis_size(a) for a in vma.axis_names(axis_name)))
+
+
+def levels(axis_name: Any, hosts_axis: str | None) -> tuple[str | None, Any]:
+    """``(hosts, local)`` axes of a reduction over ``axis_name`` on a two-level mesh whose axis
+    across hosts is ``hosts_axis``: ``hosts`` is ``None`` when the reduction has one level."""
+    names = vma.axis_names(axis_name)
+    if hosts_axis is None or hosts_axis not in names or len(names) < 2:
+        return None, axis_name
+    local = tuple(a for a in names if a != hosts_axis)
+    return hosts_axis, local[0] if len(local) == 1 else local
+
+
+def padded_flat(x: jax.Array, parts: int) -> jax.Array:
+    """``x`` as a 1-D array padded with zeros to a multiple of ``parts`` elements (no copy when
+    its size already is one)."""
+    flat = jnp.ravel(x)
+    pad = (-flat.size) % parts
+    return jnp.pad(flat, (0, pad)) if pad else flat
+
+
+def unflatten_like(flat: jax.Array, like: Any) -> jax.Array:
+    """Inverse of :func:`padded_flat`: the first ``like.size`` elements in ``like``'s shape."""
+    size = math.prod(jnp.shape(like))
+    out = flat if flat.shape[0] == size else flat[:size]
+    return out.reshape(jnp.shape(like))
 
 
 def traced_platform() -> str:
@@ -77,7 +113,7 @@ def scatter_sum(x: Any, axis_name: Any) -> Any:
 
 
 def _all_to_all_sum(x: jax.Array, axis_name: Any) -> jax.Array:
-    n = math.prod(lax.axis_size(a) for a in vma.axis_names(axis_name))
+    n = axis_size(axis_name)
     pieces = x.reshape((n, x.shape[0] // n) + x.shape[1:])
     # Row j of the result is device j's piece for this device; summed in device order, so every
     # run adds the same values in the same order.

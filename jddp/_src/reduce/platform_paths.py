@@ -13,7 +13,7 @@ table, through :func:`paths`, with the platform the step is traced for:
   (:meth:`jddp._src.reduce.reducers.Bucketed.jax_reduces`). XLA:CPU: the SyncBN ResNet-18's step against
   plain ``shard_map`` from 1.098 to 0.98-1.016 (``benchmarks/out/cpu_step/implicit/README.md``).
 - ``divide_after_sum``: the default hook takes the mean's ``1/N`` after the all-reduce where
-  that gives the same bits (:func:`jddp._src.reduce.hooks.allreduce_mean`). XLA:CPU: 1.3-3.6% off the
+  that gives the same bits (:func:`jddp._src.reduce.hooks.mean.allreduce_mean`). XLA:CPU: 1.3-3.6% off the
   benchmark MLP's and conv net's steps, paired A/B (``benchmarks/out/cpu_step/README.md``);
   elsewhere the scale fuses into the gradient's producer, and on GPU the ``"barrier"`` chain
   needs the next bucket tied to the all-reduce results themselves.

@@ -34,7 +34,8 @@ from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.plan.planner import BucketPlan, build_plan, traced_use_times
 from jddp._src.reduce import bucketed, platform_paths, replicated, xla_options
 from jddp._src.reduce import deterministic as det_lib
-from jddp._src.reduce.hooks import CommHook, allreduce_mean, init_hook_state
+from jddp._src.reduce.hooks import CommHook, init_hook_state
+from jddp._src.reduce.hooks.mean import allreduce_mean
 from jddp._src.step.config import LocalCall, LocalResult, PlanPolicy, ReduceContext
 from jddp._src.step.state import AccumState
 

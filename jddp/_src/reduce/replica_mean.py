@@ -14,14 +14,14 @@ import jax
 
 from jddp._src.api import options
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce.collectives import wire_itemsize
-from jddp._src.reduce.hooks import (
-    CommHook,
+from jddp._src.reduce.averaging import bucketed_mean
+from jddp._src.reduce.bytemodel import (
     bucket_bytes_sent,
     ring_allgather_bytes,
     ring_allreduce_bytes,
 )
-from jddp._src.reduce.reduction import bucketed_mean
+from jddp._src.reduce.collectives import wire_itemsize
+from jddp._src.reduce.hooks import CommHook
 from jddp._src.runtime.topology import Topology
 
 

@@ -17,7 +17,7 @@ from jddp._src.place import offload
 from jddp._src.plan import autocap, modelcap
 from jddp._src.plan import report as report_lib
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce.hooks import allreduce_mean
+from jddp._src.reduce.hooks.mean import allreduce_mean
 from jddp._src.reduce.reducers import Bucketed
 from jddp._src.runtime import mesh as mesh_lib
 from jddp._src.runtime import verify as verify_lib

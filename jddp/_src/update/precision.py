@@ -87,7 +87,7 @@ def resolve_hook(policy: MixedPrecision | None, hook: Any) -> Any:
     :mod:`jddp._src.step.compat`, checked before."""
     if policy is None or not policy.compresses or hook is not None:
         return hook
-    from jddp._src.reduce.hooks import bf16_compress, fp16_compress  # a leaf module: no cycle
+    from jddp._src.reduce.hooks.cast import bf16_compress, fp16_compress  # a leaf: no cycle
 
     return bf16_compress() if policy.reduce_dtype == np.dtype(jnp.bfloat16) else fp16_compress()
 
@@ -131,9 +131,9 @@ def gather_dtype(policy: MixedPrecision | None) -> np.dtype | None:
 
 @dataclasses.dataclass(frozen=True)
 class Cast:
-    """A reducer (:class:`jddp._src.reduce.reduction.BucketReducer`) whose forward hands the loss
+    """A reducer (:class:`jddp._src.reduce.allreduce.BucketReducer`) whose forward hands the loss
     ``dtype`` copies of the bucket's parameters; everything else is ``inner``'s (the backward
-    gets gradients already in the master dtype: :func:`jddp._src.reduce.reduction._bucket_vjp` sums
+    gets gradients already in the master dtype: :func:`jddp._src.reduce.backward._bucket_vjp` sums
     local gradients in the dtype of the reduction's result)."""
 
     inner: Any
@@ -154,11 +154,8 @@ class Cast:
     def backward(self, b: int, grads: tuple, states: tuple, extras: tuple, step: Any) -> tuple:
         return self.inner.backward(b, grads, states, extras, step)
 
-    def bytes(self, b: int, extras: Sequence[Any], step: Any) -> Any:
-        return self.inner.bytes(b, extras, step)
-
-    def mean_bytes(self, extras: Sequence[Any]) -> Any:
-        return self.inner.mean_bytes(extras)
+    def forward_bytes(self, b: int) -> Any:
+        return self.inner.forward_bytes(b)
 
     def unused_bytes(self) -> Any:
         return self.inner.unused_bytes()

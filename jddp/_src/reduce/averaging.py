@@ -1,0 +1,111 @@
+"""Averaging per-replica values bucket by bucket (local SGD's parameters, DiLoCo's deltas):
+:func:`bucketed_mean`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jddp._src.api import options
+from jddp._src.plan.planner import BucketPlan
+from jddp._src.reduce.chain import chained, resolve_chain
+from jddp._src.reduce.collectives import axis_size, gather_invariant, padded_flat, unflatten_like
+from jddp._src.reduce.hooks import CommHook, HookContext, check_output, check_reduced
+from jddp._src.tree import chain_dependency
+
+
+def bucketed_mean(
+    leaves: Sequence[jax.Array],
+    plan: BucketPlan,
+    axis_name: Any,
+    *,
+    local_axis: Any = None,
+    chain: options.Chain = "auto",
+    extras: Sequence[jax.Array] = (),
+    hook: CommHook | None = None,
+    step: Any = 0,
+) -> tuple[list[jax.Array], tuple]:
+    """The mean over ``axis_name`` of per-replica values shaped like the plan's leaves (local
+    SGD's parameters, DiLoCo's parameter deltas), one collective per bucket, in plan order (the
+    last layers first), chained like the gradient buckets
+    (:func:`jddp._src.reduce.chain.resolve_chain`).
+
+    Leaves the plan leaves out (unused parameters) ride on the last bucket; so do ``extras``
+    (float32 values averaged the same way: the step's loss, metrics, model-state payload).
+
+    With ``local_axis`` the values are equal over it (one replica per host, the devices of a
+    host holding the same copy): each device of a host averages its ``1/L`` slice of the bucket
+    across hosts and an all-gather over ``local_axis`` puts the bucket back together, so a host
+    sends the bucket's bytes across once, not ``L`` times. Must run inside ``shard_map`` over
+    ``axis_name`` (and ``local_axis``).
+
+    Args:
+      hook: a stateless communication hook that averages each bucket (its slice with
+        ``local_axis``) over ``axis_name`` instead of the float32 ``psum`` (e.g.
+        ``int8_compress(error_feedback=False)``); ``extras`` then travel in their own exact
+        ``psum`` (metrics are never compressed), and the in-host gather stays float32.
+      step: the step number the hook's context carries (stochastic rounding keys on it).
+
+    Returns:
+      ``(means, extras_means)``: the leaves' means (in ``leaves`` order, no longer varying over
+      the axes) and the extras' means.
+    """
+    mode = resolve_chain(chain)
+    out: list[Any] = list(leaves)
+    extras_out: tuple = tuple(extras)
+    groups = [list(b.indices) for b in plan.buckets]
+    if plan.unused:
+        if groups:
+            groups[-1] += list(plan.unused)
+        else:
+            groups = [list(plan.unused)]
+    if not groups:
+        groups = [[]]
+    dep: Any = None
+    for b, idx in enumerate(groups):
+        last = b == len(groups) - 1
+        vals = tuple(leaves[i] for i in idx)
+        if dep is not None:
+            vals = chained(vals, dep, mode)
+        ctx = HookContext(axis_name, axis_size(axis_name), jnp.asarray(step, jnp.int32), b)
+        means, riders = _mean_bucket(vals, tuple(extras) if last else (), ctx, local_axis, hook)
+        if last:
+            extras_out = riders
+        for j, m in zip(idx, means, strict=True):
+            out[j] = m
+        if means:
+            dep = chain_dependency(means, mode) if mode != "none" else None
+    return out, extras_out
+
+
+def _mean_bucket(vals: tuple, extras: tuple, ctx: HookContext, local_axis: Any,
+                 hook: CommHook | None) -> tuple[tuple, tuple]:
+    """One bucket of :func:`bucketed_mean`: ``(means of vals, means of extras)``."""
+    axis_name, n = ctx.axis_name, ctx.axis_size
+    if local_axis is not None:
+        # This device's 1/L slice of each leaf (equal on every device of the host, so the
+        # slices need no reduction inside the host), averaged across hosts, then gathered.
+        parts, i = axis_size(local_axis), lax.axis_index(local_axis)
+        flats = [padded_flat(v, parts) for v in vals]
+        sent = tuple(lax.dynamic_slice_in_dim(f, i * (f.shape[0] // parts), f.shape[0] // parts)
+                     for f in flats)
+    else:
+        sent = vals
+    riders = tuple(e / n for e in extras)
+    if hook is None:
+        summed = lax.psum(tuple(v * jnp.asarray(1.0 / n, v.dtype) for v in sent) + riders,
+                          axis_name)
+        reduced, riders = summed[: len(sent)], summed[len(sent):]
+    else:
+        out = hook.reduce(sent, tuple(() for _ in sent), ctx) if sent else ((), ())
+        reduced, _ = check_output(hook, sent, out, ctx.bucket_index)
+        check_reduced(hook, reduced, axis_name, ctx.bucket_index)
+        riders = lax.psum(riders, axis_name) if riders else ()
+    if local_axis is None:
+        return tuple(reduced), tuple(riders)
+    full = gather_invariant(tuple(reduced), local_axis, axis=0, tiled=True)
+    return tuple(unflatten_like(f, v) for f, v in zip(full, vals, strict=True)), tuple(riders)

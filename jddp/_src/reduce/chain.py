@@ -1,0 +1,91 @@
+"""The chain between buckets: each bucket's gradients take a data dependency on the previous
+bucket's reduced result, so that XLA's combiners cannot merge the buckets' collectives.
+
+XLA's all-reduce combiners merge independent all-reduces (on CPU into a single one after the
+whole backward). Dependent collectives cannot be combined, so the plan's bucket boundaries
+survive compilation without XLA flags (:func:`resolve_chain` says how the dependency is made).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jddp._src.api import options
+from jddp._src.introspect import vma
+from jddp._src.reduce.collectives import traced_platform
+
+
+def resolve_chain(chain: options.Chain) -> str:
+    """The chaining used between buckets; ``"auto"`` is ``"barrier"`` on GPU, ``"add"`` elsewhere.
+
+    Both keep XLA's combiners from merging buckets (measured in docs/xla_flags.md):
+
+    - ``"add"`` adds to each gradient an always-zero scalar that depends on the previous bucket's
+      result. On GPU, XLA fuses that add into the weight-gradient GEMMs, which then wait for the
+      previous all-reduce instead of overlapping it. On CPU it is the only mode that works (the
+      CPU pipeline removes optimization barriers before its combiner runs), and on TPU it gave the
+      most backward matmuls after each all-reduce.
+    - ``"barrier"`` ties the gradients to the previous bucket's all-reduce outputs with
+      ``lax.optimization_barrier``: no arithmetic, so the GEMMs stay free to overlap on GPU.
+    - ``"none"`` lets XLA combine the all-reduces as it likes.
+    """
+    options.chain(chain)
+    if chain != "auto":
+        return chain
+    return "barrier" if on_gpu() else "add"
+
+
+def on_gpu() -> bool:
+    """Whether the step is traced for a GPU (the platforms XLA:GPU answers to)."""
+    return traced_platform() in ("gpu", "cuda", "rocm")
+
+
+def dep_zeros(chain: str, structs: Sequence[jax.ShapeDtypeStruct], axis_name: Any,
+               other: tuple = ()) -> Any:
+    """The forward value of a token's dependency part (its cotangent carries the real thing).
+
+    ``"barrier"`` needs the previous bucket's reduced arrays themselves: an optimization barrier
+    on a scalar derived from them does not keep XLA's GPU combiner from merging the buckets.
+    ``other``: mesh axes the reduced values still vary over (see
+    :func:`jddp._src.reduce.backward.bucketed_vjp`).
+    """
+    if chain == "barrier":
+        axes = (*vma.axis_names(axis_name), *other)
+        return tuple(vma.to_varying(jnp.zeros(s.shape, s.dtype), axes) for s in structs)
+    return vary(jnp.zeros((), jnp.float32), other)
+
+
+def vary(x: Any, axes: tuple) -> Any:
+    return vma.to_varying(x, axes) if axes else x
+
+
+def local_grads(ct_leaves: tuple, offset: Any, ct_dep: Any, chain: str) -> tuple:
+    """The bucket's local gradients: this micro-batch's, plus the offset, chained on the
+    previous bucket (see the module docstring)."""
+    grads = tuple(ct_leaves)
+    if offset:
+        grads = tuple(g + o.astype(g.dtype) for g, o in zip(grads, offset, strict=True))
+    return chained(grads, ct_dep, chain)
+
+
+def chained(values: tuple, dep: Any, chain: str) -> tuple:
+    """``values`` made to depend on ``dep``, the previous bucket's :func:`chain_dependency`."""
+    # JAX emits one collective per leaf and XLA's combiner merges independent ones, so every
+    # leaf needs the dependency: a scalar carried alongside would not keep the leaves apart.
+    if chain == "add":
+        return tuple(v + dep.astype(v.dtype) for v in values)
+    if chain == "barrier" and values and dep:
+        values, _ = lax.optimization_barrier((values, dep))
+    return tuple(values)
+
+
+def dep_cotangent(dep: Any, token_dep: Any, chain: str, axis_name: Any) -> Any:
+    """The token's cotangent: what the next bucket in backward order waits for."""
+    if chain == "barrier":
+        return tuple(vma.to_varying(r, axis_name) for r in dep)
+    return vma.like(dep.astype(jnp.result_type(token_dep)), token_dep, axis_name)

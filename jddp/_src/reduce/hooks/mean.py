@@ -1,0 +1,52 @@
+"""The default hook: the plain mean, one all-reduce per bucket (one reduce-scatter at the sharded
+stages)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jddp._src.reduce import bytemodel, platform_paths
+from jddp._src.reduce.collectives import traced_platform
+from jddp._src.reduce.hooks import CommHook, HookContext, no_state
+
+
+def _divide_after_sum(grads: Sequence[jax.Array], n: int) -> bool:
+    """Whether the mean over ``n`` replicas is taken after the sum rather than before.
+
+    Where :mod:`jddp._src.reduce.platform_paths` has it on (XLA:CPU, whose GEMMs and convolutions are
+    library calls, so a scale before the all-reduce is a pass of its own over every gradient,
+    while after it the scale fuses into the optimizer's update). Elsewhere it fuses into the
+    gradient's producer, and the ``"barrier"`` chain between buckets keeps XLA's GPU combiner
+    apart only when it ties the next bucket to the all-reduce results themselves, not to values
+    computed from them. Only where the two orders
+    give the same bits: ``n`` a power of two (dividing by it is exact; DDP divides first, which
+    elsewhere rounds differently) and a dtype with float32's range (a float16 sum can overflow
+    where the sum of the quotients does not).
+    """
+    exact = n & (n - 1) == 0 and all(
+        jnp.result_type(g) in (jnp.float32, jnp.bfloat16, jnp.float64) for g in grads)
+    return exact and platform_paths.paths(traced_platform()).divide_after_sum
+
+
+def _allreduce_mean(grads, state, ctx: HookContext):
+    scale = 1.0 / ctx.axis_size
+    if _divide_after_sum(grads, ctx.axis_size):
+        summed = bytemodel.psum(tuple(grads), ctx.axis_name)
+        return tuple(s * jnp.asarray(scale, s.dtype) for s in summed), state
+    return bytemodel.psum(tuple(g * jnp.asarray(scale, g.dtype) for g in grads), ctx.axis_name), state
+
+
+def _mean_scatter(rows: jax.Array, ctx: HookContext) -> jax.Array:
+    scale = jnp.asarray(1.0 / ctx.axis_size, rows.dtype)
+    return bytemodel.scatter_sum(rows * scale, ctx.axis_name)
+
+
+def allreduce_mean() -> CommHook:
+    """The default hook: one all-reduce (sum) of the bucket's leaves, divided by the replica count
+    (at the sharded stages: one reduce-scatter)."""
+    return CommHook(no_state, _allreduce_mean, "allreduce_mean", fuses_extras=True,
+                    scatter=_mean_scatter)
+

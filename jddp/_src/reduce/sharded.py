@@ -1,0 +1,279 @@
+"""The sharded stages' reducers: the hook's reduce-scatter (:class:`ReduceScatter`, stage
+2), hybrid sharding (:class:`Hybrid`), the stage-3 all-gather in forward
+(:class:`GatherInForward`), and :func:`make_reducer`, which picks a step's reducer."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jddp._src.place import zero
+from jddp._src.place.zero import Sharded
+from jddp._src.plan.planner import BucketPlan
+from jddp._src.reduce import bytemodel
+from jddp._src.reduce.allreduce import AllReduce, BucketReducer, exact_mean
+from jddp._src.reduce.bytemodel import span
+from jddp._src.reduce.chain import on_gpu
+from jddp._src.reduce.collectives import levels
+from jddp._src.reduce.hooks import CommHook, HookContext
+from jddp._src.tree import Bytes, chain_dependency, ring
+from jddp._src.update import precision as precision_lib
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReduceScatter(AllReduce):
+    """Reduce-scatter through a hook (stage 2): each device keeps the mean of its piece of every
+    leaf (a leaf kept whole, whole; see :mod:`jddp._src.place.zero`).
+
+    With ``scatters`` (a stateless hook with ``CommHook.scatter``) the bucket is one
+    reduce-scatter of an ``(N, K)`` matrix. Otherwise (PowerSGD, error feedback, hierarchical)
+    the hook reduces the bucket with its state exactly as at stage 0 and each device keeps its
+    piece of the mean: the same numbers as stage 0, at the hook's bytes.
+
+    Attributes:
+      layout: how every leaf is split.
+      shard_axis: the axis the pieces are split over.
+      scatters: reduce-scatter through ``hook.scatter`` (else ``hook.reduce``, then the piece).
+    """
+
+    layout: zero.Layout
+    shard_axis: Any
+    scatters: bool = True
+
+    def out_struct(self, i: int) -> jax.ShapeDtypeStruct:
+        lay = self.layout
+        return jax.ShapeDtypeStruct(zero.shard_shape(self.plan.shapes[i], lay.dims[i], lay.n),
+                                    self.plan.dtypes[i])
+
+    def forward(self, b: int, leaves: tuple) -> tuple:
+        del b
+        return tuple(leaves)
+
+    def dims(self, b: int) -> tuple[int | None, ...]:
+        return tuple(self.layout.dims[i] for i in self.plan.buckets[b].indices)
+
+    def fuses(self, b: int, extras: Sequence[Any]) -> bool:
+        # On the reduce-scatter the extras are whole rows of the bucket's one float32 matrix.
+        return super().fuses(b, extras) and (not self.scatters or all(
+            self.plan.dtypes[i] == np.float32 for i in self.plan.buckets[b].indices))
+
+    def scatter_context(self, b: int, step: jax.Array) -> HookContext:
+        return HookContext(self.axis_name, self.layout.n, step, b, self.phase,
+                           *levels(self.axis_name, self.hosts_axis))
+
+    def scatter(self, rows: jax.Array, ctx: HookContext) -> jax.Array:
+        """This device's mean row of an ``(N, K)`` matrix."""
+        return bytemodel.scatter_counted(self.hook, rows, ctx)
+
+    def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
+                 step: jax.Array) -> tuple[tuple, tuple, tuple]:
+        dims, n = self.dims(b), self.layout.n
+        if not self.scatters:
+            reduced, new_states, mean_extras = super().backward(b, grads, states, extras, step)
+            index = lax.axis_index(self.shard_axis)
+            pieces = tuple(zero.local_piece(r, d, n, index)
+                           for r, d in zip(reduced, dims, strict=True))
+            return pieces, new_states, mean_extras
+        ctx = self.scatter_context(b, step)
+
+        def scatter(rows: jax.Array) -> jax.Array:
+            return self.scatter(rows, ctx)
+
+        if self.fuses(b, extras):
+            out = zero.reduce_scatter(grads + tuple(extras), dims + (None,) * len(extras), n,
+                                      self.shard_axis, scatter)
+            return tuple(out[: len(grads)]), tuple(states), tuple(out[len(grads):])
+        pieces = tuple(zero.reduce_scatter(grads, dims, n, self.shard_axis, scatter))
+        return pieces, tuple(states), exact_mean(extras, pieces, self.axis_name)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hybrid(ReduceScatter):
+    """Hybrid sharding (FSDP's ``HYBRID_SHARD``): the hook reduce-scatters each bucket inside the
+    host (``shard_axis``) and each device's piece is averaged across hosts (``replicas``), so the
+    slow link carries ``1/L`` of the bucket. A hook without a scatter reduces over every data
+    axis with its state, as in :class:`ReduceScatter`.
+
+    Attributes:
+      replicas: the axis across which the pieces are replicated (the hosts).
+    """
+
+    replicas: str
+
+    def scatter_context(self, b: int, step: jax.Array) -> HookContext:
+        return HookContext(self.shard_axis, self.layout.n, step, b, self.phase, None,
+                           self.shard_axis)
+
+    def scatter(self, rows: jax.Array, ctx: HookContext) -> jax.Array:
+        row = super().scatter(rows, ctx)
+        return bytemodel.pmean(row, self.replicas, hosts_axis=self.replicas)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherInForward:
+    """Stage 3: the parameters come in as this device's pieces; the forward pass all-gathers each
+    bucket before its first use (issued one bucket ahead, as a prefetch) and the backward pass
+    reduces like ``inner``.
+
+    Attributes:
+      inner: the backward's reducer (:class:`ReduceScatter` or :class:`Hybrid`).
+      reshard: FSDP's ``reshard_after_forward``: every equation that reads a gathered leaf, or
+        a value computed from leaves alone (a cast, a transpose: recomputed inside it, see
+        :func:`jddp._src.introspect.jaxpr.eval_with_hooks`), runs through
+        :func:`jddp._src.reduce.regather.regathered`, which keeps only the pieces for its
+        backward and gathers the leaf again there, so a gathered bucket lives from its gather
+        to its last forward use, and again around each backward use.
+        ``False``: a gathered bucket stays whole until the backward is done with it (the
+        user's operations keep it as a residual).
+      dtype: the dtype the loss computes with (a mixed-precision policy's ``param_dtype``):
+        pieces are cast to it before they are gathered (forward and backward gathers), leaves
+        kept whole are cast too; ``None``: their own.
+      group: with ``reshard``, ZeRO++'s hpZ (an int ``reshard_after_forward``): the backward
+        gathers from a secondary copy, this device's ``1/group`` slice of the forward's gathered
+        leaf, over its group of ``group`` consecutive devices only (inside a host on a two-level
+        mesh); ``None``: from the step's pieces, over the whole shard axis.
+    """
+
+    inner: ReduceScatter
+    reshard: bool = False
+    dtype: Any = None
+    group: int | None = None
+    prefetch: ClassVar[bool] = True
+
+    @property
+    def axis_name(self) -> Any:
+        return self.inner.axis_name
+
+    def out_struct(self, i: int) -> jax.ShapeDtypeStruct:
+        return self.inner.out_struct(i)
+
+    def check(self, leaves: Sequence[Any]) -> None:
+        del leaves  # pieces: their shapes were checked against the layout by the caller
+
+    def gathers(self, i: int) -> bool:
+        return self.inner.layout.dims[i] is not None
+
+    def _gather(self, indices: Sequence[int], pieces: Sequence[jax.Array]) -> list[jax.Array]:
+        lay, plan = self.inner.layout, self.inner.plan
+        split = [j for j, i in enumerate(indices) if lay.dims[i] is not None]
+        out = list(pieces) if self.dtype is None else [p.astype(self.dtype) for p in pieces]
+        if not split:
+            return out
+        full = zero.all_gather([out[j] for j in split],
+                               [lay.dims[indices[j]] for j in split],  # type: ignore[misc]
+                               [plan.shapes[indices[j]] for j in split], self.inner.shard_axis)
+        for j, f in zip(split, full, strict=True):
+            out[j] = f
+        return out
+
+    def forward(self, b: int, leaves: tuple) -> tuple:
+        return tuple(self._gather(self.inner.plan.buckets[b].indices, leaves))
+
+    def keep(self, indices: Sequence[int], out: list, pieces: Sequence[jax.Array],
+             full: Sequence[jax.Array]) -> tuple[list, tuple]:
+        """``(out, kept)``: what the forward keeps of the gathered leaves ``indices`` (read by an
+        equation with outputs ``out``) for their backward gather: this device's ``pieces``, or
+        with ``group`` its slice of each gathered leaf ``full``, computed in the forward."""
+        if self.group is None:
+            return out, tuple(pieces)
+        dims = self.inner.layout.dims  # the gathered leaves are split ones (not None)
+        kept = tuple(zero.subgroup_piece(f, dims[i], self.group,  # type: ignore[arg-type]
+                                         self.inner.shard_axis)
+                     for i, f in zip(indices, full, strict=True))
+        return _in_forward(out, kept, self.inner.shard_axis)
+
+    def regather(self, indices: Sequence[int], kept: Sequence[jax.Array]) -> list[jax.Array]:
+        """The whole leaves ``indices`` from what :meth:`keep` kept (a backward gather)."""
+        if self.group is None or not indices:
+            return self._gather(indices, kept)
+        plan, dims = self.inner.plan, self.inner.layout.dims
+        return zero.all_gather(kept, [dims[i] for i in indices],  # type: ignore[misc]
+                               [plan.shapes[i] for i in indices], self.inner.shard_axis,
+                               self.group)
+
+    def regather_bytes(self, indices: Sequence[int]) -> Bytes:
+        """Bytes of :meth:`regather`: with ``group``, a ring all-gather of ``n / group`` pieces
+        per device over ``group`` devices of one host (nothing crosses hosts)."""
+        if self.group is None:
+            return self.gather_bytes(indices)
+        inner = self.inner
+        piece = zero.split_bytes(inner.layout, self._gathered_dtypes(), indices)
+        return ring("all-gather", piece * inner.layout.n // self.group, self.group)
+
+    def _gathered_dtypes(self) -> list[Any]:
+        """Each leaf's dtype as it is gathered (a mixed-precision policy's, else its own)."""
+        dtypes = self.inner.plan.dtypes
+        return list(dtypes) if self.dtype is None else [self.dtype] * len(dtypes)
+
+    def unused(self, i: int, leaf: jax.Array) -> jax.Array:
+        return self._gather((i,), (leaf,))[0]
+
+    def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
+                 step: jax.Array) -> tuple[tuple, tuple, tuple]:
+        return self.inner.backward(b, grads, states, extras, step)
+
+    def gather_bytes(self, indices: Sequence[int]) -> Bytes:
+        """Bytes of one all-gather of the leaves ``indices`` over the shard axis."""
+        inner = self.inner
+        group, hosts = span(inner.shard_axis, inner.hosts_axis)
+        return ring("all-gather", zero.split_bytes(inner.layout, self._gathered_dtypes(), indices),
+                    group, hosts)
+
+    def forward_bytes(self, b: int) -> Bytes:
+        """Bytes of bucket ``b``'s all-gather in the forward pass."""
+        return self.gather_bytes(self.inner.plan.buckets[b].indices)
+
+    def unused_bytes(self) -> Bytes:
+        return self.gather_bytes(self.inner.plan.unused)
+
+
+def _in_forward(out: list, kept: tuple, axis: Any) -> tuple[list, tuple]:
+    """``(out, kept)``, with ``kept`` (hpZ's secondary copy: slices of the forward's gathered
+    leaves) computed in the forward pass, before ``out`` is used: otherwise XLA fuses the slices
+    into the backward gather's operand, which then reads the gathered leaves, and they stay whole
+    until the backward. On GPU an optimization barrier says so (checked on the compiled H100
+    step; a conditional there would read its predicate on the host). XLA:CPU drops barriers
+    before scheduling, so elsewhere ``kept`` comes out of a conditional (which XLA neither fuses
+    nor sees through; its predicate is always true but not a constant) and ``out`` takes an
+    always-zero dependency on it (tests/test_hpz.py checks both peaks)."""
+    if on_gpu():
+        return lax.optimization_barrier((out, kept))
+    kept = lax.cond(lax.axis_index(axis) >= 0, lambda k: tuple(k),
+                    lambda k: tuple(jnp.zeros_like(x) for x in k), kept)
+    dep = chain_dependency(kept, "add")
+    return [o + dep.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact) else o
+            for o in out], kept
+
+
+def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
+                 sharded: Sharded | None = None, hosts_axis: str | None = None,
+                 phase: Any = None, stateful: bool = False,
+                 precision: precision_lib.MixedPrecision | None = None) -> BucketReducer:
+    """The reducer of a step: the hook's all-reduce, or a sharded stage's (hybrid)
+    reduce-scatter, with the stage-3 all-gather in forward; under a mixed-precision policy, its
+    :class:`jddp._src.update.precision.Cast`.
+
+    Args:
+      stateful: the hook keeps state for some leaf (it cannot reduce through ``scatter``).
+    """
+    if sharded is None:
+        return precision_lib.wrap_reducer(AllReduce(
+            plan=plan, hook=hook, axis_name=axis_name, hosts_axis=hosts_axis, phase=phase),
+            precision)
+    common: dict[str, Any] = dict(
+        plan=plan, hook=hook, axis_name=axis_name, hosts_axis=hosts_axis, phase=phase,
+        layout=sharded.layout, shard_axis=axis_name if sharded.axis is None else sharded.axis,
+        scatters=getattr(hook, "scatter", None) is not None and not stateful,
+    )
+    inner = (ReduceScatter(**common) if sharded.replicas is None
+             else Hybrid(**common, replicas=sharded.replicas))
+    if sharded.gathers:  # casts to a policy's param_dtype itself, before its gathers
+        return GatherInForward(inner, sharded.reshard, precision_lib.gather_dtype(precision),
+                               sharded.group)
+    return precision_lib.wrap_reducer(inner, precision)

@@ -236,7 +236,7 @@ def test_comm_bytes_are_counted_as_a_hook_issues_them():
     def mean(grads, states, ctx):
         return tuple(jax.lax.psum(g, ctx.axis_name) / ctx.axis_size for g in grads), states
 
-    own = jddp.CommHook(lambda leaf: (), mean, "own")
+    own = jddp.hooks.CommHook(lambda leaf: (), mean, "own")
     declared = own._replace(bytes_sent=lambda leaves, n, step: 1000.0)
     for hook in [own, declared, jddp.hooks.int8_compress(), jddp.bf16_compress()]:
         ddp = jddp.DataParallel(_mlp_loss, optax.sgd(0.1),

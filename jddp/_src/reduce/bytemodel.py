@@ -338,7 +338,7 @@ def plan_bytes_sent(hook: CommHook, plan: Any, axis_size: int, step: Any = 0) ->
 
     Args:
       hook: the communication hook.
-      plan: a :class:`jddp.BucketPlan`.
+      plan: a :class:`jddp.buckets.BucketPlan`.
       axis_size: the number of replicas.
       step: the optimizer step (an int; a traced scalar for hooks that declare their bytes).
 

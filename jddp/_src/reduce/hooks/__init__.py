@@ -140,12 +140,13 @@ def check_hook(hook: Any) -> CommHook:
         call = f"jddp.{name}()" if name in FACTORIES else f"{name or 'the factory'}(...)"
         raise TypeError(
             f"hook={name or repr(hook)} is a function, not a communication hook: call it, e.g. "
-            f"hook={call}. A hook is a jddp.CommHook(init, reduce), where init(leaf_struct) -> "
-            "state and reduce(grads, states, ctx) -> (mean_grads, new_states)."
+            f"hook={call}. A hook is a jddp.hooks.CommHook(init, reduce), where "
+            "init(leaf_struct) -> state and reduce(grads, states, ctx) -> (mean_grads, "
+            "new_states)."
         )
     if not (callable(getattr(hook, "init", None)) and callable(getattr(hook, "reduce", None))):
         raise TypeError(
-            f"hook must be a jddp.CommHook(init, reduce) (e.g. jddp.fp16_compress()), got "
+            f"hook must be a jddp.hooks.CommHook(init, reduce) (e.g. jddp.fp16_compress()), got "
             f"{type(hook).__name__} {hook!r}. init(leaf_struct) -> state; reduce(grads, states, "
             "ctx) -> (mean_grads, new_states)."
         )

@@ -494,7 +494,7 @@ def _cells() -> list[Cell]:
         Cell("mixed_precision(float16) without loss_scale", lambda: {"mixed_precision": _mp(
             param_dtype=jnp.float16)}, "1d", 0, refused_by("float16 without loss scaling"),
              extra={"row": True}),
-        Cell("diloco + zero_stage > 0", lambda: {"local_sgd": diloco(2)}, "1d", 2,
+        Cell("diloco + ZeRO on a 1-D mesh", lambda: {"local_sgd": diloco(2)}, "1d", 2,
              refused_by("local SGD + ZeRO on a 1-D mesh"), extra={"row": True}),
         # The other rows of the compat table, in the new spelling (jddp.Deterministic etc.).
         *_compat_cells(),
@@ -506,9 +506,9 @@ def _cells() -> list[Cell]:
         ("microbatches=2", {"microbatches": 2}, 0, "diloco", 1),
         ("weighted", {"weighted": True}, 0, "diloco_ones_mask", 1),
         ("skip_not_finite", {"skip_not_finite": True}, 0, "diloco", 1),
-        ("zero_stage=1", {}, 1, "diloco", 1),
-        ("zero_stage=2", {}, 2, "diloco", 2),
-        ("zero_stage=3", {}, 3, "diloco", 1),
+        ("ZeRO(stage=1)", {}, 1, "diloco", 1),
+        ("ZeRO(stage=2)", {}, 2, "diloco", 2),
+        ("ZeRO(stage=3)", {}, 3, "diloco", 1),
         ("rng", {"rng": True}, 0, "diloco_keys", 1),
         ("sum_metrics", {"sum_metrics": ("n",), "has_aux": True}, 0, "diloco_aux", 1),
         ("loss_scale", {"loss_scale": jddp.precision.DynamicScale()}, 0, "diloco", 1),

@@ -80,6 +80,20 @@ def _sharded_grad(grad_fn, params, batch, step, call, shards):
     return loss, jax.tree.map(lambda *xs: sum(xs) / shards, *(p[1] for p in parts))
 
 
+def _update(optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+    """``update(grads, opt_state, params) -> (params, opt_state)``: the optax update and its
+    application as one compiled program (run eagerly, each of the optimizer's operations compiles
+    a program of its own, and a ``lax.scan`` inside it, such as Muon's Newton-Schulz, compiles
+    again on every step)."""
+
+    @jax.jit
+    def update(grads, opt_state, params):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return update
+
+
 def train(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -112,6 +126,7 @@ def train(
     stateful = model_state is not None
     objective = _objective(loss_fn, weighted, rng_key, stateful, param_dtype)
     grad_fn = jax.jit(jax.value_and_grad(objective, has_aux=True))
+    update = _update(optimizer)
     opt_state = optimizer.init(params)
     losses = []
     for step, window in enumerate(windows):
@@ -135,8 +150,7 @@ def train(
                 model_state = new_state
         k = rows if pooled else len(window)
         grads = jax.tree.map(lambda x, k=k: x / k, grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = update(grads, opt_state, params)
         losses.append(total / k)
     return Result(params, losses, model_state)
 
@@ -158,6 +172,8 @@ def local_sgd(
     with its own optimizer state; returns the mean of the replicas' parameters (post-local SGD)
     or the global parameters (DiLoCo)."""
     grad_fn = jax.jit(jax.value_and_grad(loss_fn))
+    inner = _update(optimizer)
+    outer_update = _update(outer) if outer is not None else None
     reps = [params] * replicas
     states = [optimizer.init(params) for _ in range(replicas)]
     glob, outer_state = params, (outer.init(params) if outer is not None else None)
@@ -168,8 +184,7 @@ def local_sgd(
         for r in range(replicas):
             part = jax.tree.map(lambda x, r=r, n=n: x[r * n:(r + 1) * n], batch)
             loss, g = grad_fn(reps[r], part)
-            updates, states[r] = optimizer.update(g, states[r], reps[r])
-            reps[r] = optax.apply_updates(reps[r], updates)
+            reps[r], states[r] = inner(g, states[r], reps[r])
             total += float(loss)
         losses.append(total / replicas)
         mean = jax.tree.map(lambda *xs: sum(xs) / replicas, *reps)
@@ -177,8 +192,7 @@ def local_sgd(
             reps = [mean] * replicas
         elif outer is not None and (step + 1) % period == 0:
             delta = jax.tree.map(jnp.subtract, glob, mean)
-            updates, outer_state = outer.update(delta, outer_state, glob)
-            glob = optax.apply_updates(glob, updates)
+            glob, outer_state = outer_update(delta, outer_state, glob)
             reps = [glob] * replicas
     final = glob if outer is not None else jax.tree.map(lambda *xs: sum(xs) / replicas, *reps)
     return Result(final, losses)

@@ -3,7 +3,9 @@
 Each block runs in a fresh Python process (8 simulated CPU devices, JAX_PLATFORMS=cpu, in a
 temporary directory), so a block cannot lean on another one's names: a block that only makes
 sense as a fragment says so in its fence, ```python notest, with the reason on its first line
-(``# notest: why``). The docs site renders such a block as Python (scripts/mkdocs_hooks.py).
+(``# notest: why``). The processes are forked from one that imported JAX, jddp, optax, Flax and
+Orbax once (no JAX backend started), so that the blocks do not pay those imports each. The docs
+site renders a notest block as Python (scripts/mkdocs_hooks.py).
 Pages in PENDING are being rewritten by their owners and not converted yet: their blocks are
 listed as skipped, failing nothing.
 
@@ -14,11 +16,15 @@ Every block, of any language, fits the column: at most ``COLUMNS`` characters a 
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
+import select
+import signal
 import subprocess
 import sys
+import time
 from typing import NamedTuple
 
 import pytest
@@ -37,13 +43,9 @@ WIDE: dict[tuple[str, str], str] = {
     ("docs/report.md", "Step program: 8 devices, 2 host(s), 2 collectives"):
         "the report's table as printed (99 columns)",
 }
-#: Runs a block (argv[1]) as ``python -c`` would, with jddp's deprecations as errors (a
-#: DeprecationWarning that names jddp or DataParallel; other libraries' warnings stay warnings).
-PRELUDE = (
-    "import sys, warnings\n"
-    "warnings.filterwarnings('error', r'(?s).*\\b(jddp|DataParallel)\\b', DeprecationWarning)\n"
-    "exec(compile(sys.argv[1], '<doc block>', 'exec'))\n"
-)
+#: The blocks run with jddp's deprecations as errors: a DeprecationWarning that names jddp or
+#: DataParallel (other libraries' warnings stay warnings).
+JDDP_DEPRECATION = r"(?s).*\b(jddp|DataParallel)\b"
 _FENCE = re.compile(r"^(?P<indent> *)(?P<ticks>```+)(?P<info>[^`\n]*)$")
 
 
@@ -112,11 +114,11 @@ def test_code_blocks_fit_the_column():
     assert not wide, f"code lines wider than {COLUMNS} columns:\n" + "\n".join(wide)
 
 
-def test_a_run_fails_on_a_jddp_deprecation(tmp_path):
+def test_a_run_fails_on_a_jddp_deprecation(tmp_path, zygote):
     """The net under every block: an old keyword in a block fails it."""
     code = ("import jax.numpy as jnp, optax, jddp\n"
             "jddp.DataParallel(lambda p, b: jnp.sum(p), optax.sgd(0.1), zero_stage=1)\n")
-    out = _run(Block("x.md", 1, "python", code), tmp_path)
+    out = zygote.run(Block("x.md", 1, "python", code), tmp_path)
     assert out.returncode != 0 and "DeprecationWarning" in out.stderr, out.stderr[-2000:]
     assert "zero_stage" in out.stderr
 
@@ -128,24 +130,111 @@ def test_a_block_that_does_not_run_says_why(block):
         f"{block.id}: a ```python notest block starts with '# notest: <why it cannot run>'")
 
 
-def _run(block: Block, cwd: pathlib.Path) -> subprocess.CompletedProcess[str]:
+def _env() -> dict[str, str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     flags = env.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    try:
-        return subprocess.run([sys.executable, "-c", PRELUDE, block.code], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{block.id}: the block did not finish within {TIMEOUT_S} s")
+    return env
+
+
+#: The zygote (run as ``python -c``): imports what the blocks import, then per request (a JSON
+#: line: code, cwd, out, err) forks a child that runs the code as ``python -c`` would (a fresh
+#: ``__main__``, JDDP_DEPRECATION an error) in its own process group, its stdout and stderr in
+#: files; answers the child's pid, then its exit status (a line each). The imports start no JAX
+#: backend (each child starts its own, after the block's own settings such as XLA_FLAGS) and no
+#: thread that fork would break.
+ZYGOTE = r"""
+import json, os, sys, types, warnings
+JDDP_DEPRECATION = sys.argv[1]
+import numpy, jax, jax.numpy, optax, flax.linen, flax.nnx, orbax.checkpoint
+import jddp, jddp.checkpoint
+for line in sys.stdin:
+    req = json.loads(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.setpgid(0, 0)
+        os.chdir(req["cwd"])
+        for fd, path in ((1, req["out"]), (2, req["err"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        warnings.filterwarnings("error", JDDP_DEPRECATION, DeprecationWarning)
+        sys.argv = ["-c", req["code"]]
+        main = types.ModuleType("__main__")
+        main.__builtins__ = __builtins__
+        sys.modules["__main__"] = main
+        exec(compile(req["code"], "<doc block>", "exec"), main.__dict__)
+        sys.exit(0)
+    print(pid, flush=True)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+class _Zygote:
+    """One zygote process (per test module and xdist worker) and the lines it answers."""
+
+    def __init__(self, log: pathlib.Path):
+        self.log = log
+        with log.open("w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE, JDDP_DEPRECATION],
+                                         cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, bufsize=0)
+        self.buffer = b""
+
+    def _line(self, deadline: float, what: str) -> str:
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                raise TimeoutError(what)
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"the doc block zygote ended (exit {self.proc.wait()}) while "
+                                   f"waiting for {what}:\n{self.log.read_text()[-4000:]}")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode()
+
+    def run(self, block: Block, cwd: pathlib.Path) -> subprocess.CompletedProcess[str]:
+        out, err = cwd / "block.stdout", cwd / "block.stderr"
+        request = {"code": block.code, "cwd": str(cwd), "out": str(out), "err": str(err)}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        start = time.monotonic()
+        pid = int(self._line(start + 60, f"the zygote to fork {block.id}"))
+        try:
+            rc = int(self._line(start + TIMEOUT_S, f"{block.id} to finish"))
+        except TimeoutError:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # the block and anything it started
+            except ProcessLookupError:  # it ended meanwhile
+                pass
+            self._line(time.monotonic() + 30, f"the killed {block.id} to be reaped")
+            pytest.fail(f"{block.id}: the block did not finish within {TIMEOUT_S} s")
+        return subprocess.CompletedProcess([block.id], rc, out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    z = _Zygote(tmp_path_factory.mktemp("zygote") / "zygote.log")
+    yield z
+    z.close()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in BLOCKS if not b.notest], ids=lambda b: b.id)
-def test_block_runs(block, tmp_path):
+def test_block_runs(block, tmp_path, zygote):
     if block.path in PENDING:
         pytest.skip(f"{block.path} is not converted yet (PENDING in {pathlib.Path(__file__).name})")
-    out = _run(block, tmp_path)
+    out = zygote.run(block, tmp_path)
     assert out.returncode == 0, (
         f"{block.id} failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
 

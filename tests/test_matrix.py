@@ -12,6 +12,7 @@ reference.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import re
 from collections.abc import Callable
@@ -102,7 +103,8 @@ def _masks(n):
 @dataclass(frozen=True)
 class Case:
     """How a cell trains, and its reference: ``calls`` (per call: batch, mask, rng) for
-    ``DataParallel.step``, and ``reference(replicas) -> params``."""
+    ``DataParallel.step``, and ``reference(replicas) -> params`` (``replicas``: whether it reads
+    the replica count, as local SGD's does; the others are the same on every mesh)."""
 
     loss: Callable[..., Any]
     calls: Callable[[], list[dict]]
@@ -110,6 +112,7 @@ class Case:
     optimizer: Callable[[], optax.GradientTransformation] = lambda: optax.adam(1e-2)
     model_state: Any = None
     params: Callable[[], Any] = lambda: mlp_params(0, SIZES)
+    replicas: bool = False
 
 
 def _plain_ref(_):
@@ -257,20 +260,24 @@ CASES = {
                           _mp_accumulate_ref),
     "cast_in_loss": Case(_cast_loss, lambda: [{"batch": b} for b in _batches(3)], _cast_ref),
     "post_local": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _post_local_ref,
-                       lambda: optax.sgd(0.1)),
-    "diloco": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4)], _diloco_ref),
+                       lambda: optax.sgd(0.1), replicas=True),
+    "diloco": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4)], _diloco_ref,
+                   replicas=True),
     # DiLoCo composed with the step's options, against the same DiLoCo reference: two halves of
     # each batch per window (each device gets the same rows over the window as from the whole
     # batch), all-ones masks, keys the loss does not read, an aux metric to sum. (Masks that drop
     # rows and real per-example keys are checked per island in tests/test_local_sgd.py.)
     "diloco_halves": Case(mlp_loss, lambda: [{"batch": h} for b in _batches(4)
-                                             for h in _device_halves(b)], _diloco_ref),
+                                             for h in _device_halves(b)], _diloco_ref,
+                          replicas=True),
     "diloco_ones_mask": Case(_per_example, lambda: [
-        {"batch": b, "mask": np.ones(ROWS, np.float32)} for b in _batches(4)], _diloco_ref),
+        {"batch": b, "mask": np.ones(ROWS, np.float32)} for b in _batches(4)], _diloco_ref,
+        replicas=True),
     "diloco_keys": Case(lambda p, b, keys: mlp_loss(p, b), lambda: [
-        {"batch": b, "rng": jax.random.key(KEY)} for b in _batches(4)], _diloco_ref),
+        {"batch": b, "rng": jax.random.key(KEY)} for b in _batches(4)], _diloco_ref,
+        replicas=True),
     "diloco_aux": Case(lambda p, b: (mlp_loss(p, b), {"n": jnp.ones(())}),
-                       lambda: [{"batch": b} for b in _batches(4)], _diloco_ref),
+                       lambda: [{"batch": b} for b in _batches(4)], _diloco_ref, replicas=True),
     "clip": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)],
                  _optimizer_ref(_clip_adam), _clip_adam),
     "lamb": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)],
@@ -494,7 +501,7 @@ def _cells() -> list[Cell]:
         Cell("mixed_precision(float16) without loss_scale", lambda: {"mixed_precision": _mp(
             param_dtype=jnp.float16)}, "1d", 0, refused_by("float16 without loss scaling"),
              extra={"row": True}),
-        Cell("diloco + zero_stage > 0", lambda: {"local_sgd": diloco(2)}, "1d", 2,
+        Cell("diloco + ZeRO on a 1-D mesh", lambda: {"local_sgd": diloco(2)}, "1d", 2,
              refused_by("local SGD + ZeRO on a 1-D mesh"), extra={"row": True}),
         # The other rows of the compat table, in the new spelling (jddp.Deterministic etc.).
         *_compat_cells(),
@@ -506,9 +513,9 @@ def _cells() -> list[Cell]:
         ("microbatches=2", {"microbatches": 2}, 0, "diloco", 1),
         ("weighted", {"weighted": True}, 0, "diloco_ones_mask", 1),
         ("skip_not_finite", {"skip_not_finite": True}, 0, "diloco", 1),
-        ("zero_stage=1", {}, 1, "diloco", 1),
-        ("zero_stage=2", {}, 2, "diloco", 2),
-        ("zero_stage=3", {}, 3, "diloco", 1),
+        ("ZeRO(stage=1)", {}, 1, "diloco", 1),
+        ("ZeRO(stage=2)", {}, 2, "diloco", 2),
+        ("ZeRO(stage=3)", {}, 3, "diloco", 1),
         ("rng", {"rng": True}, 0, "diloco_keys", 1),
         ("sum_metrics", {"sum_metrics": ("n",), "has_aux": True}, 0, "diloco_aux", 1),
         ("loss_scale", {"loss_scale": jddp.precision.DynamicScale()}, 0, "diloco", 1),
@@ -666,9 +673,16 @@ def run_cell(cell: Cell, multi: bool = False, repeats: int = 1) -> Any:
     return runs[0] if repeats == 1 else runs
 
 
-@functools.cache
 def _reference(case: str, replicas: int) -> Any:
-    return CASES[case].reference(replicas)
+    """The case's reference parameters, trained once per process for each reference function
+    and, where it reads it, replica count (the DiLoCo cases share one)."""
+    c = CASES[case]
+    return _trained_reference(c.reference, replicas if c.replicas else 0)
+
+
+@functools.cache
+def _trained_reference(reference: Callable[[int], Any], replicas: int) -> Any:
+    return reference(replicas)
 
 
 def _replicas(cell: Cell) -> int:
@@ -727,6 +741,9 @@ def test_matrix_is_declared_consistently():
         else:
             assert c.expect[1] and c.procs == 1
     assert sum(c.procs == 2 for c in CELLS) >= 11
+    for case in CASES.values():  # a reference that reads the replica count is declared so
+        takes = list(inspect.signature(case.reference).parameters) == ["replicas"]
+        assert case.replicas == takes, case
 
 
 def test_refused_cells_are_the_compat_table():

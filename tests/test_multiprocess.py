@@ -81,52 +81,64 @@ def _load(path):
         return int(z["step"]), [z[str(i)] for i in range(len(z.files) - 1)]
 
 
+#: Every stage the tests below check, run one after the other in the same processes: one start-up
+#: of the 1x4 process and of each 2x2 launch for all of them.
+STAGES = ("0", "3", "2o")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The job of every stage in STAGES run 1x4, 2x2 (a checkpoint at step 3) and 2x2 resumed from
+    step 3: the directory of their outputs, the 1x4 process and the two launches' (rc, out, err)."""
+    tmp_path = tmp_path_factory.mktemp("multiprocess")
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    ck = tmp_path / "ckpt"
+    single = subprocess.run(
+        [sys.executable, str(script), "single", str(tmp_path / "ck_single"),
+         str(tmp_path / "single"), ",".join(STAGES)],
+        env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    launch = ["-n", "2", "--devices-per-process", "2", "--timeout", "150", str(script)]
+    # The resumed job compiles the full job's programs again: it loads them from this cache.
+    env = child_env(**compile_cache(tmp_path / "jax-cache"))
+    full = run_launcher([*launch, "full", str(ck), str(tmp_path / "full"), ",".join(STAGES)],
+                        timeout=160, env=env)
+    resume = run_launcher([*launch, "resume", str(ck), str(tmp_path / "resume"),
+                           ",".join(STAGES)], timeout=160, env=env)
+    return tmp_path, single, full, resume
+
+
 @pytest.mark.slow
-def test_two_processes_match_one_process_and_resume_bit_identically(tmp_path):
+def test_two_processes_match_one_process_and_resume_bit_identically(runs):
     """ZeRO stages 0 and 3, one after the other in the same processes (one process start-up for
-    both): 2x2 over Gloo equals 1x4, and resuming the 2x2 job from its step-3 checkpoint ends
-    exactly where the uninterrupted 2x2 job ended."""
-    _match_and_resume(tmp_path, ("0", "3"))
+    both, and for the offloaded stage below: STAGES): 2x2 over Gloo equals 1x4, and resuming the
+    2x2 job from its step-3 checkpoint ends exactly where the uninterrupted 2x2 job ended."""
+    _match_and_resume(runs, ("0", "3"))
 
 
 @pytest.mark.slow
-def test_offloaded_two_processes_match_one_process_and_resume_bit_identically(tmp_path):
+def test_offloaded_two_processes_match_one_process_and_resume_bit_identically(runs):
     """``jddp.ZeRO(stage=2, offload=True)`` on 2x2: equals 1x4, the optimizer state in pinned host
     memory on both processes after the run and after restoring the step-3 checkpoint (through
     ``ddp.abstract_state``), and the resumed run ends exactly where the uninterrupted one ended."""
-    outs = _match_and_resume(tmp_path, ("2o",))
+    outs = _match_and_resume(runs, ("2o",))
     for out in outs:
         assert "[rank0] DONE 2o 6 2 opt_state in pinned_host" in out, out[-2000:]
         assert "[rank1] DONE 2o 6 2 opt_state in pinned_host" in out, out[-2000:]
 
 
-def _match_and_resume(tmp_path, stages: tuple[str, ...]) -> list[str]:
-    """Runs the job 1x4, 2x2 and 2x2 resumed from step 3; checks the three agree; returns the two
+def _match_and_resume(runs, stages: tuple[str, ...]) -> list[str]:
+    """Checks that the job's 1x4, 2x2 and resumed 2x2 runs of ``stages`` agree; returns the two
     launches' outputs."""
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    ck = tmp_path / "ckpt"
-
-    single = subprocess.run(
-        [sys.executable, str(script), "single", str(tmp_path / "ck_single"),
-         str(tmp_path / "single"), ",".join(stages)],
-        env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
+    tmp_path, single, (rc, out, err, _), resumed = runs
     assert single.returncode == 0, single.stderr[-3000:]
-
-    launch = ["-n", "2", "--devices-per-process", "2", "--timeout", "100", str(script)]
-    # The resumed job compiles the full job's programs again: it loads them from this cache.
-    env = child_env(**compile_cache(tmp_path / "jax-cache"))
-    rc, out, err, _ = run_launcher(
-        [*launch, "full", str(ck), str(tmp_path / "full"), ",".join(stages)], timeout=110, env=env)
     assert rc == 0, (out[-2000:], err[-3000:])
     for stage in stages:
         assert f"[rank0] DONE {stage} 6 2" in out and f"[rank1] DONE {stage} 6 2" in out
 
     outs = [out]
-    rc, out, err, _ = run_launcher(
-        [*launch, "resume", str(ck), str(tmp_path / "resume"), ",".join(stages)], timeout=110,
-        env=env)
+    rc, out, err, _ = resumed
     assert rc == 0, (out[-2000:], err[-3000:])
     outs.append(out)
 

@@ -1,5 +1,5 @@
-"""The sharded accumulator (``shard_accumulator``, zero_stage 2-3): every accumulating call
-reduce-scatters its gradients into a ``P/N`` accumulator split like the parameters.
+"""The sharded accumulator (``jddp.Accumulate(shard=True)``, ZeRO stages 2-3): every accumulating
+call reduce-scatters its gradients into a ``P/N`` accumulator split like the parameters.
 
 It must train exactly like the per-device accumulator and the single-device reference
 (tests/_reference.py), hold ``(3P + P)/N`` at rest at stage 3 with Adam, and report the bytes of

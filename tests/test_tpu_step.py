@@ -162,7 +162,7 @@ def test_fused_microbatches_reduce_once_per_bucket_after_the_loop(topology):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_sharded_stages_one_reduce_scatter_and_one_all_gather_per_bucket(stage):
-    """zero_stage 2 and 3 on v5e:2x4: one reduction per bucket, in plan order, over each
+    """ZeRO stages 2 and 3 on v5e:2x4: one reduction per bucket, in plan order, over each
     bucket's (chips, K) rows, and one all-gather per bucket (after the update at stage 2, before
     each bucket's first use at stage 3), every collective over all 8 chips of both hosts.
 

@@ -21,7 +21,7 @@ jddp.initialize(timeout_s=60)
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from jddp._src.reduce import collectives  # noqa: E402
+from jddp._src.core import collectives  # noqa: E402
 
 SIZES = [256] + [512] * 4 + [16]
 

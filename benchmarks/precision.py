@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import jddp  # noqa: E402
-from jddp._src.reduce import collectives  # noqa: E402
+from jddp._src.core import collectives  # noqa: E402
 from jddp.perf import schedule, topologies  # noqa: E402
 from jddp.perf.traffic import sent_per_device  # noqa: E402
 from tests._models import mlp_loss, mlp_params, regression_batch  # noqa: E402

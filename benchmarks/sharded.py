@@ -50,7 +50,7 @@ def main():
 
     import jddp
     from benchmarks._mlp import mlp_loss, mlp_params, time_alternated
-    from jddp._src.place import zero
+    from jddp._src.core import zero
 
     n = args.devices
     host_params = mlp_params(args.width, args.depth)

@@ -11,8 +11,8 @@ replica alike and adapts the scale (Flax's ``DynamicScale`` rule). ``state.loss_
 scale (:class:`LossScaleState`).
 """
 
+from jddp._src.core.precision import MixedPrecision
 from jddp._src.step.state import LossScaleState
 from jddp._src.update.loss_scale import DynamicScale
-from jddp._src.update.precision import MixedPrecision
 
 __all__ = ["DynamicScale", "LossScaleState", "MixedPrecision"]

@@ -16,7 +16,7 @@ import pytest
 from jax import lax
 
 import jddp
-from jddp._src.reduce import collectives
+from jddp._src.core import collectives
 from tests._models import max_abs_diff, mlp_loss, mlp_params, regression_batch
 
 SIZES = [6, 16, 16, 16, 3]

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jddp
-from jddp._src.reduce import collectives
+from jddp._src.core import collectives
 
 N = 8
 

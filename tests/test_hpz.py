@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import jddp
-from jddp._src.reduce import collectives
+from jddp._src.core import collectives
 from jddp.perf import schedule, topologies
 from jddp.perf.traffic import traffic
 from tests import test_zero as tz

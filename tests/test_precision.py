@@ -17,8 +17,7 @@ import optax
 import pytest
 
 import jddp
-from jddp._src.place import zero
-from jddp._src.reduce import collectives
+from jddp._src.core import collectives, zero
 from jddp.perf import schedule, topologies
 from jddp.perf.traffic import sent_per_device
 from jddp.precision import DynamicScale, MixedPrecision

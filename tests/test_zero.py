@@ -15,8 +15,7 @@ import optax
 import pytest
 
 import jddp
-from jddp._src.place import zero
-from jddp._src.reduce import collectives
+from jddp._src.core import collectives, zero
 from jddp.perf import schedule, topologies
 from jddp.perf.traffic import sent_per_device
 from tests._models import layer_list_like, layer_list_loss, mlp_loss, mlp_params, regression_batch

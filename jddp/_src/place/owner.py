@@ -45,10 +45,11 @@ from jax.extend.core import ClosedJaxpr
 from jax.interpreters import partial_eval as pe
 from jax.sharding import PartitionSpec as P
 
+from jddp._src.core import zero
+from jddp._src.core.collectives import wire_itemsize
 from jddp._src.introspect import vma
-from jddp._src.place import owner_state, zero
+from jddp._src.place import owner_state
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce.collectives import wire_itemsize
 from jddp._src.runtime.topology import Topology
 from jddp._src.tree import Bytes, key_path_str, ring
 

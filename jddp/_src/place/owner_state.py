@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp._src.place import zero
+from jddp._src.core import zero
 
 
 class StateLayout(NamedTuple):

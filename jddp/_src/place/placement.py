@@ -7,12 +7,12 @@ and optimizer state live is a method of the step's placement (FSDP2's policy obj
 defines each with the replicated path, the do-nothing answer; a placement overrides what it
 changes (ZeRO's stages: :mod:`jddp._src.place.stages`). The methods take the pieces of the step
 they need (the :class:`jddp._src.runtime.topology.Topology`, the parameters'
-:class:`jddp._src.place.zero.Layout`, the bucket plan), never the step's configuration:
+:class:`jddp._src.core.zero.Layout`, the bucket plan), never the step's configuration:
 
 - partition specs of the parameters, the optimizer state and the reduced gradients, and the
   zeros a non-synchronising call returns for the latter (:meth:`Place.param_spec`,
   :meth:`Place.opt_spec`, :meth:`Place.grad_specs`, :meth:`Place.grad_zeros`);
-- the sharded reduction's record (:class:`jddp._src.place.zero.Sharded`, or ``None`` for the
+- the sharded reduction's record (:class:`jddp._src.core.zero.Sharded`, or ``None`` for the
   hook's all-reduce), whether ``shard_map`` can be typed (``check_vma``), the parameters the
   loss is traced at and local gradients are taken at, the plan's not-resharded leaves;
 - the optimizer update and the bytes it sends to make the parameters whole again;
@@ -32,12 +32,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jddp._src.api import options
+from jddp._src.core import precision as precision_lib
+from jddp._src.core import zero
 from jddp._src.introspect import jaxpr as jaxpr_lib
-from jddp._src.place import owner, zero
+from jddp._src.place import owner
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.runtime.topology import Roles, Topology
 from jddp._src.tree import Bytes
-from jddp._src.update import precision as precision_lib
 
 Shape = Sequence[int]
 

@@ -7,8 +7,8 @@ optimizer state (each device updates its pieces, which are then all-gathered) an
 every stage shares (the topology, offload, ``shard="owner"``); :class:`ZeRO2` also keeps the
 reduced gradients in pieces (each bucket reduce-scattered); :class:`ZeRO3` also the parameters
 (gathered bucket by bucket in the forward pass). Each overrides only the methods its stage
-changes; the collectives are :mod:`jddp._src.place.zero`'s, the bucket reducers
-:mod:`jddp._src.reduce.sharded`'s (from the :class:`jddp._src.place.zero.Sharded` record a
+changes; the collectives are :mod:`jddp._src.core.zero`'s, the bucket reducers
+:mod:`jddp._src.reduce.sharded`'s (from the :class:`jddp._src.core.zero.Sharded` record a
 stage gives).
 """
 
@@ -25,14 +25,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp._src.api import options
+from jddp._src.core import precision as precision_lib
+from jddp._src.core import zero
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
-from jddp._src.place import offload, owner, zero
+from jddp._src.place import offload, owner
 from jddp._src.place.placement import Place, Shape, keep_unused
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.runtime.topology import Roles, Topology
 from jddp._src.tree import Bytes, chain_dependency, ring
-from jddp._src.update import precision as precision_lib
 
 # ----------------------------------------------------------------------- the gathers of the stages
 

@@ -11,10 +11,10 @@ from typing import Any, ClassVar, Protocol
 
 import jax
 
+from jddp._src.core.collectives import axis_size, levels
 from jddp._src.introspect import vma
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce import bytemodel
-from jddp._src.reduce.collectives import axis_size, levels
 from jddp._src.reduce.hooks import CommHook, HookContext, check_output, check_reduced, check_state
 from jddp._src.tree import Bytes, chain_dependency
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jddp._src.api import options
+from jddp._src.core.collectives import axis_size, gather_invariant, padded_flat, unflatten_like
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.chain import chained, resolve_chain
-from jddp._src.reduce.collectives import axis_size, gather_invariant, padded_flat, unflatten_like
 from jddp._src.reduce.hooks import CommHook, HookContext, check_output, check_reduced
 from jddp._src.tree import chain_dependency
 

@@ -38,19 +38,19 @@ import numpy as np
 from jax import lax
 
 from jddp._src.api import options
+from jddp._src.core import precision as precision_lib
+from jddp._src.core.collectives import axis_size, wire_nbytes
+from jddp._src.core.zero import Sharded
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
-from jddp._src.place.zero import Sharded
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce import bytemodel, regather, replicated
 from jddp._src.reduce.allreduce import AllReduce, BucketReducer
 from jddp._src.reduce.bytemodel import f32_structs, span
 from jddp._src.reduce.chain import dep_cotangent, dep_zeros, local_grads, resolve_chain, vary
-from jddp._src.reduce.collectives import axis_size, wire_nbytes
 from jddp._src.reduce.hooks import CommHook
 from jddp._src.reduce.sharded import GatherInForward, make_reducer
 from jddp._src.tree import Bytes, chain_dependency, ring
-from jddp._src.update import precision as precision_lib
 
 
 class _Slot(NamedTuple):

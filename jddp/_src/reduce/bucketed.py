@@ -37,10 +37,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jddp._src.core import precision as precision_lib
+from jddp._src.core import zero
+from jddp._src.core.zero import Sharded
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
-from jddp._src.place import zero
-from jddp._src.place.zero import Sharded
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.backward import Reduced, bucketed_vjp
 from jddp._src.step.checks import batch_size
@@ -50,7 +51,6 @@ from jddp._src.step.state import AccumState, TrainState
 from jddp._src.tree import Bytes, add_device_dim, strip_device_dim
 from jddp._src.update import accumulation as acc_lib
 from jddp._src.update import loss_scale as ls_lib
-from jddp._src.update import precision as precision_lib
 
 
 class Step(NamedTuple):
@@ -183,7 +183,7 @@ class Prepared(NamedTuple):
         scale).
       loss_scale: the loss scale this call's gradients use (``None``: off).
       sharded: the sharded stages' reduction (``None``: the hook's all-reduce).
-      layout: how the parameter leaves are split (:class:`jddp._src.place.zero.Layout`).
+      layout: how the parameter leaves are split (:class:`jddp._src.core.zero.Layout`).
       unit: the static normaliser of one micro-batch's sums (:meth:`Objective.unit`): what is
         kept across calls (the accumulator, ``grad_fn``'s gradients) is plain sums times it.
     """

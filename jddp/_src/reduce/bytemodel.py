@@ -27,9 +27,9 @@ from jax import lax
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from jddp._src.core import collectives
+from jddp._src.core.collectives import axis_size, levels, traced_platform, wire_nbytes
 from jddp._src.introspect import vma
-from jddp._src.reduce import collectives
-from jddp._src.reduce.collectives import axis_size, levels, traced_platform, wire_nbytes
 from jddp._src.reduce.hooks import CommHook, HookContext
 from jddp._src.tree import Bytes, ring, ring_bytes
 
@@ -119,7 +119,7 @@ def pmean(x: Any, axis_name: Any, *, hosts_axis: Any = "recorder") -> Any:
 
 
 def all_gather(x: Any, axis_name: Any, **kwargs: Any) -> Any:
-    """:func:`jddp._src.reduce.collectives.gather_invariant`, recorded (a ring all-gather of
+    """:func:`jddp._src.core.collectives.gather_invariant`, recorded (a ring all-gather of
     this device's ``x``)."""
     _record("all-gather", x, axis_name)
     return collectives.gather_invariant(x, axis_name, **kwargs)
@@ -133,7 +133,7 @@ def all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int, *,
 
 
 def scatter_sum(x: Any, axis_name: Any) -> Any:
-    """:func:`jddp._src.reduce.collectives.scatter_sum`, recorded (a ring reduce-scatter,
+    """:func:`jddp._src.core.collectives.scatter_sum`, recorded (a ring reduce-scatter,
     whichever form it takes)."""
     _record("reduce-scatter", x, axis_name)
     return collectives.scatter_sum(x, axis_name)

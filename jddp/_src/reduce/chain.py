@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jddp._src.api import options
+from jddp._src.core.collectives import traced_platform
 from jddp._src.introspect import vma
-from jddp._src.reduce.collectives import traced_platform
 
 
 def resolve_chain(chain: options.Chain) -> str:

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jddp._src.core.collectives import wire_itemsize
 from jddp._src.data import rng as rng_lib
-from jddp._src.reduce.collectives import wire_itemsize
 from jddp._src.step.config import ReduceContext
 from jddp._src.step.state import AccumState
 from jddp._src.tree import dtype_of

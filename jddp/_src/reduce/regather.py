@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from jddp._src.core.collectives import traced_platform
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
-from jddp._src.reduce.collectives import traced_platform
 from jddp._src.reduce.sharded import GatherInForward
 from jddp._src.tree import chain_dependency
 

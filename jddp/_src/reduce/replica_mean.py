@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax
 
 from jddp._src.api import options
+from jddp._src.core.collectives import wire_itemsize
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.averaging import bucketed_mean
 from jddp._src.reduce.bytemodel import (
@@ -20,7 +21,6 @@ from jddp._src.reduce.bytemodel import (
     ring_allgather_bytes,
     ring_allreduce_bytes,
 )
-from jddp._src.reduce.collectives import wire_itemsize
 from jddp._src.reduce.hooks import CommHook
 from jddp._src.runtime.topology import Topology
 

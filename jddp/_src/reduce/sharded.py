@@ -13,23 +13,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jddp._src.place import zero
-from jddp._src.place.zero import Sharded
+from jddp._src.core import precision as precision_lib
+from jddp._src.core import zero
+from jddp._src.core.collectives import levels
+from jddp._src.core.zero import Sharded
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce import bytemodel
 from jddp._src.reduce.allreduce import AllReduce, BucketReducer, exact_mean
 from jddp._src.reduce.bytemodel import span
 from jddp._src.reduce.chain import on_gpu
-from jddp._src.reduce.collectives import levels
 from jddp._src.reduce.hooks import CommHook, HookContext
 from jddp._src.tree import Bytes, chain_dependency, ring
-from jddp._src.update import precision as precision_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReduceScatter(AllReduce):
     """Reduce-scatter through a hook (stage 2): each device keeps the mean of its piece of every
-    leaf (a leaf kept whole, whole; see :mod:`jddp._src.place.zero`).
+    leaf (a leaf kept whole, whole; see :mod:`jddp._src.core.zero`).
 
     With ``scatters`` (a stateless hook with ``CommHook.scatter``) the bucket is one
     reduce-scatter of an ``(N, K)`` matrix. Otherwise (PowerSGD, error feedback, hierarchical)
@@ -257,7 +257,7 @@ def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
                  precision: precision_lib.MixedPrecision | None = None) -> BucketReducer:
     """The reducer of a step: the hook's all-reduce, or a sharded stage's (hybrid)
     reduce-scatter, with the stage-3 all-gather in forward; under a mixed-precision policy, its
-    :class:`jddp._src.update.precision.Cast`.
+    :class:`jddp._src.core.precision.Cast`.
 
     Args:
       stateful: the hook keeps state for some leaf (it cannot reduce through ``scatter``).

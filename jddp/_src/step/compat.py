@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 
 from jddp._src.api.policies import Accumulate, Buckets, Deterministic, Policies, ZeRO
+from jddp._src.core.precision import MixedPrecision
 from jddp._src.reduce.hooks import CommHook
 from jddp._src.reduce.hooks.mean import allreduce_mean
 from jddp._src.sync.local_sgd import LocalSGD
 from jddp._src.update.loss_scale import DynamicScale
-from jddp._src.update.precision import MixedPrecision
 
 
 @dataclasses.dataclass(frozen=True)

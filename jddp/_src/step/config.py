@@ -10,15 +10,15 @@ import optax
 from jax.sharding import Mesh
 
 from jddp._src.api import options
+from jddp._src.core.precision import MixedPrecision
+from jddp._src.core.zero import Layout
 from jddp._src.place.placement import Place, Replicate
-from jddp._src.place.zero import Layout
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.hooks import CommHook
 from jddp._src.runtime.topology import Roles, Topology
 from jddp._src.step.objective import Extras, Loss, Objective
 from jddp._src.step.state import AccumState, TrainState
 from jddp._src.sync.every_step import EveryStep, HookPhase
-from jddp._src.update.precision import MixedPrecision
 from jddp._src.update.update import Accumulate, Guard, Update
 
 
@@ -117,7 +117,7 @@ class LocalCall(NamedTuple):
       sync: with accumulation, whether this call synchronises (static; ``None``: the counter).
       phase: the reducer's part of the step's static phase (:attr:`Reducer.phase`).
       roles: where this kind of step reduces and keeps its state (the sync policy's).
-      layout: how the parameter leaves are split (:class:`jddp._src.place.zero.Layout`).
+      layout: how the parameter leaves are split (:class:`jddp._src.core.zero.Layout`).
       loss_scale: the loss scale of this call's gradients (per device; ``None``: off).
     """
 
@@ -360,7 +360,7 @@ class StepConfig:
         (DDP) or ``ZeRO`` (stages 1-3, hybrid sharding, ``reshard_after_forward``, offload),
         resolved against the mesh (``ZeRO.resolve``: one placement per stage); the step calls
         its methods.
-      precision: the mixed-precision policy (:mod:`jddp._src.update.precision`; ``None``: off).
+      precision: the mixed-precision policy (:mod:`jddp._src.core.precision`; ``None``: off).
       sync: the sync policy (:class:`SyncPolicy`): :class:`jddp._src.sync.every_step.EveryStep` (plain data
         parallelism), or local SGD / DiLoCo (:class:`jddp._src.sync.local_sgd.LocalSGD`: per-replica
         parameters, averaged every ``period`` steps).

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp._src.place import zero
+from jddp._src.core import zero
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.replica_mean import ReplicaMean
 from jddp._src.runtime.topology import Roles

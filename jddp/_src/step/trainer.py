@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from jddp._src.api import deprecated as deprecated_lib
 from jddp._src.api import options
 from jddp._src.api import policies as pol
+from jddp._src.core import precision as precision_lib
 from jddp._src.place import offload
 from jddp._src.plan import autocap, modelcap
 from jddp._src.plan import report as report_lib
@@ -29,7 +30,6 @@ from jddp._src.step.step import PlanLog, Step
 from jddp._src.sync import model_state as ms_lib
 from jddp._src.sync.local_sgd import LocalSGD
 from jddp._src.update import loss_scale as ls_lib
-from jddp._src.update import precision as precision_lib
 
 Chooser = autocap.AutoCap | modelcap.ModelCap
 

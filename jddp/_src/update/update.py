@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jddp._src.api import options
-from jddp._src.place import zero
+from jddp._src.core import zero
 from jddp._src.runtime.topology import Roles, Topology
 from jddp._src.step.state import AccumState, TrainState
 from jddp._src.tree import strip_device_dim

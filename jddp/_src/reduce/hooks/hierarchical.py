@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jddp._src.reduce import bytemodel
-from jddp._src.reduce.collectives import (
+from jddp._src.core.collectives import (
     axis_size,
     levels,
     padded_flat,
     unflatten_like,
 )
+from jddp._src.reduce import bytemodel
 from jddp._src.reduce.hooks import CommHook, HookContext, check_hook, hook_name
 from jddp._src.reduce.hooks.mean import allreduce_mean
 

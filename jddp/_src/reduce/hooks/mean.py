@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jddp._src.core.collectives import traced_platform
 from jddp._src.reduce import bytemodel, platform_paths
-from jddp._src.reduce.collectives import traced_platform
 from jddp._src.reduce.hooks import CommHook, HookContext, no_state
 
 

@@ -49,8 +49,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jddp._src.core.collectives import wire_itemsize
 from jddp._src.introspect import jaxpr as jaxpr_lib
-from jddp._src.reduce.collectives import wire_itemsize
 
 
 def shard_dim(shape: Sequence[int], n: int) -> int | None:

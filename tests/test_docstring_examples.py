@@ -13,7 +13,7 @@ import textwrap
 import types
 
 import pytest
-from test_doc_blocks import Block, _run
+from test_doc_blocks import Block, _Zygote
 
 import jddp
 
@@ -142,13 +142,22 @@ def test_every_docstring_example_is_run_or_says_why():
     assert not unknown, f"docstring examples with no SETUP (or NOT_RUN reason): {unknown}"
 
 
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    """The examples run like the guides' blocks: each in a process forked from one parent that
+    imported jddp once (``test_doc_blocks._Zygote``)."""
+    z = _Zygote(tmp_path_factory.mktemp("zygote") / "zygote.log")
+    yield z
+    z.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,code", EXAMPLES, ids=[f"{n}-{i}" for i, (n, _) in
                                                      enumerate(EXAMPLES)])
-def test_docstring_example_runs(name, code, tmp_path):
+def test_docstring_example_runs(name, code, tmp_path, zygote):
     if name in NOT_RUN:
         pytest.skip(f"{name}: {NOT_RUN[name]}")
-    out = _run(Block(name, 0, "python", _BASE + SETUP[name] + code), tmp_path)
+    out = zygote.run(Block(name, 0, "python", _BASE + SETUP[name] + code), tmp_path)
     assert out.returncode == 0, f"{name} failed:\n{code}\n{out.stderr[-4000:]}"
 
 

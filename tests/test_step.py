@@ -103,8 +103,8 @@ def _nnx_loss(model, b):
     [
         (jddp.bf16_compress, r"hook=bf16_compress is a function.*hook=jddp\.bf16_compress\(\)"),
         (jddp.powersgd, r"jddp\.powersgd\(\)"),
-        (1, r"hook must be a jddp\.CommHook\(init, reduce\).*got int"),
-        ("fp16", r"hook must be a jddp\.CommHook.*got str 'fp16'"),
+        (1, r"hook must be a jddp\.hooks\.CommHook\(init, reduce\).*got int"),
+        ("fp16", r"hook must be a jddp\.hooks\.CommHook.*got str 'fp16'"),
     ],
 )
 def test_bad_hooks_are_named_at_construction(hook, match):

@@ -294,10 +294,18 @@ def test_scripted_membership_equals_reference(tmp_path):
 
 
 def _consecutive(out: Path, island: int) -> None:
-    """One process ran every inner step of ``island``, each once, in order."""
-    steps = [r for r in _records(out, island) if "step" in r and "outer" not in r]
-    assert len({r["pid"] for r in steps}) == 1, f"island {island} was restarted"
-    assert [r["step"] for r in steps] == list(range(len(steps))), f"island {island} steps"
+    """One process ran the inner steps of ``island`` in order, none twice, and skipped steps only
+    where torchft healed it: an island that misses a quorum (on a loaded machine it can be a
+    moment late) is behind the others' step at the next one and is brought to it by a heal."""
+    recs = _records(out, island)
+    at = [i for i, r in enumerate(recs) if "step" in r and "outer" not in r]
+    steps = [recs[i]["step"] for i in at]
+    assert len({recs[i]["pid"] for i in at}) == 1, f"island {island} was restarted"
+    assert steps[:1] == [0] and steps == sorted(set(steps)), f"island {island} steps: {steps}"
+    for k in range(1, len(at)):
+        a, b = steps[k - 1], steps[k]
+        healed = any(r.get("healed") for r in recs[at[k - 1]:at[k]] if "outer" in r)
+        assert b == a + 1 or healed, f"island {island} skipped steps {a + 1}..{b - 1} unhealed"
 
 
 def _mid_period(out: Path, island: int, pid: int) -> bool:

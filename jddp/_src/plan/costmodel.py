@@ -487,8 +487,10 @@ def overlap_speedup(
     """The iteration with and without overlap, and the latency reduction overlap buys.
 
     Args:
-      cap_mb, first_mb: the caps, as in :func:`simulate_iteration` (``bucket_cap_mb``,
-        ``first_bucket_mb``: their deprecated names).
+      cap_mb: the bucket cap, as in :func:`simulate_iteration` (``bucket_cap_mb``: its
+        deprecated name).
+      first_mb: the first bucket's cap, as in :func:`simulate_iteration`
+        (``first_bucket_mb``: its deprecated name).
 
     Returns:
       ``(with_overlap, without_overlap, reduction)`` where ``reduction = 1 - with / without``;

@@ -41,10 +41,8 @@ import numpy as np
 
 from jddp._src.api import options
 from jddp._src.plan.planner import BucketPlan, assign_buckets
-from jddp._src.reduce.reducers import Bucketed
 from jddp._src.runtime import hostsync
 from jddp._src.step import skeleton
-from jddp._src.step.config import StepConfig
 from jddp._src.step.step import Step
 from jddp._src.tree import MiB
 
@@ -278,30 +276,50 @@ class _Forward:
             self.target(plan)
 
 
+class Candidates(NamedTuple):
+    """What a choosing step needs of the step's configuration (not the configuration itself).
+
+    Attributes:
+      cap_bytes, first_bytes: the default caps (the plan a choice is compared against).
+      build: ``build(cap_bytes, first_bytes, observer) -> Step``: the step with other caps,
+        reporting its plans to ``observer``.
+      plan: ``plan(state, batch, mask, rng) -> BucketPlan``: the default step's plan for these
+        inputs (traced, not compiled or run).
+      reducing: the ``sync`` of a call that reduces (with accumulation, the others send nothing).
+      platform: the mesh's platform.
+      num_devices: the devices of the mesh.
+    """
+
+    cap_bytes: int
+    first_bytes: int
+    build: Callable[[int, int, skeleton.PlanObserver], Step]
+    plan: Callable[..., BucketPlan]
+    reducing: Callable[[bool | None], bool | None]
+    platform: str
+    num_devices: int
+
+
 class ChoosingStep:
     """A ``ddp.step`` that picks its bucket plan once, on the first call, then is the chosen
     :class:`Step`: what ``Buckets(cap_mb="auto")`` (:class:`AutoStep`) and ``"model"``
     (``modelcap.ModelStep``) share.
 
     Args:
-      cfg: the configuration with the default caps (the plan a choice is compared against).
+      candidates: the default caps and how to build a step with others.
       policy: how to choose.
-      make_step: builds a :class:`Step` for a configuration, reporting plans to an observer.
       observer: the trainer's plan log.
-      on_choice: called once with the chosen configuration and the :class:`CapChoice`.
+      on_choice: called once with the chosen :class:`Step` and the :class:`CapChoice`.
     """
 
     def __init__(
         self,
-        cfg: StepConfig,
+        candidates: Candidates,
         policy: Any,
-        make_step: Callable[[StepConfig, skeleton.PlanObserver], Step],
         observer: skeleton.PlanObserver,
-        on_choice: Callable[[StepConfig, CapChoice], None],
+        on_choice: Callable[[Step, CapChoice], None],
     ) -> None:
-        self._cfg = cfg
+        self._candidates = candidates
         self._policy = policy
-        self._make_step = make_step
         self._observer = observer
         self._on_choice = on_choice
         self._step: Step | None = None
@@ -310,17 +328,6 @@ class ChoosingStep:
     def cache_size(self) -> int:
         """Programs the chosen step has compiled (0 before the choice)."""
         return 0 if self._step is None else self._step.cache_size()
-
-    def _buckets(self) -> Bucketed:
-        """The bucketed reducer whose caps are chosen (the default caps until then)."""
-        reduce = self._cfg.reduce
-        assert isinstance(reduce, Bucketed)  # a chooser is a jddp.Buckets request
-        return reduce
-
-    def _with_caps(self, cap_bytes: int, first_bytes: int) -> StepConfig:
-        """The configuration with the bucket caps ``cap_bytes`` and ``first_bytes``."""
-        return dataclasses.replace(self._cfg, reduce=dataclasses.replace(
-            self._buckets(), cap_bytes=cap_bytes, first_bytes=first_bytes))
 
 
 class AutoStep(ChoosingStep):
@@ -336,18 +343,18 @@ class AutoStep(ChoosingStep):
         if self.choice is not None:
             return self.choice
         t0 = time.perf_counter()
-        cfg, policy, first = self._cfg, self._policy, self._buckets().first_bytes
-        default_mb = self._buckets().cap_bytes / MiB
-        plan = skeleton.plan(cfg, state, batch, mask, rng)
+        cands, policy, first = self._candidates, self._policy, self._candidates.first_bytes
+        default_mb = cands.cap_bytes / MiB
+        plan = cands.plan(state, batch, mask, rng)
         found = distinct_candidates(plan, policy.candidates_mb, first, default_mb)
         caps = [c for c, _ in found]
         steps, observers = [], []
         for cap_mb in caps:
             cap = options.cap_bytes(cap_mb, "bucket_cap_mb")
             observers.append(_Forward())
-            steps.append(self._make_step(self._with_caps(cap, min(first, cap)), observers[-1]))
+            steps.append(cands.build(cap, min(first, cap), observers[-1]))
         # With accumulation, time the synchronising program: the others have no collective.
-        tsync = cfg.accumulate.reducing(sync)
+        tsync = cands.reducing(sync)
         times: list[list[float]] = [[] for _ in caps]
         # One distinct plan (a small model, or one dominated by a leaf above every cap): nothing
         # to choose between, so nothing is timed; the step compiles on its first real call.
@@ -383,7 +390,7 @@ class AutoStep(ChoosingStep):
                                 tuple(medians), default_mb, time.perf_counter() - t0,
                                 verdict.ratio, verdict.spread, min(len(t) for t in times),
                                 note)
-        self._on_choice(self._step.config, self.choice)
+        self._on_choice(self._step, self.choice)
         return self.choice
 
     def chosen_step(self, what: str = "run") -> Step:

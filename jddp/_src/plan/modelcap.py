@@ -51,7 +51,6 @@ from jddp._src.plan.autocap import CapChoice, ChoosingStep
 from jddp._src.plan.planner import BucketPlan, assign_buckets
 from jddp._src.reduce.hooks import CommHook
 from jddp._src.reduce.hooks.mean import allreduce_mean
-from jddp._src.step import skeleton
 from jddp._src.step.step import Step
 from jddp._src.tree import MiB
 
@@ -310,17 +309,15 @@ class ModelStep(ChoosingStep):
         """Picks the plan for these inputs (arrays or shape structs; nothing runs); once only."""
         if self.choice is not None:
             return self.choice
-        cfg, buckets = self._cfg, self._buckets()
-        plan = skeleton.plan(cfg, state, batch, mask, rng)
-        default = (buckets.cap_bytes / MiB, buckets.first_bytes / MiB)
-        choice = decide(plan, cfg.mesh.devices.flat[0].platform, cfg.topology.num_devices, self._policy,
-                        default)
+        cands = self._candidates
+        plan = cands.plan(state, batch, mask, rng)
+        default = (cands.cap_bytes / MiB, cands.first_bytes / MiB)
+        choice = decide(plan, cands.platform, cands.num_devices, self._policy, default)
         cap = options.cap_bytes(choice.cap_mb, "bucket_cap_mb")
         first = min(options.cap_bytes(choice.chosen_first_mb, "first_bucket_mb"), cap)
-        chosen = self._with_caps(cap, first)
-        self._step = self._make_step(chosen, self._observer)
+        self._step = cands.build(cap, first, self._observer)
         self.choice = choice
-        self._on_choice(chosen, choice)
+        self._on_choice(self._step, choice)
         return choice
 
     def chosen_step(self, state: Any, batch: Any, mask: Any = None, rng: Any = None) -> Step:

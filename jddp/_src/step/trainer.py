@@ -34,6 +34,25 @@ from jddp._src.update import loss_scale as ls_lib
 Chooser = autocap.AutoCap | modelcap.ModelCap
 
 
+def _candidates(config: StepConfig,
+                make_step: Callable[[StepConfig, skeleton.PlanObserver], Step]
+                ) -> autocap.Candidates:
+    """What ``Buckets(cap_mb="auto"/"model")``'s choosing step needs of ``config``."""
+    buckets = config.reduce
+    assert isinstance(buckets, Bucketed)  # a chooser is a jddp.Buckets request
+
+    def build(cap: int, first: int, observer: skeleton.PlanObserver) -> Step:
+        reduce = dataclasses.replace(buckets, cap_bytes=cap, first_bytes=first)
+        return make_step(dataclasses.replace(config, reduce=reduce), observer)
+
+    def plan(state: Any, batch: Any, mask: Any = None, rng: Any = None) -> BucketPlan:
+        return skeleton.plan(config, state, batch, mask, rng)
+
+    return autocap.Candidates(buckets.cap_bytes, buckets.first_bytes, build, plan,
+                              config.accumulate.reducing, config.mesh.devices.flat[0].platform,
+                              config.topology.num_devices)
+
+
 def _verify_every(verify_every: Any) -> int:
     """``verify_every`` checked: a positive int, or 0 for None (never verify)."""
     if verify_every is not None and (isinstance(verify_every, bool) or not isinstance(
@@ -207,17 +226,17 @@ class DataParallel:
             return Step(cfg, donate=donate, compiler_options=compiler_options, observer=observer,
                         verify_every=every)
 
-        def chosen(cfg: StepConfig, _: autocap.CapChoice) -> None:
-            object.__setattr__(self, "config", cfg)
+        def chosen(step: Step, _: autocap.CapChoice) -> None:
+            object.__setattr__(self, "config", step.config)
 
         # Buckets(cap_mb="auto" / "model"): the plan is chosen on the first step (timed, see
         # _src/plan/autocap.py; predicted, see _src/plan/modelcap.py), then fixed; the configuration takes
         # the chosen caps.
         step: Step | autocap.AutoStep | modelcap.ModelStep
         if isinstance(auto, modelcap.ModelCap):
-            step = modelcap.ModelStep(config, auto, make_step, plans, chosen)
+            step = modelcap.ModelStep(_candidates(config, make_step), auto, plans, chosen)
         elif auto is not None:
-            step = autocap.AutoStep(config, auto, make_step, plans, chosen)
+            step = autocap.AutoStep(_candidates(config, make_step), auto, plans, chosen)
         else:
             step = make_step(config, plans)
         object.__setattr__(self, "_auto", step if auto is not None else None)

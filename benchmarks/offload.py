@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jddp  # noqa: E402
-from jddp._src.plan.report import state_bytes_per_device  # noqa: E402
+from jddp._src.tree import device_nbytes  # noqa: E402
 
 MIB = 2**20
 STAGES = (1, 2, 3)
@@ -113,8 +113,8 @@ def memory(mesh, width: int, stage: int, off: bool, gpu: bool) -> dict:
         topologies.mark_host_arguments(lowered, opt_state_indices(state))
     compiled = lowered.compile()
     ma = compiled.memory_analysis()
-    opt = state_bytes_per_device(state.opt_state)
-    total = state_bytes_per_device(state)
+    opt = device_nbytes(state.opt_state)
+    total = device_nbytes(state)
     host = lambda f: int(getattr(ma, f"host_{f}_size_in_bytes"))
     rec = {
         "at_rest_device_mib": (total - (opt if off else 0)) / MIB,

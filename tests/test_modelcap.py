@@ -389,7 +389,7 @@ def test_default_keeps_ddps_plan_without_calibration_and_is_a_pure_function():
     assert one.plan(params, batches[0]).buckets == pinned.buckets
     assert pinned.num_buckets == 1 < ddps.num_buckets
     assert one.cap_choice._replace(tune_s=0) == two.cap_choice._replace(tune_s=0)
-    assert one.config.reduce.largest_cap_bytes("cpu") == 100 * MiB
+    assert one.config.reduce.largest_bucket("cpu", {}) == 100 * MiB  # the largest cap
 
 
 # ---------------------------------------------- the default plan on 2 processes x 4 devices

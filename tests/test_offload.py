@@ -20,7 +20,7 @@ import pytest
 
 import jddp
 from jddp._src.place import offload
-from jddp._src.plan.report import state_bytes_per_device
+from jddp._src.tree import device_nbytes
 from jddp.perf import topologies
 from tests._models import layer_list_like, layer_list_loss, mlp_loss, mlp_params, regression_batch
 
@@ -128,7 +128,7 @@ def test_report_counts_the_optimizer_state_as_host_memory():
     for off in (False, True):
         ddp = _ddp(3, off)
         state = ddp.init(mlp_params(0, SIZES))
-        reps[off] = (ddp.report(state, _batch(0)).memory, state_bytes_per_device(state.opt_state),
+        reps[off] = (ddp.report(state, _batch(0)).memory, device_nbytes(state.opt_state),
                      str(ddp.report(state, _batch(0))))
     (dev, opt, _), (host, opt_off, text) = reps[False], reps[True]
     assert opt == opt_off > 0
@@ -166,7 +166,7 @@ def gpu_program(stage: int, off: bool) -> tuple:
     if off:  # compile-only devices drop the memory kind: put it back on those arguments
         topologies.mark_host_arguments(lowered, opt_state_indices(state))
     compiled = lowered.compile()
-    return compiled.memory_analysis(), compiled.as_text(), state_bytes_per_device(state.opt_state)
+    return compiled.memory_analysis(), compiled.as_text(), device_nbytes(state.opt_state)
 
 
 def opt_state_indices(state) -> list[int]:

@@ -52,6 +52,19 @@ def wire_nbytes(x: Any, platform: str) -> int:
     return int(np.prod(np.shape(x), dtype=np.int64)) * wire_dtype(dtype_of(x), platform).itemsize
 
 
+def device_nbytes(tree: Any) -> int:
+    """Bytes of ``tree`` one device holds: each leaf's shard (its whole shape if replicated)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = tuple(np.shape(x))
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None:
+            shape = tuple(sharding.shard_shape(shape))
+        itemsize = getattr(getattr(x, "dtype", None), "itemsize", 0) or 0
+        total += int(np.prod(shape, dtype=np.int64)) * int(itemsize)
+    return total
+
+
 def fmt_bytes(n: float) -> str:
     """``n`` bytes in B, KiB or MiB, for tables and messages."""
     if n >= MiB:

@@ -23,14 +23,17 @@ DEFAULT_FIRST_BUCKET_MB = 1.0  # PyTorch DDP's first bucket (dist._DEFAULT_FIRST
 DEFAULT_GROUP_SIZE = 8  # examples per group of jddp.Deterministic()
 
 
-def cap_bytes(mb: Any, name: str) -> int:
-    """A cap in MiB as bytes; raises for a cap that is not a positive, finite number."""
+def cap_bytes(mb: Any, name: str, *, unbounded: bool = False) -> int:
+    """A cap in MiB as bytes; raises for a cap that is not a positive, finite number
+    (``unbounded``: ``math.inf`` is allowed too, one bucket per dtype)."""
     if isinstance(mb, bool):
         raise TypeError(f"{name} must be a number of MiB, got {mb!r}.")
     try:
         value = float(mb)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a number of MiB, got {mb!r}.") from None
+    if unbounded and value == math.inf:
+        return 2**62
     if math.isnan(value) or math.isinf(value) or value <= 0:
         raise ValueError(
             f"{name} must be a positive, finite number of MiB, got {mb!r}. "

@@ -73,16 +73,16 @@ def traced_platform() -> str:
 WIRE_PLATFORM: str | None = None
 
 
+def wire_platform(platform: str | None = None) -> str:
+    """The platform whose wire widths a collective's bytes count (:func:`jddp._src.tree.wire_dtype`):
+    :data:`WIRE_PLATFORM`, else ``platform``, else the traced one."""
+    return WIRE_PLATFORM or platform or traced_platform()
+
+
 def wire_itemsize(dtype: Any, platform: str | None = None) -> int:
     """Bytes per element a collective of ``dtype`` sends once compiled for ``platform`` (default:
-    the traced platform; :func:`jddp._src.tree.wire_dtype`)."""
-    where = WIRE_PLATFORM or platform or traced_platform()
-    return int(tree.wire_dtype(dtype, where).itemsize)
-
-
-def wire_nbytes(x: Any, platform: str | None = None) -> int:
-    """Bytes of an array or shape struct as a collective sends them (:func:`wire_itemsize`)."""
-    return tree.wire_nbytes(x, WIRE_PLATFORM or platform or traced_platform())
+    the traced platform)."""
+    return int(tree.wire_dtype(dtype, wire_platform(platform)).itemsize)
 
 
 #: Tests set this to force (True) or forbid (False) the all-to-all form; ``None``: decide.

@@ -154,12 +154,6 @@ class Cast:
     def backward(self, b: int, grads: tuple, states: tuple, extras: tuple, step: Any) -> tuple:
         return self.inner.backward(b, grads, states, extras, step)
 
-    def forward_bytes(self, b: int) -> Any:
-        return self.inner.forward_bytes(b)
-
-    def unused_bytes(self) -> Any:
-        return self.inner.unused_bytes()
-
     def forward(self, b: int, leaves: tuple) -> tuple:
         return tuple(x.astype(self.dtype) for x in self.inner.forward(b, leaves))
 

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from jddp._src.api import options
-from jddp._src.plan.planner import BucketPlan, assign_buckets
+from jddp._src.plan.planner import BucketPlan, assign_buckets, backward_sizes
 from jddp._src.runtime import hostsync
 from jddp._src.step import skeleton
 from jddp._src.step.step import Step
@@ -195,10 +195,7 @@ def distinct_candidates(
     the next bucket costs a compile, not time). The default cap stands for its group; other groups
     are timed under their smallest cap.
     """
-    order = [i for b in plan.buckets for i in b.indices]
-    nbytes = [int(np.prod(plan.shapes[i], dtype=np.int64)) * plan.dtypes[i].itemsize
-              for i in order]
-    dtypes = [plan.dtypes[i] for i in order]
+    nbytes, dtypes = backward_sizes(plan)
     slack = tolerance * max(1, sum(nbytes))
 
     def sizes(cap_mb: float) -> list[int]:

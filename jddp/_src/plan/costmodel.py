@@ -9,7 +9,6 @@ importing the performance tooling (``jddp._src`` never imports ``jddp.perf``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -17,7 +16,6 @@ import numpy as np
 
 from jddp._src.api import options
 from jddp._src.plan.planner import assign_buckets
-from jddp._src.tree import MiB
 
 __all__ = [
     "BucketTiming",
@@ -401,13 +399,6 @@ def _interpolate(table: tuple[tuple[float, float], ...], nbytes: float) -> float
 # ----------------------------------------------------------------------------------- iteration
 
 
-def _cap_bytes(mb: float) -> int:
-    # inf (or anything past the address space) means "one bucket per dtype".
-    if mb <= 0 or math.isnan(mb):
-        raise ValueError(f"a bucket cap must be positive, got {mb} MiB.")
-    return int(min(mb * MiB, 2**62))
-
-
 def simulate_iteration(
     profile: ModelProfile,
     cluster: ClusterSpec,
@@ -438,8 +429,10 @@ def simulate_iteration(
     """
     caps = options.renamed_args("simulate_iteration", {"cap_mb": cap_mb, "first_mb": first_mb},
                                 renamed, OLD_CAP_NAMES)
-    cap = _cap_bytes(25.0 if caps["cap_mb"] is None else caps["cap_mb"])
-    first = min(_cap_bytes(1.0 if caps["first_mb"] is None else caps["first_mb"]), cap)
+    cap = options.cap_bytes(25.0 if caps["cap_mb"] is None else caps["cap_mb"], "cap_mb",
+                            unbounded=True)
+    first = min(options.cap_bytes(1.0 if caps["first_mb"] is None else caps["first_mb"],
+                                  "first_mb", unbounded=True), cap)
     overlap = cluster.async_collectives if overlap is None else bool(overlap)
     groups = assign_buckets(profile.nbytes, profile.dtypes, cap, first) if profile.nbytes else []
     ready = profile.ready_times()

@@ -44,11 +44,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
-import numpy as np
 
 from jddp._src.api import options
 from jddp._src.plan.autocap import CapChoice, ChoosingStep
-from jddp._src.plan.planner import BucketPlan, assign_buckets
+from jddp._src.plan.planner import BucketPlan, assign_buckets, backward_sizes
 from jddp._src.reduce.hooks import CommHook
 from jddp._src.reduce.hooks.mean import allreduce_mean
 from jddp._src.step.step import Step
@@ -143,15 +142,6 @@ def platform_cluster(platform: str, num_devices: int) -> costmodel.ClusterSpec |
     return costmodel.ClusterSpec(
         num_devices, devices_per_node=max(1, num_devices), async_collectives=False,
         allreduce_table=CPU_ALLREDUCE_TABLE, name="XLA:CPU, built-in table (jddp.buckets)")
-
-
-def backward_sizes(plan: BucketPlan) -> tuple[list[int], list[np.dtype]]:
-    """Each used leaf's gradient bytes and dtype, in the plan's order (each dtype's leaves in
-    backward order, which is all that DDP's packing rule reads)."""
-    order = [i for b in plan.buckets for i in b.indices]
-    nbytes = [int(np.prod(plan.shapes[i], dtype=np.int64)) * plan.dtypes[i].itemsize
-              for i in order]
-    return nbytes, [plan.dtypes[i] for i in order]
 
 
 def distinct_plans(

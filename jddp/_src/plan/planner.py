@@ -152,6 +152,15 @@ def _clipped(paths: Sequence[str], width: int = 90) -> str:
     return names if len(names) <= width else names[: width - 3] + "..."
 
 
+def backward_sizes(plan: BucketPlan) -> tuple[list[int], list[np.dtype]]:
+    """Each used leaf's gradient bytes and dtype, in the plan's order (each dtype's leaves in
+    backward order, which is all that DDP's packing rule reads)."""
+    order = [i for b in plan.buckets for i in b.indices]
+    nbytes = [int(np.prod(plan.shapes[i], dtype=np.int64)) * plan.dtypes[i].itemsize
+              for i in order]
+    return nbytes, [plan.dtypes[i] for i in order]
+
+
 def assign_buckets(
     nbytes: Sequence[int], dtypes: Sequence[Any], cap_bytes: int, first_bytes: int
 ) -> list[list[int]]:

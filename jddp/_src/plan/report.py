@@ -17,14 +17,11 @@ global norm over sharded leaves, SyncBN statistics).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from jddp._src.plan.traffic import sent_per_device, traffic
-from jddp._src.tree import fmt_bytes
+from jddp._src.tree import device_nbytes, fmt_bytes
 
 
 class CollectiveReport(NamedTuple):
@@ -228,21 +225,6 @@ class Report(NamedTuple):
         return "\n".join(lines)
 
 
-def state_bytes_per_device(tree: Any) -> int:
-    """Bytes of ``tree`` one device holds: each leaf's shard (its whole shape if replicated)."""
-    import jax
-
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shape = tuple(np.shape(x))
-        sharding = getattr(x, "sharding", None)
-        if sharding is not None:
-            shape = tuple(sharding.shard_shape(shape))
-        itemsize = getattr(getattr(x, "dtype", None), "itemsize", 0) or 0
-        total += math.prod(shape) * int(itemsize)
-    return total
-
-
 def memory(compiled: Any, state: Any) -> MemoryReport | None:
     """:class:`MemoryReport` of a ``jax.stages.Compiled`` for ``state`` (``None`` if the backend
     gives no analysis)."""
@@ -262,10 +244,10 @@ def memory(compiled: Any, state: Any) -> MemoryReport | None:
             for f in ("argument", "output", "alias", "temp")]
     leaves = jax.tree.leaves(state)
     on_host = [x for x in leaves if offload.on_host(x)]
-    return MemoryReport(state_bytes_per_device(state) - state_bytes_per_device(on_host), args,
+    return MemoryReport(device_nbytes(state) - device_nbytes(on_host), args,
                         outs, alias, temp, args + outs - alias + temp,
                         int(ma.generated_code_size_in_bytes),
-                        host_at_rest=state_bytes_per_device(on_host),
+                        host_at_rest=device_nbytes(on_host),
                         host_peak=host[0] + host[1] - host[2] + host[3])
 
 

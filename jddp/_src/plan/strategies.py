@@ -16,6 +16,7 @@ from jddp._src.plan.costmodel import (
     ModelProfile,
     simulate_iteration,
 )
+from jddp._src.tree import ring_bytes
 
 __all__ = ["STRATEGIES", "StrategyEstimate", "across_bytes_per_step", "averaging_time",
            "simulate_strategy"]
@@ -89,8 +90,8 @@ def across_bytes_per_step(nbytes: float, cluster: ClusterSpec, strategy: str,
     if m <= 1 or nbytes <= 0:
         return 0.0
     if strategy in ("flat", "hybrid_stage1"):
-        return 2.0 * (n - 1) / n * nbytes
-    two_level = 2.0 * (m - 1) / m * nbytes
+        return ring_bytes("all-reduce", nbytes, n)
+    two_level = ring_bytes("all-reduce", nbytes, m)
     if strategy in ("hierarchical", "hybrid"):
         return two_level
     return two_level / max(1, int(period))

@@ -16,13 +16,14 @@ from jddp._src.introspect import vma
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce import bytemodel
 from jddp._src.reduce.hooks import CommHook, HookContext, check_output, check_reduced, check_state
-from jddp._src.tree import Bytes, chain_dependency
+from jddp._src.tree import chain_dependency
 
 
 class BucketReducer(Protocol):
     """How a bucket's parameters reach the loss (``forward``) and how its gradients are reduced
     (``backward``; the bytes its collectives send are recorded as they are issued:
-    :mod:`jddp._src.reduce.bytemodel`), and the bytes the forward sends (``forward_bytes``).
+    :mod:`jddp._src.reduce.bytemodel`; the forward's gathers, stage 3's alone, are priced by
+    :meth:`jddp._src.reduce.sharded.GatherInForward.forward_bytes`).
     :func:`jddp._src.reduce.backward.bucketed_vjp` puts one custom VJP per bucket around any
     reducer; see docs/design.md, "Adding a reducer"."""
 
@@ -38,8 +39,6 @@ class BucketReducer(Protocol):
     def unused(self, i: int, leaf: jax.Array) -> jax.Array: ...
     def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
                  step: jax.Array) -> tuple[tuple, tuple, tuple]: ...
-    def forward_bytes(self, b: int) -> Bytes: ...
-    def unused_bytes(self) -> Bytes: ...
 
 
 def exact_mean(extras: Sequence[jax.Array], after: Sequence[jax.Array], axis_name: Any) -> tuple:
@@ -122,11 +121,3 @@ class AllReduce:
         check_reduced(hook, reduced, self.axis_name, b)
         check_state(hook, tuple(states), new_states, b)
         return reduced, new_states, mean_extras
-
-    def forward_bytes(self, b: int) -> Bytes:
-        """Bytes the forward pass sends for bucket ``b``: none (the parameters are whole)."""
-        del b
-        return Bytes()
-
-    def unused_bytes(self) -> Bytes:
-        return Bytes()

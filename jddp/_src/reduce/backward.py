@@ -39,7 +39,7 @@ from jax import lax
 
 from jddp._src.api import options
 from jddp._src.core import precision as precision_lib
-from jddp._src.core.collectives import axis_size, wire_nbytes
+from jddp._src.core.collectives import axis_size, wire_platform
 from jddp._src.core.zero import Sharded
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
@@ -50,7 +50,7 @@ from jddp._src.reduce.bytemodel import f32_structs, span
 from jddp._src.reduce.chain import dep_cotangent, dep_zeros, local_grads, resolve_chain, vary
 from jddp._src.reduce.hooks import CommHook
 from jddp._src.reduce.sharded import GatherInForward, make_reducer
-from jddp._src.tree import Bytes, chain_dependency, ring
+from jddp._src.tree import Bytes, chain_dependency, ring, wire_nbytes
 
 
 class _Slot(NamedTuple):
@@ -370,15 +370,13 @@ class _Run(NamedTuple):
         # The buckets' reduced gradients come back as the carry's cotangent (see _bucket_vjp);
         # the parameters' own is JAX's reduction of the leaves read replicated (plan.implicit).
         # What the backward's collectives send is recorded as they are issued (the hooks');
-        # what the forward sends (stage 3's all-gathers) the reducer says.
+        # what the forward sends (stage 3's all-gathers) the gathering reducer says.
         with bytemodel.recording(self.hosts_axis) as backward:
             leaf_cts, new_states, grad_leaves, _, reduced = vjp_fn((seed, ct_token))
             if not plan.num_buckets:
                 reduced = tuple(bytemodel.pmean(extras, axis_name)) if extras else ()
-        sent = reducer.unused_bytes()
-        for b in range(plan.num_buckets):
-            sent = sent + reducer.forward_bytes(b)
-        sent = sent + backward.sent
+        gathered = reducer.forward_bytes() if isinstance(reducer, GatherInForward) else Bytes()
+        sent = gathered + backward.sent
         if run.regathers:  # reshard_after_forward: each backward use gathers its leaf again
             assert isinstance(reducer, GatherInForward)
             for i in run.regathers:
@@ -424,7 +422,7 @@ def _jax_reduced(plan: BucketPlan, reducer: BucketReducer, casts: replicated.Lat
     group, hosts = span(axis_name, reducer.hosts_axis if isinstance(reducer, AllReduce) else None)
     sent = Bytes()
     for s in casts.casts:
-        sent = sent + ring("all-reduce", wire_nbytes(s), group, hosts)
+        sent = sent + ring("all-reduce", wire_nbytes(s, wire_platform()), group, hosts)
     return grads, sent
 
 

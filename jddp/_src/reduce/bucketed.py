@@ -43,6 +43,7 @@ from jddp._src.core.zero import Sharded
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
 from jddp._src.plan.planner import BucketPlan
+from jddp._src.reduce import bytemodel
 from jddp._src.reduce.backward import Reduced, bucketed_vjp
 from jddp._src.step.checks import batch_size
 from jddp._src.step.config import LocalCall, LocalResult, ReduceContext
@@ -376,7 +377,7 @@ def _synchronise(s: Step, prep: Prepared, state: TrainState) -> LocalResult:
     metrics = ctx.report(mean, ctx.window.microbatches, count, lv.size)
     # Stages 1-2 all-gather the updated pieces after the update (placement.gather_params).
     updated = ctx.place.update_bytes(ctx.topology, lv, prep.plan, prep.layout)
-    comm = _comm_bytes(ctx, red.sent + gathered + updated)
+    comm = bytemodel.comm_metrics(red.sent + gathered + updated, ctx.topology.two_level)
     local: dict = {}
     new_accum = None
     if acc is not None:
@@ -480,7 +481,8 @@ def _accumulate(s: Step, prep: Prepared, state: TrainState) -> LocalResult:
     return LocalResult(
         zeros, metrics, {"local_loss": loss[None]}, ms, strip_device_dim(state.hook_state),
         new_accum, jnp.asarray(False), jnp.asarray(True), island,
-        _comm_bytes(ctx, call.sent),  # local: none, or stage 3's gather; sharded: the scatters
+        # local: none, or stage 3's gather; sharded: the scatters
+        bytemodel.comm_metrics(call.sent, ctx.topology.two_level),
     )
 
 
@@ -517,14 +519,5 @@ def bucketed_step(ctx: ReduceContext, call: LocalCall, reducer: Any, state: Trai
         return sync_fn(state) if synchronises else acc_fn(state)
     # optax.MultiSteps semantics: the replicated counter picks the branch, in one program.
     return lax.cond(synchronises, sync_fn, acc_fn, state)
-
-
-def _comm_bytes(ctx: ReduceContext, sent: Bytes) -> dict:
-    """``comm_bytes`` (what one device sends in this call, a ring model of its collectives) and,
-    on a two-level mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
-    out = {"comm_bytes": jnp.asarray(sent.total, jnp.float32)}
-    if ctx.topology.two_level:
-        out["comm_bytes_hosts"] = jnp.asarray(sent.across, jnp.float32)
-    return out
 
 

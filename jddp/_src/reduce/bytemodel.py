@@ -23,15 +23,22 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jddp._src.core import collectives
-from jddp._src.core.collectives import axis_size, levels, traced_platform, wire_nbytes
+from jddp._src.core.collectives import (
+    axis_size,
+    levels,
+    traced_platform,
+    wire_itemsize,
+    wire_platform,
+)
 from jddp._src.introspect import vma
 from jddp._src.reduce.hooks import CommHook, HookContext
-from jddp._src.tree import Bytes, ring, ring_bytes
+from jddp._src.tree import Bytes, ring, ring_bytes, wire_nbytes
 
 
 def span(axis_name: Any, hosts_axis: str | None) -> tuple[int, int]:
@@ -101,7 +108,8 @@ def _record(kind: str, x: Any, axis_name: Any, hosts_axis: Any = "recorder") -> 
     rec = _current()
     if rec is None:
         return
-    nbytes = sum(wire_nbytes(a, rec.platform) for a in jax.tree.leaves(x))
+    platform = wire_platform(rec.platform)
+    nbytes = sum(wire_nbytes(a, platform) for a in jax.tree.leaves(x))
     group, hosts = span(axis_name, rec.hosts_axis if hosts_axis == "recorder" else hosts_axis)
     rec.add(_collective(kind, nbytes, group, hosts))
 
@@ -165,6 +173,45 @@ def cond(pred: Any, true_fn: Callable[..., Any], false_fn: Callable[..., Any],
     return out
 
 
+def comm_metrics(sent: Bytes, two_level: bool) -> dict:
+    """``comm_bytes`` (what one device sends in a call, a ring model of its collectives) and, on
+    a two-level mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
+    out = {"comm_bytes": jnp.asarray(sent.total, jnp.float32)}
+    if two_level:
+        out["comm_bytes_hosts"] = jnp.asarray(sent.across, jnp.float32)
+    return out
+
+
+def combine_bytes(leaves: Sequence[Any], n: int, local: int, platform: str | None = None
+                  ) -> Bytes:
+    """Bytes one device sends to combine ``leaves`` over ``n`` devices, ``local`` per host
+    (:func:`jddp._src.reduce.deterministic.combine_devices`).
+
+    Per dtype, the all-to-all and the all-gather each send one slice (``1/n`` of the padded
+    payload) to each other device: ``2 (n-1)/n`` of the payload, the bytes of a ring all-reduce;
+    ``n - local`` of those peers are on other hosts.
+    """
+    if n == 1:
+        return Bytes(0.0, 0.0)
+    sizes: dict[np.dtype, int] = {}
+    for x in leaves:
+        sizes[np.dtype(x.dtype)] = sizes.get(np.dtype(x.dtype), 0) + int(np.prod(x.shape))
+    total = 0.0
+    for dtype, size in sizes.items():
+        total += -(-size // n) * wire_itemsize(dtype, platform)  # one slice, as compiled
+    return Bytes(2.0 * (n - 1) * total, 2.0 * (n - local) * total)
+
+
+def add_update(comm: dict, sent: Sequence[Bytes], synced: Any) -> dict:
+    """``comm`` (:func:`comm_metrics`) plus the bytes the update sent (``sent``: what it
+    recorded when traced; only a window's synchronising call runs it)."""
+    if not sent or "comm_bytes" not in comm:
+        return comm
+    extra = {"comm_bytes": sent[-1].total, "comm_bytes_hosts": sent[-1].across}
+    return {k: v + jnp.where(synced, extra[k], 0.0) if k in extra else v
+            for k, v in comm.items()}
+
+
 # ------------------------------------------------------------------ a hook's bytes, counted
 
 
@@ -213,8 +260,8 @@ def reduce_counted(hook: CommHook, grads: tuple, states: tuple, ctx: HookContext
     elif sub.count:
         rec.add(sub.sent, sub.count)
     else:  # jax.lax's collectives, unrecorded: a ring all-reduce of the bucket
-        rec.add(_collective("all-reduce", sum(wire_nbytes(g, rec.platform) for g in grads),
-                            group, hosts))
+        wire = wire_platform(rec.platform)
+        rec.add(_collective("all-reduce", sum(wire_nbytes(g, wire) for g in grads), group, hosts))
     return out
 
 
@@ -243,7 +290,7 @@ def scatter_counted(hook: CommHook, rows: jax.Array, ctx: HookContext) -> jax.Ar
     elif sub.count:
         rec.add(sub.sent, sub.count)
     else:
-        rec.add(_collective("reduce-scatter", wire_nbytes(rows, rec.platform), group, hosts))
+        rec.add(_collective("reduce-scatter", wire_nbytes(rows, wire_platform(rec.platform)), group, hosts))
     return out
 
 

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jddp._src.core.collectives import wire_itemsize
 from jddp._src.data import rng as rng_lib
+from jddp._src.reduce import bytemodel
 from jddp._src.step.config import ReduceContext
 from jddp._src.step.state import AccumState
 from jddp._src.tree import dtype_of
@@ -325,23 +325,6 @@ def combine_devices(part: Part, axis: Any, n: int) -> Part:
     return jax.tree.unflatten(treedef, out)
 
 
-def bytes_sent(part: Any, n: int, local: int, platform: str | None = None
-               ) -> tuple[float, float]:
-    """``(total, across_hosts)`` bytes one device sends to combine a :class:`Part`.
-
-    The all-to-all and the all-gather each send one slice (``1/n`` of the padded payload) to each
-    other device: ``2 (n-1)/n`` of the payload, the bytes of a ring all-reduce. On a two-level
-    mesh with ``local`` devices per host, ``n - local`` of those peers are on other hosts.
-    """
-    if n == 1:
-        return 0.0, 0.0
-    total = 0.0
-    for dtype, idx in _dtype_groups(jax.tree.leaves(part)).items():
-        size = sum(int(np.prod(jax.tree.leaves(part)[i].shape)) for i in idx)
-        total += -(-size // n) * wire_itemsize(dtype, platform)  # one slice, as compiled
-    return 2.0 * (n - 1) * total, 2.0 * (n - local) * total
-
-
 # ------------------------------------------------------------------------------------ the step
 
 
@@ -486,9 +469,8 @@ def local_step(ctx: ReduceContext, obj: Any, state: Any, batch: Any, weights: An
             model_state = jax.tree.map(lambda new, old: jnp.where(synced, new, old),
                                        model_state, state.model_state)
     hosts = topo.hosts
-    total, across = bytes_sent(device_sum, n, topo.host_size if hosts else n, ctx.platform)
-    metrics["comm_bytes"] = jnp.float32(total)
-    if hosts is not None:
-        metrics["comm_bytes_hosts"] = jnp.float32(across)
+    sent = bytemodel.combine_bytes(jax.tree.leaves(device_sum), n,
+                                   topo.host_size if hosts else n, ctx.platform)
+    metrics.update(bytemodel.comm_metrics(sent, hosts is not None))
     return DetResult(grads, metrics, model_state, new_accum, synced, nonempty)
 

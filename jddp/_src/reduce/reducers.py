@@ -161,13 +161,6 @@ class Bucketed(BaseReducer):
                 and ctx.window.every_call
                 and ctx.precision is None and not topo.islands)
 
-    def largest_cap_bytes(self, platform: str) -> int:
-        """The largest bucket cap a plan can have on ``platform``: ``cap_bytes``, or the largest
-        the default-plan chooser can pick there."""
-        if self.default_plan is None:
-            return self.cap_bytes
-        return max(self.cap_bytes, self.default_plan.max_cap_bytes(platform))
-
     def largest_bucket(self, platform: str, params: Any) -> int | None:
         """An upper bound of the largest bucket on ``platform`` (the compiler options keep one
         such bucket one collective); ``None`` with ``chain="none"``, which leaves XLA alone."""
@@ -175,8 +168,10 @@ class Bucketed(BaseReducer):
             return None
         if self.fixed_plan is not None:
             return max((b.nbytes for b in self.fixed_plan.buckets), default=0)
-        return xla_options.largest_bucket_bound(xla_options.leaf_bytes(params),
-                                                self.largest_cap_bytes(platform))
+        # The largest cap: ``cap_bytes``, or the largest the default-plan chooser can pick.
+        cap = self.cap_bytes if self.default_plan is None else max(
+            self.cap_bytes, self.default_plan.max_cap_bytes(platform))
+        return xla_options.largest_bucket_bound(params, cap)
 
     def init_accum(self, ctx: ReduceContext, params: Any,
                    model_state: Any) -> AccumState | None:
@@ -233,7 +228,7 @@ class Deterministic(BaseReducer):
     def largest_bucket(self, platform: str, params: Any) -> int | None:
         """The bound of DDP's default plan (the compiler options as for the default)."""
         del platform
-        return xla_options.largest_bucket_bound(xla_options.leaf_bytes(params), DDP_CAP_BYTES)
+        return xla_options.largest_bucket_bound(params, DDP_CAP_BYTES)
 
     def init_accum(self, ctx: ReduceContext, params: Any,
                    model_state: Any) -> AccumState | None:

@@ -225,12 +225,12 @@ class GatherInForward:
         return ring("all-gather", zero.split_bytes(inner.layout, self._gathered_dtypes(), indices),
                     group, hosts)
 
-    def forward_bytes(self, b: int) -> Bytes:
-        """Bytes of bucket ``b``'s all-gather in the forward pass."""
-        return self.gather_bytes(self.inner.plan.buckets[b].indices)
-
-    def unused_bytes(self) -> Bytes:
-        return self.gather_bytes(self.inner.plan.unused)
+    def forward_bytes(self) -> Bytes:
+        """Bytes of the forward pass's all-gathers: the unused leaves', then each bucket's."""
+        sent = self.gather_bytes(self.inner.plan.unused)
+        for bucket in self.inner.plan.buckets:
+            sent = sent + self.gather_bytes(bucket.indices)
+        return sent
 
 
 def _in_forward(out: list, kept: tuple, axis: Any) -> tuple[list, tuple]:

@@ -10,14 +10,13 @@ them.
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 
-from jddp._src.tree import MiB, dtype_of
+from jddp._src.tree import MiB, nbytes
 
 #: XLA's default GPU combine thresholds (all-reduce, reduce-scatter, all-gather), measured.
 GPU_COMBINE_THRESHOLD_BYTES = 30 * MiB
@@ -39,19 +38,14 @@ def combine_threshold(largest_bucket_bytes: int) -> int | None:
     return -(-needed // MiB) * MiB
 
 
-def largest_bucket_bound(leaf_bytes: Iterable[int], cap_bytes: int) -> int:
-    """An upper bound of the largest bucket DDP's packing rule can make, before planning.
+def largest_bucket_bound(params: Any, cap_bytes: int) -> int:
+    """An upper bound of the largest bucket DDP's packing rule can make of ``params`` (arrays or
+    shape structs), before planning.
 
     A bucket is closed by the leaf that reaches the cap, so it is below ``cap + that leaf``; a
     leaf larger than the cap is a bucket of its own.
     """
-    return int(cap_bytes) + max(leaf_bytes, default=0)
-
-
-def leaf_bytes(params: Any) -> list[int]:
-    """Bytes of each leaf of ``params`` (arrays or shape structs)."""
-    return [math.prod(getattr(x, "shape", ())) * dtype_of(x).itemsize
-            for x in jax.tree.leaves(params)]
+    return int(cap_bytes) + max(map(nbytes, jax.tree.leaves(params)), default=0)
 
 
 def step_options(platform: str, largest_bucket_bytes: int, *, sharded: bool,

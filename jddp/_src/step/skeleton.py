@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src.core import zero
 from jddp._src.plan.planner import BucketPlan
+from jddp._src.reduce import bytemodel
 from jddp._src.reduce.replica_mean import ReplicaMean
 from jddp._src.runtime.topology import Roles
 from jddp._src.step.checks import check_batch, check_float_params
@@ -248,7 +249,7 @@ def train_step(
     inner = functools.partial(cfg.place.update, cfg.optimizer, cfg.topology, layout, plan,
                               cfg.reduce.chain, record=sent.append)
     new_state, update_metrics = cfg.update.apply(inner, lv, state, res, sync)
-    comm = _add_update_bytes(dict(res.comm or {}), sent, res.synced)
+    comm = bytemodel.add_update(dict(res.comm or {}), sent, res.synced)
     # Phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step).
     report = cfg.accumulate.report(cfg.loss, state.accum, cfg.topology.num_devices)
     new_state, metrics = cfg.sync.after_update(
@@ -258,16 +259,6 @@ def train_step(
                **res.local_metrics, **update_metrics}
     metrics = _optimizer_metrics(lv, metrics, new_state.opt_state)
     return cfg.place.store(new_state), metrics
-
-
-def _add_update_bytes(comm: dict, sent: list[Bytes], synced: Any) -> dict:
-    """``comm`` plus the bytes the update sent (``sent``: what it recorded when traced; only a
-    window's synchronising call runs it)."""
-    if not sent or "comm_bytes" not in comm:
-        return comm
-    extra = {"comm_bytes": sent[-1].total, "comm_bytes_hosts": sent[-1].across}
-    return {k: v + jnp.where(synced, extra[k], 0.0) if k in extra else v
-            for k, v in comm.items()}
 
 
 def _local_phases(cfg: StepConfig, observe: PlanObserver, lv: Roles, layout: zero.Layout,

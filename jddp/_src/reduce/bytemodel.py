@@ -10,7 +10,9 @@ bytes (``CommHook.bytes_sent``, ``bytes_by_level``, ``scatter_bytes_by_level``) 
 word; one that issues ``jax.lax`` collectives itself counts as a ring all-reduce (a ring
 reduce-scatter) of what it was given. The functions of :mod:`jddp.hooks` that price a bucket or
 a plan outside a step (:func:`bucket_bytes_sent`, :func:`plan_bytes_sent`, ...) trace the hook's
-``reduce`` on an abstract mesh and read the same record.
+``reduce`` on an abstract mesh and read the same record. The step's ``comm_bytes`` metrics are
+made here (:func:`comm_metrics`, :func:`add_update`), as are the bytes of the one reduction that
+issues no hook (:func:`combine_bytes`, ``jddp.Deterministic``).
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ from jddp._src.plan.costmodel import (
     ModelProfile,
     simulate_iteration,
 )
-from jddp._src.plan.planner import BucketPlan
+from jddp._src.plan.planner import BucketPlan, backward_sizes
 from jddp._src.tree import MiB
+from jddp._src.tree import nbytes as leaf_nbytes
 
 __all__ = ["DEFAULT_CAP_CANDIDATES_MB", "CapAdvice", "advise_bucket_cap", "suggest_bucket_cap"]
 
@@ -124,11 +125,8 @@ def _as_profile(
         return model
 
     if isinstance(model, BucketPlan):
-        order = [i for b in model.buckets for i in b.indices]
-        nbytes = [int(np.prod(model.shapes[i], dtype=np.int64)) * model.dtypes[i].itemsize
-                  for i in order]
-        dtypes = [model.dtypes[i] for i in order]
-        names = [model.paths[i] for i in order]
+        nbytes, dtypes = backward_sizes(model)
+        names = [model.paths[i] for b in model.buckets for i in b.indices]
     elif isinstance(model, Sequence) and all(isinstance(x, int | np.integer) for x in model):
         nbytes, dtypes, names = [int(x) for x in model], [], []
     else:
@@ -138,8 +136,7 @@ def _as_profile(
         # Without a traced use order, assume the tree's leaf order is the forward order, so the
         # backward produces gradients in reverse. Pass ddp.plan(params, batch) for the real order.
         leaves = leaves[::-1]
-        nbytes = [int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
-                  for x in leaves]
+        nbytes = [leaf_nbytes(x) for x in leaves]
         dtypes = [np.dtype(x.dtype) for x in leaves]
         names = []
     if backward_s is None:

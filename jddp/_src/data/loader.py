@@ -27,8 +27,9 @@ axis of the mesh. The design rests on three rules:
   count every example exactly once. Real rows rather than zeros, because a mask can be dropped
   without a trace (``batch, _ = next(loader)``), and zero rows then train silently towards the
   model's prediction for an all-zero input (``tests/test_data.py`` measures it); a repeated
-  example only weighs double in that one step, as in PyTorch. A process reads the examples of
-  its own rows, padding ones included (at most ``B - 1`` repeated reads per epoch).
+  example only weighs double in that one step, as in PyTorch, and every row stays a valid input
+  (no all-zero row for a BatchNorm to meet). A process reads the examples of its own rows,
+  padding ones included (at most ``B - 1`` repeated reads per epoch).
 
 Why not grain's samplers (grain 0.2.18 measured): ``IndexSampler`` with ``ShardByJaxProcess``
 shuffles inside per-process shards (a global batch's examples depend on the process count),

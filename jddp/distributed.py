@@ -92,7 +92,8 @@ def _shard_global_batch(global_batch: Any, mesh: Any, axis: Any = None) -> Any:
     two-level `(hosts, local)` mesh; each process transfers only its own rows)."""
     _deprecated.renamed_call("jddp.shard_global_batch(batch, mesh)",
                              "jddp.shard_batch(batch, mesh) (the same placement)")
-    return _mesh.shard_global_batch(global_batch, mesh, axis)
+    axis = _mesh.data_axis(mesh, axis)
+    return global_batch_from_local(local_slice(global_batch, mesh, axis), mesh, axis)
 
 
 def __getattr__(name: str) -> Any:

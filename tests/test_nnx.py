@@ -420,3 +420,21 @@ def test_update_into_a_model_of_another_shape_is_a_clear_error():
     same = _Free(6)
     free.update(same, free.init(_Free(6)))  # the same shapes still update in place
     assert same.w.shape == (6, 3)
+
+
+def test_core_names_read_through_to_the_core_trainer():
+    """Every public name of jddp.DataParallel is read from the core trainer (one spelling);
+    options stay fixed, and a private or unknown name is an AttributeError."""
+    ddp = jddp.nnx.DataParallel(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn=mse)
+    for name in ("config", "policies", "optimizer", "mesh", "axis_name", "hook",
+                 "model_state_sync", "num_devices", "cap_choice"):
+        assert getattr(ddp, name) is getattr(ddp.core, name) or (
+            getattr(ddp, name) == getattr(ddp.core, name)), name
+    assert ddp.num_devices == jax.device_count()
+    state = ddp.init()
+    ddp.verify(state)
+    assert jax.tree.structure(ddp.global_params(state)) == jax.tree.structure(state.params)
+    with pytest.raises(AttributeError):
+        ddp._plans  # noqa: B018
+    with pytest.raises(AttributeError, match="fixed at construction"):
+        ddp.mesh = None

@@ -18,16 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from jddp._src.api import options
-from jddp._src.api.policies import (
-    Accumulate,
-    Buckets,
-    Deterministic,
-    EveryStep,
-    Loss,
-    Replicate,
-    SkipNotFinite,
-    ZeRO,
-)
+from jddp._src.api import policies as pol
 from jddp._src.plan import autocap, modelcap
 from jddp._src.sync.local_sgd import check_local_sgd
 
@@ -181,7 +172,7 @@ def _fields(old: dict[str, Any], keyword: str) -> dict[str, Any]:
             if OWNERS[n].keyword == keyword and OWNERS[n].field is not None}
 
 
-def _reduce(old: dict[str, Any]) -> Buckets | Deterministic:
+def _reduce(old: dict[str, Any]) -> pol.Buckets | pol.Deterministic:
     fields = _fields(old, "reduce")
     group = fields.pop("group_size", None)
     det = options.flag(old.get("deterministic", False), "deterministic",
@@ -193,7 +184,7 @@ def _reduce(old: dict[str, Any]) -> Buckets | Deterministic:
                 f"group_size={group!r} sets the group size of the deterministic step, but "
                 "deterministic=False: pass deterministic=True with it (now "
                 "reduce=jddp.Deterministic(group_size=...)), or drop group_size.")
-        return Buckets(**fields)
+        return pol.Buckets(**fields)
     # The round-3 deterministic step ignored the bucket options (numbers, a plan, the chain,
     # keep_unused): they still are, so old scripts that pass them keep working. It refused a
     # cap to choose and a hook: so does this.
@@ -209,21 +200,21 @@ def _reduce(old: dict[str, Any]) -> Buckets | Deterministic:
             f"hook={getattr(hook, 'name', hook)!r}: the deterministic reduction sums replicated "
             "gradients in one fixed order, with no hook (docs/deterministic.md). Drop hook=, "
             "or use deterministic=False.")
-    return Deterministic() if group is None else Deterministic(group_size=group)
+    return pol.Deterministic() if group is None else pol.Deterministic(group_size=group)
 
 
-def _place(old: dict[str, Any]) -> Replicate | ZeRO:
+def _place(old: dict[str, Any]) -> pol.Replicate | pol.ZeRO:
     fields = _fields(old, "place")
     stage = options.zero_stage(fields.pop("stage", 0))
     if stage:
-        return ZeRO(stage=stage, **fields)
+        return pol.ZeRO(stage=stage, **fields)
     if fields.get("hybrid", False):
         raise ValueError("hybrid_shard=True shards state inside each host, but zero_stage=0 "
                          "shards nothing: pass zero_stage=1, 2 or 3 with it (now "
                          "place=jddp.ZeRO(stage=..., hybrid=True)).")
     options.flag(fields.get("hybrid", False), "hybrid_shard")
     options.reshard_after_forward(fields.get("reshard_after_forward"), 0, False)
-    return Replicate()
+    return pol.Replicate()
 
 
 def _loss_scale(old: dict[str, Any], loss_scale: Any) -> Any:
@@ -233,7 +224,7 @@ def _loss_scale(old: dict[str, Any], loss_scale: Any) -> Any:
             skip = options.flag(old[name], "skip_not_finite")
     # A DynamicScale skips non-finite steps itself: skip_not_finite=True next to it changes
     # nothing (either guard skips a non-finite update), so it maps onto the scale.
-    return SkipNotFinite() if skip and loss_scale is None else loss_scale
+    return pol.SkipNotFinite() if skip and loss_scale is None else loss_scale
 
 
 def policies_from_keywords(old: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
@@ -258,12 +249,12 @@ def policies_from_keywords(old: dict[str, Any], given: dict[str, Any]) -> dict[s
     if "place" in keywords:
         out["place"] = _place(old)
     if "loss" in keywords:
-        out["loss"] = Loss(**_fields(old, "loss"))
+        out["loss"] = pol.Loss(**_fields(old, "loss"))
     if "accumulate" in keywords:
-        out["accumulate"] = Accumulate(**_fields(old, "accumulate"))
+        out["accumulate"] = pol.Accumulate(**_fields(old, "accumulate"))
     if "sync" in keywords:
         sync = check_local_sgd(old["local_sgd"])
-        out["sync"] = EveryStep() if sync is None else sync
+        out["sync"] = pol.EveryStep() if sync is None else sync
     if "precision" in keywords:
         out["precision"] = old["mixed_precision"]
     if "loss_scale" in keywords:

@@ -24,28 +24,18 @@ axis of the mesh. The design rests on three rules:
   bool array, sharded like the batch) marks the real rows, the first ``real`` ones; for a full
   batch ``mask`` is ``None``. A weighted step given the mask (``loss=jddp.Loss(weighted=True)``,
   ``step(state, batch, mask=mask)``) and ``jddp.evaluation.Evaluator``
-  count every example exactly once. Why real rows and not zeros: the mask can be dropped without
-  a trace (``batch, _ = next(loader)`` before a non-weighted step, which refuses a mask), and
-  zero rows then train silently towards whatever the model predicts for an all-zero input with
-  label 0 (issue 35: 20 examples, global batch 16, labels never 0, 40 Adam steps of a linear
-  classifier: a mean probability of class 0 of 0.28 with zero rows, 0.026 without the short
-  batch, 0.024 with this padding; ``tests/test_data.py``). Repeats of real examples
-  are PyTorch's semantics for a dropped mask (a few examples weigh double in that one step),
-  keep every input valid (no all-zero rows for a normalisation or a BatchNorm to meet), and the
-  order of real rows, the stream position and every state are as before. A process reads the
-  examples of its own rows, padding ones included (the only reads that repeat an example, at
-  most ``B - 1`` per epoch).
+  count every example exactly once. Real rows rather than zeros, because a mask can be dropped
+  without a trace (``batch, _ = next(loader)``), and zero rows then train silently towards the
+  model's prediction for an all-zero input (``tests/test_data.py`` measures it); a repeated
+  example only weighs double in that one step, as in PyTorch, and every row stays a valid input
+  (no all-zero row for a BatchNorm to meet). A process reads the examples of its own rows,
+  padding ones included (at most ``B - 1`` repeated reads per epoch).
 
-Why not grain's samplers (grain 0.2.18 was measured for this): ``IndexSampler`` with
-``ShardByJaxProcess`` gives each process a contiguous shard of the records and shuffles inside
-each shard, so which examples share a global batch depends on the process count; with
-``drop_remainder=False`` the shards differ in length (processes run out of data at different
-steps and a collective hangs), with ``True`` examples are dropped; there is no mask; and its
-iterator state is per process, so it cannot be restored on another process count. Those are
-exactly the properties this module exists for, and the remaining work (a permutation, indexing,
-stacking) is a few lines of NumPy. So jddp does not depend on grain; a grain ``MapDataset`` (or
-any ``RandomAccessDataSource``) is accepted as a source as it is, with its own transformations
-applied per example when read.
+Why not grain's samplers (grain 0.2.18 measured): ``IndexSampler`` with ``ShardByJaxProcess``
+shuffles inside per-process shards (a global batch's examples depend on the process count),
+its shards differ in length or drop examples, it has no mask, and its per-process iterator state
+cannot be restored on another process count. A grain ``MapDataset`` (or any
+``RandomAccessDataSource``) is accepted as a source as it is.
 
 Host-side read-ahead: a background thread reads and stacks the next ``prefetch`` local batches
 while the step runs (NumPy indexing and most I/O release the GIL). Host memory is bounded by
@@ -251,10 +241,8 @@ class Loader:
         self.source = source
         self.length = check_source(source)
         self.mesh = mesh_lib.check_mesh(mesh_lib.data_mesh() if mesh is None else mesh)
-        names = tuple(self.mesh.axis_names)
-        self.axis = "data" if "data" in names else mesh_lib.mesh_axis(self.mesh)
-        axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
-        devices = int(np.prod([self.mesh.shape[a] for a in axes]))
+        self.axis = mesh_lib.data_axis(self.mesh)
+        devices = mesh_lib.axis_size(self.mesh, self.axis)
         for name, value in (("global_batch_size", global_batch_size), ("seed", seed),
                             ("prefetch", prefetch), ("accumulate_steps", accumulate_steps),
                             ("workers", workers)):
@@ -283,7 +271,7 @@ class Loader:
                 "drop_last=False."
             )
         self.sharding = NamedSharding(self.mesh, P(self.axis))
-        self.local_rows = _local_ranges(self.sharding, self.global_batch_size)
+        self.local_rows = mesh_lib.local_rows(self.sharding, self.global_batch_size)
         self._position = 0            # the next batch the caller gets
         self._spec: _Spec | None = None
         self._orders: dict[int, np.ndarray] = {}
@@ -347,9 +335,7 @@ class Loader:
             )
         epoch, batch = divmod(self._position, self._batches)
         return {"format": STATE_FORMAT, "position": self._position, "epoch": epoch,
-                "batch": batch, "length": self.length, "seed": self.seed,
-                "shuffle": self.shuffle, "drop_last": self.drop_last,
-                "global_batch_size": self.global_batch_size}
+                "batch": batch, **self.state_config()}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continues at the batch after the one ``state`` was taken at, on any layout.
@@ -477,16 +463,6 @@ class Loader:
         return (f"Loader({self.length} examples, global_batch_size={self.global_batch_size}, "
                 f"{len(self)} batches/epoch, position {self._position}, seed={self.seed}, "
                 f"shuffle={self.shuffle}, drop_last={self.drop_last})")
-
-
-def _local_ranges(sharding: NamedSharding, rows: int) -> tuple[tuple[int, int], ...]:
-    """The row ranges of a leading-dim-sharded global array that this process's devices hold."""
-    ranges = set()
-    for index in sharding.addressable_devices_indices_map((rows,)).values():
-        assert index is not None
-        start, stop, _ = index[0].indices(rows)
-        ranges.add((start, stop))
-    return tuple(sorted(ranges))
 
 
 class _ReadAhead:

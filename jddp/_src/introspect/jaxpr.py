@@ -214,12 +214,6 @@ def _inexact_value(x: Any) -> bool:
     return bool(jax.numpy.issubdtype(jax.numpy.result_type(x), jax.numpy.floating))
 
 
-def _reaching_inputs(jaxpr: Any, live_outputs: Sequence[bool]) -> list[bool]:
-    """For each input of ``jaxpr``: can it reach a ``live_outputs`` output through float values?"""
-    live = gradient_vars(jaxpr, live_outputs)
-    return [v in live for v in jaxpr.invars]
-
-
 def gradient_vars(jaxpr: Any, live_outputs: Sequence[bool]) -> set[Any]:
     """The variables of ``jaxpr``, and of the plain calls in it, that can reach a
     ``live_outputs`` output through float values (a gradient may flow through them)."""
@@ -267,9 +261,9 @@ def grad_reachable(
     Returns:
       One bool per parameter leaf, in ``jax.tree.leaves`` order.
     """
-    if live_outputs is None:
-        live_outputs = [True] * len(jaxpr.outvars)
-    return _reaching_inputs(jaxpr, live_outputs)[:num_params]
+    live = gradient_vars(jaxpr, [True] * len(jaxpr.outvars) if live_outputs is None
+                         else live_outputs)
+    return [v in live for v in jaxpr.invars[:num_params]]
 
 
 def eval_with_hooks(
@@ -313,7 +307,7 @@ def eval_with_hooks(
     sources: dict[Any, Source] = dict(zip(closed.jaxpr.invars[: traced.num_params],
                                           range(traced.num_params), strict=True))
     run = _Evaluator(hooked, bind, casts, lazy=bind is not None and casts is None)
-    outs = run.force(closed.jaxpr.outvars, *run(
+    outs = run.force(*run(
         closed.jaxpr, closed.consts, [None] * traced.num_params + jax.tree.leaves(args), sources))
     if casts is not None:
         outs = casts.final(closed.jaxpr.outvars, outs)
@@ -421,9 +415,8 @@ class _Evaluator:
         full = {i: self.hooked(i, context) for i in source_leaves([source])}
         return fill([None], [source], full)[0]
 
-    def force(self, outvars: Sequence[Any], outs: list, out_sources: list) -> list:
+    def force(self, outs: list, out_sources: list) -> list:
         """The outputs, those with a source computed."""
-        del outvars
         return [x if s is None else self.value(s) for x, s in zip(outs, out_sources, strict=True)]
 
     def __call__(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],

@@ -40,12 +40,7 @@ def _fail_fast_excepthook(exc_type, exc, tb) -> None:
                          "for the other processes\n")
         traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+        watchdog.flush_and_exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
 
 
 def _set_local_device_count(n: int) -> None:

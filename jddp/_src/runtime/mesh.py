@@ -223,7 +223,7 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
     return jax.tree.map(put, batch)
 
 
-def _data_axis(mesh: Mesh, axis: Any) -> Any:
+def data_axis(mesh: Mesh, axis: Any = None) -> Any:
     """``axis``; by default ``"data"`` if the mesh has that axis (a model-parallel mesh keeps its
     other axes for the model), else every data axis of ``mesh`` (both of a two-level mesh)."""
     if axis is not None:
@@ -231,20 +231,20 @@ def _data_axis(mesh: Mesh, axis: Any) -> Any:
     return "data" if "data" in mesh.axis_names else mesh_axis(mesh)
 
 
-def _axis_size(mesh: Mesh, axis: Any) -> int:
+def axis_size(mesh: Mesh, axis: Any) -> int:
+    """The devices along ``axis`` (a name, or a tuple of names) of ``mesh``."""
     names = tuple(axis) if isinstance(axis, tuple | list) else (axis,)
     return int(np.prod([mesh.shape[a] for a in names]))
 
 
-def _local_rows(mesh: Mesh, axis: Any, global_rows: int) -> list[tuple[int, int]]:
+def local_rows(sharding: NamedSharding, rows: int) -> tuple[tuple[int, int], ...]:
     """Row ranges of a leading-dim-sharded array that this process's devices hold, in order."""
-    index_map = batch_sharding(mesh, axis).addressable_devices_indices_map((global_rows,))
     ranges = set()
-    for index in index_map.values():
+    for index in sharding.addressable_devices_indices_map((rows,)).values():
         assert index is not None  # a leading-dim sharding always gives an index
-        start, stop, _ = index[0].indices(global_rows)
+        start, stop, _ = index[0].indices(rows)
         ranges.add((start, stop))
-    return sorted(ranges)
+    return tuple(sorted(ranges))
 
 
 def local_slice(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
@@ -255,7 +255,7 @@ def local_slice(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
     `global_batch_from_local` expects, so `global_batch_from_local(local_slice(b, mesh), mesh)`
     places `b` across all processes. In a single-process run it is the whole batch.
     """
-    axis = _data_axis(mesh, axis)
+    axis = data_axis(mesh, axis)
     leaves = jax.tree.leaves(global_batch)
     if not leaves:
         return global_batch
@@ -263,11 +263,11 @@ def local_slice(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
     if len(rows) != 1:
         raise ValueError(f"batch leaves disagree on the leading (batch) dimension: {rows}")
     (global_rows,) = rows
-    size = _axis_size(mesh, axis)
+    size = axis_size(mesh, axis)
     if global_rows % size:
         raise ValueError(f"global batch {global_rows} is not divisible by mesh axis "
                          f"{axis!r} of size {size}")
-    ranges = _local_rows(mesh, axis, global_rows)
+    ranges = local_rows(batch_sharding(mesh, axis), global_rows)
 
     def take(x):
         x = np.asarray(x)
@@ -285,7 +285,7 @@ def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: Any = None) -
     (default: `"data"`, or both axes of a two-level `(hosts, local)` mesh). Wraps
     `jax.make_array_from_process_local_data`.
     """
-    axis = _data_axis(mesh, axis)
+    axis = data_axis(mesh, axis)
 
     def make(x):
         x = np.asarray(x)
@@ -295,13 +295,3 @@ def global_batch_from_local(local_batch: PyTree, mesh: Mesh, axis: Any = None) -
 
     return jax.tree.map(make, local_batch)
 
-
-def shard_global_batch(global_batch: PyTree, mesh: Mesh, axis: Any = None) -> PyTree:
-    """Places a global host batch, present on every process, as a batch sharded over `axis`
-    (default: `"data"`, or both axes of a two-level `(hosts, local)` mesh).
-
-    For data sets small enough that every process holds (or generates) all of it; each process
-    transfers only its own rows to its devices.
-    """
-    axis = _data_axis(mesh, axis)
-    return global_batch_from_local(local_slice(global_batch, mesh, axis), mesh, axis)

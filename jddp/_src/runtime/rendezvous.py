@@ -12,7 +12,6 @@ key in the coordinator's key-value store, so the error can say which processes a
 from __future__ import annotations
 
 import collections
-from typing import Any
 
 from jddp._src.introspect import jax_private
 
@@ -21,10 +20,6 @@ __all__ = ["expect_all"]
 # How many times this process called expect_all(name): barrier ids must be fresh for each call,
 # and every process counts the same calls in the same order.
 _CALLS: collections.Counter[str] = collections.Counter()
-
-
-def _client() -> Any:
-    return jax_private.coordination_client()
 
 
 def expect_all(name: str, what: str, timeout_s: float, fix: str) -> None:
@@ -41,7 +36,7 @@ def expect_all(name: str, what: str, timeout_s: float, fix: str) -> None:
     Raises:
       RuntimeError: some process did not arrive within ``timeout_s``.
     """
-    client, state = _client(), jax_private.distributed_state()
+    client, state = jax_private.coordination_client(), jax_private.distributed_state()
     if client is None or (state.num_processes or 1) <= 1:
         return
     _CALLS[name] += 1

@@ -215,21 +215,30 @@ def _spec_axes(spec: P) -> frozenset:
     return frozenset(out)
 
 
+def _gathered(mesh: Mesh, specs: tuple[P, ...], per_device: Any) -> Any:
+    """A jitted function of the leaves: ``per_device(leaves)`` on each device, all-gathered."""
+    names = tuple(mesh.axis_names)
+
+    def local(leaves):
+        return lax.all_gather(per_device(leaves), names if len(names) > 1 else names[0])
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P(),
+                                 check_vma=False))
+
+
 @functools.lru_cache(maxsize=16)
 def _diff_fn(mesh: Mesh, specs: tuple[P, ...]):
     names = tuple(mesh.axis_names)
 
-    def local(leaves):
-        diffs = []
+    def diffs(leaves):
+        out = []
         for x, spec in zip(leaves, specs, strict=True):
             # Copies of a leaf sharded over some axes are compared along the others only.
             along = tuple(a for a in names if a not in _spec_axes(spec))
-            diffs.append(_local_diff(x, along) if along else jnp.float32(0))
-        d = jnp.stack(diffs) if diffs else jnp.zeros((0,))
-        return lax.all_gather(d, names if len(names) > 1 else names[0])
+            out.append(_local_diff(x, along) if along else jnp.float32(0))
+        return jnp.stack(out) if out else jnp.zeros((0,))
 
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P(),
-                                 check_vma=False))
+    return _gathered(mesh, specs, diffs)
 
 
 def _leaf_spec(path: Any, leaf: Any, mesh: Mesh) -> P:
@@ -317,14 +326,7 @@ def _leaf_hash(x: jax.Array) -> jax.Array:
 
 @functools.lru_cache(maxsize=16)
 def _hash_fn(mesh: Mesh, specs: tuple[P, ...]):
-    names = tuple(mesh.axis_names)
-
-    def local(leaves):
-        h = jnp.stack([_leaf_hash(x) for x in leaves])
-        return lax.all_gather(h, names if len(names) > 1 else names[0])
-
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P(),
-                                 check_vma=False))
+    return _gathered(mesh, specs, lambda leaves: jnp.stack([_leaf_hash(x) for x in leaves]))
 
 
 def _copy_groups(mesh: Mesh, spec: P) -> list[list[int]]:

@@ -160,24 +160,16 @@ class DataParallel:
     ``wrt`` state (``nnx.Param`` by default; differentiated, reduced and optimised) and the rest
     (BatchNorm statistics, RNG keys and counts; carried as ``TrainState.model_state``). The core
     trainer's loss merges the model from the two states, calls ``loss_fn(model, batch)`` and splits
-    the updated rest back out, so every policy of :class:`jddp.DataParallel` applies: buckets
-    reduced from inside the backward pass, communication hooks (``reduce=jddp.Buckets(...)``),
-    accumulation (``accumulate=jddp.Accumulate(...)``), ``loss_scale=jddp.SkipNotFinite()``,
-    weighted masks and per-example keys (``loss=jddp.Loss(weighted=..., rng=...)``), local SGD
-    (``sync=jddp.local_sgd.diloco(...)``), ``metrics["comm_bytes"]``.
-    A step on N devices equals a single-device ``nnx.Optimizer`` step on the whole batch for
-    models whose forward pass is per-example (no BatchNorm in training mode).
+    the updated rest back out, so every policy of :class:`jddp.DataParallel` applies. A step on N
+    devices equals a single-device ``nnx.Optimizer`` step on the whole batch for models whose
+    forward pass is per-example (no BatchNorm in training mode).
 
-    The rest is synchronised by ``jddp.Loss(model_state_sync=...)`` on the last bucket's all-reduce (no collective
-    of its own), with the core trainer's default ``"broadcast"`` (replica 0's state, DDP's
-    ``broadcast_buffers``); ``"mean"`` averages floating-point leaves over devices (BatchNorm
-    running statistics) and still takes replica 0's integer, boolean and PRNG key leaves, which
-    every replica computes identically from replicated values (RNG keys and counts). Dropout masks
-    drawn from the module's own ``nnx.Rngs`` therefore repeat across devices, as in a DDP job whose
-    ranks share one seed. For per-example masks pass ``loss=jddp.Loss(rng=True)`` and take the
-    keys in the loss,
-    ``loss_fn(model, batch, rng)`` with one key per example (the key of its global row, so a step
-    on N devices equals the single-device step), and give each example its own dropout key::
+    The rest is synchronised as ``jddp.Loss(model_state_sync=...)`` says (default
+    ``"broadcast"``: replica 0's state, DDP's ``broadcast_buffers``; ``"mean"`` averages the
+    floating-point leaves). Dropout masks drawn from the module's own ``nnx.Rngs`` therefore
+    repeat across devices, as in a DDP job whose ranks share one seed. For per-example masks pass
+    ``loss=jddp.Loss(rng=True)`` and take ``loss_fn(model, batch, rng)`` with one key per example
+    (the key of its global row, so a step on N devices equals the single-device step)::
 
         def loss_fn(model, batch, rng):
             one = lambda x, key: model(x[None], rngs=nnx.Rngs(dropout=key))[0]
@@ -280,33 +272,15 @@ class DataParallel:
             f"them): cannot set {name!r}. Build a new one with the option you want."
         )
 
-    # Read-only views of the core trainer, as on jddp.DataParallel.
-    config = property(lambda self: self.core.config)
-    policies = property(lambda self: self.core.policies)
-    optimizer = property(lambda self: self.core.optimizer)
-    mesh = property(lambda self: self.core.mesh)
-    axis_name = property(lambda self: self.core.axis_name)
-    hook = property(lambda self: self.core.hook)
-    model_state_sync = property(lambda self: self.core.model_state_sync)
+    def __getattr__(self, name: str) -> Any:
+        """The core trainer's other public names (``config``, ``verify``, ``global_params``...)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.core, name)
 
     @property
     def loss_fn(self) -> Callable[..., Any]:
         return self.core.loss_fn.loss_fn
-
-    @property
-    def num_devices(self) -> int:
-        """The number of devices of the data mesh (replicas)."""
-        return self.core.num_devices
-
-    @property
-    def bucket_plan(self) -> BucketPlan | None:
-        """The bucket plan of the most recently traced step (``None`` before the first step)."""
-        return self.core.bucket_plan
-
-    @property
-    def cap_choice(self) -> Any:
-        """What the cap chooser chose (:attr:`jddp.DataParallel.cap_choice`)."""
-        return self.core.cap_choice
 
     def split(self, model: nnx.Module | None = None) -> tuple[nnx.State, nnx.State]:
         """``(params, rest)`` of ``model`` (default: the model given at construction)."""
@@ -411,14 +385,3 @@ class DataParallel:
         docs/report.md). ``state``: a TrainState, :meth:`abstract_state`, or a model (or its
         ``wrt`` state), taken as its abstract state."""
         return self.core.report(self._step_state(state), batch, mask, sync=sync, rng=rng)
-
-    def verify(self, state: TrainState, *, atol: float = 0.0) -> None:
-        """Raises :class:`jddp.ReplicaDivergenceError` if the replicas of ``state`` differ
-        (:meth:`jddp.DataParallel.verify`)."""
-        self.core.verify(state, atol=atol)
-
-    def global_params(self, state: TrainState) -> nnx.State:
-        """The ``wrt`` state to evaluate or export (:meth:`jddp.DataParallel.global_params`):
-        ``state.params``; with local SGD the replicas' mean, with DiLoCo the outer parameters.
-        :meth:`merge` builds a model from it."""
-        return self.core.global_params(state)

@@ -218,7 +218,7 @@ def read_module(source: Any, *, compiler_options: Mapping[str, Any] | None = Non
     """
     if isinstance(source, Module):
         return source
-    text = as_text(source, compiler_options)
+    text = read_text(source, compiler_options)
     comps: dict[str, list[Instruction]] = {}
     entry = None
     current: str | None = None
@@ -238,11 +238,6 @@ def read_module(source: Any, *, compiler_options: Mapping[str, Any] | None = Non
         if ins is not None:
             comps[current].append(ins)
     return Module({k: tuple(v) for k, v in comps.items()}, entry)
-
-
-def read_text(source: Any, compiler_options: Mapping[str, Any] | None = None) -> str:
-    """The HLO text of ``source`` (text, ``Compiled``, or ``Lowered``: compiled here)."""
-    return as_text(source, compiler_options)
 
 
 def compiled_text(
@@ -265,10 +260,11 @@ def compiled_text(
 
         fn = jax.jit(fn)
     lowered = fn.lower(*args, **kwargs)
-    return as_text(lowered, compiler_options)
+    return read_text(lowered, compiler_options)
 
 
-def as_text(source: Any, compiler_options: Mapping[str, Any] | None) -> str:
+def read_text(source: Any, compiler_options: Mapping[str, Any] | None = None) -> str:
+    """The HLO text of ``source`` (text, ``Compiled``, or ``Lowered``: compiled here)."""
     if isinstance(source, str):
         return source
     if hasattr(source, "compile") and hasattr(source, "as_text"):  # jax.stages.Lowered

@@ -144,7 +144,6 @@ def launch_islands(script: Sequence[str], islands: int, *, nprocs: int = 1,
         procs[i] = _start(island_argv(script, nprocs, devices_per_process, grace_s), env,
                           f"[island{i}] ")
 
-    status = 0
     try:
         for i in range(islands):
             start(i)
@@ -183,7 +182,7 @@ def launch_islands(script: Sequence[str], islands: int, *, nprocs: int = 1,
             print("[jddp-run] every island was lost: the run's progress is gone; resume it from "
                   "a checkpoint", flush=True)
             return isl.EXIT_NO_PEER
-        return status
+        return 0
     finally:
         _end(list(procs.values()), grace_s)
         if lighthouse is not None:

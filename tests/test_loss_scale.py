@@ -103,7 +103,7 @@ def test_unscaled_gradients_equal_the_unscaled_run_with_accumulation():
     assert int(runs[1].step) == 2
     assert max_abs_diff(runs[0].params, runs[1].params) < 1e-6
     # Two windows, both finite: fin_steps 0 -> 1 -> grow (interval 1) -> 0.
-    assert float(runs[1].update_state.scale) == 2.0**13
+    assert float(runs[1].update_state.inner.scale) == 2.0**13  # nested in the window
 
 
 def _recording_sgd() -> optax.GradientTransformation:

@@ -316,7 +316,7 @@ def test_bad_calls():
         plain.step(plain_state, mb, sync=False)
 
     acc = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate=jddp.Accumulate(steps=2))
-    with pytest.raises(ValueError, match="state.update_state is NoneType"):
+    with pytest.raises(ValueError, match="state.accum is None"):
         acc.step(plain_state, mb)
     with pytest.raises(ValueError, match=r"does not accumulate \(Accumulate\.steps=1\)"):
         plain.step(acc.init(params), mb)
@@ -560,7 +560,7 @@ def test_accumulator_model_state_must_match():
     assert state.update_state.model_state["s"].shape == (8, SIZES[0])
     assert state.update_state.model_state["s"].sharding.spec == P("data")
     broken = state.replace(update_state=state.update_state.replace(model_state=None))
-    with pytest.raises(ValueError, match="state.update_state.model_state does not have the structure"):
+    with pytest.raises(ValueError, match="state.accum.model_state does not have the structure"):
         ddp.step(broken, regression_batch(0, MICRO, SIZES[0], SIZES[-1]), sync=False)
 
 

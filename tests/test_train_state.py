@@ -99,7 +99,7 @@ def test_checkpoint_of_the_per_feature_layout_restores_into_the_nested_one(tmp_p
     for i in range(3):  # mid-window: the accumulator holds a partial sum
         state, _ = ddp.step(state, _batch(i))
     legacy = _legacy_checkpoint(tmp_path / "old", state)
-    tree = legacy.item_metadata(3)["default"].tree
+    tree = legacy.item_metadata(legacy.latest_step())["default"].tree
     assert {"accum", "loss_scale", "hook_state", "outer"} <= set(tree)
     restored = ckpt.restore(legacy, ddp.abstract_state(params))
     assert jax.tree.structure(restored) == jax.tree.structure(state)
@@ -111,8 +111,8 @@ def test_checkpoint_of_the_per_feature_layout_restores_into_the_nested_one(tmp_p
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     mngr = ckpt.manager(tmp_path / "new")
-    ckpt.save(mngr, got)
-    assert set(mngr.item_metadata(4)["default"].tree) == {
+    saved = ckpt.save(mngr, got)
+    assert set(mngr.item_metadata(saved)["default"].tree) == {
         f.name for f in dataclasses.fields(TrainState)}
 
 

@@ -163,7 +163,7 @@ def test_loss_scale_state_and_errors():
     plain = jddp.DataParallel(mlp_loss, optax.sgd(0.1))
     assert plain.init(params).update_state is None  # states keep their structure without it
     batch = _batches(1)[0]
-    with pytest.raises(ValueError, match="state.update_state is None"):
+    with pytest.raises(ValueError, match="state.loss_scale is None"):
         ddp.step(plain.init(params), batch)
     with pytest.raises(ValueError, match="no loss_scale option"):
         plain.step(ddp.init(params), batch)

@@ -9,6 +9,7 @@ dynamic loss scaling ``update_state`` is ``AccumState(..., inner=LossScaleState(
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
@@ -122,6 +123,13 @@ def put(chain: Any, kind: type[N], node: N | None) -> Any:
             raise ValueError(f"the update state has no {kind.__name__} to replace")
         return None
     return chain.replace(inner=put(chain.inner, kind, node))
+
+
+def map_node(chain: Any, kind: type[N], fn: Callable[[Any], Any]) -> Any:
+    """``chain`` with ``fn`` applied to its node of type ``kind`` (the node's ``inner`` state
+    passes through unchanged); ``chain`` itself when it has none."""
+    node = own(chain, kind)
+    return chain if node is None else put(chain, kind, fn(node))
 
 
 @struct.dataclass

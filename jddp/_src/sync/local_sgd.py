@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 from jddp._src.introspect import vma
 from jddp._src.runtime.topology import AVERAGE, LOCAL, SYNC, Roles, Topology
 from jddp._src.step.config import BucketPlan, CommHook, LocalResult, SyncContext, SyncStep
-from jddp._src.step.state import AccumState, LossScaleState, OuterState, TrainState, find, own, put
+from jddp._src.step.state import AccumState, LossScaleState, OuterState, TrainState, map_node, own
 from jddp._src.sync import model_state as ms_lib
 from jddp._src.sync.every_step import HookPhase
 from jddp._src.tree import add_device_dim, broadcast_to_devices, dtype_of, strip_device_dim
@@ -191,8 +191,9 @@ class LocalSGD:
             opt_state=broadcast_to_devices(state.opt_state, r),
             model_state=state.model_state if ctx.per_device_state
             else broadcast_to_devices(state.model_state, r),
-            update_state=_map_scale(state.update_state,
-                                    lambda s: broadcast_to_devices(s, r)),
+            # Each replica keeps its own loss scale (the other update state is per device).
+            update_state=map_node(state.update_state, LossScaleState,
+                                  lambda s: broadcast_to_devices(s, r)),
             sync_state=self._outer_state(state.params),
         )
 
@@ -204,29 +205,29 @@ class LocalSGD:
     def state_specs(self, ctx: SyncContext, state: TrainState, specs: TrainState) -> TrainState:
         """``specs`` with the per-replica leaves sharded over the replica axis (and, at the sharded
         stages, over the island's devices), the outer state replicated."""
+        scale = _per_replica_specs(ctx, own(state.update_state, LossScaleState))
         return specs.replace(
             params=_per_replica_specs(ctx, state.params, ctx.param_spec),
             opt_state=_per_replica_specs(ctx, state.opt_state, ctx.opt_spec),
             model_state=specs.model_state if ctx.per_device_state
             else _per_replica_specs(ctx, state.model_state),
-            update_state=put(specs.update_state, LossScaleState,
-                             _per_replica_specs(ctx, own(state.update_state, LossScaleState))),
+            update_state=map_node(specs.update_state, LossScaleState, lambda _: scale),
             sync_state=jax.tree.map(lambda _: P(), state.sync_state),
         )
 
     def replica_view(self, state: TrainState) -> TrainState:
         """The state as one replica sees it (shape structs without the replica dimension), for
         the skeleton's input checks and the replica's layout."""
+        chain = map_node(state.update_state, LossScaleState, _strip_struct)
         return state.replace(params=_strip_struct(state.params),
-                             opt_state=_strip_struct(state.opt_state),
-                             update_state=_map_scale(state.update_state, _strip_struct))
+                             opt_state=_strip_struct(state.opt_state), update_state=chain)
 
     def island_state(self, ctx: SyncContext, state: TrainState) -> TrainState:
         """The state as this device's replica holds it (per device: the per-replica leaves
         without their replica dimension)."""
         return state.replace(
             params=strip_device_dim(state.params),
-            update_state=_map_scale(state.update_state, strip_device_dim),
+            update_state=map_node(state.update_state, LossScaleState, strip_device_dim),
             model_state=state.model_state if ctx.per_device_state
             else strip_device_dim(state.model_state),
         )
@@ -258,7 +259,7 @@ class LocalSGD:
             return same, {**out, **{k: jnp.full((), jnp.nan, jnp.float32)
                                     for k in step.report(fake)}}
 
-        if step.sync is None and find(state.update_state, AccumState) is not None:
+        if step.sync is None and own(state.update_state, AccumState) is not None:
             new, out = lax.cond(synced, average, keep)
         else:
             new, out = average()
@@ -497,12 +498,6 @@ def _per_replica_specs(ctx: SyncContext, tree: Any, place: LeafSpec | None = Non
 
 def _strip_struct(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], dtype_of(x)), tree)
-
-
-def _map_scale(chain: Any, fn: Callable[[Any], Any]) -> Any:
-    """``chain`` (``TrainState.update_state``) with ``fn`` applied to its loss scale's node, the
-    update state each replica keeps its own copy of (the rest passes through unchanged)."""
-    return put(chain, LossScaleState, fn(own(chain, LossScaleState)))
 
 
 # ------------------------------------------------------------------------------------ the averaging

@@ -64,7 +64,7 @@ def main():
                                 accumulate=jddp.Accumulate(steps=k, shard=shard if k > 1 else None),
                                 place=jddp.ZeRO(stage=stage) if stage else jddp.Replicate())
         state = ddp.abstract_state(like)
-        accum = None if state.accum is None else state.accum.grads
+        accum = None if state.update_state is None else state.update_state.grads
         calls = [True] if k == 1 else [False, True]
         reps = {sync: ddp.report(state, batch, sync=sync if k > 1 else None) for sync in calls}
         sent = sum(r.sent_per_window * (k - 1 if not sync else 1) for sync, r in reps.items())

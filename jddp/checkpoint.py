@@ -5,6 +5,9 @@ Every array of the state (params, optimizer, model, hook and accumulation state,
 with its sharding: replicated leaves once, per-device leaves (hook and accumulator state) shard by
 shard, so a restore continues exactly where the run stopped. In a multi-process run every process
 calls ``save``/``restore`` with the same arguments; orbax coordinates the writes.
+A checkpoint saved before ``TrainState`` had one field per policy role (its top-level
+``hook_state``, ``accum``, ``loss_scale`` and ``outer``) restores into today's fields
+(``reduce_state``, ``update_state``, ``sync_state``) and continues the same way.
 
     mngr = jddp.checkpoint.manager("ckpt", max_to_keep=3)
     jddp.checkpoint.save(mngr, state)                       # at state.step

@@ -7,7 +7,8 @@ reduces gradients in ``reduce_dtype`` (:class:`MixedPrecision`, docs/precision.m
 
 ``jddp.DataParallel(loss_fn, tx, loss_scale=jddp.precision.DynamicScale())`` scales the loss in
 the backward pass, unscales the reduced gradients, skips steps with non-finite gradients on every
-replica alike and adapts the scale (Flax's ``DynamicScale`` rule). ``state.loss_scale`` holds the
+replica alike and adapts the scale (Flax's ``DynamicScale`` rule). Its node of
+``state.update_state`` (``state.loss_scale``, a view) holds the
 scale (:class:`LossScaleState`).
 """
 

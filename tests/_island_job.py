@@ -95,7 +95,7 @@ def main():
         log.write(json.dumps({"pid": os.getpid(), "attempt": attempt, "step": step,
                               "t": time.time()}) + "\n")
         if islands and ((step + 1) % PERIOD == 0 or int(state.step) != step + 1):
-            real = state.outer.opt_state[0]  # an outer step (or a heal): the global state
+            real = state.sync_state.opt_state[0]  # an outer step (or a heal): the global state
             st = jddp.local_sgd.island_status()  # st["step"]: the step the outer step followed
             log.write(json.dumps({
                 "pid": os.getpid(), "attempt": attempt, "outer": st["step"], "t": time.time(),

@@ -94,7 +94,7 @@ def test_microbatches_equal_large_batch(m, name, optimizer, tol):
     ddp = jddp.DataParallel(mlp_loss, optimizer, reduce=jddp.Buckets(**CAPS),
                             accumulate=jddp.Accumulate(microbatches=m))
     state = ddp.init(params)
-    assert state.accum is None
+    assert state.update_state is None
     losses = []
     for batch in bigs:
         state, metrics = ddp.step(state, batch)
@@ -159,7 +159,7 @@ def test_early_sync_is_mean_of_window():
     state = ddp.init(params)
     state, _ = ddp.step(state, a, sync=False)
     state, m1 = ddp.step(state, b, sync=True)
-    assert int(state.accum.count) == 0
+    assert int(state.update_state.count) == 0
     state, m2 = ddp.step(state, c, sync=True)
     np.testing.assert_allclose([float(_window(m1)), float(_window(m2))], ref_losses, rtol=1e-5)
     assert max_abs_diff(state.params, ref_params) < 1e-5
@@ -259,18 +259,18 @@ def test_state_round_trips_with_donation():
     ddp = jddp.DataParallel(mlp_loss, optax.adam(1e-3), reduce=jddp.Buckets(**CAPS),
                             accumulate=jddp.Accumulate(steps=2))
     state = ddp.init(params)
-    assert state.accum.count.sharding.is_fully_replicated
-    for leaf in jax.tree.leaves(state.accum.grads):
+    assert state.update_state.count.sharding.is_fully_replicated
+    for leaf in jax.tree.leaves(state.update_state.grads):
         assert leaf.shape[0] == 8 and leaf.sharding.spec == P("data")
     treedef = jax.tree.structure(state)
     mb = regression_batch(80, MICRO, SIZES[0], SIZES[-1])
     for i in range(4):
         old = state
         state, _ = ddp.step(state, mb)
-        assert all(x.is_deleted() for x in jax.tree.leaves(old.accum.grads))
+        assert all(x.is_deleted() for x in jax.tree.leaves(old.update_state.grads))
         assert old.params["Dense_0"]["kernel"].is_deleted()
         assert jax.tree.structure(state) == treedef
-        assert int(state.accum.count) == (i + 1) % 2
+        assert int(state.update_state.count) == (i + 1) % 2
     assert int(state.step) == 2
     assert ddp.step.cache_size() == 1
 
@@ -281,7 +281,7 @@ def test_accumulator_dtype():
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
                             accumulate=jddp.Accumulate(steps=2))
     state = ddp.init(params)
-    assert {x.dtype for x in jax.tree.leaves(state.accum.grads)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(state.update_state.grads)} == {jnp.dtype(jnp.float32)}
     state, _ = ddp.step(state, mb)
     state, metrics = ddp.step(state, mb)
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
@@ -290,7 +290,7 @@ def test_accumulator_dtype():
     low = jddp.DataParallel(mlp_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
                             accumulate=jddp.Accumulate(steps=2, dtype=jnp.bfloat16))
     st = low.init(mlp_params(9, SIZES))
-    assert {x.dtype for x in jax.tree.leaves(st.accum.grads)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(st.update_state.grads)} == {jnp.dtype(jnp.bfloat16)}
     assert accumulator_dtype(jnp.float64) == np.float64
     assert accumulator_dtype(jnp.bfloat16) == np.float32
 
@@ -316,7 +316,7 @@ def test_bad_calls():
         plain.step(plain_state, mb, sync=False)
 
     acc = jddp.DataParallel(mlp_loss, optax.sgd(0.1), accumulate=jddp.Accumulate(steps=2))
-    with pytest.raises(ValueError, match="state.accum is NoneType"):
+    with pytest.raises(ValueError, match="state.accum is None"):
         acc.step(plain_state, mb)
     with pytest.raises(ValueError, match=r"does not accumulate \(Accumulate\.steps=1\)"):
         plain.step(acc.init(params), mb)
@@ -404,7 +404,7 @@ def test_weighted_window_without_real_examples_is_skipped():
     for mb in windows(2, seed=23)[0]:
         state, metrics = ddp.step(state, mb, mask=none)
     assert bool(metrics["synced"]) and float(metrics["skipped"]) == 1.0
-    assert int(state.step) == 0 and int(state.accum.count) == 0
+    assert int(state.step) == 0 and int(state.update_state.count) == 0
     assert max_abs_diff((state.params, state.opt_state), before) == 0.0
 
 
@@ -441,7 +441,7 @@ def test_skip_nonfinite_skips_whole_window_and_resets_count(sync_mode):
     state, m1 = ddp.step(state, wins[0][1], sync=sync(1))
     assert bool(m1["synced"]) and float(m1["skipped"]) == 1.0
     assert np.isnan(float(_window(m1)))
-    assert int(state.accum.count) == 0
+    assert int(state.update_state.count) == 0
     jax.tree.map(np.testing.assert_array_equal,
                  _host((state.step, state.params, state.opt_state)), before)
     ddp.verify(state)
@@ -490,7 +490,7 @@ def _stateful_loss(params, ms, batch):
 @pytest.mark.parametrize("mode", ["broadcast", "mean", "none"])
 def test_model_state_with_accumulation(mode, k, m):
     """Model state is threaded through a device's micro-batches in order, locally (across no-sync
-    calls in state.accum.model_state), and synchronised once per window, on the last bucket's
+    calls in state.update_state.model_state), and synchronised once per window, on the last bucket's
     all-reduce; TrainState.model_state changes on sync calls only. Gradients as without state."""
     n = 8
     params = mlp_params(13, SIZES)
@@ -542,7 +542,7 @@ def test_skipped_window_keeps_model_state():
     a, b = windows(2, seed=14)[0]
     state, _ = ddp.step(state, _with_nan(a, 0), sync=False)
     state, metrics = ddp.step(state, b, sync=True)
-    assert float(metrics["skipped"]) == 1.0 and int(state.accum.count) == 0
+    assert float(metrics["skipped"]) == 1.0 and int(state.update_state.count) == 0
     assert int(state.model_state["n"]) == 0
     np.testing.assert_array_equal(np.asarray(state.model_state["s"]), np.zeros(SIZES[0]))
     state, _ = ddp.step(state, a, sync=False)
@@ -557,9 +557,9 @@ def test_accumulator_model_state_must_match():
     ddp = jddp.DataParallel(_stateful_loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS),
                             accumulate=jddp.Accumulate(steps=2))
     state = ddp.init(mlp_params(15, SIZES), model_state=ms0)
-    assert state.accum.model_state["s"].shape == (8, SIZES[0])
-    assert state.accum.model_state["s"].sharding.spec == P("data")
-    broken = state.replace(accum=state.accum.replace(model_state=None))
+    assert state.update_state.model_state["s"].shape == (8, SIZES[0])
+    assert state.update_state.model_state["s"].sharding.spec == P("data")
+    broken = state.replace(update_state=state.update_state.replace(model_state=None))
     with pytest.raises(ValueError, match="state.accum.model_state does not have the structure"):
         ddp.step(broken, regression_batch(0, MICRO, SIZES[0], SIZES[-1]), sync=False)
 

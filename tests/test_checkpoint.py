@@ -196,7 +196,7 @@ def test_powersgd_state_restarts_with_a_warning(tmp_path, old, new):
                                          "feedback"):
         restored = ckpt.restore_or_init(mngr, b, params)
     fresh = b.init(params)
-    _assert_identical(restored.hook_state, fresh.hook_state)
+    _assert_identical(restored.reduce_state, fresh.reduce_state)
     _assert_identical(restored.params, state.params)  # everything else is the checkpoint's
     assert int(restored.step) == 2
     _run(b, restored, _batches(1))  # and it trains
@@ -210,7 +210,7 @@ def test_accumulator_restores_at_a_window_boundary_only(tmp_path):
     ckpt.save(mngr, state, step=100)
     b = _on(4, accumulate=jddp.Accumulate(steps=2))
     restored = ckpt.restore(mngr, b.abstract_state(params), init_fn=lambda: b.init(params))
-    assert int(restored.accum.count) == 0 and restored.accum.loss.shape == (4,)
+    assert int(restored.update_state.count) == 0 and restored.update_state.loss.shape == (4,)
     _assert_identical(restored.params, state.params)
 
     mid = _run(a, state, batches[2:3])  # count 1: mid-window
@@ -232,7 +232,7 @@ def test_sharded_accumulator_checkpoints_like_the_per_device_one(tmp_path):
     ckpt.save(mngr, mid, step=1)
     reference = _run(a, mid, batches[1:2])
     restored = ckpt.restore(mngr, a.abstract_state(params), step=1)
-    assert int(restored.accum.count) == 1
+    assert int(restored.update_state.count) == 1
     _assert_identical(_run(a, restored, batches[1:2]), reference)
     b = _on(4, stage=3, accumulate=jddp.Accumulate(steps=2))
     with pytest.raises(ValueError, match=r"saved on 8 devices, restored on 4.*middle of a gradient "
@@ -240,7 +240,7 @@ def test_sharded_accumulator_checkpoints_like_the_per_device_one(tmp_path):
         ckpt.restore(mngr, b.abstract_state(params), step=1, init_fn=lambda: b.init(params))
     ckpt.save(mngr, reference, step=2)  # a window boundary
     restored = ckpt.restore(mngr, b.abstract_state(params), step=2, init_fn=lambda: b.init(params))
-    assert int(restored.accum.count) == 0 and int(restored.step) == 1
+    assert int(restored.update_state.count) == 0 and int(restored.step) == 1
     _run(b, restored, batches[2:4])  # and it trains
 
 

@@ -105,7 +105,7 @@ def test_inner_stateful_error_feedback_keeps_its_shard_state():
     _, flat, _ = _train(None)
     assert max_abs_diff(state.params, flat.params) < 3e-3
     leaves = jax.tree.leaves(mlp_params(0, SIZES))
-    for leaf, st in zip(leaves, state.hook_state, strict=True):
+    for leaf, st in zip(leaves, state.reduce_state, strict=True):
         res = np.asarray(st["residual"])
         assert res.shape == (8, *leaf.shape)
         # Each device updates only its own 1/4 slice of the (padded, flattened) leaf.
@@ -139,7 +139,7 @@ def test_inner_int8_error_feedback():
     _, flat, _ = _train(None)
     _, _, plain = _train(jddp.hooks.hierarchical(), steps=1)
     assert max_abs_diff(state.params, flat.params) < 1e-2
-    res = [np.asarray(s["residual"]) for s in state.hook_state]
+    res = [np.asarray(s["residual"]) for s in state.reduce_state]
     assert all(r.shape[0] == 8 for r in res) and max(np.abs(r).max() for r in res) > 0
     ratio = float(metrics[0]["comm_bytes_hosts"]) / float(plain[0]["comm_bytes_hosts"])
     assert 0.25 <= ratio < 0.6, ratio

@@ -151,16 +151,16 @@ def test_stateful_hook_state_is_per_device_and_survives_jit_and_donation():
     old = state
     for _ in range(3):
         state, _ = ddp.step(state, batch)
-    assert old.hook_state[0]["sum"].is_deleted()  # donated
+    assert old.reduce_state[0]["sum"].is_deleted()  # donated
     # With lr 0, every step has the same local gradients: the state holds 3x each device's own.
     local_grads = [
         jax.grad(_mlp_loss)(params, jax.tree.map(lambda x, i=i: x[i * 8:(i + 1) * 8], batch))
         for i in range(N)
     ]
     want = np.stack([np.asarray(g["w1"]) for g in local_grads]) * 3
-    got = np.asarray(state.hook_state[sorted(params).index("w1")]["sum"])
+    got = np.asarray(state.reduce_state[sorted(params).index("w1")]["sum"])
     assert got.shape == (N, 16, 32)
-    assert state.hook_state[0]["sum"].sharding.spec == P("data")
+    assert state.reduce_state[0]["sum"].sharding.spec == P("data")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert np.abs(got[0] - got[1]).max() > 1e-3  # really per device
 
@@ -181,8 +181,8 @@ def test_powersgd_state_in_data_parallel():
             np.testing.assert_allclose(state.params["w1"], ref.params["w1"], atol=1e-6)
             assert float(m["comm_bytes"]) == float(mr["comm_bytes"])
     w1 = sorted(params).index("w1")
-    res = np.asarray(state.hook_state[w1]["residual"])
-    q = np.asarray(state.hook_state[w1]["q"])
+    res = np.asarray(state.reduce_state[w1]["residual"])
+    q = np.asarray(state.reduce_state[w1]["q"])
     assert np.abs(res).max() > 0 and np.abs(res[0] - res[1]).max() > 0  # error feedback per device
     np.testing.assert_allclose(q, np.broadcast_to(q[0], q.shape))  # Q identical everywhere
     assert bytes_seen[3] < bytes_seen[0] / 4
@@ -260,9 +260,9 @@ def test_unused_leaf_keeps_its_hook_state():
                             reduce=jddp.Buckets(hook=jddp.powersgd(start_iter=0)))
     state = ddp.init(params)
     i = sorted(params).index("unused")
-    q0 = np.asarray(state.hook_state[i]["q"])
+    q0 = np.asarray(state.reduce_state[i]["q"])
     state, _ = ddp.step(state, batch)
-    np.testing.assert_array_equal(state.hook_state[i]["q"], q0)
+    np.testing.assert_array_equal(state.reduce_state[i]["q"], q0)
 
 
 def test_hook_changing_dtype_or_shape_is_a_clear_error():

@@ -73,14 +73,14 @@ def test_dynamic_scale_on_8_devices_matches_flax_and_the_hand_written_rule():
     assert scales == [2.0**10, 2.0**10, 2.0**9, 2.0**9, 2.0**9, 2.0**10, 2.0**9, 2.0**9]
     assert skipped == [0, 1, 0, 0, 0, 1, 0, 0]
     assert int(state.step) == 6  # applied updates only
-    assert float(state.loss_scale.scale) == 2.0**9 and int(state.loss_scale.fin_steps) == 2
+    assert float(state.update_state.scale) == 2.0**9 and int(state.update_state.fin_steps) == 2
 
     ref_params, ref_scales, ref_finite, ref_ds = _flax_reference(
         params, batches, tx, 2.0**10, growth_interval=2)
     assert scales == ref_scales
     assert [not s for s in skipped] == ref_finite
-    assert float(ref_ds.scale) == float(state.loss_scale.scale)
-    assert int(ref_ds.fin_steps) == int(state.loss_scale.fin_steps)
+    assert float(ref_ds.scale) == float(state.update_state.scale)
+    assert int(ref_ds.fin_steps) == int(state.update_state.fin_steps)
     assert max_abs_diff(state.params, ref_params) < 5e-5
 
 
@@ -103,7 +103,7 @@ def test_unscaled_gradients_equal_the_unscaled_run_with_accumulation():
     assert int(runs[1].step) == 2
     assert max_abs_diff(runs[0].params, runs[1].params) < 1e-6
     # Two windows, both finite: fin_steps 0 -> 1 -> grow (interval 1) -> 0.
-    assert float(runs[1].loss_scale.scale) == 2.0**13
+    assert float(runs[1].update_state.inner.scale) == 2.0**13  # nested in the window
 
 
 def _recording_sgd() -> optax.GradientTransformation:
@@ -159,9 +159,9 @@ def test_loss_scale_state_and_errors():
     params = mlp_params(0, SIZES)
     ddp = jddp.DataParallel(mlp_loss, optax.sgd(0.1), loss_scale=DynamicScale())
     abstract = ddp.abstract_state(params)
-    assert abstract.loss_scale.scale.dtype == jnp.float32
+    assert abstract.update_state.scale.dtype == jnp.float32
     plain = jddp.DataParallel(mlp_loss, optax.sgd(0.1))
-    assert plain.init(params).loss_scale is None  # states keep their structure without it
+    assert plain.init(params).update_state is None  # states keep their structure without it
     batch = _batches(1)[0]
     with pytest.raises(ValueError, match="state.loss_scale is None"):
         ddp.step(plain.init(params), batch)
@@ -199,5 +199,5 @@ def test_loss_scale_state_is_checkpointed(tmp_path):
     mngr = ckpt.manager(tmp_path / "ckpt")
     ckpt.save(mngr, state)
     restored = ckpt.restore(mngr, ddp.abstract_state(params))
-    assert float(restored.loss_scale.scale) == float(state.loss_scale.scale) == 2.0**9
-    assert int(restored.loss_scale.fin_steps) == int(state.loss_scale.fin_steps) == 1
+    assert float(restored.update_state.scale) == float(state.update_state.scale) == 2.0**9
+    assert int(restored.update_state.fin_steps) == int(state.update_state.fin_steps) == 1

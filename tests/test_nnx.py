@@ -311,10 +311,10 @@ def test_local_sgd_with_nnx_equals_the_functional_trainer():
         cstate, _ = core.step(cstate, b)
     assert bool(metrics["averaged"]) and metrics["replica_loss"].shape == (2,)
     chex_tree_close(state.params, cstate.params)
-    chex_tree_close(state.outer.params, cstate.outer.params)
+    chex_tree_close(state.sync_state.params, cstate.sync_state.params)
     ddp.update(model, state)
-    chex_tree_close(nnx.state(model, nnx.Param), cstate.outer.params)
-    chex_tree_close(nnx.state(ddp.merge(state), nnx.Param), cstate.outer.params)
+    chex_tree_close(nnx.state(model, nnx.Param), cstate.sync_state.params)
+    chex_tree_close(nnx.state(ddp.merge(state), nnx.Param), cstate.sync_state.params)
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -113,9 +113,9 @@ def test_offload_keeps_the_optimizer_state_on_the_host_between_steps():
     mesh = jddp.data_mesh()
     leaf = NamedSharding(mesh, P())
     shardings = TrainState(step=leaf, params=leaf, opt_state=(leaf,), model_state=None,
-                           hook_state=None, accum=None, loss_scale=None)
+                           reduce_state=None, update_state=None)
     state = TrainState(step=jnp.zeros(()), params=jnp.zeros(()), opt_state=(jnp.zeros(()),),
-                       model_state=None, hook_state=None, accum=None, loss_scale=None)
+                       model_state=None, reduce_state=None, update_state=None)
     topo = jddp.ZeRO(stage=1).topology(mesh)
     off, on = (jddp.ZeRO(stage=1, offload=o).resolve(topo) for o in (False, True))
     for place in (jddp.Replicate(), off):

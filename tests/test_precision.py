@@ -174,7 +174,7 @@ def test_float16_with_loss_scaling_and_microbatches():
         state, m = ddp.step(state, b)
     ref = _reference.train(mlp_loss, optax.adam(1e-2), params, [[b] for b in batches],
                            param_dtype=jnp.float16, shards=2 * N)  # 2 micro-batches a device
-    assert float(state.loss_scale.scale) == 2.0**8  # no step skipped
+    assert float(state.update_state.scale) == 2.0**8  # no step skipped
     assert _reference.max_abs_diff(jax.device_get(state.params), ref.params) < 1e-5
 
 

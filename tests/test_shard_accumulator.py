@@ -109,7 +109,7 @@ def test_state_at_rest_stage_3_holds_four_p_over_n():
     for shard in (True, False):
         ddp = _ddp(3, shard)
         state = ddp.init(params)
-        held[shard] = _held((state.params, state.opt_state, state.accum.grads))
+        held[shard] = _held((state.params, state.opt_state, state.update_state.grads))
         rep = ddp.report(state, batch)
         assert rep.memory is not None and rep.memory.at_rest == _held(state)
         args[shard] = rep.memory.arguments

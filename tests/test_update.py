@@ -34,12 +34,19 @@ def test_whether_a_call_updates_is_one_rule(update, sync, runs):
     assert update.following(7, sync) == expected
 
 
-def test_skips_and_the_scale_slot():
-    assert not Update().skips and Update().init_scale() is None
+def test_skips_and_the_nested_update_state():
+    assert not Update().skips and Update().init(None) is None
     assert Update(guard=SkipNotFinite()).skips
-    assert Update(guard=SkipNotFinite()).init_scale() is None  # no state of its own
-    scale = Update(guard=jddp.precision.DynamicScale(init_scale=8.0)).init_scale()
-    assert float(scale.scale) == 8.0 and int(scale.fin_steps) == 0
+    assert Update(guard=SkipNotFinite()).init(None) is None  # no state of its own
+    scale = Update(guard=jddp.precision.DynamicScale(init_scale=8.0)).init(None)
+    assert float(scale.scale) == 8.0 and int(scale.fin_steps) == 0 and scale.inner is None
+    # The window's state nests the guard's (optax's inner_state); each reads its own node.
+    both = Update(accumulate=Accumulate(steps=2), guard=jddp.precision.DynamicScale())
+    acc = both.accumulate.init({"w": jnp.zeros(3)}, 8)
+    chain = both.init(acc)
+    assert chain.inner.scale is both.scale(chain).scale and both.scale(chain).inner is None
+    assert both.window(chain).count is chain.count and both.window(chain).inner is None
+    assert Update.window(scale) is None and Update.scale(acc) is None
 
 
 def test_the_window_decides_per_call():

@@ -48,7 +48,7 @@ from jddp._src.reduce.backward import Reduced, bucketed_vjp
 from jddp._src.step.checks import batch_size
 from jddp._src.step.config import LocalCall, LocalResult, ReduceContext
 from jddp._src.step.objective import Extras, LocalAux
-from jddp._src.step.state import AccumState, TrainState
+from jddp._src.step.state import AccumState, TrainState, own
 from jddp._src.tree import Bytes, add_device_dim, strip_device_dim
 from jddp._src.update import accumulation as acc_lib
 from jddp._src.update import loss_scale as ls_lib
@@ -95,14 +95,14 @@ def _start_model_state(ctx: ReduceContext, state: TrainState) -> Any:
     keep one type).
 
     That is the synchronised ``state.model_state`` at the start of a window and the device's own
-    state of the previous no-sync call inside one (``state.accum.model_state``).
+    state of the previous no-sync call inside one (the accumulator's ``model_state``).
     """
     ms = state.model_state
     if ms is None:
         return None
     if ctx.loss.per_replica_state:
         ms = strip_device_dim(ms)
-    acc = state.accum
+    acc = own(state.update_state, AccumState)
     if ctx.window.every_call:
         # No scan carry: keep the replicated type, so that state the loss computes from
         # collectives only (cross-replica BatchNorm) stays invariant and is not synchronised
@@ -146,7 +146,8 @@ def _example_keys(ctx: ReduceContext, state: TrainState, rng: Any, batch: Any) -
     local = batch_size(batch)
 
     def where() -> tuple[Any, Any]:  # this device's first row, and the call in the window
-        call = jnp.zeros((), jnp.int32) if state.accum is None else state.accum.count
+        acc = own(state.update_state, AccumState)
+        call = jnp.zeros((), jnp.int32) if acc is None else acc.count
         return lax.axis_index(ctx.topology.data) * local, call
 
     return ctx.example_keys(rng, state.step, local, where)
@@ -287,7 +288,7 @@ def _reduce(s: Step, prep: Prepared, state: TrainState, args: tuple, seed: Any,
     island's devices (``lv.axis``) bucket by bucket, and ``extras(out)`` riding on the last
     bucket."""
     lv, red = s.call.roles, s.reducer
-    hook_state = strip_device_dim(state.hook_state)
+    hook_state = strip_device_dim(state.reduce_state)
     if lv.axis is None:
         out, grads = _reduce_locally(prep.traced, _local_params(s, prep)[0], args, seed, offset)
         return Reduced(out, grads, tuple(hook_state), extras(out))
@@ -333,7 +334,7 @@ def _synchronise(s: Step, prep: Prepared, state: TrainState) -> LocalResult:
     """A synchronising call: the window's local sums, then the reducing evaluation of the last
     micro-batch (phase 2), its metrics and model state."""
     ctx, lv, obj = s.ctx, s.call.roles, s.call.obj
-    accumulate, acc = ctx.accumulate, state.accum
+    accumulate, acc = ctx.accumulate, own(state.update_state, AccumState)
     offset, call, (loss0, weight0), ms_last, gathered = _window_start(s, prep, acc)
     # The mean over the window's micro-batches.
     count = accumulate.window_count(acc)
@@ -438,7 +439,7 @@ def _scattered_call(s: Step, prep: Prepared, state: TrainState, live_grads: Any)
     red = bucketed_vjp(
         prep.traced, jax.tree.leaves(prep.params), (ms_last, prep.last, *prep.side_last),
         plan=prep.plan, axis_name=lv.axis, hook=hook,
-        hook_state=strip_device_dim(state.hook_state), step=state.step, phase=s.call.phase,
+        hook_state=strip_device_dim(state.reduce_state), step=state.step, phase=s.call.phase,
         chain=chain, seed=seed,
         offset=None if offset is None else jax.tree.leaves(offset),
         sharded=prep.sharded, hosts_axis=lv.hosts, precision=s.ctx.precision,
@@ -454,7 +455,7 @@ def _accumulate(s: Step, prep: Prepared, state: TrainState) -> LocalResult:
     """A call that does not synchronise: its micro-batches' gradients are added to the
     accumulator, locally (no collective), or reduce-scattered into a sharded one."""
     ctx = s.ctx
-    acc = state.accum
+    acc = own(state.update_state, AccumState)
     assert acc is not None
     live_grads, live_loss, live_weight = acc_lib.live(acc)
     call = (_scattered_call(s, prep, state, live_grads) if ctx.window.sharded
@@ -479,7 +480,7 @@ def _accumulate(s: Step, prep: Prepared, state: TrainState) -> LocalResult:
     ms = state.model_state if state.model_state is None or not ctx.loss.per_replica_state \
         else strip_device_dim(state.model_state)
     return LocalResult(
-        zeros, metrics, {"local_loss": loss[None]}, ms, strip_device_dim(state.hook_state),
+        zeros, metrics, {"local_loss": loss[None]}, ms, strip_device_dim(state.reduce_state),
         new_accum, jnp.asarray(False), jnp.asarray(True), island,
         # local: none, or stage 3's gather; sharded: the scatters
         bytemodel.comm_metrics(call.sent, ctx.topology.two_level),
@@ -514,7 +515,7 @@ def bucketed_step(ctx: ReduceContext, call: LocalCall, reducer: Any, state: Trai
     prep = _prepare(s, state, batch, weights, rng)
     sync_fn = lambda st: _to_global(s, _synchronise(s, prep, st))
     acc_fn = lambda st: _to_global(s, _accumulate(s, prep, st))
-    synchronises = ctx.accumulate.synchronises(state.accum, call.sync)
+    synchronises = ctx.accumulate.synchronises(own(state.update_state, AccumState), call.sync)
     if isinstance(synchronises, bool):
         return sync_fn(state) if synchronises else acc_fn(state)
     # optax.MultiSteps semantics: the replicated counter picks the branch, in one program.

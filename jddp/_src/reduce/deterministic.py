@@ -19,7 +19,7 @@ does not depend on the layout:
    all-reduce, ``2 (n-1)/n`` of the payload per device).
 4. With ``Accumulate(steps=k)`` each call's sum is one subtree of the window (the tree's top
    ``log2 k`` levels split by call); the finished subtrees wait in a binary counter in
-   ``state.accum`` (``log2 k`` slots) and are merged in the same pairwise order.
+   the accumulator (``log2 k`` slots) and are merged in the same pairwise order.
 5. The mean is the sum divided by ``K`` (``weighted``: by the summed weight); the optimizer update
    is elementwise and the same everywhere.
 
@@ -48,7 +48,7 @@ from jax import lax
 from jddp._src.data import rng as rng_lib
 from jddp._src.reduce import bytemodel
 from jddp._src.step.config import ReduceContext
-from jddp._src.step.state import AccumState
+from jddp._src.step.state import AccumState, own
 from jddp._src.tree import dtype_of
 
 # Primitives that exchange data between devices: a loss that calls one mixes the groups of
@@ -234,16 +234,17 @@ def init_accum(ctx: ReduceContext, params: Any, model_state: Any) -> AccumState 
 
 
 def check_accum(ctx: ReduceContext, state: Any) -> None:
-    """Trace-time check that ``state.accum`` is a deterministic accumulator of this trainer."""
+    """Trace-time check that the window's node of ``state.update_state`` is a deterministic
+    accumulator of this trainer."""
     steps = ctx.window.steps
     if steps == 1:
-        if state.accum is not None:
+        if own(state.update_state, AccumState) is not None:
             raise ValueError("state.accum holds an accumulator but this DataParallel does not "
                              "accumulate (Accumulate.steps=1); use the DataParallel that built "
                              "the state.")
         return
     want = (ctx.topology.num_devices, _stack_slots(ctx))
-    acc = state.accum
+    acc = own(state.update_state, AccumState)
     if (not isinstance(acc, AccumState) or jnp.shape(acc.loss) != want
             or jax.tree.structure(acc.grads) != jax.tree.structure(state.params)):  # type: ignore[operator]
         raise ValueError(
@@ -444,7 +445,7 @@ def local_step(ctx: ReduceContext, obj: Any, state: Any, batch: Any, weights: An
     axis, n = topo.data, topo.num_devices
     local = jax.tree.leaves(batch)[0].shape[0]
     groups = local // g  # this device's groups in this call
-    acc = state.accum
+    acc = own(state.update_state, AccumState)
     keys = None
     if ctx.loss.rng:
         # A key per position in the window (not in the call): accumulation splits keep them.

@@ -180,7 +180,7 @@ class Bucketed(BaseReducer):
         return ctx.accumulate.init(params, ctx.topology.num_devices, model_state)
 
     def check_inputs(self, ctx: ReduceContext, state: Any, size: int, sync: Any) -> None:
-        """Trace-time check that ``state.accum`` is this trainer's accumulator."""
+        """Trace-time check that the state's accumulator is this trainer's."""
         del size, sync  # any batch size and sync= reduce in buckets
         ctx.accumulate.check(state, ctx.topology.num_devices, self.hook.name)
 
@@ -257,4 +257,4 @@ class Deterministic(BaseReducer):
             call.observer(self.plan(ctx, traced, state.params))
         out = det_lib.local_step(ctx, call.obj, state, batch, weights, rng, g)
         return LocalResult(out.grads, out.metrics, {}, out.model_state,
-                                    state.hook_state, out.accum, out.synced, out.nonempty)
+                                    state.reduce_state, out.accum, out.synced, out.nonempty)

@@ -9,7 +9,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -19,6 +19,7 @@ from jddp._src.place import owner_state
 from jddp._src.runtime import hostsync, preemption, rendezvous
 from jddp._src.runtime.coordinator import EXIT_RESUME
 from jddp._src.step.nnx import DataParallel as NnxDataParallel
+from jddp._src.step.state import LEGACY_FIELDS, from_legacy, to_legacy
 
 __all__ = ["manager", "restore", "restore_or_init", "save", "save_if_due", "wait"]
 
@@ -199,9 +200,32 @@ def _path(path: Any) -> str:
     return jax.tree_util.keystr(tuple(path), simple=True, separator=".")
 
 
-# Parts of a TrainState stored per device (a leading device dimension): they depend on the device
-# count, so a checkpoint made on another count needs a decision for each (see restore()).
-_PER_DEVICE = ("hook_state", "accum", "model_state")
+class _Layout(NamedTuple):
+    """Where a checkpoint layout keeps the parts of a TrainState stored per device (a leading
+    device dimension): they depend on the device count, so a checkpoint made on another count
+    needs a decision for each (see restore()).
+
+    Attributes:
+      per_device: the top-level fields that may hold per-device leaves.
+      hook: the field of the communication hook's state (restarts, with a warning).
+      window: the field of the accumulator (restores at a window boundary only).
+    """
+
+    per_device: tuple[str, ...]
+    hook: str
+    window: str
+
+
+# TrainState's fields, one per policy role; the per-feature fields of earlier checkpoints.
+_LAYOUT = _Layout(("reduce_state", "update_state", "model_state"), "reduce_state", "update_state")
+_LEGACY = _Layout(("hook_state", "accum", "model_state"), "hook_state", "accum")
+
+
+def _is_legacy(saved: Any) -> bool:
+    """Whether a saved TrainState's metadata tree is in the per-feature layout (``hook_state``,
+    ``accum``, ``loss_scale``, ``outer``) of checkpoints saved before the state was nested per
+    policy role."""
+    return isinstance(saved, dict) and set(saved) == set(LEGACY_FIELDS)
 
 
 def _stored_shape(leaf: Any) -> tuple[int, ...]:
@@ -213,7 +237,8 @@ def _stored_shape(leaf: Any) -> tuple[int, ...]:
     return tuple(leaf.shape)
 
 
-def _per_device_changes(saved: Any, abstract: Any) -> list[tuple[str, tuple, tuple]]:
+def _per_device_changes(saved: Any, abstract: Any,
+                        layout: _Layout = _LAYOUT) -> list[tuple[str, tuple, tuple]]:
     """``(path, saved_shape, new_shape)`` of per-device leaves whose device count changed.
 
     Raises a clear error for any other difference (another model, another optimizer).
@@ -238,7 +263,7 @@ def _per_device_changes(saved: Any, abstract: Any) -> list[tuple[str, tuple, tup
             continue
         spec: tuple = tuple(getattr(getattr(leaf, "sharding", None), "spec", ()))
         sharded_rows = bool(spec) and spec[0] is not None
-        per_device = (path.split(".")[0] in _PER_DEVICE and len(old) == len(new)
+        per_device = (path.split(".")[0] in layout.per_device and len(old) == len(new)
                       and old[1:] == new[1:] and sharded_rows)
         if not per_device:
             replicas = _replica_axis(leaf, old, new)
@@ -351,13 +376,18 @@ def restore(
     if loader is not None:  # first: a wrong data set fails before any array is read
         _restore_loader(mngr, step, loader)
     saved_tree = _saved_tree(mngr, step)
+    # A checkpoint of the per-feature layout restores into that layout's tree, then converts.
+    legacy = _is_legacy(saved_tree)
+    layout = _LEGACY if legacy else _LAYOUT
+    if legacy:
+        abstract = to_legacy(abstract)
     # A manager not made by manager() has no shapes to compare: load strictly.
-    changed = [] if saved_tree is None else _per_device_changes(saved_tree, abstract)
+    changed = [] if saved_tree is None else _per_device_changes(saved_tree, abstract, layout)
     if not changed:
-        return owner_state.repack(_load_state(mngr, step, lib.args.StandardRestore(abstract)),
-                                  packed)
-    return owner_state.repack(_restore_changed(mngr, step, abstract, target, changed, init_fn),
-                              packed)
+        state = _load_state(mngr, step, lib.args.StandardRestore(abstract))
+    else:
+        state = _restore_changed(mngr, step, abstract, target, changed, init_fn, layout)
+    return owner_state.repack(from_legacy(state) if legacy else state, packed)
 
 
 def _as_abstract(x: Any) -> Any:
@@ -368,7 +398,7 @@ def _as_abstract(x: Any) -> Any:
 
 def _restore_changed(mngr: Any, step: int, abstract: Any, target: Any,
                      changed: list[tuple[str, tuple, tuple]],
-                     init_fn: Callable[[], Any] | None) -> Any:
+                     init_fn: Callable[[], Any] | None, layout: _Layout) -> Any:
     """`restore` of a checkpoint whose per-device leaves ``changed`` their device count: each
     restarts from the trainer's initial values, or raises where that would be wrong."""
     old_n, new_n = changed[0][1][0], changed[0][2][0]
@@ -385,11 +415,12 @@ def _restore_changed(mngr: Any, step: int, abstract: Any, target: Any,
     # Every other changed leaf restarts: load the rest exactly; the changed leaves' loaded values
     # (padded or cut by strict=False) are replaced below.
     state = _load_state(mngr, step, _require_orbax().args.StandardRestore(abstract, strict=False))
-    accum = [p for p, _, _ in changed if p.startswith("accum")]
-    if accum and int(np.asarray(jax.device_get(state.accum.count))) > 0:
+    accum = [p for p, _, _ in changed if p.startswith(layout.window)]
+    count = _window_count(state, layout) if accum else 0
+    if count > 0:
         raise ValueError(
             f"Checkpoint of step {step} ({where}) was saved in the middle of a gradient "
-            f"accumulation window ({int(jax.device_get(state.accum.count))} calls accumulated, "
+            f"accumulation window ({count} calls accumulated, "
             f"e.g. {accum[0]}): each device's partial sum cannot be split over {new_n} devices. "
             f"Resume on {old_n} devices until the window's synchronising call and save there (a "
             "checkpoint at a window boundary restores on any device count)."
@@ -404,8 +435,10 @@ def _restore_changed(mngr: Any, step: int, abstract: Any, target: Any,
             "restarts, which needs the trainer's initial values. Pass init_fn=lambda: "
             "ddp.init(params), or use jddp.checkpoint.restore_or_init."
         )
+    if layout is _LEGACY:
+        fresh = to_legacy(fresh)
     restart = {p for p, _, _ in changed}
-    hooks = sorted(p for p in restart if p.startswith("hook_state"))
+    hooks = sorted(p for p in restart if p.startswith(layout.hook))
     if hooks:
         warnings.warn(
             f"Checkpoint of step {step} is {where}: the communication hook's per-device state "
@@ -416,6 +449,14 @@ def _restore_changed(mngr: Any, step: int, abstract: Any, target: Any,
     return jax.tree_util.tree_map_with_path(
         lambda p, old, new: new if _path(p) in restart else old, state, fresh
     )
+
+
+def _window_count(state: Any, layout: _Layout) -> int:
+    """The accumulator's counter (calls accumulated in the window) of a loaded state."""
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if _path(path) == f"{layout.window}.count":
+            return int(np.asarray(jax.device_get(x)))
+    return 0
 
 
 def _host_step(state: Any) -> int:

@@ -108,11 +108,11 @@ def build_state(cfg: StepConfig, params: Any, model_state: Any = None) -> TrainS
         opt_state=cfg.place.init_opt_state(cfg.optimizer, cfg.topology, params),
         # With model_state_sync="none" each replica keeps its own copy.
         model_state=cfg.loss.model_state_layout(model_state, n),
-        hook_state=broadcast_to_devices(cfg.reduce.hook_state(params), n),
-        # The reduction decides the accumulator's layout (the deterministic one is its own).
-        accum=cfg.reduce.init_accum(reduce_context(cfg), params,
-                                    model_state),  # None without a window
-        loss_scale=cfg.update.init_scale(),
+        reduce_state=broadcast_to_devices(cfg.reduce.hook_state(params), n),
+        # The update wrappers' nested states; the reduction decides the accumulator's layout
+        # (the deterministic one is its own; None without a window).
+        update_state=cfg.update.init(cfg.reduce.init_accum(reduce_context(cfg), params,
+                                                           model_state)),
     )
     # Local SGD / DiLoCo keep one copy per replica.
     return cfg.sync.build_state(sync_context(cfg), state)
@@ -130,7 +130,7 @@ def state_specs(cfg: StepConfig, state: TrainState) -> TrainState:
         opt_state=jax.tree.map(lambda x: place.opt_spec(topo, jnp.shape(x)), state.opt_state),
         model_state=jax.tree.map(lambda _: cfg.loss.model_state_spec(P(axis), P()),
                                  state.model_state),
-        hook_state=per_device(state.hook_state),
+        reduce_state=per_device(state.reduce_state),
         **cfg.update.specs(state, cfg.topology),
     )
     # Local SGD / DiLoCo's per-replica leaves.
@@ -192,7 +192,8 @@ def _result_specs(cfg: StepConfig, lv: Roles, view: TrainState,
     return LocalResult(
         grads=grads, metrics=glob, local_metrics=P(axis),  # type: ignore[arg-type]
         model_state=cfg.loss.model_state_spec(P(axis), rep),
-        hook_state=P(axis), accum=cfg.accumulate.specs(view.accum, cfg.topology),
+        hook_state=P(axis),
+        accum=cfg.accumulate.specs(cfg.update.window(view.update_state), cfg.topology),
         synced=P(), nonempty=glob,
         island=lv.island(lambda: rep),  # type: ignore[arg-type]
         comm=P(),  # type: ignore[arg-type]  # (a prefix of None too: the deterministic step's)
@@ -251,11 +252,12 @@ def train_step(
     new_state, update_metrics = cfg.update.apply(inner, lv, state, res, sync)
     comm = bytemodel.add_update(dict(res.comm or {}), sent, res.synced)
     # Phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step).
-    report = cfg.accumulate.report(cfg.loss, state.accum, cfg.topology.num_devices)
+    window = cfg.update.window(state.update_state)
+    report = cfg.accumulate.report(cfg.loss, window, cfg.topology.num_devices)
     new_state, metrics = cfg.sync.after_update(
         sync_context(cfg), SyncStep(lv, sync_phase, plan, sync, report), new_state,
         res._replace(comm=comm))
-    metrics = {**metrics, **cfg.accumulate.window_metrics(state.accum, res.synced),
+    metrics = {**metrics, **cfg.accumulate.window_metrics(window, res.synced),
                **res.local_metrics, **update_metrics}
     metrics = _optimizer_metrics(lv, metrics, new_state.opt_state)
     return cfg.place.store(new_state), metrics
@@ -276,7 +278,8 @@ def _local_phases(cfg: StepConfig, observe: PlanObserver, lv: Roles, layout: zer
 
     def per_device(state: TrainState, batch: Any, weights: Any, rng: Any) -> LocalResult:
         state = cfg.sync.island_state(sctx, state)  # this device's replica's state
-        scale = None if state.loss_scale is None else state.loss_scale.scale
+        node = cfg.update.scale(state.update_state)
+        scale = None if node is None else node.scale
         return cfg.reduce.local_step(ctx, call._replace(loss_scale=scale), state, batch,
                                      weights, rng)
 

@@ -473,14 +473,14 @@ class DataParallel:
         """
         tree = {"step": state.step, "params": state.params,
                 "opt_state": offload.device_copy(state.opt_state),
-                "loss_scale": state.loss_scale}
+                "loss_scale": self.config.update.scale(state.update_state)}
         if self.config.loss.model_state_sync != "none":
             tree["model_state"] = state.model_state
         if self.config.topology.islands and not self.config.topology.two_level:
             # One replica per device: no two devices hold copies of a replica's leaves.
             tree = {"step": state.step}
-        if state.outer is not None:
-            tree["outer"] = state.outer
+        if state.sync_state is not None:
+            tree["sync_state"] = state.sync_state
         # With local SGD the per-replica leaves are compared inside each replica (the devices of
         # a host), replicated ones everywhere. At the sharded stages a split leaf has one copy of
         # each piece: nothing to compare.

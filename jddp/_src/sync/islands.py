@@ -148,7 +148,7 @@ class IslandDiLoCo(DiLoCo):
         return self._sync(ctx, state, _runtime(), entry=False)
 
     def _sync(self, ctx: SyncContext, state: Any, rt: _Runtime, entry: bool) -> Any:
-        outer = state.outer
+        outer = state.sync_state
         real_opt, delta = outer.opt_state
         anchor = _host(outer.params)
         base = _Snapshot(anchor, _host(real_opt), int(jax.device_get(state.step)))
@@ -402,10 +402,10 @@ def _apply(replicas: int, outer: Any, state: Any, base: _Snapshot,
            mean: list[np.ndarray] | None) -> Any:
     """The state after the agreed outer step: ``base`` moved by ``outer`` along ``mean``, the
     replicas restarted from it, the captured delta cleared."""
-    real_opt, delta = state.outer.opt_state
-    anchor, opt = _put(state.outer.params, base.anchor), _put(real_opt, base.opt)
+    real_opt, delta = state.sync_state.opt_state
+    anchor, opt = _put(state.sync_state.params, base.anchor), _put(real_opt, base.opt)
     if mean is not None:
-        anchor, opt = _outer_update(outer)(anchor, opt, _put(state.outer.params, mean))
+        anchor, opt = _outer_update(outer)(anchor, opt, _put(state.sync_state.params, mean))
     shardings = tuple(p.sharding for p in jax.tree.leaves(state.params))
     dtypes = tuple(p.dtype for p in jax.tree.leaves(state.params))
     spread = _spread(replicas, shardings, dtypes)
@@ -415,7 +415,7 @@ def _apply(replicas: int, outer: Any, state: Any, base: _Snapshot,
     step = state.step
     if int(jax.device_get(step)) != base.step:
         step = jax.device_put(jnp.asarray(base.step, step.dtype), step.sharding)
-    return state.replace(params=params, outer=OuterState(anchor, (opt, zero)), step=step)
+    return state.replace(params=params, sync_state=OuterState(anchor, (opt, zero)), step=step)
 
 
 def fingerprint(tree: Any) -> str:

@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 from jddp._src.introspect import vma
 from jddp._src.runtime.topology import AVERAGE, LOCAL, SYNC, Roles, Topology
 from jddp._src.step.config import BucketPlan, CommHook, LocalResult, SyncContext, SyncStep
-from jddp._src.step.state import OuterState, TrainState
+from jddp._src.step.state import AccumState, LossScaleState, OuterState, TrainState, map_node, own
 from jddp._src.sync import model_state as ms_lib
 from jddp._src.sync.every_step import HookPhase
 from jddp._src.tree import add_device_dim, broadcast_to_devices, dtype_of, strip_device_dim
@@ -191,8 +191,10 @@ class LocalSGD:
             opt_state=broadcast_to_devices(state.opt_state, r),
             model_state=state.model_state if ctx.per_device_state
             else broadcast_to_devices(state.model_state, r),
-            loss_scale=broadcast_to_devices(state.loss_scale, r),
-            outer=self._outer_state(state.params),
+            # Each replica keeps its own loss scale (the other update state is per device).
+            update_state=map_node(state.update_state, LossScaleState,
+                                  lambda s: broadcast_to_devices(s, r)),
+            sync_state=self._outer_state(state.params),
         )
 
     def _outer_state(self, params: Any) -> OuterState | None:
@@ -203,27 +205,29 @@ class LocalSGD:
     def state_specs(self, ctx: SyncContext, state: TrainState, specs: TrainState) -> TrainState:
         """``specs`` with the per-replica leaves sharded over the replica axis (and, at the sharded
         stages, over the island's devices), the outer state replicated."""
+        scale = _per_replica_specs(ctx, own(state.update_state, LossScaleState))
         return specs.replace(
             params=_per_replica_specs(ctx, state.params, ctx.param_spec),
             opt_state=_per_replica_specs(ctx, state.opt_state, ctx.opt_spec),
             model_state=specs.model_state if ctx.per_device_state
             else _per_replica_specs(ctx, state.model_state),
-            loss_scale=_per_replica_specs(ctx, state.loss_scale),
-            outer=jax.tree.map(lambda _: P(), state.outer),
+            update_state=map_node(specs.update_state, LossScaleState, lambda _: scale),
+            sync_state=jax.tree.map(lambda _: P(), state.sync_state),
         )
 
     def replica_view(self, state: TrainState) -> TrainState:
         """The state as one replica sees it (shape structs without the replica dimension), for
         the skeleton's input checks and the replica's layout."""
+        chain = map_node(state.update_state, LossScaleState, _strip_struct)
         return state.replace(params=_strip_struct(state.params),
-                             opt_state=_strip_struct(state.opt_state),
-                             loss_scale=_strip_struct(state.loss_scale))
+                             opt_state=_strip_struct(state.opt_state), update_state=chain)
 
     def island_state(self, ctx: SyncContext, state: TrainState) -> TrainState:
         """The state as this device's replica holds it (per device: the per-replica leaves
         without their replica dimension)."""
         return state.replace(
-            params=strip_device_dim(state.params), loss_scale=strip_device_dim(state.loss_scale),
+            params=strip_device_dim(state.params),
+            update_state=map_node(state.update_state, LossScaleState, strip_device_dim),
             model_state=state.model_state if ctx.per_device_state
             else strip_device_dim(state.model_state),
         )
@@ -251,11 +255,11 @@ class LocalSGD:
 
         def keep() -> tuple[Synced, dict]:
             fake = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x)[1:], x.dtype), island)
-            same = Synced(state.params, state.outer, state.model_state, fake)
+            same = Synced(state.params, state.sync_state, state.model_state, fake)
             return same, {**out, **{k: jnp.full((), jnp.nan, jnp.float32)
                                     for k in step.report(fake)}}
 
-        if step.sync is None and state.accum is not None:
+        if step.sync is None and own(state.update_state, AccumState) is not None:
             new, out = lax.cond(synced, average, keep)
         else:
             new, out = average()
@@ -264,7 +268,8 @@ class LocalSGD:
         out["comm_bytes"] = out["comm_bytes"] + done * (inside + across)
         if ctx.topology.two_level:
             out["comm_bytes_hosts"] = out["comm_bytes_hosts"] + done * across
-        return state.replace(params=new.params, outer=new.outer, model_state=new.model_state), out
+        return state.replace(params=new.params, sync_state=new.outer,
+                             model_state=new.model_state), out
 
     def _synced(self, ctx: SyncContext, plan: BucketPlan, due: tuple[int, ...],
                 state: TrainState, island: Any, sent: list) -> Synced:
@@ -274,7 +279,7 @@ class LocalSGD:
         ms = None if ctx.per_device_state else state.model_state
         params, mean, new_ms = _average(ctx, self.compress, plan, state.params,
                                         (island, ms, state.step), True, sent)
-        return Synced(params, state.outer, state.model_state if ms is None else new_ms, mean)
+        return Synced(params, state.sync_state, state.model_state if ms is None else new_ms, mean)
 
     def global_params(self, ctx: SyncContext, state: TrainState) -> Any:
         """The parameters to evaluate or export: the mean of the replicas' parameters (what the
@@ -343,8 +348,8 @@ class DiLoCo(LocalSGD):
         """The outer step on the averaged delta (of the ``due`` fragments when streaming): the
         delta's mean, the outer optimizer's step, and the replicas restarted from the new global
         parameters."""
-        outer = state.outer
-        assert outer is not None
+        outer = state.sync_state
+        assert isinstance(outer, OuterState)
         ms = None if ctx.per_device_state else state.model_state
         riders = (island, ms, state.step)
         if self.fragments > 1:
@@ -363,8 +368,8 @@ class DiLoCo(LocalSGD):
         """Streaming DiLoCo's outer step for the ``due`` fragments only: their leaves' deltas
         are averaged (one collective per bucket of theirs), each leaf's outer optimizer steps,
         and only those leaves restart from the new global values; the others train on."""
-        outer = state.outer
-        assert outer is not None
+        outer = state.sync_state
+        assert isinstance(outer, OuterState)
         groups = fragments(plan, self.fragments)
         ids = tuple(sorted(i for f in due for i in groups[f]))
         params, anchor = jax.tree.leaves(state.params), jax.tree.leaves(outer.params)
@@ -398,8 +403,8 @@ class DiLoCo(LocalSGD):
 
     def global_params(self, ctx: SyncContext, state: TrainState) -> Any:
         """The outer (global) parameters."""
-        assert state.outer is not None
-        return state.outer.params
+        assert isinstance(state.sync_state, OuterState)
+        return state.sync_state.params
 
 
 def _check_stateless(hook: Any) -> None:

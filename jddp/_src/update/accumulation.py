@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jddp._src.introspect import vma
-from jddp._src.step.state import AccumState
+from jddp._src.step.state import AccumState, own
 from jddp._src.tree import broadcast_to_devices, key_path_str
 
 
@@ -75,34 +75,37 @@ def accum_specs(accum: AccumState | None, axis: Any,
 
 def check_accum(state: Any, accumulate_steps: int, num_devices: int,
                 sharded: bool = False) -> None:
-    """Trace-time checks that ``state.accum`` belongs to a trainer with ``accumulate_steps``
-    (and ``shard_accumulator`` resolved to ``sharded``)."""
+    """Trace-time checks that the window's node of ``state.update_state`` belongs to a trainer
+    with ``accumulate_steps`` (and ``shard_accumulator`` resolved to ``sharded``)."""
+    acc = own(state.update_state, AccumState)
     if accumulate_steps == 1:
-        if state.accum is not None:
+        if acc is not None:
             raise ValueError(
-                "state.accum holds an accumulator but this DataParallel does not accumulate "
+                "state.update_state holds an accumulator but this DataParallel does not accumulate "
                 "(Accumulate.steps=1); "
                 "use the DataParallel that built the state."
             )
         return
-    if not isinstance(state.accum, AccumState):
+    if acc is None:
         raise ValueError(
-            f"This DataParallel accumulates over {accumulate_steps} steps but state.accum is "
-            f"{type(state.accum).__name__}; build the state with this DataParallel's init()."
+            f"This DataParallel accumulates over {accumulate_steps} steps but state.accum is None "
+            f"(state.update_state holds no accumulator: {type(state.update_state).__name__}); "
+            "build the state with this DataParallel's init()."
         )
-    if jax.tree.structure(state.accum.grads) != jax.tree.structure(state.params):  # type: ignore[operator]
+    if jax.tree.structure(acc.grads) != jax.tree.structure(state.params):  # type: ignore[operator]
         raise ValueError(
-            "state.accum.grads does not have the structure of state.params; build the state "
+            "state.accum.grads (the accumulator) does not have the structure of state.params; "
+            "build the state "
             "with this DataParallel's init()."
         )
-    if jax.tree.structure(state.accum.model_state) != jax.tree.structure(state.model_state):  # type: ignore[operator]
+    if jax.tree.structure(acc.model_state) != jax.tree.structure(state.model_state):  # type: ignore[operator]
         raise ValueError(
             "state.accum.model_state does not have the structure of state.model_state; build "
             "the state (params and model state) with this DataParallel's init()."
         )
     for (path, p), a in zip(
         jax.tree_util.tree_flatten_with_path(state.params)[0],
-        jax.tree.leaves(state.accum.grads), strict=True,
+        jax.tree.leaves(acc.grads), strict=True,
     ):
         want = (*(() if sharded else (num_devices,)), *jnp.shape(p))
         if jnp.shape(a) != want:

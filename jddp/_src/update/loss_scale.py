@@ -15,8 +15,9 @@ skip and the scale update therefore agree on every replica with no collective of
 Why not ``DynamicScale`` itself: it differentiates with ``jax.value_and_grad`` and reduces with a
 ``pmean`` after the whole backward pass, so its gradients could not ride in jddp's buckets; and
 its state is a module with static fields, where the step wants its options fixed in a hashable
-config (:class:`DynamicScale` here) and its state in the :class:`TrainState` (:class:`jddp._src
-.state.LossScaleState`). The update rule is the same (tested against Flax's).
+config (:class:`DynamicScale` here) and its state in the :class:`TrainState`
+(:class:`jddp._src.step.state.LossScaleState`, a node of ``TrainState.update_state``). The
+update rule is the same (tested against Flax's).
 """
 
 from __future__ import annotations
@@ -105,21 +106,25 @@ class DynamicScale:
         return LossScaleState(
             scale=jnp.where(finite, fin_scale, inf_scale).astype(jnp.float32),
             fin_steps=jnp.where(grow | ~finite, 0, state.fin_steps + 1).astype(jnp.int32),
+            inner=state.inner,
         )
 
 
-def check_state(state: Any, config: DynamicScale | None) -> None:
-    """Trace-time check that ``state.loss_scale`` matches the trainer's ``loss_scale`` option."""
-    has = getattr(state, "loss_scale", None) is not None
+def check_state(node: LossScaleState | None, config: DynamicScale | None) -> None:
+    """Trace-time check that the loss scale's node of ``state.update_state`` (``node``) matches
+    the trainer's ``loss_scale`` option."""
+    has = node is not None
     if config is not None and not has:
         raise ValueError(
-            "This DataParallel scales the loss (loss_scale=...) but state.loss_scale is None: "
+            "This DataParallel scales the loss (loss_scale=...) but state.loss_scale is None (no "
+            "LossScaleState in state.update_state): "
             "build the state with this DataParallel's init() (or restore it with its "
             "abstract_state())."
         )
     if config is None and has:
         raise ValueError(
-            "state.loss_scale holds a loss scale but this DataParallel has no loss_scale option; "
+            "state.loss_scale (in state.update_state) holds a loss scale but this DataParallel "
+            "has no loss_scale option; "
             "use the DataParallel that built the state."
         )
 

@@ -4,15 +4,18 @@ As optax's ``MultiSteps`` and ``apply_if_finite`` wrap an optimizer, the step's 
 is the optimizer at its placement (the *inner* update, passed in as a callable) wrapped by:
 
 - :class:`Accumulate` (``MultiSteps``): only the call that closes a window updates; it owns the
-  accumulator (``TrainState.accum``: its init, partition specs and trace-time check) and the
-  per-device phases ask it how a call splits and whether it synchronises;
+  accumulator (its :class:`AccumState` node of ``TrainState.update_state``: its init, partition
+  specs and trace-time check) and the per-device phases ask it how a call splits and whether it
+  synchronises;
 - a *guard* (``apply_if_finite``): :class:`SkipNotFinite`, or
-  :class:`jddp.precision.DynamicScale`, which owns the loss scale (``TrainState.loss_scale``)
-  and adapts it; a weighted loss's empty window is skipped the same way.
+  :class:`jddp.precision.DynamicScale`, which owns the loss scale (its :class:`LossScaleState`
+  node) and adapts it; a weighted loss's empty window is skipped the same way.
 
 :class:`Update` composes them once (``StepConfig.update``); the host's rule for the next
-``state.step`` (:meth:`Update.runs`) is the one phase 3 applies. ``TrainState`` keeps its ``accum``
-and ``loss_scale`` fields: they are the checkpoint format.
+``state.step`` (:meth:`Update.runs`) is the one phase 3 applies. As optax's wrappers nest their
+inner state, ``TrainState.update_state`` is the chain of the wrappers' states, outermost first:
+``AccumState(..., inner=LossScaleState(..., inner=None))``; each wrapper reads and replaces only
+its own node and passes ``inner`` through (:func:`jddp._src.step.state.own` and ``put``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jddp._src.api import options
 from jddp._src.core import zero
 from jddp._src.runtime.topology import Roles, Topology
-from jddp._src.step.state import AccumState, TrainState
+from jddp._src.step.state import AccumState, LossScaleState, TrainState, own, put
 from jddp._src.tree import strip_device_dim
 from jddp._src.update import accumulation as acc_lib
 from jddp._src.update import loss_scale as ls_lib
@@ -82,7 +85,7 @@ class Accumulate:
                              "a 1/N accumulator, but steps=1: there is no "
                              "accumulator. Pass steps=k > 1, or shard=None.")
 
-    # -------------------------------------------------------------- the state slot (accum)
+    # -------------------------------------------------------------- the state (its AccumState)
 
     @property
     def accumulates(self) -> bool:
@@ -101,6 +104,12 @@ class Accumulate:
         return acc_lib.init_accum(params, num_devices, self.dtype, model_state,
                                   sharded=bool(self.shard))
 
+    @staticmethod
+    def nest(node: AccumState | None, inner: Any) -> Any:
+        """The window's ``node`` nesting the inner wrappers' state ``inner`` (``inner`` itself
+        without a window)."""
+        return inner if node is None else node.replace(inner=inner)
+
     def specs(self, accum: AccumState | None, topology: Topology) -> AccumState | None:
         """Partition specs of the accumulator: per device, or its sums split like stage 3's
         parameters when sharded."""
@@ -112,10 +121,10 @@ class Accumulate:
         return acc_lib.accum_specs(accum, topology.data, split)
 
     def check(self, state: Any, num_devices: int, hook_name: str) -> None:
-        """Trace-time checks that ``state.accum`` is this policy's accumulator (and that a
-        sharded one can carry the hook's state: none)."""
+        """Trace-time checks that the window's node of ``state.update_state`` is this policy's
+        accumulator (and that a sharded one can carry the hook's state: none)."""
         acc_lib.check_accum(state, self.steps, num_devices, bool(self.shard))
-        if self.shard and jax.tree.leaves(state.hook_state):
+        if self.shard and jax.tree.leaves(state.reduce_state):
             # The option probed the hook on one small leaf; a hook with state for these params
             # reduces with that state, which an accumulating call's reduce-scatter cannot carry.
             raise ValueError(
@@ -254,7 +263,7 @@ def _select(ok: Any, new: TrainState, kept: TrainState, per_replica: bool) -> Tr
     return new.replace(
         params=rows(new.params, kept.params), opt_state=rows(new.opt_state, kept.opt_state),
         model_state=rows(new.model_state, kept.model_state),
-        hook_state=rows(new.hook_state, kept.hook_state),
+        reduce_state=rows(new.reduce_state, kept.reduce_state),
     )
 
 
@@ -280,22 +289,37 @@ class Update:
 
     @property
     def scaler(self) -> DynamicScale | None:
-        """The loss scale's policy (the guard that owns ``TrainState.loss_scale``)."""
+        """The loss scale's policy (the guard that owns the :class:`LossScaleState` node)."""
         return self.guard if isinstance(self.guard, DynamicScale) else None
 
-    def init_scale(self) -> Any:
-        """The loss scale's initial state (``TrainState.loss_scale``), or ``None``."""
-        return None if self.scaler is None else self.scaler.init()
+    # -------------------------------------------------------------- the nested state
+
+    @staticmethod
+    def window(chain: Any) -> AccumState | None:
+        """The accumulation window's node of ``update_state`` (without its inner state)."""
+        return own(chain, AccumState)
+
+    @staticmethod
+    def scale(chain: Any) -> LossScaleState | None:
+        """The loss scale's node of ``update_state``, or ``None``."""
+        return own(chain, LossScaleState)
+
+    def init(self, accum: AccumState | None) -> Any:
+        """The wrappers' initial ``update_state``: the window's ``accum`` (the reducer lays it
+        out) nesting the loss scale's initial state; ``None`` with neither."""
+        return self.accumulate.nest(accum, None if self.scaler is None else self.scaler.init())
 
     def specs(self, state: TrainState, topology: Topology) -> dict:
-        """Partition specs of the wrappers' slots, ``{"accum": ..., "loss_scale": ...}``: the
-        accumulator's (:meth:`Accumulate.specs`), the loss scale replicated."""
-        return {"accum": self.accumulate.specs(state.accum, topology),
-                "loss_scale": jax.tree.map(lambda _: P(), state.loss_scale)}
+        """Partition specs of ``update_state``, ``{"update_state": ...}``: the accumulator's
+        (:meth:`Accumulate.specs`) nesting the loss scale's, replicated."""
+        chain = state.update_state
+        scale = jax.tree.map(lambda _: P(), self.scale(chain))
+        window = self.accumulate.specs(self.window(chain), topology)
+        return {"update_state": self.accumulate.nest(window, scale)}
 
     def check(self, state: Any) -> None:
-        """Trace-time check of the guard's slot, ``state.loss_scale``."""
-        ls_lib.check_state(state, self.scaler)
+        """Trace-time check of the guard's node of ``state.update_state``."""
+        ls_lib.check_state(self.scale(state.update_state), self.scaler)
 
     def runs(self, sync: bool | None) -> bool | None:
         """Whether a call with this ``sync`` updates (and advances ``state.step``): ``False``
@@ -340,22 +364,27 @@ class Update:
         Returns the new state and the update's metrics.
         """
         metrics: dict = {}
-        if state.loss_scale is not None:
-            metrics["loss_scale"] = state.loss_scale.scale  # the scale this call's gradients used
+        chain = state.update_state
+        scale = self.scale(chain)
+        if scale is not None:
+            metrics["loss_scale"] = scale.scale  # the scale this call's gradients used
         flag_shape = lv.flag_shape
         if self.runs(sync) is False:
             if self.skips:  # nothing applied, nothing skipped
                 metrics["skipped"] = jnp.zeros(flag_shape, jnp.float32)
-            return state.replace(accum=res.accum), metrics
+            return state.replace(update_state=put(chain, AccumState, res.accum)), metrics
+        # The window's node is left out of the selections below: selecting it would copy the
+        # donated sums; it is put back last.
+        outside = put(chain, AccumState, None)
 
         def update() -> TrainState:
             params, opt_state = lv.per_replica(inner)(state.params, state.opt_state, res.grads)
             return state.replace(
                 step=state.step + 1, params=params, opt_state=opt_state,
-                model_state=res.model_state, hook_state=res.hook_state, accum=None,
+                model_state=res.model_state, reduce_state=res.hook_state, update_state=outside,
             )
 
-        kept = state.replace(accum=None)
+        kept = state.replace(update_state=outside)
         ok, finite = self._checks(lv, res)
 
         def guarded() -> TrainState:
@@ -369,12 +398,12 @@ class Update:
             metrics["skipped"] = jnp.where(
                 jnp.logical_and(res.synced, jnp.logical_not(ok)), 1.0, 0.0
             ).astype(jnp.float32)
-        if self.scaler is not None and state.loss_scale is not None and finite is not None:
+        if self.scaler is not None and scale is not None and finite is not None:
             # Outside the selection above: a skipped step is exactly when the scale must shrink.
-            new_scale = lv.per_replica(self.scaler.update)(state.loss_scale, finite)
+            new_scale = lv.per_replica(self.scaler.update)(scale, finite)
             if windowed:
-                new_scale = select_tree(res.synced, new_scale, state.loss_scale)
-            new_state = new_state.replace(loss_scale=new_scale)
-        # The accumulator is left out of the selections above: selecting it would copy the
-        # donated sums.
-        return new_state.replace(accum=res.accum), metrics
+                new_scale = select_tree(res.synced, new_scale, scale)
+            new_state = new_state.replace(
+                update_state=put(new_state.update_state, LossScaleState, new_scale))
+        return new_state.replace(
+            update_state=self.accumulate.nest(res.accum, new_state.update_state)), metrics

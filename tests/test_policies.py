@@ -16,6 +16,7 @@ import pytest
 
 import jddp
 from jddp._src.api import deprecated
+from jddp._src.reduce.reducers import Bucketed
 
 D_IN, D_HID, D_OUT, BATCH = 6, 16, 3, 64
 
@@ -353,3 +354,33 @@ def test_the_documented_example_builds_and_trains(sync):
                                   rng=jax.random.PRNGKey(i))
     assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
     assert float(metrics["tokens"]) == BATCH
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnReducer(Bucketed):
+    """A reducer outside jddp's policy list (on ``BaseReducer``, through ``Bucketed``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnSync(jddp.EveryStep):
+    """A sync policy defined outside jddp's own policy list (on EveryStep's defaults)."""
+
+
+def test_a_new_reducer_or_sync_policy_needs_no_registration():
+    """The design's recipes: a reducer on ``BaseReducer`` or a sync policy on ``EveryStep`` is
+    taken by ``reduce=``/``sync=`` as it is and runs the step its base runs, bit for bit."""
+    mesh = jddp.data_mesh()
+
+    def run(**pols):
+        ddp = jddp.DataParallel(LOSSES["plain"], optax.adam(1e-2), mesh=mesh, donate=False,
+                                **pols)
+        state = ddp.init(_params())
+        for i in range(2):
+            state, _ = ddp.step(state, _batch(i))
+        return jax.tree.leaves(state.params)
+
+    for base, own in [(dict(reduce=jddp.Buckets(cap_mb=25.0, first_mb=1.0)),
+                       dict(reduce=_OwnReducer())),
+                      (dict(sync=jddp.EveryStep()), dict(sync=_OwnSync()))]:
+        for a, b in zip(run(**base), run(**own), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

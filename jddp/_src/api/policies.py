@@ -26,7 +26,8 @@ from jddp._src.place.stages import ZeRO as ZeRO  # a policy of this module's (jd
 from jddp._src.plan import autocap, modelcap
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.hooks import CommHook, check_hook
-from jddp._src.reduce.reducers import Deterministic
+from jddp._src.reduce.reducers import BaseReducer
+from jddp._src.reduce.reducers import Deterministic as Deterministic  # jddp.Deterministic
 from jddp._src.step.objective import Loss
 from jddp._src.sync.every_step import EveryStep
 from jddp._src.sync.local_sgd import LocalSGD
@@ -107,12 +108,14 @@ class Buckets:
         return (self.cap_mb, self.first_mb, self.plan) != (None, None, None)
 
 
-Reduce = Buckets | Deterministic
+# Any reducer built on BaseReducer (Deterministic is one) is taken as it is: a new reducer is
+# one module, with no entry here.
+Reduce = Buckets | BaseReducer
 Sync = EveryStep | LocalSGD
 
 _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "loss": ((Loss,), "a jddp.Loss(...)"),
-    "reduce": ((Buckets, Deterministic), "a jddp.Buckets(...) or jddp.Deterministic(...)"),
+    "reduce": ((Buckets, BaseReducer), "a jddp.Buckets(...) or jddp.Deterministic(...)"),
     "place": ((Place,), "a jddp.Replicate() or jddp.ZeRO(stage=...)"),
     "accumulate": ((Accumulate,), "a jddp.Accumulate(steps=..., microbatches=...)"),
     "sync": ((EveryStep, LocalSGD), "a jddp.EveryStep(), jddp.local_sgd.diloco(...) or "

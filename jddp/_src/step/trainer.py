@@ -19,7 +19,7 @@ from jddp._src.plan import autocap, modelcap
 from jddp._src.plan import report as report_lib
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.hooks.mean import allreduce_mean
-from jddp._src.reduce.reducers import Bucketed
+from jddp._src.reduce.reducers import BaseReducer, Bucketed
 from jddp._src.runtime import mesh as mesh_lib
 from jddp._src.runtime import verify as verify_lib
 from jddp._src.runtime import watchdog
@@ -70,11 +70,12 @@ def _combination(p: pol.Policies, precision: Any, mesh: Mesh) -> compat.Combinat
 
 
 def _reducer(p: pol.Policies, precision: Any) -> Reducer:
-    """The step's reducer: ``jddp.Deterministic`` itself, or the bucketed reducer of
-    ``jddp.Buckets`` (the hook the precision implies, the caps in bytes, and with nothing
-    pinned the default plan's chooser where it was measured)."""
+    """The step's reducer: a reducer policy itself (any ``BaseReducer``, as
+    ``jddp.Deterministic``), or the bucketed reducer of ``jddp.Buckets`` (the hook the precision
+    implies, the caps in bytes, and with nothing pinned the default plan's chooser where it was
+    measured)."""
     reduce = p.reduce
-    if isinstance(reduce, pol.Deterministic):
+    if isinstance(reduce, BaseReducer):
         return reduce
     hook = precision_lib.resolve_hook(precision, reduce.hook)
     hook = allreduce_mean() if hook is None else hook

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import optax
@@ -76,7 +76,8 @@ def _reducer(p: pol.Policies, precision: Any) -> Reducer:
     measured)."""
     reduce = p.reduce
     if isinstance(reduce, BaseReducer):
-        return reduce
+        # BaseReducer holds the defaults; the subclass implements the rest of the protocol.
+        return cast(Reducer, reduce)
     hook = precision_lib.resolve_hook(precision, reduce.hook)
     hook = allreduce_mean() if hook is None else hook
     cap, first = reduce.caps()

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Protocol
 
 import jax
 
+from jddp._src.core import recorder
 from jddp._src.core.collectives import axis_size, levels
 from jddp._src.introspect import vma
 from jddp._src.plan.planner import BucketPlan
@@ -47,7 +48,7 @@ def exact_mean(extras: Sequence[jax.Array], after: Sequence[jax.Array], axis_nam
     if not extras:
         return ()
     dep = chain_dependency(after, "add")
-    summed = bytemodel.psum(tuple(e + dep.astype(e.dtype) for e in extras), axis_name)
+    summed = recorder.psum(tuple(e + dep.astype(e.dtype) for e in extras), axis_name)
     n = axis_size(axis_name)
     return tuple(e / n for e in summed)
 

@@ -52,13 +52,20 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jddp._src.core import recorder
 from jddp._src.introspect import vma
 from jddp._src.runtime.topology import AVERAGE, LOCAL, SYNC, Roles, Topology
 from jddp._src.step.config import BucketPlan, CommHook, LocalResult, SyncContext, SyncStep
 from jddp._src.step.state import OuterState, TrainState
 from jddp._src.sync import model_state as ms_lib
 from jddp._src.sync.every_step import HookPhase
-from jddp._src.tree import add_device_dim, broadcast_to_devices, dtype_of, strip_device_dim
+from jddp._src.tree import (
+    Bytes,
+    add_device_dim,
+    broadcast_to_devices,
+    dtype_of,
+    strip_device_dim,
+)
 
 __all__ = ["AVERAGE", "LOCAL", "SYNC", "DiLoCo", "LocalSGD", "diloco", "post_local_sgd"]
 
@@ -243,7 +250,7 @@ class LocalSGD:
             return state, out
         island = res.island
         assert island is not None
-        sent: list[tuple[BucketPlan, list[int]]] = []  # what the averaging sends, when traced
+        sent: list[Bytes] = []  # what the averaging sends, recorded when traced
 
         def average() -> tuple[Synced, dict]:
             new = self._synced(ctx, step.plan, phase.due, state, island, sent)
@@ -259,11 +266,10 @@ class LocalSGD:
             new, out = lax.cond(synced, average, keep)
         else:
             new, out = average()
-        inside, across = ctx.mean.sent(*sent[-1], self.compress)
         done = jnp.asarray(synced, jnp.float32)
-        out["comm_bytes"] = out["comm_bytes"] + done * (inside + across)
+        out["comm_bytes"] = out["comm_bytes"] + done * sent[-1].total
         if ctx.topology.two_level:
-            out["comm_bytes_hosts"] = out["comm_bytes_hosts"] + done * across
+            out["comm_bytes_hosts"] = out["comm_bytes_hosts"] + done * sent[-1].across
         return state.replace(params=new.params, outer=new.outer, model_state=new.model_state), out
 
     def _synced(self, ctx: SyncContext, plan: BucketPlan, due: tuple[int, ...],
@@ -522,7 +528,7 @@ def _average(ctx: SyncContext, hook: CommHook | None, plan: BucketPlan, values: 
     model_state, step)``), in one ``shard_map``: one chained collective per bucket
     (:attr:`SyncContext.mean`). The means come back per replica (``per_replica``: post-local
     SGD) or as the one global copy (DiLoCo's delta; at stage 3 split over the island's devices,
-    like the pieces); ``sent`` gets ``(plan, elements per leaf on a device)`` when traced."""
+    like the pieces); ``sent`` gets the bytes its collectives send, recorded when traced."""
     topo = ctx.topology
     rax, r, mode = topo.replica, topo.replicas, ctx.model_state_sync
     island, model_state, step = riders
@@ -534,8 +540,9 @@ def _average(ctx: SyncContext, hook: CommHook | None, plan: BucketPlan, values: 
         extras = [vma.to_varying(jnp.asarray(x, jnp.float32), rax)
                   for x in jax.tree.leaves((isl, payload))]
         leaves = jax.tree.leaves(vals)
-        sent.append((plan, [int(np.prod(np.shape(x))) for x in leaves]))
-        means, ride = ctx.mean(leaves, plan, extras=tuple(extras), hook=hook, step=step)
+        with recorder.recording(topo.hosts) as rec:
+            means, ride = ctx.mean(leaves, plan, extras=tuple(extras), hook=hook, step=step)
+        sent.append(rec.sent)
         k = len(jax.tree.leaves(isl))
         mean_isl = jax.tree.unflatten(jax.tree.structure(isl), list(ride[:k]))
         mean_payload = jax.tree.unflatten(jax.tree.structure(payload), list(ride[k:]))

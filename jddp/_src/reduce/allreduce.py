@@ -22,9 +22,8 @@ from jddp._src.tree import chain_dependency
 
 class BucketReducer(Protocol):
     """How a bucket's parameters reach the loss (``forward``) and how its gradients are reduced
-    (``backward``; the bytes its collectives send are recorded as they are issued:
-    :mod:`jddp._src.reduce.bytemodel`; the forward's gathers, stage 3's alone, are priced by
-    :meth:`jddp._src.reduce.sharded.GatherInForward.forward_bytes`).
+    (``backward``); what the collectives of either send is recorded as they are issued
+    (:mod:`jddp._src.core.recorder`).
     :func:`jddp._src.reduce.backward.bucketed_vjp` puts one custom VJP per bucket around any
     reducer; see docs/design.md, "Adding a reducer"."""
 

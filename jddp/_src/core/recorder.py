@@ -1,6 +1,7 @@
-"""The record of what collectives send: ``comm_bytes`` is what the step's collectives added to
-an open :func:`recording` as they were traced, a ring model per collective
-(:func:`jddp._src.tree.ring_bytes`), in all and across hosts on a two-level mesh.
+"""What collectives send, recorded where they are issued (the step's ``comm_bytes``).
+
+A collective adds its bytes to the open :func:`recording` as it is traced: a ring model per
+collective (:func:`jddp._src.tree.ring_bytes`), in all and across hosts on a two-level mesh.
 
 Whoever issues a collective records it here: the hooks call this module's collectives
 (:func:`psum`, :func:`all_gather`, :func:`all_to_all`, :func:`scatter_sum`, :func:`cond`), the

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -31,7 +31,7 @@ from jddp._src.core.collectives import (
     wire_itemsize,
     wire_platform,
 )
-from jddp._src.core.recorder import current, recording, ring_sent, span
+from jddp._src.core.recorder import Recorder, current, recording, ring_sent, span
 from jddp._src.introspect import vma
 from jddp._src.reduce.hooks import CommHook, HookContext
 from jddp._src.tree import Bytes, ring, ring_bytes, wire_nbytes
@@ -90,6 +90,22 @@ def _flat_split(total: Any, hosts: int, local: int) -> tuple[Any, Any]:
     return total * (1.0 - share), total * share
 
 
+def _counted(rec: Recorder, declared: Bytes | None, run: Callable[[], Any], kind: str,
+             given: Sequence[Any], group: int, hosts: int) -> Any:
+    """``run()``, with what it sends added to ``rec``: ``declared``, else what its collectives
+    recorded, else (``jax.lax`` collectives, unrecorded) one ring ``kind`` of ``given``."""
+    with recording(rec.hosts_axis, rec.platform) as sub:
+        out = run()
+    if declared is not None:
+        rec.add(declared)
+    elif sub.count:
+        rec.add(sub.sent, sub.count)
+    else:
+        wire = wire_platform(rec.platform)
+        rec.add(ring_sent(kind, sum(wire_nbytes(g, wire) for g in given), group, hosts))
+    return out
+
+
 def reduce_counted(hook: CommHook, grads: tuple, states: tuple, ctx: HookContext) -> Any:
     """``hook.reduce(grads, states, ctx)``, with the bytes it sends added to the open
     :func:`recording` (see the module docstring)."""
@@ -98,16 +114,8 @@ def reduce_counted(hook: CommHook, grads: tuple, states: tuple, ctx: HookContext
         return hook.reduce(grads, states, ctx)
     group, hosts = span(ctx.axis_name, rec.hosts_axis)
     declared = _declared(hook, _structs(grads), group, hosts, ctx.step)
-    with recording(rec.hosts_axis, rec.platform) as sub:
-        out = hook.reduce(grads, states, ctx)
-    if declared is not None:
-        rec.add(declared)
-    elif sub.count:
-        rec.add(sub.sent, sub.count)
-    else:  # jax.lax's collectives, unrecorded: a ring all-reduce of the bucket
-        wire = wire_platform(rec.platform)
-        rec.add(ring_sent("all-reduce", sum(wire_nbytes(g, wire) for g in grads), group, hosts))
-    return out
+    return _counted(rec, declared, lambda: hook.reduce(grads, states, ctx), "all-reduce",
+                    grads, group, hosts)
 
 
 def scatter_counted(hook: CommHook, rows: jax.Array, ctx: HookContext) -> jax.Array:
@@ -128,15 +136,8 @@ def scatter_counted(hook: CommHook, rows: jax.Array, ctx: HookContext) -> jax.Ar
     else:
         whole = _declared(hook, [struct], group, hosts, ctx.step)
         declared = None if whole is None else whole.scaled(0.5)
-    with recording(rec.hosts_axis, rec.platform) as sub:
-        out = scatter(rows, ctx)
-    if declared is not None:
-        rec.add(declared)
-    elif sub.count:
-        rec.add(sub.sent, sub.count)
-    else:
-        rec.add(ring_sent("reduce-scatter", wire_nbytes(rows, wire_platform(rec.platform)), group, hosts))
-    return out
+    return _counted(rec, declared, lambda: scatter(rows, ctx), "reduce-scatter", [rows],
+                    group, hosts)
 
 
 def f32_structs(structs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:

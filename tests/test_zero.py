@@ -305,6 +305,33 @@ def test_comm_bytes_equal_the_compiled_collectives(stage):
         assert float(m["comm_bytes"]) == pytest.approx(_hlo_bytes(compiled.as_text()), rel=1e-6)
 
 
+@pytest.mark.parametrize("reshard", [True, False])
+def test_stage_3_gathers_are_counted_once_under_remat(reshard):
+    """Stage 3's gathers are recorded as they are issued (forward, backward re-gathers): a loss
+    whose layers are rematerialised (``jax.checkpoint``), traced again for its backward, still
+    counts each gather the compiled program runs once, no more."""
+    params, batch = mlp_params(8, SIZES), _batches(1, seed=8)[0]
+
+    def layer(p, x):
+        return jnp.tanh(x @ p["kernel"] + p["bias"])
+
+    def loss(p, b):
+        x = b["x"]
+        for i in range(len(p) - 1):
+            x = jax.checkpoint(layer)(p[f"Dense_{i}"], x)
+        last = p[f"Dense_{len(p) - 1}"]
+        return jnp.mean((x @ last["kernel"] + last["bias"] - b["y"]) ** 2)
+
+    ddp = jddp.DataParallel(loss, optax.sgd(0.1), reduce=jddp.Buckets(**CAPS), donate=False,
+                            place=jddp.ZeRO(stage=3, reshard_after_forward=reshard))
+    state = ddp.init(params)
+    compiled = ddp.step.lower(state, batch).compile()
+    _, m = compiled(state, batch, None, None)
+    text = compiled.as_text()
+    assert any(c.kind == "all-gather" for c in schedule.collectives(text))
+    assert float(m["comm_bytes"]) == pytest.approx(_hlo_bytes(text), rel=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not topologies.has_gpu_compiler(), reason="no CUDA compiler plugin")
 def test_comm_bytes_of_bf16_equal_the_compiled_gpu_collectives(monkeypatch):

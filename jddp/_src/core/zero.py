@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jddp._src.core.collectives import wire_itemsize
+from jddp._src.core import recorder
 from jddp._src.introspect import jaxpr as jaxpr_lib
 
 
@@ -194,7 +194,8 @@ def all_gather(
     pieces: Sequence[jax.Array], dims: Sequence[int], shapes: Sequence[Sequence[int]], axis: Any,
     group: int | None = None,
 ) -> list[jax.Array]:
-    """One all-gather of a bucket's split leaves: every device gets every leaf whole.
+    """One all-gather of a bucket's split leaves: every device gets every leaf whole (recorded:
+    :mod:`jddp._src.core.recorder`).
 
     Args:
       group: gather inside each group of ``group`` consecutive devices along ``axis`` only (the
@@ -203,10 +204,9 @@ def all_gather(
     rows = [piece_row(p, d) for p, d in zip(pieces, dims, strict=True)]
     widths = [r.shape[1] for r in rows]
     groups = None if group is None else subgroups(axis_count(axis), group)
-    gathered = lax.all_gather(
-        jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0], axis, axis=0, tiled=True,
-        axis_index_groups=groups,
-    )
+    mine = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
+    recorder.record("all-gather", mine, axis, group=group)
+    gathered = lax.all_gather(mine, axis, axis=0, tiled=True, axis_index_groups=groups)
     return [
         from_rows(c, d, s)
         for c, d, s in zip(_split_columns(gathered, widths), dims, shapes, strict=True)
@@ -271,13 +271,6 @@ def local_piece(x: jax.Array, dim: int | None, n: int, index: Any) -> jax.Array:
         return x
     size = x.shape[dim] // n
     return lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
-
-
-def split_bytes(layout: Layout, dtypes: Sequence[Any], indices: Sequence[int]) -> int:
-    """Bytes of one device's pieces of the split leaves among ``indices`` (what one all-gather of
-    them sends from each device, at the widths the compiled collective sends)."""
-    return sum(int(np.prod(shard_shape(layout.shapes[i], layout.dims[i], layout.n)))
-               * wire_itemsize(dtypes[i]) for i in indices if layout.dims[i] is not None)
 
 
 def not_resharded(traced: jaxpr_lib.Traced, layout: Layout,

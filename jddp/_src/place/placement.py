@@ -175,9 +175,9 @@ class Place:
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return keep_unused(plan, params, optax.apply_updates(params, updates)), opt_state
 
-    def update_bytes(self, topo: Topology, lv: Roles, plan: BucketPlan,
-                     layout: zero.Layout) -> Bytes:
-        """Bytes sent after the update to make the parameters whole again (none)."""
+    def update_sent(self, topo: Topology, plan: BucketPlan, layout: zero.Layout) -> Bytes:
+        """What the update sends to make the parameters whole again, known before it is traced
+        (inside the per-device step, whose ``comm_bytes`` count it): none."""
         return Bytes()
 
     def owners(self, topo: Topology, params: Any) -> owner.OwnerPlan | None:

@@ -15,6 +15,7 @@ stage gives).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -26,14 +27,14 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src.api import options
 from jddp._src.core import precision as precision_lib
-from jddp._src.core import zero
+from jddp._src.core import recorder, zero
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
 from jddp._src.place import offload, owner
 from jddp._src.place.placement import Place, Shape, keep_unused
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.runtime.topology import Roles, Topology
-from jddp._src.tree import Bytes, chain_dependency, ring
+from jddp._src.tree import Bytes, chain_dependency
 
 # ----------------------------------------------------------------------- the gathers of the stages
 
@@ -56,19 +57,6 @@ def gather_chain(chain: options.Chain) -> Any:
     return add
 
 
-def gather_bytes(topo: Topology, lv: Roles, plan: BucketPlan, layout: zero.Layout,
-                 dtype: Any = None) -> Bytes:
-    """Bytes of one all-gather of every split parameter over the shard axis
-    (:func:`gather_params`, and stage 3's whole parameters for local gradients), in ``dtype``
-    (``None``: the parameters' own)."""
-    hosts_axis = topo.axes.hosts
-    spans = hosts_axis is not None and hosts_axis in vma.axis_names(lv.shard_axis)
-    hosts = int(topo.mesh.shape[hosts_axis]) if spans else 1
-    dtypes = plan.dtypes if dtype is None else [dtype] * len(plan.dtypes)
-    pieces = zero.split_bytes(layout, dtypes, range(len(plan.shapes)))
-    return ring("all-gather", pieces, layout.n, hosts)
-
-
 def gather_params(topo: Topology, chain: options.Chain, params: Any, layout: zero.Layout,
                   plan: BucketPlan, after: Any = None) -> Any:
     """Split parameters made whole on every device: one all-gather per bucket, in plan order,
@@ -82,26 +70,46 @@ def gather_params(topo: Topology, chain: options.Chain, params: Any, layout: zer
     """
     leaves, treedef = jax.tree.flatten(params)
     specs = jax.tree.leaves(layout.specs(params, topo.shard), is_leaf=lambda x: isinstance(x, P))
-    link = gather_chain(chain)
     after_leaves = jax.tree.leaves(after)
     after_specs = [zero.leaf_spec(s, topo.shard_count, topo.shard) for s in
                    (jnp.shape(x) for x in after_leaves)]
-
-    def local(xs: list, wait: list) -> list:
-        if wait and link is not None:
-            first = next((g for g in bucket_groups(plan)
-                          if any(layout.dims[i] is not None for i in g)), ())
-            idx = [i for i in first if layout.dims[i] is not None]
-            waited = link(wait, [xs[i] for i in idx])
-            xs = list(xs)
-            for i, x in zip(idx, waited, strict=True):
-                xs[i] = x
-        return zero.gather_buckets(xs, layout, bucket_groups(plan), topo.shard, link)
-
+    local = functools.partial(_gather_pieces, topo, chain, layout, plan)
     gathered = jax.shard_map(
         local, mesh=topo.mesh, in_specs=(specs, after_specs), out_specs=P(), check_vma=False,
     )(leaves, after_leaves)
     return jax.tree.unflatten(treedef, gathered)
+
+
+def _gather_pieces(topo: Topology, chain: options.Chain, layout: zero.Layout, plan: BucketPlan,
+                   xs: list, wait: list) -> list:
+    """:func:`gather_params` on one device: its pieces ``xs`` made whole, the first all-gather
+    after ``wait``."""
+    link = gather_chain(chain)
+    if wait and link is not None:
+        first = next((g for g in bucket_groups(plan)
+                      if any(layout.dims[i] is not None for i in g)), ())
+        idx = [i for i in first if layout.dims[i] is not None]
+        waited = link(wait, [xs[i] for i in idx])
+        xs = list(xs)
+        for i, x in zip(idx, waited, strict=True):
+            xs[i] = x
+    return zero.gather_buckets(xs, layout, bucket_groups(plan), topo.shard, link)
+
+
+def gathers_sent(topo: Topology, plan: BucketPlan, layout: zero.Layout) -> Bytes:
+    """What :func:`gather_params` sends from one device, recorded
+    (:mod:`jddp._src.core.recorder`) from its collectives traced on this device's pieces, not
+    run; inside the per-device step, whose axes they name."""
+    pieces = [jax.ShapeDtypeStruct(zero.shard_shape(s, d, layout.n), t)
+              for s, d, t in zip(layout.shapes, layout.dims, plan.dtypes, strict=True)]
+
+    def gather(xs: list) -> list:
+        return _gather_pieces(topo, "none", layout, plan,
+                              [vma.to_varying(x, topo.shard) for x in xs], [])
+
+    with recorder.recording(topo.axes.hosts) as rec:
+        jax.eval_shape(gather, pieces)
+    return rec.sent
 
 
 def _constrain(mesh: Mesh, tree: Any, specs: Any) -> Any:
@@ -271,7 +279,7 @@ class ZeRO1(Place):
         ``shard="owner"`` each leaf is updated on its owner
         (:func:`jddp._src.place.owner.update`), which tells ``record`` (when not ``None``) the
         bytes it sends once traced: they depend on the optimizer state, which
-        :meth:`update_bytes` does not see.
+        :meth:`update_sent` does not see.
         """
         if self.policy.shard == "owner":
             return owner.update((self.splits_params, self.splits_grads), optimizer, topo,
@@ -298,14 +306,13 @@ class ZeRO1(Place):
                                                     if plan.buckets else ())]
         return gather_params(topo, chain, new, layout, plan, after=last)
 
-    def update_bytes(self, topo: Topology, lv: Roles, plan: BucketPlan,
-                     layout: zero.Layout) -> Bytes:
-        """Bytes sent after the update to make the parameters whole again: stages 1-2's
-        all-gather of the updated pieces (:func:`gather_params`); none here with
+    def update_sent(self, topo: Topology, plan: BucketPlan, layout: zero.Layout) -> Bytes:
+        """What the update sends to make the parameters whole again, before it is traced:
+        stages 1-2's all-gathers of the updated pieces (:func:`gathers_sent`); none here with
         ``shard="owner"``: :meth:`update` records its bytes when traced."""
         if self.policy.shard == "owner":
             return Bytes()
-        return gather_bytes(topo, lv, plan, layout)
+        return gathers_sent(topo, plan, layout)
 
     def owners(self, topo: Topology, params: Any) -> owner.OwnerPlan | None:
         """With ``shard="owner"``, each leaf's owner device (:func:`jddp._src.place.owner.plan`),
@@ -395,10 +402,10 @@ class ZeRO3(ZeRO2):
 
         # Each bucket's gather under its name, as the forward's (ddp.report files it there).
         scopes = [hlo.bucket_scope(b) for b in range(plan.num_buckets)] + [None]
-        whole = zero.gather_buckets(pieces, layout, bucket_groups(plan)[::-1], topo.shard,
-                                    gather_chain(chain), scopes[::-1])
-        return (jax.tree.unflatten(jax.tree.structure(params), whole),
-                gather_bytes(topo, lv, plan, layout, precision_lib.gather_dtype(precision)))
+        with recorder.recording(topo.axes.hosts) as rec:
+            whole = zero.gather_buckets(pieces, layout, bucket_groups(plan)[::-1], topo.shard,
+                                        gather_chain(chain), scopes[::-1])
+        return jax.tree.unflatten(jax.tree.structure(params), whole), rec.sent
 
     def mark_not_resharded(self, plan: BucketPlan, traced: jaxpr_lib.Traced,
                            layout: zero.Layout) -> BucketPlan:
@@ -415,8 +422,7 @@ class ZeRO3(ZeRO2):
         """The parameters stay in pieces: nothing to gather."""
         return new
 
-    def update_bytes(self, topo: Topology, lv: Roles, plan: BucketPlan,
-                     layout: zero.Layout) -> Bytes:
+    def update_sent(self, topo: Topology, plan: BucketPlan, layout: zero.Layout) -> Bytes:
         """None: the parameters stay in pieces (``shard="owner"``: :meth:`update` records
         its bytes when traced)."""
         return Bytes()

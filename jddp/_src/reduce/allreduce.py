@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Protocol
 
 import jax
 
+from jddp._src.core import recorder
 from jddp._src.core.collectives import axis_size, levels
 from jddp._src.introspect import vma
 from jddp._src.plan.planner import BucketPlan
@@ -21,9 +22,8 @@ from jddp._src.tree import chain_dependency
 
 class BucketReducer(Protocol):
     """How a bucket's parameters reach the loss (``forward``) and how its gradients are reduced
-    (``backward``; the bytes its collectives send are recorded as they are issued:
-    :mod:`jddp._src.reduce.bytemodel`; the forward's gathers, stage 3's alone, are priced by
-    :meth:`jddp._src.reduce.sharded.GatherInForward.forward_bytes`).
+    (``backward``); what the collectives of either send is recorded as they are issued
+    (:mod:`jddp._src.core.recorder`).
     :func:`jddp._src.reduce.backward.bucketed_vjp` puts one custom VJP per bucket around any
     reducer; see docs/design.md, "Adding a reducer"."""
 
@@ -47,7 +47,7 @@ def exact_mean(extras: Sequence[jax.Array], after: Sequence[jax.Array], axis_nam
     if not extras:
         return ()
     dep = chain_dependency(after, "add")
-    summed = bytemodel.psum(tuple(e + dep.astype(e.dtype) for e in extras), axis_name)
+    summed = recorder.psum(tuple(e + dep.astype(e.dtype) for e in extras), axis_name)
     n = axis_size(axis_name)
     return tuple(e / n for e in summed)
 

@@ -11,8 +11,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jddp._src.api import options
-from jddp._src.core.collectives import axis_size, gather_invariant, padded_flat, unflatten_like
+from jddp._src.core import recorder
+from jddp._src.core.collectives import axis_size, padded_flat, unflatten_like
 from jddp._src.plan.planner import BucketPlan
+from jddp._src.reduce.bytemodel import reduce_counted
 from jddp._src.reduce.chain import chained, resolve_chain
 from jddp._src.reduce.hooks import CommHook, HookContext, check_output, check_reduced
 from jddp._src.tree import chain_dependency
@@ -97,15 +99,19 @@ def _mean_bucket(vals: tuple, extras: tuple, ctx: HookContext, local_axis: Any,
         sent = vals
     riders = tuple(e / n for e in extras)
     if hook is None:
-        summed = lax.psum(tuple(v * jnp.asarray(1.0 / n, v.dtype) for v in sent) + riders,
-                          axis_name)
+        scaled = tuple(v * jnp.asarray(1.0 / n, v.dtype) for v in sent)
+        # Recorded: the values' bytes; the riders (the step's metrics and model state) are not
+        # counted in comm_bytes, here or in their own psum below.
+        recorder.record("all-reduce", scaled, axis_name)
+        summed = lax.psum(scaled + riders, axis_name)
         reduced, riders = summed[: len(sent)], summed[len(sent):]
     else:
-        out = hook.reduce(sent, tuple(() for _ in sent), ctx) if sent else ((), ())
+        out = (reduce_counted(hook, sent, tuple(() for _ in sent), ctx) if sent
+               else ((), ()))
         reduced, _ = check_output(hook, sent, out, ctx.bucket_index)
         check_reduced(hook, reduced, axis_name, ctx.bucket_index)
         riders = lax.psum(riders, axis_name) if riders else ()
     if local_axis is None:
         return tuple(reduced), tuple(riders)
-    full = gather_invariant(tuple(reduced), local_axis, axis=0, tiled=True)
+    full = recorder.all_gather(tuple(reduced), local_axis, axis=0, tiled=True)
     return tuple(unflatten_like(f, v) for f, v in zip(full, vals, strict=True)), tuple(riders)

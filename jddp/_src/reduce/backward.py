@@ -16,9 +16,10 @@ Two details make this hold in compiled XLA:
   (:mod:`jddp._src.reduce.chain`), so XLA's combiners cannot merge the buckets.
 
 What a bucket's backward does is a :class:`jddp._src.reduce.allreduce.BucketReducer` (the hook's
-all-reduce, or a sharded stage's: :mod:`jddp._src.reduce.sharded`); each also says the bytes it
-sends (:class:`jddp._src.reduce.bytemodel.Bytes`). The evaluator (:class:`_Evaluation`) and the one
-custom VJP (:func:`_bucket_vjp`) know nothing of stages (docs/design.md, "Reducers").
+all-reduce, or a sharded stage's: :mod:`jddp._src.reduce.sharded`); what its collectives send
+is recorded as they are issued (:mod:`jddp._src.core.recorder`). The evaluator
+(:class:`_Evaluation`) and the one custom VJP (:func:`_bucket_vjp`) know nothing of stages
+(docs/design.md, "Reducers").
 
 Gradient semantics under ``shard_map``: with ``check_vma=True`` the gradient of a replicated (``P()``)
 parameter would come back already summed by JAX. The hook's forward casts the parameters to
@@ -39,18 +40,19 @@ from jax import lax
 
 from jddp._src.api import options
 from jddp._src.core import precision as precision_lib
-from jddp._src.core.collectives import axis_size, wire_platform
+from jddp._src.core import recorder
+from jddp._src.core.collectives import axis_size
 from jddp._src.core.zero import Sharded
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce import bytemodel, regather, replicated
+from jddp._src.reduce import regather, replicated
 from jddp._src.reduce.allreduce import AllReduce, BucketReducer
-from jddp._src.reduce.bytemodel import f32_structs, span
+from jddp._src.reduce.bytemodel import f32_structs
 from jddp._src.reduce.chain import dep_cotangent, dep_zeros, local_grads, resolve_chain, vary
 from jddp._src.reduce.hooks import CommHook
 from jddp._src.reduce.sharded import GatherInForward, make_reducer
-from jddp._src.tree import Bytes, chain_dependency, ring, wire_nbytes
+from jddp._src.tree import Bytes, chain_dependency
 
 
 class _Slot(NamedTuple):
@@ -174,7 +176,6 @@ class _Evaluation:
             assert self.casts is not None and not vma.varying_axes(leaves[i])
             self.hooked[i] = self.casts.replicated(leaves[i])
         bind = self.bind if getattr(self.reducer, "reshard", False) else None
-        self.regathers: list[int] = []  # leaves gathered again in backward, once per use
         # The backward prefetch's token, passed from one parameter-reading equation to the next
         # (see :func:`jddp._src.reduce.regather.regathered`): varying over every axis an input varies over.
         axes = frozenset().union(*(vma.varying_axes(x) for x in jax.tree.leaves(
@@ -219,8 +220,8 @@ class _Evaluation:
                   if i not in self.plan.unused and reducer.gathers(i)}
         if not pieces:
             return jaxpr_lib.bind_eqn(eqn, jaxpr_lib.fill(invals, sources, full))
-        outs, self.prefetch_token = regather.regathered(eqn, invals, sources, full, pieces, reducer,
-                                                self.regathers.extend, self.prefetch_token)
+        outs, self.prefetch_token = regather.regathered(eqn, invals, sources, full, pieces,
+                                                        reducer, self.prefetch_token)
         return outs
 
     def read(self, i: int, context: tuple = ()) -> Any:
@@ -359,8 +360,12 @@ class _Run(NamedTuple):
                             for e in extras_structs)
         token0 = (dep_zeros(mode, self.out_structs(last), axis_name, other), extras_zero)
         sink0 = tuple(vary(jnp.zeros(e.shape, e.dtype), other) for e in extras_structs)
-        (loss, _), vjp_fn, out = jax.vjp(run, tuple(param_leaves), hook_state,
-                                         self.carry(param_leaves), token0, sink0, has_aux=True)
+        # What the collectives send is recorded as they are issued: the forward's (stage 3's
+        # all-gathers), then the backward's (the hooks', the gathers again with resharding).
+        with recorder.recording(self.hosts_axis) as forward:
+            (loss, _), vjp_fn, out = jax.vjp(run, tuple(param_leaves), hook_state,
+                                             self.carry(param_leaves), token0, sink0,
+                                             has_aux=True)
         extras = _extras(extras_fn, extras_shape, out, everywhere)
         if seed is None:
             seed = jnp.ones_like(loss)
@@ -369,18 +374,11 @@ class _Run(NamedTuple):
                     extras if plan.num_buckets else extras_zero)
         # The buckets' reduced gradients come back as the carry's cotangent (see _bucket_vjp);
         # the parameters' own is JAX's reduction of the leaves read replicated (plan.implicit).
-        # What the backward's collectives send is recorded as they are issued (the hooks');
-        # what the forward sends (stage 3's all-gathers) the gathering reducer says.
-        with bytemodel.recording(self.hosts_axis) as backward:
+        with recorder.recording(self.hosts_axis) as backward:
             leaf_cts, new_states, grad_leaves, _, reduced = vjp_fn((seed, ct_token))
             if not plan.num_buckets:
-                reduced = tuple(bytemodel.pmean(extras, axis_name)) if extras else ()
-        gathered = reducer.forward_bytes() if isinstance(reducer, GatherInForward) else Bytes()
-        sent = gathered + backward.sent
-        if run.regathers:  # reshard_after_forward: each backward use gathers its leaf again
-            assert isinstance(reducer, GatherInForward)
-            for i in run.regathers:
-                sent = sent + reducer.regather_bytes((i,))
+                reduced = tuple(recorder.pmean(extras, axis_name)) if extras else ()
+        sent = forward.sent + backward.sent
         # plan.unused leaves have no gradient path to the loss: state the zero explicitly, so
         # that it is identical on every replica whatever autodiff materialises for them. Nor
         # does their hook state reach a hook, so its "cotangent" is zero: keep the old state
@@ -419,11 +417,11 @@ def _jax_reduced(plan: BucketPlan, reducer: BucketReducer, casts: replicated.Lat
     n = axis_size(axis_name)
     grads = [s / jnp.asarray(n, s.dtype) if i in plan.implicit else g
              for i, (g, s) in enumerate(zip(grads, sums, strict=True))]
-    group, hosts = span(axis_name, reducer.hosts_axis if isinstance(reducer, AllReduce) else None)
-    sent = Bytes()
-    for s in casts.casts:
-        sent = sent + ring("all-reduce", wire_nbytes(s, wire_platform()), group, hosts)
-    return grads, sent
+    hosts_axis = reducer.hosts_axis if isinstance(reducer, AllReduce) else None
+    with recorder.recording(hosts_axis) as jax_sent:
+        for s in casts.casts:  # the psum JAX issued for each
+            recorder.record("all-reduce", s, axis_name)
+    return grads, jax_sent.sent
 
 
 def _extras(extras_fn: Callable[[Any], Any] | None, extras_shape: Any, out: Any,

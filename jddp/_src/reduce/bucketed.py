@@ -38,12 +38,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jddp._src.core import precision as precision_lib
-from jddp._src.core import zero
+from jddp._src.core import recorder, zero
 from jddp._src.core.zero import Sharded
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce import bytemodel
 from jddp._src.reduce.backward import Reduced, bucketed_vjp
 from jddp._src.step.checks import batch_size
 from jddp._src.step.config import LocalCall, LocalResult, ReduceContext
@@ -376,9 +375,9 @@ def _synchronise(s: Step, prep: Prepared, state: TrainState) -> LocalResult:
         scale = jnp.where(nonempty, count / jnp.where(nonempty, mean.window_weight, 1.0), 0.0)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
     metrics = ctx.report(mean, ctx.window.microbatches, count, lv.size)
-    # Stages 1-2 all-gather the updated pieces after the update (placement.gather_params).
-    updated = ctx.place.update_bytes(ctx.topology, lv, prep.plan, prep.layout)
-    comm = bytemodel.comm_metrics(red.sent + gathered + updated, ctx.topology.two_level)
+    # Stages 1-2 all-gather the updated pieces after the update (stages.gather_params).
+    updated = ctx.place.update_sent(ctx.topology, prep.plan, prep.layout)
+    comm = recorder.comm_metrics(red.sent + gathered + updated, ctx.topology.two_level)
     local: dict = {}
     new_accum = None
     if acc is not None:
@@ -483,7 +482,7 @@ def _accumulate(s: Step, prep: Prepared, state: TrainState) -> LocalResult:
         zeros, metrics, {"local_loss": loss[None]}, ms, strip_device_dim(state.reduce_state),
         new_accum, jnp.asarray(False), jnp.asarray(True), island,
         # local: none, or stage 3's gather; sharded: the scatters
-        bytemodel.comm_metrics(call.sent, ctx.topology.two_level),
+        recorder.comm_metrics(call.sent, ctx.topology.two_level),
     )
 
 

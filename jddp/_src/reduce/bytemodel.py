@@ -1,36 +1,29 @@
-"""The byte model: bytes one device sends, a ring model per collective
-(:func:`jddp._src.tree.ring_bytes`), in all and across hosts on a two-level mesh.
+"""A hook's bytes: counted when it reduces inside a step, priced outside one.
 
-The bytes a hook sends are recorded as it issues its collectives: the hooks call this module's
-collectives (:func:`psum`, :func:`all_gather`, :func:`all_to_all`, :func:`scatter_sum`,
-:func:`cond`), which add what they send to the open :func:`recording` at trace time, so
-``comm_bytes`` cannot drift from what a hook sends. :func:`reduce_counted` and
-:func:`scatter_counted` run a hook's ``reduce``/``scatter`` so counted: a hook that declares its
-bytes (``CommHook.bytes_sent``, ``bytes_by_level``, ``scatter_bytes_by_level``) is taken at its
-word; one that issues ``jax.lax`` collectives itself counts as a ring all-reduce (a ring
-reduce-scatter) of what it was given. The functions of :mod:`jddp.hooks` that price a bucket or
-a plan outside a step (:func:`bucket_bytes_sent`, :func:`plan_bytes_sent`, ...) trace the hook's
-``reduce`` on an abstract mesh and read the same record. The step's ``comm_bytes`` metrics are
-made here (:func:`comm_metrics`, :func:`add_update`), as are the bytes of the one reduction that
-issues no hook (:func:`combine_bytes`, ``jddp.Deterministic``).
+What collectives send is recorded where they are issued (:mod:`jddp._src.core.recorder`: the
+hooks call its collectives). :func:`reduce_counted` and :func:`scatter_counted` run a hook's
+``reduce``/``scatter`` so counted: a hook that declares its bytes (``CommHook.bytes_sent``,
+``bytes_by_level``, ``scatter_bytes_by_level``) is taken at its word; one that issues
+``jax.lax`` collectives itself counts as a ring all-reduce (a ring reduce-scatter) of what it
+was given. The functions of :mod:`jddp.hooks` that price a bucket or a plan outside a step
+(:func:`bucket_bytes_sent`, :func:`plan_bytes_sent`, ...) trace the hook's ``reduce`` on an
+abstract mesh and read the same record. The one reduction that issues no hook prices its
+collectives here too (:func:`combine_bytes`, ``jddp.Deterministic``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from jddp._src.core import collectives
 from jddp._src.core.collectives import (
     axis_size,
     levels,
@@ -38,150 +31,10 @@ from jddp._src.core.collectives import (
     wire_itemsize,
     wire_platform,
 )
+from jddp._src.core.recorder import Recorder, current, recording, ring_sent, span
 from jddp._src.introspect import vma
 from jddp._src.reduce.hooks import CommHook, HookContext
 from jddp._src.tree import Bytes, ring, ring_bytes, wire_nbytes
-
-
-def span(axis_name: Any, hosts_axis: str | None) -> tuple[int, int]:
-    """``(devices, hosts)`` that a collective over ``axis_name`` spans (inside shard_map)."""
-    names = vma.axis_names(axis_name)
-    hosts = lax.axis_size(hosts_axis) if hosts_axis is not None and hosts_axis in names else 1
-    return axis_size(axis_name), int(hosts)
-
-
-# ------------------------------------------------------------------- recorded collectives
-
-
-class Recorder:
-    """What the collectives issued while it is open sent (:func:`recording`).
-
-    Attributes:
-      hosts_axis: the mesh axis across hosts (``None``: one level), for the part across hosts.
-      platform: the platform whose wire dtypes count (``None``: the traced one).
-      sent: the bytes so far.
-      count: the collectives recorded so far.
-    """
-
-    def __init__(self, hosts_axis: str | None, platform: str | None = None):
-        self.hosts_axis, self.platform = hosts_axis, platform
-        self.sent, self.count = Bytes(), 0
-
-    def add(self, sent: Bytes, count: int = 1) -> None:
-        self.sent, self.count = self.sent + sent, self.count + count
-
-
-_OPEN = threading.local()
-
-
-def _current() -> Recorder | None:
-    stack = getattr(_OPEN, "stack", None)
-    return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
-def recording(hosts_axis: str | None, platform: str | None = None) -> Iterator[Recorder]:
-    """A :class:`Recorder` that the collectives of this module add to while the block traces
-    (the innermost open one)."""
-    rec = Recorder(hosts_axis, platform)
-    stack = _OPEN.__dict__.setdefault("stack", [])
-    stack.append(rec)
-    try:
-        yield rec
-    finally:
-        stack.pop()
-
-
-def _collective(kind: str, nbytes: float, group: int, hosts: int) -> Bytes:
-    """One collective of ``kind`` over ``group`` devices on ``hosts`` hosts, placed host by
-    host: a ring, of whose ``group`` hops ``hosts`` cross hosts; an all-to-all sends
-    ``1/group`` of its buffer to each other device directly."""
-    total = ring_bytes(kind, nbytes, group)
-    if hosts <= 1:
-        return Bytes(total, 0.0)
-    if hosts >= group:
-        return Bytes(total, total)
-    if kind == "all-to-all":
-        return Bytes(total, nbytes * (group - group // hosts) / group)
-    return Bytes(total, total * hosts / group)
-
-
-def _record(kind: str, x: Any, axis_name: Any, hosts_axis: Any = "recorder") -> None:
-    rec = _current()
-    if rec is None:
-        return
-    platform = wire_platform(rec.platform)
-    nbytes = sum(wire_nbytes(a, platform) for a in jax.tree.leaves(x))
-    group, hosts = span(axis_name, rec.hosts_axis if hosts_axis == "recorder" else hosts_axis)
-    rec.add(_collective(kind, nbytes, group, hosts))
-
-
-def psum(x: Any, axis_name: Any) -> Any:
-    """``lax.psum``, recorded (a ring all-reduce)."""
-    _record("all-reduce", x, axis_name)
-    return lax.psum(x, axis_name)
-
-
-def pmean(x: Any, axis_name: Any, *, hosts_axis: Any = "recorder") -> Any:
-    """``lax.pmean``, recorded; ``hosts_axis``: the axis across hosts, if not the recorder's."""
-    _record("all-reduce", x, axis_name, hosts_axis)
-    return lax.pmean(x, axis_name)
-
-
-def all_gather(x: Any, axis_name: Any, **kwargs: Any) -> Any:
-    """:func:`jddp._src.core.collectives.gather_invariant`, recorded (a ring all-gather of
-    this device's ``x``)."""
-    _record("all-gather", x, axis_name)
-    return collectives.gather_invariant(x, axis_name, **kwargs)
-
-
-def all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int, *,
-               tiled: bool) -> Any:
-    """``lax.all_to_all``, recorded."""
-    _record("all-to-all", x, axis_name)
-    return lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=tiled)
-
-
-def scatter_sum(x: Any, axis_name: Any) -> Any:
-    """:func:`jddp._src.core.collectives.scatter_sum`, recorded (a ring reduce-scatter,
-    whichever form it takes)."""
-    _record("reduce-scatter", x, axis_name)
-    return collectives.scatter_sum(x, axis_name)
-
-
-def _select(pred: Any, a: Any, b: Any) -> Any:
-    same = isinstance(a, float) and isinstance(b, float) and a == b
-    return a if same else jnp.where(pred, a, b)
-
-
-def cond(pred: Any, true_fn: Callable[..., Any], false_fn: Callable[..., Any],
-         *operands: Any) -> Any:
-    """``lax.cond``, each branch recorded: what runs is the branch ``pred`` picks."""
-    rec = _current()
-    if rec is None:
-        return lax.cond(pred, true_fn, false_fn, *operands)
-    sent: dict[bool, Recorder] = {}
-
-    def recorded(fn: Callable[..., Any], key: bool) -> Callable[..., Any]:
-        def run(*args: Any) -> Any:
-            with recording(rec.hosts_axis, rec.platform) as sent[key]:
-                return fn(*args)
-        return run
-
-    out = lax.cond(pred, recorded(true_fn, True), recorded(false_fn, False), *operands)
-    t, f = sent[True].sent, sent[False].sent
-    rec.add(Bytes(_select(pred, t.total, f.total), _select(pred, t.across, f.across)),
-            sent[True].count + sent[False].count)
-    return out
-
-
-def comm_metrics(sent: Bytes, two_level: bool) -> dict:
-    """``comm_bytes`` (what one device sends in a call, a ring model of its collectives) and, on
-    a two-level mesh, ``comm_bytes_hosts`` (the part sent to other hosts)."""
-    out = {"comm_bytes": jnp.asarray(sent.total, jnp.float32)}
-    if two_level:
-        out["comm_bytes_hosts"] = jnp.asarray(sent.across, jnp.float32)
-    return out
 
 
 def combine_bytes(leaves: Sequence[Any], n: int, local: int, platform: str | None = None
@@ -202,16 +55,6 @@ def combine_bytes(leaves: Sequence[Any], n: int, local: int, platform: str | Non
     for dtype, size in sizes.items():
         total += -(-size // n) * wire_itemsize(dtype, platform)  # one slice, as compiled
     return Bytes(2.0 * (n - 1) * total, 2.0 * (n - local) * total)
-
-
-def add_update(comm: dict, sent: Sequence[Bytes], synced: Any) -> dict:
-    """``comm`` (:func:`comm_metrics`) plus the bytes the update sent (``sent``: what it
-    recorded when traced; only a window's synchronising call runs it)."""
-    if not sent or "comm_bytes" not in comm:
-        return comm
-    extra = {"comm_bytes": sent[-1].total, "comm_bytes_hosts": sent[-1].across}
-    return {k: v + jnp.where(synced, extra[k], 0.0) if k in extra else v
-            for k, v in comm.items()}
 
 
 # ------------------------------------------------------------------ a hook's bytes, counted
@@ -247,24 +90,32 @@ def _flat_split(total: Any, hosts: int, local: int) -> tuple[Any, Any]:
     return total * (1.0 - share), total * share
 
 
-def reduce_counted(hook: CommHook, grads: tuple, states: tuple, ctx: HookContext) -> Any:
-    """``hook.reduce(grads, states, ctx)``, with the bytes it sends added to the open
-    :func:`recording` (see the module docstring)."""
-    rec = _current()
-    if rec is None:
-        return hook.reduce(grads, states, ctx)
-    group, hosts = span(ctx.axis_name, rec.hosts_axis)
-    declared = _declared(hook, _structs(grads), group, hosts, ctx.step)
+def _counted(rec: Recorder, declared: Bytes | None, run: Callable[[], Any], kind: str,
+             given: Sequence[Any], group: int, hosts: int) -> Any:
+    """``run()``, with what it sends added to ``rec``: ``declared``, else what its collectives
+    recorded, else (``jax.lax`` collectives, unrecorded) one ring ``kind`` of ``given``."""
     with recording(rec.hosts_axis, rec.platform) as sub:
-        out = hook.reduce(grads, states, ctx)
+        out = run()
     if declared is not None:
         rec.add(declared)
     elif sub.count:
         rec.add(sub.sent, sub.count)
-    else:  # jax.lax's collectives, unrecorded: a ring all-reduce of the bucket
+    else:
         wire = wire_platform(rec.platform)
-        rec.add(_collective("all-reduce", sum(wire_nbytes(g, wire) for g in grads), group, hosts))
+        rec.add(ring_sent(kind, sum(wire_nbytes(g, wire) for g in given), group, hosts))
     return out
+
+
+def reduce_counted(hook: CommHook, grads: tuple, states: tuple, ctx: HookContext) -> Any:
+    """``hook.reduce(grads, states, ctx)``, with the bytes it sends added to the open
+    :func:`recording` (see the module docstring)."""
+    rec = current()
+    if rec is None:
+        return hook.reduce(grads, states, ctx)
+    group, hosts = span(ctx.axis_name, rec.hosts_axis)
+    declared = _declared(hook, _structs(grads), group, hosts, ctx.step)
+    return _counted(rec, declared, lambda: hook.reduce(grads, states, ctx), "all-reduce",
+                    grads, group, hosts)
 
 
 def scatter_counted(hook: CommHook, rows: jax.Array, ctx: HookContext) -> jax.Array:
@@ -273,7 +124,7 @@ def scatter_counted(hook: CommHook, rows: jax.Array, ctx: HookContext) -> jax.Ar
     of ``rows``), recorded, or a ring reduce-scatter of ``rows``."""
     scatter = hook.scatter
     assert scatter is not None  # the caller reduce-scatters through it
-    rec = _current()
+    rec = current()
     if rec is None:
         return scatter(rows, ctx)
     group, hosts = span(ctx.axis_name, rec.hosts_axis)
@@ -285,15 +136,8 @@ def scatter_counted(hook: CommHook, rows: jax.Array, ctx: HookContext) -> jax.Ar
     else:
         whole = _declared(hook, [struct], group, hosts, ctx.step)
         declared = None if whole is None else whole.scaled(0.5)
-    with recording(rec.hosts_axis, rec.platform) as sub:
-        out = scatter(rows, ctx)
-    if declared is not None:
-        rec.add(declared)
-    elif sub.count:
-        rec.add(sub.sent, sub.count)
-    else:
-        rec.add(_collective("reduce-scatter", wire_nbytes(rows, wire_platform(rec.platform)), group, hosts))
-    return out
+    return _counted(rec, declared, lambda: scatter(rows, ctx), "reduce-scatter", [rows],
+                    group, hosts)
 
 
 def f32_structs(structs: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jddp._src.core import recorder
 from jddp._src.data import rng as rng_lib
 from jddp._src.reduce import bytemodel
 from jddp._src.step.config import ReduceContext
@@ -472,6 +473,6 @@ def local_step(ctx: ReduceContext, obj: Any, state: Any, batch: Any, weights: An
     hosts = topo.hosts
     sent = bytemodel.combine_bytes(jax.tree.leaves(device_sum), n,
                                    topo.host_size if hosts else n, ctx.platform)
-    metrics.update(bytemodel.comm_metrics(sent, hosts is not None))
+    metrics.update(recorder.comm_metrics(sent, hosts is not None))
     return DetResult(grads, metrics, model_state, new_accum, synced, nonempty)
 

@@ -5,7 +5,7 @@ collectives are asynchronous): :func:`regathered`."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -39,7 +39,7 @@ def _token_cotangent(dep: Any, token: Any) -> Any:
 
 def regathered(eqn: Any, invals: list, sources: tuple, leaves: dict[int, Any],
                 pieces: dict[int, jax.Array], reducer: GatherInForward,
-                record: Callable[[Sequence[int]], None], token: Any) -> tuple[list, Any]:
+                token: Any) -> tuple[list, Any]:
     """Evaluates ``eqn`` on its gathered parameter inputs, keeping only their pieces (hpZ: see
     :meth:`GatherInForward.keep`) for the backward, which gathers them again; returns its
     outputs and the token for the next such equation.
@@ -69,7 +69,6 @@ def regathered(eqn: Any, invals: list, sources: tuple, leaves: dict[int, Any],
         leaves alone that it reads, or ``None`` (its value in ``invals``).
       leaves: the value of every leaf ``sources`` read (gathered ones whole).
       pieces: per gathered leaf index, this device's piece (the step's input).
-      record: told the leaves the backward gathers (for ``comm_bytes``), when it is traced.
       token: the previous such equation's token output, or the first token (a zero scalar);
         ``None``: no prefetch (the gather waits for this equation's own output cotangent).
     """
@@ -107,7 +106,6 @@ def regathered(eqn: Any, invals: list, sources: tuple, leaves: dict[int, Any],
         d_others, d_full, gathered, after = _regathered_vjp(
             run, others, out_cts, [k for k, p in enumerate(perturbed[:-1]) if p],
             idx, pcs, reducer, ahead, tok is not None)
-        record(gathered)
         passed = _passed_on(ahead, own, after, gathered)
         return (d_others, d_full, tuple(None for _ in pcs),
                 _token_cotangent(passed, tok) if perturbed[-1] else None)

@@ -14,16 +14,15 @@ import numpy as np
 from jax import lax
 
 from jddp._src.core import precision as precision_lib
-from jddp._src.core import zero
+from jddp._src.core import recorder, zero
 from jddp._src.core.collectives import levels
 from jddp._src.core.zero import Sharded
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce import bytemodel
 from jddp._src.reduce.allreduce import AllReduce, BucketReducer, exact_mean
-from jddp._src.reduce.bytemodel import span
 from jddp._src.reduce.chain import on_gpu
 from jddp._src.reduce.hooks import CommHook, HookContext
-from jddp._src.tree import Bytes, chain_dependency, ring
+from jddp._src.tree import chain_dependency
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,7 +111,7 @@ class Hybrid(ReduceScatter):
 
     def scatter(self, rows: jax.Array, ctx: HookContext) -> jax.Array:
         row = super().scatter(rows, ctx)
-        return bytemodel.pmean(row, self.replicas, hosts_axis=self.replicas)
+        return recorder.pmean(row, self.replicas, hosts_axis=self.replicas)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,40 +196,12 @@ class GatherInForward:
                                [plan.shapes[i] for i in indices], self.inner.shard_axis,
                                self.group)
 
-    def regather_bytes(self, indices: Sequence[int]) -> Bytes:
-        """Bytes of :meth:`regather`: with ``group``, a ring all-gather of ``n / group`` pieces
-        per device over ``group`` devices of one host (nothing crosses hosts)."""
-        if self.group is None:
-            return self.gather_bytes(indices)
-        inner = self.inner
-        piece = zero.split_bytes(inner.layout, self._gathered_dtypes(), indices)
-        return ring("all-gather", piece * inner.layout.n // self.group, self.group)
-
-    def _gathered_dtypes(self) -> list[Any]:
-        """Each leaf's dtype as it is gathered (a mixed-precision policy's, else its own)."""
-        dtypes = self.inner.plan.dtypes
-        return list(dtypes) if self.dtype is None else [self.dtype] * len(dtypes)
-
     def unused(self, i: int, leaf: jax.Array) -> jax.Array:
         return self._gather((i,), (leaf,))[0]
 
     def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
                  step: jax.Array) -> tuple[tuple, tuple, tuple]:
         return self.inner.backward(b, grads, states, extras, step)
-
-    def gather_bytes(self, indices: Sequence[int]) -> Bytes:
-        """Bytes of one all-gather of the leaves ``indices`` over the shard axis."""
-        inner = self.inner
-        group, hosts = span(inner.shard_axis, inner.hosts_axis)
-        return ring("all-gather", zero.split_bytes(inner.layout, self._gathered_dtypes(), indices),
-                    group, hosts)
-
-    def forward_bytes(self) -> Bytes:
-        """Bytes of the forward pass's all-gathers: the unused leaves', then each bucket's."""
-        sent = self.gather_bytes(self.inner.plan.unused)
-        for bucket in self.inner.plan.buckets:
-            sent = sent + self.gather_bytes(bucket.indices)
-        return sent
 
 
 def _in_forward(out: list, kept: tuple, axis: Any) -> tuple[list, tuple]:

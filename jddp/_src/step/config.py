@@ -230,13 +230,8 @@ class ReplicaMean(Protocol):
     def __call__(self, leaves: list, plan: BucketPlan, *, extras: tuple, hook: CommHook | None,
                  step: Any) -> tuple[list, tuple]:
         """``(means, extras' means)`` inside the per-device step (``extras`` ride on the last
-        bucket; ``hook``: a stateless hook instead of the float32 ``psum``)."""
-        ...
-
-    def sent(self, plan: BucketPlan, sizes: list[int],
-             hook: CommHook | None) -> tuple[float, float]:
-        """``(inside, across)``: bytes one device sends for one mean of leaves of ``sizes``
-        elements each (as one device holds them), in the global view."""
+        bucket; ``hook``: a stateless hook instead of the float32 ``psum``); what its
+        collectives send is recorded (:mod:`jddp._src.core.recorder`)."""
         ...
 
 

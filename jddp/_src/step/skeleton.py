@@ -40,9 +40,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jddp._src.core import zero
+from jddp._src.core import recorder, zero
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce import bytemodel
 from jddp._src.reduce.replica_mean import ReplicaMean
 from jddp._src.runtime.topology import Roles
 from jddp._src.step.checks import check_batch, check_float_params
@@ -250,7 +249,7 @@ def train_step(
     inner = functools.partial(cfg.place.update, cfg.optimizer, cfg.topology, layout, plan,
                               cfg.reduce.chain, record=sent.append)
     new_state, update_metrics = cfg.update.apply(inner, lv, state, res, sync)
-    comm = bytemodel.add_update(dict(res.comm or {}), sent, res.synced)
+    comm = recorder.add_update(dict(res.comm or {}), sent, res.synced)
     # Phase 4: the sync policy (nothing, the parameter average, DiLoCo's outer step).
     window = cfg.update.window(state.update_state)
     report = cfg.accumulate.report(cfg.loss, window, cfg.topology.num_devices)

@@ -1,9 +1,9 @@
 """Local SGD and DiLoCo: replicas that train apart for a few steps, then average their parameters.
 
-The other way to skip collectives (``DataParallel(sync=jddp.local_sgd.diloco(...))``). Each replica
-keeps its own parameters, optimizer state, loss scale and model state (a leading replica
-dimension, sharded over the replica axis), takes ``period - 1`` steps on its own data with no
-cross-replica communication, and every ``period``-th step synchronises:
+Each replica (``DataParallel(sync=jddp.local_sgd.diloco(...))``) keeps its own parameters,
+optimizer state, loss scale and model state (a leading replica dimension, sharded over the replica
+axis), takes ``period - 1`` steps with no cross-replica communication, and every ``period``-th
+step synchronises:
 
 - **post-local SGD** (:class:`LocalSGD`; PyTorch's ``PostLocalSGDOptimizer`` with
   ``PeriodicModelAverager``): plain data-parallel steps (gradient all-reduce) for the first
@@ -32,9 +32,8 @@ PyTorch's ``PostLocalSGDOptimizer`` and torchft's ``LocalSGD`` hook the optimize
 of step (``sync``, ``local``, ``average``) is a static phase picked on the host
 (:meth:`LocalSGD.phase_fn`), so a local step is a program without cross-replica collectives.
 The policy reads the rest of the step only through its :class:`~jddp._src.step.config.SyncContext`:
-the averaging is the context's mean over replicas (the reducer family's bucketed mean: one chained
-collective per bucket of the step's plan), and the step's loss, metrics and model state ride on
-its last bucket.
+the averaging is its mean over replicas (one chained collective per bucket of the step's plan),
+and the step's loss, metrics and model state ride on its last bucket.
 """
 
 from __future__ import annotations
@@ -52,13 +51,14 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jddp._src.core import recorder
 from jddp._src.introspect import vma
 from jddp._src.runtime.topology import AVERAGE, LOCAL, SYNC, Roles, Topology
 from jddp._src.step.config import BucketPlan, CommHook, LocalResult, SyncContext, SyncStep
 from jddp._src.step.state import AccumState, LossScaleState, OuterState, TrainState, map_node, own
 from jddp._src.sync import model_state as ms_lib
 from jddp._src.sync.every_step import HookPhase
-from jddp._src.tree import add_device_dim, broadcast_to_devices, dtype_of, strip_device_dim
+from jddp._src.tree import Bytes, add_device_dim, broadcast_to_devices, dtype_of, strip_device_dim
 
 __all__ = ["AVERAGE", "LOCAL", "SYNC", "DiLoCo", "LocalSGD", "diloco", "post_local_sgd"]
 
@@ -247,7 +247,7 @@ class LocalSGD:
             return state, out
         island = res.island
         assert island is not None
-        sent: list[tuple[BucketPlan, list[int]]] = []  # what the averaging sends, when traced
+        sent: list[Bytes] = []  # what the averaging sends, recorded when traced
 
         def average() -> tuple[Synced, dict]:
             new = self._synced(ctx, step.plan, phase.due, state, island, sent)
@@ -263,11 +263,10 @@ class LocalSGD:
             new, out = lax.cond(synced, average, keep)
         else:
             new, out = average()
-        inside, across = ctx.mean.sent(*sent[-1], self.compress)
         done = jnp.asarray(synced, jnp.float32)
-        out["comm_bytes"] = out["comm_bytes"] + done * (inside + across)
+        out["comm_bytes"] = out["comm_bytes"] + done * sent[-1].total
         if ctx.topology.two_level:
-            out["comm_bytes_hosts"] = out["comm_bytes_hosts"] + done * across
+            out["comm_bytes_hosts"] = out["comm_bytes_hosts"] + done * sent[-1].across
         return state.replace(params=new.params, sync_state=new.outer,
                              model_state=new.model_state), out
 
@@ -527,7 +526,7 @@ def _average(ctx: SyncContext, hook: CommHook | None, plan: BucketPlan, values: 
     model_state, step)``), in one ``shard_map``: one chained collective per bucket
     (:attr:`SyncContext.mean`). The means come back per replica (``per_replica``: post-local
     SGD) or as the one global copy (DiLoCo's delta; at stage 3 split over the island's devices,
-    like the pieces); ``sent`` gets ``(plan, elements per leaf on a device)`` when traced."""
+    like the pieces); ``sent`` gets the bytes its collectives send, recorded when traced."""
     topo = ctx.topology
     rax, r, mode = topo.replica, topo.replicas, ctx.model_state_sync
     island, model_state, step = riders
@@ -539,8 +538,9 @@ def _average(ctx: SyncContext, hook: CommHook | None, plan: BucketPlan, values: 
         extras = [vma.to_varying(jnp.asarray(x, jnp.float32), rax)
                   for x in jax.tree.leaves((isl, payload))]
         leaves = jax.tree.leaves(vals)
-        sent.append((plan, [int(np.prod(np.shape(x))) for x in leaves]))
-        means, ride = ctx.mean(leaves, plan, extras=tuple(extras), hook=hook, step=step)
+        with recorder.recording(topo.hosts) as rec:
+            means, ride = ctx.mean(leaves, plan, extras=tuple(extras), hook=hook, step=step)
+        sent.append(rec.sent)
         k = len(jax.tree.leaves(isl))
         mean_isl = jax.tree.unflatten(jax.tree.structure(isl), list(ride[:k]))
         mean_payload = jax.tree.unflatten(jax.tree.structure(payload), list(ride[k:]))

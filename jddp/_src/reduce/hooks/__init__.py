@@ -15,7 +15,7 @@ its scalar metrics (the loss) ride on the last bucket's all-reduce instead of a 
 own, so the step has exactly one all-reduce per bucket.
 
 The bytes a hook sends (``comm_bytes``) are counted as it issues its collectives: the built-in
-hooks call the recorded collectives of :mod:`jddp._src.reduce.bytemodel`, so what is reported
+hooks call the recorded collectives of :mod:`jddp._src.core.recorder`, so what is reported
 cannot drift from what is sent. A hook may declare its bytes instead (``bytes_sent``,
 ``bytes_by_level``, ``scatter_bytes_by_level``: static arithmetic on the leaves' structs); one
 that calls ``jax.lax`` collectives itself counts as a ring all-reduce of its gradients.

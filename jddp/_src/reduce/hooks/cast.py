@@ -6,7 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jddp._src.reduce import bytemodel
+from jddp._src.core import recorder
 from jddp._src.reduce.hooks import CommHook, HookContext, no_state
 
 
@@ -25,12 +25,12 @@ def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
         # device does not overflow; a mean above float16's max comes back inf (docs/hooks.md).
         low = tuple((g / jnp.asarray(n, g.dtype)).astype(dtype) for g in grads)
         if method == "psum":
-            summed = bytemodel.psum(low, ctx.axis_name)
+            summed = recorder.psum(low, ctx.axis_name)
             out = tuple(r.astype(g.dtype) for r, g in zip(summed, grads, strict=True))
         else:
             # Gather the compressed shards and sum them locally in float32: the wire carries half
             # the bytes, and the addition is not done by the backend in half precision.
-            gathered = bytemodel.all_gather(low, ctx.axis_name)
+            gathered = recorder.all_gather(low, ctx.axis_name)
             out = tuple(
                 x.astype(jnp.float32).sum(0).astype(g.dtype)
                 for x, g in zip(gathered, grads, strict=True)
@@ -40,7 +40,7 @@ def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
     def scatter(rows, ctx: HookContext):
         # As reduce: divide first, send in low precision, return in the bucket's dtype.
         low = (rows / jnp.asarray(ctx.axis_size, rows.dtype)).astype(dtype)
-        out = bytemodel.scatter_sum(low, ctx.axis_name)
+        out = recorder.scatter_sum(low, ctx.axis_name)
         return out.astype(rows.dtype)
 
     return CommHook(no_state, reduce, name, fuses_extras=False,

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jddp._src.core import recorder
 from jddp._src.core.collectives import (
     axis_size,
     levels,
@@ -38,14 +39,14 @@ def _scatter_leaves(grads: Sequence[jax.Array], live: Sequence[int], local: Any,
     else:
         layout = [[i] for i in live]
         flats = tuple(padded_flat(grads[i], parts) for i in live)
-    return bytemodel.scatter_sum(flats, local), layout
+    return recorder.scatter_sum(flats, local), layout
 
 
 def _gather_leaves(shards: Sequence[jax.Array], layout: list[list[int]], local: Any,
                    grads: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     """Inverse of :func:`_scatter_leaves` (an all-gather inside the host); leaves of size zero
     come back as zeros."""
-    full = bytemodel.all_gather(tuple(shards), local, axis=0, tiled=True)
+    full = recorder.all_gather(tuple(shards), local, axis=0, tiled=True)
     out: list[Any] = [jnp.zeros(jnp.shape(g), jnp.result_type(g)) for g in grads]
     for f, idx in zip(full, layout, strict=True):
         start = 0
@@ -111,7 +112,7 @@ def _reduce(grads: Sequence[jax.Array], states: Sequence[Any], ctx: HookContext,
     scaled = [g * jnp.asarray(scale, jnp.result_type(g)) for g in grads]
     shards, layout = _scatter_leaves(scaled, live, local, parts, concat)
     if inner is None:
-        return _gather_leaves(bytemodel.psum(shards, hosts), layout, local, grads), tuple(states)
+        return _gather_leaves(recorder.psum(shards, hosts), layout, local, grads), tuple(states)
     inner_ctx = ctx._replace(axis_name=hosts, axis_size=ctx.axis_size // parts,
                              hosts_axis=hosts, local_axis=None)
     if concat:

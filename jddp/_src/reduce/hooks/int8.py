@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jddp._src.api import options
+from jddp._src.core import recorder
 from jddp._src.introspect import vma
-from jddp._src.reduce import bytemodel
 from jddp._src.reduce.hooks import CommHook, HookContext
 
 _ROUNDINGS = ("nearest", "stochastic")
@@ -76,7 +76,7 @@ def _int8_exchange(x: jax.Array, ctx: HookContext, block: int,
     would overflow). Returns ``(this device's mean row, q, scale)`` (the latter two for the
     rounding error)."""
     q, scale = _quantize(x, block, key)
-    received = bytemodel.all_to_all(_pack(q, scale), ctx.axis_name, 0, 0, tiled=True)
+    received = recorder.all_to_all(_pack(q, scale), ctx.axis_name, 0, 0, tiled=True)
     return _unpack(received, x.shape[1], block).sum(0) / ctx.axis_size, q, scale
 
 
@@ -110,7 +110,7 @@ def _int8_reduce(grads, states, ctx: HookContext, block: int, stochastic: bool,
     mine, q, scale = _int8_exchange(x, ctx, block, key1)
     # Phase 2 (an all-gather in int8) of each device's mean chunk.
     q2, scale2 = _quantize(mine[None], block, key2)
-    gathered = bytemodel.all_gather(_pack(q2, scale2)[0], ctx.axis_name, axis=0, tiled=False)
+    gathered = recorder.all_gather(_pack(q2, scale2)[0], ctx.axis_name, axis=0, tiled=False)
     mean = _unpack(gathered, chunk, block).reshape(-1)
     new_states = list(states)
     if error_feedback:

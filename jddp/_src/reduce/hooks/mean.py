@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jddp._src.core import recorder
 from jddp._src.core.collectives import traced_platform
-from jddp._src.reduce import bytemodel, platform_paths
+from jddp._src.reduce import platform_paths
 from jddp._src.reduce.hooks import CommHook, HookContext, no_state
 
 
@@ -34,14 +35,14 @@ def _divide_after_sum(grads: Sequence[jax.Array], n: int) -> bool:
 def _allreduce_mean(grads, state, ctx: HookContext):
     scale = 1.0 / ctx.axis_size
     if _divide_after_sum(grads, ctx.axis_size):
-        summed = bytemodel.psum(tuple(grads), ctx.axis_name)
+        summed = recorder.psum(tuple(grads), ctx.axis_name)
         return tuple(s * jnp.asarray(scale, s.dtype) for s in summed), state
-    return bytemodel.psum(tuple(g * jnp.asarray(scale, g.dtype) for g in grads), ctx.axis_name), state
+    return recorder.psum(tuple(g * jnp.asarray(scale, g.dtype) for g in grads), ctx.axis_name), state
 
 
 def _mean_scatter(rows: jax.Array, ctx: HookContext) -> jax.Array:
     scale = jnp.asarray(1.0 / ctx.axis_size, rows.dtype)
-    return bytemodel.scatter_sum(rows * scale, ctx.axis_name)
+    return recorder.scatter_sum(rows * scale, ctx.axis_name)
 
 
 def allreduce_mean() -> CommHook:

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from jddp._src.api import options
+from jddp._src.core import recorder
 from jddp._src.introspect import vma
-from jddp._src.reduce import bytemodel
 from jddp._src.reduce.hooks import CommHook, HookContext, leaf_str
 
 
@@ -89,7 +89,7 @@ class _PowerSGD:
         return state
 
     def plain(self, grads, states, ctx: HookContext):
-        summed = bytemodel.psum(tuple(grads), ctx.axis_name)
+        summed = recorder.psum(tuple(grads), ctx.axis_name)
         return tuple(s / ctx.axis_size for s in summed), tuple(states)
 
     def compressed(self, grads, states, ctx: HookContext):
@@ -108,12 +108,12 @@ class _PowerSGD:
         # One all-reduce for the uncompressed leaves and every P; one more for every Q.
         plain_idx = [i for i, r in enumerate(rs) if not r]
         ps = {i: mats[i] @ qs[i] for i in mats}
-        summed = bytemodel.psum((tuple(grads[i] for i in plain_idx), tuple(ps.values())), ctx.axis_name)
+        summed = recorder.psum((tuple(grads[i] for i in plain_idx), tuple(ps.values())), ctx.axis_name)
         out: list[Any] = [None] * len(grads)
         for i, s in zip(plain_idx, summed[0], strict=True):
             out[i] = s / n_dev
         ps = {i: _orthogonalize(p) for i, p in zip(ps, summed[1], strict=True)}
-        q_sum = bytemodel.psum(tuple(mats[i].T @ ps[i] for i in ps), ctx.axis_name)
+        q_sum = recorder.psum(tuple(mats[i].T @ ps[i] for i in ps), ctx.axis_name)
         new_states = list(states)
         for i, q in zip(ps, q_sum, strict=True):
             q = q / n_dev
@@ -168,7 +168,7 @@ class _PowerSGD:
         # No static phase (a caller that does not track the step on the host): switch in the
         # graph. Both branches' collectives are compiled in; only one runs. XLA:CPU was seen to
         # deadlock on collectives inside a conditional with many steps in flight, hence the phase.
-        return bytemodel.cond(
+        return recorder.cond(
             ctx.step < self.start_iter,
             lambda g, s: self.plain(g, s, ctx),
             lambda g, s: self.compressed(g, s, ctx),

@@ -656,7 +656,8 @@ def test_post_local_sgd_and_diloco_are_two_classes():
 
 def test_sync_policies_get_a_context_and_import_no_other_policy_family():
     """No SyncPolicy method takes the StepConfig or more than 6 parameters, and the sync
-    modules import only the step's protocols and state, the topology, tree and introspect."""
+    modules import only the step's protocols and state, the topology, tree, introspect and core
+    (the layer below every policy family, as the byte recorder)."""
     import inspect
 
     from jddp._src.step.config import SyncPolicy
@@ -667,7 +668,8 @@ def test_sync_policies_get_a_context_and_import_no_other_policy_family():
         assert len(params) <= 6, name
         assert not any("StepConfig" in str(p.annotation) for p in params), name
     allowed = ("jddp._src.sync", "jddp._src.step.config", "jddp._src.step.state",
-               "jddp._src.runtime.topology", "jddp._src.tree", "jddp._src.introspect")
+               "jddp._src.runtime.topology", "jddp._src.tree", "jddp._src.introspect",
+               "jddp._src.core")
     for module, deps in Package(ROOT).import_graph().items():
         if module.startswith("jddp._src.sync"):
             assert all(d.startswith(allowed) for d in deps), (module, sorted(deps))

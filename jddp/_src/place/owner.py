@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from jddp._src.core import zero
 from jddp._src.core.collectives import wire_itemsize
 from jddp._src.introspect import vma
-from jddp._src.place import owner_state
+from jddp._src.place import owner_grads, owner_state
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.runtime.topology import Topology
 from jddp._src.tree import Bytes, key_path_str, ring
@@ -406,6 +406,7 @@ class _Moves(NamedTuple):
     common_pack: _Pack         # their new values, from device 0 to every device
     needs: Needs
     dims: tuple[tuple[int | None, ...], ...]  # as stored: parameters, gradients
+    rows: owner_grads.Exchange | None  # the gradients' owner rows (from stage 2), else None
 
 
 def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n: int, layout: zero.Layout,
@@ -421,10 +422,17 @@ def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n
                     [d is not None for d in p_dims], [o is not None for o in lay.owner],
                     plan.paths, [o is None for o in lay.owner])
     common = tuple(_Leaf(lay.shapes[i], jnp.dtype(lay.dtypes[i]), None, 0) for i in lay.common())
+    # From stage 2 the buckets' split leaves come in owner rows (the reducer's); the others
+    # (in no bucket: JAX-reduced or unused) as even pieces, sent to their owners as before.
+    rows = (owner_grads.exchange(plan, layout, owners.owner,
+                                 [jnp.result_type(g) for g in jax.tree.leaves(grads)])
+            if pieces[1] else None)
+    skip = (rows.ranked() | frozenset(plan.unused)) if rows is not None else frozenset()
+    loose = tuple(None if i in skip else d for i, d in enumerate(g_dims))
     return _Moves(_io(_leaves(params, owners.owner, p_dims), n),
-                  _io(_leaves(grads, owners.owner, g_dims), n), lay, common,
+                  _io(_leaves(grads, owners.owner, loose), n), lay, common,
                   _pack(common, range(len(common)), n, False), needs,
-                  (tuple(p_dims), tuple(g_dims)))
+                  (tuple(p_dims), tuple(g_dims)), rows)
 
 
 def _all_to_all(kind: str, nbytes: float, n: int, hosts: int) -> Bytes:
@@ -449,8 +457,9 @@ def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
                     for dt, w in zip(pack.groups, pack.width, strict=True)), Bytes())
 
     out = Bytes()
-    if moves.needs.all_grads:  # _gather_whole: one all-gather of the pieces per dtype
-        pieces: dict[Any, int] = {}
+    rows = moves.rows
+    if moves.needs.all_grads:  # one all-gather of the pieces (or owner rows) per dtype
+        pieces: dict[Any, int] = {} if rows is None else owner_grads.gathered_widths(rows)
         for i in moves.grads.send.where:
             lf = moves.grads.leaves[i]
             dt = jnp.dtype(lf.dtype)
@@ -459,6 +468,8 @@ def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
             out = out + ring("all-gather", size * wire_itemsize(dt), n, hosts)
     else:
         out = out + each("all-to-all", moves.grads.send, n)
+        if rows is not None:  # the segments that straddle into another owner's row
+            out = out + each("all-to-all", _Pack(rows.groups, rows.width, {}), n)
     if moves.needs.params:
         out = out + each("all-to-all", moves.params.send, n)
     out = out + each("all-to-all", moves.params.send, n) + each("all-gather", moves.params.whole, 1)
@@ -531,8 +542,11 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
     common_spec = [P(axis)] * len(opt_state.common)
 
     def local(p: list, rows: list, common: list, g: list) -> tuple[list, list, list]:
-        g_in = _gather_whole(g, gio.leaves, axis) if needs.all_grads else g
-        g_got = [] if needs.all_grads else _to_owners(gio, g, n, axis)
+        g_rows = owner_grads.my_rows(moves.rows, g) if moves.rows is not None else []
+        g_in = _gather_grads(moves, g, g_rows, axis) if needs.all_grads else g
+        g_got = [] if needs.all_grads else [
+            _to_owners(gio, g, n, axis),
+            owner_grads.send(moves.rows, g_rows, n, axis) if moves.rows is not None else []]
         p_got = _to_owners(pio, p, n, axis) if needs.params else []
 
         def branch(k: int) -> Any:
@@ -540,7 +554,7 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
                     common: list) -> Any:
                 own_p = _owned_whole(pio, p_got, k) if needs.params else {}
                 pp = jax.tree.unflatten(p_tree, _branch_inputs(pio, p, own_p))
-                gg = g_in if needs.all_grads else _branch_inputs(gio, g, _owned_whole(gio, g_got, k))
+                gg = g_in[0] if needs.all_grads else _branch_grads(moves, k, g_in, g_got)
                 updates, new_s = optimizer.update(jax.tree.unflatten(p_tree, gg),
                                                   _state_inputs(moves, k, rows, common), pp)
                 return (_branch_outputs(pio, jax.tree.leaves(updates), k, n),
@@ -548,8 +562,8 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
             return run
 
         (us, uw), (new_rows, common_bufs) = lax.switch(
-            lax.axis_index(axis), [branch(k) for k in range(n)], p_got, g_got, g_in, p, rows,
-            common)
+            lax.axis_index(axis), [branch(k) for k in range(n)], p_got, g_got,
+            [g_in, g_rows], p, rows, common)
         return (_apply(plan, p, _from_owners(pio, us, uw, n, axis)), new_rows,
                 _common_from_zero(moves, common_bufs, axis))
 
@@ -560,6 +574,31 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
       jax.tree.leaves(grads))
     return (jax.tree.unflatten(p_tree, new_p),
             owner_state.Packed(new_rows, new_common, opt_state.layout))
+
+
+def _gather_grads(moves: _Moves, g: list, g_rows: list, axis: Any) -> list:
+    """Every gradient leaf whole on every device (some owner reads another's: a global norm):
+    the owner rows and the even pieces all-gathered; leaves in no bucket and unused, zeros."""
+    gio = moves.grads
+    out = _gather_whole(g, gio.leaves, axis)
+    if moves.rows is None:
+        return out
+    shapes = [lf.shape for lf in gio.leaves]
+    whole = owner_grads.gather_all(moves.rows, g_rows, axis, shapes)
+    return [whole[i] if i in whole else out[i] if moves.dims[1][i] is None or gio.leaves[i].dim
+            is not None else jnp.zeros(lf.shape, lf.dtype) for i, lf in enumerate(gio.leaves)]
+
+
+def _branch_grads(moves: _Moves, k: int, g: list, got: list) -> list:
+    """The full gradient leaves owner ``k``'s optimizer reads: its own whole (from the owner
+    rows and the even pieces sent to it), those stored whole as they are, zeros for the rest."""
+    gio, (g, g_rows) = moves.grads, g
+    own = _owned_whole(gio, got[0], k)
+    if moves.rows is not None:
+        own.update(owner_grads.owned(moves.rows, k, g_rows, got[1],
+                                     [lf.shape for lf in gio.leaves]))
+    return [own[i] if i in own else g[i] if moves.dims[1][i] is None
+            else jnp.zeros(lf.shape, lf.dtype) for i, lf in enumerate(gio.leaves)]
 
 
 def _hosts(topo: Topology) -> int:

@@ -200,18 +200,20 @@ def test_comm_bytes_are_the_compiled_programs_bytes(stage, clip):
     got, rep, _ = _comm_bytes_and_report(jddp.ZeRO(stage=stage, shard="owner"), opt)
     assert rep.sent_per_step == pytest.approx(got, rel=1e-6)
     kinds = {c.kind for c in rep.collectives}
-    # from stage 2 the gradients' pieces go to their owners (all-gathered for a global norm);
-    # at stage 3 the updates' pieces come back
+    # from stage 2 the gradients reach their owners in the reduce-scatter's owner rows; with 4
+    # matrices on 8 devices some leaves straddle two rows and those segments go by an
+    # all-to-all (all-gathered rows for a global norm); at stage 3 the updates' pieces come back
     assert ("all-to-all" in kinds) == (stage == 3 or (stage == 2 and not clip))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_optimizer_state_does_not_move(stage):
     """The optimizer state lives packed per owner (each device its own leaves'): the compiled
-    step's collective bytes are AdamW's at the same even stage (stage 1: the all-reduce and the
-    parameters' all-gather, equal), plus from stage 2 only the gradients' pieces sent to their
-    owners, and at stage 3 the updates' pieces sent back (the reduce-scatter to the owners that
-    would remove them is not built); nothing of the optimizer state."""
+    step's collective bytes are at most AdamW's at the same even stage (stage 1: the all-reduce
+    and the parameters' all-gather; stage 2: the reduce-scatter in owner rows, which lands each
+    leaf's gradient on its owner, and the owners' updates all-gathered), plus at stage 3 the
+    updates' pieces sent back (the parameters are stored as even pieces); nothing of the
+    optimizer state, nor (balanced rows) of the gradients."""
     def program(place, opt):
         mesh = jddp.data_mesh()
         ddp = jddp.DataParallel(_loss, opt, mesh=mesh, place=place)
@@ -225,7 +227,7 @@ def test_the_optimizer_state_does_not_move(stage):
     got, kinds, state = program(jddp.ZeRO(stage=stage, shard="owner"), optax.contrib.muon(2e-2))
     want, adamw_kinds, _ = program(jddp.ZeRO(stage=stage), optax.adamw(1e-3))
     pieces = sum(int(np.prod(np.shape(x))) * 4 for x in jax.tree.leaves(_params())) // 8
-    moved = {1: 0, 2: pieces, 3: 2 * pieces}[stage]  # 16 + 16 equal leaves: balanced rows
+    moved = {1: 0, 2: 0, 3: pieces}[stage]  # 16 + 16 equal leaves: balanced rows
     assert kinds.get("all-to-all", 0) == moved
     assert got - moved <= want, (got, want, kinds, adamw_kinds)
     # each device stores 1/8 of the state: its two matrices' momentum, its two biases' moments
@@ -262,6 +264,87 @@ def test_comm_bytes_exact_over_a_window_narrow_dtypes_and_other_optimizers(case)
         across = float(metrics["comm_bytes_hosts"])
         assert across > 0
         assert rep.across_hosts_per_window * rep.hosts / n == pytest.approx(across, rel=1e-6)
+
+
+def test_owner_rows_cover_each_leaf_once_and_invert():
+    """A bucket's owner rows (jddp/_src/core/owner_rows.py): every split leaf's segments cover
+    it once, in order; balanced owners give each row its owner's leaves whole; cutting a row
+    into the pieces and joining them again is the identity."""
+    from jddp._src.core import owner_rows, zero
+
+    layout = zero.Layout.of([np.zeros(s) for s in [(8, 4), (16,), (5,), (8, 2), (4, 4)]], 4)
+    owners = (1, 0, 2, 3, 1)
+    rows = owner_rows.bucket_rows(range(5), layout, owners)
+    assert rows.split == (0, 1, 3, 4) and rows.width == (32 + 16 + 16 + 16) // 4
+    for i in rows.split:
+        parts = rows.leaf_parts(i)
+        assert [p.start for p in parts] == list(np.cumsum([0] + [p.size for p in parts[:-1]]))
+        assert sum(p.size for p in parts) == int(np.prod(layout.shapes[i]))
+    grads = {i: jnp.arange(np.prod(layout.shapes[i]), dtype=jnp.float32).reshape(
+        layout.shapes[i]) + 100 * i for i in rows.split}
+    matrix = owner_rows.encode(rows, grads, 4)
+    for d in range(4):
+        got = owner_rows.pieces(rows, matrix[d], layout)
+        assert {i: x.shape for i, x in got.items()} == {
+            i: zero.shard_shape(layout.shapes[i], layout.dims[i], 4) for i in rows.split}
+        leaves = [got.get(i, np.zeros(1)) for i in range(5)]
+        np.testing.assert_array_equal(owner_rows.row_of(rows, leaves), matrix[d])
+    for i in rows.split:
+        np.testing.assert_array_equal(owner_rows.whole_from_all(rows, matrix, i,
+                                                                layout.shapes[i]), grads[i])
+    balanced = owner_rows.bucket_rows([0, 3], zero.Layout.of([np.zeros((8, 4))] * 4, 4),
+                                      (0, 0, 0, 1))
+    # two leaves on four rows of 16: each straddles two rows, its owner's and the next
+    assert [(p.leaf, p.row) for p in balanced.parts] == [(0, 0), (0, 1), (3, 2), (3, 3)]
+    even = owner_rows.bucket_rows(range(4), zero.Layout.of([np.zeros((8, 4))] * 4, 4),
+                                  (2, 0, 3, 1))
+    assert all(p.row == (2, 0, 3, 1)[p.leaf] and p.size == 32 for p in even.parts)
+
+
+def _uneven_model():
+    """Five unequal matrices (fewer than devices), their biases, a leaf split on 8 rows and an
+    odd one kept whole: owners are unbalanced in every bucket, so leaves straddle rows."""
+    rng = np.random.default_rng(0)
+    dims = {"a": (32, 48), "b": (48, 48), "c": (48, 40), "d": (40, 32), "e": (32, 32)}
+    params = {k: {"w": jnp.asarray(rng.normal(size=s) / np.sqrt(s[0]), jnp.float32),
+                  "b": jnp.asarray(rng.normal(size=(s[1],)) * .1, jnp.float32)}
+              for k, s in dims.items()}
+    params["odd"] = jnp.asarray(rng.normal(size=(32, 3)) * .1, jnp.float32)
+    params["whole"] = jnp.asarray(rng.normal(size=(5,)) * .1, jnp.float32)
+
+    def loss(p, b):
+        h = b["x"]
+        for k in sorted(dims):
+            h = jnp.tanh(h @ p[k]["w"] + p[k]["b"])
+        return (jnp.mean((h - b["y"]) ** 2) + 1e-2 * jnp.sum(p["odd"] ** 2)
+                + 1e-2 * jnp.sum(p["whole"] ** 2))
+
+    batches = [{k: jnp.asarray(rng.normal(size=(32, 32)), jnp.float32) for k in ("x", "y")}
+               for _ in range(2)]
+    return params, loss, batches
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clip", "noclip"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_unbalanced_owner_rows_equal_single_device_and_count_their_bytes(stage, clip):
+    """Three buckets whose owners are unbalanced (leaves straddle two rows, sent to their owner
+    by an all-to-all; all rows all-gathered when a global norm reads every leaf): equal to
+    single-device Muon, and ``comm_bytes`` equals the compiled program's bytes."""
+    params, loss, batches = _uneven_model()
+    opt = _muon() if clip else optax.contrib.muon(2e-2)
+    mesh = jddp.data_mesh()
+    ddp = jddp.DataParallel(loss, opt, mesh=mesh, place=jddp.ZeRO(stage=stage, shard="owner"),
+                            reduce=jddp.Buckets(cap_mb=0.01, first_mb=0.005))
+    state = ddp.init(params)
+    for b in batches:
+        state, metrics = ddp.step(state, jddp.shard_batch(b, mesh))
+    assert ddp.bucket_plan.num_buckets == 3
+    want = ref.train(loss, opt, params, [[b] for b in batches]).params
+    assert ref.max_abs_diff(jax.tree.map(np.asarray, state.params), want) < 1e-6
+    rep = ddp.report(state, jddp.shard_batch(batches[0], mesh))
+    assert rep.sent_per_step == pytest.approx(float(metrics["comm_bytes"]), rel=1e-6)
+    kinds = {c.kind for c in rep.collectives}
+    assert "all-reduce" not in kinds and ("all-to-all" in kinds) == (stage == 3 or not clip)
 
 
 # --------------------------------------------------------------------------- 2 processes x 4

@@ -13,9 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jddp._src.core import owner_rows
+from jddp._src.core import owner_rows, zero
 from jddp._src.core import precision as precision_lib
-from jddp._src.core import zero
 from jddp._src.core.collectives import levels
 from jddp._src.core.zero import Sharded
 from jddp._src.plan.planner import BucketPlan
@@ -120,8 +119,8 @@ class ReduceScatter(AllReduce):
             got = ({} if matrix is None else
                    owner_rows.pieces(rows, lax.dynamic_index_in_dim(matrix, index, 0, False),
                                      lay))
-            out = tuple(got[i] if i in got else r for i, r in zip(indices, reduced, strict=True))
-            return out, new_states, mean_extras
+            return (tuple(got[i] if i in got else r for i, r in zip(indices, reduced, strict=True)),
+                    new_states, mean_extras)
         ctx = self.scatter_context(b, step)
         fused = self.fuses(b, extras)
         tail = [grads[j] for j in whole] + (list(extras) if fused else [])

@@ -11,11 +11,14 @@ cost, largest first), and only the owner computes the leaf's update:
   :mod:`jddp._src.place.stages`); the optimizer state is
   stored per owner (:mod:`jddp._src.place.owner_state`: each device keeps only its leaves' state,
   which therefore never moves; checkpoints hold optax's own tree);
-- the update (:func:`update`) runs in one ``shard_map``: the reduced gradients' pieces (from
-  stage 2) go to each leaf's owner (one all-to-all per dtype), unless some owner's update reads
-  another's gradient (``clip_by_global_norm``): then they are all-gathered, and global norms see
-  every leaf exactly; at stage 3 the parameters' pieces go to the owners only if the optimizer
-  reads them (weight decay);
+- from stage 2 the bucket reducer reduce-scatters each bucket in owner rows
+  (:mod:`jddp._src.core.owner_rows`), so each leaf's reduced gradient lands on its owner; the
+  update (:func:`update`) runs in one ``shard_map`` and sends only the segments of leaves that
+  straddle into another device's row to their owner (:mod:`jddp._src.place.owner_grads`: one
+  all-to-all per dtype, none when the buckets are balanced over the owners), unless some
+  owner's update reads another's gradient (``clip_by_global_norm``): then every device's rows
+  are all-gathered, and global norms see every leaf exactly; at stage 3 the parameters' pieces
+  go to the owners only if the optimizer reads them (weight decay);
 - every device then runs the optimizer in one branch of a ``lax.switch`` on its own index, whose
   outputs are the leaves it owns only: XLA removes the rest of the update from that branch, so the
   orthogonalization of each matrix runs once, on its owner, and no collective runs inside it;
@@ -445,8 +448,9 @@ def _all_to_all(kind: str, nbytes: float, n: int, hosts: int) -> Bytes:
 
 def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
     """Bytes one device sends in :func:`update`'s collectives (the ring model), from the buffers
-    it moves: per dtype, the gradients' pieces to their owners (an all-to-all of ``(n, width)``
-    rows, or, when some owner reads another's gradient, an all-gather of the pieces), stage 3's
+    it moves: per dtype, the gradient segments outside their owner's row and the pieces of
+    leaves in no bucket to their owners (all-to-alls of ``(n, width)`` rows, or, when some owner
+    reads another's gradient, an all-gather of the rows and pieces), stage 3's
     parameter pieces to their owners (when the optimizer reads them) and the updates' pieces
     back, the owners' ``(1, width)`` whole leaves to every device (all-gathers) and device 0's
     common optimizer-state leaves (counts). The packed optimizer state itself does not move.
@@ -521,8 +525,10 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
     ``pieces``, whether the parameters and the gradients are in pieces; the optimizer state
     packed per owner: :func:`init_state`).
 
-    Gradients in pieces (from stage 2) go to their owners by an all-to-all, or are all-gathered
-    when some owner reads another's gradient (a global norm); parameters in pieces (stage 3) go
+    Gradients in pieces (from stage 2) come in owner rows (the reducer's: each owner already
+    holds its leaves, but for segments straddling into another row, which an all-to-all
+    brings), or are all-gathered when some owner reads another's gradient (a global norm);
+    parameters in pieces (stage 3) go
     to their owners only when the optimizer reads them (:func:`analyse`). Each owner reads and
     writes its optimizer state where it lives.
 

@@ -294,8 +294,15 @@ def test_owner_rows_cover_each_leaf_once_and_invert():
                                                                 layout.shapes[i]), grads[i])
     balanced = owner_rows.bucket_rows([0, 3], zero.Layout.of([np.zeros((8, 4))] * 4, 4),
                                       (0, 0, 0, 1))
-    # two leaves on four rows of 16: each straddles two rows, its owner's and the next
-    assert [(p.leaf, p.row) for p in balanced.parts] == [(0, 0), (0, 1), (3, 2), (3, 3)]
+    # two leaves on four rows of 16: each fills its owner's row, the rest fills the free rows
+    assert [(p.leaf, p.row) for p in balanced.parts] == [(0, 0), (0, 2), (3, 1), (3, 3)]
+    # one owner with 40 rows where the others have 32: its extra 56 elements fill the 7 others
+    mild = zero.Layout.of([np.zeros((40, 8))] + [np.zeros((32, 8))] * 7, 8)
+    rows = owner_rows.bucket_rows(range(8), mild, tuple(range(8)))
+    away = [p for p in rows.parts if p.row != p.leaf]
+    assert rows.width == (320 + 7 * 256) // 8 and {p.leaf for p in away} == {0} and len(away) == 7
+    assert sum(p.size for p in away) == 320 - rows.width and owner_rows.worth_it(rows, tuple(range(8)), 8)
+    assert not owner_rows.worth_it(balanced, (0, 0, 0, 1), 4)
     even = owner_rows.bucket_rows(range(4), zero.Layout.of([np.zeros((8, 4))] * 4, 4),
                                   (2, 0, 3, 1))
     assert all(p.row == (2, 0, 3, 1)[p.leaf] and p.size == 32 for p in even.parts)
@@ -324,27 +331,52 @@ def _uneven_model():
     return params, loss, batches
 
 
-@pytest.mark.parametrize("clip", [True, False], ids=["clip", "noclip"])
-@pytest.mark.parametrize("stage", [2, 3])
-def test_unbalanced_owner_rows_equal_single_device_and_count_their_bytes(stage, clip):
-    """Three buckets whose owners are unbalanced (leaves straddle two rows, sent to their owner
-    by an all-to-all; all rows all-gathered when a global norm reads every leaf): equal to
-    single-device Muon, and ``comm_bytes`` equals the compiled program's bytes."""
-    params, loss, batches = _uneven_model()
+def _mild_model():
+    """Eight matrices in one bucket, one owner's larger (40 x 32 against 32 x 32): its extra
+    segment lies in the other owners' rows."""
+    rng = np.random.default_rng(2)
+    params = {"m": [jnp.asarray(rng.normal(size=(32, 40 if k == 0 else 32)) / 6, jnp.float32)
+                    for k in range(8)]}
+
+    def loss(p, b):
+        return sum(jnp.mean((jnp.tanh(b["x"] @ w)[:, :32] - b["y"]) ** 2) for w in p["m"])
+
+    batches = [{k: jnp.asarray(rng.normal(size=(32, 32)), jnp.float32) for k in ("x", "y")}
+               for _ in range(2)]
+    return params, loss, batches
+
+
+@pytest.mark.parametrize(("model", "stage", "clip"), [
+    ("mild", 2, False), ("mild", 3, False), ("mild", 2, True), ("mild", 3, True),
+    ("uneven", 2, False), ("uneven", 3, True)])
+def test_unbalanced_owner_rows_equal_single_device_and_count_their_bytes(model, stage, clip):
+    """Owners unbalanced in a bucket: with one owner's leaf larger, its extra segment lies in
+    the other rows and reaches it by an all-to-all (``mild``); with fewer leaves than devices
+    in every bucket (``uneven``: three buckets), owner rows would cost more than even pieces and
+    the buckets keep them. A global norm all-gathers the rows instead. Equal to single-device
+    Muon; ``comm_bytes`` equals the compiled program's bytes."""
+    params, loss, batches = _mild_model() if model == "mild" else _uneven_model()
     opt = _muon() if clip else optax.contrib.muon(2e-2)
     mesh = jddp.data_mesh()
+    kw = {} if model == "mild" else {"reduce": jddp.Buckets(cap_mb=0.01, first_mb=0.005)}
     ddp = jddp.DataParallel(loss, opt, mesh=mesh, place=jddp.ZeRO(stage=stage, shard="owner"),
-                            reduce=jddp.Buckets(cap_mb=0.01, first_mb=0.005))
+                            **kw)
     state = ddp.init(params)
     for b in batches:
         state, metrics = ddp.step(state, jddp.shard_batch(b, mesh))
-    assert ddp.bucket_plan.num_buckets == 3
+    assert ddp.bucket_plan.num_buckets == (1 if model == "mild" else 3)
     want = ref.train(loss, opt, params, [[b] for b in batches]).params
     assert ref.max_abs_diff(jax.tree.map(np.asarray, state.params), want) < 1e-6
     rep = ddp.report(state, jddp.shard_batch(batches[0], mesh))
     assert rep.sent_per_step == pytest.approx(float(metrics["comm_bytes"]), rel=1e-6)
-    kinds = {c.kind for c in rep.collectives}
+    kinds = {}
+    for c in rep.collectives:
+        kinds[c.kind] = kinds.get(c.kind, 0) + c.bytes
     assert "all-reduce" not in kinds and ("all-to-all" in kinds) == (stage == 3 or not clip)
+    if model == "mild" and stage == 2 and not clip:
+        # an (8, 32) float32 all-to-all: the larger leaf's 224 extra elements, 32 in each of
+        # the 7 other rows (even pieces would send it (8, 160))
+        assert kinds["all-to-all"] == 8 * 32 * 4
 
 
 # --------------------------------------------------------------------------- 2 processes x 4

@@ -2,13 +2,14 @@
 to its owner (``jddp.ZeRO(stage=s, shard="owner")``, from stage 2).
 
 The even layout (:mod:`jddp._src.core.zero`) reduce-scatters a bucket as an ``(n, K)`` matrix
-whose row ``d`` is device ``d``'s piece of every split leaf. With owners, the bucket's split
-leaves are instead flattened and concatenated **grouped by owner** (owner 0's leaves first, in
-bucket order, then owner 1's, ...), and that vector is cut into ``n`` rows of the same ``K``
-(:class:`BucketRows`): row ``d`` then holds owner ``d``'s leaves whole when the bucket's leaves
-are balanced over the owners, and otherwise a leaf may straddle two rows (its owner then gets
-the other row's segment by a small all-to-all). The reduce-scatter sends exactly the bytes of
-the even one, and nothing else moves when the rows are balanced.
+whose row ``d`` is device ``d``'s piece of every split leaf. With owners, row ``d`` is instead
+filled with owner ``d``'s leaves, flattened (:class:`BucketRows`; every row has the same ``K``):
+when the bucket's leaves are balanced over the owners each row holds exactly its owner's
+leaves, whole; otherwise what an owner has beyond ``K`` fills the rows of owners with less,
+and those segments reach their owner by a small all-to-all. The reduce-scatter sends exactly the bytes of
+the even one, and nothing else moves when the rows are balanced. A bucket whose straddling
+segments would cost more than sending even pieces to the owners keeps the even pieces
+(:func:`worth_it`).
 
 The reduced row is handed to the step as the bucket's *pieces*, cut at the pieces' sizes and
 shapes (each split leaf's ``shape[dim] / n`` piece, :func:`pieces`): the gradients keep the
@@ -53,13 +54,11 @@ class BucketRows(NamedTuple):
 
     Attributes:
       split: the bucket's split leaves in bucket order (the order of their pieces).
-      order: the same leaves grouped by owner (the rows' order).
       width: each row's length: the sum of the split leaves' piece sizes.
-      parts: every split leaf's segments, one per row it lies in, in leaf order.
+      parts: every split leaf's segments, in leaf order, each leaf's in its flattened order.
     """
 
     split: tuple[int, ...]
-    order: tuple[int, ...]
     width: int
     parts: tuple[Part, ...]
 
@@ -67,33 +66,68 @@ class BucketRows(NamedTuple):
         """Leaf ``i``'s segments, in the flattened leaf's order."""
         return tuple(p for p in self.parts if p.leaf == i)
 
+    def row_parts(self, d: int) -> tuple[Part, ...]:
+        """Row ``d``'s segments, in column order."""
+        return tuple(sorted((p for p in self.parts if p.row == d), key=lambda p: p.col))
+
 
 def bucket_rows(indices: Sequence[int], layout: zero.Layout,
                 owners: Sequence[int]) -> BucketRows:
-    """The :class:`BucketRows` of the bucket with leaves ``indices`` (bucket order)."""
+    """The :class:`BucketRows` of the bucket with leaves ``indices`` (bucket order): each row
+    filled with its owner's leaves (bucket order) up to the width; what does not fit (an owner
+    with more than an even share) then fills the rows with room, in row order."""
     n = layout.n
     split = tuple(i for i in indices if layout.dims[i] is not None)
-    if not split:
-        return BucketRows((), (), 0, ())
-    pos = {i: k for k, i in enumerate(split)}
-    order = tuple(sorted(split, key=lambda i: (owners[i], pos[i])))
     sizes = {i: int(np.prod(layout.shapes[i], dtype=np.int64)) for i in split}
     width = sum(sizes.values()) // n
-    parts, at = [], 0
-    for i in order:
-        start = 0
-        while start < sizes[i]:
-            row, col = divmod(at, width)
-            size = min(sizes[i] - start, width - col)
-            parts.append(Part(i, row, col, start, size))
-            start, at = start + size, at + size
-    return BucketRows(split, order, width, tuple(sorted(parts, key=lambda p: (p.leaf, p.start))))
+    parts: list[Part] = []
+    fill = [0] * n
+    over: list[tuple[int, int, int]] = []  # (leaf, start, size) not in its owner's row
+    for d in range(n):
+        for i in (i for i in split if owners[i] == d):
+            take = min(sizes[i], width - fill[d])
+            if take > 0:
+                parts.append(Part(i, d, fill[d], 0, take))
+                fill[d] += take
+            if take < sizes[i]:
+                over.append((i, take, sizes[i] - take))
+    d = 0
+    for i, start, size in over:
+        while size > 0:
+            while fill[d] == width:
+                d += 1
+            take = min(size, width - fill[d])
+            parts.append(Part(i, d, fill[d], start, take))
+            fill[d], start, size = fill[d] + take, start + take, size - take
+    return BucketRows(split, width, tuple(sorted(parts, key=lambda p: (p.leaf, p.start))))
+
+
+def worth_it(rows: BucketRows, owners: Sequence[int], n: int) -> bool:
+    """Whether owner rows cost a bucket no more than even pieces: the longest run of segments
+    one device must then send one owner (straddling leaves) against the longest run of pieces
+    an owner receives from each device with even pieces (their all-to-all's row). Balanced
+    owners: nothing to send, always worth it."""
+    straddle: dict[tuple[int, int], int] = {}
+    for p in rows.parts:
+        if p.row != owners[p.leaf]:
+            key = (p.row, owners[p.leaf])
+            straddle[key] = straddle.get(key, 0) + p.size
+    if not straddle:
+        return True
+    even: dict[int, int] = {}
+    for p in rows.parts:
+        even[owners[p.leaf]] = even.get(owners[p.leaf], 0) + p.size
+    return max(straddle.values()) <= max(even.values()) // n
 
 
 def encode(rows: BucketRows, grads: dict[int, jax.Array], n: int) -> jax.Array:
     """The ``(n, width)`` matrix of the split leaves ``grads`` (whole, by index) in owner rows."""
-    flat = [jnp.reshape(grads[i], (-1,)) for i in rows.order]
-    return jnp.reshape(jnp.concatenate(flat) if len(flat) > 1 else flat[0], (n, rows.width))
+    flat = {i: jnp.reshape(g, (-1,)) for i, g in grads.items()}
+    out = []
+    for d in range(n):
+        segs = [flat[p.leaf][p.start:p.start + p.size] for p in rows.row_parts(d)]
+        out.append(jnp.concatenate(segs) if len(segs) > 1 else segs[0])
+    return jnp.stack(out)
 
 
 def pieces(rows: BucketRows, row: jax.Array, layout: zero.Layout) -> dict[int, jax.Array]:
@@ -117,7 +151,5 @@ def row_of(rows: BucketRows, leaves: Sequence[Any]) -> jax.Array:
 def whole_from_all(rows: BucketRows, every: jax.Array, i: int,
                    shape: Sequence[int]) -> jax.Array:
     """Split leaf ``i`` whole from every device's row (``(n, width)``, an all-gather's)."""
-    flat = jnp.reshape(every, (-1,))
-    parts = rows.leaf_parts(i)
-    at = parts[0].row * rows.width + parts[0].col
-    return jnp.reshape(flat[at:at + sum(p.size for p in parts)], tuple(shape))
+    segs = [every[p.row, p.col:p.col + p.size] for p in rows.leaf_parts(i)]
+    return jnp.reshape(jnp.concatenate(segs) if len(segs) > 1 else segs[0], tuple(shape))

@@ -5,7 +5,9 @@ From stage 2 the bucket reducer scatters each bucket in owner rows
 every bucket, cut into the pieces of the even layout. When a bucket's leaves are balanced over
 the owners, row ``d`` is exactly owner ``d``'s leaves and nothing moves; otherwise a leaf may
 straddle two rows, and the segments held by another device go to their owner by one all-to-all
-per dtype (:class:`Exchange`). When some owner's update reads another owner's gradients (a
+per dtype (:class:`Exchange`); a bucket where that would cost more than even pieces keeps them
+(the reducer's choice, :func:`jddp._src.core.owner_rows.worth_it`), and its leaves go to their
+owners as even pieces, as leaves in no bucket do. When some owner's update reads another owner's gradients (a
 global norm), every device's rows are all-gathered instead (:func:`gather_all`), as the even
 pieces were.
 
@@ -59,7 +61,11 @@ class Exchange(NamedTuple):
 def exchange(plan: BucketPlan, layout: zero.Layout, owners: Sequence[int],
              dtypes: Sequence[Any]) -> Exchange:
     """The :class:`Exchange` of ``plan``'s buckets (``dtypes``: each gradient leaf's)."""
-    rows = tuple(owner_rows.bucket_rows(b.indices, layout, owners) for b in plan.buckets)
+    # A bucket the reducer keeps in even pieces (owner_rows.worth_it) has no rows here: its
+    # leaves go to their owners as even pieces.
+    rows = tuple(r if owner_rows.worth_it(r, owners, layout.n) else owner_rows.BucketRows(
+        (), 0, ()) for r in (owner_rows.bucket_rows(b.indices, layout, owners)
+                                 for b in plan.buckets))
     bucket_dtypes = tuple(jnp.dtype(dtypes[b.indices[0]]) for b in plan.buckets)
     groups: list[Any] = []
     fill: dict[tuple[int, int, int], int] = {}

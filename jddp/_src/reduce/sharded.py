@@ -80,7 +80,8 @@ class ReduceScatter(AllReduce):
 
     def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
                  step: jax.Array) -> tuple[tuple, tuple, tuple]:
-        if self.owners is not None:
+        if self.owners is not None and owner_rows.worth_it(self._rows(b), self.owners,
+                                                           self.layout.n):
             return self._owner_backward(b, grads, states, extras, step)
         dims, n = self.dims(b), self.layout.n
         if not self.scatters:
@@ -101,14 +102,18 @@ class ReduceScatter(AllReduce):
         pieces = tuple(zero.reduce_scatter(grads, dims, n, self.shard_axis, scatter))
         return pieces, tuple(states), exact_mean(extras, pieces, self.axis_name)
 
+    def _rows(self, b: int) -> owner_rows.BucketRows:
+        """Bucket ``b``'s owner rows (with ``owners``)."""
+        assert self.owners is not None
+        return owner_rows.bucket_rows(self.plan.buckets[b].indices, self.layout, self.owners)
+
     def _owner_backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
                         step: jax.Array) -> tuple[tuple, tuple, tuple]:
         """:meth:`backward` in owner rows: the split leaves' rows, then the whole leaves (and
         the extras, when they fuse) as whole rows, one reduce-scatter (or, through a hook that
         cannot scatter, its reduction and this device's row)."""
-        assert self.owners is not None
         lay, indices = self.layout, self.plan.buckets[b].indices
-        rows = owner_rows.bucket_rows(indices, lay, self.owners)
+        rows = self._rows(b)
         split = {i: g for i, g in zip(indices, grads, strict=True) if lay.dims[i] is not None}
         whole = [j for j, i in enumerate(indices) if lay.dims[i] is None]
         if not self.scatters:

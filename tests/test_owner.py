@@ -381,6 +381,42 @@ def test_unbalanced_owner_rows_equal_single_device_and_count_their_bytes(model, 
 
 # --------------------------------------------------------------------------- 2 processes x 4
 
+# Owner-rows runs for the 2-process test (the combination matrix's MLP has fewer matrices than
+# devices, so its buckets keep even pieces): balanced rows at stages 2-3 with clipping and
+# accumulation, and rows with an owner's extra segments in other rows.
+ROWS_RUNS = (("balanced", 2), ("balanced", 3), ("mild", 2))
+
+
+def _rows_case(name):
+    """``(params, loss, optimizer, batches, accumulate)`` of an owner-rows run."""
+    if name == "balanced":
+        return _params(), _loss, _muon(), _batches(4, ROWS // 2), 2
+    params, loss, batches = _mild_model()
+    return params, loss, optax.contrib.muon(2e-2), batches, 1
+
+
+def _rows_run(name, stage, repeats=1):
+    """The global parameters after training ``name`` at ``ZeRO(stage, shard="owner")`` on all
+    devices, ``repeats`` times from the start with one compiled program (numpy trees)."""
+    params, loss, opt, batches, accumulate = _rows_case(name)
+    mesh = jddp.data_mesh()
+    ddp = jddp.DataParallel(loss, opt, mesh=mesh, place=jddp.ZeRO(stage=stage, shard="owner"),
+                            accumulate=jddp.Accumulate(steps=accumulate))
+    out = []
+    for _ in range(repeats):
+        state = ddp.init(params)
+        for b in batches:
+            state, _ = ddp.step(state, jddp.shard_batch(b, mesh))
+        out.append(tm._to_numpy(ddp.global_params(state)))
+    return out
+
+
+@functools.cache
+def _rows_reference(name):
+    params, loss, opt, batches, accumulate = _rows_case(name)
+    calls = [batches[i:i + accumulate] for i in range(0, len(batches), accumulate)]
+    return jax.tree.leaves(ref.train(loss, opt, params, calls).params)
+
 SCRIPT = r'''
 import json, sys
 import jax
@@ -393,6 +429,10 @@ for i, cell in enumerate(tm.CELLS):
     if cell.extra.get("owner_procs") == 2:
         runs = tm.run_cell(cell, multi=True, repeats=2)
         out[str(i)] = [[np.asarray(x).tolist() for x in jax.tree.leaves(r)] for r in runs]
+from tests import test_owner as to
+for name, stage in to.ROWS_RUNS:
+    runs = to._rows_run(name, stage, repeats=2)
+    out[f"{name}{stage}"] = [[np.asarray(x).tolist() for x in jax.tree.leaves(r)] for r in runs]
 if jax.process_index() == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(out, f)
@@ -402,17 +442,24 @@ print("DONE", jax.process_count())
 
 @pytest.mark.slow
 def test_two_processes_repeat_bitwise_and_equal_one_process(tmp_path):
-    """The owner rows of the combination matrix marked ``owner_procs=2`` on 2 processes x 4
-    devices:
-    repeats bitwise equal, equal to the 1 x 8 run and to the single-device reference."""
+    """The owner rows of the combination matrix marked ``owner_procs=2``, and the owner-rows
+    runs (``ROWS_RUNS``), on 2 processes x 4 devices: repeats bitwise equal, equal to the 1 x 8
+    run and to the single-device reference."""
     script = tmp_path / "owner_job.py"
     script.write_text(SCRIPT)
-    rc, out, err, _ = run_launcher(["-n", "2", "--devices-per-process", "4", "--timeout", "280",
-                                    str(script), str(tmp_path / "out.json")], timeout=300)
+    rc, out, err, _ = run_launcher(["-n", "2", "--devices-per-process", "4", "--timeout", "420",
+                                    str(script), str(tmp_path / "out.json")], timeout=450)
     assert rc == 0, (out[-2000:], err[-4000:])
     results = json.loads((tmp_path / "out.json").read_text())
     cells = [i for i, c in enumerate(tm.CELLS) if c.extra.get("owner_procs") == 2]
-    assert len(cells) >= 3 and sorted(map(int, results)) == cells
+    assert len(cells) >= 3 and sorted(k for k in results if k.isdigit()) == sorted(map(str, cells))
+    for name, stage in ROWS_RUNS:  # owner rows: repeats bitwise, equal to 1 x 8 and reference
+        first, second = ([np.asarray(x, np.float32) for x in r] for r in results[f"{name}{stage}"])
+        for a, b in zip(first, second, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} stage {stage}: repeats differ")
+        one = jax.tree.leaves(_rows_run(name, stage)[0])
+        assert ref.max_abs_diff(first, one) < 1e-6, (name, stage)
+        assert ref.max_abs_diff(first, _rows_reference(name)) < 1e-6, (name, stage)
     for i in cells:
         cell = tm.CELLS[i]
         first, second = ([np.asarray(x, np.float32) for x in r] for r in results[str(i)])

@@ -11,14 +11,11 @@ cost, largest first), and only the owner computes the leaf's update:
   :mod:`jddp._src.place.stages`); the optimizer state is
   stored per owner (:mod:`jddp._src.place.owner_state`: each device keeps only its leaves' state,
   which therefore never moves; checkpoints hold optax's own tree);
-- from stage 2 the bucket reducer reduce-scatters each bucket in owner rows
-  (:mod:`jddp._src.core.owner_rows`), so each leaf's reduced gradient lands on its owner; the
-  update (:func:`update`) runs in one ``shard_map`` and sends only the segments of leaves that
-  straddle into another device's row to their owner (:mod:`jddp._src.place.owner_grads`: one
-  all-to-all per dtype, none when the buckets are balanced over the owners), unless some
-  owner's update reads another's gradient (``clip_by_global_norm``): then every device's rows
-  are all-gathered, and global norms see every leaf exactly; at stage 3 the parameters' pieces
-  go to the owners only if the optimizer reads them (weight decay);
+- from stage 2 each bucket is reduce-scattered in owner rows (:mod:`jddp._src.core.owner_rows`):
+  each leaf's reduced gradient lands on its owner, but for segments lying in another row, sent
+  by an all-to-all (:mod:`jddp._src.place.owner_grads`); when some owner reads another's
+  gradient (a global norm) every row is all-gathered; at stage 3 the parameters' pieces go to
+  the owners only if the optimizer reads them (weight decay);
 - every device then runs the optimizer in one branch of a ``lax.switch`` on its own index, whose
   outputs are the leaves it owns only: XLA removes the rest of the update from that branch, so the
   orthogonalization of each matrix runs once, on its owner, and no collective runs inside it;
@@ -549,7 +546,8 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
 
     def local(p: list, rows: list, common: list, g: list) -> tuple[list, list, list]:
         g_rows = owner_grads.my_rows(moves.rows, g) if moves.rows is not None else []
-        g_in = _gather_grads(moves, g, g_rows, axis) if needs.all_grads else g
+        g_in = owner_grads.all_whole(moves.rows, _gather_whole(g, gio.leaves, axis), g_rows,
+                                     axis, gio.leaves, moves.dims[1]) if needs.all_grads else g
         g_got = [] if needs.all_grads else [
             _to_owners(gio, g, n, axis),
             owner_grads.send(moves.rows, g_rows, n, axis) if moves.rows is not None else []]
@@ -560,7 +558,9 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
                     common: list) -> Any:
                 own_p = _owned_whole(pio, p_got, k) if needs.params else {}
                 pp = jax.tree.unflatten(p_tree, _branch_inputs(pio, p, own_p))
-                gg = g_in[0] if needs.all_grads else _branch_grads(moves, k, g_in, g_got)
+                gg = g_in[0] if needs.all_grads else owner_grads.branch_whole(
+                    moves.rows, k, g_in[0], g_in[1], g_got[1], _owned_whole(gio, g_got[0], k),
+                    gio.leaves, moves.dims[1])
                 updates, new_s = optimizer.update(jax.tree.unflatten(p_tree, gg),
                                                   _state_inputs(moves, k, rows, common), pp)
                 return (_branch_outputs(pio, jax.tree.leaves(updates), k, n),
@@ -580,31 +580,6 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
       jax.tree.leaves(grads))
     return (jax.tree.unflatten(p_tree, new_p),
             owner_state.Packed(new_rows, new_common, opt_state.layout))
-
-
-def _gather_grads(moves: _Moves, g: list, g_rows: list, axis: Any) -> list:
-    """Every gradient leaf whole on every device (some owner reads another's: a global norm):
-    the owner rows and the even pieces all-gathered; leaves in no bucket and unused, zeros."""
-    gio = moves.grads
-    out = _gather_whole(g, gio.leaves, axis)
-    if moves.rows is None:
-        return out
-    shapes = [lf.shape for lf in gio.leaves]
-    whole = owner_grads.gather_all(moves.rows, g_rows, axis, shapes)
-    return [whole[i] if i in whole else out[i] if moves.dims[1][i] is None or gio.leaves[i].dim
-            is not None else jnp.zeros(lf.shape, lf.dtype) for i, lf in enumerate(gio.leaves)]
-
-
-def _branch_grads(moves: _Moves, k: int, g: list, got: list) -> list:
-    """The full gradient leaves owner ``k``'s optimizer reads: its own whole (from the owner
-    rows and the even pieces sent to it), those stored whole as they are, zeros for the rest."""
-    gio, (g, g_rows) = moves.grads, g
-    own = _owned_whole(gio, got[0], k)
-    if moves.rows is not None:
-        own.update(owner_grads.owned(moves.rows, k, g_rows, got[1],
-                                     [lf.shape for lf in gio.leaves]))
-    return [own[i] if i in own else g[i] if moves.dims[1][i] is None
-            else jnp.zeros(lf.shape, lf.dtype) for i, lf in enumerate(gio.leaves)]
 
 
 def _hosts(topo: Topology) -> int:

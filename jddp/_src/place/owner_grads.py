@@ -165,3 +165,32 @@ def gathered_widths(ex: Exchange) -> dict[Any, int]:
     for r, dt in zip(ex.rows, ex.dtypes, strict=True):
         out[dt] = out.get(dt, 0) + r.width
     return out
+
+
+def all_whole(ex: Exchange | None, gathered: list, rows: list[jax.Array], axis: Any,
+              leaves: Sequence[Any], stored: Sequence[int | None]) -> list:
+    """Every gradient leaf whole on every device (some owner reads another's: a global norm).
+
+    Args:
+      gathered: the leaves with the even pieces (``leaves[i].dim`` not ``None``) all-gathered.
+      leaves: per leaf its ``shape``, ``dtype`` and ``dim`` (the split dimension of the pieces
+        that travel as even pieces, else ``None``).
+      stored: per leaf its split dimension as stored (``None``: whole).
+    """
+    if ex is None:
+        return gathered
+    whole = gather_all(ex, rows, axis, [lf.shape for lf in leaves])
+    return [whole[i] if i in whole else gathered[i] if stored[i] is None or lf.dim is not None
+            else jnp.zeros(lf.shape, lf.dtype) for i, lf in enumerate(leaves)]
+
+
+def branch_whole(ex: Exchange | None, k: int, grads: list, rows: list[jax.Array],
+                 got: list[jax.Array], own: dict[int, jax.Array], leaves: Sequence[Any],
+                 stored: Sequence[int | None]) -> list:
+    """The full gradient leaves owner ``k``'s optimizer reads: its own whole (``own``: those
+    that came as even pieces; the owner rows' from ``rows`` and what :func:`send` brought),
+    those stored whole as they are (``grads``), zeros for the rest (as :func:`all_whole`)."""
+    if ex is not None:
+        own = {**own, **owned(ex, k, rows, got, [lf.shape for lf in leaves])}
+    return [own[i] if i in own else grads[i] if stored[i] is None
+            else jnp.zeros(lf.shape, lf.dtype) for i, lf in enumerate(leaves)]

@@ -6,7 +6,8 @@ step's FLOPs per device (``compiled.cost_analysis()``), its collectives (count, 
 the bytes its collectives carry (``ddp.report``; also at stages 1-3 against AdamW's, with
 ``metrics["comm_bytes"]``), and the step time of every variant alternated in one run
 (medians). Also the same program compiled for 8 H100s (compile only) where this machine has
-XLA's GPU compiler.
+XLA's GPU compiler, and the bytes by stage on a model whose owners are unbalanced in every
+bucket (five unequal matrices, three buckets).
 
     python benchmarks/owner_muon.py --json benchmarks/out/owner_muon.json
 """
@@ -84,24 +85,53 @@ def program_facts(ddp, state, batch):
             "sent_per_step": float(rep.sent_per_step)}
 
 
-def bytes_by_stage(params, batch, loss, mesh):
+def uneven_model(batch=32):
+    """Five unequal matrices (fewer than 8 devices) with biases, in 3 buckets (10 KiB caps):
+    owners unbalanced in every bucket, so leaves straddle the owner rows."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jddp
+
+    rng = np.random.default_rng(0)
+    dims = {"a": (32, 48), "b": (48, 48), "c": (48, 40), "d": (40, 32), "e": (32, 32)}
+    params = {k: {"w": jnp.asarray(rng.normal(size=s) / np.sqrt(s[0]), jnp.float32),
+                  "b": jnp.zeros((s[1],), jnp.float32)} for k, s in dims.items()}
+    data = {k: jnp.asarray(rng.normal(size=(batch, 32)), jnp.float32) for k in ("x", "y")}
+
+    def loss(p, b):
+        h = b["x"]
+        for k in sorted(dims):
+            h = jnp.tanh(h @ p[k]["w"] + p[k]["b"])
+        return jnp.mean((h - b["y"]) ** 2)
+
+    return params, data, loss, jddp.Buckets(cap_mb=0.01, first_mb=0.005)
+
+
+def bytes_by_stage(params, batch, loss, mesh, reduce=None):
     """Per stage 1-3: owner Muon's and even AdamW's collective bytes per step (operands, from
-    the compiled program), their ring bytes sent per device, and ``metrics["comm_bytes"]``."""
+    the compiled program, and by kind), their ring bytes sent per device, and
+    ``metrics["comm_bytes"]``."""
     import optax
 
     import jddp
 
     out = {}
+    kw = {} if reduce is None else {"reduce": reduce}
     for stage in (1, 2, 3):
         for name, opt, place in (
                 ("owner_muon", optax.contrib.muon(2e-2), jddp.ZeRO(stage=stage, shard="owner")),
                 ("even_adamw", optax.adamw(1e-3), jddp.ZeRO(stage=stage))):
-            ddp = jddp.DataParallel(loss, opt, mesh=mesh, place=place)
+            ddp = jddp.DataParallel(loss, opt, mesh=mesh, place=place, **kw)
             state = ddp.init(params)
             rep = ddp.report(state, batch)
             _, metrics = ddp.step(state, batch)
+            kinds = {}
+            for c in rep.collectives:
+                kinds[c.kind] = kinds.get(c.kind, 0) + c.bytes
             out[f"stage{stage}_{name}"] = {
                 "bytes_per_step": float(rep.bytes_per_step),
+                "bytes_by_kind": kinds,
                 "sent_per_step": float(rep.sent_per_step),
                 "comm_bytes": float(metrics["comm_bytes"]),
                 "collectives": len(rep.collectives)}
@@ -162,6 +192,9 @@ def main():
 
         runs[name] = run
     by_stage = bytes_by_stage(params, gbatch, loss, mesh)
+    u_params, u_batch, u_loss, u_reduce = uneven_model()
+    by_stage_uneven = bytes_by_stage(u_params, jddp.shard_batch(u_batch, mesh), u_loss, mesh,
+                                     u_reduce)
     timed = {k: runs[k] for k in ("owner_muon", "replicate_muon", "even_muon", "even_adamw")}
     first, times = time_alternated(timed, args.warmup, args.iters)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -172,6 +205,7 @@ def main():
         "devices": args.devices, "stage": args.stage, "platform": jax.default_backend(),
         "facts": facts,
         "bytes_by_stage": by_stage,
+        "bytes_by_stage_uneven": by_stage_uneven,
         "muon_flops_whole_model_estimate": rep_extra,
         "owner_flops_bound": facts["even_adamw"]["flops_per_device"] + 1.15 * rep_extra
         / args.devices,

@@ -200,18 +200,20 @@ def test_comm_bytes_are_the_compiled_programs_bytes(stage, clip):
     got, rep, _ = _comm_bytes_and_report(jddp.ZeRO(stage=stage, shard="owner"), opt)
     assert rep.sent_per_step == pytest.approx(got, rel=1e-6)
     kinds = {c.kind for c in rep.collectives}
-    # from stage 2 the gradients' pieces go to their owners (all-gathered for a global norm);
-    # at stage 3 the updates' pieces come back
+    # from stage 2 the gradients reach their owners in the reduce-scatter's owner rows; with 4
+    # matrices on 8 devices some leaves straddle two rows and those segments go by an
+    # all-to-all (all-gathered rows for a global norm); at stage 3 the updates' pieces come back
     assert ("all-to-all" in kinds) == (stage == 3 or (stage == 2 and not clip))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_optimizer_state_does_not_move(stage):
     """The optimizer state lives packed per owner (each device its own leaves'): the compiled
-    step's collective bytes are AdamW's at the same even stage (stage 1: the all-reduce and the
-    parameters' all-gather, equal), plus from stage 2 only the gradients' pieces sent to their
-    owners, and at stage 3 the updates' pieces sent back (the reduce-scatter to the owners that
-    would remove them is not built); nothing of the optimizer state."""
+    step's collective bytes are at most AdamW's at the same even stage (stage 1: the all-reduce
+    and the parameters' all-gather; stage 2: the reduce-scatter in owner rows, which lands each
+    leaf's gradient on its owner, and the owners' updates all-gathered), plus at stage 3 the
+    updates' pieces sent back (the parameters are stored as even pieces); nothing of the
+    optimizer state, nor (balanced rows) of the gradients."""
     def program(place, opt):
         mesh = jddp.data_mesh()
         ddp = jddp.DataParallel(_loss, opt, mesh=mesh, place=place)
@@ -225,7 +227,7 @@ def test_the_optimizer_state_does_not_move(stage):
     got, kinds, state = program(jddp.ZeRO(stage=stage, shard="owner"), optax.contrib.muon(2e-2))
     want, adamw_kinds, _ = program(jddp.ZeRO(stage=stage), optax.adamw(1e-3))
     pieces = sum(int(np.prod(np.shape(x))) * 4 for x in jax.tree.leaves(_params())) // 8
-    moved = {1: 0, 2: pieces, 3: 2 * pieces}[stage]  # 16 + 16 equal leaves: balanced rows
+    moved = {1: 0, 2: 0, 3: pieces}[stage]  # 16 + 16 equal leaves: balanced rows
     assert kinds.get("all-to-all", 0) == moved
     assert got - moved <= want, (got, want, kinds, adamw_kinds)
     # each device stores 1/8 of the state: its two matrices' momentum, its two biases' moments
@@ -264,7 +266,156 @@ def test_comm_bytes_exact_over_a_window_narrow_dtypes_and_other_optimizers(case)
         assert rep.across_hosts_per_window * rep.hosts / n == pytest.approx(across, rel=1e-6)
 
 
+def test_owner_rows_cover_each_leaf_once_and_invert():
+    """A bucket's owner rows (jddp/_src/core/owner_rows.py): every split leaf's segments cover
+    it once, in order; balanced owners give each row its owner's leaves whole; cutting a row
+    into the pieces and joining them again is the identity."""
+    from jddp._src.core import owner_rows, zero
+
+    layout = zero.Layout.of([np.zeros(s) for s in [(8, 4), (16,), (5,), (8, 2), (4, 4)]], 4)
+    owners = (1, 0, 2, 3, 1)
+    rows = owner_rows.bucket_rows(range(5), layout, owners)
+    assert rows.split == (0, 1, 3, 4) and rows.width == (32 + 16 + 16 + 16) // 4
+    for i in rows.split:
+        parts = rows.leaf_parts(i)
+        assert [p.start for p in parts] == list(np.cumsum([0] + [p.size for p in parts[:-1]]))
+        assert sum(p.size for p in parts) == int(np.prod(layout.shapes[i]))
+    grads = {i: jnp.arange(np.prod(layout.shapes[i]), dtype=jnp.float32).reshape(
+        layout.shapes[i]) + 100 * i for i in rows.split}
+    matrix = owner_rows.encode(rows, grads, 4)
+    for d in range(4):
+        got = owner_rows.pieces(rows, matrix[d], layout)
+        assert {i: x.shape for i, x in got.items()} == {
+            i: zero.shard_shape(layout.shapes[i], layout.dims[i], 4) for i in rows.split}
+        leaves = [got.get(i, np.zeros(1)) for i in range(5)]
+        np.testing.assert_array_equal(owner_rows.row_of(rows, leaves), matrix[d])
+    for i in rows.split:
+        np.testing.assert_array_equal(owner_rows.whole_from_all(rows, matrix, i,
+                                                                layout.shapes[i]), grads[i])
+    balanced = owner_rows.bucket_rows([0, 3], zero.Layout.of([np.zeros((8, 4))] * 4, 4),
+                                      (0, 0, 0, 1))
+    # two leaves on four rows of 16: each fills its owner's row, the rest fills the free rows
+    assert [(p.leaf, p.row) for p in balanced.parts] == [(0, 0), (0, 2), (3, 1), (3, 3)]
+    # one owner with 40 rows where the others have 32: its extra 56 elements fill the 7 others
+    mild = zero.Layout.of([np.zeros((40, 8))] + [np.zeros((32, 8))] * 7, 8)
+    rows = owner_rows.bucket_rows(range(8), mild, tuple(range(8)))
+    away = [p for p in rows.parts if p.row != p.leaf]
+    assert rows.width == (320 + 7 * 256) // 8 and {p.leaf for p in away} == {0} and len(away) == 7
+    assert sum(p.size for p in away) == 320 - rows.width and owner_rows.worth_it(rows, tuple(range(8)), 8)
+    assert not owner_rows.worth_it(balanced, (0, 0, 0, 1), 4)
+    even = owner_rows.bucket_rows(range(4), zero.Layout.of([np.zeros((8, 4))] * 4, 4),
+                                  (2, 0, 3, 1))
+    assert all(p.row == (2, 0, 3, 1)[p.leaf] and p.size == 32 for p in even.parts)
+
+
+def _uneven_model():
+    """Five unequal matrices (fewer than devices), their biases, a leaf split on 8 rows and an
+    odd one kept whole: owners are unbalanced in every bucket, so leaves straddle rows."""
+    rng = np.random.default_rng(0)
+    dims = {"a": (32, 48), "b": (48, 48), "c": (48, 40), "d": (40, 32), "e": (32, 32)}
+    params = {k: {"w": jnp.asarray(rng.normal(size=s) / np.sqrt(s[0]), jnp.float32),
+                  "b": jnp.asarray(rng.normal(size=(s[1],)) * .1, jnp.float32)}
+              for k, s in dims.items()}
+    params["odd"] = jnp.asarray(rng.normal(size=(32, 3)) * .1, jnp.float32)
+    params["whole"] = jnp.asarray(rng.normal(size=(5,)) * .1, jnp.float32)
+
+    def loss(p, b):
+        h = b["x"]
+        for k in sorted(dims):
+            h = jnp.tanh(h @ p[k]["w"] + p[k]["b"])
+        return (jnp.mean((h - b["y"]) ** 2) + 1e-2 * jnp.sum(p["odd"] ** 2)
+                + 1e-2 * jnp.sum(p["whole"] ** 2))
+
+    batches = [{k: jnp.asarray(rng.normal(size=(32, 32)), jnp.float32) for k in ("x", "y")}
+               for _ in range(2)]
+    return params, loss, batches
+
+
+def _mild_model():
+    """Eight matrices in one bucket, one owner's larger (40 x 32 against 32 x 32): its extra
+    segment lies in the other owners' rows."""
+    rng = np.random.default_rng(2)
+    params = {"m": [jnp.asarray(rng.normal(size=(32, 40 if k == 0 else 32)) / 6, jnp.float32)
+                    for k in range(8)]}
+
+    def loss(p, b):
+        return sum(jnp.mean((jnp.tanh(b["x"] @ w)[:, :32] - b["y"]) ** 2) for w in p["m"])
+
+    batches = [{k: jnp.asarray(rng.normal(size=(32, 32)), jnp.float32) for k in ("x", "y")}
+               for _ in range(2)]
+    return params, loss, batches
+
+
+@pytest.mark.parametrize(("model", "stage", "clip"), [
+    ("mild", 2, False), ("mild", 3, False), ("mild", 2, True), ("mild", 3, True),
+    ("uneven", 2, False), ("uneven", 3, True)])
+def test_unbalanced_owner_rows_equal_single_device_and_count_their_bytes(model, stage, clip):
+    """Owners unbalanced in a bucket: with one owner's leaf larger, its extra segment lies in
+    the other rows and reaches it by an all-to-all (``mild``); with fewer leaves than devices
+    in every bucket (``uneven``: three buckets), owner rows would cost more than even pieces and
+    the buckets keep them. A global norm all-gathers the rows instead. Equal to single-device
+    Muon; ``comm_bytes`` equals the compiled program's bytes."""
+    params, loss, batches = _mild_model() if model == "mild" else _uneven_model()
+    opt = _muon() if clip else optax.contrib.muon(2e-2)
+    mesh = jddp.data_mesh()
+    kw = {} if model == "mild" else {"reduce": jddp.Buckets(cap_mb=0.01, first_mb=0.005)}
+    ddp = jddp.DataParallel(loss, opt, mesh=mesh, place=jddp.ZeRO(stage=stage, shard="owner"),
+                            **kw)
+    state = ddp.init(params)
+    for b in batches:
+        state, metrics = ddp.step(state, jddp.shard_batch(b, mesh))
+    assert ddp.bucket_plan.num_buckets == (1 if model == "mild" else 3)
+    want = ref.train(loss, opt, params, [[b] for b in batches]).params
+    assert ref.max_abs_diff(jax.tree.map(np.asarray, state.params), want) < 1e-6
+    rep = ddp.report(state, jddp.shard_batch(batches[0], mesh))
+    assert rep.sent_per_step == pytest.approx(float(metrics["comm_bytes"]), rel=1e-6)
+    kinds = {}
+    for c in rep.collectives:
+        kinds[c.kind] = kinds.get(c.kind, 0) + c.bytes
+    assert "all-reduce" not in kinds and ("all-to-all" in kinds) == (stage == 3 or not clip)
+    if model == "mild" and stage == 2 and not clip:
+        # an (8, 32) float32 all-to-all: the larger leaf's 224 extra elements, 32 in each of
+        # the 7 other rows (even pieces would send it (8, 160))
+        assert kinds["all-to-all"] == 8 * 32 * 4
+
+
 # --------------------------------------------------------------------------- 2 processes x 4
+
+# Owner-rows runs for the 2-process test (the combination matrix's MLP has fewer matrices than
+# devices, so its buckets keep even pieces): balanced rows at stages 2-3 with clipping and
+# accumulation, and rows with an owner's extra segments in other rows.
+ROWS_RUNS = (("balanced", 2), ("balanced", 3), ("mild", 2))
+
+
+def _rows_case(name):
+    """``(params, loss, optimizer, batches, accumulate)`` of an owner-rows run."""
+    if name == "balanced":
+        return _params(), _loss, _muon(), _batches(4, ROWS // 2), 2
+    params, loss, batches = _mild_model()
+    return params, loss, optax.contrib.muon(2e-2), batches, 1
+
+
+def _rows_run(name, stage, repeats=1):
+    """The global parameters after training ``name`` at ``ZeRO(stage, shard="owner")`` on all
+    devices, ``repeats`` times from the start with one compiled program (numpy trees)."""
+    params, loss, opt, batches, accumulate = _rows_case(name)
+    mesh = jddp.data_mesh()
+    ddp = jddp.DataParallel(loss, opt, mesh=mesh, place=jddp.ZeRO(stage=stage, shard="owner"),
+                            accumulate=jddp.Accumulate(steps=accumulate))
+    out = []
+    for _ in range(repeats):
+        state = ddp.init(params)
+        for b in batches:
+            state, _ = ddp.step(state, jddp.shard_batch(b, mesh))
+        out.append(tm._to_numpy(ddp.global_params(state)))
+    return out
+
+
+@functools.cache
+def _rows_reference(name):
+    params, loss, opt, batches, accumulate = _rows_case(name)
+    calls = [batches[i:i + accumulate] for i in range(0, len(batches), accumulate)]
+    return jax.tree.leaves(ref.train(loss, opt, params, calls).params)
 
 SCRIPT = r'''
 import json, sys
@@ -278,6 +429,10 @@ for i, cell in enumerate(tm.CELLS):
     if cell.extra.get("owner_procs") == 2:
         runs = tm.run_cell(cell, multi=True, repeats=2)
         out[str(i)] = [[np.asarray(x).tolist() for x in jax.tree.leaves(r)] for r in runs]
+from tests import test_owner as to
+for name, stage in to.ROWS_RUNS:
+    runs = to._rows_run(name, stage, repeats=2)
+    out[f"{name}{stage}"] = [[np.asarray(x).tolist() for x in jax.tree.leaves(r)] for r in runs]
 if jax.process_index() == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(out, f)
@@ -287,17 +442,24 @@ print("DONE", jax.process_count())
 
 @pytest.mark.slow
 def test_two_processes_repeat_bitwise_and_equal_one_process(tmp_path):
-    """The owner rows of the combination matrix marked ``owner_procs=2`` on 2 processes x 4
-    devices:
-    repeats bitwise equal, equal to the 1 x 8 run and to the single-device reference."""
+    """The owner rows of the combination matrix marked ``owner_procs=2``, and the owner-rows
+    runs (``ROWS_RUNS``), on 2 processes x 4 devices: repeats bitwise equal, equal to the 1 x 8
+    run and to the single-device reference."""
     script = tmp_path / "owner_job.py"
     script.write_text(SCRIPT)
-    rc, out, err, _ = run_launcher(["-n", "2", "--devices-per-process", "4", "--timeout", "280",
-                                    str(script), str(tmp_path / "out.json")], timeout=300)
+    rc, out, err, _ = run_launcher(["-n", "2", "--devices-per-process", "4", "--timeout", "420",
+                                    str(script), str(tmp_path / "out.json")], timeout=450)
     assert rc == 0, (out[-2000:], err[-4000:])
     results = json.loads((tmp_path / "out.json").read_text())
     cells = [i for i, c in enumerate(tm.CELLS) if c.extra.get("owner_procs") == 2]
-    assert len(cells) >= 3 and sorted(map(int, results)) == cells
+    assert len(cells) >= 3 and sorted(k for k in results if k.isdigit()) == sorted(map(str, cells))
+    for name, stage in ROWS_RUNS:  # owner rows: repeats bitwise, equal to 1 x 8 and reference
+        first, second = ([np.asarray(x, np.float32) for x in r] for r in results[f"{name}{stage}"])
+        for a, b in zip(first, second, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} stage {stage}: repeats differ")
+        one = jax.tree.leaves(_rows_run(name, stage)[0])
+        assert ref.max_abs_diff(first, one) < 1e-6, (name, stage)
+        assert ref.max_abs_diff(first, _rows_reference(name)) < 1e-6, (name, stage)
     for i in cells:
         cell = tm.CELLS[i]
         first, second = ([np.asarray(x, np.float32) for x in r] for r in results[str(i)])

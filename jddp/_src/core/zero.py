@@ -121,6 +121,8 @@ class Sharded(NamedTuple):
       gathers: whether the parameters come in as this device's pieces, so the forward pass
         all-gathers each bucket before its first use (stage 3); else they come in whole and
         each bucket is only reduce-scattered (stage 2).
+      owners: per leaf, its owner device with ``ZeRO(shard="owner")``: each bucket is then
+        reduce-scattered in owner rows (:mod:`jddp._src.core.owner_rows`); ``None``: even.
     """
 
     layout: Layout
@@ -129,6 +131,7 @@ class Sharded(NamedTuple):
     reshard: bool = False
     group: int | None = None
     gathers: bool = False
+    owners: tuple[int, ...] | None = None
 
 
 def to_rows(x: jax.Array, dim: int | None, n: int) -> jax.Array:

@@ -11,11 +11,11 @@ cost, largest first), and only the owner computes the leaf's update:
   :mod:`jddp._src.place.stages`); the optimizer state is
   stored per owner (:mod:`jddp._src.place.owner_state`: each device keeps only its leaves' state,
   which therefore never moves; checkpoints hold optax's own tree);
-- the update (:func:`update`) runs in one ``shard_map``: the reduced gradients' pieces (from
-  stage 2) go to each leaf's owner (one all-to-all per dtype), unless some owner's update reads
-  another's gradient (``clip_by_global_norm``): then they are all-gathered, and global norms see
-  every leaf exactly; at stage 3 the parameters' pieces go to the owners only if the optimizer
-  reads them (weight decay);
+- from stage 2 each bucket is reduce-scattered in owner rows (:mod:`jddp._src.core.owner_rows`):
+  each leaf's reduced gradient lands on its owner, but for segments lying in another row, sent
+  by an all-to-all (:mod:`jddp._src.place.owner_grads`); when some owner reads another's
+  gradient (a global norm) every row is all-gathered; at stage 3 the parameters' pieces go to
+  the owners only if the optimizer reads them (weight decay);
 - every device then runs the optimizer in one branch of a ``lax.switch`` on its own index, whose
   outputs are the leaves it owns only: XLA removes the rest of the update from that branch, so the
   orthogonalization of each matrix runs once, on its owner, and no collective runs inside it;
@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from jddp._src.core import zero
 from jddp._src.core.collectives import wire_itemsize
 from jddp._src.introspect import vma
-from jddp._src.place import owner_state
+from jddp._src.place import owner_grads, owner_state
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.runtime.topology import Topology
 from jddp._src.tree import Bytes, key_path_str, ring
@@ -406,6 +406,7 @@ class _Moves(NamedTuple):
     common_pack: _Pack         # their new values, from device 0 to every device
     needs: Needs
     dims: tuple[tuple[int | None, ...], ...]  # as stored: parameters, gradients
+    rows: owner_grads.Exchange | None  # the gradients' owner rows (from stage 2), else None
 
 
 def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n: int, layout: zero.Layout,
@@ -421,10 +422,17 @@ def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n
                     [d is not None for d in p_dims], [o is not None for o in lay.owner],
                     plan.paths, [o is None for o in lay.owner])
     common = tuple(_Leaf(lay.shapes[i], jnp.dtype(lay.dtypes[i]), None, 0) for i in lay.common())
+    # From stage 2 the buckets' split leaves come in owner rows (the reducer's); the others
+    # (in no bucket: JAX-reduced or unused) as even pieces, sent to their owners as before.
+    rows = (owner_grads.exchange(plan, layout, owners.owner,
+                                 [jnp.result_type(g) for g in jax.tree.leaves(grads)])
+            if pieces[1] else None)
+    skip = (rows.ranked() | frozenset(plan.unused)) if rows is not None else frozenset()
+    loose = tuple(None if i in skip else d for i, d in enumerate(g_dims))
     return _Moves(_io(_leaves(params, owners.owner, p_dims), n),
-                  _io(_leaves(grads, owners.owner, g_dims), n), lay, common,
+                  _io(_leaves(grads, owners.owner, loose), n), lay, common,
                   _pack(common, range(len(common)), n, False), needs,
-                  (tuple(p_dims), tuple(g_dims)))
+                  (tuple(p_dims), tuple(g_dims)), rows)
 
 
 def _all_to_all(kind: str, nbytes: float, n: int, hosts: int) -> Bytes:
@@ -437,8 +445,9 @@ def _all_to_all(kind: str, nbytes: float, n: int, hosts: int) -> Bytes:
 
 def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
     """Bytes one device sends in :func:`update`'s collectives (the ring model), from the buffers
-    it moves: per dtype, the gradients' pieces to their owners (an all-to-all of ``(n, width)``
-    rows, or, when some owner reads another's gradient, an all-gather of the pieces), stage 3's
+    it moves: per dtype, the gradient segments outside their owner's row and the pieces of
+    leaves in no bucket to their owners (all-to-alls of ``(n, width)`` rows, or, when some owner
+    reads another's gradient, an all-gather of the rows and pieces), stage 3's
     parameter pieces to their owners (when the optimizer reads them) and the updates' pieces
     back, the owners' ``(1, width)`` whole leaves to every device (all-gathers) and device 0's
     common optimizer-state leaves (counts). The packed optimizer state itself does not move.
@@ -449,8 +458,9 @@ def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
                     for dt, w in zip(pack.groups, pack.width, strict=True)), Bytes())
 
     out = Bytes()
-    if moves.needs.all_grads:  # _gather_whole: one all-gather of the pieces per dtype
-        pieces: dict[Any, int] = {}
+    rows = moves.rows
+    if moves.needs.all_grads:  # one all-gather of the pieces (or owner rows) per dtype
+        pieces: dict[Any, int] = {} if rows is None else owner_grads.gathered_widths(rows)
         for i in moves.grads.send.where:
             lf = moves.grads.leaves[i]
             dt = jnp.dtype(lf.dtype)
@@ -459,6 +469,8 @@ def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
             out = out + ring("all-gather", size * wire_itemsize(dt), n, hosts)
     else:
         out = out + each("all-to-all", moves.grads.send, n)
+        if rows is not None:  # the segments that straddle into another owner's row
+            out = out + each("all-to-all", _Pack(rows.groups, rows.width, {}), n)
     if moves.needs.params:
         out = out + each("all-to-all", moves.params.send, n)
     out = out + each("all-to-all", moves.params.send, n) + each("all-gather", moves.params.whole, 1)
@@ -510,8 +522,10 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
     ``pieces``, whether the parameters and the gradients are in pieces; the optimizer state
     packed per owner: :func:`init_state`).
 
-    Gradients in pieces (from stage 2) go to their owners by an all-to-all, or are all-gathered
-    when some owner reads another's gradient (a global norm); parameters in pieces (stage 3) go
+    Gradients in pieces (from stage 2) come in owner rows (the reducer's: each owner already
+    holds its leaves, but for segments straddling into another row, which an all-to-all
+    brings), or are all-gathered when some owner reads another's gradient (a global norm);
+    parameters in pieces (stage 3) go
     to their owners only when the optimizer reads them (:func:`analyse`). Each owner reads and
     writes its optimizer state where it lives.
 
@@ -531,8 +545,12 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
     common_spec = [P(axis)] * len(opt_state.common)
 
     def local(p: list, rows: list, common: list, g: list) -> tuple[list, list, list]:
-        g_in = _gather_whole(g, gio.leaves, axis) if needs.all_grads else g
-        g_got = [] if needs.all_grads else _to_owners(gio, g, n, axis)
+        g_rows = owner_grads.my_rows(moves.rows, g) if moves.rows is not None else []
+        g_in = owner_grads.all_whole(moves.rows, _gather_whole(g, gio.leaves, axis), g_rows,
+                                     axis, gio.leaves, moves.dims[1]) if needs.all_grads else g
+        g_got = [] if needs.all_grads else [
+            _to_owners(gio, g, n, axis),
+            owner_grads.send(moves.rows, g_rows, n, axis) if moves.rows is not None else []]
         p_got = _to_owners(pio, p, n, axis) if needs.params else []
 
         def branch(k: int) -> Any:
@@ -540,7 +558,9 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
                     common: list) -> Any:
                 own_p = _owned_whole(pio, p_got, k) if needs.params else {}
                 pp = jax.tree.unflatten(p_tree, _branch_inputs(pio, p, own_p))
-                gg = g_in if needs.all_grads else _branch_inputs(gio, g, _owned_whole(gio, g_got, k))
+                gg = g_in[0] if needs.all_grads else owner_grads.branch_whole(
+                    moves.rows, k, g_in[0], g_in[1], g_got[1], _owned_whole(gio, g_got[0], k),
+                    gio.leaves, moves.dims[1])
                 updates, new_s = optimizer.update(jax.tree.unflatten(p_tree, gg),
                                                   _state_inputs(moves, k, rows, common), pp)
                 return (_branch_outputs(pio, jax.tree.leaves(updates), k, n),
@@ -548,8 +568,8 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
             return run
 
         (us, uw), (new_rows, common_bufs) = lax.switch(
-            lax.axis_index(axis), [branch(k) for k in range(n)], p_got, g_got, g_in, p, rows,
-            common)
+            lax.axis_index(axis), [branch(k) for k in range(n)], p_got, g_got,
+            [g_in, g_rows], p, rows, common)
         return (_apply(plan, p, _from_owners(pio, us, uw, n, axis)), new_rows,
                 _common_from_zero(moves, common_bufs, axis))
 

@@ -351,8 +351,15 @@ class ZeRO2(ZeRO1):
         ])
 
     def reduction(self, layout: zero.Layout, lv: Roles) -> zero.Sharded | None:
-        """Each bucket reduce-scattered (hybrid: then averaged across hosts)."""
-        return zero.Sharded(layout, lv.shard_axis, lv.hybrid)
+        """Each bucket reduce-scattered (hybrid: then averaged across hosts); with
+        ``shard="owner"`` in owner rows (each leaf's reduced gradient to its owner)."""
+        return zero.Sharded(layout, lv.shard_axis, lv.hybrid, owners=self._owners(layout))
+
+    def _owners(self, layout: zero.Layout) -> tuple[int, ...] | None:
+        """Each leaf's owner with ``shard="owner"`` (:func:`jddp._src.place.owner.assign`)."""
+        if self.policy.shard != "owner":
+            return None
+        return owner.assign(layout.shapes, layout.n).owner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,7 +387,7 @@ class ZeRO3(ZeRO2):
     def reduction(self, layout: zero.Layout, lv: Roles) -> zero.Sharded | None:
         """Each bucket reduce-scattered, its parameters gathered in the forward pass."""
         return zero.Sharded(layout, lv.shard_axis, lv.hybrid, bool(self.policy.resharding()),
-                            self.policy.reshard_group, gathers=True)
+                            self.policy.reshard_group, gathers=True, owners=self._owners(layout))
 
     def trace_params(self, varying: Any, whole: Any) -> Any:
         """The parameters are pieces here: the loss is traced at shape structs of whole ones

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jddp._src.core import owner_rows, recorder, zero
 from jddp._src.core import precision as precision_lib
-from jddp._src.core import recorder, zero
 from jddp._src.core.collectives import levels
 from jddp._src.core.zero import Sharded
 from jddp._src.plan.planner import BucketPlan
@@ -35,15 +35,22 @@ class ReduceScatter(AllReduce):
     the hook reduces the bucket with its state exactly as at stage 0 and each device keeps its
     piece of the mean: the same numbers as stage 0, at the hook's bytes.
 
+    With ``owners`` (``ZeRO(shard="owner")``) the bucket's split leaves are laid out in owner
+    rows (:mod:`jddp._src.core.owner_rows`), so the same reduce-scatter delivers each leaf's
+    reduced gradient to its owner; the pieces returned are the device's row, cut at the
+    pieces' shapes.
+
     Attributes:
       layout: how every leaf is split.
       shard_axis: the axis the pieces are split over.
       scatters: reduce-scatter through ``hook.scatter`` (else ``hook.reduce``, then the piece).
+      owners: per leaf, its owner device (``None``: the even pieces).
     """
 
     layout: zero.Layout
     shard_axis: Any
     scatters: bool = True
+    owners: tuple[int, ...] | None = None
 
     def out_struct(self, i: int) -> jax.ShapeDtypeStruct:
         lay = self.layout
@@ -72,6 +79,9 @@ class ReduceScatter(AllReduce):
 
     def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
                  step: jax.Array) -> tuple[tuple, tuple, tuple]:
+        if self.owners is not None and owner_rows.worth_it(self._rows(b), self.owners,
+                                                           self.layout.n):
+            return self._owner_backward(b, grads, states, extras, step)
         dims, n = self.dims(b), self.layout.n
         if not self.scatters:
             reduced, new_states, mean_extras = super().backward(b, grads, states, extras, step)
@@ -90,6 +100,52 @@ class ReduceScatter(AllReduce):
             return tuple(out[: len(grads)]), tuple(states), tuple(out[len(grads):])
         pieces = tuple(zero.reduce_scatter(grads, dims, n, self.shard_axis, scatter))
         return pieces, tuple(states), exact_mean(extras, pieces, self.axis_name)
+
+    def _rows(self, b: int) -> owner_rows.BucketRows:
+        """Bucket ``b``'s owner rows (with ``owners``)."""
+        assert self.owners is not None
+        return owner_rows.bucket_rows(self.plan.buckets[b].indices, self.layout, self.owners)
+
+    def _owner_backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
+                        step: jax.Array) -> tuple[tuple, tuple, tuple]:
+        """:meth:`backward` in owner rows: the split leaves' rows, then the whole leaves (and
+        the extras, when they fuse) as whole rows, one reduce-scatter (or, through a hook that
+        cannot scatter, its reduction and this device's row)."""
+        lay, indices = self.layout, self.plan.buckets[b].indices
+        rows = self._rows(b)
+        split = {i: g for i, g in zip(indices, grads, strict=True) if lay.dims[i] is not None}
+        whole = [j for j, i in enumerate(indices) if lay.dims[i] is None]
+        if not self.scatters:
+            reduced, new_states, mean_extras = super().backward(b, grads, states, extras, step)
+            matrix = owner_rows.encode(rows, {i: reduced[indices.index(i)] for i in split},
+                                       lay.n) if split else None
+            index = lax.axis_index(self.shard_axis)
+            got = ({} if matrix is None else
+                   owner_rows.pieces(rows, lax.dynamic_index_in_dim(matrix, index, 0, False),
+                                     lay))
+            return (tuple(got[i] if i in got else r for i, r in zip(indices, reduced, strict=True)),
+                    new_states, mean_extras)
+        ctx = self.scatter_context(b, step)
+        fused = self.fuses(b, extras)
+        tail = [grads[j] for j in whole] + (list(extras) if fused else [])
+        blocks = ([owner_rows.encode(rows, split, lay.n)] if split else []) + \
+            [zero.to_rows(x, None, lay.n) for x in tail]
+        mine = self.scatter(jnp.concatenate(blocks, axis=1) if len(blocks) > 1 else blocks[0],
+                            ctx)[0]
+        got = owner_rows.pieces(rows, mine[:rows.width], lay) if split else {}
+        col, rest = rows.width, []
+        for x in tail:
+            size = int(np.prod(np.shape(x), dtype=np.int64))
+            rest.append(jnp.reshape(mine[col:col + size], np.shape(x)))
+            col += size
+        out = list(grads)
+        for j, i in enumerate(indices):
+            out[j] = got[i] if i in got else out[j]
+        for j, r in zip(whole, rest, strict=False):
+            out[j] = r
+        if fused:
+            return tuple(out), tuple(states), tuple(rest[len(whole):])
+        return tuple(out), tuple(states), exact_mean(extras, tuple(out), self.axis_name)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -241,6 +297,7 @@ def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
         plan=plan, hook=hook, axis_name=axis_name, hosts_axis=hosts_axis, phase=phase,
         layout=sharded.layout, shard_axis=axis_name if sharded.axis is None else sharded.axis,
         scatters=getattr(hook, "scatter", None) is not None and not stateful,
+        owners=sharded.owners,
     )
     inner = (ReduceScatter(**common) if sharded.replicas is None
              else Hybrid(**common, replicas=sharded.replicas))

@@ -114,15 +114,6 @@ def test_code_blocks_fit_the_column():
     assert not wide, f"code lines wider than {COLUMNS} columns:\n" + "\n".join(wide)
 
 
-def test_a_run_fails_on_a_jddp_deprecation(tmp_path, zygote):
-    """The net under every block: an old keyword in a block fails it."""
-    code = ("import jax.numpy as jnp, optax, jddp\n"
-            "jddp.DataParallel(lambda p, b: jnp.sum(p), optax.sgd(0.1), zero_stage=1)\n")
-    out = zygote.run(Block("x.md", 1, "python", code), tmp_path)
-    assert out.returncode != 0 and "DeprecationWarning" in out.stderr, out.stderr[-2000:]
-    assert "zero_stage" in out.stderr
-
-
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.notest], ids=lambda b: b.id)
 def test_a_block_that_does_not_run_says_why(block):
     first = block.code.lstrip("\n").splitlines()[0] if block.code.strip() else ""

@@ -5,6 +5,9 @@ batches for STEPS steps. Old versions: ``jax.pmap`` + ``lax.pmean(grads)``, and 
 ``NamedSharding`` (GSPMD). New versions: ``jddp.value_and_grad`` inside the same ``pmap`` (the
 drop-in), and ``jddp.DataParallel``. All are the same mean-gradient step, so float32 params agree to
 summation-order noise; we assert rtol/atol 1e-5 after 5 Adam steps.
+
+The old keywords themselves live only in migration tests: here, the checks that no message of
+jddp recommends one and that a doc block using one fails.
 """
 
 import functools
@@ -13,12 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import jax_utils
 from flax import linen as nn
 from flax.training import train_state
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_doc_blocks import Block, _Zygote
 
 import jddp
 
@@ -249,3 +254,107 @@ def test_the_keywords_the_mapping_names_are_accepted():
         with warnings.catch_warnings():
             warnings.simplefilter("error", DeprecationWarning)
             jddp.DataParallel(lambda p, b, *rng: jnp.sum(p["w"]), optax.adamw(1e-3), **kw)
+
+# --- 9. no message recommends a deprecated keyword --------------------------------------------
+
+
+def _message_strings(tree):
+    """``(line, text)`` of every string literal that is not a docstring (f-strings with their
+    fields as ``{}``)."""
+    import ast
+
+    docs = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docs.add(id(first.value))
+    inner = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            inner.update(id(v) for v in node.values)
+            yield node.lineno, "".join(v.value if isinstance(v, ast.Constant) else "{}"
+                                       for v in node.values)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                and id(node) not in docs and id(node) not in inner):
+            yield node.lineno, node.value
+
+
+def _call_around(text, i):
+    """The name of the call whose parentheses hold position ``i`` of ``text`` (or None)."""
+    import re
+
+    depth = 0
+    for j in range(i - 1, -1, -1):
+        if text[j] == ")":
+            depth += 1
+        elif text[j] == "(":
+            if depth == 0:
+                m = re.search(r"([\w.]+)\s*$", text[:j])
+                return m.group(1) if m else ""
+            depth -= 1
+    return None
+
+
+def _recommends_old_keyword(text, start, keyword):
+    import re
+
+    around = _call_around(text, start)
+    if around is not None:
+        return around.endswith("DataParallel")
+    # Outside any call: "pass has_aux=True", "build the DataParallel with rng=True".
+    return re.search(r"\b(pass|with|use|set|give)\s+$", text[:start]) is not None
+
+
+def test_no_message_recommends_a_deprecated_keyword():
+    import ast
+    import pathlib
+    import re
+
+    from jddp._src.api.deprecated import OWNERS
+
+    root = pathlib.Path(jddp.__file__).parent
+    pattern = re.compile(r"\b(" + "|".join(sorted(OWNERS)) + r")=")
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "deprecated.py":  # the deprecation machinery names them on purpose
+            continue
+        for line, text in _message_strings(ast.parse(path.read_text())):
+            for m in pattern.finditer(text):
+                if _recommends_old_keyword(text, m.start(), m.group(1)):
+                    shown = text[max(0, m.start() - 40):m.end() + 20]
+                    found.append(f"{path.relative_to(root)}:{line}: ...{shown}...")
+    assert not found, "messages that recommend a deprecated keyword:\n" + "\n".join(found)
+
+
+def test_the_old_keyword_scanner_sees_the_old_spellings():
+    # The scanner flags what the issue found, and not the new spellings of the same names.
+    text = "or return (loss, aux) and pass has_aux=True."
+    assert _recommends_old_keyword(text, text.index("has_aux="), "has_aux")
+    text = "keys: build the DataParallel with rng=True and pass"
+    assert _recommends_old_keyword(text, text.index("rng="), "rng")
+    text = "use jddp.DataParallel(zero_stage=2)"
+    assert _recommends_old_keyword(text, text.index("zero_stage="), "zero_stage")
+    text = "pass loss=jddp.Loss(has_aux=True)"
+    assert not _recommends_old_keyword(text, text.index("has_aux="), "has_aux")
+
+
+# --- the docs' blocks run with jddp's deprecations as errors (tests/test_doc_blocks.py) ---------
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    """The doc blocks' runner (``test_doc_blocks._Zygote``): processes forked from one parent."""
+    z = _Zygote(tmp_path_factory.mktemp("zygote") / "zygote.log")
+    yield z
+    z.close()
+
+
+def test_a_run_fails_on_a_jddp_deprecation(tmp_path, zygote):
+    """The net under every block: an old keyword in a block fails it."""
+    code = ("import jax.numpy as jnp, optax, jddp\n"
+            "jddp.DataParallel(lambda p, b: jnp.sum(p), optax.sgd(0.1), zero_stage=1)\n")
+    out = zygote.run(Block("x.md", 1, "python", code), tmp_path)
+    assert out.returncode != 0 and "DeprecationWarning" in out.stderr, out.stderr[-2000:]
+    assert "zero_stage" in out.stderr

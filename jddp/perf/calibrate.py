@@ -32,6 +32,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jddp._src.plan.planner import backward_sizes
 from jddp._src.runtime import mesh as mesh_lib
 from jddp._src.step import skeleton
 from jddp.perf.costmodel import Link, ModelProfile
@@ -229,8 +230,7 @@ def profile_step(
     optimizer = max(med["step"] - med["fwd_bwd"], 0.0)
 
     order = [i for b in plan.buckets for i in b.indices]
-    sizes = [int(np.prod(plan.shapes[i], dtype=np.int64)) * plan.dtypes[i].itemsize
-             for i in order]
+    sizes, _ = backward_sizes(plan)
     weights = (
         [float(leaf_weights[i]) for i in order] if leaf_weights is not None else
         [float(s) for s in sizes]

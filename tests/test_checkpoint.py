@@ -503,3 +503,68 @@ def test_save_on_one_process_only_is_a_named_error_within_seconds(tmp_path):
     saving = float(next(ln for ln in out.splitlines() if "SAVING AT" in ln).split()[-1])
     # 3 s of barrier, then the launcher's teardown (2 s grace), with room for a loaded machine.
     assert ended - saving < 25, (ended - saving, secs)
+
+
+# ------------------------------------------------- owner rows against even pieces, mid-window
+
+
+def _placed(shard, stage=2):
+    """A trainer on 8 devices with the sharded accumulator, on test_owner's 16 equal matrices
+    (enough for owner rows: every bucket row is one owner's leaves)."""
+    from tests import test_owner as to
+
+    return jddp.DataParallel(to._loss, optax.adam(1e-2), mesh=jddp.data_mesh(),
+                             place=jddp.ZeRO(stage=stage, shard=shard),
+                             accumulate=jddp.Accumulate(steps=2))
+
+
+def _owner_batches(n):
+    from tests import test_owner as to
+
+    mesh = jddp.data_mesh()
+    return [jddp.shard_batch(b, mesh) for b in to._batches(n, to.ROWS // 2)]
+
+
+MIXED = r"saved with .*middle of a gradient accumulation window.*arranged differently"
+
+
+def test_owner_mid_window_checkpoint_restores_into_owner_only(tmp_path):
+    """Owner rows and even pieces have the same shapes: a mid-window checkpoint restores into the
+    placement that saved it (and the window ends as if uninterrupted), is a named error in the
+    other; at a window boundary it restores into either."""
+    from tests import test_owner as to
+
+    params, batches = to._params(), _owner_batches(3)
+    a = _placed("owner")
+    assert a.config.accumulate.shard
+    mid = _run(a, a.init(params), batches[:1])
+    mngr = ckpt.manager(tmp_path / "c")
+    ckpt.save(mngr, mid, step=1)
+    boundary = _run(a, mid, batches[1:2])
+    ckpt.save(mngr, boundary, step=2)
+    boundary_params = _host(boundary.params)
+    reference = _host(_run(a, boundary, batches[2:3]))  # the step donates its state
+    restored = ckpt.restore(mngr, a.abstract_state(params), step=1)
+    assert int(restored.update_state.count) == 1
+    _assert_identical(_run(a, restored, batches[1:3]), reference)
+    b = _placed("even")
+    with pytest.raises(ValueError, match=MIXED + r".*shard=\"owner\"\).*window boundary"):
+        ckpt.restore(mngr, b.abstract_state(params), step=1)
+    with pytest.raises(ValueError, match=MIXED):
+        ckpt.restore(mngr, b.init(params), step=1)  # a concrete target too
+    restored = ckpt.restore(mngr, b.abstract_state(params), step=2)
+    assert int(restored.update_state.count) == 0
+    _assert_identical(restored.params, boundary_params)
+    _run(b, restored, batches[2:3])  # and it trains
+
+
+def test_even_mid_window_checkpoint_does_not_restore_into_owner(tmp_path):
+    from tests import test_owner as to
+
+    params, batches = to._params(), _owner_batches(1)
+    a = _placed("even", stage=3)
+    mngr = ckpt.manager(tmp_path / "c")
+    ckpt.save(mngr, _run(a, a.init(params), batches), step=1)
+    with pytest.raises(ValueError, match=MIXED + r".*Restore it with the placement that saved "
+                                                 r"it \(jddp\.ZeRO\(stage=s\)\)"):
+        ckpt.restore_or_init(mngr, _placed("owner", stage=3), params)

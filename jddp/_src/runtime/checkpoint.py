@@ -400,6 +400,11 @@ def restore(
     (``jddp.Loss(model_state_sync="none")``), raise an error naming the leaf, both device counts and the way
     out.
 
+    Owner sharding (``jddp.ZeRO(stage=s, shard="owner")``) arranges a sharded accumulator's pieces
+    in owner rows, even sharding in even pieces, with the same shapes: a checkpoint saved
+    mid-window with one restores into the same placement only; into the other it raises an error
+    naming both (at a window boundary it restores into either).
+
     Args:
       target: a TrainState like the one saved: concrete, or abstract with shardings (e.g.
         ``ddp.abstract_state(params)``), which places the restored arrays.

@@ -16,10 +16,10 @@ import numpy as np
 from flax import nnx
 
 from jddp._src.place import owner_state
-from jddp._src.runtime import hostsync, preemption, rendezvous
+from jddp._src.runtime import checkpoint_placement, hostsync, preemption, rendezvous
 from jddp._src.runtime.coordinator import EXIT_RESUME
 from jddp._src.step.nnx import DataParallel as NnxDataParallel
-from jddp._src.step.state import LEGACY_FIELDS, AccumState, from_legacy, own, to_legacy
+from jddp._src.step.state import LEGACY_FIELDS, from_legacy, to_legacy
 
 __all__ = ["manager", "restore", "restore_or_init", "save", "save_if_due", "wait"]
 
@@ -178,7 +178,7 @@ def save(
     # The state first: a step still running on this process is not the other processes' delay.
     jax.block_until_ready(state)
     step = int(np.asarray(jax.device_get(state.step))) if step is None else int(step)
-    placement = _placement(state)
+    placement = checkpoint_placement.of(state)
     # Owner sharding keeps the optimizer state packed per owner: stored as optax's own tree.
     state = owner_state.portable(state)
     _expect_all("jddp.checkpoint.save", step, barrier_timeout_s)
@@ -192,59 +192,10 @@ def save(
         mngr.delete(step)
     # force: the manager's save interval is for save_if_due; an explicit save always saves.
     mngr.save(step, args=_save_args(mngr, state, loader), force=True,
-              custom_metadata={PLACEMENT_KEY: placement})
+              custom_metadata={checkpoint_placement.KEY: placement})
     if wait:
         mngr.wait_until_finished()
     return step
-
-
-# The step's custom metadata key naming the placement that saved it (see _check_placement).
-PLACEMENT_KEY = "jddp_placement"
-
-
-def _placement(state: Any) -> str:
-    """``"owner"`` when ``state`` holds owner sharding's packed optimizer state (its sharded
-    accumulator's pieces are then arranged in owner rows), else ``"even"`` (even pieces)."""
-    leaves = jax.tree.leaves(state, is_leaf=owner_state.is_packed)
-    return "owner" if any(owner_state.is_packed(x) for x in leaves) else "even"
-
-
-def _saved_placement(mngr: Any, step: int) -> str:
-    """The placement recorded by :func:`save`; ``"even"`` for checkpoints saved without it."""
-    try:
-        custom = mngr.metadata(step).custom_metadata
-    except (AttributeError, FileNotFoundError, ValueError):  # another manager, or none recorded
-        return "even"
-    return str((custom or {}).get(PLACEMENT_KEY, "even"))
-
-
-def _sharded_accumulator(target: Any) -> bool:
-    """Whether ``target`` accumulates into a sharded accumulator: gradient sums shaped like the
-    parameters (a per-device one has a leading device dimension)."""
-    acc = own(getattr(target, "update_state", None), AccumState)
-    if acc is None or not hasattr(target, "params"):
-        return False
-    shapes = [np.shape(x) for x in jax.tree.leaves(acc.grads)]
-    return bool(shapes) and shapes == [np.shape(x) for x in jax.tree.leaves(target.params)]
-
-
-def _check_placement(mngr: Any, step: int, saved: str, target: Any, count: int) -> None:
-    """Raises when a sharded accumulator saved mid-window (``count > 0``) by one placement is
-    restored into the other: owner rows and even pieces have the same shapes, so it would load
-    without error and continue from wrongly arranged gradient sums."""
-    wanted = _placement(target)
-    if count <= 0 or saved == wanted or not _sharded_accumulator(target):
-        return
-    name = {"owner": 'jddp.ZeRO(stage=s, shard="owner")', "even": "jddp.ZeRO(stage=s)"}
-    raise ValueError(
-        f"Checkpoint of step {step} in {mngr.directory} was saved with {name[saved]} in the "
-        f"middle of a gradient accumulation window ({count} calls accumulated), but this "
-        f"trainer uses {name[wanted]}: the sharded accumulator's per-device pieces are arranged "
-        f"differently ({saved} vs {wanted}; owner rows against even pieces, same shapes), so its "
-        "partial sums would be read wrongly. Restore it with the placement that saved it "
-        f"({name[saved]}), train to the window's synchronising call and save there, or "
-        "restore a checkpoint saved at a window boundary (those restore into either placement)."
-    )
 
 
 def _path(path: Any) -> str:
@@ -443,8 +394,7 @@ def restore(
         state = _load_state(mngr, step, lib.args.StandardRestore(abstract))
     else:
         state = _restore_changed(mngr, step, abstract, target, changed, init_fn, layout)
-    _check_placement(mngr, step, _saved_placement(mngr, step), packed,
-                     _window_count(state, layout))
+    checkpoint_placement.check(mngr, step, packed, _window_count(state, layout))
     return owner_state.repack(from_legacy(state) if legacy else state, packed)
 
 

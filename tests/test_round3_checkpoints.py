@@ -1,6 +1,6 @@
 """Checkpoints written by the round-3 release (commit f2b86e9, before the policies) restore
 into a ``DataParallel`` spelled with the policies and continue to the parameters that release
-reached (tests/fixtures/round3_checkpoints/make.py says how they were made).
+reached (tests/fixtures/round3_checkpoints/make_round3.py says how they were made).
 
 The DiLoCo case was saved on one process with a two-level mesh of 2 simulated hosts x 4
 devices (``data_mesh(hosts=2)``); the same layout on 1 process x 8 devices restores it.
@@ -24,7 +24,7 @@ import jddp.checkpoint as ck
 FIXTURES = Path(__file__).parent / "fixtures" / "round3_checkpoints"
 
 
-class MLP(nn.Module):  # make.py's model
+class MLP(nn.Module):  # make_round3.py's model
     @nn.compact
     def __call__(self, x):
         x = nn.tanh(nn.Dense(48, name="first")(x))
@@ -50,7 +50,7 @@ def _batch(i):
             "y": jnp.asarray(r.randint(0, 5, 64), jnp.int32)}
 
 
-# make.py's round-3 keywords, in the new spelling.
+# make_round3.py's round-3 keywords, in the new spelling.
 CASES = {
     "stage0_adam": lambda: {},
     "stage3_adam_accum2": lambda: {"place": jddp.ZeRO(stage=3),
@@ -64,7 +64,7 @@ CASES = {
 
 def _continue(name: str, tmp_path: Path) -> tuple[dict, dict]:
     """Restores the case's checkpoint (a copy: orbax may write next to it) and runs the calls
-    make.py ran after the save; returns the parameters reached and the stored ones."""
+    make_round3.py ran after the save; returns the parameters reached and the stored ones."""
     case_dir = FIXTURES / name
     meta = json.loads((case_dir / "case.json").read_text())
     shutil.copytree(case_dir / "ckpt", tmp_path / "ckpt")
@@ -83,7 +83,7 @@ def _continue(name: str, tmp_path: Path) -> tuple[dict, dict]:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_round3_checkpoint_restores_and_continues_exactly(name, tmp_path):
     """The parameters reached after the restore equal those the round-3 release reached
-    without one. Tolerance 1e-6 (make.py's own bound): the fixtures were compiled at XLA's
+    without one. Tolerance 1e-6 (make_round3.py's own bound): the fixtures were compiled at XLA's
     default optimisation level, the suite runs at level 0 (tests/conftest.py)."""
     got, expected = _continue(name, tmp_path)
     assert sorted(got) == sorted(expected)
@@ -107,7 +107,7 @@ for name in sorted(t.CASES):
 
 @pytest.mark.slow
 def test_round3_checkpoints_continue_at_the_release_flags():
-    """At the XLA flags make.py ran with (default optimisation level, a child process: the
+    """At the XLA flags make_round3.py ran with (default optimisation level, a child process: the
     suite's own backend runs at level 0), the continuation equals the round-3 release's within
     1e-6 for all four cases, and prints whether it is bitwise equal.
 

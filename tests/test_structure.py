@@ -351,10 +351,9 @@ def test_private_jax_only_inside_the_introspect_package():
 FAMILIES = ("place", "reduce", "update", "sync")
 # The edges that remain, each named with why (the next refactor's list, not a licence):
 CROSSING = {
-    # The bucketed reducer runs the micro-batch sums and the loss-scale unscale of the
-    # accumulation and loss-scaling wrappers inside its per-device phase.
+    # The bucketed reducer runs the accumulation wrapper's micro-batch sums inside its
+    # per-device phase.
     ("jddp/_src/reduce/bucketed.py", "jddp._src.update.accumulation"),
-    ("jddp/_src/reduce/bucketed.py", "jddp._src.update.loss_scale"),
 }
 CORE_MAY_IMPORT = ("jddp._src.tree", "jddp._src.core", "jddp._src.introspect",
                    "jddp._src.api.options")

@@ -50,7 +50,6 @@ from jddp._src.step.objective import Extras, LocalAux
 from jddp._src.step.state import AccumState, TrainState, own
 from jddp._src.tree import Bytes, add_device_dim, strip_device_dim
 from jddp._src.update import accumulation as acc_lib
-from jddp._src.update import loss_scale as ls_lib
 
 
 class Step(NamedTuple):
@@ -366,7 +365,7 @@ def _synchronise(s: Step, prep: Prepared, state: TrainState) -> LocalResult:
         reduced = accumulate.add_reduced(reduced, acc, seed, prep.unit)
     grads = jax.tree.unflatten(jax.tree.structure(state.params), reduced)
     if ls is not None:  # unscaled after the reduction: the same on every replica
-        grads = ls_lib.unscale(grads, ls)
+        grads = precision_lib.unscale(grads, ls)
     nonempty = jnp.asarray(True)
     if ctx.loss.weighted:
         # grads = mean_dev(sum of local gradients) / count; the wanted mean divides the sum

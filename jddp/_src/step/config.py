@@ -19,7 +19,8 @@ from jddp._src.runtime.topology import Roles, Topology
 from jddp._src.step.objective import Extras, Loss, Objective
 from jddp._src.step.state import AccumState, TrainState
 from jddp._src.sync.every_step import EveryStep, HookPhase
-from jddp._src.update.update import Accumulate, Guard, Update
+from jddp._src.update.nonfinite import Guard
+from jddp._src.update.update import Accumulate, Update
 
 
 class PlanPolicy(Protocol):

@@ -39,6 +39,11 @@ class Guard:
         """The guard's node of the first step's ``update_state`` (``None``: no state)."""
         return None
 
+    def keeps(self, grads: Any) -> jax.Array:
+        """Whether the step with these reduced gradients (one replica's) is applied: a bool
+        scalar, the same on every device of the replica (default: all of them finite)."""
+        return all_finite(grads)
+
     def seed(self, node: Any) -> Any:
         """The cotangent seed of the reducing backward pass (the loss scale; ``None``: 1). The
         reducer divides the reduced gradients by it again."""
@@ -46,8 +51,8 @@ class Guard:
         return None
 
     def update(self, node: Any, finite: jax.Array) -> Any:
-        """The node after a synchronising call whose reduced gradients were ``finite`` or not
-        (applied whether or not the step was skipped)."""
+        """The node after a synchronising call that :meth:`keeps` applied (``finite``) or not;
+        runs whether or not the step was skipped."""
         del finite
         return node
 

@@ -36,7 +36,7 @@ from jddp._src.runtime.topology import Roles, Topology
 from jddp._src.step.state import AccumState, GuardState, TrainState, own, put
 from jddp._src.tree import strip_device_dim
 from jddp._src.update import accumulation as acc_lib
-from jddp._src.update.nonfinite import Guard, all_finite, check_node, select_tree
+from jddp._src.update.nonfinite import Guard, check_node, select_tree
 
 Inner = Callable[[Any, Any, Any], tuple[Any, Any]]
 """``(params, opt_state, grads) -> (params, opt_state)`` of one replica: the optimizer at the
@@ -331,7 +331,7 @@ class Update:
         finite = None
         if self.guard is not None:
             # Reduced gradients are identical on every device of a replica: so is this decision.
-            finite = lv.per_replica(all_finite)(res.grads)
+            finite = lv.per_replica(self.guard.keeps)(res.grads)
             checks.append(finite)
         if self.skip_empty:
             checks.append(lv.flags(res.nonempty))

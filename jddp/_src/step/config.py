@@ -348,7 +348,7 @@ class StepConfig:
         aux metrics, weights, per-example keys, summed metrics, model-state sync).
       accumulate: the accumulation window (:class:`jddp._src.update.update.Accumulate`, its ``shard``
         resolved by :func:`jddp._src.step.compat.resolve_shard`).
-      guard: the update guard: :class:`jddp._src.update.update.SkipNotFinite`, a
+      guard: the update guard: :class:`jddp._src.update.nonfinite.SkipNotFinite`, a
         :class:`jddp._src.update.loss_scale.DynamicScale` (dynamic loss scaling), or ``None``.
       update: derived: ``accumulate``, ``guard`` and a weighted loss's empty-window skip composed
         into the step's update wrappers (:class:`jddp._src.update.update.Update`).

@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jddp._src.api import options
-from jddp._src.core import zero
+from jddp._src.core import microbatch, zero
 from jddp._src.runtime.topology import Roles, Topology
 from jddp._src.step.state import AccumState, GuardState, TrainState, own, put
 from jddp._src.tree import strip_device_dim
@@ -179,7 +179,7 @@ class Accumulate:
         if not self.shard:
             return reduced
         return [g + (a * jnp.asarray(seed / unit, a.dtype)).astype(g.dtype) for g, a in
-                zip(reduced, jax.tree.leaves(acc_lib.live(acc)[0]), strict=True)]
+                zip(reduced, jax.tree.leaves(microbatch.live(acc)[0]), strict=True)]
 
     def window_count(self, accum: AccumState | None) -> Any:
         """Micro-batches in the window a synchronising call closes (the mean's denominator):

@@ -7,16 +7,21 @@ import inspect
 import os
 import re
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import struct
 
 import jddp
 from jddp._src.api import deprecated
 from jddp._src.reduce.reducers import Bucketed
+from jddp._src.step.state import GuardState
+from jddp._src.update.nonfinite import Guard
+from jddp._src.update.update import Update
 
 D_IN, D_HID, D_OUT, BATCH = 6, 16, 3, 64
 
@@ -384,3 +389,61 @@ def test_a_new_reducer_or_sync_policy_needs_no_registration():
                       (dict(sync=jddp.EveryStep()), dict(sync=_OwnSync()))]:
         for a, b in zip(run(**base), run(**own), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@struct.dataclass
+class _SkipCount(GuardState):
+    """The state node of a guard defined outside jddp: how many updates it skipped."""
+
+    skipped: jax.Array
+    inner: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _SkipLarge(Guard):
+    """An update guard defined outside jddp (the design's recipe: one class and its state node):
+    skip a step whose reduced gradients' global norm exceeds ``limit``, counting the skips."""
+
+    limit: float = 1e9
+    node = _SkipCount
+
+    def init(self) -> _SkipCount:
+        return _SkipCount(skipped=jnp.zeros((), jnp.int32))
+
+    def keeps(self, grads: Any) -> jax.Array:
+        return optax.tree.norm(grads) <= self.limit
+
+    def update(self, node: _SkipCount, finite: jax.Array) -> _SkipCount:
+        return node.replace(skipped=node.skipped + jnp.where(finite, 0, 1).astype(jnp.int32))
+
+
+@pytest.mark.parametrize("accumulate", [None, jddp.Accumulate(steps=2)])
+def test_a_new_update_guard_needs_no_registration(accumulate):
+    """A guard on ``Guard`` with its own state node is taken by ``loss_scale=`` as it is: its
+    node nests in ``update_state`` (inside the window's), it decides every synchronising call,
+    and a guard that keeps every step runs SkipNotFinite's bits."""
+    mesh = jddp.data_mesh()
+    pols = {} if accumulate is None else {"accumulate": accumulate}
+
+    def run(guard, calls=4):
+        ddp = jddp.DataParallel(LOSSES["plain"], optax.adam(1e-2), mesh=mesh, donate=False,
+                                loss_scale=guard, **pols)
+        state = ddp.init(_params())
+        skipped = []
+        for i in range(calls):
+            state, metrics = ddp.step(state, _batch(i))
+            skipped.append(float(metrics["skipped"]))
+        return state, skipped
+
+    windows = 4 if accumulate is None else 2
+    base, _ = run(jddp.SkipNotFinite())
+    keep, kept = run(_SkipLarge())
+    for a, b in zip(jax.tree.leaves(base.params), jax.tree.leaves(keep.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    node = Update.guard_state(keep.update_state)
+    assert isinstance(node, _SkipCount) and int(node.skipped) == 0 and sum(kept) == 0
+    skip, skips = run(_SkipLarge(limit=0.0))
+    assert int(Update.guard_state(skip.update_state).skipped) == windows
+    assert sum(skips) == windows and int(skip.step) == 0
+    for a, b in zip(jax.tree.leaves(_params()), jax.tree.leaves(skip.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

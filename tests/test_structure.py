@@ -350,12 +350,7 @@ def test_private_jax_only_inside_the_introspect_package():
 # them). Shared primitives live below them in core/ (and tree.py, introspect/, api/options.py).
 FAMILIES = ("place", "reduce", "update", "sync")
 # The edges that remain, each named with why (the next refactor's list, not a licence):
-CROSSING = {
-    # The bucketed reducer runs the micro-batch sums and the loss-scale unscale of the
-    # accumulation and loss-scaling wrappers inside its per-device phase.
-    ("jddp/_src/reduce/bucketed.py", "jddp._src.update.accumulation"),
-    ("jddp/_src/reduce/bucketed.py", "jddp._src.update.loss_scale"),
-}
+CROSSING: set[tuple[str, str]] = set()
 CORE_MAY_IMPORT = ("jddp._src.tree", "jddp._src.core", "jddp._src.introspect",
                    "jddp._src.api.options")
 # The precision policy names DDP's built-in cast hooks for its reduce dtype (a call-time import).

@@ -12,7 +12,8 @@ import pytest
 import jddp
 from jddp._src.api import policies
 from jddp._src.step.state import AccumState
-from jddp._src.update.update import Accumulate, SkipNotFinite, Update
+from jddp._src.update.nonfinite import SkipNotFinite
+from jddp._src.update.update import Accumulate, Update
 from tests._models import mlp_loss
 
 
@@ -44,9 +45,9 @@ def test_skips_and_the_nested_update_state():
     both = Update(accumulate=Accumulate(steps=2), guard=jddp.precision.DynamicScale())
     acc = both.accumulate.init({"w": jnp.zeros(3)}, 8)
     chain = both.init(acc)
-    assert chain.inner.scale is both.scale(chain).scale and both.scale(chain).inner is None
+    assert chain.inner.scale is both.guard_state(chain).scale and both.guard_state(chain).inner is None
     assert both.window(chain).count is chain.count and both.window(chain).inner is None
-    assert Update.window(scale) is None and Update.scale(acc) is None
+    assert Update.window(scale) is None and Update.guard_state(acc) is None
 
 
 def test_the_window_decides_per_call():

@@ -31,8 +31,9 @@ from jddp._src.reduce.reducers import Deterministic as Deterministic  # jddp.Det
 from jddp._src.step.objective import Loss
 from jddp._src.sync.every_step import EveryStep
 from jddp._src.sync.local_sgd import LocalSGD
-from jddp._src.update.loss_scale import DynamicScale
-from jddp._src.update.update import Accumulate, Guard, SkipNotFinite
+from jddp._src.update.nonfinite import Guard
+from jddp._src.update.nonfinite import SkipNotFinite as SkipNotFinite  # jddp.SkipNotFinite
+from jddp._src.update.update import Accumulate
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
@@ -120,7 +121,7 @@ _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "accumulate": ((Accumulate,), "a jddp.Accumulate(steps=..., microbatches=...)"),
     "sync": ((EveryStep, LocalSGD), "a jddp.EveryStep(), jddp.local_sgd.diloco(...) or "
                                     "jddp.local_sgd.post_local_sgd(...)"),
-    "loss_scale": ((SkipNotFinite, DynamicScale),
+    "loss_scale": ((Guard,),
                    "a jddp.precision.DynamicScale(), jddp.SkipNotFinite() or None"),
 }
 

@@ -168,3 +168,10 @@ def wrap_reducer(reducer: Any, policy: MixedPrecision | None) -> Any:
     return Cast(reducer, policy.param_dtype)
 
 
+def unscale(grads: Any, scale: jax.Array) -> Any:
+    """``grads / scale`` (the loss scale taken out of reduced gradients), computed in float32 (a
+    float16 leaf could not even hold the scale)."""
+    return jax.tree.map(
+        lambda g: (g.astype(jnp.promote_types(g.dtype, jnp.float32)) / scale).astype(g.dtype),
+        grads,
+    )

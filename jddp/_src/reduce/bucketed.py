@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jddp._src.core import microbatch, recorder, zero
 from jddp._src.core import precision as precision_lib
-from jddp._src.core import recorder, zero
 from jddp._src.core.zero import Sharded
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
@@ -49,8 +49,6 @@ from jddp._src.step.config import LocalCall, LocalResult, ReduceContext
 from jddp._src.step.objective import Extras, LocalAux
 from jddp._src.step.state import AccumState, TrainState, own
 from jddp._src.tree import Bytes, add_device_dim, strip_device_dim
-from jddp._src.update import accumulation as acc_lib
-from jddp._src.update import loss_scale as ls_lib
 
 
 class Step(NamedTuple):
@@ -124,12 +122,12 @@ def _plan(s: Step, traced: jaxpr_lib.Traced, params: Any) -> BucketPlan:
     return plan
 
 
-def _aux_zeros(aux_shape: LocalAux, axis: Any) -> acc_lib.Sums:
+def _aux_zeros(aux_shape: LocalAux, axis: Any) -> microbatch.Sums:
     """Per-device zeros for the aux sums of :class:`jddp._src.update.accumulation.Sums`."""
-    return acc_lib.Sums(
+    return microbatch.Sums(
         grads=None,
-        metrics=acc_lib.varying_zeros(aux_shape.metrics, axis),
-        sums=acc_lib.varying_zeros(aux_shape.sums, axis),
+        metrics=microbatch.varying_zeros(aux_shape.metrics, axis),
+        sums=microbatch.varying_zeros(aux_shape.sums, axis),
         weight=vma.to_varying(jnp.zeros((), jnp.float32), axis),
         model_state=None,
     )
@@ -254,12 +252,12 @@ def _local_params(s: Step, prep: Prepared) -> tuple[Any, Bytes]:
                                   s.reducer.chain, prep.params, prep.params_v, ctx.precision)
 
 
-def _head_sums(s: Step, prep: Prepared, init: acc_lib.Sums) -> tuple[acc_lib.Sums, Bytes]:
+def _head_sums(s: Step, prep: Prepared, init: microbatch.Sums) -> tuple[microbatch.Sums, Bytes]:
     """The local sums of this call's first ``m - 1`` micro-batches, added to ``init``, and the
     bytes of the parameters they needed."""
     head, side_head = s.ctx.accumulate.head((prep.micro, prep.side))
     params, sent = _local_params(s, prep)
-    return acc_lib.local_sums(prep.grad_fn, params, head, side_head, init), sent
+    return microbatch.local_sums(prep.grad_fn, params, head, side_head, init), sent
 
 
 # ------------------------------------------------------------ phase 2: the reduction
@@ -311,7 +309,7 @@ def _window_start(s: Step, prep: Prepared, acc: AccumState | None) -> tuple:
     call = _aux_zeros(prep.aux_shape, data)
     accumulate = s.ctx.accumulate
     if acc is not None:
-        live_grads, live_loss, live_weight = acc_lib.live(acc)
+        live_grads, live_loss, live_weight = microbatch.live(acc)
         # A sharded accumulator holds reduced sums: added after the reduction (_synchronise).
         offset = accumulate.local_offset(live_grads)
         window0 = (live_loss[0] / prep.unit, live_weight[0] / prep.unit)
@@ -321,7 +319,7 @@ def _window_start(s: Step, prep: Prepared, acc: AccumState | None) -> tuple:
     ms_last, sent = prep.ms0, Bytes()
     if s.ctx.window.scans:
         if offset is None:
-            offset = acc_lib.varying_zeros(jax.tree.map(lambda p: jax.ShapeDtypeStruct(
+            offset = microbatch.varying_zeros(jax.tree.map(lambda p: jax.ShapeDtypeStruct(
                 jnp.shape(p), accumulate.sum_dtype(jnp.result_type(p))),
                 prep.full_params), data)
         call, sent = _head_sums(s, prep, call._replace(grads=offset, model_state=prep.ms0))
@@ -351,9 +349,9 @@ def _synchronise(s: Step, prep: Prepared, state: TrainState) -> LocalResult:
 
     def extras(out: Any) -> Extras:
         aux: LocalAux = out[1]
-        sums = acc_lib.add(call.sums, aux.sums)
+        sums = microbatch.add(call.sums, aux.sums)
         weight = call.weight + aux.weight
-        totals = LocalAux(aux.model_state, acc_lib.add(call.metrics, aux.metrics), sums, weight)
+        totals = LocalAux(aux.model_state, microbatch.add(call.metrics, aux.metrics), sums, weight)
         return reducer.extras(totals, loss0 + sums["loss"], weight0 + weight, lv.axis, lv.size,
                               ctx.window.accumulates)
 
@@ -366,7 +364,7 @@ def _synchronise(s: Step, prep: Prepared, state: TrainState) -> LocalResult:
         reduced = accumulate.add_reduced(reduced, acc, seed, prep.unit)
     grads = jax.tree.unflatten(jax.tree.structure(state.params), reduced)
     if ls is not None:  # unscaled after the reduction: the same on every replica
-        grads = ls_lib.unscale(grads, ls)
+        grads = precision_lib.unscale(grads, ls)
     nonempty = jnp.asarray(True)
     if ctx.loss.weighted:
         # grads = mean_dev(sum of local gradients) / count; the wanted mean divides the sum
@@ -417,7 +415,7 @@ def _local_call(s: Step, prep: Prepared, live_grads: Any) -> CallSums:
     """The call's local gradients added to a per-device accumulator: no collective (stage 3
     gathers the parameters it computes with)."""
     params, gathered = _local_params(s, prep)
-    call = acc_lib.local_sums(prep.grad_fn, params, prep.micro, prep.side,
+    call = microbatch.local_sums(prep.grad_fn, params, prep.micro, prep.side,
                               _aux_zeros(prep.aux_shape, s.ctx.topology.data)
                               ._replace(grads=live_grads, model_state=prep.ms0))
     return CallSums(call.grads, call.sums["loss"], call.weight, call.model_state, gathered)
@@ -444,7 +442,7 @@ def _scattered_call(s: Step, prep: Prepared, state: TrainState, live_grads: Any)
         sharded=prep.sharded, hosts_axis=lv.hosts, precision=s.ctx.precision,
     )
     aux: LocalAux = red.out[1]
-    grads = acc_lib.add(live_grads, jax.tree.unflatten(jax.tree.structure(live_grads),
+    grads = microbatch.add(live_grads, jax.tree.unflatten(jax.tree.structure(live_grads),
                                                        red.grads))
     return CallSums(grads, call.sums["loss"] + aux.sums["loss"], call.weight + aux.weight,
                     aux.model_state, red.sent + gathered)
@@ -456,7 +454,7 @@ def _accumulate(s: Step, prep: Prepared, state: TrainState) -> LocalResult:
     ctx = s.ctx
     acc = own(state.update_state, AccumState)
     assert acc is not None
-    live_grads, live_loss, live_weight = acc_lib.live(acc)
+    live_grads, live_loss, live_weight = microbatch.live(acc)
     call = (_scattered_call(s, prep, state, live_grads) if ctx.window.sharded
             else _local_call(s, prep, live_grads))
     # Model state advances locally; TrainState.model_state stays the synchronised one until

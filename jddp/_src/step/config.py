@@ -19,7 +19,8 @@ from jddp._src.runtime.topology import Roles, Topology
 from jddp._src.step.objective import Extras, Loss, Objective
 from jddp._src.step.state import AccumState, TrainState
 from jddp._src.sync.every_step import EveryStep, HookPhase
-from jddp._src.update.update import Accumulate, Guard, Update
+from jddp._src.update.nonfinite import Guard
+from jddp._src.update.update import Accumulate, Update
 
 
 class PlanPolicy(Protocol):
@@ -347,7 +348,7 @@ class StepConfig:
         aux metrics, weights, per-example keys, summed metrics, model-state sync).
       accumulate: the accumulation window (:class:`jddp._src.update.update.Accumulate`, its ``shard``
         resolved by :func:`jddp._src.step.compat.resolve_shard`).
-      guard: the update guard: :class:`jddp._src.update.update.SkipNotFinite`, a
+      guard: the update guard: :class:`jddp._src.update.nonfinite.SkipNotFinite`, a
         :class:`jddp._src.update.loss_scale.DynamicScale` (dynamic loss scaling), or ``None``.
       update: derived: ``accumulate``, ``guard`` and a weighted loss's empty-window skip composed
         into the step's update wrappers (:class:`jddp._src.update.update.Update`).

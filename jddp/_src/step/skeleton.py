@@ -277,8 +277,7 @@ def _local_phases(cfg: StepConfig, observe: PlanObserver, lv: Roles, layout: zer
 
     def per_device(state: TrainState, batch: Any, weights: Any, rng: Any) -> LocalResult:
         state = cfg.sync.island_state(sctx, state)  # this device's replica's state
-        node = cfg.update.scale(state.update_state)
-        scale = None if node is None else node.scale
+        scale = cfg.update.seed(state.update_state)
         return cfg.reduce.local_step(ctx, call._replace(loss_scale=scale), state, batch,
                                      weights, rng)
 

@@ -56,8 +56,14 @@ class AccumState:
         def replace(self, **updates: Any) -> AccumState: ...
 
 
+class GuardState:
+    """Base of an update guard's node of ``TrainState.update_state`` (a struct dataclass with an
+    ``inner`` field). It is replicated, and with local SGD one per replica: the sync policy lays
+    out every ``GuardState`` that way without knowing the guard."""
+
+
 @struct.dataclass
-class LossScaleState:
+class LossScaleState(GuardState):
     """Dynamic loss scaling state, replicated: :class:`jddp.precision.DynamicScale`'s node of
     ``TrainState.update_state``.
 

@@ -29,7 +29,6 @@ from jddp._src.step.state import TrainState
 from jddp._src.step.step import PlanLog, Step
 from jddp._src.sync import model_state as ms_lib
 from jddp._src.sync.local_sgd import LocalSGD
-from jddp._src.update import loss_scale as ls_lib
 
 Chooser = autocap.AutoCap | modelcap.ModelCap
 
@@ -194,7 +193,7 @@ class DataParallel:
         accumulate: pol.Accumulate | None = None,
         sync: pol.EveryStep | LocalSGD | None = None,
         precision: precision_lib.MixedPrecision | None = None,
-        loss_scale: ls_lib.DynamicScale | pol.SkipNotFinite | None = None,
+        loss_scale: pol.Guard | None = None,
         donate: bool = True,
         compiler_options: dict[str, Any] | None = None,
         verify_every: int | None = None,
@@ -475,7 +474,7 @@ class DataParallel:
         """
         tree = {"step": state.step, "params": state.params,
                 "opt_state": offload.device_copy(state.opt_state),
-                "loss_scale": self.config.update.scale(state.update_state)}
+                "loss_scale": self.config.update.guard_state(state.update_state)}
         if self.config.loss.model_state_sync != "none":
             tree["model_state"] = state.model_state
         if self.config.topology.islands and not self.config.topology.two_level:

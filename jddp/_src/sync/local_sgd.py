@@ -55,7 +55,7 @@ from jddp._src.core import recorder
 from jddp._src.introspect import vma
 from jddp._src.runtime.topology import AVERAGE, LOCAL, SYNC, Roles, Topology
 from jddp._src.step.config import BucketPlan, CommHook, LocalResult, SyncContext, SyncStep
-from jddp._src.step.state import AccumState, LossScaleState, OuterState, TrainState, map_node, own
+from jddp._src.step.state import AccumState, GuardState, OuterState, TrainState, map_node, own
 from jddp._src.sync import model_state as ms_lib
 from jddp._src.sync.every_step import HookPhase
 from jddp._src.tree import Bytes, add_device_dim, broadcast_to_devices, dtype_of, strip_device_dim
@@ -192,7 +192,7 @@ class LocalSGD:
             model_state=state.model_state if ctx.per_device_state
             else broadcast_to_devices(state.model_state, r),
             # Each replica keeps its own loss scale (the other update state is per device).
-            update_state=map_node(state.update_state, LossScaleState,
+            update_state=map_node(state.update_state, GuardState,
                                   lambda s: broadcast_to_devices(s, r)),
             sync_state=self._outer_state(state.params),
         )
@@ -205,20 +205,20 @@ class LocalSGD:
     def state_specs(self, ctx: SyncContext, state: TrainState, specs: TrainState) -> TrainState:
         """``specs`` with the per-replica leaves sharded over the replica axis (and, at the sharded
         stages, over the island's devices), the outer state replicated."""
-        scale = _per_replica_specs(ctx, own(state.update_state, LossScaleState))
+        scale = _per_replica_specs(ctx, own(state.update_state, GuardState))
         return specs.replace(
             params=_per_replica_specs(ctx, state.params, ctx.param_spec),
             opt_state=_per_replica_specs(ctx, state.opt_state, ctx.opt_spec),
             model_state=specs.model_state if ctx.per_device_state
             else _per_replica_specs(ctx, state.model_state),
-            update_state=map_node(specs.update_state, LossScaleState, lambda _: scale),
+            update_state=map_node(specs.update_state, GuardState, lambda _: scale),
             sync_state=jax.tree.map(lambda _: P(), state.sync_state),
         )
 
     def replica_view(self, state: TrainState) -> TrainState:
         """The state as one replica sees it (shape structs without the replica dimension), for
         the skeleton's input checks and the replica's layout."""
-        chain = map_node(state.update_state, LossScaleState, _strip_struct)
+        chain = map_node(state.update_state, GuardState, _strip_struct)
         return state.replace(params=_strip_struct(state.params),
                              opt_state=_strip_struct(state.opt_state), update_state=chain)
 
@@ -227,7 +227,7 @@ class LocalSGD:
         without their replica dimension)."""
         return state.replace(
             params=strip_device_dim(state.params),
-            update_state=map_node(state.update_state, LossScaleState, strip_device_dim),
+            update_state=map_node(state.update_state, GuardState, strip_device_dim),
             model_state=state.model_state if ctx.per_device_state
             else strip_device_dim(state.model_state),
         )

@@ -7,15 +7,13 @@ accumulate) and for fused micro-batches; the semantics are documented in ``docs/
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jddp._src.introspect import vma
 from jddp._src.step.state import AccumState, own
 from jddp._src.tree import broadcast_to_devices, key_path_str
 
@@ -131,86 +129,3 @@ def check_microbatches(local_size: int, microbatches: int, num_devices: int) -> 
 def split_microbatches(batch: Any, m: int) -> Any:
     """Reshapes every leaf ``[b, ...]`` to ``[m, b // m, ...]`` (contiguous micro-batches)."""
     return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
-
-
-def live(acc: AccumState) -> tuple[Any, jax.Array, jax.Array]:
-    """The window's sums ``(grads, loss, weight)``, as zeros when it is empty (``count == 0``).
-
-    A synchronising step resets only the counter and leaves the old sums in the buffers: writing
-    zeros there would make XLA copy the donated accumulator (the reset would race the backward's
-    reads of it), and a ``where`` fused into the next add costs nothing.
-    """
-    fresh = acc.count == 0
-    grads = jax.tree.map(lambda g: jnp.where(fresh, jnp.zeros((), g.dtype), g), acc.grads)
-    return grads, jnp.where(fresh, 0.0, acc.loss), jnp.where(fresh, 0.0, acc.weight)
-
-
-def add(acc: Any, x: Any) -> Any:
-    """``acc + x`` leaf by leaf, in ``acc``'s shape and dtype.
-
-    ``x`` may lack the accumulator's leading device dimension; adding in the accumulator's own
-    shape (not ``(acc[0] + x)[None]``) keeps the add in place: XLA does not reuse a donated
-    buffer across the bitcasts of an index-then-expand.
-    """
-    return jax.tree.map(lambda a, b: a + b.astype(a.dtype).reshape(a.shape), acc, x)
-
-
-def varying_zeros(tree: Any, axis: Any, dtype: Any = None) -> Any:
-    """Zeros shaped like ``tree``, typed as per-device values.
-
-    ``lax.cond`` branches and scan carries must agree on the varying axes of their values, and
-    ``jnp.zeros_like`` would give a replicated constant.
-    """
-    return jax.tree.map(
-        lambda x: vma.to_varying(jnp.zeros(jnp.shape(x), dtype or jnp.result_type(x)), axis),
-        tree,
-    )
-
-
-class Sums(NamedTuple):
-    """Local sums over micro-batches (no collective): gradients and the objective's aux sums.
-
-    Attributes:
-      grads: gradient leaves' sums (a tree like params).
-      metrics: sums of the scalar metrics.
-      sums: sums of the ratio numerators.
-      weight: sum of the ratio denominators.
-      model_state: the model state after the last micro-batch.
-    """
-
-    grads: Any
-    metrics: dict
-    sums: dict
-    weight: jax.Array
-    model_state: Any
-
-
-def local_sums(
-    grad_fn: Callable[..., Any], params: Any, micro: Any, weights: Any, init: Sums
-) -> Sums:
-    """Adds every micro-batch's local gradient and aux sums to ``init``, in order.
-
-    Args:
-      grad_fn: ``grad_fn(params, model_state, batch, weights) -> (grads, LocalAux)``.
-      params: the parameters, already varying, so each gradient is local: no collective here, and
-        none inside the loop when there is more than one micro-batch.
-      micro: micro-batches stacked on a leading axis; ``weights`` likewise (or ``None``).
-      init: the sums so far; model state is threaded through the micro-batches in order.
-    """
-
-    def body(carry: Sums, xs):
-        mb, w = xs
-        g, aux = grad_fn(params, carry.model_state, mb, w)
-        return Sums(
-            add(carry.grads, g),
-            add(carry.metrics, aux.metrics),
-            add(carry.sums, aux.sums),
-            carry.weight + aux.weight,
-            aux.model_state,
-        ), None
-
-    n = jax.tree.leaves(micro)[0].shape[0]
-    if n == 1:
-        one = jax.tree.map(lambda x: x[0], (micro, weights))
-        return body(init, one)[0]
-    return lax.scan(body, init, (micro, weights))[0]

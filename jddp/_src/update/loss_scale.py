@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jddp._src.step.state import LossScaleState
+from jddp._src.update.nonfinite import Guard
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -47,8 +48,9 @@ def _positive(value: Any, name: str, *, at_least: float = 0.0, strict: bool = Tr
 
 
 @dataclasses.dataclass(frozen=True)
-class DynamicScale:
-    """Dynamic loss scaling options (Flax's ``DynamicScale`` and its defaults).
+class DynamicScale(Guard):
+    """Dynamic loss scaling options (Flax's ``DynamicScale`` and its defaults): a guard that
+    skips non-finite steps and owns the loss scale (its :class:`LossScaleState` node).
 
     Attributes:
       init_scale: the first scale (Flax: 65536).
@@ -83,11 +85,17 @@ class DynamicScale:
         if self.minimum_scale is not None:
             _positive(self.minimum_scale, "minimum_scale")
 
+    node = LossScaleState
+
     def init(self) -> LossScaleState:
         """The state of a run's first step."""
         return LossScaleState(
             scale=jnp.asarray(self.init_scale, jnp.float32), fin_steps=jnp.zeros((), jnp.int32)
         )
+
+    def seed(self, node: LossScaleState | None) -> Any:
+        """The scale this call's gradients use: the backward pass's cotangent seed."""
+        return None if node is None else node.scale
 
     def update(self, state: LossScaleState, finite: jax.Array) -> LossScaleState:
         """The state after a synchronising step whose reduced gradients were ``finite`` or not.
@@ -108,30 +116,3 @@ class DynamicScale:
             fin_steps=jnp.where(grow | ~finite, 0, state.fin_steps + 1).astype(jnp.int32),
             inner=state.inner,
         )
-
-
-def check_state(node: LossScaleState | None, config: DynamicScale | None) -> None:
-    """Trace-time check that the loss scale's node of ``state.update_state`` (``node``) matches
-    the trainer's ``loss_scale`` option."""
-    has = node is not None
-    if config is not None and not has:
-        raise ValueError(
-            "This DataParallel scales the loss (loss_scale=...) but state.loss_scale is None (no "
-            "LossScaleState in state.update_state): "
-            "build the state with this DataParallel's init() (or restore it with its "
-            "abstract_state())."
-        )
-    if config is None and has:
-        raise ValueError(
-            "state.loss_scale (in state.update_state) holds a loss scale but this DataParallel "
-            "has no loss_scale option; "
-            "use the DataParallel that built the state."
-        )
-
-
-def unscale(grads: Any, scale: jax.Array) -> Any:
-    """``grads / scale``, computed in float32 (a float16 leaf could not even hold the scale)."""
-    return jax.tree.map(
-        lambda g: (g.astype(jnp.promote_types(g.dtype, jnp.float32)) / scale).astype(g.dtype),
-        grads,
-    )

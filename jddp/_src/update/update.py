@@ -7,9 +7,9 @@ is the optimizer at its placement (the *inner* update, passed in as a callable) 
   accumulator (its :class:`AccumState` node of ``TrainState.update_state``: its init, partition
   specs and trace-time check) and the per-device phases ask it how a call splits and whether it
   synchronises;
-- a *guard* (``apply_if_finite``): :class:`SkipNotFinite`, or
-  :class:`jddp.precision.DynamicScale`, which owns the loss scale (its :class:`LossScaleState`
-  node) and adapts it; a weighted loss's empty window is skipped the same way.
+- a *guard* (``apply_if_finite``), any :class:`Guard`: :class:`SkipNotFinite`, or
+  :class:`jddp.precision.DynamicScale`, which owns the loss scale (its ``LossScaleState`` node,
+  a :class:`GuardState`) and adapts it; a weighted loss's empty window is skipped the same way.
 
 :class:`Update` composes them once (``StepConfig.update``); the host's rule for the next
 ``state.step`` (:meth:`Update.runs`) is the one phase 3 applies. As optax's wrappers nest their
@@ -31,14 +31,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jddp._src.api import options
-from jddp._src.core import zero
+from jddp._src.core import microbatch, zero
 from jddp._src.runtime.topology import Roles, Topology
-from jddp._src.step.state import AccumState, LossScaleState, TrainState, own, put
+from jddp._src.step.state import AccumState, GuardState, TrainState, own, put
 from jddp._src.tree import strip_device_dim
 from jddp._src.update import accumulation as acc_lib
-from jddp._src.update import loss_scale as ls_lib
-from jddp._src.update.loss_scale import DynamicScale
-from jddp._src.update.nonfinite import all_finite, select_tree
+from jddp._src.update.nonfinite import Guard, check_node, select_tree
 
 Inner = Callable[[Any, Any, Any], tuple[Any, Any]]
 """``(params, opt_state, grads) -> (params, opt_state)`` of one replica: the optimizer at the
@@ -181,7 +179,7 @@ class Accumulate:
         if not self.shard:
             return reduced
         return [g + (a * jnp.asarray(seed / unit, a.dtype)).astype(g.dtype) for g, a in
-                zip(reduced, jax.tree.leaves(acc_lib.live(acc)[0]), strict=True)]
+                zip(reduced, jax.tree.leaves(microbatch.live(acc)[0]), strict=True)]
 
     def window_count(self, accum: AccumState | None) -> Any:
         """Micro-batches in the window a synchronising call closes (the mean's denominator):
@@ -229,16 +227,6 @@ class Accumulate:
         return True if self.accumulates else sync
 
 
-@dataclasses.dataclass(frozen=True)
-class SkipNotFinite:
-    """The update guard that skips a step whose reduced gradient has a NaN or Inf (optax's
-    ``apply_if_finite``): params, optimizer, model and hook state and ``state.step`` stay,
-    ``metrics["skipped"]`` is 1.0. With accumulation the whole window's gradient decides; a
-    skipped window is consumed. ``jddp.precision.DynamicScale()`` skips such steps too (and
-    scales)."""
-
-
-Guard = SkipNotFinite | DynamicScale
 
 
 def _where_rows(ok: Any, new: jax.Array, old: jax.Array) -> jax.Array:
@@ -273,8 +261,8 @@ class Update:
 
     Attributes:
       accumulate: the accumulation window (``shard`` resolved).
-      guard: skip non-finite updates (:class:`SkipNotFinite`), and scale the loss
-        (:class:`DynamicScale`); ``None``: neither.
+      guard: skip non-finite updates (any :class:`Guard`: :class:`SkipNotFinite`, or
+        ``DynamicScale``, which also scales the loss); ``None``: neither.
       skip_empty: skip a window without a real example (``Loss(weighted=True)``).
     """
 
@@ -287,11 +275,6 @@ class Update:
         """Whether a synchronising call can skip its update (and reports ``"skipped"``)."""
         return self.guard is not None or self.skip_empty
 
-    @property
-    def scaler(self) -> DynamicScale | None:
-        """The loss scale's policy (the guard that owns the :class:`LossScaleState` node)."""
-        return self.guard if isinstance(self.guard, DynamicScale) else None
-
     # -------------------------------------------------------------- the nested state
 
     @staticmethod
@@ -300,26 +283,30 @@ class Update:
         return own(chain, AccumState)
 
     @staticmethod
-    def scale(chain: Any) -> LossScaleState | None:
-        """The loss scale's node of ``update_state``, or ``None``."""
-        return own(chain, LossScaleState)
+    def guard_state(chain: Any) -> GuardState | None:
+        """The guard's node of ``update_state`` (the loss scale's), or ``None``."""
+        return own(chain, GuardState)
+
+    def seed(self, chain: Any) -> Any:
+        """The cotangent seed of this call's backward pass (the loss scale; ``None``: 1)."""
+        return None if self.guard is None else self.guard.seed(self.guard_state(chain))
 
     def init(self, accum: AccumState | None) -> Any:
         """The wrappers' initial ``update_state``: the window's ``accum`` (the reducer lays it
-        out) nesting the loss scale's initial state; ``None`` with neither."""
-        return self.accumulate.nest(accum, None if self.scaler is None else self.scaler.init())
+        out) nesting the guard's initial node (the loss scale's); ``None`` with neither."""
+        return self.accumulate.nest(accum, None if self.guard is None else self.guard.init())
 
     def specs(self, state: TrainState, topology: Topology) -> dict:
         """Partition specs of ``update_state``, ``{"update_state": ...}``: the accumulator's
-        (:meth:`Accumulate.specs`) nesting the loss scale's, replicated."""
+        (:meth:`Accumulate.specs`) nesting the guard's, replicated."""
         chain = state.update_state
-        scale = jax.tree.map(lambda _: P(), self.scale(chain))
+        guard = jax.tree.map(lambda _: P(), self.guard_state(chain))
         window = self.accumulate.specs(self.window(chain), topology)
-        return {"update_state": self.accumulate.nest(window, scale)}
+        return {"update_state": self.accumulate.nest(window, guard)}
 
     def check(self, state: Any) -> None:
         """Trace-time check of the guard's node of ``state.update_state``."""
-        ls_lib.check_state(self.scale(state.update_state), self.scaler)
+        check_node(self.guard_state(state.update_state), self.guard)
 
     def runs(self, sync: bool | None) -> bool | None:
         """Whether a call with this ``sync`` updates (and advances ``state.step``): ``False``
@@ -344,7 +331,7 @@ class Update:
         finite = None
         if self.guard is not None:
             # Reduced gradients are identical on every device of a replica: so is this decision.
-            finite = lv.per_replica(all_finite)(res.grads)
+            finite = lv.per_replica(self.guard.keeps)(res.grads)
             checks.append(finite)
         if self.skip_empty:
             checks.append(lv.flags(res.nonempty))
@@ -365,9 +352,10 @@ class Update:
         """
         metrics: dict = {}
         chain = state.update_state
-        scale = self.scale(chain)
-        if scale is not None:
-            metrics["loss_scale"] = scale.scale  # the scale this call's gradients used
+        node = self.guard_state(chain)
+        seed = self.seed(chain)
+        if seed is not None:
+            metrics["loss_scale"] = seed  # the scale this call's gradients used
         flag_shape = lv.flag_shape
         if self.runs(sync) is False:
             if self.skips:  # nothing applied, nothing skipped
@@ -398,12 +386,12 @@ class Update:
             metrics["skipped"] = jnp.where(
                 jnp.logical_and(res.synced, jnp.logical_not(ok)), 1.0, 0.0
             ).astype(jnp.float32)
-        if self.scaler is not None and scale is not None and finite is not None:
+        if self.guard is not None and node is not None and finite is not None:
             # Outside the selection above: a skipped step is exactly when the scale must shrink.
-            new_scale = lv.per_replica(self.scaler.update)(scale, finite)
+            new_node = lv.per_replica(self.guard.update)(node, finite)
             if windowed:
-                new_scale = select_tree(res.synced, new_scale, scale)
+                new_node = select_tree(res.synced, new_node, node)
             new_state = new_state.replace(
-                update_state=put(new_state.update_state, LossScaleState, new_scale))
+                update_state=put(new_state.update_state, GuardState, new_node))
         return new_state.replace(
             update_state=self.accumulate.nest(res.accum, new_state.update_state)), metrics

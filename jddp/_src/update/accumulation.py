@@ -1,7 +1,6 @@
-"""Local gradient accumulation: the accumulator, and the local sums of micro-batches.
-
-The step (:mod:`jddp._src.reduce.bucketed`) uses these for DDP's ``no_sync`` (calls that only
-accumulate) and for fused micro-batches; the semantics are documented in ``docs/accumulate.md``.
+"""Local gradient accumulation: the accumulator (its init, layout and checks) and the
+micro-batch split, for DDP's ``no_sync`` (calls that only accumulate) and fused micro-batches
+(docs/accumulate.md); the local sums the reducer runs are :mod:`jddp._src.core.microbatch`'s.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """The chain between buckets: each bucket's gradients take a data dependency on the previous
-bucket's reduced result, so that XLA's combiners cannot merge the buckets' collectives.
-
-XLA's all-reduce combiners merge independent all-reduces (on CPU into a single one after the
-whole backward). Dependent collectives cannot be combined, so the plan's bucket boundaries
-survive compilation without XLA flags (:func:`resolve_chain` says how the dependency is made).
+bucket's reduced result, so XLA's combiners cannot merge the buckets' collectives without flags.
 """
 
 from __future__ import annotations

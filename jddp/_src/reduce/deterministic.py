@@ -1,34 +1,9 @@
 """Deterministic data parallelism: the same bits on any device count (``jddp.Deterministic()``).
 
-A default step sums gradients where the layout puts the sums: inside each device's backward pass
-(over its shard) and in the all-reduce (in the collective's order). Change the device count and
-the rounding changes. With ``DataParallel(reduce=jddp.Deterministic())`` every sum has a fixed shape that
-does not depend on the layout:
-
-1. The window's global batch (``accumulate_steps`` calls of the global batch) is cut into *groups*
-   of ``group_size`` consecutive examples. Each group's gradient (and loss, metrics, new model
-   state) is computed alone, by the same program (the loss of ``group_size`` examples), wherever
-   it runs: a ``lax.scan`` over the device's groups.
-2. The ``K`` groups of a window, ``K = q * 2**t`` with ``q`` odd, are summed in one fixed tree: ``q``
-   consecutive groups are added left to right into a *block*, and the ``2**t`` blocks are added in
-   a perfect pairwise tree. A device holds a whole subtree (devices and calls are powers of two
-   that divide ``2**t``), summed locally by nested scans of two.
-3. The devices' subtree sums are combined in the same pairwise order, by moving bytes only: an
-   all-to-all hands device ``j`` slice ``j`` of every device's sum, the device adds the ``n``
-   slices in the tree's order, and an all-gather returns the sums everywhere (the bytes of a ring
-   all-reduce, ``2 (n-1)/n`` of the payload per device).
-4. With ``Accumulate(steps=k)`` each call's sum is one subtree of the window (the tree's top
-   ``log2 k`` levels split by call); the finished subtrees wait in a binary counter in
-   the accumulator (``log2 k`` slots) and are merged in the same pairwise order.
-5. The mean is the sum divided by ``K`` (``weighted``: by the summed weight); the optimizer update
-   is elementwise and the same everywhere.
-
-Gradient, loss, metrics and model state travel together through the same tree. Covered layouts:
-device counts that are powers of two and divide the number of groups of a call's batch, and
-``accumulate_steps`` that are powers of two (``n * k`` then divides ``2**t``); the micro-batch
-split (``microbatches``) does not enter the arithmetic at all (the group scan already bounds
-memory to a group). Anything else is refused with the covering layouts named. See
-``docs/deterministic.md`` for what is (and is not) guaranteed.
+Every sum has a fixed shape that does not depend on the layout: fixed-size groups scanned per
+device, summed in one fixed pairwise tree, combined across devices by all-to-all, ordered sum and
+all-gather, and across the calls of a window by a binary counter of finished subtrees. The
+algorithm, the covered layouts and the guarantees: docs/deterministic.md.
 """
 
 from __future__ import annotations
@@ -64,11 +39,7 @@ class Part(NamedTuple):
     """Sums over some groups: everything that goes through the fixed tree.
 
     Attributes:
-      grads: the sum of the groups' gradients (like params).
-      metrics: sums of the scalar metrics (one value per group).
-      sums: sums of the ratio numerators (``"loss"``; with ``weighted`` the per-example metrics).
       weight: the sum of the groups' weights (1 per group; ``weighted``: real weight / group size).
-      model_state: the sum of the groups' new model states (or ``None``).
       count: the number of groups (a float32 sum of ones, computed like the rest).
     """
 

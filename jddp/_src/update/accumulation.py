@@ -34,12 +34,9 @@ def init_accum(
     """An empty accumulator for ``params`` on ``num_devices`` devices (leading device dimension).
 
     Args:
-      params: the parameters (one local gradient sum per leaf and device).
-      num_devices: the number of devices of the data mesh.
       dtype: the dtype of the sums (default: see :func:`accumulator_dtype`).
       model_state: the model state, if the model has one (its per-device slot between calls).
-      sharded: the gradient sums are reduced ones, shaped like the parameters (no device
-        dimension) and split over the devices like them (``shard_accumulator``).
+      sharded: the sums are reduced ones, shaped and split like the parameters (no device dim).
     """
     lead = () if sharded else (num_devices,)
     grads = jax.tree.map(
@@ -168,15 +165,7 @@ def varying_zeros(tree: Any, axis: Any, dtype: Any = None) -> Any:
 
 
 class Sums(NamedTuple):
-    """Local sums over micro-batches (no collective): gradients and the objective's aux sums.
-
-    Attributes:
-      grads: gradient leaves' sums (a tree like params).
-      metrics: sums of the scalar metrics.
-      sums: sums of the ratio numerators.
-      weight: sum of the ratio denominators.
-      model_state: the model state after the last micro-batch.
-    """
+    """Local sums over micro-batches (no collective): gradients and the objective's aux sums."""
 
     grads: Any
     metrics: dict
@@ -192,10 +181,8 @@ def local_sums(
 
     Args:
       grad_fn: ``grad_fn(params, model_state, batch, weights) -> (grads, LocalAux)``.
-      params: the parameters, already varying, so each gradient is local: no collective here, and
-        none inside the loop when there is more than one micro-batch.
+      params: the parameters, already varying, so each gradient is local (no collective).
       micro: micro-batches stacked on a leading axis; ``weights`` likewise (or ``None``).
-      init: the sums so far; model state is threaded through the micro-batches in order.
     """
 
     def body(carry: Sums, xs):

@@ -31,7 +31,7 @@ class Part(NamedTuple):
 
 
 class BucketRows(NamedTuple):
-    """Where a bucket's split leaves lie in the owner rows (static; ``width``: each row's length)."""
+    """Where a bucket's split leaves lie in the owner rows (static; ``width``: a row's length)."""
 
     split: tuple[int, ...]
     width: int

@@ -4,7 +4,7 @@ Leaves keep their true shapes as global arrays; stage 1 splits the optimizer sta
 gradients (reduce-scattered from inside the backward), 3 the parameters (gathered per bucket
 before first use, resharded after it; docs/sharded.md). A leaf is split on one dimension the
 device count divides (:func:`shard_dim`), else kept whole. A bucket is one collective of an
-``(N, K)`` matrix of rows (:func:`to_rows`); whole leaves and metrics travel as ``N`` identical rows.
+``(N, K)`` matrix of rows (:func:`to_rows`); whole leaves and metrics travel as ``N`` equal rows.
 """
 
 from __future__ import annotations

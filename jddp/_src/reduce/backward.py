@@ -255,7 +255,7 @@ def bucketed_vjp(
       plan: the bucket plan (from the same ``traced``, see :func:`jddp._src.plan.planner.plan_traced`).
       hook_state: one state per leaf (see :func:`jddp._src.reduce.hooks.init_hook_state`).
       phase: the hook's static phase for this step (``hook.phase(step)``).
-      seed: the cotangent of the differentiated output (default 1): a micro-batch mean, a loss scale.
+      seed: the cotangent of the differentiated output (default 1): a micro-batch mean, loss scale.
       offset: local gradient leaves (scaled like ``seed``) added before the reduction; or ``None``.
       extras_fn: ``extras_fn(out)`` gives float32 arrays (shaped like ``extras_shape``) averaged
         exactly: on the last bucket when ``CommHook.fuses_extras``, else in their own all-reduce.

@@ -78,7 +78,8 @@ class ReduceContext(NamedTuple):
     (:func:`jddp._src.step.skeleton.reduce_context`): no reducer reads the configuration.
 
     Attributes:
-      accumulate: the accumulation window's operations (:class:`jddp._src.update.update.Accumulate`).
+      accumulate: the accumulation window's operations (:class:`jddp._src.update.update.Accumulate`
+        ops).
       place: the placement's operations (:mod:`jddp._src.place.placement`).
       example_keys, report: the loss policy's (:meth:`jddp.Loss.example_keys`, ``report``).
     """
@@ -248,8 +249,8 @@ class SyncPolicy(Protocol):
     """How replicas stay in step: what the step asks its sync policy (implementations in
     :mod:`jddp._src.sync`). Methods get a :class:`SyncContext`, never the config.
 
-    A policy may also define host hooks called by ``ddp.step`` around each call:
-    ``before_step(ctx, state, batch, mask) -> state`` and ``after_step(ctx, phase, state) -> state``.
+    A policy may also define host hooks called by ``ddp.step`` around each call: ``before_step(ctx,
+    state, batch, mask) -> state`` and ``after_step(ctx, phase, state) -> state``.
     """
 
     islands: ClassVar[bool]

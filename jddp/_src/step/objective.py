@@ -1,8 +1,8 @@
 """The user's loss function, as the step differentiates and reduces it.
 
 :func:`unpack_loss_output` is the one reader of the ``loss_fn`` forms ``jddp.DataParallel``
-documents; :class:`Objective` turns every form into one function ``(params, model_state, batch, weights) ->
-(scalar, LocalAux)``. Every mean the step reports is a ratio of sums over devices and
+documents; :class:`Objective` turns every form into one function ``(params, model_state, batch,
+weights) -> (scalar, LocalAux)``. Every mean the step reports is a ratio of sums over devices and
 micro-batches that rides on the last bucket's all-reduce (:class:`Extras`); the gradient is divided
 by the same denominator after the reduction (division is linear).
 """

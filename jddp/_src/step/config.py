@@ -78,8 +78,8 @@ class ReduceContext(NamedTuple):
     (:func:`jddp._src.step.skeleton.reduce_context`): no reducer reads the configuration.
 
     Attributes:
-      accumulate: the accumulation window's operations (:class:`jddp._src.update.update.Accumulate`
-        ops).
+      accumulate: the accumulation window's operations
+        (:class:`jddp._src.update.update.Accumulate`).
       place: the placement's operations (:mod:`jddp._src.place.placement`).
       example_keys, report: the loss policy's (:meth:`jddp.Loss.example_keys`, ``report``).
     """

@@ -22,7 +22,7 @@ from jddp.buckets import BucketPlan
 
 __all__ = ["GPU_COMBINE_THRESHOLD_BYTES", "Recommendation", "recommended"]
 
-#: XLA's default ``xla_gpu_all_reduce_combine_threshold_bytes`` (measured, see module docstring).
+#: XLA's default ``xla_gpu_all_reduce_combine_threshold_bytes`` (measured: docs/api/perf.md).
 GPU_COMBINE_THRESHOLD_BYTES = xla_options.GPU_COMBINE_THRESHOLD_BYTES
 
 _GPU = ("gpu", "cuda", "rocm")

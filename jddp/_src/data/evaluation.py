@@ -30,7 +30,7 @@ def _place(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 class Evaluator:
-    """Sums of per-example metrics over a data set, data-parallel (see the module docstring).
+    """Sums of per-example metrics over a data set, data-parallel ([Data](../data.md)).
 
     Example::
 

@@ -169,7 +169,7 @@ class WindowEnd:
 class Loader:
     """Global batches of a random-access source, each process reading only its rows.
 
-    Iterating gives ``(batch, mask)`` forever, epoch after epoch (see the module docstring for
+    Iterating gives ``(batch, mask)`` forever, epoch after epoch ([Data](../data.md) has
     the order, the reads and the padding)::
 
         loader = jddp.data.Loader(source, global_batch_size=256, mesh=mesh, seed=0)

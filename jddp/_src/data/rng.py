@@ -79,7 +79,7 @@ def per_example(fn: Callable[..., Any]) -> Callable[..., Any]:
     (leading dimension 1) with its key from ``keys`` (one per example), under ``jax.vmap``, and
     stacks the outputs without that dimension. With ``fn`` a Flax ``apply`` taking ``rngs=
     {"dropout": key}``, each example's dropout mask depends on its key only: the same on one
-    device or many. See the module docstring.
+    device or many. See [Flax recipes](../flax.md).
     """
 
     def wrapped(batch: Any, keys: Any) -> Any:

@@ -80,7 +80,7 @@ class LossOutput(NamedTuple):
 
 
 def unpack_loss_output(out: Any, *, has_aux: bool, stateful: bool) -> LossOutput:
-    """Reads ``loss_fn``'s output under the convention in the module docstring."""
+    """Reads ``loss_fn``'s output in the forms ``jddp.DataParallel`` documents."""
     if not stateful:
         if not has_aux:
             return LossOutput(out, None, {})

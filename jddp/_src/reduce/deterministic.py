@@ -145,14 +145,9 @@ def _fma_free(flags: str) -> bool:
 
 
 def check_backend(platform: str) -> None:
-    """Refuses a CPU backend that may contract multiply-adds into FMAs (warns off CPU).
-
-    XLA's CPU code contracts ``a * b + c`` into one FMA (one rounding instead of two) where LLVM
-    finds the pattern, and the pattern depends on the fusion around it: the same optax update
-    compiled after an all-gather (several devices), after the last add of the gradient sum (one
-    device) or inside the accumulation's ``lax.cond`` rounded differently (446 of 5,317 Adam
-    parameters after 4 steps, 1 device against 2, with bitwise-equal gradients). AVX has no FMA
-    instructions, so ``--xla_cpu_max_isa=AVX`` removes the contraction everywhere.
+    """Refuses a CPU backend that may contract multiply-adds into FMAs (warns off CPU): XLA's
+    contraction depends on the fusion around it, so layouts round differently; AVX has none
+    (docs/deterministic.md, "FMA contraction").
     """
     if platform != "cpu":
         warnings.warn(
@@ -317,14 +312,8 @@ def _group_fn(obj: Any, params: Any, model_state: Any, batch: Any, weights: Any,
 
 
 def opaque(tree: Any, zero: Any) -> Any:
-    """``tree`` unchanged, through an integer op that XLA cannot see through.
-
-    The optimizer's code must not depend on how its input was produced. XLA's algebraic
-    simplifier rewrites arithmetic across producer and consumer by context: ``g / w`` became
-    ``g * (1 / w)`` in the one-device program and stayed a division in the two-device one (626 of
-    1,637 gradient elements differed), and a constant scale folded into Adam's ``(1 - b1)`` in
-    one program and not in the other. XOR-ing the bits with a zero known only at run time ends
-    every such rewrite here: both sides of it compile the same in every layout.
+    """``tree`` unchanged, through an integer op (XOR with a run-time zero) that XLA cannot see
+    through, so its algebraic rewrites cannot differ between layouts (docs/deterministic.md).
 
     Args:
       zero: an int32 0 that XLA cannot prove to be 0 (``min(state.step, 0)``).
@@ -379,10 +368,8 @@ def _merge_window(ctx: ReduceContext, acc: AccumState,
                   call: Part) -> tuple[Part, AccumState, Any]:
     """Adds this call's sum to the window's binary counter; ``(window_sum, accum, synced)``.
 
-    Call ``c`` of the window closes ``trailing_ones(c)`` subtrees: it adds the slots of the
-    completed left siblings (slot ``l`` holds ``2**l`` calls) and stores the result in slot
-    ``trailing_ones(c)``. The last call (``c = k - 1``) closes them all: the window's sum. Only
-    gradients, loss, weight, model state and the group count span the window.
+    Call ``c`` closes ``trailing_ones(c)`` subtrees (slot ``l`` holds ``2**l`` calls); the last
+    call closes them all: the window's sum.
     """
     c = acc.count
     first = lambda x: x[0]  # this device's copy

@@ -301,7 +301,7 @@ class StepConfig:
     """What a training step is: fixed at construction, hashable, read by pure step functions.
 
     Attributes:
-      loss_fn: the user's loss (see :mod:`jddp._src.step.objective` for its four forms).
+      loss_fn: the user's loss (its forms: the ``loss_fn`` of :class:`jddp.DataParallel`).
       optimizer: the optax transformation applied to the reduced gradients.
       mesh: the data mesh; every axis of it is a data axis.
       reduce: how gradients are reduced (:class:`Reducer`): the bucketed reduction

@@ -1,13 +1,9 @@
 """Checkpoints of the whole TrainState (and the data loader's place) with orbax, from one process
 or many.
 
-Every array of the state (params, optimizer, model, hook and accumulation state, step) is saved
-with its sharding: replicated leaves once, per-device leaves (hook and accumulator state) shard by
-shard, so a restore continues exactly where the run stopped. In a multi-process run every process
-calls ``save``/``restore`` with the same arguments; orbax coordinates the writes.
-A checkpoint saved before ``TrainState`` had one field per policy role (its top-level
-``hook_state``, ``accum``, ``loss_scale`` and ``outer``) restores into today's fields
-(``reduce_state``, ``update_state``, ``sync_state``) and continues the same way.
+Every array is saved with its sharding, so a restore continues exactly where the run stopped;
+every process calls ``save``/``restore`` with the same arguments. A checkpoint of the older
+per-feature ``TrainState`` layout restores into today's fields ([Checkpoints](../checkpoints.md)).
 
     mngr = jddp.checkpoint.manager("ckpt", max_to_keep=3)
     jddp.checkpoint.save(mngr, state)                       # at state.step
@@ -29,15 +25,8 @@ or under any scheduler that re-runs it on exit status 75)::
 exits with 75. The loader's state (a small JSON dict, :meth:`jddp.data.Loader.state`) is a second
 item of the same checkpoint, so the TrainState and the data position are committed together.
 
-With ``manager(..., async_save=True)`` saves are asynchronous (orbax's asynchronous
-checkpointing): ``save_if_due`` returns once the arrays are copied to host memory, and the write to
-disk runs in a background thread while training goes on; the next save, :func:`wait`, a preemption
-exit and the end of the interpreter wait for it. orbax writes into a temporary folder and renames
-it when complete, so a process killed mid-write leaves no checkpoint of that step, and the latest
-complete one restores bit-exactly. In a multi-process job the commit of an asynchronous save was
-seen to come late: a rank SIGKILLed two steps after a save restarted from the save before it. The
-default stays synchronous (a checkpoint is on disk when ``save_if_due`` returns).
-:func:`save` waits for its write unless ``wait=False``.
+With ``manager(..., async_save=True)`` saves are asynchronous (see the guide for when that is
+safe); :func:`save` waits for its write unless ``wait=False``.
 """
 
 from jddp._src.runtime.checkpoint import (

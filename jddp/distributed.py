@@ -1,29 +1,5 @@
 """Multi-process set-up on JAX's own distributed runtime, and per-process input helpers.
 
-`initialize` is a thin wrapper over `jax.distributed.initialize`. It reads the variables that
-`jddp-run` (jddp/launch.py) sets, otherwise those of the launcher that started the process (Open
-MPI 4 and 5, SLURM, Hydra; JAX's own detection misses Open MPI 5), then
-JAX's detection (Cloud TPU, ...), and otherwise runs as a single process, so one script works for
-1 or N processes. It adds what a training job needs and JAX does not give by default:
-
-* never a silent single-process job: a launcher's variables that say "one of several" but give
-  no coordinator raise `ClusterEnvironmentError`, naming the launcher and the fix;
-
-* bounded start-up: a rank that cannot reach the coordinator raises `CoordinatorTimeoutError`
-  after `timeout_s` instead of retrying for JAX's default 5 minutes and then aborting;
-* fail-fast exit: after `jax.distributed.initialize`, a rank that dies with an uncaught exception
-  waits at exit for the other ranks (JAX's shutdown barrier), so the job hangs. `initialize`
-  installs an excepthook that prints the traceback and leaves with `os._exit(1)`;
-* bounded heartbeat and shutdown timeouts, so a dead peer is detected in seconds, not minutes;
-* a clear error when the coordinator's port is taken (JAX itself crashes with a segfault or
-  "Failed to add port to server");
-* under `jddp-run`, the link to the launcher: `report_progress` for its watchdog, orders to exit,
-  and the end of the rank when the launcher dies;
-* preemption: `reached_preemption_point(step)` is True on every process at the same step after a
-  SIGTERM (JAX's preemption sync point, or a signal flag in a single process), and
-  `exit_for_resume()` leaves with `EXIT_RESUME`, the status that means "resume me". A process
-  that does not reach that point within a bounded grace exits 143 (docs/faults.md).
-
 Cross-process collectives on CPU use Gloo (`jax_cpu_collectives_implementation`, JAX's default).
 """
 

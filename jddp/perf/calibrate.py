@@ -1,22 +1,4 @@
-"""Measuring the inputs of the cost model on the current machine.
-
-:mod:`jddp.perf.costmodel` is pure; this module runs things. It times
-
-- one device's compute of a :class:`jddp.DataParallel` step with no communication at all (forward,
-  forward + backward, full local step with the optimizer), giving a
-  :class:`~jddp.perf.costmodel.ModelProfile` in the step's real bucket (backward) order;
-- all-reduces of several sizes on a mesh, fitted to the alpha-beta model as a
-  :class:`~jddp.perf.costmodel.Link`.
-
-Timing method: each program is compiled once and warmed up, the variants are alternated
-round-robin in the same process (so drift and load hit all alike), and the median of
-``jax.block_until_ready`` wall times is reported.
-
-On simulated CPU devices (``--xla_force_host_platform_device_count``) the collective is an
-in-process reduction over threads that share the host's cores and memory, not a ring over links:
-the fitted "bandwidth" is a property of this host at this device count, and says nothing about how
-the cost grows with N. Use it for this machine only.
-"""
+"""Measuring the inputs of the cost model on the current machine."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
 """Where a real step's time goes: host dispatch, device time, and time in each bucket's collectives.
 
-PyTorch DDP's ``_get_ddp_logging_data()`` reports forward, backward, communication and overlap
-times; this is jddp's equivalent, measured on the run itself:
-
-* :class:`StepTimer` wraps ``ddp.step``: for each call, the host's dispatch time (until ``step``
-  returns) and the device time (from then until its outputs are ready). Timing waits for every
-  timed step, so host and device no longer overlap while it is on: time a few steps, not a run.
-* :func:`trace` records a ``jax.profiler`` trace (TensorBoard's ``.xplane.pb`` and Perfetto's
-  ``perfetto_trace.json.gz``, open at https://ui.perfetto.dev), then renames each collective of
-  the step's program in the Perfetto file after the gradient bucket it serves
-  (``all-reduce.1 [jddp_bucket_1]``: read from the ``op_name`` jddp gives each bucket's reduction),
-  and :func:`collective_times` sums the time each device spends in them (XLA:CPU and GPU traces
-  both name events after the HLO instruction).
-
 Example (``examples/train_digits.py --profile DIR`` does this)::
 
     timer = jddp.perf.profile.StepTimer(ddp.step)

@@ -1,22 +1,4 @@
-"""Gradient profiles of two reference models, for cost-model predictions without the model.
-
-Both are built layer by layer from the architectures (not measured): parameter tensors in the
-order the forward pass first uses them, each with the forward FLOPs of the operation that owns it.
-:func:`resnet50_profile` and :func:`bert_large_profile` turn them into
-:class:`~jddp.perf.costmodel.ModelProfile`\\ s at a given per-device batch and achieved FLOP/s.
-
-- ResNet-50 (torchvision layout, 224x224 images): 161 tensors, 25,557,032 parameters
-  (53 convolutions, 53 batch norms with scale and bias, the classifier's weight and bias), about
-  4.1 GMAC per image forward.
-- BERT-large (24 layers, hidden 1024, 16 heads, FFN 4096, vocabulary 30522, with the pre-training
-  heads; the MLM decoder's weight is tied to the word embedding): 336M parameters. Because the word
-  embedding (125 MB of gradient in float32) is used first in the forward pass, its gradient is
-  complete only at the very end of the backward pass, so its bucket can never overlap.
-
-Compute is attributed to weight tensors (convolutions, matmuls); biases and norm parameters get
-none, so the profile's total time is the FLOP count at the *achieved* throughput, which has to
-include everything else (norms, activations, memory-bound kernels).
-"""
+"""Gradient profiles of two reference models, for cost-model predictions without the model."""
 
 from __future__ import annotations
 

@@ -1,27 +1,9 @@
 """Compile-only GPU and TPU meshes, for reading XLA's real schedules on a CPU-only machine.
 
-JAX can compile for devices it does not have: ``jax.experimental.topologies`` hands out
-"compile-only" devices of an NVIDIA GPU or TPU topology, and ``jax.jit(f).lower(...).compile()``
-on abstract inputs sharded over them gives the program XLA would run there (it cannot run here).
-That is enough to check where XLA schedules the gradient all-reduces (see
-:mod:`jddp.perf.schedule`).
-
 Needs the backend's compiler plugin, and nothing else (no GPU, no CUDA libraries, no TPU)::
 
     pip install "jax[cuda13-local]==$JAX_VERSION"   # GPU: jax-cuda13-plugin, -pjrt
     pip install "jax[tpu]==$JAX_VERSION"            # TPU: libtpu
-
-(``pip install -e .[xla-compile]`` installs both for the pinned JAX.) The plugin versions must
-equal the installed jax version. With the plugins installed, ordinary CPU use of JAX is unchanged:
-the default backend stays CPU; libtpu prints a few warnings to stderr when JAX's backends
-initialise, and the CUDA plugin logs a "cuDNN not found" traceback unless
-``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` or ``JAX_PLATFORMS=cpu`` is set.
-
-The CUDA plugin only registers itself if its CUDA version check passes or is skipped. It runs that
-check once per process, when JAX first initialises its backends (the first ``jax.devices()``,
-computation or topology request), not at ``import jax``. :func:`gpu_mesh` sets
-``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` itself, and if the plugin already failed the check earlier
-in the process it runs the plugin's registration again, so callers need not set anything.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """XLA options that keep jddp's bucket plan intact in the compiled step, per backend.
 
-jddp keeps its buckets apart with a data dependency between consecutive buckets (the chain, see
-:func:`jddp.reduce.resolve_chain`), so XLA's all-reduce combiners cannot merge two buckets on any
-backend. One thing the chain cannot stop: XLA's GPU combiner (``gpu-all-reduce-combiner``) builds
-each bucket's all-reduce out of the bucket's per-leaf all-reduces, and it only combines up to
-``--xla_gpu_all_reduce_combine_threshold_bytes``, 30 MiB by default (measured with jax 0.10.2 on a
-compile-only H100 mesh: a bucket of 30.0 MiB stayed one all-reduce, one of 30.5 MiB was compiled as
-30.0 + 0.5 MiB, one of 39.5 MiB as 30.0 + 9.5 MiB). A bucket larger than the threshold is thus
-split into several all-reduces. They are still reduced in order and still overlap backward work,
-but the plan no longer says what runs. Raising the threshold keeps every bucket whole; because
-of the chain, it does not merge buckets with each other.
-
-On TPU no split was seen (a 39.5 MiB bucket stayed one all-reduce on v5e:2x4) and on CPU the
-chain alone keeps one all-reduce per bucket, so nothing is recommended there.
-
-:class:`jddp.DataParallel` sets these options itself on a GPU mesh (unless ``Buckets(chain="none")``, or
-the user sets them in ``compiler_options`` or ``XLA_FLAGS``), sized from the largest bucket its
-plan can make (``ddp.step.compiler_options`` shows them); this module says what and why, e.g. for
-a step compiled another way (``jddp.value_and_grad`` in your own ``jit``):
+``jddp.DataParallel`` sets them itself on a GPU mesh; for a step compiled another way:
 
     from jddp.perf import xla_flags
 
@@ -39,7 +22,7 @@ from jddp.buckets import BucketPlan
 
 __all__ = ["GPU_COMBINE_THRESHOLD_BYTES", "Recommendation", "recommended"]
 
-#: XLA's default ``xla_gpu_all_reduce_combine_threshold_bytes`` (measured, see module docstring).
+#: XLA's default ``xla_gpu_all_reduce_combine_threshold_bytes`` (measured: docs/api/perf.md).
 GPU_COMBINE_THRESHOLD_BYTES = xla_options.GPU_COMBINE_THRESHOLD_BYTES
 
 _GPU = ("gpu", "cuda", "rocm")

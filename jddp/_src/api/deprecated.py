@@ -1,11 +1,8 @@
 """The deprecated spellings: the 0.1.0 keywords of ``DataParallel``, mapped one to one onto the
 policies, and the public names that moved to the module that owns them.
 
-Each old keyword still works for one release: it warns (``DeprecationWarning``, naming the new
-spelling) and becomes the field of the policy that owns it, so both spellings build the same
-step and give the same bits. An old keyword next to the new keyword of the policy that owns it
-is an error (which one would win is not obvious). A moved name (:data:`MOVED`) is the same
-object under its new name; reading the old one warns, naming the new one.
+An old keyword warns and becomes its policy's field (same bits); next to its new keyword it is an
+error. A moved name (:data:`MOVED`) is the same object; reading the old one warns.
 """
 
 from __future__ import annotations

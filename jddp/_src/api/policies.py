@@ -1,18 +1,8 @@
 """The step's policies: one small frozen value per feature, each validating its own fields.
 
-``jddp.DataParallel(loss_fn, optimizer, loss=..., reduce=..., place=..., accumulate=...,
-sync=..., precision=..., loss_scale=...)`` takes one policy per phase of the step instead of
-28 flags: what the loss returns (:class:`Loss`), how gradients are reduced (:class:`Buckets`
-or :class:`Deterministic`), where the training state lives (:class:`Replicate` or
-:class:`ZeRO`), how calls accumulate (:class:`Accumulate`), how replicas are kept in step
-(:class:`EveryStep`, or :func:`jddp.local_sgd.diloco` / :func:`~jddp.local_sgd.post_local_sgd`)
-and how the update is guarded (:class:`SkipNotFinite`, or ``jddp.precision.DynamicScale``).
-
-Every policy is a frozen, hashable dataclass built by keyword; an invalid field raises at
-construction with the field's name and the fix. Combinations of policies that do not work
-together are refused by one table, :mod:`jddp._src.step.compat`. :class:`Accumulate` and
-:class:`SkipNotFinite` are update wrappers, defined with their behaviour in
-:mod:`jddp._src.update.update` and re-exported here.
+One policy per phase of ``jddp.DataParallel`` (docs/api/index.md); an invalid field raises at
+construction naming it and the fix; combinations are refused by :mod:`jddp._src.step.compat`.
+:class:`Accumulate` and :class:`SkipNotFinite` live in :mod:`jddp._src.update.update`.
 """
 
 from __future__ import annotations

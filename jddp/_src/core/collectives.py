@@ -2,15 +2,9 @@
 per element, flat padded buffers, an invariant all-gather, and a reduce-scatter that is right on
 every backend, including XLA:CPU across processes (Gloo).
 
-XLA:CPU runs a multi-process reduce-scatter through Gloo's ``ReduceScatterHalvingDoubling``, whose
-last phase copies the received shard over the front of its working buffer before the sends of
-the halving rounds from that buffer are known to be complete. When a send was only partly
-written to its socket (one TCP segment of 65483 bytes on loopback), the rest goes out from the
-overwritten memory, and the receiver sums in other values: ~26 wrong elements at the end of the
-first 1/N shard of a 256 KiB gradient, in a few percent of the steps, identical on every replica
-(docs/faults.md has the reproducer). :func:`scatter_sum` sends the same bytes through an
-all-to-all (Gloo's, which waits for its sends) and adds the pieces locally in device order, where
-the fault can occur; elsewhere it is ``lax.psum_scatter``.
+:func:`scatter_sum` avoids Gloo's ``ReduceScatterHalvingDoubling``, which can send from a buffer it
+already overwrote (docs/faults.md, "Wrong values from Gloo's reduce-scatter"): an all-to-all and
+a local sum in device order where the fault can occur; elsewhere ``lax.psum_scatter``.
 """
 
 from __future__ import annotations

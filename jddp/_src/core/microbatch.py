@@ -49,15 +49,7 @@ def varying_zeros(tree: Any, axis: Any, dtype: Any = None) -> Any:
 
 
 class Sums(NamedTuple):
-    """Local sums over micro-batches (no collective): gradients and the objective's aux sums.
-
-    Attributes:
-      grads: gradient leaves' sums (a tree like params).
-      metrics: sums of the scalar metrics.
-      sums: sums of the ratio numerators.
-      weight: sum of the ratio denominators.
-      model_state: the model state after the last micro-batch.
-    """
+    """Local sums over micro-batches (no collective): gradients and the objective's aux sums."""
 
     grads: Any
     metrics: dict
@@ -73,10 +65,8 @@ def local_sums(
 
     Args:
       grad_fn: ``grad_fn(params, model_state, batch, weights) -> (grads, LocalAux)``.
-      params: the parameters, already varying, so each gradient is local: no collective here, and
-        none inside the loop when there is more than one micro-batch.
+      params: the parameters, already varying, so each gradient is local (no collective).
       micro: micro-batches stacked on a leading axis; ``weights`` likewise (or ``None``).
-      init: the sums so far; model state is threaded through the micro-batches in order.
     """
 
     def body(carry: Sums, xs):

@@ -1,22 +1,10 @@
 """Owner rows: a bucket's gradients laid out so that its one reduce-scatter delivers each leaf
 to its owner (``jddp.ZeRO(stage=s, shard="owner")``, from stage 2).
 
-The even layout (:mod:`jddp._src.core.zero`) reduce-scatters a bucket as an ``(n, K)`` matrix
-whose row ``d`` is device ``d``'s piece of every split leaf. With owners, row ``d`` is instead
-filled with owner ``d``'s leaves, flattened (:class:`BucketRows`; every row has the same ``K``):
-when the bucket's leaves are balanced over the owners each row holds exactly its owner's
-leaves, whole; otherwise what an owner has beyond ``K`` fills the rows of owners with less,
-and those segments reach their owner by a small all-to-all. The reduce-scatter sends exactly the bytes of
-the even one, and nothing else moves when the rows are balanced. A bucket whose straddling
-segments would cost more than sending even pieces to the owners keeps the even pieces
-(:func:`worth_it`).
-
-The reduced row is handed to the step as the bucket's *pieces*, cut at the pieces' sizes and
-shapes (each split leaf's ``shape[dim] / n`` piece, :func:`pieces`): the gradients keep the
-even layout's shapes and shardings (the accumulator, the no-sync zeros, the specs do not
-change), only what each piece holds differs (a static permutation of the bucket's elements:
-global norms and finiteness checks read the same values). Leaves kept whole travel as whole
-rows, as in the even layout.
+Row ``d`` of the bucket's ``(n, K)`` matrix holds owner ``d``'s leaves (:class:`BucketRows`);
+what exceeds ``K`` straddles into other rows and reaches its owner by a small all-to-all, unless
+even pieces are cheaper (:func:`worth_it`). The reduced row is cut at the even pieces' shapes
+(:func:`pieces`), so specs and accumulators do not change (docs/sharded.md).
 """
 
 from __future__ import annotations
@@ -32,15 +20,8 @@ from jddp._src.core import zero
 
 
 class Part(NamedTuple):
-    """A segment of a flattened split leaf lying in one row.
-
-    Attributes:
-      leaf: the leaf's index (tree order).
-      row: the row (device) that holds it after the reduce-scatter.
-      col: its first column in that row.
-      start: its first element in the flattened leaf.
-      size: its length.
-    """
+    """A segment of a flattened split leaf lying in one row (``col``: its first column there;
+    ``start``: its first element in the flattened leaf)."""
 
     leaf: int
     row: int
@@ -50,13 +31,7 @@ class Part(NamedTuple):
 
 
 class BucketRows(NamedTuple):
-    """Where a bucket's split leaves lie in the owner rows (static).
-
-    Attributes:
-      split: the bucket's split leaves in bucket order (the order of their pieces).
-      width: each row's length: the sum of the split leaves' piece sizes.
-      parts: every split leaf's segments, in leaf order, each leaf's in its flattened order.
-    """
+    """Where a bucket's split leaves lie in the owner rows (static; ``width``: a row's length)."""
 
     split: tuple[int, ...]
     width: int

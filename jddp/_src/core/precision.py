@@ -1,24 +1,10 @@
 """A mixed-precision policy (FSDP2's ``MixedPrecisionPolicy``): ``DataParallel(precision=
 MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32))``.
 
-What it means, at every ZeRO stage:
-
-- **Master parameters and optimizer state stay float32** in the state (sharded at stages 1-3 as
-  without a policy); a policy refuses master parameters that are not float32.
-- **Compute.** The loss is traced once with ``param_dtype`` parameters; each bucket's backward hook
-  hands the loss a ``param_dtype`` copy (:class:`Cast`, a wrapper of the step's reducer). At stage 3
-  the all-gathers carry ``param_dtype``: each device casts its piece before the gather (half the
-  bytes for bfloat16). Micro-batches and no-sync calls evaluate the same jaxpr, which casts the
-  float32 parameters to the traced dtype (:func:`jddp._src.introspect.jaxpr.as_function`).
-- **Gradients** leave the backward pass in ``param_dtype`` and are summed locally (accumulation)
-  and reduced in the master dtype, float32; ``reduce_dtype=float32`` (or ``None``) says exactly
-  that. A ``reduce_dtype`` narrower than float32 (``bfloat16``, ``float16``) is the wire dtype of
-  the reduction: the policy picks the matching compression hook (``bf16_compress`` /
-  ``fp16_compress``: divide by N, send, cast back to float32) when no hook is given, and refuses a
-  user's hook alongside it (the hook decides what it sends: give ``reduce_dtype=None`` or float32
-  with a compressing hook).
-- **float16** (as ``param_dtype`` or ``reduce_dtype``) needs ``loss_scale=DynamicScale()``: its
-  range is 6e-5 to 65504, so gradients underflow or overflow without it.
+Master parameters and optimizer state stay float32; the loss computes with ``param_dtype``
+copies (:class:`Cast` wraps the step's reducer; stage 3 gathers ``param_dtype`` pieces);
+gradients are reduced in float32, or with a narrower ``reduce_dtype`` through the matching
+compression hook; float16 needs ``DynamicScale()`` (docs/precision.md).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """What collectives send, recorded where they are issued (the step's ``comm_bytes``).
 
-A collective adds its bytes to the open :func:`recording` as it is traced: a ring model per
-collective (:func:`jddp._src.tree.ring_bytes`), in all and across hosts on a two-level mesh.
-
-Whoever issues a collective records it here: the hooks call this module's collectives
-(:func:`psum`, :func:`all_gather`, :func:`all_to_all`, :func:`scatter_sum`, :func:`cond`), the
-ZeRO gathers record themselves (:func:`jddp._src.core.zero.all_gather`), a fused collective
-records what it counts (:func:`record`). Nothing is added while no recording is open, and each
-recording keeps what was issued while it was the innermost one. It sits below every policy
-family (the reducers, placements and sync policies all record here); the step's metrics are
-made from it (:func:`comm_metrics`, :func:`add_update`).
+A collective adds its ring bytes (:func:`jddp._src.tree.ring_bytes`) to the innermost open
+:func:`recording` as it is traced; the hooks call this module's collectives, the ZeRO gathers
+record themselves, a fused collective calls :func:`record` (docs/design.md, "Bytes").
 """
 
 from __future__ import annotations
@@ -42,8 +35,6 @@ class Recorder:
     Attributes:
       hosts_axis: the mesh axis across hosts (``None``: one level), for the part across hosts.
       platform: the platform whose wire dtypes count (``None``: the traced one).
-      sent: the bytes so far.
-      count: the collectives recorded so far.
     """
 
     def __init__(self, hosts_axis: str | None, platform: str | None = None):

@@ -1,39 +1,10 @@
 """Sharded data parallelism (ZeRO stages 1-3): how leaves are split, and the bucket collectives.
 
-Every leaf keeps its true shape as a global array; what changes with the stage is where its
-pieces live (``jddp.ZeRO(stage=...)``; the decisions are :mod:`jddp._src.place.placement`'s):
-
-- 1: the optimizer state is split over the data axis; each device updates its piece of the
-  parameters, which are then all-gathered, one all-gather per bucket.
-- 2: the gradients too: each bucket is reduce-scattered (not all-reduced) from inside the backward
-  pass, so no device holds the whole reduced gradient.
-- 3: the parameters too: the state holds 1/N of each leaf; the forward pass all-gathers each
-  bucket before its first use (the planner's first-use order is the prefetch order: the next
-  bucket's gather runs while the current layer computes) and the backward pass reduce-scatters
-  its gradient. With ``reshard_after_forward`` (the default) each gathered leaf is dropped after
-  its forward use and gathered again for the backward (``regather.regathered``; on GPU and TPU
-  one use ahead, while the next use's backward computes), also where the loss reads it through a
-  cast or a transpose (recomputed from the gathered leaf; what cannot be recomputed is warned
-  about and listed by :func:`not_resharded`); without it a gathered bucket stays
-  whole until the backward pass is done with it. With an int ``k`` (ZeRO++'s hpZ) the backward
-  gathers from a ``1/k`` slice of the gathered leaf (:func:`subgroup_piece`) over groups of ``k``
-  devices only (:func:`subgroups`).
-
-**Layout.** A leaf is split on one dimension that the device count divides (:func:`shard_dim`:
-dimension 0 if possible, which costs no transpose, else the largest such dimension); its pieces
-are ordinary sharded ``jax.Array`` s with a ``NamedSharding`` that names the data axis on that
-dimension. A leaf with no such dimension (an odd-sized bias) stays whole on every device. Because
-leaves keep their shapes, any optax transformation runs unchanged on them in the global view (XLA
-inserts what global norms or factored moments need), and a checkpoint restores onto another
-device count or stage by resharding.
-
-**One collective per bucket.** A bucket's leaves are viewed as rows, one per device
-(:func:`to_rows`: the split dimension moved first and folded into ``N`` rows), and concatenated,
-so a bucket is one reduce-scatter (or one all-gather) of an ``(N, K)`` matrix. Leaves that stay
-whole, and the step's metrics, travel as ``N`` identical rows of the same collective: each device
-receives their sum, at ``N`` times their (small) size in bytes. The concatenation is a copy of the
-bucket's gradients; it is what makes a bucket one collective on every backend (XLA:CPU has no
-reduce-scatter combiner).
+Leaves keep their true shapes as global arrays; stage 1 splits the optimizer state, 2 the
+gradients (reduce-scattered from inside the backward), 3 the parameters (gathered per bucket
+before first use, resharded after it; docs/sharded.md). A leaf is split on one dimension the
+device count divides (:func:`shard_dim`), else kept whole. A bucket is one collective of an
+``(N, K)`` matrix of rows (:func:`to_rows`); whole leaves and metrics travel as ``N`` equal rows.
 """
 
 from __future__ import annotations
@@ -76,13 +47,7 @@ def shard_shape(shape: Sequence[int], dim: int | None, n: int) -> tuple[int, ...
 
 
 class Layout(NamedTuple):
-    """How every parameter leaf is split (in ``jax.tree.leaves`` order).
-
-    Attributes:
-      dims: per leaf, the split dimension, or ``None`` for a leaf kept whole.
-      shapes: per leaf, the full shape.
-      n: the number of devices it is split over.
-    """
+    """How every parameter leaf is split (``dims``: per leaf, the split dimension or ``None``)."""
 
     dims: tuple[int | None, ...]
     shapes: tuple[tuple[int, ...], ...]
@@ -111,18 +76,10 @@ class Sharded(NamedTuple):
     all-reduce).
 
     Attributes:
-      layout: how every parameter leaf is split.
-      axis: the axis the pieces are split over (all data axes, or the devices of a host).
-      replicas: with hybrid sharding, the axis across which the pieces are replicated (hosts):
-        each bucket's pieces are then averaged over it after the reduce-scatter, so the slow
-        link carries ``1/L`` of the bucket.
-      reshard: stage 3's ``reshard_after_forward`` (``GatherInForward``).
-      group: hpZ's group size (an int ``reshard_after_forward``; ``GatherInForward``).
-      gathers: whether the parameters come in as this device's pieces, so the forward pass
-        all-gathers each bucket before its first use (stage 3); else they come in whole and
-        each bucket is only reduce-scattered (stage 2).
-      owners: per leaf, its owner device with ``ZeRO(shard="owner")``: each bucket is then
-        reduce-scattered in owner rows (:mod:`jddp._src.core.owner_rows`); ``None``: even.
+      replicas: with hybrid sharding, the axis across which the pieces are averaged (hosts).
+      reshard: stage 3's ``reshard_after_forward``; group: hpZ's group size.
+      gathers: the parameters come in as pieces, gathered before first use (stage 3).
+      owners: per leaf, its owner device with ``ZeRO(shard="owner")``; ``None``: even.
     """
 
     layout: Layout
@@ -179,10 +136,8 @@ def reduce_scatter(
     """One reduce-scatter of a bucket: each device gets the mean of its piece of every leaf.
 
     Args:
-      grads: the bucket's local full gradients (same dtype), in bucket order.
       dims: each leaf's split dimension (``None``: whole, returned whole).
-      scatter: ``scatter(rows) -> row``, the reduce-scatter of an ``(n, k)`` matrix to this
-        device's mean row ``(1, k)`` (a hook's, e.g. compressed).
+      scatter: ``scatter(rows) -> row``, the reduce-scatter of an ``(n, k)`` matrix (a hook's).
     """
     rows = [to_rows(g, d, n) for g, d in zip(grads, dims, strict=True)]
     widths = [r.shape[1] for r in rows]
@@ -243,12 +198,8 @@ def gather_buckets(
     """Every split leaf made whole (inside shard_map): one all-gather per group, in order.
 
     Args:
-      leaves: the parameter leaves, split ones as this device's pieces.
-      groups: leaf indices gathered together (the buckets, in the order wanted).
-      chain: ``chain(previous_gathered, pieces) -> pieces``, which makes each all-gather wait for
-        the previous one (so XLA's combiners keep them apart), or ``None``.
-      scopes: a ``jax.named_scope`` name for each group's all-gather (its bucket's, so that the
-        report files it there), or ``None``.
+      chain: ``chain(previous_gathered, pieces) -> pieces`` keeps the gathers apart, or ``None``.
+      scopes: a ``jax.named_scope`` per group (its bucket's, for the report), or ``None``.
     """
     out = list(leaves)
     prev: list = []
@@ -279,12 +230,8 @@ def local_piece(x: jax.Array, dim: int | None, n: int, index: Any) -> jax.Array:
 def not_resharded(traced: jaxpr_lib.Traced, layout: Layout,
                   unused: Sequence[int] = ()) -> dict[int, str]:
     """The gathered leaves that ``reshard_after_forward`` cannot free after their forward use,
-    each with the operation that keeps them (:func:`jddp._src.introspect.jaxpr.kept_whole`).
-
-    Casts, transposes, reshapes and any other computation from parameters alone are resharded
-    (recomputed from the leaves gathered again in the backward); what remains is a value that
-    cannot be recomputed (a collective or a side effect on a parameter) and a parameter scaled
-    by a traced scalar (``h @ (w * s)``), whose product the backward keeps.
+    each with the operation that keeps them (:func:`jddp._src.introspect.jaxpr.kept_whole`):
+    values that cannot be recomputed, and parameters scaled by a traced scalar.
     """
     skip = frozenset(unused)
     return {i: why for i, why in sorted(jaxpr_lib.kept_whole(traced).items())

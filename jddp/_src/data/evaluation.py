@@ -1,26 +1,8 @@
 """Data-parallel evaluation over a whole data set, with every real example counted exactly once.
 
-A data set rarely divides into global batches of a size the devices divide. :class:`Evaluator`
-cuts it into global batches of ``batch_size``, pads the last one (``jddp.data.pad_batch``:
-repeats of the last real example, so the model sees valid inputs) and masks the padding out of the
-sums:
-Flax's ``pad_shard_unpad`` semantics, without an unpad, because only sums leave the devices.
-
-``eval_fn(variables, batch)`` runs on each device's shard and returns per-example values (a dict
-of arrays whose leading dimension is the shard's batch: per-example losses, 0/1 correctness, or
-per-token arrays such as ``(batch, seq)``). Each device sums its real examples' values (all
-trailing dimensions too) and one ``psum`` per batch adds the devices' sums; the host adds the
-batches in float64. The result is a dict of Python floats: sums, from which means are ratios
-(``correct / count``), so the data set's mean does not depend on the batch size or the devices.
-
-One program is compiled per batch shape (the last batch is padded to the full ``batch_size``, so
-an evaluation compiles once). In a multi-process run every process passes the same data set (all
-of it) and gets the same sums; each places only the rows of its own devices.
-
-A data set too large for every process to hold is evaluated through a ``jddp.data.Loader`` over a
-held-out source (``shuffle=False``, ``drop_last=False``): ``evaluate(variables, loader)`` runs one
-epoch of it, each process reading only its own rows, with the loader's padded, masked short
-last batch; every real example is counted once on any process count.
+:class:`Evaluator` pads the last global batch and masks the padding out of per-device sums (Flax's
+``pad_shard_unpad`` without an unpad); one ``psum`` per batch, batches added on the host in
+float64. A data set too large for one process goes through a ``jddp.data.Loader``.
 """
 
 from __future__ import annotations
@@ -48,7 +30,7 @@ def _place(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 class Evaluator:
-    """Sums of per-example metrics over a data set, data-parallel (see the module docstring).
+    """Sums of per-example metrics over a data set, data-parallel ([Data](../data.md)).
 
     Example::
 
@@ -127,11 +109,9 @@ class Evaluator:
         """The sums of ``eval_fn``'s values over every example of ``data``.
 
         Args:
-          variables: what ``eval_fn`` takes first (params, BatchNorm statistics), replicated
-            (``state.params`` is; host arrays are placed on the mesh).
-          data: the whole data set: a pytree of host arrays with the examples on the leading
-            dimension, the same on every process; or a ``jddp.data.Loader`` at an epoch boundary
-            (one epoch of it is evaluated; ``drop_last=False``).
+          variables: what ``eval_fn`` takes first, replicated (host arrays are placed).
+          data: the whole data set (host arrays, the same on every process), or a
+            ``jddp.data.Loader`` at an epoch boundary (one epoch, ``drop_last=False``).
         """
         if isinstance(data, Loader):
             return self._over_loader(variables, data)

@@ -1,49 +1,11 @@
 """Exactly-once input across processes, resumes and layout changes (DDP's ``DistributedSampler``
 without its duplicates).
 
-A :class:`Loader` cuts a random-access source (``len`` + ``__getitem__``: a list, a NumPy-backed
-:class:`ArraySource`, grain's ``RandomAccessDataSource`` or ``MapDataset``) into global batches
-of ``global_batch_size`` examples and places each as global ``jax.Array``s sharded over the data
-axis of the mesh. The design rests on three rules:
-
-* **The order is a function of** ``(seed, epoch)`` **only.** Epoch ``e`` visits the examples in
-  ``permutation(len(source))`` drawn from NumPy's generator seeded with ``[seed, e]`` (or in index
-  order without shuffling), and global batch ``b`` of the epoch is positions ``[b*B, (b+1)*B)`` of
-  it. Neither the process count nor the device count enters, so a global batch holds the same
-  examples however the job is laid out, and a position in the stream (a count of global batches)
-  means the same thing on any layout: a loader state saved by 2 processes x 4 devices restores
-  on 1 x 8.
-* **Each process reads only its rows.** Row ``r`` of a global batch goes to the device the batch
-  sharding gives it; a process reads exactly the examples of the rows its devices hold and builds
-  the global array with ``jax.make_array_from_callback`` (each device gets its rows; nothing
-  crosses processes). Across the processes of a job every example of an epoch is read once
-  (and the short last batch's padding examples once more, see below).
-* **Every example once per epoch, by the mask.** The last batch of an epoch may be short
-  (``drop_last=False``): it is filled up to the full size with the first examples of the same
-  epoch's order, wrapping around (``DistributedSampler``'s padding), and ``mask`` (a ``(B,)``
-  bool array, sharded like the batch) marks the real rows, the first ``real`` ones; for a full
-  batch ``mask`` is ``None``. A weighted step given the mask (``loss=jddp.Loss(weighted=True)``,
-  ``step(state, batch, mask=mask)``) and ``jddp.evaluation.Evaluator``
-  count every example exactly once. Real rows rather than zeros, because a mask can be dropped
-  without a trace (``batch, _ = next(loader)``), and zero rows then train silently towards the
-  model's prediction for an all-zero input (``tests/test_data.py`` measures it); a repeated
-  example only weighs double in that one step, as in PyTorch, and every row stays a valid input
-  (no all-zero row for a BatchNorm to meet). A process reads the examples of its own rows,
-  padding ones included (at most ``B - 1`` repeated reads per epoch).
-
-Why not grain's samplers (grain 0.2.18 measured): ``IndexSampler`` with ``ShardByJaxProcess``
-shuffles inside per-process shards (a global batch's examples depend on the process count),
-its shards differ in length or drop examples, it has no mask, and its per-process iterator state
-cannot be restored on another process count. A grain ``MapDataset`` (or any
-``RandomAccessDataSource``) is accepted as a source as it is.
-
-Host-side read-ahead: a background thread reads and stacks the next ``prefetch`` local batches
-while the step runs (NumPy indexing and most I/O release the GIL). Host memory is bounded by
-``prefetch + 2`` local batches: ``prefetch`` finished ones in the queue, one being built and one
-held by the training loop. ``prefetch=0`` reads in the calling thread. ``workers=n`` reads a
-batch's examples on ``n`` threads: a help for sources whose reads release the GIL (file and network
-I/O, large NumPy operations), not for per-example Python code, which one process runs one thread
-at a time (measured: benchmarks/loader_throughput.py).
+A :class:`Loader` cuts a random-access source into global batches: the order is a function of
+``(seed, epoch)`` only, each process reads only its rows, and a short last batch is filled with
+real examples and masked (docs/data.md has the rules and why not grain's samplers). A background
+thread reads ``prefetch`` batches ahead (host memory: ``prefetch + 2`` local batches);
+``workers=n`` helps only sources whose reads release the GIL.
 """
 
 from __future__ import annotations
@@ -207,7 +169,7 @@ class WindowEnd:
 class Loader:
     """Global batches of a random-access source, each process reading only its rows.
 
-    Iterating gives ``(batch, mask)`` forever, epoch after epoch (see the module docstring for
+    Iterating gives ``(batch, mask)`` forever, epoch after epoch ([Data](../data.md) has
     the order, the reads and the padding)::
 
         loader = jddp.data.Loader(source, global_batch_size=256, mesh=mesh, seed=0)

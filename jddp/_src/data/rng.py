@@ -1,31 +1,9 @@
 """Per-example randomness (dropout) that does not depend on how the batch is sharded.
 
-With ``loss=jddp.Loss(rng=True)``, ``ddp.step(state, batch, rng=key)`` hands ``loss_fn`` one key per
-example of its shard: the key of the example at row ``i`` of the *global* batch is
-
-    fold_in(fold_in(fold_in(key, state.step), call), i)
-
-where ``call`` is the call's position in an accumulation window (0 without ``accumulate_steps``).
-An example's random numbers are then a function of the run's key, the step and the example's
-global position only, so any number of devices (and any micro-batch split) draws exactly the
-numbers a single device draws with :func:`example_keys` on the whole batch; every device, every
-step and every example gets its own. ``state.step`` counts *applied* updates: a step skipped for
-non-finite gradients is retried with the same keys.
-
-Flax's ``nn.Dropout`` draws one mask for whatever batch it is given from one key, so a mask drawn
-for a shard depends on the shard. :func:`per_example` applies a function to each example alone
-(as a batch of one, under ``jax.vmap``) with the example's key, which makes any Flax model with
-dropout per-example::
-
-    def loss_fn(params, batch, rng):                      # rng: one key per example
-        logits = jddp.random.per_example(
-            lambda x, key: model.apply({"params": params}, x, train=True, rngs={"dropout": key})
-        )(batch["tokens"], rng)
-
-``vmap`` batches the matrix products again, so this costs about what the batched call costs. It
-needs a model whose examples do not interact (no BatchNorm in training mode); such a model can
-take one key per device instead, e.g. ``rng[0]``, at the price of results that depend on the device
-count (pmap's ``fold_in(key, axis_index)`` convention).
+The key of row ``i`` of the global batch is ``fold_in(fold_in(fold_in(key, state.step), call),
+i)`` (``call``: the position in an accumulation window), so any layout draws the numbers one
+device draws; a skipped step is retried with the same keys. :func:`per_example` vmaps a model
+over single examples with their keys (docs/flax.md).
 """
 
 from __future__ import annotations
@@ -101,7 +79,7 @@ def per_example(fn: Callable[..., Any]) -> Callable[..., Any]:
     (leading dimension 1) with its key from ``keys`` (one per example), under ``jax.vmap``, and
     stacks the outputs without that dimension. With ``fn`` a Flax ``apply`` taking ``rngs=
     {"dropout": key}``, each example's dropout mask depends on its key only: the same on one
-    device or many. See the module docstring.
+    device or many. See [Flax recipes](../flax.md).
     """
 
     def wrapped(batch: Any, keys: Any) -> Any:

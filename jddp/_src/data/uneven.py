@@ -1,18 +1,8 @@
 """Uneven inputs (DDP's ``join``): padding a short final batch and masking it out of the step.
 
-A global batch must split evenly over the devices. The last batch of an epoch often does not;
-PyTorch DDP lets the ranks that ran out of data shadow the others' collectives (``join()``). Here
-the short batch is padded to a multiple of the device count instead, and a mask marks the real
-examples:
-
-    padded, mask = jddp.data.pad_batch(batch, ddp.num_devices)
-    state, metrics = ddp.step(state, padded, mask=mask)
-
-With padding, devices hold different numbers of real examples, so the mean of per-device mean losses
-is no longer the mean over real examples. ``DataParallel(..., loss=jddp.Loss(weighted=True))`` therefore asks
-``loss_fn`` for per-example losses; each device sums its real (weighted) ones, and the gradients are
-divided by the global count of real examples, which rides on the last bucket's all-reduce (no extra
-collective). The step then equals a single-device step on the real examples only.
+:func:`pad_batch` pads to a multiple of the device count and returns the mask; with
+``loss=jddp.Loss(weighted=True)`` the step then equals a single-device step on the real examples
+(docs/model_state.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """Introspection of JAX programs, fenced: the jaxpr evaluator, HLO reading, private JAX.
 
-Everything in jddp that reads JAX's internals lives in this package, so a new JAX version is
-checked here and nowhere else. Its internal API is its four modules, and other modules import
-them only as ``from jddp._src.introspect import hlo, jax_private, jaxpr, vma`` (a test checks it):
-
-- :mod:`~jddp._src.introspect.jaxpr`: the traced loss and the walks over it (first use of each
-  parameter, gradient reachability, re-evaluation with hooks).
-- :mod:`~jddp._src.introspect.hlo`: compiled XLA (HLO) text: its schedule and collectives.
-- :mod:`~jddp._src.introspect.jax_private`: every access to ``jax._src``, one named function each.
-- :mod:`~jddp._src.introspect.vma`: which mesh axes a value varies over, and casts between them.
+Everything that reads JAX's internals lives here, imported only as ``from jddp._src.introspect
+import hlo, jax_private, jaxpr, vma`` (a test checks it), so a new JAX is checked here alone.
 """
 
 # hlo (the HLO reader) is imported where it is used (reports, program checks, jddp.perf), not

@@ -1,10 +1,5 @@
-"""Every use of JAX's private modules (``jax._src``), each behind one small named function.
-
-JAX has no public API for these: the coordination service's client and state, the traceback
-context of re-traced equations, the replica-invariant all-gather, backend registration and a few
-platform queries. Keeping them here makes an upgrade of JAX a review of this one file (a test
-checks that no other module of jddp imports ``jax._src``).
-"""
+"""Every use of JAX's private modules (``jax._src``), each behind one small named function (an
+upgrade of JAX reviews this file; a test checks no other module imports ``jax._src``)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """Walks over the traced loss: first use of each parameter, gradient reachability, re-evaluation.
 
-The user's loss is traced to a jaxpr once per compiled step (:func:`trace`); everything else reads
-that one jaxpr:
-
-- :func:`first_use_order` gives the forward order of the parameters, whose reverse is the order in
-  which backward produces their gradients (the bucket planner's input).
-- :func:`grad_reachable` finds parameters with no gradient path to the loss (DDP's unused
-  parameters), statically and conservatively.
-- :func:`eval_with_hooks` evaluates the jaxpr again, calling back the first time each parameter is
-  read, which is where the reduction inserts each bucket's backward hook.
-
-All three walk into plain calls (``jit``/``pjit``), and the first two also into loops, branches and
-custom derivatives, so a model wrapped in one ``jit`` still has a per-layer order.
+The loss is traced once per compiled step (:func:`trace`); :func:`first_use_order` (the
+planner's input), :func:`grad_reachable` (DDP's unused parameters) and :func:`eval_with_hooks`
+(where each bucket's hook goes in) read that one jaxpr, walking into calls, loops and branches.
 """
 
 from __future__ import annotations
@@ -33,14 +24,8 @@ _NO_GRADIENT = frozenset({"stop_gradient"})
 
 
 class Traced(NamedTuple):
-    """A function traced once: its jaxpr and how its inputs and outputs are structured.
-
-    Attributes:
-      jaxpr: the closed jaxpr; its first ``num_params`` inputs are the parameter leaves.
-      num_params: how many leading inputs are parameter leaves.
-      out_tree: the structure of the function's output.
-      out_shapes: the output as ``jax.ShapeDtypeStruct``s (with the output's structure).
-    """
+    """A function traced once: its jaxpr (first ``num_params`` inputs the parameter leaves) and
+    how its inputs and outputs are structured."""
 
     jaxpr: Any
     num_params: int
@@ -49,12 +34,8 @@ class Traced(NamedTuple):
 
 
 def trace(fun: Callable[..., Any], params: Any, *args: Any) -> Traced:
-    """Traces ``fun(params, *args)`` (the only place jddp calls the user's loss to trace it).
-
-    A collective over an axis name the mesh does not have (Flax's ``nn.BatchNorm(axis_name=
-    "batch")`` on a mesh whose axis is ``"data"``) fails inside JAX with a bare ``AssertionError``
-    or ``NameError``; it is raised here as an :class:`UnboundAxisError` naming both axis names and
-    the fix.
+    """Traces ``fun(params, *args)`` (the only place jddp calls the user's loss to trace it);
+    a collective over an axis the mesh lacks raises :class:`UnboundAxisError` naming the fix.
     """
 
     def checked(*a: Any) -> Any:
@@ -143,15 +124,9 @@ def sub_jaxprs(eqn: Any) -> list[tuple[Any, list[Any]]]:
 def first_use_order(jaxpr: Any, num_params: int) -> list[int | None]:
     """The time of first use of each of the first ``num_params`` inputs of ``jaxpr``.
 
-    Times count equations in evaluation order, walking into sub-jaxprs (calls, loops, branches,
-    custom derivatives). ``None`` marks an input that no equation and no output uses. A value
-    computed from parameters alone (a cast at the top of the loss, a transpose: see
-    :func:`derivable`) is not a use: its parameters are first used where it is (with the
-    model's other values, or as an output), as :func:`eval_with_hooks` evaluates it there.
-    Leaves first used at the same place (a term computed from parameters and constants only,
-    as a regulariser, is used only as the output) keep the order in which the jaxpr first reads
-    them, so that their reverse is still the order backward produces their gradients. The
-    times returned are ranks of that order (1, 2, ...; equal uses, equal ranks).
+    Ranks of equations in evaluation order (sub-jaxprs included; ``None``: unused). A value
+    computed from parameters alone (:func:`derivable`) is not a use: its parameters are first
+    used where it is. Leaves first used at the same place keep the order the jaxpr reads them.
     """
     first: dict[int, int] = {}
     read: dict[int, int] = {}  # the first equation that reads the leaf, derived or not
@@ -245,21 +220,12 @@ def gradient_vars(jaxpr: Any, live_outputs: Sequence[bool]) -> set[Any]:
 def grad_reachable(
     jaxpr: Any, num_params: int, live_outputs: Sequence[bool] | None = None
 ) -> list[bool]:
-    """Which of the first ``num_params`` inputs of ``jaxpr`` can have a nonzero gradient.
-
-    An input is reachable when a chain of equations links it to a live output through
-    floating-point values only (integer and boolean intermediates carry no gradient, nor does
-    ``stop_gradient``). The walk is conservative: where it cannot see inside an equation it
-    assumes every input reaches every output, so it may call a parameter used that in fact gets
-    no gradient (costing bytes), never the reverse (which would drop a real gradient).
+    """Which of the first ``num_params`` inputs of ``jaxpr`` can have a nonzero gradient
+    (one bool per leaf): linked to a live output through floating-point values. Conservative:
+    may call an unused parameter used (costing bytes), never the reverse.
 
     Args:
-      jaxpr: the traced loss.
-      num_params: how many leading inputs are parameters.
       live_outputs: which outputs count as loss (default: all).
-
-    Returns:
-      One bool per parameter leaf, in ``jax.tree.leaves`` order.
     """
     live = gradient_vars(jaxpr, [True] * len(jaxpr.outvars) if live_outputs is None
                          else live_outputs)
@@ -276,31 +242,15 @@ def eval_with_hooks(
 ) -> Any:
     """Evaluates ``traced`` on new inputs; parameter leaf ``i`` is read as ``hooked(i, context)``.
 
-    ``hooked(i, context)`` is called at every equation that reads leaf ``i`` (walking into plain
-    calls), the first time at its first use, and must return the value to use (memoising it);
-    ``context`` holds the equation's other inputs (e.g. the activation a layer's weight meets),
-    so that work can be made to wait for them. With ``lambda i, _: param_leaves[i]`` this is
-    plain evaluation.
-
-    With ``bind`` (and no ``casts``), values computed from parameter leaves alone (a cast to
-    bfloat16, a transpose, a reshape: see :class:`Derived`) are not evaluated where the jaxpr
-    computes them but recomputed inside each equation that reads them together with other
-    values: ``bind`` then gets them as sources, and ``hooked`` is called there, at their first
-    real use.
+    ``hooked`` is called at every equation that reads leaf ``i`` (the first time at its first
+    use) and must memoise; ``context`` holds the equation's other inputs.
 
     Args:
-      param_leaves: the parameter leaves (their values are what ``hooked`` is expected to wrap).
-      args: the other arguments, as the traced function took them (a pytree each).
       bind: ``bind(eqn, invals, sources, full) -> outs`` evaluates an equation that reads
-        parameter leaves (stage 3's re-gathering wraps such equations): ``sources`` per input
-        the leaf index, a :class:`Derived`, or ``None`` (then its value is in ``invals``), and
-        ``full`` the value of every leaf they read (from ``hooked``); :func:`fill` puts them
-        together. ``None``: bind.
-      casts: where replicated values become per-device ones, when ``hooked`` returns some
-        parameters replicated (:class:`jddp._src.reduce.replicated.LateCasts`); ``None``: as traced.
-
-    Returns:
-      The output, with the traced function's structure.
+        parameter leaves, with values computed from leaves alone (:class:`Derived`) recomputed
+        inside it (stage 3's re-gathering); :func:`fill` puts them together. ``None``: bind.
+      casts: where replicated values become per-device ones
+        (:class:`jddp._src.reduce.replicated.LateCasts`); ``None``: as traced.
     """
     del param_leaves  # read through ``hooked``
     closed = traced.jaxpr
@@ -325,14 +275,8 @@ class Casts(Protocol):
 
 class Derived(NamedTuple):
     """A value the loss computes from parameter leaves alone (``w.astype(jnp.bfloat16)``,
-    ``w.T``, ``jnp.exp(log_scale)``), kept as a recipe: :func:`eval_with_hooks` recomputes it
-    inside each equation that reads it with other values, so that stage 3 can gather its leaves
-    again for that equation's backward instead of keeping the computed value whole.
-
-    Attributes:
-      leaves: the parameter leaves it is computed from.
-      compute: ``compute(full)``: its value from ``full``, a mapping from each of ``leaves`` to
-        that leaf's value.
+    ``w.T``), kept as a recipe (``compute(full)``) that :func:`eval_with_hooks` recomputes inside
+    each equation reading it, so stage 3 need not keep its leaves whole.
     """
 
     leaves: tuple[int, ...]
@@ -495,12 +439,9 @@ class _Evaluator:
 
 
 def kept_whole(traced: Traced) -> dict[int, str]:
-    """Parameter leaves whose values computed in the forward pass are kept for the backward
-    however :func:`eval_with_hooks` evaluates them with ``bind``, each with the equation that
-    keeps it: one computing from parameters alone that cannot be recomputed (a collective, a
-    side effect: :func:`recomputable`), or one scaling a parameter value by a traced scalar
-    (``w * s``: a value of the parameter's size that is not :class:`Derived`). Stage 3's
-    resharding cannot free those leaves' gathered copies after the forward pass.
+    """Parameter leaves whose forward values are kept for the backward however
+    :func:`eval_with_hooks` binds them (a value that cannot be recomputed, or a parameter scaled
+    by a traced scalar), each with the equation that keeps it.
     """
     closed = traced.jaxpr
     found: dict[int, str] = {}

@@ -1,10 +1,5 @@
-"""Which mesh axes a value varies over inside ``shard_map`` ("vma"), and casts between the two.
-
-With ``check_vma=True`` JAX tracks, per value, the manual axes it may differ over. jddp's hooks
-cast replicated parameters to "varying" so that their gradients stay local until the bucket's own
-reduction; these helpers keep that bookkeeping in one place. With ``check_vma=False`` or inside
-``pmap`` nothing is tracked and every cast is a no-op.
-"""
+"""Which mesh axes a value varies over inside ``shard_map`` ("vma"), and casts between the two
+(no-ops with ``check_vma=False`` or inside ``pmap``)."""
 
 from __future__ import annotations
 

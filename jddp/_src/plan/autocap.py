@@ -1,31 +1,10 @@
 """``jddp.Buckets(cap_mb="auto")``: the bucket cap chosen for this model on this machine, once.
 
-The best cap depends on the model (its gradient sizes in backward order) and on the machine (the
-cost of one all-reduce against the backward work it could sit next to), and the cost model's
-error on a host (8-21%, ``benchmarks/costmodel_validate.py``) is larger than the few percent that
-separate good caps. So the choice is measured, like Horovod's autotune, on the real step:
-
-1. candidate caps are the ones that give *different* bucket plans for this model (caps that group
-   the leaves alike time alike; each plan is timed once, under its smallest candidate cap, and
-   DDP's default 25 MiB is always one of them);
-2. each candidate's step is compiled and run on copies of the state (the training state does not
-   advance; the copies hold the memory of ``donate=False``), round-robin, ``rounds`` times;
-3. each candidate is compared with the default cap (25 MiB) round by round (the two ran
-   back to back, so the machine's drift cancels): a candidate is kept only if its median ratio
-   to the default beats it by more than ``margin`` *and* by more than the spread (max - min) of
-   that ratio over its own rounds, i.e. above the noise it was measured with; the largest such
-   gain wins, else the default stays. Process 0's choice is broadcast, so every process compiles
-   the same program;
-4. the winning candidate's compiled step becomes ``ddp.step`` (no recompile), ``ddp.config``
-   carries the chosen cap from then on, and :class:`CapChoice` (``ddp.cap_choice``) reports the
-   timings and how to pin the choice (``Buckets(cap_mb=<cap>)``).
-
-The cost: one compile per candidate plan and ``rounds + 1`` extra steps of each, on the first call
-of ``ddp.step`` (or of :meth:`AutoStep.tune`), bounded by ``AutoCap.max_tune_s`` (checked between
-rounds: a round that starts in time finishes; with fewer than two timed rounds there is no spread,
-and the default is kept; ``CapChoice.note`` says why nothing was timed). All caps give the same
-gradients up to float rounding (a bucket only changes which leaves share an all-reduce), so the
-choice never changes what is trained.
+The cost model's error on a host exceeds the few percent between good caps, so the choice is
+measured on the real step, like Horovod's autotune: each distinct candidate plan is compiled and
+run round-robin on copies of the state; one beats DDP's 25 MiB only by more than ``margin`` and
+than the spread of its own rounds; process 0's choice is broadcast and its compiled step becomes
+``ddp.step`` (docs/performance.md). Caps change no gradient beyond float rounding.
 """
 
 from __future__ import annotations
@@ -188,12 +167,9 @@ def distinct_candidates(
     plan: BucketPlan, caps_mb: Sequence[float], first_bytes: int, default_mb: float,
     tolerance: float = 0.01,
 ) -> list[tuple[float, int]]:
-    """``(cap_mb, num_buckets)`` of each distinct plan among ``caps_mb`` (and the default).
-
-    Two caps give the same plan, for timing purposes, when they make as many buckets and each
-    bucket's bytes differ by at most ``tolerance`` of the model's gradient bytes (a bias moving to
-    the next bucket costs a compile, not time). The default cap stands for its group; other groups
-    are timed under their smallest cap.
+    """``(cap_mb, num_buckets)`` of each distinct plan among ``caps_mb`` (and the default): caps
+    alike when they make as many buckets of bytes within ``tolerance`` of the model's gradient
+    bytes; each group is timed under its smallest cap (the default under the default).
     """
     nbytes, dtypes = backward_sizes(plan)
     slack = tolerance * max(1, sum(nbytes))
@@ -225,11 +201,8 @@ class Verdict(NamedTuple):
 def pick(caps_mb: Sequence[float], times: Sequence[Sequence[float]], default_mb: float,
          margin: float) -> Verdict:
     """The cap with the largest gain over ``default_mb`` among those whose gain exceeds both
-    ``margin`` and the spread of their own rounds; else the default.
-
-    Args:
-      times: for each candidate, its step time in each round (candidates timed back to back in
-        every round, so round ``r`` of each is compared with round ``r`` of the default).
+    ``margin`` and the spread of their own rounds (round ``r`` against the default's round
+    ``r``); else the default.
     """
     n = len(caps_mb)
     d = list(caps_mb).index(default_mb)
@@ -278,13 +251,9 @@ class Candidates(NamedTuple):
 
     Attributes:
       cap_bytes, first_bytes: the default caps (the plan a choice is compared against).
-      build: ``build(cap_bytes, first_bytes, observer) -> Step``: the step with other caps,
-        reporting its plans to ``observer``.
-      plan: ``plan(state, batch, mask, rng) -> BucketPlan``: the default step's plan for these
-        inputs (traced, not compiled or run).
+      build: ``build(cap_bytes, first_bytes, observer) -> Step``: the step with other caps.
+      plan: ``plan(state, batch, mask, rng) -> BucketPlan``: the default step's plan (traced).
       reducing: the ``sync`` of a call that reduces (with accumulation, the others send nothing).
-      platform: the mesh's platform.
-      num_devices: the devices of the mesh.
     """
 
     cap_bytes: int
@@ -298,13 +267,9 @@ class Candidates(NamedTuple):
 
 class ChoosingStep:
     """A ``ddp.step`` that picks its bucket plan once, on the first call, then is the chosen
-    :class:`Step`: what ``Buckets(cap_mb="auto")`` (:class:`AutoStep`) and ``"model"``
-    (``modelcap.ModelStep``) share.
+    :class:`Step`: shared by ``Buckets(cap_mb="auto")`` and ``"model"``.
 
     Args:
-      candidates: the default caps and how to build a step with others.
-      policy: how to choose.
-      observer: the trainer's plan log.
       on_choice: called once with the chosen :class:`Step` and the :class:`CapChoice`.
     """
 

@@ -1,9 +1,7 @@
 """A cost model of one data-parallel iteration: its inputs, collective times, the timeline.
 
-Public as :mod:`jddp.perf.costmodel` (with the bucket-cap advisor, :mod:`.capadvice`, and the
-multi-host strategies, :mod:`.strategies`), whose docstring describes it in full; here so that
-:mod:`jddp._src.plan.modelcap` (the default plan, ``Buckets(cap_mb="model")``) uses it without
-importing the performance tooling (``jddp._src`` never imports ``jddp.perf``).
+Public as :mod:`jddp.perf.costmodel` (described there); here so the default plan uses it
+without importing the performance tooling.
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
 """``jddp.Buckets(cap_mb="model")``: the plan the cost model predicts fastest, chosen without timing.
 
-``Buckets(cap_mb="auto")`` times candidate plans on the real step (tens of seconds on its first
-call); ``"model"`` predicts them instead, from the traced gradient sizes alone:
-
-1. the step's loss is traced (as for ``ddp.plan``, nothing compiled or run) for each gradient
-   leaf's bytes and dtype in backward order;
-2. the candidates are the plans DDP's packing rule (:func:`jddp.buckets.assign_buckets`) makes
-   under each cap of ``ModelCap.candidates_mb``, each with DDP's small first bucket (1 MiB) and
-   without one (every bucket capped alike, which is what an explicit ``bucket_cap_mb`` gives);
-   caps that pack the leaves into the same bucket sizes are one candidate, and DDP's default plan
-   (25 MiB, 1 MiB first) is always one;
-3. each candidate is costed by :func:`jddp.perf.costmodel.simulate_iteration` on the platform's
-   cluster: on XLA:CPU a built-in table of one bucket's all-reduce *inside a jddp step*
-   (:data:`CPU_ALLREDUCE_TABLE`, fitted to steps measured on this project's machine: a fixed cost
-   per collective, linear in bytes up to 16 MiB and much steeper past it), with no overlap (CPU
-   collectives block); on GPU and TPU there is no built-in calibration (overlap needs compute
-   times, which only timing gives), so DDP's plan stays unless ``ModelCap(cluster=...,
-   backward_s=...)`` describes the machine;
-4. the cheapest candidate replaces DDP's plan only when it is predicted cheaper by more than
-   ``ModelCap.margin``; ties go to fewer buckets. ``ddp.cap_choice`` has every candidate's
-   prediction, the reason and the arguments that pin the plan.
-
-The choice is a pure function of the traced gradient sizes and dtypes, the platform, the device
-count and the policy: every process of a job computes the same plan with no communication, no
-file and no clock, and computing it again gives the same plan.
-
-The same choice is the **default plan** of a ``DataParallel`` given none of ``bucket_cap_mb``,
-``first_bucket_mb`` and ``bucket_plan`` (:func:`default_plan`, :class:`DefaultPlan`), where the
-CPU table describes the step: stage 0 with the default all-reduce hook, not ``deterministic``, no
-local SGD (elsewhere, and on GPU/TPU, the default stays DDP's 25 MiB plan with a 1 MiB first
-bucket). There it is made inside the step's own trace (:func:`jddp._src.step.skeleton.plan`'s planner
-re-packs the traced leaves under the chosen caps: the loss is traced once, as for any step), so
-it costs no extra trace and no call of its own; ``ddp.cap_choice`` reports it. A cap the user
-gives keeps DDP's packing rule exactly.
+The candidate plans (DDP's packing rule under each of ``ModelCap.candidates_mb``, with and
+without the small first bucket, DDP's default always one) are costed by
+:func:`jddp.perf.costmodel.simulate_iteration`: on XLA:CPU with a built-in table fitted to jddp
+steps (:data:`CPU_ALLREDUCE_TABLE`); on GPU/TPU DDP's plan stays unless ``ModelCap`` describes the
+machine. A candidate replaces DDP's plan only when cheaper by more than ``margin``. A pure
+function of the traced sizes: every process computes the same plan. Also the **default plan**
+where the table describes the step (:class:`DefaultPlan`; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -185,10 +159,7 @@ def decide(plan: BucketPlan, platform: str, num_devices: int, policy: ModelCap,
     """The plan the cost model picks for ``plan``'s gradient leaves (see the module docstring).
 
     Args:
-      plan: a plan of the step under DDP's default caps (only its leaves' sizes, dtypes and
-        order are read).
-      platform: the devices' platform (``"cpu"``, ``"gpu"``, ``"tpu"``).
-      num_devices: the data-parallel device count.
+      plan: a plan of the step under DDP's default caps (only its leaves are read).
       default: DDP's default ``(cap_mb, first_mb)``, which a candidate must beat.
       method: ``CapChoice.method``: ``"model"``, or ``"default"`` for the default plan.
     """
@@ -231,13 +202,9 @@ def _pick(preds: Sequence[float], buckets: Sequence[int], margin: float,
 
 
 def default_plan(hook: CommHook, sharded: bool, local_sgd: bool) -> DefaultPlan | None:
-    """The default-plan chooser of a ``jddp.Buckets()`` given no cap, first bucket or plan
-    (reducing through ``hook``, with ``sharded`` state (a ZeRO stage) or not, with or without
-    ``local_sgd``): the cost model's where its CPU table was measured (nothing sharded, the
-    default all-reduce hook, no local SGD); ``None`` elsewhere, which keeps DDP's 25 MiB plan
-    with a 1 MiB first bucket (sharded stages, compression and hierarchical hooks and the
-    local-SGD steps reduce otherwise than the table's steps; the deterministic reduction has no
-    buckets)."""
+    """The default-plan chooser of a ``jddp.Buckets()`` given no cap, first bucket or plan: the
+    cost model's where its CPU table was measured (nothing sharded, the default hook, no local
+    SGD); ``None`` elsewhere (DDP's 25 MiB plan, 1 MiB first)."""
     measured = not sharded and hook == allreduce_mean() and not local_sgd
     return DefaultPlan() if measured else None
 
@@ -246,18 +213,12 @@ def default_plan(hook: CommHook, sharded: bool, local_sgd: bool) -> DefaultPlan 
 class DefaultPlan:
     """The plan of a ``DataParallel`` given no cap (a :class:`PlanPolicy
     <jddp._src.step.config.PlanPolicy>`): :func:`decide` on the plan traced under DDP's default
-    caps, re-packed under the chosen ones inside the same trace. On a platform without a
-    built-in calibration (GPU, TPU) :func:`decide` keeps DDP's plan.
-
-    A value: the choice is returned by :meth:`choose` (a pure function of the traced plan's
-    leaves, the platform and the device count), not recorded; ``ddp.cap_choice`` asks it again
-    for the plan the step was traced with.
+    caps, re-packed under the chosen ones inside the same trace. A value: ``ddp.cap_choice`` asks
+    :meth:`choose` again for the plan the step was traced with.
 
     Attributes:
-      policy: the candidates and margin (:class:`ModelCap`; the built-in cluster only). Merging
-        DDP's buckets is allowed: on the idle machine one bucket beat DDP's two on the
-        benchmark conv net and LM (docs/performance.md); the measurement that had ruled it out
-        was taken with other jobs loading the cores.
+      policy: the candidates and margin (:class:`ModelCap`; the built-in cluster only; merging
+        DDP's buckets is allowed, docs/performance.md).
     """
 
     policy: ModelCap = ModelCap()

@@ -1,14 +1,8 @@
 """Gradient buckets: which parameters are reduced together, and in what order.
 
-Like PyTorch DDP, gradients are packed into size-capped buckets in the order in which the backward
-pass produces them (reverse order of first use in the forward pass), with a small first bucket so
-that communication starts early. Unlike DDP, the order is read from the traced loss before the
-first iteration (DDP rebuilds its buckets after iteration 1), so no warm-up step is needed.
-
-A bucket is a group of leaves, never a concatenated buffer: on CPU the copies of a flat buffer were
-measured to cost more than they save (a 25 MiB concatenated bucket was about 1.5x slower than one
-all-reduce over the tuple of its leaves), and one ``psum`` over the tuple of a bucket's leaves is a
-single all-reduce in XLA either way.
+DDP's packing (size-capped buckets in backward order, a small first bucket), with the order read
+from the traced loss before the first iteration. A bucket is a group of leaves, never a
+concatenated buffer (on CPU the copies cost more than they save; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -276,11 +270,8 @@ def plan_traced(
     """The plan for a traced loss: first-use order and reachability from its one jaxpr.
 
     Args:
-      traced: the traced loss, parameters first (see :func:`jddp._src.introspect.jaxpr.trace`).
-      params: the parameters it was traced with (arrays or shape structs).
       keep_unused: put every leaf in a bucket, even those whose gradient is zero by construction.
-      loss_outputs: how many leading outputs are differentiated (default: all); the rest (metrics,
-        model state) do not make a parameter used.
+      loss_outputs: how many leading outputs are differentiated (default: all).
     """
     times = traced_use_times(traced, keep_unused=keep_unused, loss_outputs=loss_outputs)
     return build_plan(params, times, cap_bytes, first_bytes)

@@ -1,17 +1,9 @@
 """``ddp.report(state, batch)``: the compiled step's communication contract, and its memory.
 
-Everything is read from the program the step runs (``ddp.step.lower(...).compile()``, the same
-program: ``jit`` reuses the compile): each collective of the compiled HLO (kind, operand bytes
-and dtypes, replica-group size, whether its groups span hosts, the gradient bucket whose
-reduction issued it, whether it sits in a loop or a branch), the bytes one device sends for it
-under a ring model (:mod:`jddp._src.plan.traffic`, the model ``metrics["comm_bytes"]`` uses), and the
-per-device sizes from ``compiled.memory_analysis()``.
-
-``metrics["comm_bytes"]`` counts the collectives jddp issues (the buckets, the loss and metrics
-with them or on their own, a sharded stage's parameter all-gathers, the psums JAX issues for the
-leaves the default plan leaves to it: ``BucketPlan.implicit``); the report counts every
-operand of every collective, so it also holds collectives jddp does not issue (an optimizer's
-global norm over sharded leaves, SyncBN statistics).
+Read from the program the step runs: each collective of the compiled HLO (kind, bytes, groups,
+bucket, loop/branch), its ring bytes (:mod:`jddp._src.plan.traffic`) and
+``compiled.memory_analysis()``. Unlike ``metrics["comm_bytes"]`` it counts every collective, also
+those jddp does not issue (docs/report.md).
 """
 
 from __future__ import annotations

@@ -57,9 +57,6 @@ class AllReduce:
     """All-reduce through a hook (stages 0 and 1): every device gets the bucket's mean, whole.
 
     Attributes:
-      plan: the bucket plan.
-      hook: the communication hook (``hook.reduce`` with the bucket's hook state).
-      axis_name: the axes the mean is over.
       hosts_axis: the name in ``axis_name`` that crosses hosts (``HookContext.hosts_axis``).
       phase: the hook's static phase for this step.
     """

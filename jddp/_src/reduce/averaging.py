@@ -32,29 +32,19 @@ def bucketed_mean(
     step: Any = 0,
 ) -> tuple[list[jax.Array], tuple]:
     """The mean over ``axis_name`` of per-replica values shaped like the plan's leaves (local
-    SGD's parameters, DiLoCo's parameter deltas), one collective per bucket, in plan order (the
-    last layers first), chained like the gradient buckets
-    (:func:`jddp._src.reduce.chain.resolve_chain`).
+    SGD's parameters, DiLoCo's deltas), one chained collective per bucket, in plan order.
 
-    Leaves the plan leaves out (unused parameters) ride on the last bucket; so do ``extras``
-    (float32 values averaged the same way: the step's loss, metrics, model-state payload).
-
-    With ``local_axis`` the values are equal over it (one replica per host, the devices of a
-    host holding the same copy): each device of a host averages its ``1/L`` slice of the bucket
-    across hosts and an all-gather over ``local_axis`` puts the bucket back together, so a host
-    sends the bucket's bytes across once, not ``L`` times. Must run inside ``shard_map`` over
-    ``axis_name`` (and ``local_axis``).
+    Unused leaves and ``extras`` (float32 metrics, model-state payload) ride on the last bucket.
+    With ``local_axis`` (one replica per host) each device averages its ``1/L`` slice across
+    hosts and an all-gather over ``local_axis`` reassembles the bucket, so a host sends it once.
 
     Args:
-      hook: a stateless communication hook that averages each bucket (its slice with
-        ``local_axis``) over ``axis_name`` instead of the float32 ``psum`` (e.g.
-        ``int8_compress(error_feedback=False)``); ``extras`` then travel in their own exact
-        ``psum`` (metrics are never compressed), and the in-host gather stays float32.
+      hook: a stateless hook that averages each bucket (its slice with ``local_axis``) instead of
+        the float32 ``psum``; ``extras`` then travel in their own exact ``psum``.
       step: the step number the hook's context carries (stochastic rounding keys on it).
 
     Returns:
-      ``(means, extras_means)``: the leaves' means (in ``leaves`` order, no longer varying over
-      the axes) and the extras' means.
+      ``(means, extras_means)``: the leaves' means (in ``leaves`` order) and the extras' means.
     """
     mode = resolve_chain(chain)
     out: list[Any] = list(leaves)

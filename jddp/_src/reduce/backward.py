@@ -1,30 +1,11 @@
 """Bucketed gradient reduction from inside the backward pass.
 
-Each bucket of parameters passes through an identity function with a custom VJP (a "backward hook",
-DDP's autograd hook). Its backward rule receives the bucket's local gradients the moment the last of
-them is complete and reduces them with one collective, while the backward pass goes on with earlier
-layers.
-
-Two details make this hold in compiled XLA:
-
-- Placement. The loss is traced to a jaxpr once (:func:`jddp._src.introspect.jaxpr.trace`); the
-  planner reads that jaxpr, and this module evaluates it with each bucket's hook inserted right
-  before the first equation that uses any of the bucket's parameters. The transpose of that
-  evaluation then emits each bucket's reduction right where its last gradient is produced, instead
-  of after the whole backward pass.
-- Chaining. Each bucket's gradients take a data dependency on the previous bucket's reduced result
-  (:mod:`jddp._src.reduce.chain`), so XLA's combiners cannot merge the buckets.
-
-What a bucket's backward does is a :class:`jddp._src.reduce.allreduce.BucketReducer` (the hook's
-all-reduce, or a sharded stage's: :mod:`jddp._src.reduce.sharded`); what its collectives send
-is recorded as they are issued (:mod:`jddp._src.core.recorder`). The evaluator
-(:class:`_Evaluation`) and the one custom VJP (:func:`_bucket_vjp`) know nothing of stages
-(docs/design.md, "Reducers").
-
-Gradient semantics under ``shard_map``: with ``check_vma=True`` the gradient of a replicated (``P()``)
-parameter would come back already summed by JAX. The hook's forward casts the parameters to
-"varying" and its backward performs the only reduction, so the result is one mean in every mode
-(``check_vma`` on or off, ``pmap``), never N times it.
+Each bucket passes through an identity with a custom VJP (DDP's autograd hook), inserted before
+the first equation that uses the bucket's parameters, so its reduction is emitted where its last
+gradient is produced; each bucket's gradients depend on the previous bucket's result
+(:mod:`jddp._src.reduce.chain`) so XLA cannot merge them (docs/design.md, "Inside the bucketed
+reduction"). The hook's forward casts the parameters to varying and its backward performs the
+only reduction, so the result is one mean with ``check_vma`` on or off, never N times it.
 """
 
 from __future__ import annotations
@@ -93,16 +74,11 @@ def _in_bucket_scope(fn: Callable[..., Any], bucket: int) -> Callable[..., Any]:
 def _bucket_vjp(reducer: BucketReducer, slot: _Slot) -> Callable[..., Any]:
     """The identity-with-reducing-VJP of one bucket (DDP's autograd hook), for any reducer.
 
-    Arguments: ``(token, leaves, states, carry, offset, step, sink)``; the forward returns
-    ``(token, reducer.forward(leaves))``. A custom VJP can return values only as cotangents:
-
-    - ``token = (dep, extras)``: in backward, ``dep`` carries the dependency on the previous
-      bucket and ``extras`` the local values (metrics) averaged with the last bucket;
-    - ``states``: the hook state of each leaf; its cotangent is the new state;
-    - ``carry``: zeros shaped like the reduction's result; its cotangent is the reduced
-      gradient (whole, or this device's pieces), so the parameters' own cotangent is unused;
-    - ``offset``: local gradients added before the reduction (accumulated micro-batches);
-    - ``sink``: zeros shaped like the extras; on the last bucket its cotangent is their mean.
+    Arguments: ``(token, leaves, states, carry, offset, step, sink)``. A custom VJP can return
+    values only as cotangents: ``token``'s carries the chain dependency and the extras;
+    ``states``' the new hook state; ``carry``'s (zeros shaped like the result) the reduced
+    gradient; ``sink``'s, on the last bucket, the extras' mean. ``offset``: local gradients added
+    before the reduction (accumulated micro-batches).
     """
     axis_name, chain = reducer.axis_name, slot.chain
 
@@ -240,11 +216,7 @@ class Reduced(NamedTuple):
     """What :func:`bucketed_vjp` returns.
 
     Attributes:
-      out: the traced function's output on this device (local values).
-      grads: gradient leaves (``jax.tree.leaves`` order), reduced over the axis (at the sharded
-        stages this device's pieces); unused leaves get zeros.
-      hook_state: the hook's new per-leaf state.
-      extras: the extras averaged over the axis (structure of ``extras_shape``).
+      grads: gradient leaves, reduced (at the sharded stages this device's pieces); unused: zeros.
       sent: the bytes the reducers sent for it (gradients, extras, stage 3's forward gathers).
     """
 
@@ -280,30 +252,16 @@ def bucketed_vjp(
     Must run inside ``shard_map`` or ``pmap`` over ``axis_name``.
 
     Args:
-      traced: the loss traced once; its first output is the scalar that is differentiated.
-      param_leaves: the parameter leaves to evaluate it at (replicated or varying).
-      args: its other arguments.
       plan: the bucket plan (from the same ``traced``, see :func:`jddp._src.plan.planner.plan_traced`).
       hook_state: one state per leaf (see :func:`jddp._src.reduce.hooks.init_hook_state`).
-      step: the optimizer step, passed to hooks.
       phase: the hook's static phase for this step (``hook.phase(step)``).
-      chain: how consecutive buckets are kept apart (see
-        :func:`jddp._src.reduce.chain.resolve_chain`).
-      seed: the cotangent of the differentiated output (default 1): scales every local gradient
-        before the reduction (a mean over micro-batches, a loss scale).
-      offset: local gradient leaves (already scaled like ``seed``) added before the reduction,
-        e.g. the sums of earlier micro-batches; ``None`` for none.
-      extras_fn: ``extras_fn(out)`` gives float32 arrays (a pytree shaped like ``extras_shape``)
-        to be averaged over the axis, exactly; they ride on the last bucket's collective when it
-        averages float32 exactly (``CommHook.fuses_extras``), else take one all-reduce of their
-        own. Called once, on the forward output.
-      extras_shape: ``jax.ShapeDtypeStruct``s of what ``extras_fn`` returns.
-      sharded: a sharded stage's reduction (reduce-scatter, and the forward all-gather at stage
-        3); ``None`` for the hook's all-reduce. Stage 3 takes each split leaf's piece in
-        ``param_leaves`` and returns pieces of the gradient; stage 2 takes whole leaves and
-        returns pieces.
-      hosts_axis: the name in ``axis_name`` that crosses hosts on a two-level mesh, for the hook
-        (``HookContext.hosts_axis``; see :func:`jddp.hooks.hierarchical`).
+      seed: the cotangent of the differentiated output (default 1): a micro-batch mean, loss scale.
+      offset: local gradient leaves (scaled like ``seed``) added before the reduction; or ``None``.
+      extras_fn: ``extras_fn(out)`` gives float32 arrays (shaped like ``extras_shape``) averaged
+        exactly: on the last bucket when ``CommHook.fuses_extras``, else in their own all-reduce.
+      sharded: a sharded stage's reduction; ``None`` for the hook's all-reduce. Stage 3 takes
+        pieces in ``param_leaves``; stages 2-3 return pieces of the gradient.
+      hosts_axis: the name in ``axis_name`` that crosses hosts (``HookContext.hosts_axis``).
     """
     if len(hook_state) != len(param_leaves):
         raise ValueError(

@@ -1,30 +1,10 @@
 """The bucketed reducer's per-device phases: local gradients, then DDP's bucketed reduction.
 
-:meth:`jddp._src.reduce.reducers.Bucketed.local_step` runs :func:`bucketed_step` inside the skeleton's
-``shard_map`` (:mod:`jddp._src.step.skeleton`, phase 2), on every device:
-
-a. *local gradients* (:func:`_prepare`, :func:`_window_start`): the loss is traced **once**, on
-   this call's last micro-batch (:func:`jddp._src.introspect.jaxpr.trace`); the bucket plan is
-   read from that jaxpr (the reducer's ``plan``, then the placement's ``mark_not_resharded``); the
-   window's local gradients so far are summed (the accumulator, and this call's first ``m - 1``
-   micro-batches, scanned over the same jaxpr);
-b. *reduce* (:func:`_reduce`): a synchronising call evaluates the jaxpr on the last micro-batch
-   with one reducing backward hook per bucket (:func:`jddp._src.reduce.backward.bucketed_vjp`) over the
-   island's axis (``Roles.axis``: every device, the devices of a host with local SGD, or none);
-   metrics, the window's weight and the model-state payload ride on the last bucket's
-   all-reduce;
-c. a call that does not synchronise (:func:`_accumulate`) adds its micro-batches' local
-   gradients to the accumulator (or reduce-scatters them into a sharded one) and runs no other
-   collective.
-
-Its result is a :class:`jddp._src.step.config.LocalResult`, the same record the deterministic reducer
-returns. It reads the step through its :class:`jddp._src.step.config.ReduceContext` (the other
-policies' facts, resolved by the skeleton, and their operations: ``ctx.place``, a sharded stage's
-reduce-scatter and stage 3's gathers; ``ctx.accumulate``, micro-batches and the window; the loss
-policy's keys and metrics; ``ctx.precision``, compute and reduction dtypes) and the call's
-:class:`jddp._src.step.config.LocalCall` (the objective, the roles, the layout, the loss scale),
-both held with the reducer's own options in one :class:`Step`; the skeleton hands it the state of
-this device's replica.
+:func:`bucketed_step` runs inside the skeleton's ``shard_map``: :func:`_prepare` traces the loss
+once and reads the plan, :func:`_reduce` reduces a synchronising call bucket by bucket in its
+backward, :func:`_accumulate` adds a non-synchronising call to the accumulator (docs/design.md,
+"The skeleton", phases 1-2). It returns a :class:`jddp._src.step.config.LocalResult` and reads
+the step only through its :class:`Step` (context, call, own options).
 """
 
 from __future__ import annotations
@@ -52,14 +32,8 @@ from jddp._src.tree import Bytes, add_device_dim, strip_device_dim
 
 
 class Step(NamedTuple):
-    """What every phase of one bucketed step reads.
-
-    Attributes:
-      ctx: the step's context (topology, the other policies' facts and operations).
-      call: this call's values (objective, observer, ``sync``, phase, roles, layout, loss scale).
-      reducer: the reducer's own options (:class:`jddp._src.reduce.reducers.Bucketed`: ``hook``,
-        ``chain``, ``plan``).
-    """
+    """What every phase of one bucketed step reads: the step's context, this call's values and
+    the reducer's own options (``hook``, ``chain``, ``plan``)."""
 
     ctx: ReduceContext
     call: LocalCall
@@ -87,12 +61,8 @@ def _varying_loss(obj: Callable[..., Any], axis: Any) -> Callable[..., Any]:
 
 
 def _start_model_state(ctx: ReduceContext, state: TrainState) -> Any:
-    """The model state this device's micro-batches start from, typed as varying when scanned or
-    accumulated (it becomes per-device as soon as a micro-batch updates it, and scan carries
-    keep one type).
-
-    That is the synchronised ``state.model_state`` at the start of a window and the device's own
-    state of the previous no-sync call inside one (the accumulator's ``model_state``).
+    """The model state this device's micro-batches start from (typed varying when scanned or
+    accumulated): the synchronised one at a window's start, else the previous no-sync call's.
     """
     ms = state.model_state
     if ms is None:
@@ -169,22 +139,12 @@ class Prepared(NamedTuple):
     """The per-device step's inputs, read once; every phase after it uses them.
 
     Attributes:
-      traced: the loss traced once (on the call's last micro-batch).
-      plan: the bucket plan read from it.
-      aux_shape: shape structs of the loss's :class:`LocalAux`.
       params: this device's parameters as the reduction takes them (pieces at stage 3).
       params_v: the parameters local gradients are taken at (varying; whole).
-      full_params: shape structs of the whole parameters.
       ms0: the model state the call's micro-batches start from.
-      micro: the micro-batches, stacked; ``side``: their per-example inputs (weights, keys).
-      last: the last micro-batch; ``side_last``: its per-example inputs.
-      grad_fn: ``(params, ms, batch, side) -> (grads, LocalAux)``, local (scaled by the loss
-        scale).
-      loss_scale: the loss scale this call's gradients use (``None``: off).
-      sharded: the sharded stages' reduction (``None``: the hook's all-reduce).
-      layout: how the parameter leaves are split (:class:`jddp._src.core.zero.Layout`).
-      unit: the static normaliser of one micro-batch's sums (:meth:`Objective.unit`): what is
-        kept across calls (the accumulator, ``grad_fn``'s gradients) is plain sums times it.
+      micro, side: the micro-batches, stacked, and their per-example inputs (weights, keys).
+      grad_fn: ``(params, ms, batch, side) -> (grads, LocalAux)``, local (scaled by the loss scale).
+      unit: :meth:`Objective.unit`: what is kept across calls is plain sums times it.
     """
 
     traced: jaxpr_lib.Traced
@@ -399,9 +359,6 @@ class CallSums(NamedTuple):
     Attributes:
       grads: the accumulator's new gradient sums (local, or reduced pieces when sharded).
       loss: this device's loss sum over the call's micro-batches (the call's unit).
-      weight: its weight sum.
-      model_state: this device's model state after the call's last micro-batch.
-      sent: the bytes this call's collectives sent.
     """
 
     grads: Any
@@ -422,12 +379,9 @@ def _local_call(s: Step, prep: Prepared, live_grads: Any) -> CallSums:
 
 
 def _scattered_call(s: Step, prep: Prepared, state: TrainState, live_grads: Any) -> CallSums:
-    """The call's gradients reduce-scattered (one reduce-scatter per bucket, from inside the last
-    micro-batch's backward) and added to a sharded accumulator (``shard_accumulator``).
-
-    The accumulator then holds the window's earlier calls' sums averaged over the devices, in
-    pieces, scaled like ``grad_fn``'s gradients: :func:`_synchronise` adds it after its own
-    reduction, where the unsharded accumulator is added before it (the mean is linear).
+    """The call's gradients reduce-scattered from inside the last micro-batch's backward and
+    added to a sharded accumulator: which holds earlier calls' sums already averaged, so
+    :func:`_synchronise` adds it after its reduction, not before (the mean is linear).
     """
     offset, call, _, ms_last, gathered = _window_start(s, prep, None)
     ls = prep.loss_scale

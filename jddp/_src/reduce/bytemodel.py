@@ -1,14 +1,9 @@
 """A hook's bytes: counted when it reduces inside a step, priced outside one.
 
-What collectives send is recorded where they are issued (:mod:`jddp._src.core.recorder`: the
-hooks call its collectives). :func:`reduce_counted` and :func:`scatter_counted` run a hook's
-``reduce``/``scatter`` so counted: a hook that declares its bytes (``CommHook.bytes_sent``,
-``bytes_by_level``, ``scatter_bytes_by_level``) is taken at its word; one that issues
-``jax.lax`` collectives itself counts as a ring all-reduce (a ring reduce-scatter) of what it
-was given. The functions of :mod:`jddp.hooks` that price a bucket or a plan outside a step
-(:func:`bucket_bytes_sent`, :func:`plan_bytes_sent`, ...) trace the hook's ``reduce`` on an
-abstract mesh and read the same record. The one reduction that issues no hook prices its
-collectives here too (:func:`combine_bytes`, ``jddp.Deterministic``).
+:func:`reduce_counted` and :func:`scatter_counted` run a hook's collectives under the recorder
+(:mod:`jddp._src.core.recorder`): a hook that declares its bytes is taken at its word, one that
+issues ``jax.lax`` collectives itself counts as a ring. The pricing functions of
+:mod:`jddp.hooks` trace the hook on an abstract mesh and read the same record.
 """
 
 from __future__ import annotations
@@ -40,11 +35,7 @@ from jddp._src.tree import Bytes, ring, ring_bytes, wire_nbytes
 def combine_bytes(leaves: Sequence[Any], n: int, local: int, platform: str | None = None
                   ) -> Bytes:
     """Bytes one device sends to combine ``leaves`` over ``n`` devices, ``local`` per host
-    (:func:`jddp._src.reduce.deterministic.combine_devices`).
-
-    Per dtype, the all-to-all and the all-gather each send one slice (``1/n`` of the padded
-    payload) to each other device: ``2 (n-1)/n`` of the payload, the bytes of a ring all-reduce;
-    ``n - local`` of those peers are on other hosts.
+    (the deterministic all-to-all plus all-gather: ``2 (n-1)/n`` of the padded payload).
     """
     if n == 1:
         return Bytes(0.0, 0.0)

@@ -1,9 +1,5 @@
 """The chain between buckets: each bucket's gradients take a data dependency on the previous
-bucket's reduced result, so that XLA's combiners cannot merge the buckets' collectives.
-
-XLA's all-reduce combiners merge independent all-reduces (on CPU into a single one after the
-whole backward). Dependent collectives cannot be combined, so the plan's bucket boundaries
-survive compilation without XLA flags (:func:`resolve_chain` says how the dependency is made).
+bucket's reduced result, so XLA's combiners cannot merge the buckets' collectives without flags.
 """
 
 from __future__ import annotations
@@ -23,16 +19,10 @@ from jddp._src.introspect import vma
 def resolve_chain(chain: options.Chain) -> str:
     """The chaining used between buckets; ``"auto"`` is ``"barrier"`` on GPU, ``"add"`` elsewhere.
 
-    Both keep XLA's combiners from merging buckets (measured in docs/xla_flags.md):
-
-    - ``"add"`` adds to each gradient an always-zero scalar that depends on the previous bucket's
-      result. On GPU, XLA fuses that add into the weight-gradient GEMMs, which then wait for the
-      previous all-reduce instead of overlapping it. On CPU it is the only mode that works (the
-      CPU pipeline removes optimization barriers before its combiner runs), and on TPU it gave the
-      most backward matmuls after each all-reduce.
-    - ``"barrier"`` ties the gradients to the previous bucket's all-reduce outputs with
-      ``lax.optimization_barrier``: no arithmetic, so the GEMMs stay free to overlap on GPU.
-    - ``"none"`` lets XLA combine the all-reduces as it likes.
+    ``"add"`` adds an always-zero scalar from the previous bucket's result (the only mode that
+    works on CPU, whose pipeline drops barriers; on GPU it is fused into the GEMMs, which then
+    wait); ``"barrier"`` uses ``lax.optimization_barrier`` (no arithmetic, so GPU GEMMs overlap);
+    ``"none"`` lets XLA combine. Measured in docs/xla_flags.md.
     """
     options.chain(chain)
     if chain != "auto":

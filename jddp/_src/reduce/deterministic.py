@@ -1,34 +1,9 @@
 """Deterministic data parallelism: the same bits on any device count (``jddp.Deterministic()``).
 
-A default step sums gradients where the layout puts the sums: inside each device's backward pass
-(over its shard) and in the all-reduce (in the collective's order). Change the device count and
-the rounding changes. With ``DataParallel(reduce=jddp.Deterministic())`` every sum has a fixed shape that
-does not depend on the layout:
-
-1. The window's global batch (``accumulate_steps`` calls of the global batch) is cut into *groups*
-   of ``group_size`` consecutive examples. Each group's gradient (and loss, metrics, new model
-   state) is computed alone, by the same program (the loss of ``group_size`` examples), wherever
-   it runs: a ``lax.scan`` over the device's groups.
-2. The ``K`` groups of a window, ``K = q * 2**t`` with ``q`` odd, are summed in one fixed tree: ``q``
-   consecutive groups are added left to right into a *block*, and the ``2**t`` blocks are added in
-   a perfect pairwise tree. A device holds a whole subtree (devices and calls are powers of two
-   that divide ``2**t``), summed locally by nested scans of two.
-3. The devices' subtree sums are combined in the same pairwise order, by moving bytes only: an
-   all-to-all hands device ``j`` slice ``j`` of every device's sum, the device adds the ``n``
-   slices in the tree's order, and an all-gather returns the sums everywhere (the bytes of a ring
-   all-reduce, ``2 (n-1)/n`` of the payload per device).
-4. With ``Accumulate(steps=k)`` each call's sum is one subtree of the window (the tree's top
-   ``log2 k`` levels split by call); the finished subtrees wait in a binary counter in
-   the accumulator (``log2 k`` slots) and are merged in the same pairwise order.
-5. The mean is the sum divided by ``K`` (``weighted``: by the summed weight); the optimizer update
-   is elementwise and the same everywhere.
-
-Gradient, loss, metrics and model state travel together through the same tree. Covered layouts:
-device counts that are powers of two and divide the number of groups of a call's batch, and
-``accumulate_steps`` that are powers of two (``n * k`` then divides ``2**t``); the micro-batch
-split (``microbatches``) does not enter the arithmetic at all (the group scan already bounds
-memory to a group). Anything else is refused with the covering layouts named. See
-``docs/deterministic.md`` for what is (and is not) guaranteed.
+Every sum has a fixed shape that does not depend on the layout: fixed-size groups scanned per
+device, summed in one fixed pairwise tree, combined across devices by all-to-all, ordered sum and
+all-gather, and across the calls of a window by a binary counter of finished subtrees. The
+algorithm, the covered layouts and the guarantees: docs/deterministic.md.
 """
 
 from __future__ import annotations
@@ -64,11 +39,7 @@ class Part(NamedTuple):
     """Sums over some groups: everything that goes through the fixed tree.
 
     Attributes:
-      grads: the sum of the groups' gradients (like params).
-      metrics: sums of the scalar metrics (one value per group).
-      sums: sums of the ratio numerators (``"loss"``; with ``weighted`` the per-example metrics).
       weight: the sum of the groups' weights (1 per group; ``weighted``: real weight / group size).
-      model_state: the sum of the groups' new model states (or ``None``).
       count: the number of groups (a float32 sum of ones, computed like the rest).
     """
 
@@ -174,14 +145,9 @@ def _fma_free(flags: str) -> bool:
 
 
 def check_backend(platform: str) -> None:
-    """Refuses a CPU backend that may contract multiply-adds into FMAs (warns off CPU).
-
-    XLA's CPU code contracts ``a * b + c`` into one FMA (one rounding instead of two) where LLVM
-    finds the pattern, and the pattern depends on the fusion around it: the same optax update
-    compiled after an all-gather (several devices), after the last add of the gradient sum (one
-    device) or inside the accumulation's ``lax.cond`` rounded differently (446 of 5,317 Adam
-    parameters after 4 steps, 1 device against 2, with bitwise-equal gradients). AVX has no FMA
-    instructions, so ``--xla_cpu_max_isa=AVX`` removes the contraction everywhere.
+    """Refuses a CPU backend that may contract multiply-adds into FMAs (warns off CPU): XLA's
+    contraction depends on the fusion around it, so layouts round differently; AVX has none
+    (docs/deterministic.md, "FMA contraction").
     """
     if platform != "cpu":
         warnings.warn(
@@ -346,14 +312,8 @@ def _group_fn(obj: Any, params: Any, model_state: Any, batch: Any, weights: Any,
 
 
 def opaque(tree: Any, zero: Any) -> Any:
-    """``tree`` unchanged, through an integer op that XLA cannot see through.
-
-    The optimizer's code must not depend on how its input was produced. XLA's algebraic
-    simplifier rewrites arithmetic across producer and consumer by context: ``g / w`` became
-    ``g * (1 / w)`` in the one-device program and stayed a division in the two-device one (626 of
-    1,637 gradient elements differed), and a constant scale folded into Adam's ``(1 - b1)`` in
-    one program and not in the other. XOR-ing the bits with a zero known only at run time ends
-    every such rewrite here: both sides of it compile the same in every layout.
+    """``tree`` unchanged, through an integer op (XOR with a run-time zero) that XLA cannot see
+    through, so its algebraic rewrites cannot differ between layouts (docs/deterministic.md).
 
     Args:
       zero: an int32 0 that XLA cannot prove to be 0 (``min(state.step, 0)``).
@@ -408,10 +368,8 @@ def _merge_window(ctx: ReduceContext, acc: AccumState,
                   call: Part) -> tuple[Part, AccumState, Any]:
     """Adds this call's sum to the window's binary counter; ``(window_sum, accum, synced)``.
 
-    Call ``c`` of the window closes ``trailing_ones(c)`` subtrees: it adds the slots of the
-    completed left siblings (slot ``l`` holds ``2**l`` calls) and stores the result in slot
-    ``trailing_ones(c)``. The last call (``c = k - 1``) closes them all: the window's sum. Only
-    gradients, loss, weight, model state and the group count span the window.
+    Call ``c`` closes ``trailing_ones(c)`` subtrees (slot ``l`` holds ``2**l`` calls); the last
+    call closes them all: the window's sum.
     """
     c = acc.count
     first = lambda x: x[0]  # this device's copy

@@ -1,22 +1,9 @@
 """How gradients are reduced: the step's reduce policy (``StepConfig.reduce``), one object per way.
 
-The step (:mod:`jddp._src.step.skeleton`) asks its reducer (``StepConfig.reduce``, a
-:class:`jddp._src.step.config.Reducer`) for what depends on the reduction, the same calls
-whichever it is, each with a :class:`jddp._src.step.config.ReduceContext` (what the reducer reads
-of the step, resolved by the skeleton; never the configuration):
-
-- ``plan(ctx, traced, params)``: the bucket plan from the traced loss (a chooser's reason in its
-  ``note``), and ``choice(plan, platform, num_devices)``: what a default-plan chooser picked;
-- ``local_step(ctx, call, state, batch, weights, rng)``: the per-device phases 1-2 (local
-  gradients, then the reduction) on this device's replica's state;
-- ``hook_state(params)``, ``init_accum`` / ``check_inputs``: the state this reduction keeps and
-  the accumulator it sums into;
-- ``largest_bucket(platform, params)``: what the compiler options must keep one collective;
-- ``phase``, ``chain``, ``typed``: values the step reads.
-
-Two reducers, on :class:`BaseReducer`'s defaults: :class:`Bucketed` (DDP's buckets, built from
-the public :class:`jddp.Buckets`) and :class:`Deterministic` (the public ``jddp.Deterministic``:
-fixed-size groups summed in one fixed tree, :mod:`jddp._src.reduce.deterministic`).
+The skeleton asks its :class:`jddp._src.step.config.Reducer` the same calls whichever it is, each
+with a :class:`jddp._src.step.config.ReduceContext`, never the configuration. Two reducers on
+:class:`BaseReducer`'s defaults: :class:`Bucketed` (DDP's buckets, from :class:`jddp.Buckets`)
+and :class:`Deterministic` (:mod:`jddp._src.reduce.deterministic`).
 """
 
 from __future__ import annotations
@@ -86,10 +73,6 @@ class Bucketed(BaseReducer):
     pass, each bucket through ``hook`` (built from :class:`jddp.Buckets` by the trainer).
 
     Attributes:
-      hook: the communication hook of every bucket (the precision's resolved).
-      chain: how buckets are kept apart in the compiled step.
-      cap_bytes: the bucket cap.
-      first_bytes: the first bucket's cap.
       fixed_plan: a bucket plan to use instead of planning from the traced loss.
       default_plan: with no cap, first bucket or plan given, the chooser that re-packs the
         traced plan (:class:`jddp._src.plan.modelcap.DefaultPlan`); ``None``: the caps as they are.
@@ -143,18 +126,12 @@ class Bucketed(BaseReducer):
 
     def jax_reduces(self, ctx: ReduceContext) -> bool:
         """Whether the plan may leave to JAX the leaves it reduces better itself
-        (:mod:`jddp._src.reduce.replicated`: SyncBN's scales, whose per-device backward cost 40 extra
-        small fusions, 7-10% of the benchmark ResNet-18's step on XLA:CPU; left to JAX, the
-        step's paired median against plain ``shard_map`` went from 1.098 to 0.98-1.016,
-        ``benchmarks/out/cpu_step/implicit/README.md``).
+        (:mod:`jddp._src.reduce.replicated`: SyncBN's scales; on the SyncBN ResNet-18's CPU step
+        1.098 -> 0.98-1.016 of plain ``shard_map``, ``benchmarks/out/cpu_step/implicit/``).
 
-        Only on the default plan (no cap or plan given; a given cap keeps DDP's rule for every
-        leaf) on CPU, where it was measured (elsewhere the default plan is DDP's), with what
-        reads no bucket anyway: the default hook (a hook sees every gradient), stage 0 (a
-        sharded stage splits every leaf's reduction), every call synchronising (``no_sync`` must
-        not communicate, and JAX's reduction would run per micro-batch), no mixed-precision
-        policy, no local SGD, and ``shard_map`` with vma types (checked on the trace:
-        :func:`jddp._src.reduce.replicated.replicated_leaves`)."""
+        Only where measured and where it reads no bucket anyway: the default plan on CPU, the
+        default hook, stage 0, every call synchronising, no precision policy, no local SGD, and
+        vma types on the trace (:func:`jddp._src.reduce.replicated.replicated_leaves`)."""
         topo = ctx.topology
         return (self.default_plan is not None and platform_paths.paths(ctx.platform).jax_reduces
                 and self.hook == allreduce_mean() and not topo.sharded

@@ -44,33 +44,19 @@ def regathered(eqn: Any, invals: list, sources: tuple, leaves: dict[int, Any],
     :meth:`GatherInForward.keep`) for the backward, which gathers them again; returns its
     outputs and the token for the next such equation.
 
-    A custom VJP whose residuals are the equation's other inputs and the pieces: the gathered
-    leaves it read are not kept. Its backward gathers only the leaves the equation's VJP needs
-    for the inputs that need a cotangent (an addition's VJP needs no operand; a first layer's
-    weight gradient needs only its input), then recomputes the equation's VJP on them (XLA
-    drops the recomputed forward output when the VJP does not need it, as for a matmul's).
-
-    With a ``token`` (GPU, TPU: :func:`backward_prefetch`) the gather is prefetched one use
-    ahead (FSDP's ``BACKWARD_PRE``): ``token`` is the previous such equation's token output (a
-    zero scalar), whose cotangent this backward returns: an always-zero scalar depending on
-    this equation's output cotangent and gathered leaves. A gather waits for its token's
-    cotangent: for the next parameter-reading equation's backward to start and for its gather
-    (so XLA cannot combine the two), and runs while that equation's GEMMs compute; an equation
-    that gathers nothing passes the cotangent on. The last one (the first in backward), and all
-    without a token (CPU), wait for their own output cotangent. Either way the gather waits for
-    the backward pass, so XLA's CSE cannot merge it with the forward's (the leaf stays whole).
-
-    An input computed from parameters alone (a cast to bfloat16, a transpose: a
-    :class:`jddp._src.introspect.jaxpr.Derived` source) is recomputed from the gathered leaves, in
-    the forward and again in the backward, so that neither it nor its leaves are kept whole.
+    A custom VJP whose residuals are the equation's other inputs and the pieces; its backward
+    gathers only the leaves the equation's VJP needs and recomputes that VJP. With a ``token``
+    (GPU, TPU: :func:`backward_prefetch`) the gather is prefetched one use ahead (FSDP's
+    ``BACKWARD_PRE``), else it waits for this equation's own output cotangent; either way it
+    waits for the backward, so XLA's CSE cannot merge it with the forward's (docs/sharded.md).
+    A :class:`jddp._src.introspect.jaxpr.Derived` input is recomputed from the gathered leaves.
 
     Args:
       sources: per input of ``eqn``, the parameter leaf it reads, the value computed from
         leaves alone that it reads, or ``None`` (its value in ``invals``).
-      leaves: the value of every leaf ``sources`` read (gathered ones whole).
       pieces: per gathered leaf index, this device's piece (the step's input).
       token: the previous such equation's token output, or the first token (a zero scalar);
-        ``None``: no prefetch (the gather waits for this equation's own output cotangent).
+        ``None``: no prefetch.
     """
     idx, whole, other_pos = _regathered_inputs(invals, sources, leaves, pieces)
     perturbed: list[bool] = []

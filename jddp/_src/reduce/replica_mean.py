@@ -1,10 +1,5 @@
-"""The mean over replicas that local SGD averages with.
-
-A sync policy never imports the reducer family: the skeleton binds :class:`ReplicaMean` to the
-step's chain and to how an island holds its replica, and hands it over in the policy's context
-(:class:`jddp._src.step.config.SyncContext`). The collectives are :func:`bucketed_mean`'s, which
-records what they send (:mod:`jddp._src.core.recorder`).
-"""
+"""The mean over replicas that local SGD averages with (:func:`bucketed_mean` bound by the
+skeleton to the step's chain and handed to the sync policy in its context)."""
 
 from __future__ import annotations
 
@@ -22,10 +17,8 @@ class ReplicaMean(NamedTuple):
     per bucket (:class:`jddp._src.step.config.ReplicaMean`).
 
     Attributes:
-      topology: the mesh's roles.
-      chain: how the buckets are kept apart (the step's reducer's).
-      splits_params: each device of an island holds a piece of the replica (the sharded stage
-        3), not the whole copy: it averages its piece, and nothing is gathered.
+      splits_params: each device of an island holds a piece of the replica (stage 3): it
+        averages its piece, and nothing is gathered.
     """
 
     topology: Topology

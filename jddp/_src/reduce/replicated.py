@@ -1,25 +1,11 @@
 """Leaves JAX reduces itself: parameters first computed with the model's cross-replica statistics.
 
-jddp takes gradients at per-device ("varying") parameters and reduces them in its buckets. A
-parameter that the model first combines with a replicated value it computed across replicas
-(SyncBatchNorm's ``scale * rsqrt(var)``, ``var`` a ``pmean``) then turns that product into a
-per-device value too: the backward sums the statistic's cotangent across replicas (for the
-statistic's own gradient path) besides the bucket's sum of the parameter's gradient, and
-computes the product's backward per device. Plain ``shard_map`` keeps such a product
-replicated and sums once, where it meets the activations. On CPU that was 40 extra small
-fusions in the benchmark ResNet-18's step, 7% of its time
-(``benchmarks/out/cpu_step/resnet_vary_probe.py``); the BatchNorm biases, which meet the
-activations directly, made no difference.
-
-So the default plan (:meth:`jddp._src.reduce.reducers.Bucketed.jax_reduces` says where) leaves those
-parameters out of the buckets (``BucketPlan.implicit``), keeps them replicated, and lets JAX's
-transpose reduce them as it does in ``shard_map``:
-
-- :func:`replicated_leaves` finds them, statically, in the one traced jaxpr;
-- :class:`LateCasts` evaluates that jaxpr with replicated values cast to per-device only at the
-  first equation that meets per-device values (JAX's own rule when it traces), and records the
-  casts of values computed from those parameters: each is one ``psum`` in the backward, the
-  bytes the step sends for them.
+A parameter the model combines with a replicated statistic (SyncBatchNorm's ``scale *
+rsqrt(var)``) becomes per-device in jddp's varying-parameter backward: 40 extra small fusions, 7%
+of the CPU ResNet-18's step. The default plan therefore leaves those parameters out of the buckets
+(``BucketPlan.implicit``) and lets JAX's transpose reduce them: :func:`replicated_leaves` finds
+them in the traced jaxpr, :class:`LateCasts` casts replicated values to per-device only where
+they meet per-device ones (JAX's own rule) and records each cast (one ``psum`` in the backward).
 """
 
 from __future__ import annotations
@@ -116,17 +102,11 @@ def _walk(jx: Any, env: dict[Any, _Value], found: set[int]) -> None:
 
 class LateCasts:
     """How :func:`jddp._src.introspect.jaxpr.eval_with_hooks` places casts to per-device values
-    when some parameters are read replicated: ``pvary`` equations are deferred, and a replicated input is
-    cast where an equation meets per-device ones (a collective, loop, branch or custom
-    derivative gets its inputs as varying as traced), once per value, so that its cotangents
-    are summed before the one ``psum`` its cast transposes to.
-
-    Args:
-      traced: the jaxpr evaluated; its first output is the one differentiated.
+    when some parameters are read replicated: deferred, once per value, where an equation meets
+    per-device inputs, so that cotangents are summed before the one ``psum`` a cast transposes to.
 
     Attributes:
-      casts: shape structs of the cast values computed from :meth:`replicated` parameters
-        that a gradient flows through, in order: one ``psum`` each in the backward.
+      casts: shape structs of the cast values a gradient flows through: one ``psum`` each.
     """
 
     def __init__(self, traced: jaxpr_lib.Traced) -> None:

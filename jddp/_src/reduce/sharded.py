@@ -28,23 +28,12 @@ from jddp._src.tree import chain_dependency
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReduceScatter(AllReduce):
     """Reduce-scatter through a hook (stage 2): each device keeps the mean of its piece of every
-    leaf (a leaf kept whole, whole; see :mod:`jddp._src.core.zero`).
+    leaf (a leaf kept whole, whole).
 
-    With ``scatters`` (a stateless hook with ``CommHook.scatter``) the bucket is one
-    reduce-scatter of an ``(N, K)`` matrix. Otherwise (PowerSGD, error feedback, hierarchical)
-    the hook reduces the bucket with its state exactly as at stage 0 and each device keeps its
-    piece of the mean: the same numbers as stage 0, at the hook's bytes.
-
-    With ``owners`` (``ZeRO(shard="owner")``) the bucket's split leaves are laid out in owner
-    rows (:mod:`jddp._src.core.owner_rows`), so the same reduce-scatter delivers each leaf's
-    reduced gradient to its owner; the pieces returned are the device's row, cut at the
-    pieces' shapes.
-
-    Attributes:
-      layout: how every leaf is split.
-      shard_axis: the axis the pieces are split over.
-      scatters: reduce-scatter through ``hook.scatter`` (else ``hook.reduce``, then the piece).
-      owners: per leaf, its owner device (``None``: the even pieces).
+    A stateless hook with ``CommHook.scatter`` makes the bucket one reduce-scatter of an ``(N, K)``
+    matrix; any other reduces the bucket with its state as at stage 0 and keeps its piece. With
+    ``owners`` (``ZeRO(shard="owner")``) split leaves are laid out in owner rows
+    (:mod:`jddp._src.core.owner_rows`), so the reduce-scatter delivers each leaf to its owner.
     """
 
     layout: zero.Layout
@@ -150,14 +139,8 @@ class ReduceScatter(AllReduce):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Hybrid(ReduceScatter):
-    """Hybrid sharding (FSDP's ``HYBRID_SHARD``): the hook reduce-scatters each bucket inside the
-    host (``shard_axis``) and each device's piece is averaged across hosts (``replicas``), so the
-    slow link carries ``1/L`` of the bucket. A hook without a scatter reduces over every data
-    axis with its state, as in :class:`ReduceScatter`.
-
-    Attributes:
-      replicas: the axis across which the pieces are replicated (the hosts).
-    """
+    """Hybrid sharding (FSDP's ``HYBRID_SHARD``): reduce-scatter inside the host (``shard_axis``),
+    then each piece averaged across hosts (``replicas``): the slow link carries ``1/L``."""
 
     replicas: str
 
@@ -172,27 +155,16 @@ class Hybrid(ReduceScatter):
 
 @dataclasses.dataclass(frozen=True)
 class GatherInForward:
-    """Stage 3: the parameters come in as this device's pieces; the forward pass all-gathers each
-    bucket before its first use (issued one bucket ahead, as a prefetch) and the backward pass
-    reduces like ``inner``.
+    """Stage 3: the parameters come in as pieces; the forward all-gathers each bucket before its
+    first use (one bucket ahead) and the backward reduces like ``inner``.
 
     Attributes:
-      inner: the backward's reducer (:class:`ReduceScatter` or :class:`Hybrid`).
-      reshard: FSDP's ``reshard_after_forward``: every equation that reads a gathered leaf, or
-        a value computed from leaves alone (a cast, a transpose: recomputed inside it, see
-        :func:`jddp._src.introspect.jaxpr.eval_with_hooks`), runs through
-        :func:`jddp._src.reduce.regather.regathered`, which keeps only the pieces for its
-        backward and gathers the leaf again there, so a gathered bucket lives from its gather
-        to its last forward use, and again around each backward use.
-        ``False``: a gathered bucket stays whole until the backward is done with it (the
-        user's operations keep it as a residual).
-      dtype: the dtype the loss computes with (a mixed-precision policy's ``param_dtype``):
-        pieces are cast to it before they are gathered (forward and backward gathers), leaves
-        kept whole are cast too; ``None``: their own.
-      group: with ``reshard``, ZeRO++'s hpZ (an int ``reshard_after_forward``): the backward
-        gathers from a secondary copy, this device's ``1/group`` slice of the forward's gathered
-        leaf, over its group of ``group`` consecutive devices only (inside a host on a two-level
-        mesh); ``None``: from the step's pieces, over the whole shard axis.
+      reshard: FSDP's ``reshard_after_forward``: each equation that reads a gathered leaf runs
+        through :func:`jddp._src.reduce.regather.regathered`, which keeps only the pieces for its
+        backward and gathers again there. ``False``: gathered buckets live until the backward.
+      dtype: the compute dtype pieces are cast to before they are gathered (``None``: their own).
+      group: with ``reshard``, ZeRO++'s hpZ: the backward gathers from a secondary copy over
+        ``group`` consecutive devices only; ``None``: from the pieces, over the shard axis.
     """
 
     inner: ReduceScatter
@@ -283,8 +255,7 @@ def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
                  phase: Any = None, stateful: bool = False,
                  precision: precision_lib.MixedPrecision | None = None) -> BucketReducer:
     """The reducer of a step: the hook's all-reduce, or a sharded stage's (hybrid)
-    reduce-scatter, with the stage-3 all-gather in forward; under a mixed-precision policy, its
-    :class:`jddp._src.core.precision.Cast`.
+    reduce-scatter (with stage 3's gathers), wrapped in the precision's :class:`Cast`.
 
     Args:
       stateful: the hook keeps state for some leaf (it cannot reduce through ``scatter``).

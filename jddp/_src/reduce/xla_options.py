@@ -1,11 +1,8 @@
 """XLA options that keep one planned bucket one collective: sized from the largest bucket.
 
-XLA's GPU combiners build each bucket's collective out of its per-leaf collectives, and combine
-only up to a threshold (30 MiB by default, for all-reduce, reduce-scatter and all-gather), so a
-larger bucket is compiled as several collectives. jddp's chain keeps buckets apart whatever the
-threshold, so raising it keeps every bucket whole without merging buckets (docs/xla_flags.md).
-:class:`jddp._src.step.step.Step` sets these by default on GPU meshes; ``jddp.perf.xla_flags`` reports
-them.
+XLA's GPU combiners split a bucket above their threshold (30 MiB) into several collectives; the
+chain keeps buckets apart anyway, so raising it merges nothing (docs/xla_flags.md). Set by
+default on GPU meshes; ``jddp.perf.xla_flags`` reports them.
 """
 
 from __future__ import annotations

@@ -136,12 +136,9 @@ BARRIER_TIMEOUT_S = 10.0
 
 
 def _expect_all(call: str, step: int | None, timeout_s: float) -> None:
-    """Checks, within ``timeout_s``, that every process reached this call.
-
-    A save is collective (orbax coordinates the processes' writes): a process calling it alone,
-    e.g. under ``if jddp.is_main_process():``, would otherwise wait forever for the others,
-    which wait for it in their next step. Not in restore: the processes reach it after start-up,
-    whose length differs between processes by more than a short timeout on a loaded machine.
+    """Checks, within ``timeout_s``, that every process reached this call (a save is
+    collective: a process calling it alone would hang the others). Not in restore: start-up
+    lengths differ between processes by more than a short timeout.
     """
     at = "" if step is None else f"(step={step})"
     rendezvous.expect_all(
@@ -203,12 +200,10 @@ def _path(path: Any) -> str:
 
 
 class _Layout(NamedTuple):
-    """Where a checkpoint layout keeps the parts of a TrainState stored per device (a leading
-    device dimension): they depend on the device count, so a checkpoint made on another count
-    needs a decision for each (see restore()).
+    """Where a checkpoint layout keeps the per-device parts of a TrainState (they depend on the
+    device count, so restoring on another count decides each, see restore()).
 
     Attributes:
-      per_device: the top-level fields that may hold per-device leaves.
       hook: the field of the communication hook's state (restarts, with a warning).
       window: the field of the accumulator (restores at a window boundary only).
     """

@@ -1,19 +1,10 @@
 """Which launcher started this process, and where its job's coordinator is: from the launcher's
 environment variables, before JAX is asked.
 
-JAX detects Open MPI only through ``OMPI_MCA_orte_hnp_uri``, which Open MPI 5 (PRRTE) does not set,
-and SLURM only inside an ``srun`` step; where it detects nothing, ``jax.distributed.initialize()``
-fails and a caller that falls back to one process trains every rank alone. jddp reads the
-launchers' variables itself (JAX's ``jax/_src/clusters`` for the formats), so that it can
-
-* join the job with explicit coordinates, after the same checks as an explicit coordinator
-  (port in use, Gloo's address);
-* say, naming the launcher and the fix, when the variables say "rank k of n > 1" but give no
-  coordinator (``ClusterEnvironmentError``), instead of a silent one-process job;
-* refuse a data-parallel object built in such a rank before ``jddp.initialize()``
-  (`require_initialized`, like PyTorch's "Default process group has not been initialized").
-
-Standard library only (and ``jax.distributed.is_initialized`` when asked): no JAX backend starts.
+JAX misses Open MPI 5 (PRRTE) and SLURM outside an ``srun`` step; jddp reads the launchers'
+variables itself (formats from JAX's ``jax/_src/clusters``), joins with explicit coordinates,
+and names the launcher and the fix when a rank of n > 1 has no coordinator (docs/cluster.md).
+Standard library only: no JAX backend starts.
 """
 
 from __future__ import annotations
@@ -66,15 +57,11 @@ class Launch:
 
     Attributes:
       launcher: the launcher, for messages (e.g. "Open MPI 5 (mpirun, PRRTE)").
-      num_processes: processes in the job.
-      process_id: this process's rank.
-      local_process_id: its rank on its node, where the launcher says (JAX gives a GPU process
-        the GPU of this number).
+      local_process_id: its rank on its node, where the launcher says.
       nnodes: nodes of the job where the launcher says (None: unknown, > 1 counts as several).
       coordinator_address: "host:port" of process 0's coordinator; None if the variables give
         none (then `problem` says why and how to fix it).
       variables: the variables read, for messages ("OMPI_COMM_WORLD_SIZE=2, ...").
-      problem: why no job can be joined from these variables, with the fix; None if one can.
     """
 
     launcher: str
@@ -236,10 +223,8 @@ def _hydra(env: Mapping[str, str]) -> Launch:
 
 def detect(env: Mapping[str, str] | None = None) -> Launch | None:
     """What the launcher's variables in ``env`` (default ``os.environ``) say; None if no known
-    launcher started this process (or one started it alone, outside any job).
-
-    Open MPI first (under ``mpirun`` inside a SLURM allocation both sets of variables are there,
-    and mpirun's are this process's), then SLURM, then MPICH/Intel MPI's Hydra.
+    launcher started this process (or one started it alone). Open MPI first (mpirun inside a
+    SLURM allocation), then SLURM, then Hydra.
 
     Raises:
       ClusterEnvironmentError: a launcher's variables are malformed (not integers, incomplete).

@@ -1,17 +1,8 @@
 """Host-level exchanges between the processes of a job, over one device per process.
 
-``jax.experimental.multihost_utils.process_allgather`` and ``broadcast_one_to_all`` run over
-every device of every process: with L local devices that is L cross-process collectives (one
-Gloo clique each on CPU), and they return once the first local device's result is in, leaving
-the other L - 1 running. A script that ends then may exit while those still connect; in our
-runs (2 processes of 8 CPU devices on a loaded 2-core machine) a few jobs (1 of 23 beside the
-test suite, 1 of 114 beside busy loops, and once in CI) then never left JAX's exit: JAX's atexit
-shuts the distributed runtime down, then destroying the client waits for pool threads still
-connecting those cliques (benchmarks/out/exit_hang/). Here only
-each process's first device takes part: one collective of one device per process, whose
-result is the one read, so nothing of it is still running when the call returns. The data is
-small (fingerprints, step numbers) or, for the parameter broadcast, read once at start; the
-other local devices are not needed for it.
+JAX's ``multihost_utils`` run over every local device and return with L - 1 collectives still
+running, which can hang JAX's exit (docs/cluster.md; benchmarks/out/exit_hang/); here only each
+process's first device takes part, so nothing is still running when a call returns.
 """
 
 from __future__ import annotations

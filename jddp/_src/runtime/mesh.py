@@ -1,12 +1,8 @@
 """The data mesh, and placing parameters (replicated) and batches (sharded) on it, from one
 process or from each process's part.
 
-A data mesh is 1-D (one axis, every device a replica: the default) or two-level: ``(hosts,
-local)``, one row per host. Every axis is a data axis (the batch is split over all of them, and a
-flat reduction spans all of them); the two-level mesh also says which axis crosses the slow link
-between hosts, so that a reduction can be decomposed by level (:func:`jddp.hooks.hierarchical`),
-local SGD can skip the slow level (:mod:`jddp.local_sgd`), and sharded stages can shard inside a
-host while replicating across hosts (:class:`DataAxes` is that seam).
+A data mesh is 1-D or two-level ``(hosts, local)``; every axis is a data axis, and
+:class:`DataAxes` says which one crosses the slow link (docs/cluster.md, "the two-level mesh").
 """
 
 from __future__ import annotations

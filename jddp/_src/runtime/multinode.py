@@ -1,48 +1,9 @@
 """The channel between the `jddp-run` agents of a multi-node job (one agent per node).
 
-    node 0:  jddp-run --nnodes 2 --node-rank 0 --master-addr HOST:PORT -n 4 train.py
-    node 1:  jddp-run --nnodes 2 --node-rank 1 --master-addr HOST:PORT -n 4 train.py
-
-The JAX coordinator of the job runs in global rank 0 (on node 0) at ``HOST:PORT``. The agents talk
-over a TCP connection of their own to node 0's agent at ``HOST:PORT+1``: the ranks may all be
-dead (and the coordinator with them) when the agents must agree on what happens next. Node 0's
-agent (the *master*) decides; the others (the *workers*) obey and report. Newline-terminated
-text lines:
-
-===========================================  =============  ==================================
-line                                         direction      meaning
-===========================================  =============  ==================================
-``hello NODE``                               worker→master  node ``NODE`` joined (once)
-``start ATTEMPT``                            master→worker  start your ranks for ``ATTEMPT``
-``progress ATTEMPT RANK DONE IN STATE``      worker→master  global rank ``RANK`` completed
-                                                            step ``DONE``, is in step ``IN``;
-                                                            ``STATE``: ``r`` running, ``e``
-                                                            exiting, ``0`` exited with 0
-``end ATTEMPT STATUS R TIME REASON``         master→worker  end your ranks: the job ends with
-                                                            STATUS (``R``: 1 if it may
-                                                            restart; ``TIME``: when the cause
-                                                            happened, Unix time)
-``ended ATTEMPT STATUS R S TIME RANKS REA``  worker→master  my ranks are gone: how (``S``: 1 if
-                                                            the agent itself got a signal;
-                                                            ``RANKS``: ``rank:status:how,...``
-                                                            with how ``x`` exited, ``e`` ended
-                                                            by jddp-run)
-``finish STATUS REASON``                     master→worker  no more attempts: exit with STATUS
-===========================================  =============  ==================================
-
-The master runs the watchdog and the early-exit rule of ``jddp-run`` over every node's ranks (the
-workers forward their ranks' progress), so a message names the rank that holds the others up by
-its global rank and node. The job's status is that of the earliest failure on any node (by the
-time each agent saw it; ``TIME`` travels with ``end`` orders, so a node that follows an order
-reports the cause's time), not that of a rank that failed because another had; every node exits
-with it and prints it with its reason, and the master prints every rank's status.
-
-A rank that fails, hangs (the agent's watchdog) or exits for a preemption on any node ends its
-agent's attempt; that agent reports ``ended``, the master orders every other node to ``end``,
-and when all have reported it either starts the next attempt everywhere (``--max-restarts``) or
-sends ``finish``. An ``end`` with status ``EXIT_RESUME`` (a preemption) gives the local ranks the
-preemption grace to save first: JAX's preemption sync point has them exit at the same step. A
-lost connection ends the job on the nodes that remain (not restartable: a node is gone).
+Node 0's agent (the *master*) decides, runs the watchdog and the early-exit rule over every
+node's ranks; the others (the *workers*) obey and report, over a TCP connection of their own at
+``HOST:PORT+1`` (the ranks, and the coordinator with them, may all be dead when the agents must
+agree). The protocol's lines and the status rules: docs/cluster.md, "jddp-run on several nodes".
 """
 
 from __future__ import annotations
@@ -79,12 +40,9 @@ class AttemptEnd(NamedTuple):
     """How an attempt ended (on one node), or an order to end it.
 
     Attributes:
-      status: the exit status.
-      reason: why, for messages.
       restartable: the job may be run again (``--max-restarts``).
       signalled: the agent itself got a signal (Ctrl-C, SIGTERM): never restart then.
       time: when the cause was seen (Unix time; 0: never, a success), which orders failures.
-      ranks: how each of the node's ranks ended.
     """
 
     status: int

@@ -1,24 +1,9 @@
 """The preemption point (`reached_preemption_point`), the exits after it (`exit_for_resume`,
 `hard_exit`), and a bounded grace between a preemption notice (SIGTERM) and that point.
 
-With JAX's preemption service on, a multi-process rank does not die of SIGTERM: JAX records it
-as a preemption notice, and every rank saves at the same later step when the loop asks
-``reached_preemption_point``. A rank that never gets there ran on until a SIGKILL: a script with
-no preemption checkpoints, or a rank stuck in a collective with a dead peer (under ``srun
---kill-on-bad-exit`` slurmstepd's SIGTERM is exactly that, and SLURM's KillWait, 30 s by default,
-passed before the job ended). Here a daemon thread watches for the notice and ends the process
-with 143 (as SIGTERM would have) when it does not reach the preemption point in time:
-
-* the notice: in a multi-process job, JAX's key ``RECEIVED_PREEMPTION_NOTICE`` in the
-  coordination service (a SIGTERM to any rank sets it; every rank sees it); in a single process,
-  jddp's own SIGTERM handler;
-* the deadline: ``grace_s`` after the notice if the process never asked for the preemption point
-  (it has no preemption checkpoints, or it is still starting up); otherwise ``grace_s`` plus twice
-  its longest interval between recent asks, after the later of the notice and its last ask, so a
-  loop that keeps asking is never cut short;
-* reaching the point (the ask returns True) ends the watch: saving may take as long as it takes.
-
-Every caller of JAX's sync point counts (orbax's ``CheckpointManager`` asks it directly): the
+A daemon thread ends the process with 143 when it does not reach the preemption point in time
+(``grace_s`` after the notice, plus twice its longest interval between asks once it asked:
+docs/faults.md, "Preemption and resuming"). Every caller of JAX's sync point counts: the
 process-wide sync manager is wrapped in a counting proxy.
 """
 
@@ -158,10 +143,8 @@ def start(grace_s: float, rank: int, distributed_state: Any | None) -> Grace:
     """Sets up this process's watch.
 
     Args:
-      distributed_state: ``jax_private.distributed_state()`` of a multi-process job with
-        the preemption service on: its sync manager is wrapped and its client polled for the
-        notice, from now on. None in a single process: the watch starts on `note_notice` (jddp's
-        SIGTERM handler), and asks are recorded by the caller.
+      distributed_state: ``jax_private.distributed_state()`` of a multi-process job with the
+        preemption service on; None in a single process (the watch starts on `note_notice`).
     """
     global _current
     grace = Grace(grace_s, rank)

@@ -1,12 +1,8 @@
 """A bounded check that every process of a job reached the same collective call.
 
-A collective that one process calls alone (``if is_main_process(): jddp.checkpoint.save(...)``)
-waits forever for the others, which are usually blocked in the next training step's collective,
-itself waiting for this process: nothing ever fails, the job hangs until a watchdog or timeout
-ends it with no hint of the cause. :func:`expect_all` runs first: a barrier of JAX's coordination
-service (``DistributedRuntimeClient.wait_at_barrier``) with a timeout, which turns that hang into
-an error naming the call, the processes that did not come and the fix. Each process also leaves a
-key in the coordinator's key-value store, so the error can say which processes arrived.
+A collective one process calls alone hangs the job with no hint; :func:`expect_all` turns that
+into an error naming the call, the processes that did not come and the fix (a barrier of JAX's
+coordination service with a timeout, plus one key per arrival).
 """
 
 from __future__ import annotations
@@ -25,12 +21,9 @@ _CALLS: collections.Counter[str] = collections.Counter()
 def expect_all(name: str, what: str, timeout_s: float, fix: str) -> None:
     """Returns once every process has called ``expect_all(name, ...)`` as often as this one.
 
-    Nothing happens in a single-process job (or without ``jax.distributed``).
-
     Args:
       name: the call's identity (one counter per name), e.g. ``"jddp.checkpoint.save"``.
       what: the call as the message names it, e.g. ``"jddp.checkpoint.save(step=3)"``.
-      timeout_s: how long to wait for the other processes.
       fix: the sentence that says what to do, for the message.
 
     Raises:

@@ -1,11 +1,7 @@
 """The data mesh as named roles: which axis each part of a step works over.
 
-torchtitan's ``ParallelDims`` and FSDP2's mesh info name the dimensions of a mesh by what they are
-for (``dp_replicate``, ``dp_shard``); :class:`Topology` does the same for jddp's data mesh, once,
-from the mesh and the two options that change roles (hybrid sharding, the sync policy's islands).
-Phases of the step never derive an axis themselves: the reduction, the sharded stages, the sync
-policy and the metrics read the role they need here. :meth:`Topology.roles` gives the roles of
-one kind of step (a plain step, or one of local SGD's kinds), which is all a per-device phase sees.
+Like torchtitan's ``ParallelDims``, :class:`Topology` names the mesh's axes by role once; no
+phase derives an axis itself, and :meth:`Topology.roles` is all a per-device phase sees.
 """
 
 from __future__ import annotations
@@ -36,18 +32,11 @@ class Roles(NamedTuple):
     """Where one kind of step reduces and keeps its state (the per-device step's view).
 
     Attributes:
-      axis: the axis the gradients are averaged over (``None``: an island of one device, which
-        reduces nothing).
-      size: devices along ``axis`` (1 for ``None``).
+      axis: the axis the gradients are averaged over (``None``: an island of one device).
       hosts: the name in ``axis`` that crosses hosts, for the hook (``HookContext.hosts_axis``).
-      shard_axis: the axis the sharded stages split state over.
-      hybrid: the axis across which the sharded stages' pieces are averaged after the
-        reduce-scatter (hybrid sharding), or ``None``.
-      replica: the axis the per-replica state is split over with local SGD (``None``: the state
-        is replicated).
-      replicas: the number of replicas (1 without local SGD).
-      spans: the reduction covers every replica (plain steps, and local SGD's ``sync`` steps):
-        its means are global, and the same on every device.
+      hybrid: the axis the sharded stages' pieces are averaged over after the reduce-scatter.
+      replica: the axis the per-replica state is split over with local SGD (``None``: replicated).
+      spans: the reduction covers every replica: its means are global.
     """
 
     axis: Any
@@ -122,11 +111,7 @@ class Topology:
     """The data mesh's axes by role.
 
     Attributes:
-      mesh: the data mesh (every axis of it is a data axis).
-      axes: its axes by level (:class:`jddp._src.runtime.mesh.DataAxes`).
-      shards_in_host: the sharded stages split state over the devices of a host only (hybrid
-        sharding, and local SGD's islands on a two-level mesh).
-      sharded: some state is sharded (a ZeRO stage).
+      shards_in_host: the sharded stages split state over the devices of a host only.
       islands: local SGD: replicas keep their own state (:attr:`replica`).
     """
 

@@ -1,14 +1,8 @@
 """Consistent replicas: the same start on every process, and a check that replicas stayed equal.
 
-- :func:`sync_from_process0` is DDP's construction-time broadcast: every process must hold a tree of
-  the same structure, shapes and dtypes (compared through a fingerprint, with an error naming the
-  first mismatching leaf), and then takes process 0's values. With one process it returns the tree
-  unchanged and costs nothing. :func:`check_same_structure` is the pure check behind it.
-- :func:`verify_replicas` compares every device's copy of replicated arrays with replica 0's and
-  names the leaves (and replicas) that diverged, e.g. after a non-deterministic op or a bug in a
-  custom communication hook.
-- :func:`fingerprint_replicas` is the cheap form behind ``DataParallel(verify_every=K)``: one
-  uint32 hash per leaf and device and one small all-gather, no leaf sent.
+:func:`sync_from_process0` is DDP's construction-time broadcast (after
+:func:`check_same_structure`); :func:`verify_replicas` names the leaves that diverged;
+:func:`fingerprint_replicas` is its cheap form behind ``DataParallel(verify_every=K)``.
 """
 
 from __future__ import annotations
@@ -110,12 +104,10 @@ def check_same_structure(
 
 
 def check_processes_agree(tree: Any, what: str, fix: str) -> None:
-    """Raises ValueError unless every process holds a tree of this structure, shapes and dtypes.
-
-    One small host all-gather of a fingerprint per leaf; nothing with one process.
+    """Raises ValueError unless every process holds a tree of this structure, shapes and dtypes
+    (one small host all-gather; nothing with one process).
 
     Args:
-      what: the tree's name, for the message.
       fix: what to do about a mismatch (the message's last sentence).
     """
     if jax.process_count() == 1:
@@ -342,15 +334,11 @@ def _copy_groups(mesh: Mesh, spec: P) -> list[list[int]]:
 
 
 def fingerprint_replicas(tree: Any, mesh: Mesh) -> list[Divergence]:
-    """The cheap check behind ``DataParallel(verify_every=K)``: the leaves of ``tree`` whose
-    copies differ, found from one uint32 hash per leaf and device (one small all-gather of
-    ``4 x leaves`` bytes per device; no leaf is sent). Leaves sharded over every mesh axis (no
-    copies) are skipped.
+    """The cheap check behind ``DataParallel(verify_every=K)``: the leaves whose copies differ,
+    from one uint32 hash per leaf and device (one small all-gather; unsharded leaves only).
 
     Returns:
-      The diverged leaves; ``replicas`` are the devices (positions in ``mesh.devices.flat``)
-      whose hash differs from the most common one among the copies, and ``max_abs_diff`` is
-      ``nan`` (a hash says that copies differ, not by how much: ``verify_replicas`` does).
+      The diverged leaves; ``max_abs_diff`` is ``nan`` (a hash does not say by how much).
     """
     axes = frozenset(mesh.axis_names)
     picked = []

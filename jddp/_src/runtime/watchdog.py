@@ -1,32 +1,10 @@
 """The rank side of jddp-run's watchdog: progress reports, and the link that ends a rank.
 
-Under `jddp-run` every rank gets one end of a Unix socket pair to the launcher (its fd number in
-`JDDP_CONTROL_FD`). Over it this module
-
-* reports the rank's **completed** steps. JAX dispatches asynchronously: Python can be several
-  steps ahead of the devices, and keeps dispatching while a collective is hung. So
-  `report_progress(step, token)` only queues `(step, token)`; a daemon thread polls the oldest
-  queued token's `is_ready()` every `POLL_S` and reports the highest step whose token is ready,
-  together with the highest step dispatched (which tells the launcher that a rank is *inside* a
-  step that needs every rank, see `jddp/_src/runtime/launch/watch.py`);
-* announces a normal exit (atexit, `announce_exit`) with the rank's last steps, before JAX's
-  shutdown barrier starts to wait for the other ranks: the launcher can then tell a finished job
-  from a rank that left while the others wait for it in a collective;
-* takes orders: `abort STATUS` ends the rank at once with `os._exit(STATUS)`, from this thread.
-  A rank blocked in a collective runs no Python in its main thread and, with JAX's preemption
-  service on, ignores SIGTERM; this thread still runs (JAX releases the GIL while it waits);
-* watches the launcher: EOF on the socket means the launcher is gone (however it died), and the
-  thread kills the rank's process group (the rank and whatever it started). jddp-run's guardian
-  process does the same from outside; this is the second line, for when that one is gone too.
-
-Outside jddp-run nothing starts and `report_progress` is a no-op.
-
-Why a socket of our own and not JAX's coordination service (its key-value store could carry
-progress): the launcher is not a JAX process and outlives the coordinator, which runs inside rank
-0 and dies with it; and an order to a stuck rank needs a channel that a thread of the rank reads.
-
-This is process-wide state on purpose, like `jax.distributed.global_state`: one launcher link per
-process, which the trainer's step and `jddp.distributed.initialize` reach without being handed it.
+Over a Unix socket to the launcher (fd in `JDDP_CONTROL_FD`) a daemon thread reports the rank's
+*completed* steps (the oldest queued token's `is_ready()`) and the highest dispatched, announces
+a normal exit, obeys `abort STATUS` orders, and kills the rank's process group on EOF
+(docs/faults.md, "The watchdog"). Outside jddp-run nothing starts. Process-wide state on purpose,
+like `jax.distributed.global_state`.
 """
 
 from __future__ import annotations

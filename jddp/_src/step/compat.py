@@ -1,14 +1,8 @@
 """The one table of policy combinations jddp refuses, each with its reason and its fix.
 
-Each :class:`Refusal` row names two predicates over a :class:`Combination` (the step's
-policies, its precision and its mesh) and the reason. ``jddp.DataParallel`` raises the reasons
-of the rows whose two predicates both hold (:func:`check`); tests/test_matrix.py declares one
-refused cell per row, checked against this table. A refusal lifted is a row deleted. A row
-that can only hold together with another row is no row (the deterministic reduction with a
-sharded accumulator: the deterministic reduction already refuses every ZeRO stage).
-
-Checks of one policy's own fields live in the policy (:mod:`jddp._src.api.policies`); checks
-against the data (batch sizes, model state) stay where the data is first seen.
+:func:`check` raises the reasons of the :class:`Refusal` rows whose two predicates both hold;
+tests/test_matrix.py declares one refused cell per row. A policy's checks of its own fields live
+in the policy (:mod:`jddp._src.api.policies`); checks against the data where the data is seen.
 """
 
 from __future__ import annotations

@@ -46,9 +46,6 @@ class WindowFacts(NamedTuple):
     """The accumulation window as a reducer sees it (resolved from :class:`Accumulate`).
 
     Attributes:
-      steps: calls per window.
-      microbatches: micro-batches per call.
-      accumulates: the state carries an accumulator across calls (``steps > 1``).
       every_call: every call is one micro-batch, reduced at once (no accumulator, no scan).
       scans: a call sums its micro-batches before the last one locally.
       sharded: the accumulator holds reduce-scattered pieces (``Accumulate(shard=True)``).
@@ -67,10 +64,7 @@ class LossFacts(NamedTuple):
 
     Attributes:
       weighted: the loss takes per-example weights (a mask); means divide by the real weight.
-      rng: the loss takes per-example keys.
       per_replica_state: each replica keeps its own model state (``model_state_sync="none"``).
-      model_state_sync: how model state is synchronised (for messages and the checks).
-      sum_metrics: the metrics summed rather than averaged.
     """
 
     weighted: bool
@@ -85,17 +79,10 @@ class ReduceContext(NamedTuple):
     (:func:`jddp._src.step.skeleton.reduce_context`): no reducer reads the configuration.
 
     Attributes:
-      topology: the mesh's roles (data axis, device count, hosts, sharded, islands).
-      platform: the devices' platform (``"cpu"``, ``"gpu"``, ...).
-      window: the accumulation window's facts.
-      loss: the loss policy's facts.
-      precision: the mixed-precision policy (compute and reduction dtypes), or ``None``.
-      accumulate: the accumulation window's operations (split a call into micro-batches, the
-        accumulator's sums; :class:`jddp._src.update.update.Accumulate`).
-      place: the placement's operations (a sharded stage's reduction, stage 3's gathers, the
-        gradients' pieces; :mod:`jddp._src.place.placement`).
-      example_keys: the loss policy's per-example keys (:meth:`jddp.Loss.example_keys`).
-      report: the loss policy's metrics from the reduced extras (:meth:`jddp.Loss.report`).
+      accumulate: the accumulation window's operations
+        (:class:`jddp._src.update.update.Accumulate`).
+      place: the placement's operations (:mod:`jddp._src.place.placement`).
+      example_keys, report: the loss policy's (:meth:`jddp.Loss.example_keys`, ``report``).
     """
 
     topology: Topology
@@ -113,12 +100,9 @@ class LocalCall(NamedTuple):
     """One call's values for the per-device phases (:meth:`Reducer.local_step`).
 
     Attributes:
-      obj: the loss as the step differentiates it (:class:`jddp._src.step.objective.Objective`).
       observer: called with the bucket plan at trace time (``None``: nothing).
       sync: with accumulation, whether this call synchronises (static; ``None``: the counter).
-      phase: the reducer's part of the step's static phase (:attr:`Reducer.phase`).
       roles: where this kind of step reduces and keeps its state (the sync policy's).
-      layout: how the parameter leaves are split (:class:`jddp._src.core.zero.Layout`).
       loss_scale: the loss scale of this call's gradients (per device; ``None``: off).
     """
 
@@ -192,23 +176,15 @@ class Reducer(Protocol):
 
 
 class LocalResult(NamedTuple):
-    """What the per-device part of a step returns (``Reducer.local_step``; the skeleton gives
-    each field its partition spec).
+    """What the per-device part of a step returns (``Reducer.local_step``).
 
     Attributes:
       grads: the reduced gradients (zeros on a call that did not synchronise).
-      metrics: the loss and aux metrics (the reduction's means: global, or with local SGD one per
-        replica when the reduction stays inside the island).
+      metrics: the reduction's means (with local SGD inside the island: one per replica).
       local_metrics: per-device metrics (leading device dimension).
-      model_state: the new synchronised model state (per device with ``"none"``).
-      hook_state: the hook's new per-device state.
-      accum: the new accumulator (or ``None``).
-      synced: whether this call reduced (a bool scalar).
       nonempty: whether the window had real examples (always true unless ``weighted``).
-      comm: ``comm_bytes`` (and ``comm_bytes_hosts``): what this call's collectives sent, the
-        same on every device (static); ``None`` where the step reports its own.
-      island: with local SGD, the island's means of the step's extras (what the averaging
-        averages over replicas); ``None`` otherwise.
+      comm: what this call's collectives sent (static); ``None`` where the step reports its own.
+      island: with local SGD, the island's means of the step's extras; ``None`` otherwise.
     """
 
     grads: Any
@@ -241,13 +217,9 @@ class SyncContext(NamedTuple):
     :func:`jddp._src.step.skeleton.sync_context`): resolved facts, never another policy.
 
     Attributes:
-      topology: the mesh's roles (its replica axis, the replicas, the island's devices).
-      param_spec: ``(topology, shape) -> spec`` of a parameter leaf inside one replica (the
-        placement's).
+      param_spec: ``(topology, shape) -> spec`` of a parameter leaf inside one replica.
       opt_spec: the same for an optimizer-state leaf.
-      per_device_state: the model state is already kept per device (``model_state_sync="none"``):
-        not copied per replica again, not averaged.
-      model_state_sync: how the averaging carries the model state (:mod:`jddp._src.sync.model_state`).
+      per_device_state: the model state is already per device (``model_state_sync="none"``).
       mean: the bucketed mean over replicas (:class:`ReplicaMean`).
     """
 
@@ -263,9 +235,6 @@ class SyncStep(NamedTuple):
     """One traced step as phase 4 (:meth:`SyncPolicy.after_update`) sees it: static facts.
 
     Attributes:
-      roles: where the step reduced (:meth:`SyncPolicy.roles` of ``phase``).
-      phase: the sync policy's part of the step's static phase.
-      plan: the step's bucket plan.
       sync: the call's static ``sync`` (``False``: an accumulating call; ``None``: the counter).
       report: the step's metrics from extras averaged over every device (the loss policy's).
     """
@@ -278,17 +247,11 @@ class SyncStep(NamedTuple):
 
 
 class SyncPolicy(Protocol):
-    """How replicas stay in step (:mod:`jddp._src.sync.every_step`): what the step asks its sync
-    policy, unconditionally (implemented by :class:`jddp._src.sync.every_step.EveryStep`,
-    :class:`jddp._src.sync.local_sgd.LocalSGD` and its :class:`~jddp._src.sync.local_sgd.DiLoCo`).
-    Every method that needs the rest of the step gets a :class:`SyncContext`, never the config.
+    """How replicas stay in step: what the step asks its sync policy (implementations in
+    :mod:`jddp._src.sync`). Methods get a :class:`SyncContext`, never the config.
 
-    A policy may also define host hooks, called by ``ddp.step`` around each call when present
-    (islands: :class:`jddp._src.sync.islands.IslandDiLoCo`): ``before_step(ctx, state, batch,
-    mask) -> state`` and ``after_step(ctx, phase, state) -> state``.
-
-    Attributes:
-      islands: replicas keep their own state (the topology's replica axis, :class:`Topology`).
+    A policy may also define host hooks called by ``ddp.step`` around each call: ``before_step(ctx,
+    state, batch, mask) -> state`` and ``after_step(ctx, phase, state) -> state``.
     """
 
     islands: ClassVar[bool]
@@ -339,7 +302,7 @@ class StepConfig:
     """What a training step is: fixed at construction, hashable, read by pure step functions.
 
     Attributes:
-      loss_fn: the user's loss (see :mod:`jddp._src.step.objective` for its four forms).
+      loss_fn: the user's loss (its forms: the ``loss_fn`` of :class:`jddp.DataParallel`).
       optimizer: the optax transformation applied to the reduced gradients.
       mesh: the data mesh; every axis of it is a data axis.
       reduce: how gradients are reduced (:class:`Reducer`): the bucketed reduction

@@ -1,19 +1,8 @@
 """Flax NNX support: data-parallel training of an ``nnx.Module``.
 
-NNX models are objects; jddp's core works on pure functions of pytrees. The bridge is NNX's own
-functional API: ``nnx.split(model, nnx.Param, ...)`` gives a static ``graphdef``, the ``Param``
-state (what is differentiated, reduced and optimised) and the rest (batch statistics, RNG keys and
-counts); ``nnx.merge`` rebuilds the model from them inside the step.
-
-Two entry points:
-
-- :class:`DataParallel` -- the NNX counterpart of :class:`jddp.DataParallel`, for a
-  ``loss_fn(model, batch)``. Non-``Param`` state that the forward pass changes (BatchNorm
-  statistics, RNG counts) is carried in ``TrainState.model_state``, identical on every device.
-- :func:`wrap` -- turns a model and a ``loss_fn(model, batch)`` into a pure
-  ``loss(params, batch)`` plus the ``Param`` state, for :class:`jddp.DataParallel`,
-  :func:`jddp.value_and_grad` or your own ``shard_map``. The non-``Param`` state is frozen into the
-  function, so it suits models whose forward pass changes no state.
+The bridge is NNX's functional API (``nnx.split``/``nnx.merge``): :class:`DataParallel` trains a
+``loss_fn(model, batch)`` and carries non-``Param`` state in ``TrainState.model_state``;
+:func:`wrap` turns a model and its loss into a pure ``loss(params, batch)`` (docs/flax.md).
 """
 
 from __future__ import annotations

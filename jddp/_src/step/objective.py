@@ -1,34 +1,10 @@
 """The user's loss function, as the step differentiates and reduces it.
 
-``DataParallel`` accepts four shapes of ``loss_fn`` (``model_state`` present when ``init`` was given
-one):
-
-================================  ============================================================
-call                              returns
-================================  ============================================================
-``loss_fn(params, batch)``        ``loss`` or, with ``has_aux``, ``(loss, metrics)``
-``loss_fn(params, ms, batch)``    ``(loss, new_ms)`` or, with ``has_aux``,
-                                  ``(loss, (new_ms, metrics))``
-================================  ============================================================
-
-With ``jddp.Loss(rng=True)`` each form takes one more argument last, ``rng``: one PRNG key per
-example of the shard (see :mod:`jddp._src.data.rng`); the keys are an argument of the traced jaxpr.
-
-:func:`unpack_loss_output` is the one reader of that convention. ``loss`` is the scalar mean over
-the device's shard, or with ``Loss(weighted=True)`` the unreduced losses of the shard (per example, or
-any shape the weights have, e.g. per token). ``metrics`` is a dict of scalars (averaged over
-devices), and with ``Loss(weighted=True)`` may also hold arrays shaped like the loss (averaged over the
-real examples). Metrics named in ``sum_metrics`` are summed instead, over devices and micro-batches
-(with ``weighted``, arrays shaped like the loss are summed over the real entries, weighted): token
-counts, numbers of correct predictions.
-
-:class:`Objective` turns any of them into one function ``(params, model_state, batch, weights) ->
-(scalar, LocalAux)``, the function the step traces once and differentiates. Every mean the step
-reports is a ratio of sums over devices and micro-batches (:class:`LocalAux`): the numerator is the
-loss (``weighted``: the weighted loss sum), the denominator the weight (1 per micro-batch;
-``weighted``: the real-example weight). Both ride on the last bucket's all-reduce
-(:class:`Extras`), and the gradient is divided by the same denominator after the reduction
-(division is linear, so it can follow the reduction).
+:func:`unpack_loss_output` is the one reader of the ``loss_fn`` forms ``jddp.DataParallel``
+documents; :class:`Objective` turns every form into one function ``(params, model_state, batch,
+weights) -> (scalar, LocalAux)``. Every mean the step reports is a ratio of sums over devices and
+micro-batches that rides on the last bucket's all-reduce (:class:`Extras`); the gradient is divided
+by the same denominator after the reduction (division is linear).
 """
 
 from __future__ import annotations
@@ -104,7 +80,7 @@ class LossOutput(NamedTuple):
 
 
 def unpack_loss_output(out: Any, *, has_aux: bool, stateful: bool) -> LossOutput:
-    """Reads ``loss_fn``'s output under the convention in the module docstring."""
+    """Reads ``loss_fn``'s output in the forms ``jddp.DataParallel`` documents."""
     if not stateful:
         if not has_aux:
             return LossOutput(out, None, {})
@@ -135,13 +111,8 @@ class LocalAux(NamedTuple):
     """One device's values for one micro-batch, besides the differentiated scalar.
 
     Attributes:
-      model_state: the new model state (or ``None``).
-      metrics: scalar metrics (float32), averaged over devices and micro-batches (those in
-        ``sum_metrics``: summed).
-      sums: numerators of ratio metrics: ``"loss"`` and, with ``weighted``, metrics shaped like
-        the loss (float32 scalars).
-      weight: the denominator of every ratio (float32 scalar): 1, or with ``weighted`` the real
-        examples' weight (normalised by the shard size, like the loss).
+      sums: numerators of ratio metrics: ``"loss"`` and, with ``weighted``, loss-shaped metrics.
+      weight: the denominator of every ratio: 1, or with ``weighted`` the real examples' weight.
     """
 
     model_state: Any
@@ -153,16 +124,8 @@ class LocalAux(NamedTuple):
 class Extras(NamedTuple):
     """What rides on the last bucket's all-reduce (local values in, means over devices out).
 
-    Fields that are the same on every device are not sent (``None``): without ``weighted`` every
+    Fields the same on every device are not sent (``None``): without ``weighted`` every
     micro-batch weighs 1, so the window's weight is a count the host knows.
-
-    Attributes:
-      metrics: this call's scalar metrics, summed over its micro-batches.
-      sums: this call's ratio numerators other than the loss (``weighted`` only).
-      weight: this call's ratio denominator (``weighted`` only).
-      window_loss: the window's loss numerator (earlier calls of an accumulation window included).
-      window_weight: the window's denominator, which also divides the gradient (``weighted`` only).
-      state: the model-state payload (see :func:`jddp._src.sync.model_state.encode_state`).
     """
 
     metrics: dict
@@ -179,13 +142,7 @@ def _f32(x: Any) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """A user ``loss_fn`` as the step differentiates it (see the module docstring).
-
-    Attributes:
-      loss_fn: the user's loss function.
-      stateful: whether it takes and returns model state.
-      policy: the :class:`Loss` policy it follows (what it returns, how its outputs combine).
-    """
+    """A user ``loss_fn`` as the step differentiates it (``policy``: its :class:`Loss`)."""
 
     loss_fn: Callable[..., Any]
     stateful: bool
@@ -263,11 +220,8 @@ class Objective:
     def unit(self, weights: Any) -> float:
         """The static normaliser of one micro-batch's sums: its weights' size, or 1.
 
-        With ``weighted``, the differentiated scalar, the loss sum and the weight are divided by
-        the micro-batch's size (so local gradients are mean-sized when a hook reduces them). Calls
-        of one window may differ in shape (a padded last batch), so what is kept across calls is
-        multiplied back by this unit: the accumulator holds plain sums, and every real entry
-        weighs the same in the window.
+        Calls of one window may differ in shape (a padded last batch), so the accumulator holds
+        plain sums multiplied back by this unit: every real entry weighs the same in the window.
         """
         return float(max(1, int(jnp.size(weights)))) if self.policy.weighted else 1.0
 
@@ -276,13 +230,8 @@ class Objective:
         """The local values to average on the last bucket's all-reduce.
 
         Args:
-          aux: this call's sums over its micro-batches.
-          window_loss: the window's loss numerator.
-          window_weight: the window's denominator.
-          windowed: the window spans calls (``Accumulate.steps > 1``): this call's own loss
-            numerator rides along too (``"loss"`` of ``metrics``, or with ``weighted`` of
-            ``sums``), so that ``metrics["loss"]`` covers this call's examples, as its aux
-            metrics do, and ``metrics["window_loss"]`` the window's.
+          windowed: the window spans calls: this call's own loss numerator rides along too, so
+            ``metrics["loss"]`` covers this call and ``metrics["window_loss"]`` the window.
         """
         state = ()
         if self.stateful:
@@ -352,19 +301,11 @@ def mean_metrics(
     mean: Extras, micro_per_call: int, window_count: Any, *, summed: tuple[str, ...] = (),
     num_devices: int = 1,
 ) -> dict:
-    """The step's reported metrics from the averaged extras.
-
-    Every metric covers this call's examples on every device: ``"loss"`` and the ratio metrics
-    are its means over real examples, scalar metrics its means over micro-batches and devices, or,
-    if ``summed``, sums. When the extras carry the call's own loss (a window of several calls,
-    :meth:`Objective.extras`), ``"window_loss"`` is the window's mean, the loss of the examples
-    the update's gradient averages; otherwise the call is the window.
+    """The step's reported metrics from the averaged extras (means over real examples; those
+    named in ``summed``: sums over devices and micro-batches).
 
     Args:
-      micro_per_call: micro-batches per call.
       window_count: micro-batches in the window (the denominator without ``weighted``).
-      summed: names of the metrics to report as sums over devices and micro-batches.
-      num_devices: the number of devices the extras were averaged over.
     """
     # A sum is the all-reduced mean times the device count (exact for power-of-two counts).
     out = {k: v * num_devices if k in summed else v / micro_per_call

@@ -1,27 +1,10 @@
 """The program check across processes: every process must run the same collectives.
 
-Two processes that compile different step programs (another bucket cap, another model, a branch
-on process-local data) issue collectives that do not match: Gloo aborts the process from C++
-("Received data size doesn't match expected size"), NCCL hangs or corrupts. Under ``jit`` the
-collectives are known before anything runs, so before the first execution of each compiled
-program of a multi-process job, every process publishes a fingerprint of its program
-(:class:`ProgramFingerprint`: a hash of the compiled HLO text, without its metadata and backend
-configs, and of the bucket plan) in ``jax.distributed``'s key-value store, waits for the others
-at a barrier, and compares them. That is all on the happy path: the text is not parsed.
-
-Only when fingerprints differ does each process read its program's collectives
-(:class:`ProgramSignature`: kind, operand shapes and dtypes, replica groups, whether in a loop or
-a branch, in order, and the bucket plan) and publish them; if the collectives or the bucket plans
-differ, every process raises the same :class:`ProgramMismatchError`, naming the processes that
-differ and the first differing collective, before any collective of that program has run. If
-they agree (the programs differ only in local computation), a warning says so and the run goes
-on. Nothing the reader cannot read stops a run: replica groups in an unknown form are compared
-as printed (and warned about), and a program that cannot be described at all is warned about.
-
-Cost, once per compiled program (never per step): hashing the compiled HLO text (the compile
-itself is the one the first call needs anyway: ``jit`` reuses it), one small key-value write, one
-barrier and one directory read on the coordinator; milliseconds on loopback
-(``tests/test_program_check.py`` prints it).
+Before the first run of each compiled program of a multi-process job, every process publishes a
+fingerprint of it (:class:`ProgramFingerprint`) and compares; only when they differ are the
+collectives read (:class:`ProgramSignature`) and a :class:`ProgramMismatchError` raised
+everywhere if they differ too (docs/report.md, "The program check across processes"). Cost: one
+hash, one key-value write and one barrier per compiled program.
 """
 
 from __future__ import annotations
@@ -87,13 +70,8 @@ class CollectiveSig(NamedTuple):
 
 
 class ProgramSignature(NamedTuple):
-    """A compiled program's collectives, as far as the other processes are concerned (read to
-    explain a difference of fingerprints).
-
-    Attributes:
-      collectives: every collective, in program order.
-      buckets: the parameters (paths) of each gradient bucket, in reduction order.
-    """
+    """A compiled program's collectives (in program order) and bucket plan, read to explain a
+    difference of fingerprints."""
 
     collectives: tuple[CollectiveSig, ...]
     buckets: tuple[tuple[str, ...], ...]
@@ -127,14 +105,8 @@ class Checked(Protocol):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ProgramFingerprint:
-    """A compiled program for the check: its fingerprint, and its description on demand.
-
-    Attributes:
-      fingerprint: a hash of the canonical HLO text
-        (:func:`jddp._src.introspect.hlo.canonical_text`) and of the buckets.
-      text: the compiled HLO text.
-      buckets: the parameters (paths) of each gradient bucket, in reduction order.
-    """
+    """A compiled program for the check: its fingerprint (a hash of the canonical HLO text and
+    of the buckets), and its description on demand."""
 
     fingerprint: str
     text: str = dataclasses.field(repr=False)
@@ -260,9 +232,8 @@ def check_across_processes(sig: Checked, what: str = "step program") -> None:
 
 def exchange(client: Any, sig: Checked, seq: int, me: int, n: int, limit: float,
              what: str = "step program") -> None:
-    """The check's protocol on a key-value ``client`` (``jax.distributed``'s, or a stand-in):
-    publish the digest, wait at a barrier, compare digests; only if they differ, publish and
-    compare descriptions (:func:`_explain`). Raises :class:`ProgramMismatchError`.
+    """The check's protocol on a key-value ``client`` (``jax.distributed``'s, or a stand-in);
+    raises :class:`ProgramMismatchError`.
 
     Args:
       seq: the check's number (the same on every process); me, n: this process, the count.

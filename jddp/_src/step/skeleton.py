@@ -1,32 +1,10 @@
 """The training step as a fixed skeleton of phases, each a call of the policy that owns it.
 
-One ``ddp.step(state, batch)`` (every front end and every combination of policies goes through
-it) runs, in order, and never asks which policy it has. First the set-up (global view, at trace
-time): the state and the optimizer state, the batch, then each policy's own checks of the call
-(``cfg.reduce.check_inputs``, ``cfg.update.check``, ``cfg.accumulate.check_call``,
-``cfg.loss.check_call``); the sync policy says where this kind of step reduces
-(``cfg.sync.roles``: a :class:`jddp._src.runtime.topology.Roles`). Then the phases:
-
-1-2. *local gradients, then reduce* (per device, in one ``jax.shard_map``): the reducer's
-   ``cfg.reduce.local_step`` (:class:`jddp._src.step.config.Reducer`; the buckets'
-   :func:`jddp._src.reduce.bucketed.bucketed_step`, or :class:`jddp.Deterministic`'s fixed tree)
-   on the state of this device's replica (``cfg.sync.island_state``), returning a
-   :class:`jddp._src.step.config.LocalResult`; the placement says what lives where
-   (``cfg.place``'s specs, its device view of an offloaded state). The reducer never sees the
-   configuration: it gets a :class:`jddp._src.step.config.ReduceContext` (:func:`reduce_context`)
-   and the call's :class:`jddp._src.step.config.LocalCall`.
-3. *update* (global view): ``cfg.update.apply`` (:mod:`jddp._src.update.update`: accumulation windows,
-   skip-if-not-finite and loss scaling wrapped around the update, like optax's ``MultiSteps`` and
-   ``apply_if_finite``) around the optimizer at its placement (``cfg.place.update``).
-4. *sync* (global view): ``cfg.sync.after_update`` (:class:`jddp._src.step.config.SyncPolicy`: nothing
-   for :class:`jddp._src.sync.every_step.EveryStep`; local SGD's parameter average or DiLoCo's outer step).
-
-The skeleton calls every hook of the sync policy, each with a
-:class:`jddp._src.step.config.SyncContext` (:func:`sync_context`), never the config.
-
-The state's layout is the policies' too: :func:`build_state` and :func:`state_specs` ask the
-reducer (its accumulator), the placement (parameters, optimizer state), the update wrappers
-(their slots), the loss policy (per-replica model state) and the sync policy (per-replica copies).
+Set-up and checks, then 1-2 local gradients and reduce (per device, ``cfg.reduce.local_step``
+with a :class:`jddp._src.step.config.ReduceContext`), 3 update (``cfg.update.apply`` around
+``cfg.place.update``), 4 sync (``cfg.sync.after_update`` with a
+:class:`jddp._src.step.config.SyncContext`); the skeleton never asks which policy it has and
+no policy sees the config (docs/design.md, "The skeleton: one step in four phases").
 """
 
 from __future__ import annotations
@@ -219,13 +197,10 @@ def train_step(
     docstring.
 
     Args:
-      observer: called with the bucket plan at trace time (the trainer reports it and warns
-        about unused parameters once); ``None`` for nothing.
-      sync: with accumulation, whether this call synchronises (static; ``None``: the state's
-        counter decides).
-      phase: the static phase for this step (:func:`step_phase`: the hook's, wrapped by the
-        sync policy's).
-      rng: the run's PRNG key, with ``jddp.Loss(rng=True)`` (each example's key derives from it).
+      observer: called with the bucket plan at trace time; ``None`` for nothing.
+      sync: with accumulation, whether this call synchronises (static; ``None``: the counter).
+      phase: the static phase for this step (:func:`step_phase`).
+      rng: the run's PRNG key, with ``jddp.Loss(rng=True)``.
     """
     sync_phase, hook_phase = cfg.sync.split_phase(phase, cfg.reduce.phase)
     lv = cfg.sync.roles(cfg.topology, sync_phase)

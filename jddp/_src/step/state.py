@@ -1,10 +1,7 @@
 """The training state: immutable pytrees that a step reads and returns.
 
-:class:`TrainState` has one field per policy role (the reducer's, the update wrappers', the sync
-policy's state), never one per feature. As optax's wrappers nest their inner state
-(``MultiStepsState.inner_opt_state``, ``ApplyIfFiniteState.inner_state``), each update wrapper's
-state holds the state of the wrapper inside it in its ``inner`` field: with accumulation and
-dynamic loss scaling ``update_state`` is ``AccumState(..., inner=LossScaleState(..., inner=None))``.
+:class:`TrainState` has one field per policy role, never one per feature; like optax's wrappers,
+each update wrapper's state nests the state of the wrapper inside it in its ``inner`` field.
 """
 
 from __future__ import annotations

@@ -58,12 +58,9 @@ class PlanLog:
 def _check_live(state: Any) -> None:
     """A clear error, before dispatch, for a state whose buffers a previous step consumed.
 
-    With donation (the default) a step's input state is deleted. Passing it again would make JAX
-    raise deep inside dispatch on one device and crash the process on several (a donated,
-    replicated array segfaults XLA:CPU), so the check runs before every call. Every leaf of a
-    donated state is deleted together, so the step counter stands for all of them: checking it
-    costs well under a microsecond, where flattening a 160-leaf state to check every leaf took
-    0.19 ms, 3% of a small step (benchmarks/host_overhead.py).
+    Passing a donated state again would crash the process on several devices (XLA:CPU
+    segfaults), so this runs before every call; every leaf is deleted together, so the step
+    counter stands for all (checking each leaf cost 3% of a small step).
     """
     is_deleted = getattr(getattr(state, "step", None), "is_deleted", None)
     if is_deleted is not None and is_deleted():
@@ -142,9 +139,7 @@ class Step:
     def _build_jit(self, state: Any) -> None:
         """The jitted step, built once the parameters' sizes are known (first call or lower).
 
-        On GPU the compiler options raise XLA's combine thresholds above the largest bucket the
-        plan can make, so one planned bucket stays one collective (jddp._src.reduce.xla_options); the
-        chain keeps buckets apart, so this merges nothing. ``chain="none"`` leaves XLA alone.
+        On GPU the compiler options keep one planned bucket one collective (:mod:`xla_options`).
         """
         if self._jit_fn is not None:
             return
@@ -254,10 +249,8 @@ class Step:
 
     def _check_program(self, state: Any, batch: Any, mask: Any, rng: Any, static: dict) -> None:
         """Before the first run of each program: the same batch shapes and the same collectives
-        on every process (:mod:`jddp._src.step.programs`), else a clear error everywhere.
-
-        The program is compiled here with exactly the call's arguments, so the call that
-        follows reuses it (``jit``'s cache): the check costs no second compile.
+        on every process (:mod:`jddp._src.step.programs`); compiled with the call's arguments,
+        so the call reuses it.
         """
         signature = self._check_processes_agree(batch, mask)
         key = (signature, tuple(sorted(static.items())))
@@ -268,12 +261,8 @@ class Step:
         self._checked.add(key)
 
     def _check_processes_agree(self, batch: Any, mask: Any) -> tuple:
-        """Every process must pass the same global batch shapes; checked once per signature.
-
-        Each process traces with its own view of the global shapes, so processes that disagree
-        (one builds 8 rows, another 4) would compile different programs and silently train on
-        wrong data or hang; the shapes are static, so one host all-gather per new signature
-        catches it.
+        """Every process must pass the same global batch shapes; checked once per signature
+        (else they compile different programs and train on wrong data or hang).
         """
         signature = tuple((np.shape(x), str(np.result_type(x))) for x in
                           jax.tree.leaves((batch, mask)))

@@ -1,20 +1,9 @@
 """Phase 4 of the step, the sync policy: how replicas stay in step; :class:`EveryStep`, the default.
 
-A sync policy is one frozen, hashable value (``DataParallel(sync=...)``, held as
-``StepConfig.sync``) that the step calls unconditionally, at fixed points, and that never touches
-the reducer (torchft's ``LocalSGD``/``DiLoCo`` and PyTorch's ``PostLocalSGDOptimizer`` hook the
-optimizer's step the same way): on the host it picks each step's static phase
-(:meth:`SyncPolicy.phase_fn`); in the trace it splits that phase into its own part and the hook's
-(:meth:`~SyncPolicy.split_phase`), names where the step reduces (:meth:`~SyncPolicy.roles`),
-lays out its state (:meth:`~SyncPolicy.build_state`, :meth:`~SyncPolicy.state_specs`,
-:meth:`~SyncPolicy.replica_view`, :meth:`~SyncPolicy.island_state`) and runs after the update
-(:meth:`~SyncPolicy.after_update`); what it needs of the rest of the step comes resolved in a
-:class:`jddp._src.step.config.SyncContext`, never the config. The protocol is written out in
-:class:`jddp._src.step.config.SyncPolicy`; the policies are :class:`EveryStep` (here: plain data
-parallelism, every method the identity), :class:`jddp._src.sync.local_sgd.LocalSGD` (post-local
-SGD) and its :class:`~jddp._src.sync.local_sgd.DiLoCo`.
-
-This module is a leaf below ``config`` (which holds the default); it imports only the topology.
+A sync policy is one frozen, hashable value the step calls unconditionally and that never touches
+the reducer (like torchft's ``LocalSGD``); the protocol is
+:class:`jddp._src.step.config.SyncPolicy`. :class:`EveryStep` is plain data parallelism, every
+method the identity. A leaf below ``config`` (which holds the default): imports only the topology.
 """
 
 from __future__ import annotations

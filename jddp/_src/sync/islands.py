@@ -1,26 +1,11 @@
 """DiLoCo across islands that fail and rejoin: the outer step through torchft's quorum.
 
-An *island* is one jddp run (its own JAX world of one or more processes, started by
-``jddp-run --islands N``, :mod:`jddp._src.runtime.launch.islands`). Inside it DiLoCo runs as usual
-(:class:`jddp._src.sync.local_sgd.DiLoCo`: inner steps, the delta averaged over the island's own
-replicas in the jitted step). Islands meet only at the outer step, on the host, through torchft
-(its Lighthouse for the quorum, a ``Manager`` per island, its reconfigurable Gloo process group
-for the all-reduce, its checkpoint transport to heal a joining island):
-
-1. the jitted step leaves the island's mean delta in the outer state instead of stepping the
-   outer optimizer (:func:`_capture`), and the replicas restart from the old global parameters;
-2. on the host (:meth:`IslandDiLoCo.after_step`) torchft forms the quorum of the islands that
-   reached this outer step within the grace window; an island whose manager step is behind
-   (restarted, or stopped and resumed) first receives the live global parameters, outer
-   optimizer state and step counter from a member (torchft heals it) and contributes nothing;
-3. the members' deltas are averaged weighted by the examples each consumed since its last outer
-   step (an all-reduce of the counts, then of ``delta * n_i / sum n``: with one island the weight
-   is exactly 1, so a one-island run equals in-world DiLoCo), and the outer optimizer is applied
-   to the mean, identically on every island (same inputs, same program); if an all-reduce fails
-   (a member died in it), torchft does not commit and the outer step is retried with a new
-   quorum, so no outer step is skipped or applied twice.
-
-Torch is imported only when the first outer step runs (``import jddp`` does not import it).
+An *island* is one jddp run (``jddp-run --islands N``) running DiLoCo inside; islands meet only at
+the outer step, on the host (:meth:`IslandDiLoCo.after_step`), through torchft's Lighthouse
+quorum, Gloo process group and healing of a joining island. Deltas are averaged weighted by the
+examples each island consumed (one island: in-world DiLoCo exactly); a failed all-reduce is
+retried with a new quorum, never skipped or applied twice (docs/islands.md). Torch is imported
+only when the first outer step runs.
 """
 
 from __future__ import annotations

@@ -1,39 +1,12 @@
 """Local SGD and DiLoCo: replicas that train apart for a few steps, then average their parameters.
 
-Each replica (``DataParallel(sync=jddp.local_sgd.diloco(...))``) keeps its own parameters,
-optimizer state, loss scale and model state (a leading replica dimension, sharded over the replica
-axis), takes ``period - 1`` steps with no cross-replica communication, and every ``period``-th
-step synchronises:
-
-- **post-local SGD** (:class:`LocalSGD`; PyTorch's ``PostLocalSGDOptimizer`` with
-  ``PeriodicModelAverager``): plain data-parallel steps (gradient all-reduce) for the first
-  ``start_step`` steps, then local steps; the parameters are averaged after the update of steps
-  ``start_step``, ``start_step + period``, ... (PyTorch's rule, so ``period=1`` is DDP for SGD).
-- **DiLoCo** (:class:`DiLoCo`, a :class:`LocalSGD` whose averaging is an outer step, like
-  torchft's ``DiLoCo(LocalSGD)``; Douillard et al., 2023): every replica runs the inner optimizer
-  (AdamW) for ``period`` steps from the global parameters; then the *outer* optimizer (Nesterov
-  momentum by default) is applied to the averaged parameter delta ``global - mean(replica)``, and
-  every replica restarts from the new global parameters. The inner optimizer state stays local.
-
-Replicas ("islands"): on a two-level mesh (``jddp.data_mesh(hosts=...)``) one replica per host,
-which is a data-parallel group of its own: gradients are reduced inside the host every step (with
-the communication hook, and with ``jddp.ZeRO`` the state is sharded over the host's devices), and
-nothing crosses hosts between synchronisations; the averaging sends each host's parameters across
-once (each device averages ``1/L`` of every bucket across hosts, then an all-gather inside the
-host). On a 1-D mesh every device is a replica and local steps run no collective at all.
-
-How it fits the step (:mod:`jddp._src.step.skeleton`): :class:`LocalSGD` is a *sync policy*
-(:class:`jddp._src.step.config.SyncPolicy`) of the one step, whose phases are fixed and which
-calls the policy unconditionally: local gradients -> reduce (over the island:
-:attr:`jddp._src.runtime.topology.Roles.axis`; the reducer is the step's own, untouched) ->
-update (per replica, with skipping, loss scaling and accumulation windows around it) ->
-:meth:`LocalSGD.after_update` (nothing, the parameter average, or DiLoCo's outer step), as
-PyTorch's ``PostLocalSGDOptimizer`` and torchft's ``LocalSGD`` hook the optimizer's step. The kind
-of step (``sync``, ``local``, ``average``) is a static phase picked on the host
-(:meth:`LocalSGD.phase_fn`), so a local step is a program without cross-replica collectives.
-The policy reads the rest of the step only through its :class:`~jddp._src.step.config.SyncContext`:
-the averaging is its mean over replicas (one chained collective per bucket of the step's plan),
-and the step's loss, metrics and model state ride on its last bucket.
+Each replica keeps its own parameters, optimizer state, loss scale and model state (a leading
+replica dimension), takes ``period - 1`` steps with no cross-replica communication, and every
+``period``-th step synchronises: :class:`LocalSGD` (PyTorch's ``PostLocalSGDOptimizer``) averages
+the parameters; :class:`DiLoCo` (torchft's ``DiLoCo(LocalSGD)``) applies the outer optimizer to
+the averaged delta. One replica per host on a two-level mesh, else per device. A sync policy of
+the one step: the kind of step is a static phase picked on the host, and the averaging is its
+context's mean over replicas (docs/design.md, "Two-level meshes and local SGD"; docs/scaling.md).
 """
 
 from __future__ import annotations

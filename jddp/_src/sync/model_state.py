@@ -1,32 +1,10 @@
 """Model state (Flax ``batch_stats`` and the like): keeping it consistent across replicas.
 
-Each replica computes new model state from its own shard of the batch, so replicas disagree after
-every step unless the state is synchronised. Three modes, chosen with
-``jddp.Loss(model_state_sync=...)``:
-
-- ``"broadcast"`` (default; DDP's ``broadcast_buffers=True``): every replica takes replica 0's new
-  state, bit for bit.
-- ``"mean"``: the new state is averaged over replicas (floating-point leaves; other leaves are
-  broadcast from replica 0). For running averages of per-shard statistics this is the average over
-  shards (for BatchNorm's running mean it equals the running mean of the global batch).
-- ``"none"``: no synchronisation; each replica keeps its own state, stored with a leading device
-  dimension (``state.model_state[i]`` is replica ``i``'s).
-
-No mode costs a collective of its own: the values ride on the last gradient bucket's all-reduce
-(the ``extras`` of :func:`jddp.reduce.bucketed_value_and_grad`), which is a mean. A mean cannot
-carry a float exactly (``x * N / N`` rounds for most ``N``), so ``"broadcast"`` sends the *bits* of
-replica 0's leaves: each leaf is bitcast to an unsigned integer and cut into ``b``-bit chunks,
-each chunk is stored in a float32 as ``chunk * N`` on replica 0 and ``0`` elsewhere. The sum over
-replicas is then ``chunk * N`` exactly (an integer below 2**24, one nonzero term), the mean is
-``chunk`` exactly, and the bits are reassembled: NaN payloads, signed zeros and subnormals survive.
-With ``N <= 256`` replicas, ``b = 16`` (a float32 leaf costs two float32 values).
-
-Leaves that are already the same on every replica are not sent at all: with ``check_vma=True``
-(jddp's step) JAX types each value as varying over the data axis or not, and a leaf computed from
-collectives only (cross-replica BatchNorm's statistics, averaged with ``lax.pmean`` inside the
-loss) is typed invariant, which JAX's own ``out_specs=P()`` contract relies on. Encoding,
-reducing and decoding such a leaf cost 8 elementwise ops per leaf for nothing (a ResNet-18 has 40
-of them); it is kept as computed.
+The modes of ``jddp.Loss(model_state_sync=...)`` (docs/model_state.md) cost no collective of
+their own: the values ride on the last bucket's all-reduce, a mean. ``"broadcast"`` sends the
+*bits* of replica 0's leaves: each leaf is cut into ``b``-bit chunks stored as ``chunk * N`` on
+replica 0 and ``0`` elsewhere, so the mean is each chunk exactly (``N <= 256``: ``b = 16``).
+Leaves JAX types invariant (computed from collectives only) are not sent: they are already equal.
 """
 
 from __future__ import annotations

@@ -31,12 +31,9 @@ def init_accum(
     """An empty accumulator for ``params`` on ``num_devices`` devices (leading device dimension).
 
     Args:
-      params: the parameters (one local gradient sum per leaf and device).
-      num_devices: the number of devices of the data mesh.
       dtype: the dtype of the sums (default: see :func:`accumulator_dtype`).
       model_state: the model state, if the model has one (its per-device slot between calls).
-      sharded: the gradient sums are reduced ones, shaped like the parameters (no device
-        dimension) and split over the devices like them (``shard_accumulator``).
+      sharded: the sums are reduced ones, shaped and split like the parameters (no device dim).
     """
     lead = () if sharded else (num_devices,)
     grads = jax.tree.map(

@@ -1,23 +1,10 @@
 """Dynamic loss scaling for float16 training (``DataParallel(loss_scale=DynamicScale())``).
 
-float16 gradients underflow to zero for small values; scaling the loss by a large factor before
-the backward pass (and the reduced gradients down again after) keeps them representable. The
-factor is adapted as in Flax's ``flax.training.dynamic_scale.DynamicScale`` and PyTorch's
-``GradScaler``: a step whose reduced gradient has a NaN or Inf is skipped and the scale shrinks
-by ``backoff_factor``; after ``growth_interval`` finite steps in a row it grows by
-``growth_factor``.
-
-In the step the scale is the cotangent *seed* of the reducing backward pass (no extra multiply of
-the loss), so every local gradient reaches its bucket's all-reduce scaled; the gradients are
-unscaled after the reduction, where they are identical on every replica. The finiteness test, the
-skip and the scale update therefore agree on every replica with no collective of their own.
-
-Why not ``DynamicScale`` itself: it differentiates with ``jax.value_and_grad`` and reduces with a
-``pmean`` after the whole backward pass, so its gradients could not ride in jddp's buckets; and
-its state is a module with static fields, where the step wants its options fixed in a hashable
-config (:class:`DynamicScale` here) and its state in the :class:`TrainState`
-(:class:`jddp._src.step.state.LossScaleState`, a node of ``TrainState.update_state``). The
-update rule is the same (tested against Flax's).
+Flax's ``DynamicScale`` rule (tested against it): a non-finite step is skipped and the scale shrinks
+by ``backoff_factor``, ``growth_interval`` finite steps grow it by ``growth_factor``. The scale is
+the cotangent seed of the reducing backward, and gradients are unscaled after the reduction, so
+every replica agrees with no collective of its own; Flax's own class reduces after the whole
+backward and keeps its state in a module, where jddp keeps a :class:`LossScaleState` node.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The update guards: skipping steps whose reduced gradient is not finite
 (``loss_scale=jddp.SkipNotFinite()``), and the :class:`Guard` base every guard subclasses.
 
-The decision is taken on the *reduced* gradients, which every replica holds identically, so all
-replicas skip the same steps without a collective of their own.
-
-Why not ``optax.apply_if_finite``: it makes the same test, but (1) it lives inside the optimizer, so
-a skipped step would still replace the model state, the communication-hook state (an error-feedback
-residual would become NaN for good) and advance ``state.step``; (2) after
-``max_consecutive_errors`` it applies the non-finite update anyway; (3) it changes the structure
-of ``opt_state``. Selecting the whole old state here keeps a skipped step a true no-op.
+Decided on the reduced gradients, identical on every replica: no collective. Not
+``optax.apply_if_finite``: inside the optimizer it would still replace the model and hook state
+and advance ``state.step``, apply after ``max_consecutive_errors``, and change ``opt_state``.
 """
 
 from __future__ import annotations

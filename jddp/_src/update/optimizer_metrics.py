@@ -1,11 +1,5 @@
-"""Optimizer-side metrics: the hyperparameters of ``optax.inject_hyperparams``, in ``metrics``.
-
-A learning-rate schedule lives in the optimizer, not in ``loss_fn``. Wrapping the optimizer in
-``optax.inject_hyperparams`` keeps the current value of every numeric hyperparameter in the
-optimizer state; the step reads them there after the update (in the global view, replicated: no
-collective) and reports each scalar one under its name, e.g. ``metrics["learning_rate"]``: the
-value the latest applied update used.
-"""
+"""Optimizer-side metrics: the hyperparameters of ``optax.inject_hyperparams``, in ``metrics``
+(read from the optimizer state after the update, e.g. ``metrics["learning_rate"]``)."""
 
 from __future__ import annotations
 

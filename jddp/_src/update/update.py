@@ -1,21 +1,10 @@
 """The update wrappers: accumulation, the skip guards and loss scaling around the optimizer.
 
-As optax's ``MultiSteps`` and ``apply_if_finite`` wrap an optimizer, the step's update (phase 3)
-is the optimizer at its placement (the *inner* update, passed in as a callable) wrapped by:
-
-- :class:`Accumulate` (``MultiSteps``): only the call that closes a window updates; it owns the
-  accumulator (its :class:`AccumState` node of ``TrainState.update_state``: its init, partition
-  specs and trace-time check) and the per-device phases ask it how a call splits and whether it
-  synchronises;
-- a *guard* (``apply_if_finite``), any :class:`Guard`: :class:`SkipNotFinite`, or
-  :class:`jddp.precision.DynamicScale`, which owns the loss scale (its ``LossScaleState`` node,
-  a :class:`GuardState`) and adapts it; a weighted loss's empty window is skipped the same way.
-
-:class:`Update` composes them once (``StepConfig.update``); the host's rule for the next
-``state.step`` (:meth:`Update.runs`) is the one phase 3 applies. As optax's wrappers nest their
-inner state, ``TrainState.update_state`` is the chain of the wrappers' states, outermost first:
-``AccumState(..., inner=LossScaleState(..., inner=None))``; each wrapper reads and replaces only
-its own node and passes ``inner`` through (:func:`jddp._src.step.state.own` and ``put``).
+As optax's ``MultiSteps`` and ``apply_if_finite`` wrap an optimizer, phase 3 is the inner update
+wrapped by :class:`Accumulate` (only a window's closing call updates) and a guard (any
+:class:`Guard`: :class:`SkipNotFinite` or :class:`jddp.precision.DynamicScale`), composed once in
+:class:`Update`. Each wrapper nests its state's ``inner`` node and replaces only its own
+(docs/design.md, phase 3).
 """
 
 from __future__ import annotations
@@ -260,9 +249,7 @@ class Update:
     """The wrappers of one step's update, composed once: the window outside, the guards inside.
 
     Attributes:
-      accumulate: the accumulation window (``shard`` resolved).
-      guard: skip non-finite updates (any :class:`Guard`: :class:`SkipNotFinite`, or
-        ``DynamicScale``, which also scales the loss); ``None``: neither.
+      guard: any :class:`Guard` (:class:`SkipNotFinite`, ``DynamicScale``); ``None``: neither.
       skip_empty: skip a window without a real example (``Loss(weighted=True)``).
     """
 

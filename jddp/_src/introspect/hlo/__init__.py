@@ -1,12 +1,7 @@
 """Read compiled XLA (HLO) text: the scheduled order of a computation and its collectives.
 
-In three parts: the text's primitives (:mod:`.text`: arrays, replica groups, the canonical
-text), its computations and instructions (:mod:`.module`), and the schedule and collectives
-(:mod:`.schedule`).
-
-jddp's only reader of HLO text. Public as :mod:`jddp.perf.schedule`, whose docstring describes
-it in full (what is read, examples); it lives here because the step itself reads its compiled
-program (the program check across processes, ``ddp.report``).
+:mod:`.text` (primitives), :mod:`.module` (computations, instructions), :mod:`.schedule`. Public
+as :mod:`jddp.perf.schedule`, described there; here because the step reads its own program.
 """
 
 from jddp._src.introspect.hlo.module import (

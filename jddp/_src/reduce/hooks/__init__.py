@@ -1,35 +1,10 @@
 """Communication hooks: how one bucket of gradients is reduced across the data axis.
 
-The equivalent of DDP's ``register_comm_hook``. A hook is a pair of pure functions, like an optax
-``GradientTransformation``:
-
-- ``init(leaf)`` builds the hook's state for one parameter leaf from its shape and dtype (a
-  ``jax.ShapeDtypeStruct``); the state must be a pytree of floating-point arrays. It is kept per
-  device in ``TrainState.hook_state`` (error-feedback residuals differ between replicas).
-- ``reduce(grads, states, ctx)`` takes a bucket's local gradients (a tuple of arrays), the tuple of
-  their states and a :class:`HookContext`, and returns the mean over the axis (same shapes and
-  dtypes) and the tuple of new states.
-
-``fuses_extras`` marks hooks that reduce any float32 tuple by a plain mean; the trainer then lets
-its scalar metrics (the loss) ride on the last bucket's all-reduce instead of a collective of their
-own, so the step has exactly one all-reduce per bucket.
-
-The bytes a hook sends (``comm_bytes``) are counted as it issues its collectives: the built-in
-hooks call the recorded collectives of :mod:`jddp._src.core.recorder`, so what is reported
-cannot drift from what is sent. A hook may declare its bytes instead (``bytes_sent``,
-``bytes_by_level``, ``scatter_bytes_by_level``: static arithmetic on the leaves' structs); one
-that calls ``jax.lax`` collectives itself counts as a ring all-reduce of its gradients.
-
-The reduction runs inside the backward pass, so a hook sees the gradients as soon as its bucket is
-ready.
-
-This package holds the protocol (:class:`CommHook`, :class:`HookContext`), the checks every
-hook's output passes, and one module per family of built-in hooks: :mod:`.mean`
-(:func:`.mean.allreduce_mean`, the default), :mod:`.cast` (``fp16_compress``,
-``bf16_compress``), :mod:`.int8` (``int8_compress``), :mod:`.powersgd` (DDP's
-``powerSGD_hook``: rank-r factors with error feedback and warm start) and
-:mod:`.hierarchical` (reduce-scatter inside the host, all-reduce across hosts, all-gather
-inside the host, on a two-level mesh). They are public as :mod:`jddp.hooks`.
+DDP's ``register_comm_hook`` as a pair of pure functions, like an optax transformation:
+``init(leaf_struct) -> state`` and ``reduce(grads, states, ctx) -> (means, new_states)``
+(docs/hooks.md). This package holds the protocol (:class:`CommHook`, :class:`HookContext`), the
+checks every hook's output passes, and one module per built-in family (:mod:`.mean`,
+:mod:`.cast`, :mod:`.int8`, :mod:`.powersgd`, :mod:`.hierarchical`), public as :mod:`jddp.hooks`.
 """
 
 from __future__ import annotations

@@ -150,40 +150,22 @@ def hierarchical(hosts_axis: str | None = None, *, concat: bool = False,
     """A two-level reduction of each bucket: reduce-scatter inside the host, all-reduce across
     hosts on ``1/L`` of the bucket's bytes (``L`` devices per host), all-gather inside the host.
 
-    Horovod's hierarchical all-reduce, for a two-level data mesh (``jddp.data_mesh(hosts=...)``):
-    with ``M`` hosts, each device sends ``2 (M-1)/M x bytes / L`` across hosts (a flat ring:
-    ``2 (N-1)/N x bytes`` per host), the three collectives of a bucket
-    are chained to the next bucket like a plain all-reduce, and the step's loss, metrics and model
-    state still ride on the last bucket (when ``inner`` is exact). Equal to the flat mean
-    (``allreduce_mean``) up to summation order. On a 1-D mesh, or a reduction over one level only
-    (local SGD's steps inside a host), it is ``inner`` (the plain mean all-reduce by default).
-
-    With ``inner`` (ZeRO++'s idea: compress only the slow link), the cross-host leg is that hook:
-    ``inner.reduce`` gets each device's ``1/L`` shards (1-D, the gradients' dtype) and a
-    :class:`HookContext` whose axis is the hosts axis; the reduce-scatter and all-gather inside
-    the host stay in the gradients' dtype. ``inner``'s state is made for each whole leaf
-    (``inner.init(leaf)``) and must be elementwise (the leaf's shape) or scalar; each device
-    keeps and updates the slice of it that matches its shard. PowerSGD cannot be ``inner`` (it
-    needs matrices) and is refused.
-
-    On XLA:CPU across processes the reduce-scatter runs as an all-to-all and a local sum (Gloo's
-    reduce-scatter can return wrong values: docs/faults.md).
+    Horovod's hierarchical all-reduce for a two-level mesh (``jddp.data_mesh(hosts=...)``): equal
+    to the flat mean up to summation order; on a 1-D mesh, or a reduction over one level only, it
+    is ``inner``. ``inner``'s state is made per whole leaf and must be elementwise or scalar (each
+    device keeps its shard's slice); PowerSGD is refused. Measurements:
+    [Slow links](../scaling.md).
 
     Args:
       hosts_axis: the mesh axis across hosts (default: ``HookContext.hosts_axis``, which
         :class:`jddp.DataParallel` takes from a two-level mesh: its first axis).
       concat: copy each bucket into one flat buffer per dtype first: one reduce-scatter,
-        all-reduce and all-gather per bucket instead of a reduce-scatter and an all-gather per
-        leaf. XLA:CPU has no combiner for those, so on Gloo each per-leaf one is a call of its
-        own: it paid off on a 4 MiB model (1.08x the flat step against 1.18x) and was within
-        noise on a 40 MiB one (1.24x against 1.30x in one run, 1.40x against 1.24x in another:
-        the copies). On GPU XLA combines the per-leaf collectives
-        itself, and a buffer breaks the ``"barrier"`` chain (it ties the next bucket to slices of
-        the buffer; XLA then moved every cross-host all-reduce after the backward pass).
-        Measurements in docs/scaling.md. Not with a stateful ``inner``.
-      inner: the hook for the cross-host leg (default: the plain mean all-reduce), e.g.
-        ``jddp.bf16_compress()``. The step's metrics ride on the buckets only if it is exact
-        (``inner.fuses_extras``).
+        all-reduce and all-gather per bucket instead of one per leaf. Pays off on XLA:CPU for
+        small models; on GPU XLA combines per-leaf collectives itself and a buffer breaks the
+        ``"barrier"`` chain. Not with a stateful ``inner``.
+      inner: the hook for the cross-host leg (ZeRO++'s idea: compress only the slow link;
+        default: the plain mean all-reduce), e.g. ``jddp.bf16_compress()``. The step's metrics
+        ride on the buckets only if it is exact (``inner.fuses_extras``).
     """
     inner = None if inner is None else check_hook(inner)
     inner_hook = allreduce_mean() if inner is None else inner

@@ -141,28 +141,11 @@ def int8_compress(
 ) -> CommHook:
     """Block-scaled int8 gradients with error feedback, in two int8 exchanges per bucket.
 
-    Each device adds its residual (error feedback) to its gradients, flattens the bucket into
-    ``N`` equal chunks of whole ``block_size``-element blocks (zero-padded), and quantizes each
-    block to int8 with its own float32 scale (absmax / 127). Phase 1, a reduce-scatter in int8:
-    an all-to-all sends chunk ``j`` to device ``j``, which dequantizes the ``N`` chunks it got
-    and sums them in float32. Phase 2: each device quantizes its mean chunk again and an
-    all-gather of the int8 chunks (and scales) gives every device the same mean. Both
-    quantization errors go back into the device's residual (phase 2's scaled by ``N``: it is an
-    error of the mean), so no gradient is lost, only delayed.
-
-    Bytes: each device sends ``2 (N-1) x W`` with ``W = chunk x (1 + 4 / block_size)`` int8
-    bytes: ``(1 + 4/256) / 4 = 0.254x`` a float32 ring all-reduce, ZeRO++'s qgZ scheme.
-    Why not simpler forms: an int8 ``psum`` would overflow (and XLA sums in the wire type); an
-    all-gather of every device's whole quantized bucket sends ``(N-1)/4`` of the float32 bytes
-    (1.75x at N=8: no saving). The values and scales travel as one int8 payload, so a bucket
-    is two collectives. Without error feedback the hook also has a ``scatter`` for zero stages
-    2-3: phase 1 alone (one int8 all-to-all, half the bytes); with it, those stages reduce the
-    bucket and keep their piece.
-
-    ``reduce`` works on any tuple of arrays over whatever axis ``ctx.axis_name`` names (one axis,
-    a tuple of axes, or the hosts axis of a hierarchical reduction's cross-host leg): it returns
-    the mean over it using ``ctx.axis_size``. The state is a ``residual`` per leaf (float32, the
-    leaf's shape, per device).
+    An int8 reduce-scatter (an all-to-all, float32 sums), then an all-gather of the int8 mean:
+    ``0.254x`` a float32 ring all-reduce (ZeRO++'s qgZ); both rounding errors go back into the
+    device's ``residual`` (float32, per leaf and device). Without error feedback it also has a
+    ``scatter`` for ZeRO stages 2-3. Works over any ``ctx.axis_name`` (also the cross-host leg of
+    :func:`hierarchical`). The algorithm and measurements: [Hooks](../hooks.md).
 
     Args:
       block_size: elements per scale (256, as ZeRO++; the scales add 4/block_size bytes per value).

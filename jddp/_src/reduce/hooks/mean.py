@@ -17,15 +17,9 @@ from jddp._src.reduce.hooks import CommHook, HookContext, no_state
 def _divide_after_sum(grads: Sequence[jax.Array], n: int) -> bool:
     """Whether the mean over ``n`` replicas is taken after the sum rather than before.
 
-    Where :mod:`jddp._src.reduce.platform_paths` has it on (XLA:CPU, whose GEMMs and convolutions are
-    library calls, so a scale before the all-reduce is a pass of its own over every gradient,
-    while after it the scale fuses into the optimizer's update). Elsewhere it fuses into the
-    gradient's producer, and the ``"barrier"`` chain between buckets keeps XLA's GPU combiner
-    apart only when it ties the next bucket to the all-reduce results themselves, not to values
-    computed from them. Only where the two orders
-    give the same bits: ``n`` a power of two (dividing by it is exact; DDP divides first, which
-    elsewhere rounds differently) and a dtype with float32's range (a float16 sum can overflow
-    where the sum of the quotients does not).
+    Where :mod:`jddp._src.reduce.platform_paths` has it on (XLA:CPU: there a scale before the
+    all-reduce is a pass of its own, after it fuses into the update), and only where both orders
+    give the same bits: ``n`` a power of two and a dtype with float32's range.
     """
     exact = n & (n - 1) == 0 and all(
         jnp.result_type(g) in (jnp.float32, jnp.bfloat16, jnp.float64) for g in grads)

@@ -189,17 +189,10 @@ def powersgd(
 ) -> CommHook:
     """DDP's ``powerSGD_hook``: rank-``rank`` approximation of matrix gradients (Vogels et al.).
 
-    For each gradient with 2+ dimensions, viewed as a matrix ``M`` of shape
-    ``(shape[0], prod(shape[1:]))`` whose factors are at least ``min_compression_rate`` times
-    smaller than it: ``M += residual`` (error feedback), ``P = M Q``, all-reduce ``P``,
-    orthogonalize ``P``, ``Q = M^T P``, all-reduce ``Q``, gradient ``= P Q^T / N``, residual ``= M -
-    P Q^T / N`` (kept per device), and ``Q`` is kept for the next step (warm start). Vectors,
-    scalars, small matrices, and every leaf before ``start_iter`` are averaged by a plain
-    all-reduce, which also carries ``P`` (two all-reduces per bucket once compression starts).
-
-    The ``start_iter`` switch is static: :class:`jddp.DataParallel` compiles the step once per
-    phase (plain, compressed) via ``CommHook.phase``. Callers that pass no phase get a ``lax.cond``
-    on the traced step, which compiles both branches' collectives (only one runs).
+    Matrix gradients (``(shape[0], prod(shape[1:]))``) whose factors are ``min_compression_rate``
+    times smaller are sent as ``P`` and ``Q`` with error feedback and warm start; the rest by a
+    plain all-reduce ([Hooks](../hooks.md) has the algorithm). The ``start_iter`` switch is a
+    static ``CommHook.phase``: :class:`jddp.DataParallel` compiles one step per phase.
 
     Args:
       rank: the approximation rank (DDP's ``matrix_approximation_rank``).
@@ -213,8 +206,7 @@ def powersgd(
       seed: seeds the initial ``Q``.
 
     Returns:
-      A stateful :class:`CommHook`; use it with :class:`jddp.DataParallel`, which carries the
-      state.
+      A stateful :class:`CommHook`; :class:`jddp.DataParallel` carries the state.
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int, got {rank!r}.")

@@ -1,18 +1,9 @@
 """``jddp-run --islands N``: torchft's Lighthouse and N islands, each restarted when it dies.
 
-Each island is an ordinary ``jddp-run -n P`` job (its own JAX world, its own coordinator port),
-started with the variables of :mod:`jddp._src.sync.islands` (its index, the Lighthouse, its TCPStore,
-its attempt). An island that exits with a non-zero status is started again (a fresh attempt,
-fresh ports) and rejoins at the next outer step; the others never stop. The run ends when every
-island has exited (status 0, or failed after another island finished the run, or restarted and
-found no live island to take the state from: such islands are not restarted; when no island
-finished, the run's status is ``EXIT_NO_PEER``), or when an island fails more than
-``max_restarts`` times (the others are then ended and its status returned).
-
-The quorum server is torchft's own ``torchft_lighthouse``. With ``--quorum HOST:PORT`` pointing
-at a Lighthouse that already runs (another machine, or a port in use here) it is used as is;
-otherwise one is started here, bound to that address (default 127.0.0.1 and a free port), with
-the grace window as its heartbeat and join timeouts.
+Each island is an ordinary ``jddp-run -n P`` job started with the variables of
+:mod:`jddp._src.sync.islands`; one that fails is started again and rejoins at the next outer
+step while the others go on (docs/islands.md). The Lighthouse at ``--quorum`` is used as is if it
+runs, else started here with the grace window as its heartbeat and join timeouts.
 """
 
 from __future__ import annotations

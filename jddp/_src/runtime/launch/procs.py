@@ -164,14 +164,9 @@ def note(message: str) -> None:
 
 
 class Guardian:
-    """A process in its own session that SIGKILLs the ranks' process groups if the launcher dies.
-
-    It reads the groups to kill from a pipe, and acts on EOF, which comes however the launcher
-    ends. Not `prctl(PR_SET_PDEATHSIG)`: that kills only the rank (its children, such as data
-    loader workers, would be orphaned: each rank leads its own process group), exists only on
-    Linux, and must be set in the child between fork and exec (a `preexec_fn`, unsafe while the
-    launcher's output threads run) or by the rank's Python (late, and never for a script that
-    does not import jddp). The rank side has a second line of its own (`jddp/_src/runtime/watchdog.py`).
+    """A process in its own session that SIGKILLs the ranks' process groups if the launcher dies
+    (on EOF of its pipe, however the launcher ends). Not ``PR_SET_PDEATHSIG``: that kills only
+    the rank, not its children, and is Linux-only. The rank's own second line: watchdog.py.
     """
 
     def __init__(self) -> None:

@@ -33,6 +33,8 @@ def parse_args():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-gpu", action="store_true", help="skip the compile-only H100 program")
+    p.add_argument("--gpu-only", action="store_true",
+                   help="only the compile-only H100 program: refresh its part of --json")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
@@ -143,6 +145,7 @@ def gpu_facts(stage, args):
     import jax
 
     import jddp
+    from jddp._src.introspect import jax_private
     from jddp.perf import topologies
 
     if args.no_gpu or not topologies.has_gpu_compiler():
@@ -159,18 +162,46 @@ def gpu_facts(stage, args):
         compiled = ddp.step.lower(state, b).compile()
         cost = compiled.cost_analysis()
         cost = (cost[0] if isinstance(cost, list) else cost) or {}
+        source = "cost_analysis"
+        if cost.get("flops") is None:  # compile-only devices: XLA's analysis via the CPU client
+            cost, source = jax_private.hlo_cost(compiled), "hlo_cost (CPU client)"
         text = compiled.as_text()
         kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                  "collective-permute")
         count = sum(text.count(f" {k}-start(") + text.count(f" {k}(") for k in kinds)
-        out[name] = {"flops_per_device": cost.get("flops"),  # None: no cost analysis
+        out[name] = {"flops_per_device": cost.get("flops"), "flops_source": source,
                      "collectives": count}
     return out
+
+
+def gpu_bound(gpu, devices):
+    """The FLOP bound of the issue on the H100 program: even AdamW + 1.15 x the whole model's
+    Newton-Schulz (replicated Muon minus replicated AdamW) / N; ``None`` without FLOPs."""
+    flops = {k: v["flops_per_device"] for k, v in gpu.items()}
+    if None in flops.values():
+        return None
+    extra = flops["replicate_muon"] - flops["replicate_adamw"]
+    return {"muon_flops_whole_model_estimate": extra,
+            "owner_flops_bound": flops["even_adamw"] + 1.15 * extra / devices,
+            "owner_within_bound": flops["owner_muon"] <= flops["even_adamw"] + 1.15 * extra
+            / devices}
 
 
 def main():
     args = parse_args()
     import jax
+
+    if args.gpu_only:
+        gpu = gpu_facts(args.stage, args)
+        print(json.dumps(gpu, indent=1))
+        if args.json and gpu is not None:
+            with open(args.json) as f:
+                out = json.load(f)
+            out["gpu_compile_only"] = gpu
+            out["gpu_flops_bound"] = gpu_bound(gpu, args.devices)
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return
 
     jax.config.update("jax_num_cpu_devices", args.devices)
     import jddp
@@ -217,6 +248,8 @@ def main():
     }
     print(json.dumps(out, indent=1), flush=True)
     out["gpu_compile_only"] = gpu_facts(args.stage, args)
+    out["gpu_flops_bound"] = None if out["gpu_compile_only"] is None else gpu_bound(
+        out["gpu_compile_only"], args.devices)
     print(json.dumps(out["gpu_compile_only"], indent=1))
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

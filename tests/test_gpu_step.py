@@ -304,3 +304,43 @@ def test_stage_3_backward_prefetch_control():
     k = ddp.bucket_plan.num_buckets
     backward = sched.of_kind("all-gather")[k:]
     assert backward and all(g.dots_between == 0 for g in backward), sched.table()
+
+
+def _owner_model(layers: int = 16, width: int = 64):
+    """``layers`` tanh layers of ``width``² (two matrices per device on 8), as shape structs."""
+    params = {f"l{i:02d}": {"w": jax.ShapeDtypeStruct((width, width), jnp.float32),
+                            "b": jax.ShapeDtypeStruct((width,), jnp.float32)}
+              for i in range(layers)}
+
+    def loss(p, b):
+        h = b["x"]
+        for i in range(layers):
+            h = jnp.tanh(h @ p[f"l{i:02d}"]["w"] + p[f"l{i:02d}"]["b"])
+        return jnp.mean((h - b["y"]) ** 2)
+
+    batch = {k: jax.ShapeDtypeStruct((64, width), jnp.float32) for k in ("x", "y")}
+    return params, batch, loss
+
+
+def test_owner_muon_orthogonalizes_once_on_the_h100_program():
+    """Owner-sharded Muon compiled for 8 H100s (compile only, stage 3): FLOPs per device (XLA's
+    cost analysis of the optimized module) within even AdamW's + 1.15 x the model's
+    Newton-Schulz / 8, and collectives within AdamW's + one per matrix."""
+    from jddp._src.introspect import jax_private
+
+    params, batch, loss = _owner_model()
+    muon, adamw = optax.contrib.muon(2e-2), optax.adamw(1e-3)
+    flops, count = {}, {}
+    for name, opt, place in [("owner_muon", muon, jddp.ZeRO(stage=3, shard="owner")),
+                             ("replicate_muon", muon, jddp.Replicate()),
+                             ("even_adamw", adamw, jddp.ZeRO(stage=3)),
+                             ("replicate_adamw", adamw, jddp.Replicate())]:
+        ddp = jddp.DataParallel(loss, opt, mesh=mesh(), place=place)
+        program = ddp.lower(params, batch).compile()
+        flops[name] = jax_private.hlo_cost(program)["flops"]
+        sched = schedule.read_schedule(program.as_text())
+        count[name] = len(sched.collectives) + len(sched.nested)
+    whole = flops["replicate_muon"] - flops["replicate_adamw"]
+    assert whole > 4 * flops["replicate_adamw"]  # the Newton-Schulz work dominates
+    assert flops["owner_muon"] <= flops["even_adamw"] + 1.15 * whole / 8, flops
+    assert count["owner_muon"] <= count["even_adamw"] + 16, count

@@ -104,3 +104,16 @@ def running_in_cloud_tpu_vm() -> bool:
     except ImportError:  # pragma: no cover - a JAX without it
         return False
     return bool(getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False))
+
+
+def hlo_cost(compiled: Any) -> dict[str, float]:
+    """XLA's cost analysis (``flops``, ``bytes accessed``, ...) of a compiled step's optimized
+    HLO module, run through the CPU client: for a compile-only executable (a GPU topology
+    compiled without the GPU), whose own ``cost_analysis()`` returns nothing."""
+    # Why private: HloCostAnalysis over an executable's module through another client has no
+    # public entry; it is the analysis ``Compiled.cost_analysis()`` runs on a real device.
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    module = compiled.runtime_executable().hlo_modules()[0]
+    return dict(_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module))

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import jddp
-from jddp._src.place import owner
+from jddp._src.place import owner, owner_plan
 from tests import _reference as ref
 from tests import test_matrix as tm
 from tests.launch_util import run_launcher
@@ -172,6 +172,42 @@ def test_the_report_shows_each_leafs_owner():
     per = [sum(1 for p, d in owners.items() if p.endswith(".w") and d == k) for k in range(8)]
     assert per == [2] * 8
     assert "owner" in str(rep) and "l00.w" in str(rep)
+    # 16 matrices, two per device, in one bucket: balanced owner rows, stated as such
+    routes = rep.owners.routes
+    assert [r.kind for r in routes.buckets] == [owner_plan.BALANCED] and routes.grads_bytes == 0
+    assert "each row exactly its owner's leaves" in str(rep) and "1.00x an even share" in str(rep)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_plan_says_how_fewer_matrices_than_devices_split_and_what_it_costs(stage):
+    """With 3 matrices on 8 devices (the combination matrix's MLP), the report names the idle
+    devices, the busiest device's share against an even one, each bucket's route (even pieces
+    to the owners) and the bytes those all-to-alls and the updates' way back cost: the bytes
+    of the compiled program's collectives."""
+    mesh = jddp.data_mesh()
+    ddp = jddp.DataParallel(tm.mlp_loss, optax.contrib.muon(2e-2), mesh=mesh,
+                            place=jddp.ZeRO(stage=stage, shard="owner"),
+                            reduce=jddp.Buckets(**tm.CAPS))
+    state = ddp.init(tm.mlp_params(0, tm.SIZES))
+    rep = ddp.report(state, jddp.shard_batch(tm._batches(1)[0], mesh))
+    text, plan = str(rep), rep.owners
+    idle = sorted(set(range(8)) - set(plan.by_path().values()))
+    assert idle and f"devices {', '.join(map(str, idle))} update nothing" in text
+    assert f"{plan.owners.imbalance():.2f}x an even share (12.5%)" in text
+    assert plan.owners.imbalance() > 2 and "(3 matrices) on 8 devices" in text
+    routes = plan.routes
+    assert routes.buckets and {r.kind for r in routes.buckets} == {owner_plan.EVEN}
+    assert text.count("even pieces (owner rows would send more)") == len(routes.buckets)
+    kinds = {}
+    for c in rep.collectives:
+        kinds[c.kind] = kinds.get(c.kind, 0) + c.bytes
+    assert routes.grads_bytes > 0
+    if stage == 3:  # the gradients' pieces to the owners and the updates' pieces back
+        assert kinds["all-to-all"] == routes.grads_bytes + routes.updates_bytes
+        assert "updates back to the even pieces" in text
+    else:  # the gradients' all-to-all; the owners' rows all-gathered, wider than even pieces
+        assert kinds["all-to-all"] == routes.grads_bytes
+        assert kinds["all-gather"] == routes.updates_bytes > routes.even_updates_bytes
 
 
 def _comm_bytes_and_report(place, opt, accumulate=1, mesh=None, **kw):

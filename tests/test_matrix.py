@@ -231,6 +231,47 @@ def _muon_accumulate_ref(_):
     return ref.train(mlp_loss, _clip_muon(), mlp_params(0, SIZES), [micro[0:2], micro[2:4]]).params
 
 
+# Owner sharding's balanced path (docs/sharded.md): 16 equal matrices, two per device on 8, with
+# their biases, named so that the leaves' order is the layers' (owners 0-7, 0-7 in order), in
+# buckets of 8 layers (OWNER_CAPS), so every row of a bucket's reduce-scatter is exactly its
+# owner's leaves. Tiny widths: the compile stays small.
+MANY, MANY_WIDTH = 16, 8
+OWNER_CAPS = dict(cap_mb=0.002, first_mb=0.002)
+
+
+def _many_params():
+    rng = np.random.default_rng(3)
+    w = MANY_WIDTH
+    return {f"l{i:02d}": {"w": jnp.asarray(rng.normal(size=(w, w)) / np.sqrt(w), jnp.float32),
+                          "b": jnp.asarray(rng.normal(size=(w,)) * 0.1, jnp.float32)}
+            for i in range(MANY)}
+
+
+def _many_loss(p, b):
+    h = b["x"]
+    for name in sorted(p):
+        h = jnp.tanh(h @ p[name]["w"] + p[name]["b"])
+    return jnp.mean((h - b["y"]) ** 2)
+
+
+def _many_batches(n, rows=ROWS):
+    return [regression_batch(200 + i, rows, MANY_WIDTH, MANY_WIDTH) for i in range(n)]
+
+
+def _muon():
+    """Muon without a global norm: at stages 2-3 each owner reads only its own rows."""
+    return optax.contrib.muon(2e-2)
+
+
+def _many_muon_ref(_):
+    return ref.train(_many_loss, _muon(), _many_params(), [[b] for b in _many_batches(3)]).params
+
+
+def _many_muon_accumulate_ref(_):
+    micro = _many_batches(4, ROWS // 2)
+    return ref.train(_many_loss, _clip_muon(), _many_params(), [micro[0:2], micro[2:4]]).params
+
+
 CASES = {
     "plain": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _plain_ref),
     # Lossy hooks: SGD, whose update is proportional to the gradient (Adam's normalisation
@@ -289,6 +330,11 @@ CASES = {
                  _optimizer_ref(_clip_muon), _clip_muon),
     "muon_accumulate": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4, ROWS // 2)],
                             _muon_accumulate_ref, _clip_muon),
+    "many_muon": Case(_many_loss, lambda: [{"batch": b} for b in _many_batches(3)],
+                      _many_muon_ref, _muon, params=_many_params),
+    "many_muon_accumulate": Case(_many_loss, lambda: [
+        {"batch": b} for b in _many_batches(4, ROWS // 2)], _many_muon_accumulate_ref,
+        _clip_muon, params=_many_params),
 }
 
 
@@ -540,21 +586,27 @@ def _cells() -> list[Cell]:
                           procs=procs))
     # Owner sharding (ZeRO(shard="owner"), docs/sharded.md): each leaf updated whole on one
     # device, with Muon after global-norm clipping (whole gradients on every device) and the
-    # options around the update.
+    # options around the update. The "16 matrices" rows train two matrices per device in
+    # balanced owner rows (test_owner_cells_take_the_path_they_are_declared_for), without a
+    # global norm (each owner reads its own rows, nothing moves after the reduce-scatter) and
+    # with clipping and accumulation (every row all-gathered for the norm); the MLP's rows, with
+    # fewer matrices than devices, send the even pieces to their owners by an all-to-all.
     owner = lambda stage, **kw: jddp.ZeRO(stage=stage, shard="owner", **kw)
     acc = lambda: jddp.Accumulate(steps=2)
+    caps = lambda: jddp.Buckets(**OWNER_CAPS)
+    many = lambda **kw: lambda s: {"place": owner(s, **kw), "reduce": caps()}
+    many_acc = lambda s: {"place": owner(s), "reduce": caps(), "accumulate": acc()}
     for label, case, opts, topology, stage, procs in [
-        ("owner muon", "muon", lambda s: {"place": owner(s)}, "1d", 1, 2),
-        ("owner muon", "muon", lambda s: {"place": owner(s)}, "1d", 2, 1),
-        ("owner muon", "muon", lambda s: {"place": owner(s)}, "1d", 3, 2),
-        ("owner muon + accumulate", "muon_accumulate",
-         lambda s: {"place": owner(s), "accumulate": acc()}, "1d", 2, 2),
-        ("owner muon + accumulate", "muon_accumulate",
-         lambda s: {"place": owner(s), "accumulate": acc()}, "1d", 3, 1),
+        ("owner muon, 16 matrices", "many_muon", many(), "1d", 2, 2),
+        ("owner muon, 16 matrices + hybrid", "many_muon", many(hybrid=True), "2l", 3, 2),
+        ("owner muon, 16 matrices + accumulate", "many_muon_accumulate", many_acc, "1d", 1, 1),
+        ("owner muon, 16 matrices + accumulate", "many_muon_accumulate", many_acc, "1d", 2, 2),
+        ("owner muon, 16 matrices + accumulate", "many_muon_accumulate", many_acc, "1d", 3, 2),
+        ("owner muon, fewer matrices than devices", "muon", lambda s: {"place": owner(s)}, "1d",
+         2, 1),
+        ("owner muon + offload", "muon", lambda s: {"place": owner(s, offload=True)}, "1d", 2, 1),
         ("owner muon + skip_not_finite", "muon",
          lambda s: {"place": owner(s), "skip_not_finite": True}, "1d", 3, 1),
-        ("owner muon + offload", "muon", lambda s: {"place": owner(s, offload=True)}, "1d", 2, 1),
-        ("owner muon + hybrid", "muon", lambda s: {"place": owner(s, hybrid=True)}, "2l", 3, 2),
         ("owner muon", "muon", lambda s: {"place": owner(s)}, "2l", 2, 1),
         ("owner muon + reshard_after_forward=False", "muon",
          lambda s: {"place": owner(s, reshard_after_forward=False)}, "1d", 3, 1),
@@ -564,7 +616,7 @@ def _cells() -> list[Cell]:
     ]:
         # Their 2-process runs are tests/test_owner.py's (one launch of its own: this file's
         # launch has a time bound for the other rows).
-        c.append(Cell(label, lambda o=opts, s=stage: o(s), topology, stage, equal(case, 2e-6),
+        c.append(Cell(label, lambda o=opts, s=stage: o(s), topology, stage, equal(case, 1e-6),
                       extra={"owner_procs": procs}))
     return c
 
@@ -726,6 +778,36 @@ def test_syncbn_cells_leave_the_scale_to_jax_where_declared():
         "syncbn default plan + accumulate_steps=2|1d|stage0|functional": (),
         "syncbn default plan|1d|stage2|functional": (),
     }
+
+
+def test_owner_cells_take_the_path_they_are_declared_for():
+    """The owner cells on 16 matrices run the balanced owner rows: two buckets, every row of
+    each bucket's reduce-scatter exactly its owner's leaves (no gradient all-to-all), and the
+    owners' updates as many bytes as even ZeRO's (stages 1-2); the MLP's cells (fewer matrices
+    than devices) keep the even pieces and send them to their owners."""
+    from jddp._src.place import owner_plan
+
+    seen = set()
+    for cell in CELLS:
+        if not cell.name.startswith("owner muon"):
+            continue
+        case = CASES[cell.expect[1]]
+        mesh = mesh_for(cell.topology)
+        ddp = jddp.DataParallel(case.loss, case.optimizer(), mesh=mesh, **_options(cell, CAPS))
+        params = case.params()
+        plan = ddp.plan(params, jddp.shard_batch(case.calls()[0]["batch"], mesh))
+        routes = ddp.config.place.owners(ddp.config.topology, params, plan).routes
+        kinds = {r.kind for r in routes.buckets}
+        if case.loss is _many_loss:
+            assert kinds == ({owner_plan.BALANCED} if cell.stage >= 2 else set()), cell_id(cell)
+            assert plan.num_buckets == 2 and routes.grads_bytes == 0, cell_id(cell)
+            assert routes.pieces or routes.updates_bytes == routes.even_updates_bytes
+            seen.add(("balanced", cell.stage, cell.extra["owner_procs"]))
+        elif cell.stage >= 2:
+            assert kinds == {owner_plan.EVEN} and routes.grads_bytes > 0, cell_id(cell)
+            seen.add(("even", cell.stage, cell.extra["owner_procs"]))
+    assert {(s, p) for k, s, p in seen if k == "balanced"} >= {(1, 1), (2, 2), (3, 2)}
+    assert any(k == "even" for k, _, _ in seen)
 
 
 def test_matrix_is_declared_consistently():

@@ -616,8 +616,11 @@ def _cells() -> list[Cell]:
     ]:
         # Their 2-process runs are tests/test_owner.py's (one launch of its own: this file's
         # launch has a time bound for the other rows).
+        route = {"many_muon": "balanced", "many_muon_accumulate": "balanced"}.get(case)
+        if label == "owner muon, fewer matrices than devices":
+            route = "even"
         c.append(Cell(label, lambda o=opts, s=stage: o(s), topology, stage, equal(case, 1e-6),
-                      extra={"owner_procs": procs}))
+                      extra={"owner_procs": procs, **({"route": route} if route else {})}))
     return c
 
 
@@ -722,6 +725,7 @@ def run_cell(cell: Cell, multi: bool = False, repeats: int = 1) -> Any:
                 mask = jddp.shard_batch(mask, mesh)
             state, _ = ddp.step(state, batch, mask, **kw)
         runs.append(_to_numpy(ddp.global_params(state)))
+    _check_owner_route(cell, ddp, case.params())
     return runs[0] if repeats == 1 else runs
 
 
@@ -780,34 +784,37 @@ def test_syncbn_cells_leave_the_scale_to_jax_where_declared():
     }
 
 
-def test_owner_cells_take_the_path_they_are_declared_for():
-    """The owner cells on 16 matrices run the balanced owner rows: two buckets, every row of
-    each bucket's reduce-scatter exactly its owner's leaves (no gradient all-to-all), and the
-    owners' updates as many bytes as even ZeRO's (stages 1-2); the MLP's cells (fewer matrices
-    than devices) keep the even pieces and send them to their owners."""
+def _check_owner_route(cell: Cell, ddp: Any, params: Any) -> None:
+    """An owner cell runs the path it is declared for (``extra["route"]``), read from the plan
+    of the step it trained (``ddp.bucket_plan``; no extra trace): on 16 matrices the balanced
+    owner rows (two buckets, every row of each bucket's reduce-scatter exactly its owner's
+    leaves, no gradient all-to-all, the owners' updates as many bytes as even ZeRO's at stages
+    1-2); on the MLP (fewer matrices than devices) the even pieces sent to their owners."""
     from jddp._src.place import owner_plan
 
-    seen = set()
-    for cell in CELLS:
-        if not cell.name.startswith("owner muon"):
-            continue
-        case = CASES[cell.expect[1]]
-        mesh = mesh_for(cell.topology)
-        ddp = jddp.DataParallel(case.loss, case.optimizer(), mesh=mesh, **_options(cell, CAPS))
-        params = case.params()
-        plan = ddp.plan(params, jddp.shard_batch(case.calls()[0]["batch"], mesh))
-        routes = ddp.config.place.owners(ddp.config.topology, params, plan).routes
-        kinds = {r.kind for r in routes.buckets}
-        if case.loss is _many_loss:
-            assert kinds == ({owner_plan.BALANCED} if cell.stage >= 2 else set()), cell_id(cell)
-            assert plan.num_buckets == 2 and routes.grads_bytes == 0, cell_id(cell)
-            assert routes.pieces or routes.updates_bytes == routes.even_updates_bytes
-            seen.add(("balanced", cell.stage, cell.extra["owner_procs"]))
-        elif cell.stage >= 2:
-            assert kinds == {owner_plan.EVEN} and routes.grads_bytes > 0, cell_id(cell)
-            seen.add(("even", cell.stage, cell.extra["owner_procs"]))
-    assert {(s, p) for k, s, p in seen if k == "balanced"} >= {(1, 1), (2, 2), (3, 2)}
-    assert any(k == "even" for k, _, _ in seen)
+    route = cell.extra.get("route")
+    if route is None:
+        return
+    routes = ddp.config.place.owners(ddp.config.topology, params, ddp.bucket_plan).routes
+    kinds = {r.kind for r in routes.buckets}
+    if route == "balanced":
+        assert kinds == ({owner_plan.BALANCED} if cell.stage >= 2 else set()), cell_id(cell)
+        assert ddp.bucket_plan.num_buckets == 2 and routes.grads_bytes == 0, cell_id(cell)
+        assert routes.pieces or routes.updates_bytes == routes.even_updates_bytes, cell_id(cell)
+    else:
+        assert kinds == {owner_plan.EVEN} and routes.grads_bytes > 0, cell_id(cell)
+
+
+def test_owner_cells_cover_the_balanced_and_the_fallback_paths():
+    """Balanced owner rows at every stage 1-3, with accumulation, and on 2 processes; the
+    fallback (even pieces to the owners) in at least one cell (each checked when it runs:
+    :func:`_check_owner_route`)."""
+    declared = {(c.extra["route"], c.stage, c.expect[1].endswith("accumulate"),
+                 c.extra["owner_procs"]) for c in CELLS if c.extra.get("route")}
+    balanced = {(s, a, p) for r, s, a, p in declared if r == "balanced"}
+    assert {(s, True) for s, a, _ in balanced if a} == {(1, True), (2, True), (3, True)}
+    assert {s for s, _, p in balanced if p == 2} >= {2, 3}
+    assert any(r == "even" for r, *_ in declared)
 
 
 def test_matrix_is_declared_consistently():

@@ -149,22 +149,6 @@ def test_bad_shard_and_deterministic_are_refused():
                           place=jddp.ZeRO(stage=1, shard="owner"), reduce=jddp.Deterministic())
 
 
-def test_the_report_shows_each_leafs_owner():
-    mesh = jddp.data_mesh()
-    ddp = jddp.DataParallel(_loss, _muon(), mesh=mesh, place=jddp.ZeRO(stage=2, shard="owner"))
-    state = ddp.init(_params())
-    rep = ddp.report(state, jddp.shard_batch(_batches(1)[0], mesh))
-    owners = rep.to_dict()["owners"]
-    assert sorted(owners) == sorted(f"l{i:02d}.{k}" for i in range(LAYERS) for k in "wb")
-    per = [sum(1 for p, d in owners.items() if p.endswith(".w") and d == k) for k in range(8)]
-    assert per == [2] * 8
-    assert "owner" in str(rep) and "l00.w" in str(rep)
-    # 16 matrices, two per device, in one bucket: balanced owner rows, stated as such
-    routes = rep.owners.routes
-    assert [r.kind for r in routes.buckets] == [owner_plan.BALANCED] and routes.grads_bytes == 0
-    assert "each row exactly its owner's leaves" in str(rep) and "1.00x an even share" in str(rep)
-
-
 @pytest.mark.parametrize("stage", [2, 3])
 def test_the_plan_says_how_fewer_matrices_than_devices_split_and_what_it_costs(stage):
     """With 3 matrices on 8 devices (the combination matrix's MLP), the report names the idle
@@ -236,7 +220,8 @@ def test_the_optimizer_state_does_not_move(stage):
     and the parameters' all-gather; stage 2: the reduce-scatter in owner rows, which lands each
     leaf's gradient on its owner, and the owners' updates all-gathered), plus at stage 3 the
     updates' pieces sent back (the parameters are stored as even pieces); nothing of the
-    optimizer state, nor (balanced rows) of the gradients."""
+    optimizer state, nor (balanced rows) of the gradients. The report shows each leaf's owner
+    and the route it states (balanced rows, the updates' bytes) is the program's."""
     def program(place, opt):
         mesh = jddp.data_mesh()
         ddp = jddp.DataParallel(_loss, opt, mesh=mesh, place=place)
@@ -245,10 +230,11 @@ def test_the_optimizer_state_does_not_move(stage):
         by_kind = {}
         for c in rep.collectives:
             by_kind[c.kind] = by_kind.get(c.kind, 0) + c.bytes
-        return rep.bytes_per_step, by_kind, state
+        return rep.bytes_per_step, by_kind, state, rep
 
-    got, kinds, state = program(jddp.ZeRO(stage=stage, shard="owner"), optax.contrib.muon(2e-2))
-    want, adamw_kinds, _ = program(jddp.ZeRO(stage=stage), optax.adamw(1e-3))
+    got, kinds, state, rep = program(jddp.ZeRO(stage=stage, shard="owner"),
+                                     optax.contrib.muon(2e-2))
+    want, adamw_kinds, _, _ = program(jddp.ZeRO(stage=stage), optax.adamw(1e-3))
     pieces = sum(int(np.prod(np.shape(x))) * 4 for x in jax.tree.leaves(_params())) // 8
     moved = {1: 0, 2: 0, 3: pieces}[stage]  # 16 + 16 equal leaves: balanced rows
     assert kinds.get("all-to-all", 0) == moved
@@ -257,6 +243,16 @@ def test_the_optimizer_state_does_not_move(stage):
     rows = state.opt_state.rows
     assert [r.shape for r in rows] == [(8, 2 * WIDTH * WIDTH + 2 * 2 * WIDTH)]
     assert all(s.data.shape == (1, rows[0].shape[1]) for s in rows[0].addressable_shards)
+    # the report shows each leaf's owner, two matrices per device, and says the rows are balanced
+    owners = rep.to_dict()["owners"]
+    assert sorted(owners) == sorted(f"l{i:02d}.{k}" for i in range(LAYERS) for k in "wb")
+    per = [sum(1 for p, d in owners.items() if p.endswith(".w") and d == k) for k in range(8)]
+    assert per == [2] * 8 and "l00.w" in str(rep) and "1.00x an even share" in str(rep)
+    routes = rep.owners.routes
+    assert [r.kind for r in routes.buckets] == ([owner_plan.BALANCED] if stage >= 2 else [])
+    assert routes.grads_bytes == 0 and routes.updates_bytes == (pieces if stage == 3 else
+                                                                routes.even_updates_bytes)
+    assert stage < 2 or "each row exactly its owner's leaves" in str(rep)
 
 
 @pytest.mark.parametrize("case", ["accumulate", "bf16-reduce", "adamw-stage3", "adafactor-offload",

@@ -587,7 +587,7 @@ def _cells() -> list[Cell]:
     # Owner sharding (ZeRO(shard="owner"), docs/sharded.md): each leaf updated whole on one
     # device, with Muon after global-norm clipping (whole gradients on every device) and the
     # options around the update. The "16 matrices" rows train two matrices per device in
-    # balanced owner rows (test_owner_cells_take_the_path_they_are_declared_for), without a
+    # balanced owner rows (checked as they run: _check_owner_route), without a
     # global norm (each owner reads its own rows, nothing moves after the reduce-scatter) and
     # with clipping and accumulation (every row all-gathered for the norm); the MLP's rows, with
     # fewer matrices than devices, send the even pieces to their owners by an all-to-all. (The
@@ -595,10 +595,10 @@ def _cells() -> list[Cell]:
     owner = lambda stage, **kw: jddp.ZeRO(stage=stage, shard="owner", **kw)
     acc = lambda: jddp.Accumulate(steps=2)
     caps = lambda: jddp.Buckets(**OWNER_CAPS)
-    many = lambda: lambda s: {"place": owner(s), "reduce": caps()}
+    many = lambda s: {"place": owner(s), "reduce": caps()}
     many_acc = lambda s: {"place": owner(s), "reduce": caps(), "accumulate": acc()}
     for label, case, opts, topology, stage, procs in [
-        ("owner muon, 16 matrices", "many_muon", many(), "1d", 2, 2),
+        ("owner muon, 16 matrices", "many_muon", many, "1d", 2, 2),
         ("owner muon, 16 matrices + accumulate", "many_muon_accumulate", many_acc, "1d", 1, 1),
         ("owner muon, 16 matrices + accumulate", "many_muon_accumulate", many_acc, "1d", 2, 1),
         ("owner muon, 16 matrices + accumulate", "many_muon_accumulate", many_acc, "1d", 3, 2),

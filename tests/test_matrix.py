@@ -28,7 +28,7 @@ import pytest
 import jddp
 from jddp._src.step import compat
 from tests import _reference as ref
-from tests._models import mlp_loss, mlp_params, regression_batch
+from tests._models import layers_loss, layers_params, mlp_loss, mlp_params, regression_batch
 from tests.launch_util import run_launcher
 
 SIZES = [6, 16, 16, 3]
@@ -240,18 +240,10 @@ OWNER_CAPS = dict(cap_mb=0.002, first_mb=0.002)
 
 
 def _many_params():
-    rng = np.random.default_rng(3)
-    w = MANY_WIDTH
-    return {f"l{i:02d}": {"w": jnp.asarray(rng.normal(size=(w, w)) / np.sqrt(w), jnp.float32),
-                          "b": jnp.asarray(rng.normal(size=(w,)) * 0.1, jnp.float32)}
-            for i in range(MANY)}
+    return layers_params(3, MANY, MANY_WIDTH)
 
 
-def _many_loss(p, b):
-    h = b["x"]
-    for name in sorted(p):
-        h = jnp.tanh(h @ p[name]["w"] + p[name]["b"])
-    return jnp.mean((h - b["y"]) ** 2)
+_many_loss = layers_loss
 
 
 def _many_batches(n, rows=ROWS):

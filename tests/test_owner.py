@@ -19,24 +19,17 @@ import jddp
 from jddp._src.place import owner, owner_plan
 from tests import _reference as ref
 from tests import test_matrix as tm
+from tests._models import layers_loss, layers_params
 from tests.launch_util import run_launcher
 
 WIDTH, LAYERS, ROWS = 32, 16, 32
 
 
 def _params(layers=LAYERS, width=WIDTH):
-    rng = np.random.default_rng(0)
-    return {f"l{i:02d}": {"w": jnp.asarray(rng.normal(size=(width, width)) / np.sqrt(width),
-                                           jnp.float32),
-                          "b": jnp.asarray(rng.normal(size=(width,)) * 0.1, jnp.float32)}
-            for i in range(layers)}
+    return layers_params(0, layers, width)
 
 
-def _loss(p, b):
-    h = b["x"]
-    for name in sorted(p):
-        h = jnp.tanh(h @ p[name]["w"] + p[name]["b"])
-    return jnp.mean((h - b["y"]) ** 2)
+_loss = layers_loss
 
 
 def _batches(n, rows=ROWS, width=WIDTH):

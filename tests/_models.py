@@ -31,6 +31,24 @@ def mlp_loss(params: dict, batch: dict) -> jax.Array:
     return jnp.mean((x - batch["y"]) ** 2)
 
 
+def layers_params(seed: int, layers: int, width: int) -> dict:
+    """``layers`` square ``width`` x ``width`` matrices with biases, ``l00/{w,b}`` ... (the leaves'
+    order is the layers' order): whole-matrix optimizer models (owner sharding)."""
+    rng = np.random.default_rng(seed)
+    return {f"l{i:02d}": {"w": jnp.asarray(rng.normal(size=(width, width)) / np.sqrt(width),
+                                           jnp.float32),
+                          "b": jnp.asarray(rng.normal(size=(width,)) * 0.1, jnp.float32)}
+            for i in range(layers)}
+
+
+def layers_loss(params: dict, batch: dict) -> jax.Array:
+    """Mean squared error of the tanh MLP of :func:`layers_params`, layers in name order."""
+    h = batch["x"]
+    for name in sorted(params):
+        h = jnp.tanh(h @ params[name]["w"] + params[name]["b"])
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
 def regression_batch(seed: int, n: int, d_in: int, d_out: int) -> dict:
     rng = np.random.default_rng(seed)
     return {

@@ -28,7 +28,7 @@ import pytest
 import jddp
 from jddp._src.step import compat
 from tests import _reference as ref
-from tests._models import mlp_loss, mlp_params, regression_batch
+from tests._models import layers_loss, layers_params, mlp_loss, mlp_params, regression_batch
 from tests.launch_util import run_launcher
 
 SIZES = [6, 16, 16, 3]
@@ -231,6 +231,39 @@ def _muon_accumulate_ref(_):
     return ref.train(mlp_loss, _clip_muon(), mlp_params(0, SIZES), [micro[0:2], micro[2:4]]).params
 
 
+# Owner sharding's balanced path (docs/sharded.md): 16 equal matrices, two per device on 8, with
+# their biases, named so that the leaves' order is the layers' (owners 0-7, 0-7 in order), in
+# buckets of 8 layers (OWNER_CAPS), so every row of a bucket's reduce-scatter is exactly its
+# owner's leaves. Tiny widths: the compile stays small.
+MANY, MANY_WIDTH = 16, 8
+OWNER_CAPS = dict(cap_mb=0.002, first_mb=0.002)
+
+
+def _many_params():
+    return layers_params(3, MANY, MANY_WIDTH)
+
+
+_many_loss = layers_loss
+
+
+def _many_batches(n, rows=ROWS):
+    return [regression_batch(200 + i, rows, MANY_WIDTH, MANY_WIDTH) for i in range(n)]
+
+
+def _muon():
+    """Muon without a global norm: at stages 2-3 each owner reads only its own rows."""
+    return optax.contrib.muon(2e-2)
+
+
+def _many_muon_ref(_):
+    return ref.train(_many_loss, _muon(), _many_params(), [[b] for b in _many_batches(3)]).params
+
+
+def _many_muon_accumulate_ref(_):
+    micro = _many_batches(4, ROWS // 2)
+    return ref.train(_many_loss, _clip_muon(), _many_params(), [micro[0:2], micro[2:4]]).params
+
+
 CASES = {
     "plain": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(3)], _plain_ref),
     # Lossy hooks: SGD, whose update is proportional to the gradient (Adam's normalisation
@@ -289,6 +322,11 @@ CASES = {
                  _optimizer_ref(_clip_muon), _clip_muon),
     "muon_accumulate": Case(mlp_loss, lambda: [{"batch": b} for b in _batches(4, ROWS // 2)],
                             _muon_accumulate_ref, _clip_muon),
+    "many_muon": Case(_many_loss, lambda: [{"batch": b} for b in _many_batches(3)],
+                      _many_muon_ref, _muon, params=_many_params),
+    "many_muon_accumulate": Case(_many_loss, lambda: [
+        {"batch": b} for b in _many_batches(4, ROWS // 2)], _many_muon_accumulate_ref,
+        _clip_muon, params=_many_params),
 }
 
 
@@ -540,21 +578,28 @@ def _cells() -> list[Cell]:
                           procs=procs))
     # Owner sharding (ZeRO(shard="owner"), docs/sharded.md): each leaf updated whole on one
     # device, with Muon after global-norm clipping (whole gradients on every device) and the
-    # options around the update.
+    # options around the update. The "16 matrices" rows train two matrices per device in
+    # balanced owner rows (checked as they run: _check_owner_route), without a
+    # global norm (each owner reads its own rows, nothing moves after the reduce-scatter) and
+    # with clipping and accumulation (every row all-gathered for the norm); the MLP's rows, with
+    # fewer matrices than devices, send the even pieces to their owners by an all-to-all. (The
+    # 16 matrices compile slower than the MLP: the rows around the update stay on the MLP.)
     owner = lambda stage, **kw: jddp.ZeRO(stage=stage, shard="owner", **kw)
     acc = lambda: jddp.Accumulate(steps=2)
+    caps = lambda: jddp.Buckets(**OWNER_CAPS)
+    many = lambda s: {"place": owner(s), "reduce": caps()}
+    many_acc = lambda s: {"place": owner(s), "reduce": caps(), "accumulate": acc()}
     for label, case, opts, topology, stage, procs in [
-        ("owner muon", "muon", lambda s: {"place": owner(s)}, "1d", 1, 2),
-        ("owner muon", "muon", lambda s: {"place": owner(s)}, "1d", 2, 1),
-        ("owner muon", "muon", lambda s: {"place": owner(s)}, "1d", 3, 2),
-        ("owner muon + accumulate", "muon_accumulate",
-         lambda s: {"place": owner(s), "accumulate": acc()}, "1d", 2, 2),
-        ("owner muon + accumulate", "muon_accumulate",
-         lambda s: {"place": owner(s), "accumulate": acc()}, "1d", 3, 1),
+        ("owner muon, 16 matrices", "many_muon", many, "1d", 2, 2),
+        ("owner muon, 16 matrices + accumulate", "many_muon_accumulate", many_acc, "1d", 1, 1),
+        ("owner muon, 16 matrices + accumulate", "many_muon_accumulate", many_acc, "1d", 2, 1),
+        ("owner muon, 16 matrices + accumulate", "many_muon_accumulate", many_acc, "1d", 3, 2),
+        ("owner muon + hybrid", "muon", lambda s: {"place": owner(s, hybrid=True)}, "2l", 3, 1),
+        ("owner muon, fewer matrices than devices", "muon", lambda s: {"place": owner(s)}, "1d",
+         2, 2),
+        ("owner muon + offload", "muon", lambda s: {"place": owner(s, offload=True)}, "1d", 2, 1),
         ("owner muon + skip_not_finite", "muon",
          lambda s: {"place": owner(s), "skip_not_finite": True}, "1d", 3, 1),
-        ("owner muon + offload", "muon", lambda s: {"place": owner(s, offload=True)}, "1d", 2, 1),
-        ("owner muon + hybrid", "muon", lambda s: {"place": owner(s, hybrid=True)}, "2l", 3, 2),
         ("owner muon", "muon", lambda s: {"place": owner(s)}, "2l", 2, 1),
         ("owner muon + reshard_after_forward=False", "muon",
          lambda s: {"place": owner(s, reshard_after_forward=False)}, "1d", 3, 1),
@@ -564,8 +609,11 @@ def _cells() -> list[Cell]:
     ]:
         # Their 2-process runs are tests/test_owner.py's (one launch of its own: this file's
         # launch has a time bound for the other rows).
-        c.append(Cell(label, lambda o=opts, s=stage: o(s), topology, stage, equal(case, 2e-6),
-                      extra={"owner_procs": procs}))
+        route = {"many_muon": "balanced", "many_muon_accumulate": "balanced"}.get(case)
+        if label == "owner muon, fewer matrices than devices":
+            route = "even"
+        c.append(Cell(label, lambda o=opts, s=stage: o(s), topology, stage, equal(case, 1e-6),
+                      extra={"owner_procs": procs, **({"route": route} if route else {})}))
     return c
 
 
@@ -670,6 +718,7 @@ def run_cell(cell: Cell, multi: bool = False, repeats: int = 1) -> Any:
                 mask = jddp.shard_batch(mask, mesh)
             state, _ = ddp.step(state, batch, mask, **kw)
         runs.append(_to_numpy(ddp.global_params(state)))
+    _check_owner_route(cell, ddp, case.params())
     return runs[0] if repeats == 1 else runs
 
 
@@ -726,6 +775,39 @@ def test_syncbn_cells_leave_the_scale_to_jax_where_declared():
         "syncbn default plan + accumulate_steps=2|1d|stage0|functional": (),
         "syncbn default plan|1d|stage2|functional": (),
     }
+
+
+def _check_owner_route(cell: Cell, ddp: Any, params: Any) -> None:
+    """An owner cell runs the path it is declared for (``extra["route"]``), read from the plan
+    of the step it trained (``ddp.bucket_plan``; no extra trace): on 16 matrices the balanced
+    owner rows (two buckets, every row of each bucket's reduce-scatter exactly its owner's
+    leaves, no gradient all-to-all, the owners' updates as many bytes as even ZeRO's at stages
+    1-2); on the MLP (fewer matrices than devices) the even pieces sent to their owners."""
+    from jddp._src.place import owner_plan
+
+    route = cell.extra.get("route")
+    if route is None:
+        return
+    routes = ddp.config.place.owners(ddp.config.topology, params, ddp.bucket_plan).routes
+    kinds = {r.kind for r in routes.buckets}
+    if route == "balanced":
+        assert kinds == ({owner_plan.BALANCED} if cell.stage >= 2 else set()), cell_id(cell)
+        assert ddp.bucket_plan.num_buckets == 2 and routes.grads_bytes == 0, cell_id(cell)
+        assert routes.pieces or routes.updates_bytes == routes.even_updates_bytes, cell_id(cell)
+    else:
+        assert kinds == {owner_plan.EVEN} and routes.grads_bytes > 0, cell_id(cell)
+
+
+def test_owner_cells_cover_the_balanced_and_the_fallback_paths():
+    """Balanced owner rows at every stage 1-3, with accumulation, and on 2 processes; the
+    fallback (even pieces to the owners) in at least one cell (each checked when it runs:
+    :func:`_check_owner_route`)."""
+    declared = {(c.extra["route"], c.stage, c.expect[1].endswith("accumulate"),
+                 c.extra["owner_procs"]) for c in CELLS if c.extra.get("route")}
+    balanced = {(s, a, p) for r, s, a, p in declared if r == "balanced"}
+    assert {(s, True) for s, a, _ in balanced if a} == {(1, True), (2, True), (3, True)}
+    assert {s for s, _, p in balanced if p == 2} >= {2, 3}
+    assert any(r == "even" for r, *_ in declared)
 
 
 def test_matrix_is_declared_consistently():

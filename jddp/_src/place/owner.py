@@ -91,21 +91,26 @@ class Owners(NamedTuple):
         mean = sum(self.load) / max(len(self.load), 1)
         return max(self.load) / mean if mean > 0 else 1.0
 
-    def describe(self, paths: Sequence[str]) -> str:
-        """One line per device: its leaves and its share of the update's cost."""
+    def describe(self, paths: Sequence[str], shapes: Sequence[Shape] = ()) -> str:
+        """A summary (leaves, matrices among ``shapes``, the busiest device's share of the
+        update's cost, the devices that update nothing), then one line per device: its leaves
+        and its share."""
         total = sum(self.cost) or 1.0
-        lines = []
+        n = len(self.load)
+        matrices = (f" ({sum(1 for s in shapes if len(s) >= 2)} matrices)" if shapes else "")
+        idle = [d for d in range(n) if d not in self.owner]
+        lines = [f"{len(self.owner)} leaves{matrices} on {n} devices; the busiest "
+                 f"device runs {100 * max(self.load, default=0) / total:.1f}% of the update, "
+                 f"{self.imbalance():.2f}x an even share ({100 / max(n, 1):.1f}%)"
+                 + (f"; devices {', '.join(map(str, idle))} update nothing" if idle else "")]
         for d, load in enumerate(self.load):
             names = [paths[i] for i, o in enumerate(self.owner) if o == d]
             lines.append(f"device {d}: {100 * load / total:5.1f}% of the update "
                          f"({len(names)} leaves: {', '.join(names) or '-'})")
         if self.too_large:
-            n = len(self.load)
             listed = ", ".join(paths[i] for i in self.too_large)
             lines.append(f"too large to balance (each alone more than 1/{n} of the update): "
-                         f"{listed}; the busiest device runs "
-                         f"{100 * max(self.load) / total:.1f}% of the update, an even share "
-                         f"{100 / n:.1f}%")
+                         f"{listed}")
         return "\n".join(lines)
 
 
@@ -122,27 +127,6 @@ def assign(shapes: Sequence[Shape], n: int) -> Owners:
     share = sum(costs) / n
     too_large = tuple(i for i, c in enumerate(costs) if n > 1 and c > share and c > 0)
     return Owners(tuple(owner), costs, tuple(load), too_large)
-
-
-class OwnerPlan(NamedTuple):
-    """The owners of a model's leaves, by path (what ``ddp.report`` shows)."""
-
-    paths: tuple[str, ...]
-    owners: Owners
-
-    def by_path(self) -> dict[str, int]:
-        """``{leaf path: owner device}``."""
-        return dict(zip(self.paths, self.owners.owner, strict=True))
-
-    def __str__(self) -> str:
-        return self.owners.describe(self.paths)
-
-
-def plan(params: Any, n: int) -> OwnerPlan:
-    """:func:`assign` over the leaves of ``params`` (arrays or shape structs) on ``n`` devices."""
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    return OwnerPlan(tuple(key_path_str(p) for p, _ in leaves),
-                     assign([tuple(np.shape(x)) for _, x in leaves], n))
 
 
 def state_owners(params: Any, opt_state: Any, owners: Owners,

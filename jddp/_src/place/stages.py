@@ -30,7 +30,7 @@ from jddp._src.core import precision as precision_lib
 from jddp._src.core import recorder, zero
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
-from jddp._src.place import offload, owner
+from jddp._src.place import offload, owner, owner_plan
 from jddp._src.place.placement import Place, Shape, keep_unused
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.runtime.topology import Roles, Topology
@@ -314,10 +314,14 @@ class ZeRO1(Place):
             return Bytes()
         return gathers_sent(topo, plan, layout)
 
-    def owners(self, topo: Topology, params: Any) -> owner.OwnerPlan | None:
-        """With ``shard="owner"``, each leaf's owner device (:func:`jddp._src.place.owner.plan`),
-        else ``None``."""
-        return owner.plan(params, topo.shard_count) if self.policy.shard == "owner" else None
+    def owners(self, topo: Topology, params: Any,
+               plan: BucketPlan | None = None) -> owner_plan.OwnerPlan | None:
+        """With ``shard="owner"``, each leaf's owner device and what moves for the step's
+        bucket plan ``plan`` (:func:`jddp._src.place.owner_plan.plan`), else ``None``."""
+        if self.policy.shard != "owner":
+            return None
+        return owner_plan.plan(params, topo.shard_count, plan,
+                          (self.splits_params, self.splits_grads))
 
 
 @dataclasses.dataclass(frozen=True)

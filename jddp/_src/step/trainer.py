@@ -460,7 +460,8 @@ class DataParallel:
         """
         compiled = self.step.lower(state, batch, mask, sync=sync, rng=rng).compile()
         window = self.config.accumulate.calls(sync)
-        owners = self.config.place.owners(self.config.topology, state.params)
+        owners = self.config.place.owners(self.config.topology, state.params,
+                                          self._plans.latest)
         return report_lib.build(compiled, state, mesh_lib.host_of_device(self.config.mesh),
                                 window, self._plans.latest, owners)
 

@@ -7,6 +7,14 @@ import sys
 from tests.launch_util import REPO, child_env
 
 
+def _run(code: str) -> list[str]:
+    """The lines ``python -c code`` prints in a fresh process (its own imports)."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
 def test_perf_submodules_import_on_first_attribute_access():
     code = (
         "import sys, jddp\n"
@@ -18,10 +26,7 @@ def test_perf_submodules_import_on_first_attribute_access():
         "except AttributeError as e:\n"
         "    print('AttributeError', e)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+    lines = _run(code)
     assert lines[0] == "StepTimer jddp.perf.schedule"
     assert lines[1] == "[]"
     assert lines[2] == "AttributeError module 'jddp.perf' has no attribute 'nonexistent'"
@@ -38,10 +43,7 @@ def test_import_jddp_loads_neither_the_cost_model_nor_the_hlo_reader():
         "traffic.traffic('HloModule m', [0])\n"
         "print('jddp._src.introspect.hlo' in sys.modules)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["[]", "True"]
+    assert _run(code) == ["[]", "True"]
 
 
 def test_the_launcher_imports_no_jax_and_every_public_name_resolves():
@@ -58,7 +60,4 @@ def test_the_launcher_imports_no_jax_and_every_public_name_resolves():
         "exec('from jddp import *', ns)\n"
         "print(sorted(n for n in jddp.__all__ if ns[n] is not getattr(jddp, n)))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["[]", "[]"]
+    assert _run(code) == ["[]", "[]"]

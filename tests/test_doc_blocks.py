@@ -140,6 +140,9 @@ import json, os, sys, types, warnings
 JDDP_DEPRECATION = sys.argv[1]
 import numpy, jax, jax.numpy, optax, flax.linen, flax.nnx, orbax.checkpoint
 import jddp, jddp.checkpoint
+for name in (*jddp.__all__, "data", "evaluation", "hooks", "local_sgd", "nnx", "precision",
+             "random", "trainer", "verify"):
+    getattr(jddp, name)  # import jddp imports each name on first use: here, once for all blocks
 for line in sys.stdin:
     req = json.loads(line)
     sys.stdout.flush()

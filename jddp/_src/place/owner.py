@@ -99,10 +99,10 @@ class Owners(NamedTuple):
         n = len(self.load)
         matrices = (f" ({sum(1 for s in shapes if len(s) >= 2)} matrices)" if shapes else "")
         idle = [d for d in range(n) if d not in self.owner]
-        lines = [f"{len(self.owner)} leaves{matrices} on {n} devices; the busiest "
-                 f"device runs {100 * max(self.load, default=0) / total:.1f}% of the update, "
-                 f"{self.imbalance():.2f}x an even share ({100 / max(n, 1):.1f}%)"
-                 + (f"; devices {', '.join(map(str, idle))} update nothing" if idle else "")]
+        lines = [f"{len(self.owner)} leaves{matrices} on {n} devices"
+                 + (f"; devices {', '.join(map(str, idle))} update nothing" if idle else ""),
+                 f"the busiest device runs {100 * max(self.load, default=0) / total:.1f}% of "
+                 f"the update, {self.imbalance():.2f}x an even share ({100 / max(n, 1):.1f}%)"]
         for d, load in enumerate(self.load):
             names = [paths[i] for i, o in enumerate(self.owner) if o == d]
             lines.append(f"device {d}: {100 * load / total:5.1f}% of the update "

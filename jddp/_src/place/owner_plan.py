@@ -83,29 +83,30 @@ class Routes(NamedTuple):
         """Lines for the report: each bucket's route, then what the update moves."""
         lines = []
         for r in self.buckets:
-            what = {BALANCED: "owner rows, each row exactly its owner's leaves: nothing moves "
+            # Each entry on two lines: the report stays readable in an 80-column terminal.
+            what = {BALANCED: "owner rows, each row exactly its owner's leaves:\n  nothing moves "
                               "after the reduce-scatter",
-                    STRADDLING: f"owner rows; {r.away:,} elements lie in other owners' rows "
+                    STRADDLING: f"owner rows;\n  {r.away:,} elements lie in other owners' rows "
                                 "and go to their owner by an all-to-all",
-                    EVEN: f"even pieces (owner rows would send more); {r.away:,} elements go "
-                          "to their owners by an all-to-all"}[r.kind]
+                    EVEN: f"even pieces (owner rows would send more);\n  {r.away:,} elements "
+                          "go to their owners by an all-to-all"}[r.kind]
             lines.append(f"bucket {r.bucket} ({r.leaves} split leaves, {r.owners} owners): "
                          f"{what}")
         if self.buckets:
-            lines.append(f"gradients to their owners after the reduce-scatters: "
-                         f"{fmt_bytes(self.grads_bytes)} in all-to-alls per step (with a "
+            lines.append(f"gradients to owners after the reduce-scatters: "
+                         f"{fmt_bytes(self.grads_bytes)} per step in all-to-alls\n  (with a "
                          "global norm: every row all-gathered instead)")
         else:
             lines.append("gradients: all-reduced whole, every owner has its own")
         if self.pieces:
             lines.append(f"updates back to the even pieces: {fmt_bytes(self.updates_bytes)} "
                          "per step in an all-to-all"
-                         + (f", and the leaves kept whole all-gathered "
+                         + (f",\n  and the leaves kept whole all-gathered "
                             f"({fmt_bytes(self.whole_bytes)})" if self.whole_bytes else "")
                          + " (even ZeRO: none)")
         else:
             lines.append(f"updates to every device: all-gathers of "
-                         f"{fmt_bytes(self.updates_bytes)} per step, each owner's row "
+                         f"{fmt_bytes(self.updates_bytes)} per step,\n  each owner's row "
                          f"(even ZeRO: {fmt_bytes(self.even_updates_bytes)})")
         return "\n".join(lines)
 

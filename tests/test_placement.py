@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jddp
-from jddp._src.place import placement, stages
+from jddp._src.place import owned, placement, stages
 from jddp._src.step.state import TrainState
 from tests._models import mlp_loss
 
@@ -37,7 +37,7 @@ def test_placements_are_the_base_with_its_signatures():
     the user's ``ZeRO`` adds its fields' helper."""
     base = _methods(placement.Place)
     assert not [name for name in vars(placement.Replicate) if not name.startswith("_")]
-    for cls in (stages.ZeRO1, stages.ZeRO2, stages.ZeRO3):
+    for cls in (stages.ZeRO1, stages.ZeRO2, stages.ZeRO3, *owned.STAGES.values()):
         assert issubclass(cls, placement.Place)
         own = _methods(cls)
         assert set(own) <= set(base) and {name: base[name] for name in own} == own
@@ -57,6 +57,11 @@ def test_zero_resolves_to_its_stage(stage, cls, reshard):
     out = given.resolve(given.topology(jddp.data_mesh(hosts=2)))
     assert type(out) is cls
     assert out.policy == dataclasses.replace(given, reshard_after_forward=reshard)
+    # shard="owner" is the same stage's subclass in place/owned.py (no flag read by the stages).
+    owner = dataclasses.replace(given, shard="owner")
+    out = owner.resolve(owner.topology(jddp.data_mesh(hosts=2)))
+    assert type(out) is owned.STAGES[stage] and isinstance(out, cls)
+    assert out.policy == dataclasses.replace(owner, reshard_after_forward=reshard)
     # The user's value is untouched: its equality, hash and repr are the fields'.
     assert given == jddp.ZeRO(stage=stage, hybrid=True, offload=True)
     assert hash(given) == hash(jddp.ZeRO(stage=stage, hybrid=True, offload=True))

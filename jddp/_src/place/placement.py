@@ -35,7 +35,6 @@ from jddp._src.api import options
 from jddp._src.core import precision as precision_lib
 from jddp._src.core import zero
 from jddp._src.introspect import jaxpr as jaxpr_lib
-from jddp._src.place import owner_plan
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.runtime.topology import Roles, Topology
 from jddp._src.tree import Bytes
@@ -180,9 +179,16 @@ class Place:
         (inside the per-device step, whose ``comm_bytes`` count it): none."""
         return Bytes()
 
+    def leaf_owners(self, layout: zero.Layout) -> tuple[int, ...] | None:
+        """Each split leaf's owner device, the rows its reduce-scatter lands in (``None``: even
+        pieces)."""
+        del layout
+        return None
+
     def owners(self, topo: Topology, params: Any,
-               plan: BucketPlan | None = None) -> owner_plan.OwnerPlan | None:
-        """Each leaf's owner device (``None``: no owners at this placement)."""
+               plan: BucketPlan | None = None) -> Any:
+        """Each leaf's owner device and what moves (an ``OwnerPlan``; ``None``: no owners at
+        this placement)."""
         return None
 
 

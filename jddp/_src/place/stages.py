@@ -4,12 +4,12 @@
 one :class:`jddp._src.place.placement.Place` per stage, FSDP2's way of keeping what each
 configuration does in its own class instead of behind a flag: :class:`ZeRO1` splits the
 optimizer state (each device updates its pieces, which are then all-gathered) and holds what
-every stage shares (the topology, offload, ``shard="owner"``); :class:`ZeRO2` also keeps the
+every stage shares (the topology, offload); :class:`ZeRO2` also keeps the
 reduced gradients in pieces (each bucket reduce-scattered); :class:`ZeRO3` also the parameters
 (gathered bucket by bucket in the forward pass). Each overrides only the methods its stage
 changes; the collectives are :mod:`jddp._src.core.zero`'s, the bucket reducers
 :mod:`jddp._src.reduce.sharded`'s (from the :class:`jddp._src.core.zero.Sharded` record a
-stage gives).
+stage gives). ``shard="owner"`` resolves to their subclasses in :mod:`jddp._src.place.owned`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from jddp._src.core import precision as precision_lib
 from jddp._src.core import recorder, zero
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
-from jddp._src.place import offload, owner, owner_plan
+from jddp._src.place import offload
 from jddp._src.place.placement import Place, Shape, keep_unused
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.runtime.topology import Roles, Topology
@@ -175,7 +175,12 @@ class ZeRO(Place):
                              f"'owner' (each leaf whole on one owner device), got {self.shard!r}.")
 
     def _staged(self) -> ZeRO1:
-        """This stage's placement, not yet checked against a mesh."""
+        """This stage's placement, not yet checked against a mesh: ``shard="owner"`` resolves
+        to the owner placement's class of the stage (:mod:`jddp._src.place.owned`)."""
+        if self.shard == "owner":
+            from jddp._src.place import owned  # subclasses of this module's stages
+
+            return owned.STAGES[self.stage](self)
         return _STAGES[self.stage](self)
 
     def resharding(self) -> bool | int:
@@ -220,7 +225,7 @@ class ZeRO(Place):
 class ZeRO1(Place):
     """``ZeRO(stage=1)`` resolved: the optimizer state split over the shard axis, each device
     updating its pieces, which are then all-gathered; and what every stage shares (the
-    topology, offload, ``shard="owner"``).
+    topology, offload).
 
     Attributes:
       policy: the user's :class:`ZeRO` (resolved against the mesh at stage 3).
@@ -241,11 +246,7 @@ class ZeRO1(Place):
 
     def init_opt_state(self, optimizer: optax.GradientTransformation, topo: Topology,
                        params: Any) -> Any:
-        """The optimizer's initial state as kept between steps: optax's own, or with
-        ``shard="owner"`` packed per owner (:func:`jddp._src.place.owner.init_state`; its
-        rows are split like any leaf, one per device)."""
-        if self.policy.shard == "owner":
-            return owner.init_state(optimizer, params, topo.shard_count)
+        """The optimizer's initial state as kept between steps: optax's own."""
         return optimizer.init(params)
 
     def stored(self, shardings: Any) -> Any:
@@ -275,15 +276,9 @@ class ZeRO1(Place):
 
         The update runs in the global view on leaves of their true shapes, so any optax
         transformation works unchanged (XLA adds the collectives a global norm or a factored
-        moment needs); then the parameters are made whole again (:meth:`_whole`). With
-        ``shard="owner"`` each leaf is updated on its owner
-        (:func:`jddp._src.place.owner.update`), which tells ``record`` (when not ``None``) the
-        bytes it sends once traced: they depend on the optimizer state, which
-        :meth:`update_sent` does not see.
+        moment needs); then the parameters are made whole again (:meth:`_whole`).
         """
-        if self.policy.shard == "owner":
-            return owner.update((self.splits_params, self.splits_grads), optimizer, topo,
-                                layout, plan, params, opt_state, grads, record)
+        del record  # what it sends is known before it is traced (update_sent)
         axis = topo.shard
         specs = layout.specs(params, axis)
         opt_specs = jax.tree.map(lambda x: zero.leaf_spec(jnp.shape(x), topo.shard_count, axis),
@@ -308,20 +303,8 @@ class ZeRO1(Place):
 
     def update_sent(self, topo: Topology, plan: BucketPlan, layout: zero.Layout) -> Bytes:
         """What the update sends to make the parameters whole again, before it is traced:
-        stages 1-2's all-gathers of the updated pieces (:func:`gathers_sent`); none here with
-        ``shard="owner"``: :meth:`update` records its bytes when traced."""
-        if self.policy.shard == "owner":
-            return Bytes()
+        stages 1-2's all-gathers of the updated pieces (:func:`gathers_sent`)."""
         return gathers_sent(topo, plan, layout)
-
-    def owners(self, topo: Topology, params: Any,
-               plan: BucketPlan | None = None) -> owner_plan.OwnerPlan | None:
-        """With ``shard="owner"``, each leaf's owner device and what moves for the step's
-        bucket plan ``plan`` (:func:`jddp._src.place.owner_plan.plan`), else ``None``."""
-        if self.policy.shard != "owner":
-            return None
-        return owner_plan.plan(params, topo.shard_count, plan,
-                          (self.splits_params, self.splits_grads))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,15 +338,9 @@ class ZeRO2(ZeRO1):
         ])
 
     def reduction(self, layout: zero.Layout, lv: Roles) -> zero.Sharded | None:
-        """Each bucket reduce-scattered (hybrid: then averaged across hosts); with
-        ``shard="owner"`` in owner rows (each leaf's reduced gradient to its owner)."""
-        return zero.Sharded(layout, lv.shard_axis, lv.hybrid, owners=self._owners(layout))
-
-    def _owners(self, layout: zero.Layout) -> tuple[int, ...] | None:
-        """Each leaf's owner with ``shard="owner"`` (:func:`jddp._src.place.owner.assign`)."""
-        if self.policy.shard != "owner":
-            return None
-        return owner.assign(layout.shapes, layout.n).owner
+        """Each bucket reduce-scattered (hybrid: then averaged across hosts), in the rows
+        :meth:`leaf_owners` gives."""
+        return zero.Sharded(layout, lv.shard_axis, lv.hybrid, owners=self.leaf_owners(layout))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,7 +359,7 @@ class ZeRO3(ZeRO2):
         ``True``) and ``None`` made explicit."""
         in_host = topology.host_size if topology.two_level else None
         k = options.reshard_group(self.policy.resharding(), topology.shard_count, in_host)
-        return ZeRO3(dataclasses.replace(self.policy, reshard_after_forward=k))
+        return type(self)(dataclasses.replace(self.policy, reshard_after_forward=k))
 
     def param_spec(self, topo: Topology, shape: Shape) -> P:
         """The partition spec of a parameter leaf of ``shape`` (split)."""
@@ -391,7 +368,8 @@ class ZeRO3(ZeRO2):
     def reduction(self, layout: zero.Layout, lv: Roles) -> zero.Sharded | None:
         """Each bucket reduce-scattered, its parameters gathered in the forward pass."""
         return zero.Sharded(layout, lv.shard_axis, lv.hybrid, bool(self.policy.resharding()),
-                            self.policy.reshard_group, gathers=True, owners=self._owners(layout))
+                            self.policy.reshard_group, gathers=True,
+                            owners=self.leaf_owners(layout))
 
     def trace_params(self, varying: Any, whole: Any) -> Any:
         """The parameters are pieces here: the loss is traced at shape structs of whole ones
@@ -434,8 +412,7 @@ class ZeRO3(ZeRO2):
         return new
 
     def update_sent(self, topo: Topology, plan: BucketPlan, layout: zero.Layout) -> Bytes:
-        """None: the parameters stay in pieces (``shard="owner"``: :meth:`update` records
-        its bytes when traced)."""
+        """None: the parameters stay in pieces."""
         return Bytes()
 
 

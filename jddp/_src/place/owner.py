@@ -393,11 +393,43 @@ class _Moves(NamedTuple):
     rows: owner_grads.Exchange | None  # the gradients' owner rows (from stage 2), else None
 
 
+class Packs(NamedTuple):
+    """The static buffers of the parameters and gradients :func:`update` moves (from the
+    shapes alone: the optimizer decides only which of them it reads)."""
+
+    params: _Io
+    grads: _Io
+    rows: owner_grads.Exchange | None  # the gradients' owner rows (from stage 2), else None
+
+
+def packs(pieces: tuple[bool, bool], n: int, layout: zero.Layout, plan: BucketPlan | None,
+          params: Any, grads: Any) -> Packs:
+    """:class:`Packs` for ``pieces`` (whether parameters and gradients are stored in pieces);
+    ``plan=None``: no owner rows (the gradients' buffers then leave out none)."""
+    owners = assign(layout.shapes, n).owner
+    p_dims = layout.dims if pieces[0] else (None,) * len(layout.dims)
+    g_dims = layout.dims if pieces[1] else (None,) * len(layout.dims)
+    # From stage 2 the buckets' split leaves come in owner rows (the reducer's); the others
+    # (in no bucket: JAX-reduced or unused) as even pieces, sent to their owners as before.
+    rows = (owner_grads.exchange(plan, layout, owners,
+                                 [jnp.result_type(g) for g in jax.tree.leaves(grads)])
+            if pieces[1] and plan is not None else None)
+    skip = frozenset() if rows is None or plan is None else rows.ranked() | frozenset(plan.unused)
+    loose = tuple(None if i in skip else d for i, d in enumerate(g_dims))
+    return Packs(_io(_leaves(params, owners, p_dims), n), _io(_leaves(grads, owners, loose), n),
+                 rows)
+
+
+def pack_bytes(pack: Any, rows: int) -> int:
+    """Operand bytes of a pack's buffers (``groups`` and ``width``: one per dtype) of ``rows``
+    rows."""
+    return sum(rows * w * wire_itemsize(dt) for dt, w in zip(pack.groups, pack.width, strict=True))
+
+
 def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n: int, layout: zero.Layout,
            plan: BucketPlan, params: Any, opt_state: owner_state.Packed, grads: Any) -> _Moves:
     owners = assign(layout.shapes, n)
     p_dims = layout.dims if pieces[0] else (None,) * len(layout.dims)
-    g_dims = layout.dims if pieces[1] else (None,) * len(layout.dims)
     lay = opt_state.layout
     abstract = jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct(sh, jnp.dtype(dt)) for sh, dt
                                                 in zip(lay.shapes, lay.dtypes, strict=True)])
@@ -406,17 +438,11 @@ def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n
                     [d is not None for d in p_dims], [o is not None for o in lay.owner],
                     plan.paths, [o is None for o in lay.owner])
     common = tuple(_Leaf(lay.shapes[i], jnp.dtype(lay.dtypes[i]), None, 0) for i in lay.common())
-    # From stage 2 the buckets' split leaves come in owner rows (the reducer's); the others
-    # (in no bucket: JAX-reduced or unused) as even pieces, sent to their owners as before.
-    rows = (owner_grads.exchange(plan, layout, owners.owner,
-                                 [jnp.result_type(g) for g in jax.tree.leaves(grads)])
-            if pieces[1] else None)
-    skip = (rows.ranked() | frozenset(plan.unused)) if rows is not None else frozenset()
-    loose = tuple(None if i in skip else d for i, d in enumerate(g_dims))
-    return _Moves(_io(_leaves(params, owners.owner, p_dims), n),
-                  _io(_leaves(grads, owners.owner, loose), n), lay, common,
+    g_dims = layout.dims if pieces[1] else (None,) * len(layout.dims)
+    static = packs(pieces, n, layout, plan, params, grads)
+    return _Moves(static.params, static.grads, lay, common,
                   _pack(common, range(len(common)), n, False), needs,
-                  (tuple(p_dims), tuple(g_dims)), rows)
+                  (tuple(p_dims), tuple(g_dims)), static.rows)
 
 
 def _all_to_all(kind: str, nbytes: float, n: int, hosts: int) -> Bytes:

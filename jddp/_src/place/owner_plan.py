@@ -22,7 +22,7 @@ import numpy as np
 
 from jddp._src.core import owner_rows, zero
 from jddp._src.core.collectives import wire_itemsize
-from jddp._src.place import owner, owner_grads
+from jddp._src.place import owner
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.tree import fmt_bytes, key_path_str
 
@@ -111,21 +111,6 @@ class Routes(NamedTuple):
         return "\n".join(lines)
 
 
-def _widest(sizes: Sequence[tuple[int, Any, int]], n: int) -> dict[Any, int]:
-    """Per dtype, the largest sum of ``size`` over one owner (``(owner, dtype, size)``)."""
-    fill: dict[tuple[Any, int], int] = {}
-    for o, dt, size in sizes:
-        fill[(dt, o)] = fill.get((dt, o), 0) + size
-    out: dict[Any, int] = {}
-    for (dt, _), v in fill.items():
-        out[dt] = max(out.get(dt, 0), v)
-    return out
-
-
-def _bytes(widths: dict[Any, int], rows: int) -> int:
-    return sum(rows * w * wire_itemsize(dt) for dt, w in widths.items())
-
-
 def _route(b: int, rows: owner_rows.BucketRows, kept: bool, owners: Sequence[int],
            layout: zero.Layout) -> Route:
     split = rows.split
@@ -143,33 +128,28 @@ def routes(params: Any, owners: Sequence[int], n: int, plan: BucketPlan | None,
     on ``n`` devices; ``plan``: the step's bucket plan (``None``: not traced yet, no bucket
     routes); ``pieces``: whether the parameters and the gradients are stored in pieces."""
     layout = zero.Layout.of(params, n)
-    dtypes = [jnp.dtype(jnp.result_type(x)) for x in jax.tree.leaves(params)]
+    moved = owner.packs(pieces, n, layout, plan, params, params)
     buckets: list[Route] = []
     grads = 0
     if pieces[1] and plan is not None:
-        ex = owner_grads.exchange(plan, layout, owners, dtypes)
+        ex = moved.rows
+        assert ex is not None  # gradients in pieces with a plan: owner rows
         for b, bucket in enumerate(plan.buckets):
             full = owner_rows.bucket_rows(bucket.indices, layout, owners)
             if full.split:
                 buckets.append(_route(b, full, not ex.rows[b].split, owners, layout))
-        grads = _bytes(dict(zip(ex.groups, ex.width, strict=True)), n)
-        skip = ex.ranked() | frozenset(plan.unused)
-        loose = [(owners[i], dtypes[i], int(np.prod(layout.shapes[i])) // n)
-                 for i, d in enumerate(layout.dims) if d is not None and i not in skip]
-        grads += _bytes(_widest(loose, n), n)
+        # The straddling segments' all-to-all and the leaves in no bucket, as even pieces.
+        grads = owner.pack_bytes(ex, n) + owner.pack_bytes(moved.grads.send, n)
     if pieces[0]:
-        split = [(owners[i], dtypes[i], int(np.prod(layout.shapes[i])) // n)
-                 for i, d in enumerate(layout.dims) if d is not None]
-        kept = [(owners[i], dtypes[i], int(np.prod(layout.shapes[i])))
-                for i, d in enumerate(layout.dims) if d is None]
-        return Routes(tuple(buckets), grads, _bytes(_widest(split, n), n), 0, True,
-                      _bytes(_widest(kept, n), 1))
-    whole = [(owners[i], dtypes[i], int(np.prod(layout.shapes[i]))) for i in range(len(dtypes))]
+        return Routes(tuple(buckets), grads, owner.pack_bytes(moved.params.send, n), 0, True,
+                      owner.pack_bytes(moved.params.whole, 1))
     even: dict[Any, int] = {}
     for i, d in enumerate(layout.dims):
         if d is not None:
-            even[dtypes[i]] = even.get(dtypes[i], 0) + int(np.prod(layout.shapes[i])) // n
-    return Routes(tuple(buckets), grads, _bytes(_widest(whole, n), 1), _bytes(even, 1), False)
+            dt = jnp.dtype(jnp.result_type(jax.tree.leaves(params)[i]))
+            even[dt] = even.get(dt, 0) + int(np.prod(layout.shapes[i])) // n
+    return Routes(tuple(buckets), grads, owner.pack_bytes(moved.params.whole, 1),
+                  sum(w * wire_itemsize(dt) for dt, w in even.items()), False)
 
 
 class OwnerPlan(NamedTuple):

@@ -45,13 +45,12 @@ from jax.extend.core import ClosedJaxpr
 from jax.interpreters import partial_eval as pe
 from jax.sharding import PartitionSpec as P
 
-from jddp._src.core import zero
+from jddp._src.core import recorder, zero
 from jddp._src.core.collectives import wire_itemsize
-from jddp._src.introspect import vma
 from jddp._src.place import owner_grads, owner_state
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.runtime.topology import Topology
-from jddp._src.tree import Bytes, key_path_str, ring
+from jddp._src.tree import key_path_str
 
 Shape = Sequence[int]
 
@@ -323,7 +322,8 @@ def _to_owners(io: _Io, pieces: list, n: int, axis: Any) -> list:
                  if io.leaves[i].owner == s}
         for g, b in enumerate(_rows(io.send, s, io.leaves, parts, 1)):
             bufs[g].append(b)
-    return [lax.all_to_all(jnp.concatenate(b, axis=0), axis, 0, 0, tiled=True) for b in bufs]
+    return [recorder.all_to_all(jnp.concatenate(b, axis=0), axis, 0, 0, tiled=True)
+            for b in bufs]
 
 
 def _owned_whole(io: _Io, received: list, k: int) -> dict[int, jax.Array]:
@@ -354,8 +354,8 @@ def _branch_outputs(io: _Io, new: list, k: int, n: int) -> tuple[list, list]:
 
 def _from_owners(io: _Io, split_bufs: list, whole_bufs: list, n: int, axis: Any) -> list:
     """Every device's pieces (and whole leaves) of the owners' new values."""
-    got = [lax.all_to_all(b, axis, 0, 0, tiled=True) for b in split_bufs]
-    rows = [lax.all_gather(b, axis, axis=0, tiled=True) for b in whole_bufs]
+    got = [recorder.all_to_all(b, axis, 0, 0, tiled=True) for b in split_bufs]
+    rows = [_gather_rows(b, axis) for b in whole_bufs]
     out = []
     for i, lf in enumerate(io.leaves):
         if lf.dim is not None:
@@ -445,46 +445,10 @@ def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n
                   (tuple(p_dims), tuple(g_dims)), static.rows)
 
 
-def _all_to_all(kind: str, nbytes: float, n: int, hosts: int) -> Bytes:
-    """An all-to-all of ``nbytes`` per device over ``n`` devices on ``hosts`` hosts: not a ring,
-    each device sends its ``1/n`` share straight to each of the others, ``n - n / hosts`` of
-    them on other hosts (as :func:`jddp._src.plan.traffic.traffic` reads it)."""
-    total = ring(kind, nbytes, n).total
-    return Bytes(total, total * (n - n // hosts) / (n - 1) if hosts > 1 and n > 1 else 0.0)
-
-
-def sent(moves: _Moves, n: int, hosts: int = 1) -> Bytes:
-    """Bytes one device sends in :func:`update`'s collectives (the ring model), from the buffers
-    it moves: per dtype, the gradient segments outside their owner's row and the pieces of
-    leaves in no bucket to their owners (all-to-alls of ``(n, width)`` rows, or, when some owner
-    reads another's gradient, an all-gather of the rows and pieces), stage 3's
-    parameter pieces to their owners (when the optimizer reads them) and the updates' pieces
-    back, the owners' ``(1, width)`` whole leaves to every device (all-gathers) and device 0's
-    common optimizer-state leaves (counts). The packed optimizer state itself does not move.
-    ``hosts``: hosts the shard axis spans."""
-    def each(kind: str, pack: _Pack, rows: int) -> Bytes:
-        move = _all_to_all if kind == "all-to-all" else ring
-        return sum((move(kind, rows * w * wire_itemsize(dt), n, hosts)
-                    for dt, w in zip(pack.groups, pack.width, strict=True)), Bytes())
-
-    out = Bytes()
-    rows = moves.rows
-    if moves.needs.all_grads:  # one all-gather of the pieces (or owner rows) per dtype
-        pieces: dict[Any, int] = {} if rows is None else owner_grads.gathered_widths(rows)
-        for i in moves.grads.send.where:
-            lf = moves.grads.leaves[i]
-            dt = jnp.dtype(lf.dtype)
-            pieces[dt] = pieces.get(dt, 0) + moves.grads.send.where[i][2]
-        for dt, size in pieces.items():
-            out = out + ring("all-gather", size * wire_itemsize(dt), n, hosts)
-    else:
-        out = out + each("all-to-all", moves.grads.send, n)
-        if rows is not None:  # the segments that straddle into another owner's row
-            out = out + each("all-to-all", _Pack(rows.groups, rows.width, {}), n)
-    if moves.needs.params:
-        out = out + each("all-to-all", moves.params.send, n)
-    out = out + each("all-to-all", moves.params.send, n) + each("all-gather", moves.params.whole, 1)
-    return out if moves.needs.common_local else out + each("all-gather", moves.common_pack, 1)
+def _gather_rows(rows: jax.Array, axis: Any) -> jax.Array:
+    """Every device's ``rows`` (an all-gather, recorded: :mod:`jddp._src.core.recorder`)."""
+    recorder.record("all-gather", rows, axis)
+    return lax.all_gather(rows, axis, axis=0, tiled=True)
 
 
 def _state_inputs(moves: _Moves, k: int, rows: list, common: list) -> Any:
@@ -516,7 +480,7 @@ def _common_from_zero(moves: _Moves, bufs: list, axis: Any) -> list:
     alike on every device: its own)."""
     if moves.needs.common_local:
         return bufs
-    got = [lax.all_gather(b, axis, axis=0, tiled=True) for b in bufs]
+    got = [_gather_rows(b, axis) for b in bufs]
     out = []
     for j, lf in enumerate(moves.common):
         g, off, size = moves.common_pack.where[j]
@@ -540,14 +504,13 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
     writes its optimizer state where it lives.
 
     Args:
-      record: called, when traced, with the :class:`Bytes` one device sends here (:func:`sent`;
-        for ``metrics["comm_bytes"]``); ``None``: not counted.
+      record: called, when traced, with the :class:`Bytes` one device sends here (what its
+        collectives record, :mod:`jddp._src.core.recorder`; for ``metrics["comm_bytes"]``);
+        ``None``: not counted.
     """
     n, axis = topo.shard_count, topo.shard
     moves = _moves(pieces, optimizer, n, layout, plan, params, opt_state, grads)
     pio, gio, needs = moves.params, moves.grads, moves.needs
-    if record is not None:
-        record(sent(moves, n, _hosts(topo)))
     p_tree = jax.tree.structure(params)
     p_specs, g_specs = ([P() if d is None else P(*([None] * d), axis) for d in dims]
                         for dims in moves.dims)
@@ -583,16 +546,13 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
         return (_apply(plan, p, _from_owners(pio, us, uw, n, axis)), new_rows,
                 _common_from_zero(moves, common_bufs, axis))
 
-    new_p, new_rows, new_common = jax.shard_map(
-        local, mesh=topo.mesh, in_specs=(p_specs, rows_spec, common_spec, g_specs),
-        out_specs=(p_specs, rows_spec, common_spec), check_vma=False,
-    )(jax.tree.leaves(params), list(opt_state.rows), list(opt_state.common),
-      jax.tree.leaves(grads))
+    with recorder.recording(topo.axes.hosts) as rec:
+        new_p, new_rows, new_common = jax.shard_map(
+            local, mesh=topo.mesh, in_specs=(p_specs, rows_spec, common_spec, g_specs),
+            out_specs=(p_specs, rows_spec, common_spec), check_vma=False,
+        )(jax.tree.leaves(params), list(opt_state.rows), list(opt_state.common),
+          jax.tree.leaves(grads))
+    if record is not None:
+        record(rec.sent)
     return (jax.tree.unflatten(p_tree, new_p),
             owner_state.Packed(new_rows, new_common, opt_state.layout))
-
-
-def _hosts(topo: Topology) -> int:
-    """Hosts the shard axis spans (1 on one host, or sharding inside each host)."""
-    h = topo.axes.hosts
-    return int(topo.mesh.shape[h]) if h is not None and h in vma.axis_names(topo.shard) else 1

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jddp._src.core import owner_rows, zero
+from jddp._src.core import owner_rows, recorder, zero
 from jddp._src.plan.planner import BucketPlan
 
 
@@ -111,7 +111,7 @@ def send(ex: Exchange, rows: list[jax.Array], n: int, axis: Any) -> list[jax.Arr
         return run
 
     bufs = lax.switch(lax.axis_index(axis), [build(d) for d in range(n)], rows)
-    return [lax.all_to_all(b, axis, 0, 0, tiled=True) for b in bufs]
+    return [recorder.all_to_all(b, axis, 0, 0, tiled=True) for b in bufs]
 
 
 def owned(ex: Exchange, k: int, rows: list[jax.Array], got: list[jax.Array],
@@ -147,8 +147,9 @@ def gather_all(ex: Exchange, rows: list[jax.Array], axis: Any,
         if not buckets:
             continue
         mine = [rows[b] for b in buckets]
-        every = lax.all_gather(jnp.concatenate(mine)[None] if len(mine) > 1 else mine[0][None],
-                               axis, axis=0, tiled=True)
+        mine_row = jnp.concatenate(mine)[None] if len(mine) > 1 else mine[0][None]
+        recorder.record("all-gather", mine_row, axis)
+        every = lax.all_gather(mine_row, axis, axis=0, tiled=True)
         col = 0
         for b in buckets:
             r = ex.rows[b]

@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jddp  # noqa: E402
-from jddp._src.tree import device_nbytes  # noqa: E402
+from jddp._src.core.bytemodel import device_nbytes  # noqa: E402
 
 MIB = 2**20
 STAGES = (1, 2, 3)

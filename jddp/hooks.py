@@ -5,13 +5,15 @@ A hook is a pair of pure functions, like an optax ``GradientTransformation``: ``
 and docs/hooks.md.
 """
 
+from jddp._src.core.bytemodel import (
+    ring_allgather_bytes,
+    ring_allreduce_bytes,
+    ring_bytes_by_level,
+)
 from jddp._src.reduce.bytemodel import (
     bucket_bytes_sent,
     plan_bytes_by_level,
     plan_bytes_sent,
-    ring_allgather_bytes,
-    ring_allreduce_bytes,
-    ring_bytes_by_level,
 )
 from jddp._src.reduce.hooks import CommHook, HookContext, init_hook_state
 from jddp._src.reduce.hooks.cast import bf16_compress, fp16_compress

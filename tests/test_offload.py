@@ -19,8 +19,8 @@ import optax
 import pytest
 
 import jddp
+from jddp._src.core.bytemodel import device_nbytes
 from jddp._src.place import offload
-from jddp._src.tree import device_nbytes
 from jddp.perf import topologies
 from tests._models import layer_list_like, layer_list_loss, mlp_loss, mlp_params, regression_batch
 

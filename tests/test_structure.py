@@ -182,7 +182,7 @@ def test_the_checker_sees_the_package():
     assert {"jddp", "jddp._src.tree", "jddp.perf", "jddp.perf.schedule"} <= set(graph)
     assert "jddp.perf.costmodel" in graph["jddp.perf.calibrate"]
     assert "jddp._src.introspect.hlo" in graph["jddp.perf.schedule"]
-    assert "jddp._src.tree" in graph["jddp._src.introspect.hlo.schedule"]
+    assert "jddp._src.core.bytemodel" in graph["jddp._src.introspect.hlo.schedule"]
 
 
 def test_checker_finds_cycles_and_private_uses(tmp_path):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jddp._src import tree
+from jddp._src.core import bytemodel
 from jddp._src.introspect import jax_private, vma
 
 #: ``all_gather`` whose result is typed as the same on every replica (``check_vma``).
@@ -68,15 +68,16 @@ WIRE_PLATFORM: str | None = None
 
 
 def wire_platform(platform: str | None = None) -> str:
-    """The platform whose wire widths a collective's bytes count (:func:`jddp._src.tree.wire_dtype`):
-    :data:`WIRE_PLATFORM`, else ``platform``, else the traced one."""
+    """The platform whose wire widths a collective's bytes count
+    (:func:`jddp._src.core.bytemodel.wire_dtype`): :data:`WIRE_PLATFORM`, else ``platform``,
+    else the traced one."""
     return WIRE_PLATFORM or platform or traced_platform()
 
 
 def wire_itemsize(dtype: Any, platform: str | None = None) -> int:
     """Bytes per element a collective of ``dtype`` sends once compiled for ``platform`` (default:
     the traced platform)."""
-    return int(tree.wire_dtype(dtype, wire_platform(platform)).itemsize)
+    return int(bytemodel.wire_dtype(dtype, wire_platform(platform)).itemsize)
 
 
 #: Tests set this to force (True) or forbid (False) the all-to-all form; ``None``: decide.

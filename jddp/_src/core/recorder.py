@@ -1,6 +1,6 @@
 """What collectives send, recorded where they are issued (the step's ``comm_bytes``).
 
-A collective adds its ring bytes (:func:`jddp._src.tree.ring_bytes`) to the innermost open
+A collective adds its ring bytes (:func:`jddp._src.core.bytemodel.ring`) to the innermost open
 :func:`recording` as it is traced; the hooks call this module's collectives, the ZeRO gathers
 record themselves, a fused collective calls :func:`record` (docs/design.md, "Bytes").
 """
@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jddp._src.core import collectives
+from jddp._src.core.bytemodel import Bytes, ring, wire_nbytes
 from jddp._src.core.collectives import axis_size, wire_platform
 from jddp._src.introspect import vma
-from jddp._src.tree import Bytes, ring_bytes, wire_nbytes
 
 
 def span(axis_name: Any, hosts_axis: str | None) -> tuple[int, int]:
@@ -67,20 +67,6 @@ def recording(hosts_axis: str | None, platform: str | None = None) -> Iterator[R
         stack.pop()
 
 
-def ring_sent(kind: str, nbytes: float, group: int, hosts: int) -> Bytes:
-    """One collective of ``kind`` of ``nbytes`` per device over ``group`` devices on ``hosts``
-    hosts, placed host by host: a ring, of whose ``group`` hops ``hosts`` cross hosts; an
-    all-to-all sends ``1/group`` of its buffer to each other device directly."""
-    total = ring_bytes(kind, nbytes, group)
-    if hosts <= 1:
-        return Bytes(total, 0.0)
-    if hosts >= group:
-        return Bytes(total, total)
-    if kind == "all-to-all":
-        return Bytes(total, nbytes * (group - group // hosts) / group)
-    return Bytes(total, total * hosts / group)
-
-
 def record(kind: str, x: Any, axis_name: Any, hosts_axis: Any = "recorder",
            group: int | None = None) -> None:
     """Adds one collective of ``kind`` on the arrays of ``x`` over ``axis_name`` to the open
@@ -92,10 +78,10 @@ def record(kind: str, x: Any, axis_name: Any, hosts_axis: Any = "recorder",
     platform = wire_platform(rec.platform)
     nbytes = sum(wire_nbytes(a, platform) for a in jax.tree.leaves(x))
     if group is not None:  # a group lies inside one host (options.reshard_group checks it)
-        rec.add(ring_sent(kind, nbytes, group, 1))
+        rec.add(ring(kind, nbytes, group, 1))
         return
     devices, hosts = span(axis_name, rec.hosts_axis if hosts_axis == "recorder" else hosts_axis)
-    rec.add(ring_sent(kind, nbytes, devices, hosts))
+    rec.add(ring(kind, nbytes, devices, hosts))
 
 
 def psum(x: Any, axis_name: Any) -> Any:

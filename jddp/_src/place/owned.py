@@ -14,11 +14,11 @@ import optax
 
 from jddp._src.api import options
 from jddp._src.core import zero
+from jddp._src.core.bytemodel import Bytes
 from jddp._src.place import owner, owner_plan
 from jddp._src.place.stages import ZeRO1, ZeRO2, ZeRO3
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.runtime.topology import Topology
-from jddp._src.tree import Bytes
 
 
 class Owned:

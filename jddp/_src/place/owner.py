@@ -46,7 +46,6 @@ from jax.interpreters import partial_eval as pe
 from jax.sharding import PartitionSpec as P
 
 from jddp._src.core import recorder, zero
-from jddp._src.core.collectives import wire_itemsize
 from jddp._src.place import owner_grads, owner_state
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.runtime.topology import Topology
@@ -418,12 +417,6 @@ def packs(pieces: tuple[bool, bool], n: int, layout: zero.Layout, plan: BucketPl
     loose = tuple(None if i in skip else d for i, d in enumerate(g_dims))
     return Packs(_io(_leaves(params, owners, p_dims), n), _io(_leaves(grads, owners, loose), n),
                  rows)
-
-
-def pack_bytes(pack: Any, rows: int) -> int:
-    """Operand bytes of a pack's buffers (``groups`` and ``width``: one per dtype) of ``rows``
-    rows."""
-    return sum(rows * w * wire_itemsize(dt) for dt, w in zip(pack.groups, pack.width, strict=True))
 
 
 def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n: int, layout: zero.Layout,

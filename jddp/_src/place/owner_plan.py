@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jddp._src.core import owner_rows, zero
-from jddp._src.core.collectives import wire_itemsize
+from jddp._src.core.bytemodel import fmt_bytes, pack_bytes
+from jddp._src.core.collectives import wire_platform
 from jddp._src.place import owner
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.tree import fmt_bytes, key_path_str
+from jddp._src.tree import key_path_str
 
 BALANCED, STRADDLING, EVEN = "balanced", "straddling", "even pieces"
 
@@ -129,6 +130,11 @@ def routes(params: Any, owners: Sequence[int], n: int, plan: BucketPlan | None,
     routes); ``pieces``: whether the parameters and the gradients are stored in pieces."""
     layout = zero.Layout.of(params, n)
     moved = owner.packs(pieces, n, layout, plan, params, params)
+    wire = wire_platform()
+
+    def size(pack: Any, rows: int) -> int:
+        return pack_bytes(pack.groups, pack.width, rows, wire)
+
     buckets: list[Route] = []
     grads = 0
     if pieces[1] and plan is not None:
@@ -139,17 +145,17 @@ def routes(params: Any, owners: Sequence[int], n: int, plan: BucketPlan | None,
             if full.split:
                 buckets.append(_route(b, full, not ex.rows[b].split, owners, layout))
         # The straddling segments' all-to-all and the leaves in no bucket, as even pieces.
-        grads = owner.pack_bytes(ex, n) + owner.pack_bytes(moved.grads.send, n)
+        grads = size(ex, n) + size(moved.grads.send, n)
     if pieces[0]:
-        return Routes(tuple(buckets), grads, owner.pack_bytes(moved.params.send, n), 0, True,
-                      owner.pack_bytes(moved.params.whole, 1))
+        return Routes(tuple(buckets), grads, size(moved.params.send, n), 0, True,
+                      size(moved.params.whole, 1))
     even: dict[Any, int] = {}
     for i, d in enumerate(layout.dims):
         if d is not None:
             dt = jnp.dtype(jnp.result_type(jax.tree.leaves(params)[i]))
             even[dt] = even.get(dt, 0) + int(np.prod(layout.shapes[i])) // n
-    return Routes(tuple(buckets), grads, owner.pack_bytes(moved.params.whole, 1),
-                  sum(w * wire_itemsize(dt) for dt, w in even.items()), False)
+    return Routes(tuple(buckets), grads, size(moved.params.whole, 1),
+                  pack_bytes(list(even), list(even.values()), 1, wire), False)
 
 
 class OwnerPlan(NamedTuple):

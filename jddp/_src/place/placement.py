@@ -34,10 +34,10 @@ from jax.sharding import PartitionSpec as P
 from jddp._src.api import options
 from jddp._src.core import precision as precision_lib
 from jddp._src.core import zero
+from jddp._src.core.bytemodel import Bytes
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.runtime.topology import Roles, Topology
-from jddp._src.tree import Bytes
 
 Shape = Sequence[int]
 

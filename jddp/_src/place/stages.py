@@ -28,13 +28,14 @@ from jax.sharding import PartitionSpec as P
 from jddp._src.api import options
 from jddp._src.core import precision as precision_lib
 from jddp._src.core import recorder, zero
+from jddp._src.core.bytemodel import Bytes
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
 from jddp._src.place import offload
 from jddp._src.place.placement import Place, Shape, keep_unused
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.runtime.topology import Roles, Topology
-from jddp._src.tree import Bytes, chain_dependency
+from jddp._src.tree import chain_dependency
 
 # ----------------------------------------------------------------------- the gathers of the stages
 

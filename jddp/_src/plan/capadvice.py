@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jddp._src.api import options
+from jddp._src.core.bytemodel import nbytes as leaf_nbytes
 from jddp._src.plan.costmodel import (
     ClusterSpec,
     IterationEstimate,
@@ -20,7 +21,6 @@ from jddp._src.plan.costmodel import (
 )
 from jddp._src.plan.planner import BucketPlan, backward_sizes
 from jddp._src.tree import MiB
-from jddp._src.tree import nbytes as leaf_nbytes
 
 __all__ = ["DEFAULT_CAP_CANDIDATES_MB", "CapAdvice", "advise_bucket_cap", "suggest_bucket_cap"]
 

@@ -14,8 +14,9 @@ import jax
 import numpy as np
 
 from jddp._src.api import options
+from jddp._src.core.bytemodel import fmt_bytes
 from jddp._src.introspect import jaxpr as jaxpr_lib
-from jddp._src.tree import dtype_of, fmt_bytes, key_path_str
+from jddp._src.tree import dtype_of, key_path_str
 
 
 class Bucket(NamedTuple):

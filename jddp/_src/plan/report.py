@@ -12,8 +12,8 @@ import json
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from jddp._src.core.bytemodel import device_nbytes, fmt_bytes
 from jddp._src.plan.traffic import sent_per_device, traffic
-from jddp._src.tree import device_nbytes, fmt_bytes
 
 
 class CollectiveReport(NamedTuple):

@@ -10,21 +10,16 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from jddp._src.api import options
+from jddp._src.core.bytemodel import STRATEGIES, across_bytes_per_step, check_strategy
 from jddp._src.plan.costmodel import (
     OLD_CAP_NAMES,
     ClusterSpec,
     ModelProfile,
     simulate_iteration,
 )
-from jddp._src.tree import ring_bytes
 
 __all__ = ["STRATEGIES", "StrategyEstimate", "across_bytes_per_step", "averaging_time",
            "simulate_strategy"]
-
-
-#: Ways to cross the link between hosts that :func:`simulate_strategy` models.
-STRATEGIES: tuple[str, ...] = ("flat", "hierarchical", "hybrid", "hybrid_stage1", "local_sgd",
-                               "diloco")
 
 
 class StrategyEstimate(NamedTuple):
@@ -73,35 +68,6 @@ def averaging_time(nbytes: float, cluster: ClusterSpec) -> float:
     return t
 
 
-def across_bytes_per_step(nbytes: float, cluster: ClusterSpec, strategy: str,
-                          period: int = 1) -> float:
-    """Bytes one node sends to other nodes per step, for ``nbytes`` of gradients (parameters).
-
-    A flat ring over all ``N`` devices, nodes in order, has one hop out of each node carrying
-    ``2 (N-1)/N x nbytes``; the two-level reductions send ``2 (m-1)/m x nbytes`` per node (each of
-    the node's devices its ``1/k``); local SGD and DiLoCo that once per ``period`` steps.
-    ``"hybrid"`` is hybrid sharding at stages 2-3 (a reduce-scatter inside the node, then the
-    ``1/k`` pieces across); ``"hybrid_stage1"`` all-reduces the gradients over every device
-    (the hook's reduction, a flat ring by default), so it sends what ``"flat"`` sends (measured
-    on a shaped link: ``benchmarks/slowlink``).
-    """
-    _check_strategy(strategy)
-    m, n = cluster.num_nodes, cluster.num_devices
-    if m <= 1 or nbytes <= 0:
-        return 0.0
-    if strategy in ("flat", "hybrid_stage1"):
-        return ring_bytes("all-reduce", nbytes, n)
-    two_level = ring_bytes("all-reduce", nbytes, m)
-    if strategy in ("hierarchical", "hybrid"):
-        return two_level
-    return two_level / max(1, int(period))
-
-
-def _check_strategy(strategy: str) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
-
-
 def simulate_strategy(
     profile: ModelProfile,
     cluster: ClusterSpec,
@@ -134,7 +100,7 @@ def simulate_strategy(
     ``cap_mb``, ``first_mb`` and ``overlap`` are :func:`simulate_iteration`'s (``bucket_cap_mb``,
     ``first_bucket_mb``: the deprecated names of the caps).
     """
-    _check_strategy(strategy)
+    check_strategy(strategy)
     period = max(1, int(period)) if strategy in ("local_sgd", "diloco") else 1
     kw = options.renamed_args("simulate_strategy", {"cap_mb": cap_mb, "first_mb": first_mb},
                               renamed, OLD_CAP_NAMES)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from jddp._src.tree import fmt_bytes, ring_bytes
+from jddp._src.core.bytemodel import fmt_bytes, ring_bytes
 
 if TYPE_CHECKING:  # the HLO reader loads when traffic is read, not with `import jddp`
     from jddp._src.introspect.hlo import Collective

@@ -22,6 +22,7 @@ from jax import lax
 from jddp._src.api import options
 from jddp._src.core import precision as precision_lib
 from jddp._src.core import recorder
+from jddp._src.core.bytemodel import Bytes
 from jddp._src.core.collectives import axis_size
 from jddp._src.core.zero import Sharded
 from jddp._src.introspect import jaxpr as jaxpr_lib
@@ -33,7 +34,7 @@ from jddp._src.reduce.bytemodel import f32_structs
 from jddp._src.reduce.chain import dep_cotangent, dep_zeros, local_grads, resolve_chain, vary
 from jddp._src.reduce.hooks import CommHook
 from jddp._src.reduce.sharded import GatherInForward, make_reducer
-from jddp._src.tree import Bytes, chain_dependency
+from jddp._src.tree import chain_dependency
 
 
 class _Slot(NamedTuple):

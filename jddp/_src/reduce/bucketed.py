@@ -19,6 +19,7 @@ from jax import lax
 
 from jddp._src.core import microbatch, recorder, zero
 from jddp._src.core import precision as precision_lib
+from jddp._src.core.bytemodel import Bytes
 from jddp._src.core.zero import Sharded
 from jddp._src.introspect import jaxpr as jaxpr_lib
 from jddp._src.introspect import vma
@@ -28,7 +29,7 @@ from jddp._src.step.checks import batch_size
 from jddp._src.step.config import LocalCall, LocalResult, ReduceContext
 from jddp._src.step.objective import Extras, LocalAux
 from jddp._src.step.state import AccumState, TrainState, own
-from jddp._src.tree import Bytes, add_device_dim, strip_device_dim
+from jddp._src.tree import add_device_dim, strip_device_dim
 
 
 class Step(NamedTuple):

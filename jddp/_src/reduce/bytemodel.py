@@ -15,38 +15,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from jddp._src.core.collectives import (
-    axis_size,
-    levels,
-    traced_platform,
-    wire_itemsize,
-    wire_platform,
-)
-from jddp._src.core.recorder import Recorder, current, recording, ring_sent, span
+from jddp._src.core.bytemodel import Bytes, flat_split, ring, wire_nbytes
+from jddp._src.core.collectives import axis_size, levels, traced_platform, wire_platform
+from jddp._src.core.recorder import Recorder, current, recording, span
 from jddp._src.introspect import vma
 from jddp._src.reduce.hooks import CommHook, HookContext
-from jddp._src.tree import Bytes, ring, ring_bytes, wire_nbytes
-
-
-def combine_bytes(leaves: Sequence[Any], n: int, local: int, platform: str | None = None
-                  ) -> Bytes:
-    """Bytes one device sends to combine ``leaves`` over ``n`` devices, ``local`` per host
-    (the deterministic all-to-all plus all-gather: ``2 (n-1)/n`` of the padded payload).
-    """
-    if n == 1:
-        return Bytes(0.0, 0.0)
-    sizes: dict[np.dtype, int] = {}
-    for x in leaves:
-        sizes[np.dtype(x.dtype)] = sizes.get(np.dtype(x.dtype), 0) + int(np.prod(x.shape))
-    total = 0.0
-    for dtype, size in sizes.items():
-        total += -(-size // n) * wire_itemsize(dtype, platform)  # one slice, as compiled
-    return Bytes(2.0 * (n - 1) * total, 2.0 * (n - local) * total)
-
 
 # ------------------------------------------------------------------ a hook's bytes, counted
 
@@ -68,17 +44,9 @@ def _declared(hook: CommHook, leaves: Sequence[Any], group: int, hosts: int,
         return None
     total = sent(tuple(leaves), group, step)
     if 1 < hosts < group:
-        inside, across = _flat_split(total, hosts, group // hosts)
+        inside, across = flat_split(total, hosts, group // hosts)
         return Bytes(inside + across, across)
     return Bytes(total, total if hosts > 1 else 0.0)
-
-
-def _flat_split(total: Any, hosts: int, local: int) -> tuple[Any, Any]:
-    """``(inside, across)``: ``total`` bytes split as a flat ring over ``hosts`` x ``local``
-    devices splits its bytes (:func:`ring_bytes_by_level`)."""
-    inside, across = ring_bytes_by_level(1.0, hosts, local)  # the split, per byte
-    share = across / (inside + across) if inside + across else 0.0
-    return total * (1.0 - share), total * share
 
 
 def _counted(rec: Recorder, declared: Bytes | None, run: Callable[[], Any], kind: str,
@@ -93,7 +61,7 @@ def _counted(rec: Recorder, declared: Bytes | None, run: Callable[[], Any], kind
         rec.add(sub.sent, sub.count)
     else:
         wire = wire_platform(rec.platform)
-        rec.add(ring_sent(kind, sum(wire_nbytes(g, wire) for g in given), group, hosts))
+        rec.add(ring(kind, sum(wire_nbytes(g, wire) for g in given), group, hosts))
     return out
 
 
@@ -194,16 +162,6 @@ def _offline(hook: CommHook, leaves: Sequence[Any], sizes: dict[str, int],
 # ------------------------------------------------------------- a hook's bytes, outside a step
 
 
-def ring_allreduce_bytes(nbytes: float, axis_size: int) -> float:
-    """Bytes one device sends in a ring all-reduce of ``nbytes``: ``2 (N-1)/N x nbytes``."""
-    return ring_bytes("all-reduce", nbytes, axis_size)
-
-
-def ring_allgather_bytes(nbytes: float, axis_size: int) -> float:
-    """Bytes one device sends in a ring all-gather of its ``nbytes``: ``(N-1) x nbytes``."""
-    return ring_bytes("all-gather", nbytes, axis_size)
-
-
 def bucket_bytes_sent(hook: CommHook, leaves: Sequence[Any], axis_size: int, step: Any) -> Any:
     """Bytes one device sends to reduce one bucket with ``hook``: its ``bytes_sent``, or what its
     collectives send (traced, not run; ``step`` an int for a hook whose collectives change
@@ -236,14 +194,6 @@ def plan_bytes_sent(hook: CommHook, plan: Any, axis_size: int, step: Any = 0) ->
     return total
 
 
-def ring_bytes_by_level(nbytes: float, hosts: int, local: int) -> tuple[float, float]:
-    """``(inside, across)``: bytes one device sends, on average, inside its host and to other
-    hosts in a flat ring all-reduce of ``nbytes`` over ``hosts`` x ``local`` devices placed host
-    by host (:func:`ring`)."""
-    sent = ring("all-reduce", nbytes, hosts * local, hosts)
-    return sent.total - sent.across, sent.across
-
-
 def bucket_bytes_by_level(
     hook: CommHook, leaves: Sequence[Any], hosts: int, local: int, step: Any
 ) -> tuple[Any, Any]:
@@ -254,7 +204,7 @@ def bucket_bytes_by_level(
     if fn is not None:
         return fn(tuple(leaves), hosts, local, step)
     if getattr(hook, "bytes_sent", None) is not None:
-        return _flat_split(hook.bytes_sent(tuple(leaves), hosts * local, step),  # type: ignore[misc]
+        return flat_split(hook.bytes_sent(tuple(leaves), hosts * local, step),  # type: ignore[misc]
                            hosts, local)
     sent = _offline(hook, leaves, {"hosts": hosts, "local": local}, "hosts", step)
     return sent.total - sent.across, sent.across

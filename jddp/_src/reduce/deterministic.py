@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jddp._src.core import recorder
+from jddp._src.core import bytemodel, recorder
+from jddp._src.core.collectives import wire_platform
 from jddp._src.data import rng as rng_lib
-from jddp._src.reduce import bytemodel
 from jddp._src.step.config import ReduceContext
 from jddp._src.step.state import AccumState, own
 from jddp._src.tree import dtype_of
@@ -430,7 +430,7 @@ def local_step(ctx: ReduceContext, obj: Any, state: Any, batch: Any, weights: An
                                        model_state, state.model_state)
     hosts = topo.hosts
     sent = bytemodel.combine_bytes(jax.tree.leaves(device_sum), n,
-                                   topo.host_size if hosts else n, ctx.platform)
+                                   topo.host_size if hosts else n, wire_platform(ctx.platform))
     metrics.update(recorder.comm_metrics(sent, hosts is not None))
     return DetResult(grads, metrics, model_state, new_accum, synced, nonempty)
 

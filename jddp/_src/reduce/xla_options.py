@@ -13,7 +13,8 @@ from typing import Any
 
 import jax
 
-from jddp._src.tree import MiB, nbytes
+from jddp._src.core.bytemodel import nbytes
+from jddp._src.tree import MiB
 
 #: XLA's default GPU combine thresholds (all-reduce, reduce-scatter, all-gather), measured.
 GPU_COMBINE_THRESHOLD_BYTES = 30 * MiB

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp._src.core import recorder, zero
+from jddp._src.core.bytemodel import Bytes
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.replica_mean import ReplicaMean
 from jddp._src.runtime.topology import Roles
@@ -35,7 +36,7 @@ from jddp._src.step.config import (
 )
 from jddp._src.step.objective import Objective
 from jddp._src.step.state import TrainState
-from jddp._src.tree import Bytes, broadcast_to_devices
+from jddp._src.tree import broadcast_to_devices
 from jddp._src.update.optimizer_metrics import merge_optimizer_metrics, optimizer_metrics
 
 PlanObserver = Callable[[BucketPlan], None]

@@ -25,13 +25,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp._src.core import recorder
+from jddp._src.core.bytemodel import Bytes
 from jddp._src.introspect import vma
 from jddp._src.runtime.topology import AVERAGE, LOCAL, SYNC, Roles, Topology
 from jddp._src.step.config import BucketPlan, CommHook, LocalResult, SyncContext, SyncStep
 from jddp._src.step.state import AccumState, GuardState, OuterState, TrainState, map_node, own
 from jddp._src.sync import model_state as ms_lib
 from jddp._src.sync.every_step import HookPhase
-from jddp._src.tree import Bytes, add_device_dim, broadcast_to_devices, dtype_of, strip_device_dim
+from jddp._src.tree import add_device_dim, broadcast_to_devices, dtype_of, strip_device_dim
 
 __all__ = ["AVERAGE", "LOCAL", "SYNC", "DiLoCo", "LocalSGD", "diloco", "post_local_sgd"]
 

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from jddp._src.core.bytemodel import fmt_bytes
 from jddp._src.introspect.hlo.module import Instruction, Module, read_module
 from jddp._src.introspect.hlo.text import (
     COLLECTIVE_KINDS,
@@ -18,7 +19,6 @@ from jddp._src.introspect.hlo.text import (
     known_groups,
     parse_replica_groups,
 )
-from jddp._src.tree import fmt_bytes
 
 _DONES = frozenset({f"{k}-done" for k in COLLECTIVE_KINDS} | {"async-done"})
 _IS_SYNC_RE = re.compile(r'"is_sync":\s*(true|false)')

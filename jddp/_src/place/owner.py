@@ -22,8 +22,9 @@ cost, largest first), and only the owner computes the leaf's update:
 - the owners' updates go back to the pieces (stage 3: one all-to-all per dtype) or, for leaves
   stored whole (stages 1-2), to every device (one all-gather per dtype); each device adds the
   updates to the parameters it stores, and keeps its new optimizer state where it is;
-- the bytes those collectives send (:func:`sent`, for ``metrics["comm_bytes"]``) are counted from
-  the buffers :func:`update` builds, when it is traced: they depend on what the optimizer reads.
+- those collectives record what they send as :func:`update` traces them
+  (:mod:`jddp._src.core.recorder`, for ``metrics["comm_bytes"]``): it depends on what the
+  optimizer reads.
 
 Inputs that live in pieces and belong to another owner read as zeros on a device: :func:`analyse`
 traces the optimizer once and refuses, naming the leaf, an optimizer whose update of one leaf

@@ -97,22 +97,6 @@ def _gather_pieces(topo: Topology, chain: options.Chain, layout: zero.Layout, pl
     return zero.gather_buckets(xs, layout, bucket_groups(plan), topo.shard, link)
 
 
-def gathers_sent(topo: Topology, plan: BucketPlan, layout: zero.Layout) -> Bytes:
-    """What :func:`gather_params` sends from one device, recorded
-    (:mod:`jddp._src.core.recorder`) from its collectives traced on this device's pieces, not
-    run; inside the per-device step, whose axes they name."""
-    pieces = [jax.ShapeDtypeStruct(zero.shard_shape(s, d, layout.n), t)
-              for s, d, t in zip(layout.shapes, layout.dims, plan.dtypes, strict=True)]
-
-    def gather(xs: list) -> list:
-        return _gather_pieces(topo, "none", layout, plan,
-                              [vma.to_varying(x, topo.shard) for x in xs], [])
-
-    with recorder.recording(topo.axes.hosts) as rec:
-        jax.eval_shape(gather, pieces)
-    return rec.sent
-
-
 def _constrain(mesh: Mesh, tree: Any, specs: Any) -> Any:
     return jax.tree.map(
         lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)), tree, specs,
@@ -303,9 +287,20 @@ class ZeRO1(Place):
         return gather_params(topo, chain, new, layout, plan, after=last)
 
     def update_sent(self, topo: Topology, plan: BucketPlan, layout: zero.Layout) -> Bytes:
-        """What the update sends to make the parameters whole again, before it is traced:
-        stages 1-2's all-gathers of the updated pieces (:func:`gathers_sent`)."""
-        return gathers_sent(topo, plan, layout)
+        """What the update sends to make the parameters whole again (:meth:`_whole`), before
+        it is traced: its all-gathers recorded (:mod:`jddp._src.core.recorder`) as they are
+        traced on this device's pieces, not run (inside the per-device step, whose
+        ``comm_bytes`` count them and whose axes they name)."""
+        pieces = [jax.ShapeDtypeStruct(zero.shard_shape(s, d, layout.n), t)
+                  for s, d, t in zip(layout.shapes, layout.dims, plan.dtypes, strict=True)]
+
+        def gather(xs: list) -> list:
+            return _gather_pieces(topo, "none", layout, plan,
+                                  [vma.to_varying(x, topo.shard) for x in xs], [])
+
+        with recorder.recording(topo.axes.hosts) as rec:
+            jax.eval_shape(gather, pieces)
+        return rec.sent
 
 
 @dataclasses.dataclass(frozen=True)

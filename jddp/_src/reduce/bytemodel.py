@@ -194,31 +194,25 @@ def plan_bytes_sent(hook: CommHook, plan: Any, axis_size: int, step: Any = 0) ->
     return total
 
 
-def bucket_bytes_by_level(
-    hook: CommHook, leaves: Sequence[Any], hosts: int, local: int, step: Any
-) -> tuple[Any, Any]:
-    """``(inside, across)`` bytes one device sends for one bucket on a two-level mesh: the
-    hook's ``bytes_by_level``, its ``bytes_sent`` split like a flat ring, or what its
-    collectives send."""
-    fn = getattr(hook, "bytes_by_level", None)
-    if fn is not None:
-        return fn(tuple(leaves), hosts, local, step)
-    if getattr(hook, "bytes_sent", None) is not None:
-        return flat_split(hook.bytes_sent(tuple(leaves), hosts * local, step),  # type: ignore[misc]
-                           hosts, local)
-    sent = _offline(hook, leaves, {"hosts": hosts, "local": local}, "hosts", step)
-    return sent.total - sent.across, sent.across
-
-
 def plan_bytes_by_level(
     hook: CommHook, plan: Any, hosts: int, local: int, step: Any = 0
 ) -> tuple[jax.Array, jax.Array]:
     """``(inside, across)``: bytes one device sends inside its host and to other hosts for one
     step's gradient synchronisation on a ``hosts`` x ``local`` mesh (a ring model, like
-    :func:`plan_bytes_sent`, whose total it splits by level)."""
+    :func:`plan_bytes_sent`, whose total it splits by level): per bucket, the hook's
+    ``bytes_by_level``, its ``bytes_sent`` split like a flat ring, or what its collectives
+    send."""
+    by_level, sent = getattr(hook, "bytes_by_level", None), getattr(hook, "bytes_sent", None)
     inside = across = jnp.zeros((), jnp.float32)
     for b in range(plan.num_buckets):
-        i, a = bucket_bytes_by_level(hook, plan.leaf_structs(b), hosts, local, step)
+        leaves = tuple(plan.leaf_structs(b))
+        if by_level is not None:
+            i, a = by_level(leaves, hosts, local, step)
+        elif sent is not None:
+            i, a = flat_split(sent(leaves, hosts * local, step), hosts, local)
+        else:
+            rec = _offline(hook, leaves, {"hosts": hosts, "local": local}, "hosts", step)
+            i, a = rec.total - rec.across, rec.across
         inside = inside + jnp.asarray(i, jnp.float32)
         across = across + jnp.asarray(a, jnp.float32)
     return inside, across

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jddp._src.api import options
+from jddp._src.core.bytemodel import ring_bytes
 from jddp._src.plan.planner import assign_buckets
 
 __all__ = [
@@ -339,7 +340,7 @@ def ring_allreduce_time(nbytes: float, num_devices: int, link: Link) -> float:
     n = int(num_devices)
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return 2.0 * (n - 1) / n * nbytes / link.bandwidth + 2.0 * (n - 1) * link.latency
+    return ring_bytes("all-reduce", nbytes, n) / link.bandwidth + 2.0 * (n - 1) * link.latency
 
 
 def hierarchical_allreduce_time(nbytes: float, cluster: ClusterSpec) -> float:
@@ -354,7 +355,7 @@ def hierarchical_allreduce_time(nbytes: float, cluster: ClusterSpec) -> float:
     t = ring_allreduce_time(nbytes, k, cluster.intra)
     if m > 1:
         assert cluster.inter is not None  # checked by ClusterSpec
-        t += 2.0 * (m - 1) / m * nbytes / cluster.inter.bandwidth
+        t += ring_bytes("all-reduce", nbytes, m) / cluster.inter.bandwidth
         t += 2.0 * (m - 1) * cluster.inter.latency
     return t
 

@@ -10,7 +10,12 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from jddp._src.api import options
-from jddp._src.core.bytemodel import STRATEGIES, across_bytes_per_step, check_strategy
+from jddp._src.core.bytemodel import (
+    STRATEGIES,
+    across_bytes_per_step,
+    check_strategy,
+    ring_bytes,
+)
 from jddp._src.plan.costmodel import (
     OLD_CAP_NAMES,
     ClusterSpec,
@@ -61,10 +66,11 @@ def averaging_time(nbytes: float, cluster: ClusterSpec) -> float:
     t = 0.0
     if m > 1:
         assert cluster.inter is not None  # checked by ClusterSpec
-        t += 2.0 * (m - 1) / m * nbytes / cluster.inter.bandwidth + 2.0 * (m - 1) * (
-            cluster.inter.latency)
-    if k > 1:
-        t += (k - 1) / k * nbytes / cluster.intra.bandwidth + (k - 1) * cluster.intra.latency
+        t += (ring_bytes("all-reduce", nbytes, m) / cluster.inter.bandwidth
+              + 2.0 * (m - 1) * cluster.inter.latency)
+    if k > 1:  # the all-gather of the k pieces of nbytes / k sends a reduce-scatter's bytes
+        t += (ring_bytes("reduce-scatter", nbytes, k) / cluster.intra.bandwidth
+              + (k - 1) * cluster.intra.latency)
     return t
 
 

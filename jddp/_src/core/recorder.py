@@ -103,6 +103,12 @@ def all_gather(x: Any, axis_name: Any, **kwargs: Any) -> Any:
     return collectives.gather_invariant(x, axis_name, **kwargs)
 
 
+def gather_rows(x: jax.Array, axis_name: Any) -> jax.Array:
+    """``lax.all_gather(x, axis_name, axis=0, tiled=True)``, recorded: every device's rows."""
+    record("all-gather", x, axis_name)
+    return lax.all_gather(x, axis_name, axis=0, tiled=True)
+
+
 def all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int, *,
                tiled: bool) -> Any:
     """``lax.all_to_all``, recorded."""

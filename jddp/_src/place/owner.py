@@ -355,7 +355,7 @@ def _branch_outputs(io: _Io, new: list, k: int, n: int) -> tuple[list, list]:
 def _from_owners(io: _Io, split_bufs: list, whole_bufs: list, n: int, axis: Any) -> list:
     """Every device's pieces (and whole leaves) of the owners' new values."""
     got = [recorder.all_to_all(b, axis, 0, 0, tiled=True) for b in split_bufs]
-    rows = [_gather_rows(b, axis) for b in whole_bufs]
+    rows = [recorder.gather_rows(b, axis) for b in whole_bufs]
     out = []
     for i, lf in enumerate(io.leaves):
         if lf.dim is not None:
@@ -439,12 +439,6 @@ def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n
                   (tuple(p_dims), tuple(g_dims)), static.rows)
 
 
-def _gather_rows(rows: jax.Array, axis: Any) -> jax.Array:
-    """Every device's ``rows`` (an all-gather, recorded: :mod:`jddp._src.core.recorder`)."""
-    recorder.record("all-gather", rows, axis)
-    return lax.all_gather(rows, axis, axis=0, tiled=True)
-
-
 def _state_inputs(moves: _Moves, k: int, rows: list, common: list) -> Any:
     """The optax state a branch's optimizer reads: device ``k``'s owned leaves from its rows,
     the common leaves from its copy, zeros for the leaves other devices own."""
@@ -474,7 +468,7 @@ def _common_from_zero(moves: _Moves, bufs: list, axis: Any) -> list:
     alike on every device: its own)."""
     if moves.needs.common_local:
         return bufs
-    got = [_gather_rows(b, axis) for b in bufs]
+    got = [recorder.gather_rows(b, axis) for b in bufs]
     out = []
     for j, lf in enumerate(moves.common):
         g, off, size = moves.common_pack.where[j]

@@ -147,9 +147,8 @@ def gather_all(ex: Exchange, rows: list[jax.Array], axis: Any,
         if not buckets:
             continue
         mine = [rows[b] for b in buckets]
-        mine_row = jnp.concatenate(mine)[None] if len(mine) > 1 else mine[0][None]
-        recorder.record("all-gather", mine_row, axis)
-        every = lax.all_gather(mine_row, axis, axis=0, tiled=True)
+        every = recorder.gather_rows(
+            jnp.concatenate(mine)[None] if len(mine) > 1 else mine[0][None], axis)
         col = 0
         for b in buckets:
             r = ex.rows[b]

@@ -1,6 +1,6 @@
-"""Collective helpers shared by the hooks and reducers: axis sizes and levels, the wire's bytes
-per element, flat padded buffers, an invariant all-gather, and a reduce-scatter that is right on
-every backend, including XLA:CPU across processes (Gloo).
+"""Collective helpers shared by the hooks and reducers: axis sizes and levels, the platform whose
+wire widths count, flat padded buffers, an invariant all-gather, and a reduce-scatter that is
+right on every backend, including XLA:CPU across processes (Gloo).
 
 :func:`scatter_sum` avoids Gloo's ``ReduceScatterHalvingDoubling``, which can send from a buffer it
 already overwrote (docs/faults.md, "Wrong values from Gloo's reduce-scatter"): an all-to-all and
@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jddp._src.core import bytemodel
 from jddp._src.introspect import jax_private, vma
 
 #: ``all_gather`` whose result is typed as the same on every replica (``check_vma``).
@@ -72,12 +71,6 @@ def wire_platform(platform: str | None = None) -> str:
     (:func:`jddp._src.core.bytemodel.wire_dtype`): :data:`WIRE_PLATFORM`, else ``platform``,
     else the traced one."""
     return WIRE_PLATFORM or platform or traced_platform()
-
-
-def wire_itemsize(dtype: Any, platform: str | None = None) -> int:
-    """Bytes per element a collective of ``dtype`` sends once compiled for ``platform`` (default:
-    the traced platform)."""
-    return int(bytemodel.wire_dtype(dtype, wire_platform(platform)).itemsize)
 
 
 #: Tests set this to force (True) or forbid (False) the all-to-all form; ``None``: decide.

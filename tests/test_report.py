@@ -271,7 +271,7 @@ def test_comm_bytes_are_the_compiled_programs_bytes_with_narrow_dtypes(case):
     _, metrics = ddp.step(state, batch)
     assert rep.sent_per_step == pytest.approx(float(metrics["comm_bytes"]), rel=1e-6)
     dtypes = {d for c in rep.collectives for d in c.dtype.split(",")}
-    assert "bf16" not in dtypes  # XLA:CPU's wire (the table in jddp._src.tree)
+    assert "bf16" not in dtypes  # XLA:CPU's wire (the table in jddp._src.core.bytemodel)
     if case.startswith("fp16"):
         assert "f16" in dtypes
     if "stage3" in case:

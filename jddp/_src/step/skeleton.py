@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jddp._src.core import recorder, zero
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce.replica_mean import ReplicaMean
+from jddp._src.reduce.averaging import ReplicaMean
 from jddp._src.runtime.topology import Roles
 from jddp._src.step.checks import check_batch, check_float_params
 from jddp._src.step.config import (

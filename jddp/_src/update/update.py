@@ -216,8 +216,6 @@ class Accumulate:
         return True if self.accumulates else sync
 
 
-
-
 def _where_rows(ok: Any, new: jax.Array, old: jax.Array) -> jax.Array:
     """``new`` where ``ok``, else ``old``: one flag for the whole leaf, or with local SGD one per
     replica (``ok[r]`` picks the rows of replica ``r``: its leading block of ``n / r`` rows, one

@@ -71,6 +71,3 @@ def bf16_compress(method: str = "psum") -> CommHook:
     """
     suffix = "" if method == "psum" else f"[{method}]"
     return _cast_hook(jnp.bfloat16, f"bf16_compress{suffix}", method)
-
-
-# ------------------------------------------------------------------------------- int8 hook

@@ -17,7 +17,7 @@ import json
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import jax
 
@@ -80,7 +80,7 @@ class ProgramSignature(NamedTuple):
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:32]
 
     def describe(self) -> ProgramSignature:
-        """Itself (a :class:`Checked` program that is already described)."""
+        """Itself (a program that is already described)."""
         return self
 
     def to_json(self) -> str:
@@ -93,14 +93,6 @@ class ProgramSignature(NamedTuple):
             tuple(CollectiveSig(k, tuple(o), n, s, g, w, b) for k, o, n, s, g, w, b in cols),
             tuple(tuple(b) for b in buckets),
         )
-
-
-class Checked(Protocol):
-    """What :func:`exchange` compares: a digest on the happy path, a description on demand."""
-
-    def digest(self) -> str: ...
-
-    def describe(self) -> ProgramSignature: ...
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -122,6 +114,10 @@ class ProgramFingerprint:
     def describe(self) -> ProgramSignature:
         """The :class:`ProgramSignature` (parses the text once)."""
         return self.description
+
+
+#: What :func:`exchange` compares: a digest on the happy path, a description on demand.
+Checked = ProgramFingerprint | ProgramSignature
 
 
 def _bucket_paths(plan: Any) -> tuple[tuple[str, ...], ...]:

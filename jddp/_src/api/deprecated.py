@@ -147,12 +147,6 @@ _FLAGS = ("has_aux", "weighted", "rng", "keep_unused", "deterministic", "hybrid_
 _FLAG_HINTS = {"rng": " Pass the key itself to step(state, batch, rng=key)."}
 
 
-def _check_flags(old: dict[str, Any]) -> None:
-    for name in _FLAGS:
-        if name in old:
-            options.flag(old[name], name, _FLAG_HINTS.get(name, ""))
-
-
 def _refuse_mixing(old: dict[str, Any], given: dict[str, Any]) -> None:
     for name in old:
         owner = OWNERS[name]
@@ -236,7 +230,9 @@ def policies_from_keywords(old: dict[str, Any], given: dict[str, Any]) -> dict[s
     if not old:
         return out
     _warn(old)
-    _check_flags(old)
+    for name in _FLAGS:
+        if name in old:
+            options.flag(old[name], name, _FLAG_HINTS.get(name, ""))
     old = {"skip_not_finite" if k == "skip_nonfinite" else
            "accumulator_dtype" if k == "accum_dtype" else k: v for k, v in old.items()}
     _refuse_mixing({k: v for k, v in old.items() if k != "skip_not_finite"}, given)

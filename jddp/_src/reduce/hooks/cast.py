@@ -10,13 +10,9 @@ from jddp._src.core import recorder
 from jddp._src.reduce.hooks import CommHook, HookContext, no_state
 
 
-def _check_method(method: str) -> None:
+def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
     if method not in ("psum", "all_gather"):
         raise ValueError(f"method must be 'psum' or 'all_gather', got {method!r}.")
-
-
-def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
-    _check_method(method)
     dtype = jnp.dtype(dtype)
 
     def reduce(grads, states, ctx: HookContext):

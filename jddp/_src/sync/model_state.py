@@ -120,11 +120,6 @@ def _encode_bits(x: jax.Array, n: int, axis_name: Any) -> jax.Array:
     return jnp.where(lax.axis_index(axis_name) == 0, stacked, jnp.zeros_like(stacked))
 
 
-def _num_chunks(itemsize: int, n: int) -> int:
-    width = 8 * itemsize
-    return width // min(_chunk_bits(n), width)
-
-
 def _decode_bits(mean: jax.Array, dtype: np.dtype, n: int) -> jax.Array:
     """Inverts :func:`_encode_bits` on the mean over replicas (which is each chunk, exactly)."""
     itemsize = 1 if dtype == np.bool_ else np.dtype(dtype).itemsize
@@ -174,24 +169,7 @@ def encode_state(new_state: Any, mode: str, axis_name: Any, n: int) -> Any:
 
 def payload_shape(state: Any, mode: str, n: int, axis_name: Any) -> Any:
     """Shape structs of :func:`encode_state`'s payload for ``state`` (arrays or shape structs)."""
-    if mode == "none":
-        return ()
-
-    def shape(x):
-        if _same_everywhere(x, axis_name):
-            return ()
-        if _is_key(x):
-            data = jax.eval_shape(jax.random.key_data, x)
-            return jax.ShapeDtypeStruct(
-                (_num_chunks(np.dtype(data.dtype).itemsize, n), *data.shape), jnp.float32
-            )
-        dtype = dtype_of(x)
-        if mode == "mean" and jnp.issubdtype(dtype, jnp.floating):
-            return jax.ShapeDtypeStruct(np.shape(x), jnp.float32)
-        itemsize = 1 if dtype == np.bool_ else dtype.itemsize
-        return jax.ShapeDtypeStruct((_num_chunks(itemsize, n), *np.shape(x)), jnp.float32)
-
-    return jax.tree.map(shape, state)
+    return jax.eval_shape(lambda x: encode_state(x, mode, axis_name, n), state)
 
 
 def decode_state(mean_payload: Any, like: Any, mode: str, n: int) -> Any:

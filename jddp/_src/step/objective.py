@@ -246,18 +246,9 @@ class Objective:
     def extras_shape(self, aux_shape: LocalAux, n: int, axis_name: Any,
                      windowed: bool = False) -> Extras:
         """Shape structs of :meth:`extras` for a :class:`LocalAux` of shape structs ``aux_shape``."""
-        scalar = jax.ShapeDtypeStruct((), jnp.float32)
-        state = ()
-        if self.stateful:
-            state = ms_lib.payload_shape(aux_shape.model_state, self.policy.model_state_sync, n,
-                                         axis_name)
-        metrics = {k: scalar for k in aux_shape.metrics}
-        if not self.policy.weighted:
-            if windowed:
-                metrics["loss"] = scalar
-            return Extras(metrics, {}, None, scalar, None, state)
-        sums = {k: scalar for k in aux_shape.sums if windowed or k != "loss"}
-        return Extras(metrics, sums, scalar, scalar, scalar, state)
+        scalar = jnp.zeros((), jnp.float32)
+        return jax.eval_shape(
+            lambda aux: self.extras(aux, scalar, scalar, axis_name, n, windowed), aux_shape)
 
     def decode_state(self, mean: Extras, local_state: Any, n: int) -> Any:
         """The synchronised new model state from the averaged payload."""

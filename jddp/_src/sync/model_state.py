@@ -167,11 +167,6 @@ def encode_state(new_state: Any, mode: str, axis_name: Any, n: int) -> Any:
     return jax.tree.map(enc, new_state)
 
 
-def payload_shape(state: Any, mode: str, n: int, axis_name: Any) -> Any:
-    """Shape structs of :func:`encode_state`'s payload for ``state`` (arrays or shape structs)."""
-    return jax.eval_shape(lambda x: encode_state(x, mode, axis_name, n), state)
-
-
 def decode_state(mean_payload: Any, like: Any, mode: str, n: int) -> Any:
     """The synchronised state from the mean of :func:`encode_state`'s payload over replicas.
 

@@ -10,7 +10,6 @@ compression hook; float16 needs ``DynamicScale()`` (docs/precision.md).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -125,20 +124,11 @@ class Cast:
     inner: Any
     dtype: np.dtype
 
-    prefetch = property(lambda self: self.inner.prefetch)
-    axis_name = property(lambda self: self.inner.axis_name)
-
-    def out_struct(self, i: int) -> jax.ShapeDtypeStruct:
-        return self.inner.out_struct(i)
-
-    def check(self, leaves: Sequence[Any]) -> None:
-        self.inner.check(leaves)
-
-    def gathers(self, i: int) -> bool:
-        return self.inner.gathers(i)
-
-    def backward(self, b: int, grads: tuple, states: tuple, extras: tuple, step: Any) -> tuple:
-        return self.inner.backward(b, grads, states, extras, step)
+    def __getattr__(self, name: str) -> Any:
+        """The rest of the protocol (``backward``, ``out_struct``, ``prefetch``...): ``inner``'s."""
+        if name.startswith("__") or name == "inner":  # copy probes; not yet set
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def forward(self, b: int, leaves: tuple) -> tuple:
         return tuple(x.astype(self.dtype) for x in self.inner.forward(b, leaves))

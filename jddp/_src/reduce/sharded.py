@@ -173,12 +173,11 @@ class GatherInForward:
     group: int | None = None
     prefetch: ClassVar[bool] = True
 
-    @property
-    def axis_name(self) -> Any:
-        return self.inner.axis_name
-
-    def out_struct(self, i: int) -> jax.ShapeDtypeStruct:
-        return self.inner.out_struct(i)
+    def __getattr__(self, name: str) -> Any:
+        """``axis_name``, ``out_struct`` and ``backward``: ``inner``'s."""
+        if name.startswith("__") or name == "inner":  # copy probes; not yet set
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def check(self, leaves: Sequence[Any]) -> None:
         del leaves  # pieces: their shapes were checked against the layout by the caller
@@ -226,10 +225,6 @@ class GatherInForward:
 
     def unused(self, i: int, leaf: jax.Array) -> jax.Array:
         return self._gather((i,), (leaf,))[0]
-
-    def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
-                 step: jax.Array) -> tuple[tuple, tuple, tuple]:
-        return self.inner.backward(b, grads, states, extras, step)
 
 
 def _in_forward(out: list, kept: tuple, axis: Any) -> tuple[list, tuple]:

@@ -32,11 +32,6 @@ Inner = Callable[[Any, Any, Any], tuple[Any, Any]]
 placement, the update the wrappers wrap."""
 
 
-def _set(obj: Any, name: str, value: Any) -> None:
-    # A frozen dataclass normalises its own fields in __post_init__ (documented idiom).
-    object.__setattr__(obj, name, value)
-
-
 @dataclasses.dataclass(frozen=True)
 class Accumulate:
     """Gradient accumulation: local sums over calls and micro-batches, one reduction per
@@ -60,11 +55,12 @@ class Accumulate:
     shard: bool | None = None
 
     def __post_init__(self) -> None:
-        _set(self, "steps", options.count(self.steps, "Accumulate.steps"))
-        _set(self, "microbatches", options.count(self.microbatches, "Accumulate.microbatches"))
-        _set(self, "dtype", options.float_dtype(self.dtype, "Accumulate.dtype"))
+        object.__setattr__(self, "steps", options.count(self.steps, "Accumulate.steps"))
+        object.__setattr__(self, "microbatches",
+                           options.count(self.microbatches, "Accumulate.microbatches"))
+        object.__setattr__(self, "dtype", options.float_dtype(self.dtype, "Accumulate.dtype"))
         if self.shard is not None:
-            _set(self, "shard", options.flag(
+            object.__setattr__(self, "shard", options.flag(
                 self.shard, "Accumulate.shard",
                 " None (the default) shards the accumulator at ZeRO stages 2-3 when it can."))
         if self.shard and self.steps == 1:

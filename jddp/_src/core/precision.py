@@ -109,11 +109,6 @@ def compute_params(policy: MixedPrecision | None, params: Any) -> Any:
     return jax.tree.map(cast, params)
 
 
-def gather_dtype(policy: MixedPrecision | None) -> np.dtype | None:
-    """The dtype stage 3 all-gathers parameter pieces in (``None``: theirs)."""
-    return None if policy is None else policy.param_dtype
-
-
 @dataclasses.dataclass(frozen=True)
 class Cast:
     """A reducer (:class:`jddp._src.reduce.allreduce.BucketReducer`) whose forward hands the loss

@@ -268,6 +268,7 @@ def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
     inner = (ReduceScatter(**common) if sharded.replicas is None
              else Hybrid(**common, replicas=sharded.replicas))
     if sharded.gathers:  # casts to a policy's param_dtype itself, before its gathers
-        return GatherInForward(inner, sharded.reshard, precision_lib.gather_dtype(precision),
+        return GatherInForward(inner, sharded.reshard,
+                               None if precision is None else precision.param_dtype,
                                sharded.group)
     return precision_lib.wrap_reducer(inner, precision)

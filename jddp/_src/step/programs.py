@@ -120,12 +120,6 @@ class ProgramFingerprint:
 Checked = ProgramFingerprint | ProgramSignature
 
 
-def _bucket_paths(plan: Any) -> tuple[tuple[str, ...], ...]:
-    if plan is None:
-        return ()
-    return tuple(tuple(plan.paths[i] for i in b.indices) for b in plan.buckets)
-
-
 def signature(compiled: Any, plan: Any = None) -> ProgramFingerprint:
     """The :class:`ProgramFingerprint` of a compiled program (text, ``Compiled`` or
     ``Lowered``); nothing is parsed until a difference needs describing.
@@ -136,7 +130,8 @@ def signature(compiled: Any, plan: Any = None) -> ProgramFingerprint:
     from jddp._src.introspect import hlo  # the HLO reader loads when a program is checked
 
     text = hlo.read_text(compiled)
-    buckets = _bucket_paths(plan)
+    buckets = () if plan is None else tuple(tuple(plan.paths[i] for i in b.indices)
+                                            for b in plan.buckets)
     h = hashlib.sha256(hlo.canonical_text(text).encode())
     h.update(json.dumps(buckets).encode())
     return ProgramFingerprint(h.hexdigest()[:32], text, buckets)

@@ -125,17 +125,23 @@ class Accumulate:
                 "the DataParallel with accumulate=jddp.Accumulate(steps=k) (k > 1; the k-th call "
                 "of step(state, batch) synchronises, or choose with sync=True/False)."
             )
-        if self.microbatches > 1:
-            acc_lib.check_microbatches(local_size, self.microbatches, num_devices)
+        m = self.microbatches
+        if local_size % m:
+            raise ValueError(
+                f"jddp.Accumulate(microbatches={m}) does not divide the per-device batch of "
+                f"{local_size} examples (global batch {local_size * num_devices} on "
+                f"{num_devices} devices). Use a global batch that is a multiple of "
+                f"{num_devices * m}."
+            )
 
     # -------------------------------------------------------------- the per-device phases
 
     def split(self, tree: Any) -> tuple[Any, Any]:
-        """``(micro, last)``: the call's micro-batches of ``tree`` stacked on a leading axis,
-        and the last one."""
+        """``(micro, last)``: the call's micro-batches of ``tree`` stacked on a leading axis
+        (contiguous rows), and the last one."""
         m = self.microbatches
         if m > 1:
-            micro = acc_lib.split_microbatches(tree, m)
+            micro = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), tree)
             return micro, jax.tree.map(lambda x: x[m - 1], micro)
         return jax.tree.map(lambda x: x[None], tree), tree
 

@@ -218,13 +218,6 @@ _LAYOUT = _Layout(("reduce_state", "update_state", "model_state"), "reduce_state
 _LEGACY = _Layout(("hook_state", "accum", "model_state"), "hook_state", "accum")
 
 
-def _is_legacy(saved: Any) -> bool:
-    """Whether a saved TrainState's metadata tree is in the per-feature layout (``hook_state``,
-    ``accum``, ``loss_scale``, ``outer``) of checkpoints saved before the state was nested per
-    policy role."""
-    return isinstance(saved, dict) and set(saved) == set(LEGACY_FIELDS)
-
-
 def _stored_shape(leaf: Any) -> tuple[int, ...]:
     """The shape orbax stores for ``leaf``: a typed PRNG key array (``key<fry>``, e.g. an NNX
     model's ``nnx.Rngs`` state) is written as its key data, with the key's trailing dimension."""
@@ -378,8 +371,9 @@ def restore(
     if loader is not None:  # first: a wrong data set fails before any array is read
         _restore_loader(mngr, step, loader)
     saved_tree = _saved_tree(mngr, step)
-    # A checkpoint of the per-feature layout restores into that layout's tree, then converts.
-    legacy = _is_legacy(saved_tree)
+    # A checkpoint of the per-feature layout (hook_state, accum, loss_scale, outer: saved before
+    # the state was nested per policy role) restores into that layout's tree, then converts.
+    legacy = isinstance(saved_tree, dict) and set(saved_tree) == set(LEGACY_FIELDS)
     layout = _LEGACY if legacy else _LAYOUT
     if legacy:
         abstract = to_legacy(abstract)

@@ -96,21 +96,10 @@ def _chunk_bits(n: int) -> int:
     return bits
 
 
-def _as_uint(x: jax.Array) -> jax.Array:
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint8)
-    return lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
-
-
-def _from_uint(u: jax.Array, dtype: np.dtype) -> jax.Array:
-    if dtype == np.bool_:
-        return u != 0
-    return lax.bitcast_convert_type(u, dtype)
-
-
 def _encode_bits(x: jax.Array, n: int, axis_name: Any) -> jax.Array:
     """Replica 0's bits of ``x`` as exact float32 integers times ``n``, zeros on other replicas."""
-    u = _as_uint(x)
+    u = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else lax.bitcast_convert_type(
+        x, _UINT[x.dtype.itemsize])
     width = 8 * u.dtype.itemsize
     bits = min(_chunk_bits(n), width)
     mask = jnp.asarray(2**bits - 1, u.dtype)
@@ -130,7 +119,7 @@ def _decode_bits(mean: jax.Array, dtype: np.dtype, n: int) -> jax.Array:
     u = jnp.zeros(mean.shape[1:], utype)
     for j in range(mean.shape[0]):
         u = u | (chunks[j] << jnp.asarray(j * bits, utype))
-    return _from_uint(u, dtype)
+    return u != 0 if dtype == np.bool_ else lax.bitcast_convert_type(u, dtype)
 
 
 def _same_everywhere(x: Any, axis_name: Any) -> bool:

@@ -104,10 +104,10 @@ def moved(module: str, name: str) -> Any:
     return getattr(importlib.import_module(home.module), home.attr)
 
 
-def renamed_call(old: str, new: str, stacklevel: int = 3) -> None:
-    """Warns that the function ``old`` is deprecated for ``new`` (at its caller, by default)."""
+def renamed_call(old: str, new: str) -> None:
+    """Warns that the function ``old`` is deprecated for ``new`` (at its caller's caller)."""
     warnings.warn(f"{old} is deprecated: use {new}. The old function works for one release "
-                  "(docs/migration.md).", DeprecationWarning, stacklevel=stacklevel)
+                  "(docs/migration.md).", DeprecationWarning, stacklevel=3)
 
 
 def message(old: str) -> str:

@@ -205,7 +205,7 @@ def timeout_s() -> float:
     return float(value) if value else DEFAULT_TIMEOUT_S
 
 
-def check_across_processes(sig: Checked, what: str = "step program") -> None:
+def check_across_processes(sig: Checked) -> None:
     """Raises :class:`ProgramMismatchError` on every process unless all run the same collectives
     (``sig``: a :class:`ProgramFingerprint` or a :class:`ProgramSignature`).
 
@@ -218,7 +218,7 @@ def check_across_processes(sig: Checked, what: str = "step program") -> None:
     if client is None:
         return
     exchange(client, sig, next(_sequence), jax.process_index(), jax.process_count(),
-             timeout_s(), what)
+             timeout_s())
 
 
 def exchange(client: Any, sig: Checked, seq: int, me: int, n: int, limit: float,

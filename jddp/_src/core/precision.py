@@ -109,8 +109,17 @@ def compute_params(policy: MixedPrecision | None, params: Any) -> Any:
     return jax.tree.map(cast, params)
 
 
+class Wrapper:
+    """A reducer around another (``inner``): what it does not define itself is ``inner``'s."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "inner":  # copy probes; not yet set
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 @dataclasses.dataclass(frozen=True)
-class Cast:
+class Cast(Wrapper):
     """A reducer (:class:`jddp._src.reduce.allreduce.BucketReducer`) whose forward hands the loss
     ``dtype`` copies of the bucket's parameters; everything else is ``inner``'s (the backward
     gets gradients already in the master dtype: :func:`jddp._src.reduce.backward._bucket_vjp` sums
@@ -118,12 +127,6 @@ class Cast:
 
     inner: Any
     dtype: np.dtype
-
-    def __getattr__(self, name: str) -> Any:
-        """The rest of the protocol (``backward``, ``out_struct``, ``prefetch``...): ``inner``'s."""
-        if name.startswith("__") or name == "inner":  # copy probes; not yet set
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def forward(self, b: int, leaves: tuple) -> tuple:
         return tuple(x.astype(self.dtype) for x in self.inner.forward(b, leaves))

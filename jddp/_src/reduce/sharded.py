@@ -154,7 +154,7 @@ class Hybrid(ReduceScatter):
 
 
 @dataclasses.dataclass(frozen=True)
-class GatherInForward:
+class GatherInForward(precision_lib.Wrapper):
     """Stage 3: the parameters come in as pieces; the forward all-gathers each bucket before its
     first use (one bucket ahead) and the backward reduces like ``inner``.
 
@@ -172,12 +172,6 @@ class GatherInForward:
     dtype: Any = None
     group: int | None = None
     prefetch: ClassVar[bool] = True
-
-    def __getattr__(self, name: str) -> Any:
-        """``axis_name``, ``out_struct`` and ``backward``: ``inner``'s."""
-        if name.startswith("__") or name == "inner":  # copy probes; not yet set
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def check(self, leaves: Sequence[Any]) -> None:
         del leaves  # pieces: their shapes were checked against the layout by the caller

@@ -61,7 +61,7 @@ def check_loss_arity(loss_fn: Callable[..., Any], n: int, *, stateful: bool, rng
         why.append("model_state because the state was made with init(params, model_state) "
                    "(a model without state: init(params))")
     if rng:
-        why.append("rng because loss=jddp.Loss(rng=True) passes one PRNG key per example")
+        why.append("rng, as loss=jddp.Loss(rng=True) passes one PRNG key per example")
     because = f"; it passes {' and '.join(why)}" if why else ""
     more = (" Add the argument (and draw dropout keys from it), or drop Loss(rng=True) for a "
             "loss without keys." if rng else " A loss that takes per-example keys as its last "

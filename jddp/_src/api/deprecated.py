@@ -104,10 +104,10 @@ def moved(module: str, name: str) -> Any:
     return getattr(importlib.import_module(home.module), home.attr)
 
 
-def renamed_call(old: str, new: str, stacklevel: int = 3) -> None:
-    """Warns that the function ``old`` is deprecated for ``new`` (at its caller, by default)."""
+def renamed_call(old: str, new: str) -> None:
+    """Warns that the function ``old`` is deprecated for ``new`` (at its caller's caller)."""
     warnings.warn(f"{old} is deprecated: use {new}. The old function works for one release "
-                  "(docs/migration.md).", DeprecationWarning, stacklevel=stacklevel)
+                  "(docs/migration.md).", DeprecationWarning, stacklevel=3)
 
 
 def message(old: str) -> str:
@@ -145,12 +145,6 @@ _FLAGS = ("has_aux", "weighted", "rng", "keep_unused", "deterministic", "hybrid_
 
 # What a non-bool most likely meant (the round-3 messages said it too).
 _FLAG_HINTS = {"rng": " Pass the key itself to step(state, batch, rng=key)."}
-
-
-def _check_flags(old: dict[str, Any]) -> None:
-    for name in _FLAGS:
-        if name in old:
-            options.flag(old[name], name, _FLAG_HINTS.get(name, ""))
 
 
 def _refuse_mixing(old: dict[str, Any], given: dict[str, Any]) -> None:
@@ -236,7 +230,9 @@ def policies_from_keywords(old: dict[str, Any], given: dict[str, Any]) -> dict[s
     if not old:
         return out
     _warn(old)
-    _check_flags(old)
+    for name in _FLAGS:
+        if name in old:
+            options.flag(old[name], name, _FLAG_HINTS.get(name, ""))
     old = {"skip_not_finite" if k == "skip_nonfinite" else
            "accumulator_dtype" if k == "accum_dtype" else k: v for k, v in old.items()}
     _refuse_mixing({k: v for k, v in old.items() if k != "skip_not_finite"}, given)

@@ -25,13 +25,6 @@ from jddp._src.update.nonfinite import Guard
 from jddp._src.update.nonfinite import SkipNotFinite as SkipNotFinite  # jddp.SkipNotFinite
 from jddp._src.update.update import Accumulate
 
-
-def _set(obj: Any, name: str, value: Any) -> None:
-    # A frozen dataclass normalises its own fields (a list of names to a tuple) in
-    # __post_init__; object.__setattr__ is the documented way to do that.
-    object.__setattr__(obj, name, value)
-
-
 Chooser = autocap.AutoCap | modelcap.ModelCap
 
 
@@ -68,12 +61,13 @@ class Buckets:
     def __post_init__(self) -> None:
         self.caps()  # checks cap_mb, first_mb and plan together
         if self.hook is not None:
-            _set(self, "hook", check_hook(self.hook))
+            object.__setattr__(self, "hook", check_hook(self.hook))
         if self.plan is not None and not isinstance(self.plan, BucketPlan):
             raise TypeError(f"Buckets.plan must be a jddp.buckets.BucketPlan (ddp.plan(...) or "
                             f"jddp.plan_buckets(...)), got {type(self.plan).__name__}.")
-        _set(self, "chain", options.chain(self.chain))
-        _set(self, "keep_unused", options.flag(self.keep_unused, "Buckets.keep_unused"))
+        object.__setattr__(self, "chain", options.chain(self.chain))
+        object.__setattr__(self, "keep_unused",
+                           options.flag(self.keep_unused, "Buckets.keep_unused"))
 
     def chooser(self) -> Chooser | None:
         """The ``"auto"`` or ``"model"`` request (``None`` for a number or the default)."""

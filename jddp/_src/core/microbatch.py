@@ -36,14 +36,14 @@ def add(acc: Any, x: Any) -> Any:
     return jax.tree.map(lambda a, b: a + b.astype(a.dtype).reshape(a.shape), acc, x)
 
 
-def varying_zeros(tree: Any, axis: Any, dtype: Any = None) -> Any:
+def varying_zeros(tree: Any, axis: Any) -> Any:
     """Zeros shaped like ``tree``, typed as per-device values.
 
     ``lax.cond`` branches and scan carries must agree on the varying axes of their values, and
     ``jnp.zeros_like`` would give a replicated constant.
     """
     return jax.tree.map(
-        lambda x: vma.to_varying(jnp.zeros(jnp.shape(x), dtype or jnp.result_type(x)), axis),
+        lambda x: vma.to_varying(jnp.zeros(jnp.shape(x), jnp.result_type(x)), axis),
         tree,
     )
 

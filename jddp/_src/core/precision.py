@@ -10,7 +10,6 @@ compression hook; float16 needs ``DynamicScale()`` (docs/precision.md).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -110,13 +109,17 @@ def compute_params(policy: MixedPrecision | None, params: Any) -> Any:
     return jax.tree.map(cast, params)
 
 
-def gather_dtype(policy: MixedPrecision | None) -> np.dtype | None:
-    """The dtype stage 3 all-gathers parameter pieces in (``None``: theirs)."""
-    return None if policy is None else policy.param_dtype
+class Wrapper:
+    """A reducer around another (``inner``): what it does not define itself is ``inner``'s."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "inner":  # copy probes; not yet set
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 @dataclasses.dataclass(frozen=True)
-class Cast:
+class Cast(Wrapper):
     """A reducer (:class:`jddp._src.reduce.allreduce.BucketReducer`) whose forward hands the loss
     ``dtype`` copies of the bucket's parameters; everything else is ``inner``'s (the backward
     gets gradients already in the master dtype: :func:`jddp._src.reduce.backward._bucket_vjp` sums
@@ -124,21 +127,6 @@ class Cast:
 
     inner: Any
     dtype: np.dtype
-
-    prefetch = property(lambda self: self.inner.prefetch)
-    axis_name = property(lambda self: self.inner.axis_name)
-
-    def out_struct(self, i: int) -> jax.ShapeDtypeStruct:
-        return self.inner.out_struct(i)
-
-    def check(self, leaves: Sequence[Any]) -> None:
-        self.inner.check(leaves)
-
-    def gathers(self, i: int) -> bool:
-        return self.inner.gathers(i)
-
-    def backward(self, b: int, grads: tuple, states: tuple, extras: tuple, step: Any) -> tuple:
-        return self.inner.backward(b, grads, states, extras, step)
 
     def forward(self, b: int, leaves: tuple) -> tuple:
         return tuple(x.astype(self.dtype) for x in self.inner.forward(b, leaves))

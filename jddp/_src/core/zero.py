@@ -21,6 +21,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jddp._src.core import recorder
+from jddp._src.core.collectives import axis_size
 from jddp._src.introspect import jaxpr as jaxpr_lib
 
 
@@ -161,7 +162,7 @@ def all_gather(
     """
     rows = [piece_row(p, d) for p, d in zip(pieces, dims, strict=True)]
     widths = [r.shape[1] for r in rows]
-    groups = None if group is None else subgroups(axis_count(axis), group)
+    groups = None if group is None else subgroups(axis_size(axis), group)
     mine = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
     recorder.record("all-gather", mine, axis, group=group)
     gathered = lax.all_gather(mine, axis, axis=0, tiled=True, axis_index_groups=groups)
@@ -169,12 +170,6 @@ def all_gather(
         from_rows(c, d, s)
         for c, d, s in zip(_split_columns(gathered, widths), dims, shapes, strict=True)
     ]
-
-
-def axis_count(axis: Any) -> int:
-    """Devices along ``axis`` (a name or a tuple of names), inside shard_map."""
-    names = axis if isinstance(axis, tuple) else (axis,)
-    return int(np.prod([lax.axis_size(a) for a in names]))
 
 
 def subgroups(n: int, group: int) -> list[list[int]]:

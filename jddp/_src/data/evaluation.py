@@ -23,12 +23,6 @@ from jddp._src.runtime import mesh as mesh_lib
 from jddp._src.step.checks import batch_size as batch_size_of
 
 
-def _place(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A host array present on every process, placed as a global array (each process fills
-    only its own devices' rows; works with one process or many)."""
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-
 class Evaluator:
     """Sums of per-example metrics over a data set, data-parallel ([Data](../data.md)).
 
@@ -73,7 +67,6 @@ class Evaluator:
             )
         self.eval_fn = eval_fn
         self.batch_size = None if batch_size is None else int(batch_size)
-        self._data = NamedSharding(self.mesh, P(self.axis_name))
         self._replicated = NamedSharding(self.mesh, P())
         self._sums = jax.jit(self._batch_sums)
 
@@ -127,7 +120,7 @@ class Evaluator:
             rows = slice(start, start + self.batch_size)
             chunk = jax.tree.map(lambda x, rows=rows: np.asarray(x[rows]), data)
             padded, mask = pad_batch(chunk, self.mesh.size, size=self.batch_size)
-            placed = jax.tree.map(lambda x: _place(np.asarray(x), self._data), (padded, mask))
+            placed = mesh_lib.shard_batch((padded, mask), self.mesh)
             parts.append(self._sums(variables, *placed))
         parts = jax.device_get(parts)
         return {k: float(np.sum([np.float64(p[k]) for p in parts])) for k in parts[0]}
@@ -147,7 +140,7 @@ class Evaluator:
             raise ValueError("The evaluation loader's mesh differs from the Evaluator's: build "
                              "both on the same mesh.")
         variables = jax.tree.map(self._replicate, variables)
-        everything = _place(np.ones(loader.global_batch_size, bool), self._data)
+        everything = mesh_lib.shard_batch(np.ones(loader.global_batch_size, bool), self.mesh)
         parts = []
         for _ in range(len(loader)):
             batch, mask = next(loader)
@@ -160,4 +153,5 @@ class Evaluator:
             return x  # a global array of a multi-process run (state.params): already placed
         if isinstance(x, jax.Array) and x.sharding == self._replicated:
             return x
-        return _place(np.asarray(x), self._replicated)
+        x = np.asarray(x)  # on every process: each fills only its own devices
+        return jax.make_array_from_callback(x.shape, self._replicated, lambda index: x[index])

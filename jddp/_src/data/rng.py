@@ -16,13 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _is_typed_key(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def check_key(key: Any) -> None:
     """Raises unless ``key`` is one PRNG key: ``jax.random.key(...)`` or ``PRNGKey(...)``."""
-    if _is_typed_key(key):
+    if hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         if np.shape(key) != ():
             raise ValueError(
                 f"step(..., rng=key) takes one key, got a key array of shape {np.shape(key)}. "

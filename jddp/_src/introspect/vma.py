@@ -34,13 +34,8 @@ def to_varying(x: jax.Array, axis_name: Any) -> jax.Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def match_varying(x: jax.Array, like_varying: frozenset, axis_name: Any) -> jax.Array:
-    """``x`` cast to varying over the axes of ``axis_name`` that ``like_varying`` has (all of
-    them, some of them on a two-level mesh, or none)."""
-    wanted = tuple(a for a in axis_names(axis_name) if a in like_varying)
-    return to_varying(x, wanted) if wanted else x
-
-
 def like(x: jax.Array, old: jax.Array, axis_name: Any) -> jax.Array:
-    """``x`` cast to varying where ``old`` is (so both branches of a ``lax.cond`` agree)."""
-    return match_varying(x, varying_axes(old), axis_name)
+    """``x`` cast to varying over the axes of ``axis_name`` that ``old`` varies over (all of
+    them, some on a two-level mesh, or none), so both branches of a ``lax.cond`` agree."""
+    wanted = tuple(a for a in axis_names(axis_name) if a in varying_axes(old))
+    return to_varying(x, wanted) if wanted else x

@@ -1,10 +1,11 @@
 """Averaging per-replica values bucket by bucket (local SGD's parameters, DiLoCo's deltas):
-:func:`bucketed_mean`."""
+:func:`bucketed_mean`, and :class:`ReplicaMean`, that mean bound by the skeleton to the step's chain
+and handed to the sync policy in its context."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from jddp._src.plan.planner import BucketPlan
 from jddp._src.reduce.bytemodel import reduce_counted
 from jddp._src.reduce.chain import chained, resolve_chain
 from jddp._src.reduce.hooks import CommHook, HookContext, check_output, check_reduced
+from jddp._src.runtime.topology import Topology
 from jddp._src.tree import chain_dependency
 
 
@@ -105,3 +107,30 @@ def _mean_bucket(vals: tuple, extras: tuple, ctx: HookContext, local_axis: Any,
         return tuple(reduced), tuple(riders)
     full = recorder.all_gather(tuple(reduced), local_axis, axis=0, tiled=True)
     return tuple(unflatten_like(f, v) for f, v in zip(full, vals, strict=True)), tuple(riders)
+
+
+class ReplicaMean(NamedTuple):
+    """The mean over ``topology``'s replica axis of per-replica values, one chained collective
+    per bucket (:class:`jddp._src.step.config.ReplicaMean`).
+
+    Attributes:
+      splits_params: each device of an island holds a piece of the replica (stage 3): it
+        averages its piece, and nothing is gathered.
+    """
+
+    topology: Topology
+    chain: options.Chain
+    splits_params: bool
+
+    @property
+    def local_axis(self) -> Any:
+        """The island's axis when its devices hold the same copy (each averages ``1/L`` of it
+        across replicas, then an all-gather inside the island), else ``None``."""
+        topo = self.topology
+        return topo.local if topo.two_level and not self.splits_params else None
+
+    def __call__(self, leaves: list, plan: BucketPlan, *, extras: tuple, hook: CommHook | None,
+                 step: Any) -> tuple[list, tuple]:
+        """``(means, extras' means)`` (:func:`bucketed_mean`; inside the per-device step)."""
+        return bucketed_mean(leaves, plan, self.topology.replica, local_axis=self.local_axis,
+                             chain=self.chain, extras=extras, hook=hook, step=step)

@@ -263,13 +263,6 @@ def _pairwise_rows(x: jax.Array) -> jax.Array:
     return x[0]
 
 
-def _dtype_groups(leaves: list) -> dict:
-    out: dict = {}
-    for i, x in enumerate(leaves):
-        out.setdefault(np.dtype(x.dtype), []).append(i)
-    return out
-
-
 def combine_devices(part: Part, axis: Any, n: int) -> Part:
     """The pairwise sum of every device's ``part`` (device order = batch order), everywhere.
 
@@ -280,8 +273,10 @@ def combine_devices(part: Part, axis: Any, n: int) -> Part:
     if n == 1:
         return part
     leaves, treedef = jax.tree.flatten(part)
-    out = list(leaves)
-    for dtype, idx in _dtype_groups(leaves).items():
+    out, groups = list(leaves), dict[np.dtype, list[int]]()
+    for i, x in enumerate(leaves):
+        groups.setdefault(np.dtype(x.dtype), []).append(i)
+    for dtype, idx in groups.items():
         flat = jnp.concatenate([leaves[i].reshape(-1) for i in idx])
         size = flat.shape[0]
         flat = jnp.pad(flat, (0, -size % n)).reshape(n, -1)

@@ -154,7 +154,7 @@ class Hybrid(ReduceScatter):
 
 
 @dataclasses.dataclass(frozen=True)
-class GatherInForward:
+class GatherInForward(precision_lib.Wrapper):
     """Stage 3: the parameters come in as pieces; the forward all-gathers each bucket before its
     first use (one bucket ahead) and the backward reduces like ``inner``.
 
@@ -172,13 +172,6 @@ class GatherInForward:
     dtype: Any = None
     group: int | None = None
     prefetch: ClassVar[bool] = True
-
-    @property
-    def axis_name(self) -> Any:
-        return self.inner.axis_name
-
-    def out_struct(self, i: int) -> jax.ShapeDtypeStruct:
-        return self.inner.out_struct(i)
 
     def check(self, leaves: Sequence[Any]) -> None:
         del leaves  # pieces: their shapes were checked against the layout by the caller
@@ -227,10 +220,6 @@ class GatherInForward:
     def unused(self, i: int, leaf: jax.Array) -> jax.Array:
         return self._gather((i,), (leaf,))[0]
 
-    def backward(self, b: int, grads: tuple, states: tuple, extras: tuple,
-                 step: jax.Array) -> tuple[tuple, tuple, tuple]:
-        return self.inner.backward(b, grads, states, extras, step)
-
 
 def _in_forward(out: list, kept: tuple, axis: Any) -> tuple[list, tuple]:
     """``(out, kept)``, with ``kept`` (hpZ's secondary copy: slices of the forward's gathered
@@ -273,6 +262,7 @@ def make_reducer(plan: BucketPlan, hook: CommHook, axis_name: Any, *,
     inner = (ReduceScatter(**common) if sharded.replicas is None
              else Hybrid(**common, replicas=sharded.replicas))
     if sharded.gathers:  # casts to a policy's param_dtype itself, before its gathers
-        return GatherInForward(inner, sharded.reshard, precision_lib.gather_dtype(precision),
+        return GatherInForward(inner, sharded.reshard,
+                               None if precision is None else precision.param_dtype,
                                sharded.group)
     return precision_lib.wrap_reducer(inner, precision)

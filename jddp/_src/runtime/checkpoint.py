@@ -20,6 +20,7 @@ from jddp._src.runtime import checkpoint_placement, hostsync, preemption, rendez
 from jddp._src.runtime.coordinator import EXIT_RESUME
 from jddp._src.step.nnx import DataParallel as NnxDataParallel
 from jddp._src.step.state import LEGACY_FIELDS, from_legacy, to_legacy
+from jddp._src.tree import key_path_str
 
 __all__ = ["manager", "restore", "restore_or_init", "save", "save_if_due", "wait"]
 
@@ -195,10 +196,6 @@ def save(
     return step
 
 
-def _path(path: Any) -> str:
-    return jax.tree_util.keystr(tuple(path), simple=True, separator=".")
-
-
 class _Layout(NamedTuple):
     """Where a checkpoint layout keeps the per-device parts of a TrainState (they depend on the
     device count, so restoring on another count decides each, see restore()).
@@ -218,13 +215,6 @@ _LAYOUT = _Layout(("reduce_state", "update_state", "model_state"), "reduce_state
 _LEGACY = _Layout(("hook_state", "accum", "model_state"), "hook_state", "accum")
 
 
-def _is_legacy(saved: Any) -> bool:
-    """Whether a saved TrainState's metadata tree is in the per-feature layout (``hook_state``,
-    ``accum``, ``loss_scale``, ``outer``) of checkpoints saved before the state was nested per
-    policy role."""
-    return isinstance(saved, dict) and set(saved) == set(LEGACY_FIELDS)
-
-
 def _stored_shape(leaf: Any) -> tuple[int, ...]:
     """The shape orbax stores for ``leaf``: a typed PRNG key array (``key<fry>``, e.g. an NNX
     model's ``nnx.Rngs`` state) is written as its key data, with the key's trailing dimension."""
@@ -241,10 +231,10 @@ def _per_device_changes(saved: Any, abstract: Any,
     Raises a clear error for any other difference (another model, another optimizer).
     """
     saved_shapes = {
-        _path(p): tuple(getattr(x, "shape", ()))
+        key_path_str(p): tuple(getattr(x, "shape", ()))
         for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]
     }
-    wanted = {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    wanted = {key_path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     missing = sorted(set(wanted) - set(saved_shapes))
     extra = sorted(set(saved_shapes) - set(wanted))
     if missing or extra:
@@ -378,8 +368,9 @@ def restore(
     if loader is not None:  # first: a wrong data set fails before any array is read
         _restore_loader(mngr, step, loader)
     saved_tree = _saved_tree(mngr, step)
-    # A checkpoint of the per-feature layout restores into that layout's tree, then converts.
-    legacy = _is_legacy(saved_tree)
+    # A checkpoint of the per-feature layout (hook_state, accum, loss_scale, outer: saved before
+    # the state was nested per policy role) restores into that layout's tree, then converts.
+    legacy = isinstance(saved_tree, dict) and set(saved_tree) == set(LEGACY_FIELDS)
     layout = _LEGACY if legacy else _LAYOUT
     if legacy:
         abstract = to_legacy(abstract)
@@ -450,14 +441,14 @@ def _restore_changed(mngr: Any, step: int, abstract: Any, target: Any,
             "begin anew.", stacklevel=3,
         )
     return jax.tree_util.tree_map_with_path(
-        lambda p, old, new: new if _path(p) in restart else old, state, fresh
+        lambda p, old, new: new if key_path_str(p) in restart else old, state, fresh
     )
 
 
 def _window_count(state: Any, layout: _Layout) -> int:
     """The accumulator's counter (calls accumulated in the window) of a loaded state."""
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if _path(path) == f"{layout.window}.count":
+        if key_path_str(path) == f"{layout.window}.count":
             return int(np.asarray(jax.device_get(x)))
     return 0
 

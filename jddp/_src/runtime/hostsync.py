@@ -37,8 +37,12 @@ def _to_global(x: Any, mesh: Mesh) -> jax.Array:
                                                     [jax.device_put(local, mine[0])])
 
 
-def _read(x: jax.Array) -> np.ndarray:
-    return np.asarray(x.addressable_data(0))
+def _over_leaders(fn: Any, tree: Any) -> Any:
+    """``fn`` (of the stacked rows, replicated) on each process's ``tree`` as its row, read back."""
+    mesh = leaders_mesh()
+    rows = jax.tree.map(lambda x: _to_global(x, mesh), tree)
+    out = jax.jit(fn, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)
 
 
 # Module-level, so that jit's cache serves every call after the first of each shape.
@@ -62,10 +66,7 @@ def allgather(tree: PyTree) -> PyTree:
     """
     if jax.process_count() == 1:
         return jax.tree.map(lambda x: np.expand_dims(np.asarray(x), 0), tree)
-    mesh = leaders_mesh()
-    rows = jax.tree.map(lambda x: _to_global(x, mesh), tree)
-    out = jax.jit(_identity, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
-    return jax.tree.map(_read, out)
+    return _over_leaders(_identity, tree)
 
 
 def broadcast_from_process0(tree: Any) -> Any:
@@ -78,11 +79,8 @@ def broadcast_from_process0(tree: Any) -> Any:
     if jax.process_count() == 1:
         return jax.tree.map(np.asarray, tree)
     source = jax.process_index() == 0
-    mesh = leaders_mesh()
-    rows = jax.tree.map(
-        lambda x: _to_global(np.asarray(x) if source else np.zeros_like(x), mesh), tree)
-    out = jax.jit(_sum_rows, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
-    return jax.tree.map(_read, out)
+    return _over_leaders(_sum_rows, jax.tree.map(
+        lambda x: np.asarray(x) if source else np.zeros_like(x), tree))
 
 
 def process_index() -> int:

@@ -13,6 +13,8 @@ import socket
 import time
 from typing import NamedTuple
 
+from jddp._src.runtime import watchdog
+
 __all__ = ["AttemptEnd", "Master", "RankEnd", "RankProgress", "Worker", "channel_address",
            "earliest_failure"]
 
@@ -64,45 +66,6 @@ def channel_address(master_addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port) + 1
 
 
-class _Lines:
-    """A socket read as text lines without blocking (``None`` once it is closed)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buffer = b""
-        self.closed = False
-
-    def send(self, line: str) -> None:
-        try:
-            self.sock.sendall(line.encode() + b"\n")
-        except OSError:
-            self.closed = True
-
-    def read(self, timeout: float = 0.0) -> list[str] | None:
-        """The complete lines available within ``timeout``; ``None`` if the peer is gone."""
-        if self.closed:
-            return None
-        try:
-            ready, _, _ = select.select([self.sock], [], [], timeout)
-            if ready:
-                data = self.sock.recv(65536)
-                if not data:
-                    self.closed = True
-                    return None
-                self.buffer += data
-        except OSError:
-            self.closed = True
-            return None
-        *lines, self.buffer = self.buffer.split(b"\n")
-        return [ln.decode(errors="replace") for ln in lines]
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-
 def _end_line(kind: str, attempt: int, end: AttemptEnd) -> str:
     reason = " ".join(end.reason.split()) or "-"
     if kind == "end":
@@ -146,13 +109,13 @@ class Master:
         host, port = channel_address(master_addr)
         self.nnodes = nnodes
         self.server = socket.create_server((host, port), reuse_port=False)
-        self.links: dict[int, _Lines] = {}
+        self.links: dict[int, watchdog.Lines] = {}
         self.ended: dict[int, AttemptEnd] = {}
         self.attempt = -1
         self.progress: dict[int, RankProgress] = {}  # the other nodes' ranks, by global rank
         self.last_progress = time.monotonic()  # when another node's rank last completed a step
         deadline = time.monotonic() + timeout_s
-        pending: list[_Lines] = []
+        pending: list[watchdog.Lines] = []
         while len(self.links) < nnodes - 1:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -165,7 +128,7 @@ class Master:
             ready, _, _ = select.select([self.server], [], [], min(left, 0.2))
             if ready:
                 conn, _ = self.server.accept()
-                pending.append(_Lines(conn))
+                pending.append(watchdog.Lines(conn))
             for link in list(pending):
                 for line in link.read() or []:
                     parts = line.split()
@@ -274,7 +237,7 @@ class Worker:
                         "--master-addr, and check that the port is reachable from here") from None
                 time.sleep(0.2)
         sock.settimeout(None)
-        self.link = _Lines(sock)
+        self.link = watchdog.Lines(sock)
         self.link.send(f"hello {node_rank}")
         self.attempt = -1
         self.pending: list[str] = []

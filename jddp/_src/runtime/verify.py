@@ -178,12 +178,16 @@ class ReplicaDivergenceError(ValueError):
         )
 
 
-def _local_diff(x: jax.Array, axis: Any) -> jax.Array:
-    """Inside shard_map: max |x - the first copy's x| over ``axis``, for this device's copy."""
+def _numeric(x: jax.Array) -> jax.Array:
+    """A key array as its key data, a bool array as uint8: values arithmetic can compare."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
+    return x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+
+
+def _local_diff(x: jax.Array, axis: Any) -> jax.Array:
+    """Inside shard_map: max |x - the first copy's x| over ``axis``, for this device's copy."""
+    x = _numeric(x)
     # The first copy along the axis, exactly: every other term of the sum is zero.
     x0 = lax.psum(jnp.where(lax.axis_index(axis) == 0, x, jnp.zeros_like(x)), axis)
     if x.size == 0:
@@ -301,10 +305,7 @@ def _leaf_hash(x: jax.Array) -> jax.Array:
     """One uint32 per leaf copy: a position-weighted sum of its bits (wrapping). Equal copies
     give equal hashes on every device (integer sums do not depend on the reduction order); a
     changed element changes it unless another change cancels it exactly."""
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
+    x = _numeric(x)
     width = jnp.dtype(x.dtype).itemsize * 8
     bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}")).reshape(-1)
     if width == 64:

@@ -27,6 +27,7 @@ __all__ = [
     "ENV_CONTROL_FD",
     "ENV_LAUNCHER_PID",
     "ENV_RESTART_COUNT",
+    "Lines",
     "POLL_S",
     "ReportingStep",
     "announce_exit",
@@ -42,6 +43,46 @@ POLL_S = 0.05  # how often the thread checks tokens and orders; reports are at m
 
 # Wire format, one ASCII line per message. Rank -> launcher: "p COMPLETED DISPATCHED" (progress),
 # "x COMPLETED DISPATCHED" (exiting normally). Launcher -> rank: "abort STATUS".
+
+
+class Lines:
+    """A socket read as text lines without blocking (``None`` once it is closed): this rank's
+    end, the launcher's end of each rank's socket, and the channel between nodes' agents."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+        self.closed = False
+
+    def send(self, line: str) -> None:
+        try:
+            self.sock.sendall(line.encode() + b"\n")
+        except OSError:
+            self.closed = True
+
+    def read(self, timeout: float = 0.0) -> list[str] | None:
+        """The complete lines available within ``timeout``; ``None`` if the peer is gone."""
+        if self.closed:
+            return None
+        try:
+            ready, _, _ = select.select([self.sock], [], [], timeout)
+            if ready:
+                data = self.sock.recv(65536)
+                if not data:
+                    self.closed = True
+                    return None
+                self.buffer += data
+        except (OSError, ValueError):  # ValueError: the socket was closed under us
+            self.closed = True
+            return None
+        *lines, self.buffer = self.buffer.split(b"\n")
+        return [ln.decode(errors="replace") for ln in lines]
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
 
 
 class _Agent:
@@ -69,26 +110,16 @@ class _Agent:
     # ---- the daemon thread
 
     def _run(self) -> None:
-        buffer = b""
+        link = Lines(self.sock)
         while True:
-            try:
-                readable, _, _ = select.select([self.sock], [], [], POLL_S)
-                data = self.sock.recv(4096) if readable else None
-            except (OSError, ValueError):
-                data = b""
-            if data == b"":
+            lines = link.read(POLL_S)
+            if lines is None:
                 _launcher_gone()
-            if data:
-                buffer += data
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    _obey(line)
-            self._poll()
-
-    def _poll(self) -> None:
-        with self._lock:
-            self._drain()
-            self._send("p")
+            for line in lines:
+                _obey(line)
+            with self._lock:
+                self._drain()
+                self._send("p")
 
     def _drain(self) -> None:
         """Moves `completed` past every queued step whose token is ready, in dispatch order."""
@@ -132,9 +163,9 @@ def _is_ready(token: Any) -> bool:
         return True
 
 
-def _obey(line: bytes) -> None:
+def _obey(line: str) -> None:
     parts = line.split()
-    if len(parts) == 2 and parts[0] == b"abort" and parts[1].isdigit():
+    if len(parts) == 2 and parts[0] == "abort" and parts[1].isdigit():
         flush_and_exit(int(parts[1]))
 
 
@@ -148,7 +179,7 @@ def flush_and_exit(status: int) -> NoReturn:
     os._exit(status)
 
 
-def _launcher_gone() -> None:
+def _launcher_gone() -> NoReturn:
     """The launcher's end closed without an order: it died. End this rank's whole process group."""
     try:
         os.killpg(os.getpgrp(), signal.SIGKILL)

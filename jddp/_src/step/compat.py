@@ -49,14 +49,6 @@ def _hook(c: Combination) -> CommHook | None:
     return reduce.hook if isinstance(reduce, Buckets) else None
 
 
-def _scatters_without_state(hook: CommHook | None) -> bool:
-    """Whether a hook reduce-scatters through ``hook.scatter`` without hook state (probed on
-    one small leaf; the step re-checks with the real parameters)."""
-    hook = allreduce_mean() if hook is None else hook
-    return hook.scatter is not None and not jax.tree.leaves(
-        hook.init(jax.ShapeDtypeStruct((8,), jnp.float32)))
-
-
 def _power_of_two(k: int) -> bool:
     return k >= 1 and k & (k - 1) == 0
 
@@ -77,11 +69,6 @@ def dynamic_scale(c: Combination) -> bool:
     return isinstance(c.policies.loss_scale, DynamicScale)
 
 
-def _offload(c: Combination) -> bool:
-    place = c.policies.place
-    return isinstance(place, ZeRO) and place.offload
-
-
 def one_level_mesh(c: Combination) -> bool:
     return not c.two_level
 
@@ -90,45 +77,12 @@ def sharded_accumulator(c: Combination) -> bool:
     return c.policies.accumulate.shard is True
 
 
-def _grads_whole(c: Combination) -> bool:
-    return not c.policies.place.splits_grads
-
-
 def _hook_keeps_state(c: Combination) -> bool:
-    return not _scatters_without_state(_hook(c))
-
-
-def _hybrid(c: Combination) -> bool:
-    place = c.policies.place
-    return isinstance(place, ZeRO) and place.hybrid
-
-
-def _precision(c: Combination) -> bool:
-    return c.precision is not None
-
-
-def _narrow_reduce_dtype(c: Combination) -> bool:
-    return c.precision is not None and c.precision.compresses
-
-
-def _float16(c: Combination) -> bool:
-    return c.precision is not None and c.precision.uses_float16
-
-
-def _no_dynamic_scale(c: Combination) -> bool:
-    return not dynamic_scale(c)
-
-
-def _hook_given(c: Combination) -> bool:
-    return _hook(c) is not None
-
-
-def _odd_window(c: Combination) -> bool:
-    return not _power_of_two(c.policies.accumulate.steps)
-
-
-def _odd_devices(c: Combination) -> bool:
-    return not _power_of_two(c.devices)
+    """Whether the hook has state or no reduce-scatter (``hook.scatter``), probed on one small
+    leaf (the step re-checks with the real parameters)."""
+    hook = _hook(c) or allreduce_mean()
+    return hook.scatter is None or bool(jax.tree.leaves(
+        hook.init(jax.ShapeDtypeStruct((8,), jnp.float32))))
 
 
 _DET = ("reduce=jddp.Deterministic() sums replicated gradients in one fixed order "
@@ -147,29 +101,35 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("deterministic + loss scale", deterministic, dynamic_scale,
             f"{_DET}: it does not combine with loss_scale=jddp.precision.DynamicScale(). Drop "
             "the loss scale, or use reduce=jddp.Buckets()."),
-    Refusal("deterministic + mixed precision", deterministic, _precision,
+    Refusal("deterministic + mixed precision", deterministic, lambda c: c.precision is not None,
             f"{_DET} in the master dtype: mixed precision is not supported with the "
             "deterministic reduction (reduce=jddp.Deterministic()). Drop precision=, or use "
             "reduce=jddp.Buckets()."),
-    Refusal("deterministic + odd accumulation", deterministic, _odd_window,
+    Refusal("deterministic + odd accumulation", deterministic,
+            lambda c: not _power_of_two(c.policies.accumulate.steps),
             f"{_DET}: it needs Accumulate(steps=...) to be a power of two "
             "(1, 2, 4, ...), each call's sum being one subtree of the window's tree."),
-    Refusal("deterministic + odd device count", deterministic, _odd_devices,
+    Refusal("deterministic + odd device count", deterministic,
+            lambda c: not _power_of_two(c.devices),
             f"{_DET}: it needs a power-of-two device count (1, 2, 4, 8, ...), each device "
             "holding one whole subtree. Use a sub-mesh of a power-of-two size."),
     Refusal("local SGD + ZeRO on a 1-D mesh", local_sgd, lambda c: zero(c) and one_level_mesh(c),
             "ZeRO with local SGD (sync=...) shards state inside each replica, but on a 1-D mesh "
             "every device is a replica of its own (nothing to shard over). Build a two-level "
             "mesh, jddp.data_mesh(hosts=...): one replica per host, sharded over its devices."),
-    Refusal("hybrid ZeRO on a 1-D mesh", _hybrid, one_level_mesh,
+    Refusal("hybrid ZeRO on a 1-D mesh",
+            lambda c: isinstance(c.policies.place, ZeRO) and c.policies.place.hybrid,
+            one_level_mesh,
             "ZeRO(hybrid=True) shards inside each host and needs a two-level "
             "mesh to know what a host is: build it with jddp.data_mesh(hosts=...)."),
-    Refusal("offload + local SGD", _offload, local_sgd,
+    Refusal("offload + local SGD",
+            lambda c: isinstance(c.policies.place, ZeRO) and c.policies.place.offload, local_sgd,
             "ZeRO(offload=True) moves the optimizer state between host and device memory "
             "around the update, and local SGD or DiLoCo (sync=...) keep one optimizer state per "
             "replica, updated under vmap, plus DiLoCo's outer state: that placement is not "
             "offloaded. Use ZeRO(offload=False) with local SGD, or sync=jddp.EveryStep()."),
-    Refusal("sharded accumulator + stage below 2", sharded_accumulator, _grads_whole,
+    Refusal("sharded accumulator + stage below 2", sharded_accumulator,
+            lambda c: not c.policies.place.splits_grads,
             f"{_SHARD}, but only ZeRO stages 2-3 reduce-scatter gradients. Use "
             "place=jddp.ZeRO(stage=2 or 3), or Accumulate(shard=None)."),
     Refusal("sharded accumulator + stateful hook", sharded_accumulator, _hook_keeps_state,
@@ -178,11 +138,15 @@ TABLE: tuple[Refusal, ...] = (
     Refusal("sharded accumulator + local SGD", sharded_accumulator, local_sgd,
             f"{_SHARD}, but local SGD and DiLoCo keep their own accumulators. Use "
             "Accumulate(shard=None)."),
-    Refusal("narrow reduce_dtype + hook", _narrow_reduce_dtype, _hook_given,
+    Refusal("narrow reduce_dtype + hook",
+            lambda c: c.precision is not None and c.precision.compresses,
+            lambda c: _hook(c) is not None,
             "MixedPrecision(reduce_dtype=...) narrower than float32 reduces through the "
             "matching compression hook, and a hook was given too: the hook decides what the "
             "reduction sends. Pass reduce_dtype=None (or float32) with your hook, or drop it."),
-    Refusal("float16 without loss scaling", _float16, _no_dynamic_scale,
+    Refusal("float16 without loss scaling",
+            lambda c: c.precision is not None and c.precision.uses_float16,
+            lambda c: not dynamic_scale(c),
             "MixedPrecision with float16 needs loss scaling: float16 holds magnitudes from "
             "about 6e-5 to 65504 only, so gradients underflow to zero or overflow to Inf. Pass "
             "loss_scale=jddp.precision.DynamicScale(), or use bfloat16 (float32's range)."),

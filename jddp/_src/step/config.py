@@ -202,7 +202,7 @@ class LocalResult(NamedTuple):
 class ReplicaMean(Protocol):
     """The mean over the replicas of per-replica values, one chained collective per bucket of a
     plan (local SGD's averaging): the reducer family's, bound by the skeleton to the step's
-    chain and to how an island holds a replica (:class:`jddp._src.reduce.replica_mean.ReplicaMean`)."""
+    chain and to how an island holds a replica (:class:`jddp._src.reduce.averaging.ReplicaMean`)."""
 
     def __call__(self, leaves: list, plan: BucketPlan, *, extras: tuple, hook: CommHook | None,
                  step: Any) -> tuple[list, tuple]:

@@ -8,7 +8,6 @@ The bridge is NNX's functional API (``nnx.split``/``nnx.merge``): :class:`DataPa
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ from flax import nnx
 from jddp._src.api.policies import Loss
 from jddp._src.plan.planner import BucketPlan
 from jddp._src.plan.report import Report
-from jddp._src.step.objective import unpack_loss_output
+from jddp._src.step.objective import check_loss_arity, unpack_loss_output
 from jddp._src.step.state import TrainState
 from jddp._src.step.step import Step
 from jddp._src.step.trainer import DataParallel as CoreDataParallel
@@ -69,31 +68,6 @@ def wrap(
         return loss_fn(nnx.merge(graphdef, params, rest), *args)
 
     return loss_over_params, params, rest
-
-
-def _check_loss_arity(loss_fn: Callable[..., Any], rng: bool) -> None:
-    """A ``loss_fn`` that cannot take the step's arguments is refused at construction, naming
-    the ``rng`` option, instead of a bare arity error from inside the first traced step."""
-    try:
-        sig = inspect.signature(loss_fn)
-    except (TypeError, ValueError):  # builtins and some C callables have none: trust them
-        return
-    args = ("model", "batch", "rng") if rng else ("model", "batch")
-    try:
-        sig.bind(*args)
-    except TypeError:
-        if rng:
-            raise TypeError(
-                f"jddp.Loss(rng=True) passes one PRNG key per example as a third argument, "
-                f"loss_fn(model, batch, rng), but loss_fn{sig} cannot take it. Add the argument "
-                "(and draw dropout keys from it), or drop Loss(rng=True) to use the model's own "
-                "nnx.Rngs."
-            ) from None
-        raise TypeError(
-            f"loss_fn is called as loss_fn(model, batch), but loss_fn{sig} cannot be. A loss "
-            "that takes per-example keys, loss_fn(model, batch, rng), needs "
-            "loss=jddp.Loss(rng=True)."
-        ) from None
 
 
 def _check_same_shapes(model: nnx.Module, params: Any, rest: Any, graphdef: Any, wrt: Any) -> None:
@@ -244,7 +218,8 @@ class DataParallel:
             raise ValueError("has_aux=True and loss=jddp.Loss(...) were both given: pass "
                              "loss=jddp.Loss(has_aux=True, ...) alone.")
         core = CoreDataParallel(_ModelLoss(graphdef, wrt, loss_fn, aux), optimizer, **options)
-        _check_loss_arity(loss_fn, core.config.loss.rng)
+        rng = core.config.loss.rng
+        check_loss_arity(loss_fn, 2 + rng, stateful=False, rng=rng, first="model")
         for name, value in (("graphdef", graphdef), ("wrt", wrt), ("_model", model),
                             ("core", core), ("step", core.step)):
             object.__setattr__(self, name, value)

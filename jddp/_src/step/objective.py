@@ -40,10 +40,11 @@ STEP_METRICS: dict[str, str] = {
 }
 
 
-def check_loss_arity(loss_fn: Callable[..., Any], n: int, *, stateful: bool, rng: bool) -> None:
+def check_loss_arity(loss_fn: Callable[..., Any], n: int, *, stateful: bool, rng: bool,
+                     first: str = "params") -> None:
     """Refuses a ``loss_fn`` that cannot take the ``n`` arguments the step passes, naming the
     expected call and the option that decides each argument (a bare "takes 2 positional
-    arguments but 3 were given" names neither)."""
+    arguments but 3 were given" names neither); ``first``: the name of its first argument."""
     try:
         sig = inspect.signature(loss_fn)
     except (TypeError, ValueError):  # builtins and some C callables have none: trust them
@@ -54,17 +55,17 @@ def check_loss_arity(loss_fn: Callable[..., Any], n: int, *, stateful: bool, rng
         pass
     else:
         return
-    call = ", ".join(["params"] + ["model_state"] * stateful + ["batch"] + ["rng"] * rng)
+    call = ", ".join([first] + ["model_state"] * stateful + ["batch"] + ["rng"] * rng)
     why = []
     if stateful:
         why.append("model_state because the state was made with init(params, model_state) "
                    "(a model without state: init(params))")
     if rng:
-        why.append("rng (one PRNG key per example) because of loss=jddp.Loss(rng=True) "
-                   "(drop it for a loss without keys)")
+        why.append("rng, as loss=jddp.Loss(rng=True) passes one PRNG key per example")
     because = f"; it passes {' and '.join(why)}" if why else ""
-    more = "" if rng else (" A loss that takes per-example keys as its last argument needs "
-                           "loss=jddp.Loss(rng=True).")
+    more = (" Add the argument (and draw dropout keys from it), or drop Loss(rng=True) for a "
+            "loss without keys." if rng else " A loss that takes per-example keys as its last "
+            "argument needs loss=jddp.Loss(rng=True).")
     raise TypeError(
         f"The step calls loss_fn({call}){because}, but loss_fn{sig} cannot take these "
         f"arguments. Give loss_fn that signature, or change the option.{more}"
@@ -245,18 +246,9 @@ class Objective:
     def extras_shape(self, aux_shape: LocalAux, n: int, axis_name: Any,
                      windowed: bool = False) -> Extras:
         """Shape structs of :meth:`extras` for a :class:`LocalAux` of shape structs ``aux_shape``."""
-        scalar = jax.ShapeDtypeStruct((), jnp.float32)
-        state = ()
-        if self.stateful:
-            state = ms_lib.payload_shape(aux_shape.model_state, self.policy.model_state_sync, n,
-                                         axis_name)
-        metrics = {k: scalar for k in aux_shape.metrics}
-        if not self.policy.weighted:
-            if windowed:
-                metrics["loss"] = scalar
-            return Extras(metrics, {}, None, scalar, None, state)
-        sums = {k: scalar for k in aux_shape.sums if windowed or k != "loss"}
-        return Extras(metrics, sums, scalar, scalar, scalar, state)
+        scalar = jnp.zeros((), jnp.float32)
+        return jax.eval_shape(
+            lambda aux: self.extras(aux, scalar, scalar, axis_name, n, windowed), aux_shape)
 
     def decode_state(self, mean: Extras, local_state: Any, n: int) -> Any:
         """The synchronised new model state from the averaged payload."""

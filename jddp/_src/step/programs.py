@@ -17,7 +17,7 @@ import json
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import jax
 
@@ -80,7 +80,7 @@ class ProgramSignature(NamedTuple):
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:32]
 
     def describe(self) -> ProgramSignature:
-        """Itself (a :class:`Checked` program that is already described)."""
+        """Itself (a program that is already described)."""
         return self
 
     def to_json(self) -> str:
@@ -93,14 +93,6 @@ class ProgramSignature(NamedTuple):
             tuple(CollectiveSig(k, tuple(o), n, s, g, w, b) for k, o, n, s, g, w, b in cols),
             tuple(tuple(b) for b in buckets),
         )
-
-
-class Checked(Protocol):
-    """What :func:`exchange` compares: a digest on the happy path, a description on demand."""
-
-    def digest(self) -> str: ...
-
-    def describe(self) -> ProgramSignature: ...
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -124,10 +116,8 @@ class ProgramFingerprint:
         return self.description
 
 
-def _bucket_paths(plan: Any) -> tuple[tuple[str, ...], ...]:
-    if plan is None:
-        return ()
-    return tuple(tuple(plan.paths[i] for i in b.indices) for b in plan.buckets)
+#: What :func:`exchange` compares: a digest on the happy path, a description on demand.
+Checked = ProgramFingerprint | ProgramSignature
 
 
 def signature(compiled: Any, plan: Any = None) -> ProgramFingerprint:
@@ -140,7 +130,8 @@ def signature(compiled: Any, plan: Any = None) -> ProgramFingerprint:
     from jddp._src.introspect import hlo  # the HLO reader loads when a program is checked
 
     text = hlo.read_text(compiled)
-    buckets = _bucket_paths(plan)
+    buckets = () if plan is None else tuple(tuple(plan.paths[i] for i in b.indices)
+                                            for b in plan.buckets)
     h = hashlib.sha256(hlo.canonical_text(text).encode())
     h.update(json.dumps(buckets).encode())
     return ProgramFingerprint(h.hexdigest()[:32], text, buckets)
@@ -214,7 +205,7 @@ def timeout_s() -> float:
     return float(value) if value else DEFAULT_TIMEOUT_S
 
 
-def check_across_processes(sig: Checked, what: str = "step program") -> None:
+def check_across_processes(sig: Checked) -> None:
     """Raises :class:`ProgramMismatchError` on every process unless all run the same collectives
     (``sig``: a :class:`ProgramFingerprint` or a :class:`ProgramSignature`).
 
@@ -227,7 +218,7 @@ def check_across_processes(sig: Checked, what: str = "step program") -> None:
     if client is None:
         return
     exchange(client, sig, next(_sequence), jax.process_index(), jax.process_count(),
-             timeout_s(), what)
+             timeout_s())
 
 
 def exchange(client: Any, sig: Checked, seq: int, me: int, n: int, limit: float,

@@ -21,9 +21,9 @@ from jax.sharding import PartitionSpec as P
 from jddp._src.core import recorder, zero
 from jddp._src.core.bytemodel import Bytes
 from jddp._src.plan.planner import BucketPlan
-from jddp._src.reduce.replica_mean import ReplicaMean
+from jddp._src.reduce.averaging import ReplicaMean
 from jddp._src.runtime.topology import Roles
-from jddp._src.step.checks import check_batch, check_float_params
+from jddp._src.step.checks import check_batch, check_float_params, check_train_state
 from jddp._src.step.config import (
     LocalCall,
     LocalResult,
@@ -138,11 +138,7 @@ def check_step_inputs(
     cfg: StepConfig, state: Any, batch: Any, mask: Any, sync: bool | None, rng: Any = None
 ) -> Any:
     """Trace-time checks of one step call; returns the mask as float32 weights (or ``None``)."""
-    if not isinstance(state, TrainState):
-        raise TypeError(
-            f"step expects the TrainState returned by init (or a previous step), got "
-            f"{type(state).__name__}."
-        )
+    check_train_state(state, TrainState)
     check_float_params(state.params)
     expected = jax.eval_shape(functools.partial(cfg.place.init_opt_state, cfg.optimizer,
                                                 cfg.topology), state.params)

@@ -61,13 +61,6 @@ def _verify_every(verify_every: Any) -> int:
     return verify_every or 0
 
 
-def _combination(p: pol.Policies, precision: Any, mesh: Mesh) -> compat.Combination:
-    """The policies with the facts of the mesh the compatibility table reads."""
-    return compat.Combination(policies=p, precision=precision_lib.check_policy(precision),
-                              devices=int(mesh.size),
-                              two_level=mesh_lib.data_axes(mesh).two_level)
-
-
 def _reducer(p: pol.Policies, precision: Any) -> Reducer:
     """The step's reducer: a reducer policy itself (any ``BaseReducer``, as
     ``jddp.Deterministic``), or the bucketed reducer of ``jddp.Buckets`` (the hook the precision
@@ -90,7 +83,8 @@ def step_config(loss_fn: Callable[..., Any], optimizer: Any, mesh: Mesh, p: pol.
                 precision: Any) -> StepConfig:
     """The step's configuration from its policies, after the compatibility table
     (:mod:`jddp._src.step.compat`)."""
-    c = _combination(p, precision, mesh)
+    c = compat.Combination(policies=p, precision=precision_lib.check_policy(precision),
+                           devices=int(mesh.size), two_level=mesh_lib.data_axes(mesh).two_level)
     compat.check(c)
     acc = p.accumulate
     return StepConfig(

@@ -242,6 +242,7 @@ class _Runtime:
         rank, world = jax.process_index(), jax.process_count()
         host, port = env.store.rsplit(":", 1)
         timeout = timedelta(seconds=max(env.grace_s, 1.0) * 2)
+        url = env.quorum if "://" in env.quorum else f"http://{env.quorum}"
         self._store = TCPStore(host, int(port), world, rank == 0,
                                timeout=timedelta(seconds=env.quorum_timeout_s),
                                wait_for_workers=False)
@@ -250,7 +251,7 @@ class _Runtime:
             state_dict=self._state, min_replica_size=1, use_async_quorum=False,
             timeout=timeout, quorum_timeout=timedelta(seconds=env.quorum_timeout_s),
             connect_timeout=timedelta(seconds=60), rank=rank, world_size=world,
-            store_addr=host, store_port=int(port), lighthouse_addr=_lighthouse_url(env.quorum),
+            store_addr=host, store_port=int(port), lighthouse_addr=url,
             replica_id=f"island{env.island}", heartbeat_interval=timedelta(milliseconds=100),
             init_sync=False)  # islands start alike (ddp.init, same params); see _sync
         atexit.register(self.manager.shutdown, wait=False)
@@ -327,10 +328,6 @@ def _unflatten(flat: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
         out.append(flat[i:i + x.size].reshape(x.shape).astype(x.dtype))
         i += x.size
     return out
-
-
-def _lighthouse_url(addr: str) -> str:
-    return addr if "://" in addr else f"http://{addr}"
 
 
 @functools.lru_cache(maxsize=1)

@@ -96,21 +96,10 @@ def _chunk_bits(n: int) -> int:
     return bits
 
 
-def _as_uint(x: jax.Array) -> jax.Array:
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint8)
-    return lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
-
-
-def _from_uint(u: jax.Array, dtype: np.dtype) -> jax.Array:
-    if dtype == np.bool_:
-        return u != 0
-    return lax.bitcast_convert_type(u, dtype)
-
-
 def _encode_bits(x: jax.Array, n: int, axis_name: Any) -> jax.Array:
     """Replica 0's bits of ``x`` as exact float32 integers times ``n``, zeros on other replicas."""
-    u = _as_uint(x)
+    u = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else lax.bitcast_convert_type(
+        x, _UINT[x.dtype.itemsize])
     width = 8 * u.dtype.itemsize
     bits = min(_chunk_bits(n), width)
     mask = jnp.asarray(2**bits - 1, u.dtype)
@@ -118,11 +107,6 @@ def _encode_bits(x: jax.Array, n: int, axis_name: Any) -> jax.Array:
               for s in range(0, width, bits)]
     stacked = jnp.stack(chunks) * jnp.float32(n)  # integers < 2**24: exact
     return jnp.where(lax.axis_index(axis_name) == 0, stacked, jnp.zeros_like(stacked))
-
-
-def _num_chunks(itemsize: int, n: int) -> int:
-    width = 8 * itemsize
-    return width // min(_chunk_bits(n), width)
 
 
 def _decode_bits(mean: jax.Array, dtype: np.dtype, n: int) -> jax.Array:
@@ -135,7 +119,7 @@ def _decode_bits(mean: jax.Array, dtype: np.dtype, n: int) -> jax.Array:
     u = jnp.zeros(mean.shape[1:], utype)
     for j in range(mean.shape[0]):
         u = u | (chunks[j] << jnp.asarray(j * bits, utype))
-    return _from_uint(u, dtype)
+    return u != 0 if dtype == np.bool_ else lax.bitcast_convert_type(u, dtype)
 
 
 def _same_everywhere(x: Any, axis_name: Any) -> bool:
@@ -170,28 +154,6 @@ def encode_state(new_state: Any, mode: str, axis_name: Any, n: int) -> Any:
         return _encode_bits(x, n, axis_name)
 
     return jax.tree.map(enc, new_state)
-
-
-def payload_shape(state: Any, mode: str, n: int, axis_name: Any) -> Any:
-    """Shape structs of :func:`encode_state`'s payload for ``state`` (arrays or shape structs)."""
-    if mode == "none":
-        return ()
-
-    def shape(x):
-        if _same_everywhere(x, axis_name):
-            return ()
-        if _is_key(x):
-            data = jax.eval_shape(jax.random.key_data, x)
-            return jax.ShapeDtypeStruct(
-                (_num_chunks(np.dtype(data.dtype).itemsize, n), *data.shape), jnp.float32
-            )
-        dtype = dtype_of(x)
-        if mode == "mean" and jnp.issubdtype(dtype, jnp.floating):
-            return jax.ShapeDtypeStruct(np.shape(x), jnp.float32)
-        itemsize = 1 if dtype == np.bool_ else dtype.itemsize
-        return jax.ShapeDtypeStruct((_num_chunks(itemsize, n), *np.shape(x)), jnp.float32)
-
-    return jax.tree.map(shape, state)
 
 
 def decode_state(mean_payload: Any, like: Any, mode: str, n: int) -> Any:

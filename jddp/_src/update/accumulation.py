@@ -1,6 +1,7 @@
-"""Local gradient accumulation: the accumulator (its init, layout and checks) and the
-micro-batch split, for DDP's ``no_sync`` (calls that only accumulate) and fused micro-batches
-(docs/accumulate.md); the local sums the reducer runs are :mod:`jddp._src.core.microbatch`'s.
+"""Local gradient accumulation: the accumulator (its init, layout and checks), for DDP's
+``no_sync`` (calls that only accumulate) and fused micro-batches (docs/accumulate.md); the
+micro-batch split is :class:`jddp._src.update.update.Accumulate`'s, the local sums the reducer
+runs are :mod:`jddp._src.core.microbatch`'s.
 """
 
 from __future__ import annotations
@@ -111,17 +112,3 @@ def check_accum(state: Any, accumulate_steps: int, num_devices: int,
                 "DataParallel's init()."
             )
 
-
-def check_microbatches(local_size: int, microbatches: int, num_devices: int) -> None:
-    if local_size % microbatches:
-        raise ValueError(
-            f"jddp.Accumulate(microbatches={microbatches}) does not divide the per-device batch "
-            f"of {local_size} "
-            f"examples (global batch {local_size * num_devices} on {num_devices} devices). Use a "
-            f"global batch that is a multiple of {num_devices * microbatches}."
-        )
-
-
-def split_microbatches(batch: Any, m: int) -> Any:
-    """Reshapes every leaf ``[b, ...]`` to ``[m, b // m, ...]`` (contiguous micro-batches)."""
-    return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)

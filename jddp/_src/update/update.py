@@ -32,11 +32,6 @@ Inner = Callable[[Any, Any, Any], tuple[Any, Any]]
 placement, the update the wrappers wrap."""
 
 
-def _set(obj: Any, name: str, value: Any) -> None:
-    # A frozen dataclass normalises its own fields in __post_init__ (documented idiom).
-    object.__setattr__(obj, name, value)
-
-
 @dataclasses.dataclass(frozen=True)
 class Accumulate:
     """Gradient accumulation: local sums over calls and micro-batches, one reduction per
@@ -60,11 +55,12 @@ class Accumulate:
     shard: bool | None = None
 
     def __post_init__(self) -> None:
-        _set(self, "steps", options.count(self.steps, "Accumulate.steps"))
-        _set(self, "microbatches", options.count(self.microbatches, "Accumulate.microbatches"))
-        _set(self, "dtype", options.float_dtype(self.dtype, "Accumulate.dtype"))
+        object.__setattr__(self, "steps", options.count(self.steps, "Accumulate.steps"))
+        object.__setattr__(self, "microbatches",
+                           options.count(self.microbatches, "Accumulate.microbatches"))
+        object.__setattr__(self, "dtype", options.float_dtype(self.dtype, "Accumulate.dtype"))
         if self.shard is not None:
-            _set(self, "shard", options.flag(
+            object.__setattr__(self, "shard", options.flag(
                 self.shard, "Accumulate.shard",
                 " None (the default) shards the accumulator at ZeRO stages 2-3 when it can."))
         if self.shard and self.steps == 1:
@@ -129,17 +125,23 @@ class Accumulate:
                 "the DataParallel with accumulate=jddp.Accumulate(steps=k) (k > 1; the k-th call "
                 "of step(state, batch) synchronises, or choose with sync=True/False)."
             )
-        if self.microbatches > 1:
-            acc_lib.check_microbatches(local_size, self.microbatches, num_devices)
+        m = self.microbatches
+        if local_size % m:
+            raise ValueError(
+                f"jddp.Accumulate(microbatches={m}) does not divide the per-device batch of "
+                f"{local_size} examples (global batch {local_size * num_devices} on "
+                f"{num_devices} devices). Use a global batch that is a multiple of "
+                f"{num_devices * m}."
+            )
 
     # -------------------------------------------------------------- the per-device phases
 
     def split(self, tree: Any) -> tuple[Any, Any]:
-        """``(micro, last)``: the call's micro-batches of ``tree`` stacked on a leading axis,
-        and the last one."""
+        """``(micro, last)``: the call's micro-batches of ``tree`` stacked on a leading axis
+        (contiguous rows), and the last one."""
         m = self.microbatches
         if m > 1:
-            micro = acc_lib.split_microbatches(tree, m)
+            micro = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), tree)
             return micro, jax.tree.map(lambda x: x[m - 1], micro)
         return jax.tree.map(lambda x: x[None], tree), tree
 
@@ -214,8 +216,6 @@ class Accumulate:
     def reducing(self, sync: bool | None) -> bool | None:
         """The ``sync`` of a call that reduces (with a window, the others send nothing)."""
         return True if self.accumulates else sync
-
-
 
 
 def _where_rows(ok: Any, new: jax.Array, old: jax.Array) -> jax.Array:

@@ -222,6 +222,3 @@ def check_state(hook: CommHook, old: Any, new: Any, index: int) -> None:
                 f"Communication hook {name!r} changed a state leaf of bucket {index} from "
                 f"{leaf_str(a)} to {leaf_str(b)}; hook state must keep its shapes and dtypes."
             )
-
-
-# ------------------------------------------------------------------------------------ bytes

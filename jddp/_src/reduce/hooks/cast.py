@@ -10,13 +10,9 @@ from jddp._src.core import recorder
 from jddp._src.reduce.hooks import CommHook, HookContext, no_state
 
 
-def _check_method(method: str) -> None:
+def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
     if method not in ("psum", "all_gather"):
         raise ValueError(f"method must be 'psum' or 'all_gather', got {method!r}.")
-
-
-def _cast_hook(dtype: Any, name: str, method: str) -> CommHook:
-    _check_method(method)
     dtype = jnp.dtype(dtype)
 
     def reduce(grads, states, ctx: HookContext):
@@ -71,6 +67,3 @@ def bf16_compress(method: str = "psum") -> CommHook:
     """
     suffix = "" if method == "psum" else f"[{method}]"
     return _cast_hook(jnp.bfloat16, f"bf16_compress{suffix}", method)
-
-
-# ------------------------------------------------------------------------------- int8 hook

@@ -173,6 +173,3 @@ def int8_compress(
     name = f"int8_compress(block={block_size}, {rounding})"
     return CommHook(init, reduce, name, fuses_extras=False,
                     scatter=None if error_feedback else scatter)
-
-
-# ----------------------------------------------------------------------------------- PowerSGD

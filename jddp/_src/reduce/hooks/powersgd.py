@@ -219,6 +219,3 @@ def powersgd(
     name = f"powersgd(rank={rank}, start_iter={start_iter})"
     return CommHook(impl.init, impl.reduce, name, fuses_extras=True,
                     phase=impl.phase)
-
-
-# --------------------------------------------------------------------------- hierarchical hook

@@ -90,10 +90,8 @@ def launch(
                        prefix_output, step_timeout_s, first_step_timeout_s, max_restarts,
                        preemption_grace_s, nnodes, node_rank, master_addr, rdzv_timeout_s)
     with _caught_signals() as (signals, current), Guardian() as guardian:
-        if master_addr is not None:
-            return _launch_nodes(options, master_addr, nnodes, node_rank, max_restarts,
-                                 rdzv_timeout_s, guardian, signals, current)
-        return _restarts(options, port, max_restarts, guardian, signals, current)
+        return _attempts(options, port, master_addr, nnodes, node_rank, max_restarts,
+                         rdzv_timeout_s, guardian, signals, current)
 
 
 def _options(command: Sequence[str], num_processes: int, devices_per_process: int | None,
@@ -163,46 +161,21 @@ def _caught_signals() -> Iterator[tuple[list[int], list[subprocess.Popen]]]:
             signal.signal(sig, handler)
 
 
-def _restarts(options: Options, port: int | None, max_restarts: int, guardian: Guardian,
+def _attempts(options: Options, port: int | None, master_addr: str | None, nnodes: int,
+              node_rank: int, max_restarts: int, rdzv_timeout_s: float, guardian: Guardian,
               signals: list[int], current: list[subprocess.Popen]) -> int:
-    """A one-node job with its coordinator on 127.0.0.1: attempts until one ends the job."""
-    for attempt in range(max_restarts + 1):
-        if port is not None and port_in_use(port):
-            note(f"coordinator port {port} on 127.0.0.1 is already in use (another job, or one "
-                 "still ending?). Leave out --port to get a free port, or pass a free one.")
-            return EXIT_PORT_IN_USE
-        coordinator = f"127.0.0.1:{port or free_port()}"
-        outcome = run_attempt(options, coordinator, attempt, guardian, signals, current)
-        if outcome.status != 0:
-            note(f"exit statuses: {statuses(options, outcome.ranks)}")
-        # Asked to stop (Ctrl-C, SIGTERM, SIGHUP): never start again, whatever the ranks did.
-        stop = bool(signals) or not outcome.restartable
-        if outcome.status == 0 or stop or attempt == max_restarts:
-            if outcome.status == EXIT_RESUME:
-                note(f"{outcome.reason}; exiting with {describe(EXIT_RESUME)}: run the same "
-                     "command again to resume from the checkpoint")
-            elif outcome.status != 0 and not stop and max_restarts:
-                note(f"{outcome.reason}; no restarts left ({max_restarts} used)")
-            return outcome.status
-        fresh = " on a fresh coordinator port" if port is None else ""
-        note(f"{outcome.reason}; restarting the job ({attempt + 1} of {max_restarts} "
-             f"restarts){fresh}")
-    raise AssertionError("unreachable")
-
-
-def _launch_nodes(options: Options, master_addr: str, nnodes: int, node_rank: int,
-                  max_restarts: int, rdzv_timeout_s: float, guardian: Guardian,
-                  signals: list[int], current: list[subprocess.Popen]) -> int:
-    """One node's agent of a job with a given coordinator (`master_addr`): with several nodes,
-    node 0 decides every attempt and the others follow (`jddp/_src/runtime/multinode.py`)."""
+    """Attempts until one ends the job: with its coordinator on 127.0.0.1 (a fresh port each
+    attempt unless ``port``), or at ``master_addr``, where with several nodes node 0 decides
+    every attempt and the others follow (`jddp/_src/runtime/multinode.py`)."""
     link: multinode.Master | multinode.Worker | None = None
     try:
-        if nnodes > 1:
+        if nnodes > 1 and master_addr is not None:  # (_options requires it)
             link = (multinode.Master(master_addr, nnodes, rdzv_timeout_s) if node_rank == 0
                     else multinode.Worker(master_addr, node_rank, rdzv_timeout_s))
     except (OSError, TimeoutError) as e:
         note(f"node {node_rank}: {e}")
         return 1
+    local = master_addr is None
     try:
         attempt = 0
         while True:
@@ -215,8 +188,14 @@ def _launch_nodes(options: Options, master_addr: str, nnodes: int, node_rank: in
                 attempt = value
             elif isinstance(link, multinode.Master):
                 link.start(attempt)
-            outcome = run_attempt(options, master_addr, attempt, guardian, signals, current,
-                                   peer=link)
+            if local and port is not None and port_in_use(port):
+                note(f"coordinator port {port} on 127.0.0.1 is already in use (another job, or "
+                     "one still ending?). Leave out --port to get a free port, or pass a free "
+                     "one.")
+                return EXIT_PORT_IN_USE
+            coordinator = master_addr or f"127.0.0.1:{port or free_port()}"
+            outcome = run_attempt(options, coordinator, attempt, guardian, signals, current,
+                                  peer=link)
             end = multinode.AttemptEnd(outcome.status, outcome.reason, outcome.restartable,
                                        bool(signals), outcome.time, outcome.ranks)
             if link is not None:
@@ -225,16 +204,23 @@ def _launch_nodes(options: Options, master_addr: str, nnodes: int, node_rank: in
                 continue
             if end.status != 0:
                 note(f"exit statuses: {statuses(options, end.ranks)}")
-            if end.status == 0 or not end.restartable or end.signalled or attempt == max_restarts:
-                if end.status != 0 and end.restartable and not end.signalled and max_restarts:
+            # Asked to stop (Ctrl-C, SIGTERM, SIGHUP): never start again, whatever the ranks did.
+            stop = end.signalled or not end.restartable
+            if end.status == 0 or stop or attempt == max_restarts:
+                if local and end.status == EXIT_RESUME:
+                    note(f"{end.reason}; exiting with {describe(EXIT_RESUME)}: run the same "
+                         "command again to resume from the checkpoint")
+                elif end.status != 0 and not stop and max_restarts:
                     note(f"{end.reason}; no restarts left ({max_restarts} used)")
-                if end.status != 0:
+                if end.status != 0 and not local:
                     note(f"the job ended with {describe(end.status)}: {end.reason}")
                 if link is not None:
                     link.finish(end.status, end.reason)
                 return end.status
-            note(f"{end.reason}; restarting the job on every node ({attempt + 1} of "
-                 f"{max_restarts} restarts)")
+            where = "" if local else " on every node"
+            fresh = " on a fresh coordinator port" if local and port is None else ""
+            note(f"{end.reason}; restarting the job{where} ({attempt + 1} of {max_restarts} "
+                 f"restarts){fresh}")
             attempt += 1
     finally:
         if link is not None:

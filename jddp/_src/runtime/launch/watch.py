@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from jddp._src.runtime import multinode
+from jddp._src.runtime import multinode, watchdog
 from jddp._src.runtime.coordinator import EXIT_RESUME
 from jddp._src.runtime.launch.procs import (
     EXIT_EARLY,
@@ -54,30 +54,24 @@ class Links:
         self._thread.start()
 
     def _read(self) -> None:
-        buffers = {s.fileno(): b"" for s in self.socks}
-        rank_of = {s.fileno(): r for r, s in enumerate(self.socks)}
-        open_socks = list(self.socks)
-        while open_socks and not self._stop.is_set():
+        links = {s: watchdog.Lines(s) for s in self.socks}
+        rank_of = {s: r for r, s in enumerate(self.socks)}
+        while links and not self._stop.is_set():
             try:
-                readable, _, _ = select.select(open_socks, [], [], 0.1)
+                readable, _, _ = select.select(list(links), [], [], 0.1)
             except (OSError, ValueError):
                 return
             for s in readable:
-                try:
-                    data = s.recv(4096)
-                except OSError:
-                    data = b""
-                if not data:
-                    open_socks.remove(s)
+                lines = links[s].read()
+                if lines is None:
+                    del links[s]
                     continue
-                fd = s.fileno()
-                *lines, buffers[fd] = (buffers[fd] + data).split(b"\n")
                 for line in lines:
-                    self._update(rank_of[fd], line)
+                    self._update(rank_of[s], line)
 
-    def _update(self, rank: int, line: bytes) -> None:
+    def _update(self, rank: int, line: str) -> None:
         parts = line.split()
-        if len(parts) != 3 or parts[0] not in (b"p", b"x"):
+        if len(parts) != 3 or parts[0] not in ("p", "x"):
             return
         try:
             completed, dispatched = int(parts[1]), int(parts[2])
@@ -90,7 +84,7 @@ class Links:
                 self.last_progress = time.monotonic()
                 self.any_completed = True
             r.dispatched = max(r.dispatched, dispatched)
-            r.exiting = r.exiting or parts[0] == b"x"
+            r.exiting = r.exiting or parts[0] == "x"
 
     def snapshot(self) -> tuple[list[RankProgress], float, bool]:
         with self.lock:

@@ -183,38 +183,19 @@ class _Pack(NamedTuple):
 
 
 def _pack(leaves: Sequence[_Leaf], indices: Sequence[int], n: int, piece: bool) -> _Pack:
-    groups: list[Any] = []
-    fill: dict[tuple[int, int], int] = {}
-    where = {}
-    for i in indices:
-        lf = leaves[i]
-        dt = jnp.dtype(lf.dtype)
-        if dt not in groups:
-            groups.append(dt)
-        g = groups.index(dt)
-        size = int(np.prod(lf.shape, dtype=np.int64))
-        size = size // n if piece and lf.dim is not None else size
-        off = fill.get((g, lf.owner), 0)
-        where[i] = (g, off, size)
-        fill[(g, lf.owner)] = off + size
-    width = tuple(max([fill.get((g, d), 0) for d in range(n)] + [1]) for g in range(len(groups)))
-    return _Pack(tuple(groups), width, where)
+    def size(lf: _Leaf) -> int:
+        whole = int(np.prod(lf.shape, dtype=np.int64))
+        return whole // n if piece and lf.dim is not None else whole
+
+    return _Pack(*owner_state.offsets(
+        ((i, jnp.dtype(leaves[i].dtype), size(leaves[i]), leaves[i].owner) for i in indices), n))
 
 
-def _rows(pack: _Pack, k: int, leaves: Sequence[_Leaf], parts: dict[int, jax.Array],
-          rows: int) -> list[jax.Array]:
-    """Buffers ``(rows, width)`` per dtype holding owner ``k``'s ``parts`` (each ``(rows, size)``)
+def _rows(pack: _Pack, parts: dict[int, jax.Array], rows: int) -> list[jax.Array]:
+    """Buffers ``(rows, width)`` per dtype holding one owner's ``parts`` (each ``(rows, size)``)
     at their offsets, zeros elsewhere."""
-    out = []
-    for g, dt in enumerate(pack.groups):
-        mine = [(pack.where[i][1], parts[i]) for i in sorted(parts)
-                if pack.where[i][0] == g and leaves[i].owner == k]
-        cols = [p.astype(dt) for _, p in sorted(mine, key=lambda t: t[0])]
-        used = sum(c.shape[1] for c in cols)
-        if used < pack.width[g]:
-            cols.append(jnp.zeros((rows, pack.width[g] - used), dt))
-        out.append(jnp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0])
-    return out
+    return [owner_state.fill_row(pack.groups, pack.width, pack.where, parts, g, rows)
+            for g in range(len(pack.groups))]
 
 
 # ------------------------------------------------------------------------------ the update
@@ -320,7 +301,7 @@ def _to_owners(io: _Io, pieces: list, n: int, axis: Any) -> list:
     for s in range(n):
         parts = {i: zero.piece_row(pieces[i], _dim(io.leaves[i])) for i in io.send.where
                  if io.leaves[i].owner == s}
-        for g, b in enumerate(_rows(io.send, s, io.leaves, parts, 1)):
+        for g, b in enumerate(_rows(io.send, parts, 1)):
             bufs[g].append(b)
     return [recorder.all_to_all(jnp.concatenate(b, axis=0), axis, 0, 0, tiled=True)
             for b in bufs]
@@ -349,7 +330,7 @@ def _branch_outputs(io: _Io, new: list, k: int, n: int) -> tuple[list, list]:
     split = {i: zero.to_rows(new[i], io.leaves[i].dim, n) for i in io.send.where
              if io.leaves[i].owner == k}
     whole = {i: jnp.reshape(new[i], (1, -1)) for i in io.whole.where if io.leaves[i].owner == k}
-    return _rows(io.send, k, io.leaves, split, n), _rows(io.whole, k, io.leaves, whole, 1)
+    return _rows(io.send, split, n), _rows(io.whole, whole, 1)
 
 
 def _from_owners(io: _Io, split_bufs: list, whole_bufs: list, n: int, axis: Any) -> list:
@@ -455,12 +436,13 @@ def _state_outputs(moves: _Moves, k: int, new: list) -> tuple[list, list]:
     own copies when every device computes them alike, else device 0's as ``(1, width)`` rows
     per dtype (all-gathered by :func:`_common_from_zero`)."""
     lay = moves.state
-    rows = [owner_state.row(lay, k, {i: new[i] for i in lay.owned(k)}, g)
+    mine = {i: jnp.reshape(new[i], (1, -1)) for i in lay.owned(k)}
+    rows = [owner_state.fill_row(lay.groups, lay.width, lay.where, mine, g)
             for g in range(len(lay.groups))]
     if moves.needs.common_local:  # every device computed them alike: its own copy
         return rows, [jnp.reshape(new[i], (1, *lay.shapes[i])) for i in lay.common()]
     parts = {j: jnp.reshape(new[i], (1, -1)) for j, i in enumerate(lay.common())} if k == 0 else {}
-    return rows, _rows(moves.common_pack, k, moves.common, parts, 1)
+    return rows, _rows(moves.common_pack, parts, 1)
 
 
 def _common_from_zero(moves: _Moves, bufs: list, axis: Any) -> list:

@@ -159,14 +159,6 @@ def gather_all(ex: Exchange, rows: list[jax.Array], axis: Any,
     return out
 
 
-def gathered_widths(ex: Exchange) -> dict[Any, int]:
-    """Per dtype, the elements of one device's rows (what :func:`gather_all` sends)."""
-    out: dict[Any, int] = {}
-    for r, dt in zip(ex.rows, ex.dtypes, strict=True):
-        out[dt] = out.get(dt, 0) + r.width
-    return out
-
-
 def all_whole(ex: Exchange | None, gathered: list, rows: list[jax.Array], axis: Any,
               leaves: Sequence[Any], stored: Sequence[int | None]) -> list:
     """Every gradient leaf whole on every device (some owner reads another's: a global norm).

@@ -17,7 +17,7 @@ into any placement), :func:`portable_abstract` and :func:`repack` when restoring
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -60,29 +60,52 @@ class StateLayout(NamedTuple):
         return tuple(i for i, o in enumerate(self.owner) if o == k)
 
 
+def offsets(entries: Iterable[tuple[int, Any, int, int]],
+            n: int) -> tuple[tuple[Any, ...], tuple[int, ...], dict[int, tuple[int, int, int]]]:
+    """``(groups, width, where)`` of leaves packed per owner, one row buffer per dtype.
+
+    Args:
+      entries: per packed leaf ``(index, dtype, size, owner)``; ``where[index] = (group,
+        offset, size)`` and ``width[group]`` is the busiest owner's row length (at least 1).
+    """
+    groups: list[Any] = []
+    fill: dict[tuple[int, int], int] = {}
+    where = {}
+    for i, dt, size, o in entries:
+        if dt not in groups:
+            groups.append(dt)
+        g = groups.index(dt)
+        off = fill.get((g, o), 0)
+        where[i] = (g, off, size)
+        fill[(g, o)] = off + size
+    width = tuple(max([fill.get((g, d), 0) for d in range(n)] + [1]) for g in range(len(groups)))
+    return tuple(groups), width, where
+
+
+def fill_row(groups: Sequence[Any], width: Sequence[int], where: Any,
+             parts: dict[int, jax.Array], group: int, rows: int = 1) -> jax.Array:
+    """One owner's ``(rows, width)`` buffer of ``group``: its ``parts`` (each ``(rows, size)``)
+    at their offsets (``where``, as :func:`offsets` gives), zeros elsewhere."""
+    dt = jnp.dtype(groups[group])
+    cols = [parts[i].astype(dt) for i in sorted(parts, key=lambda i: where[i][1])
+            if where[i][0] == group]
+    used = sum(c.shape[1] for c in cols)
+    if used < width[group]:
+        cols.append(jnp.zeros((rows, width[group] - used), dt))
+    return jnp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
+
+
 def make_layout(opt_state: Any, owners: Sequence[int | None], n: int) -> StateLayout:
     """The :class:`StateLayout` of ``opt_state`` (arrays or shape structs) with ``owners`` per
     leaf (``None``: common) on ``n`` devices."""
     leaves, treedef = jax.tree.flatten(opt_state)
     shapes = tuple(tuple(int(d) for d in np.shape(x)) for x in leaves)
     dtypes = tuple(jnp.dtype(jnp.result_type(x)).name for x in leaves)
-    groups: list[str] = []
-    fill: dict[tuple[int, int], int] = {}
-    where: list[tuple[int, int, int] | None] = []
-    for shape, dt, o in zip(shapes, dtypes, owners, strict=True):
-        if o is None:
-            where.append(None)
-            continue
-        if dt not in groups:
-            groups.append(dt)
-        g = groups.index(dt)
-        size = int(np.prod(shape, dtype=np.int64))
-        off = fill.get((g, o), 0)
-        where.append((g, off, size))
-        fill[(g, o)] = off + size
-    width = tuple(max([fill.get((g, d), 0) for d in range(n)] + [1]) for g in range(len(groups)))
-    return StateLayout(treedef, shapes, dtypes, tuple(owners), tuple(where), tuple(groups),
-                       width, n)
+    groups, width, where = offsets(
+        ((i, dt, int(np.prod(shape, dtype=np.int64)), o) for i, (shape, dt, o)
+         in enumerate(zip(shapes, dtypes, owners, strict=True)) if o is not None), n)
+    return StateLayout(treedef, shapes, dtypes, tuple(owners),
+                       tuple(where.get(i) for i in range(len(shapes))), groups, width, n)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -116,26 +139,12 @@ def is_packed(x: Any) -> bool:
     return isinstance(x, Packed)
 
 
-def row(layout: StateLayout, k: int, leaves: dict[int, jax.Array], group: int,
-        rows: int = 1) -> jax.Array:
-    """Owner ``k``'s row of ``group``: its leaves (``leaves``, by index, each whole or, with
-    ``rows > 1``, already ``(rows, size)``) at their offsets, zeros elsewhere; ``(rows, width)``."""
-    dt = jnp.dtype(layout.groups[group])
-    cols = []
-    for i in layout.owned(k):
-        w = layout.where[i]
-        if w is not None and w[0] == group and i in leaves:
-            cols.append(jnp.reshape(leaves[i], (rows, -1)).astype(dt))
-    used = sum(c.shape[1] for c in cols)
-    if used < layout.width[group]:
-        cols.append(jnp.zeros((rows, layout.width[group] - used), dt))
-    return jnp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
-
-
 def pack(opt_state: Any, layout: StateLayout) -> Packed:
     """``opt_state`` (the optax tree, global view) packed per owner."""
     leaves = jax.tree.leaves(opt_state)
-    rows = [jnp.concatenate([row(layout, k, dict(enumerate(leaves)), g)
+    rows = [jnp.concatenate([fill_row(layout.groups, layout.width, layout.where,
+                                      {i: jnp.reshape(leaves[i], (1, -1))
+                                       for i in layout.owned(k)}, g)
                              for k in range(layout.n)], axis=0)
             for g in range(len(layout.groups))]
     common = [jnp.broadcast_to(jnp.asarray(leaves[i])[None], (layout.n, *layout.shapes[i]))

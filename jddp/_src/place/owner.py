@@ -1,35 +1,9 @@
 """Owner-sharded placement (``jddp.ZeRO(stage=s, shard="owner")``): each leaf's update on one device.
 
-Whole-matrix optimizers (Muon's Newton–Schulz orthogonalization, Shampoo-like preconditioners)
-need a leaf whole to update it. Split evenly (``shard="even"``), XLA partitions that work across
-the shards and communicates in every iteration; replicated, every device repeats all of it. Here
-each parameter leaf has one **owner** device (:func:`assign`: greedy bin packing of the update's
-cost, largest first), and only the owner computes the leaf's update:
-
-- the parameters and gradients are *stored* as at ``ZeRO(stage=s)`` (the same specs, forward
-  gathers and reductions: the stage placements of
-  :mod:`jddp._src.place.stages`); the optimizer state is
-  stored per owner (:mod:`jddp._src.place.owner_state`: each device keeps only its leaves' state,
-  which therefore never moves; checkpoints hold optax's own tree);
-- from stage 2 each bucket is reduce-scattered in owner rows (:mod:`jddp._src.core.owner_rows`):
-  each leaf's reduced gradient lands on its owner, but for segments lying in another row, sent
-  by an all-to-all (:mod:`jddp._src.place.owner_grads`); when some owner reads another's
-  gradient (a global norm) every row is all-gathered; at stage 3 the parameters' pieces go to
-  the owners only if the optimizer reads them (weight decay);
-- every device then runs the optimizer in one branch of a ``lax.switch`` on its own index, whose
-  outputs are the leaves it owns only: XLA removes the rest of the update from that branch, so the
-  orthogonalization of each matrix runs once, on its owner, and no collective runs inside it;
-- the owners' updates go back to the pieces (stage 3: one all-to-all per dtype) or, for leaves
-  stored whole (stages 1-2), to every device (one all-gather per dtype); each device adds the
-  updates to the parameters it stores, and keeps its new optimizer state where it is;
-- those collectives record what they send as :func:`update` traces them
-  (:mod:`jddp._src.core.recorder`, for ``metrics["comm_bytes"]``): it depends on what the
-  optimizer reads.
-
-Inputs that live in pieces and belong to another owner read as zeros on a device: :func:`analyse`
-traces the optimizer once and refuses, naming the leaf, an optimizer whose update of one leaf
-reads the parameters or optimizer state of another (never the case in optax: its global
-quantities are gradient norms).
+Parameters and gradients are stored as at ``ZeRO(stage=s)``, the optimizer state per owner
+(:mod:`jddp._src.place.owner_state`); each device runs the optimizer in its branch of a
+``lax.switch`` whose outputs are its own leaves, and the updates go back where the leaves are
+stored. docs/sharded.md ("Whole-matrix optimizers") describes each step.
 """
 
 from __future__ import annotations
@@ -462,21 +436,12 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
            layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: owner_state.Packed,
            grads: Any, record: Any = None) -> tuple[Any, owner_state.Packed]:
     """``(new_params, new_opt_state)``: each leaf's update computed on its owner, applied where
-    the leaf is stored (global view; parameters and gradients stored as at the placement's stage:
-    ``pieces``, whether the parameters and the gradients are in pieces; the optimizer state
-    packed per owner: :func:`init_state`).
-
-    Gradients in pieces (from stage 2) come in owner rows (the reducer's: each owner already
-    holds its leaves, but for segments straddling into another row, which an all-to-all
-    brings), or are all-gathered when some owner reads another's gradient (a global norm);
-    parameters in pieces (stage 3) go
-    to their owners only when the optimizer reads them (:func:`analyse`). Each owner reads and
-    writes its optimizer state where it lives.
+    the leaf is stored (global view; the optimizer state packed per owner: :func:`init_state`).
 
     Args:
-      record: called, when traced, with the :class:`Bytes` one device sends here (what its
-        collectives record, :mod:`jddp._src.core.recorder`; for ``metrics["comm_bytes"]``);
-        ``None``: not counted.
+      pieces: whether the parameters and the gradients are stored in pieces.
+      record: called, when traced, with the :class:`Bytes` one device sends here (for
+        ``metrics["comm_bytes"]``); ``None``: not counted.
     """
     n, axis = topo.shard_count, topo.shard
     moves = _moves(pieces, optimizer, n, layout, plan, params, opt_state, grads)

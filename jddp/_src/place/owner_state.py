@@ -1,18 +1,8 @@
 """The optimizer state of owner sharding at rest: packed per owner, one row per device.
 
-With ``jddp.ZeRO(stage=s, shard="owner")`` each parameter leaf's optimizer state (Muon's momentum,
-Adam's moments, Adafactor's factored moments, ...) is read and written by its owner only, so each
-device stores only its owned leaves' state: per dtype, one ``(n, width)`` array split on its rows
-(:class:`Packed`; row ``k`` holds owner ``k``'s leaves, flattened at static offsets, padded to the
-longest row). The update then reads and writes the state where it lives, with no collective.
-The state leaves that belong to no parameter (counts, Newton–Schulz coefficients, injected
-hyperparameters) are small and read by every owner: each device keeps a copy (``common``, one
-row per device).
-
-A :class:`Packed` is a pytree whose static part (:class:`StateLayout`) says where every leaf of
-the optax state is, so it converts to and from the optax tree without the optimizer:
-:func:`portable` at checkpoint time (a checkpoint holds the ordinary optax state and restores
-into any placement), :func:`portable_abstract` and :func:`repack` when restoring.
+Per dtype one ``(n, width)`` array split on its rows (row ``k``: owner ``k``'s leaves at static
+offsets); the leaves of no parameter (``common``) are copied on every device. :func:`portable`,
+:func:`portable_abstract` and :func:`repack` convert to and from optax's tree for checkpoints.
 """
 
 from __future__ import annotations

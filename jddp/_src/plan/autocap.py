@@ -1,10 +1,7 @@
 """``jddp.Buckets(cap_mb="auto")``: the bucket cap chosen for this model on this machine, once.
 
-The cost model's error on a host exceeds the few percent between good caps, so the choice is
-measured on the real step, like Horovod's autotune: each distinct candidate plan is compiled and
-run round-robin on copies of the state; one beats DDP's 25 MiB only by more than ``margin`` and
-than the spread of its own rounds; process 0's choice is broadcast and its compiled step becomes
-``ddp.step`` (docs/performance.md). Caps change no gradient beyond float rounding.
+Each distinct candidate plan is compiled and timed round-robin on the real step; process 0's
+choice is broadcast (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """``jddp.Buckets(cap_mb="model")``: the plan the cost model predicts fastest, chosen without timing.
 
-The candidate plans (DDP's packing rule under each of ``ModelCap.candidates_mb``, with and
-without the small first bucket, DDP's default always one) are costed by
-:func:`jddp.perf.costmodel.simulate_iteration`: on XLA:CPU with a built-in table fitted to jddp
-steps (:data:`CPU_ALLREDUCE_TABLE`); on GPU/TPU DDP's plan stays unless ``ModelCap`` describes the
-machine. A candidate replaces DDP's plan only when cheaper by more than ``margin``. A pure
-function of the traced sizes: every process computes the same plan. Also the **default plan**
-where the table describes the step (:class:`DefaultPlan`; docs/performance.md).
+Also the default plan where the built-in table describes the step (:class:`DefaultPlan`). A
+pure function of the traced sizes: every process computes the same plan (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -335,19 +335,6 @@ def _apply(plan: BucketPlan, params: list, updates: list) -> list:
             for i, (p, u) in enumerate(zip(params, updates, strict=True))]
 
 
-class _Moves(NamedTuple):
-    """What :func:`update` moves for one model and optimizer (static: from the shapes)."""
-
-    params: _Io
-    grads: _Io
-    state: owner_state.StateLayout
-    common: tuple[_Leaf, ...]  # the state leaves every device keeps (device 0 computes them)
-    common_pack: _Pack         # their new values, from device 0 to every device
-    needs: Needs
-    dims: tuple[tuple[int | None, ...], ...]  # as stored: parameters, gradients
-    rows: owner_grads.Exchange | None  # the gradients' owner rows (from stage 2), else None
-
-
 class Packs(NamedTuple):
     """The static buffers of the parameters and gradients :func:`update` moves (from the
     shapes alone: the optimizer decides only which of them it reads)."""
@@ -355,6 +342,17 @@ class Packs(NamedTuple):
     params: _Io
     grads: _Io
     rows: owner_grads.Exchange | None  # the gradients' owner rows (from stage 2), else None
+    dims: tuple[tuple[int | None, ...], ...]  # as stored: parameters, gradients
+
+
+class _Moves(NamedTuple):
+    """What :func:`update` moves for one model and optimizer (static: from the shapes)."""
+
+    io: Packs
+    state: owner_state.StateLayout
+    common: tuple[_Leaf, ...]  # the state leaves every device keeps (device 0 computes them)
+    common_pack: _Pack         # their new values, from device 0 to every device
+    needs: Needs
 
 
 def packs(pieces: tuple[bool, bool], n: int, layout: zero.Layout, plan: BucketPlan | None,
@@ -372,26 +370,22 @@ def packs(pieces: tuple[bool, bool], n: int, layout: zero.Layout, plan: BucketPl
     skip = frozenset() if rows is None or plan is None else rows.ranked() | frozenset(plan.unused)
     loose = tuple(None if i in skip else d for i, d in enumerate(g_dims))
     return Packs(_io(_leaves(params, owners, p_dims), n), _io(_leaves(grads, owners, loose), n),
-                 rows)
+                 rows, (tuple(p_dims), tuple(g_dims)))
 
 
-def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n: int, layout: zero.Layout,
-           plan: BucketPlan, params: Any, opt_state: owner_state.Packed, grads: Any) -> _Moves:
-    owners = assign(layout.shapes, n)
-    p_dims = layout.dims if pieces[0] else (None,) * len(layout.dims)
+def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n: int,
+           layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: owner_state.Packed,
+           grads: Any) -> _Moves:
+    static = packs(pieces, n, layout, plan, params, grads)
     lay = opt_state.layout
     abstract = jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct(sh, jnp.dtype(dt)) for sh, dt
                                                 in zip(lay.shapes, lay.dtypes, strict=True)])
-    needs = analyse(optimizer, params, abstract, grads, owners.owner,
+    needs = analyse(optimizer, params, abstract, grads, [lf.owner for lf in static.params.leaves],
                     [0 if o is None else o for o in lay.owner],
-                    [d is not None for d in p_dims], [o is not None for o in lay.owner],
+                    [d is not None for d in static.dims[0]], [o is not None for o in lay.owner],
                     plan.paths, [o is None for o in lay.owner])
     common = tuple(_Leaf(lay.shapes[i], jnp.dtype(lay.dtypes[i]), None, 0) for i in lay.common())
-    g_dims = layout.dims if pieces[1] else (None,) * len(layout.dims)
-    static = packs(pieces, n, layout, plan, params, grads)
-    return _Moves(static.params, static.grads, lay, common,
-                  _pack(common, range(len(common)), n, False), needs,
-                  (tuple(p_dims), tuple(g_dims)), static.rows)
+    return _Moves(static, lay, common, _pack(common, range(len(common)), n, False), needs)
 
 
 def _state_inputs(moves: _Moves, k: int, rows: list, common: list) -> Any:
@@ -445,20 +439,20 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
     """
     n, axis = topo.shard_count, topo.shard
     moves = _moves(pieces, optimizer, n, layout, plan, params, opt_state, grads)
-    pio, gio, needs = moves.params, moves.grads, moves.needs
+    pio, gio, needs = moves.io.params, moves.io.grads, moves.needs
     p_tree = jax.tree.structure(params)
     p_specs, g_specs = ([P() if d is None else P(*([None] * d), axis) for d in dims]
-                        for dims in moves.dims)
+                        for dims in moves.io.dims)
     rows_spec = [P(axis)] * len(opt_state.rows)
     common_spec = [P(axis)] * len(opt_state.common)
 
     def local(p: list, rows: list, common: list, g: list) -> tuple[list, list, list]:
-        g_rows = owner_grads.my_rows(moves.rows, g) if moves.rows is not None else []
-        g_in = owner_grads.all_whole(moves.rows, _gather_whole(g, gio.leaves, axis), g_rows,
-                                     axis, gio.leaves, moves.dims[1]) if needs.all_grads else g
+        g_rows = owner_grads.my_rows(moves.io.rows, g) if moves.io.rows is not None else []
+        g_in = owner_grads.all_whole(moves.io.rows, _gather_whole(g, gio.leaves, axis), g_rows,
+                                     axis, gio.leaves, moves.io.dims[1]) if needs.all_grads else g
         g_got = [] if needs.all_grads else [
             _to_owners(gio, g, n, axis),
-            owner_grads.send(moves.rows, g_rows, n, axis) if moves.rows is not None else []]
+            owner_grads.send(moves.io.rows, g_rows, n, axis) if moves.io.rows is not None else []]
         p_got = _to_owners(pio, p, n, axis) if needs.params else []
 
         def branch(k: int) -> Any:
@@ -467,8 +461,8 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
                 own_p = _owned_whole(pio, p_got, k) if needs.params else {}
                 pp = jax.tree.unflatten(p_tree, _branch_inputs(pio, p, own_p))
                 gg = g_in[0] if needs.all_grads else owner_grads.branch_whole(
-                    moves.rows, k, g_in[0], g_in[1], g_got[1], _owned_whole(gio, g_got[0], k),
-                    gio.leaves, moves.dims[1])
+                    moves.io.rows, k, g_in[0], g_in[1], g_got[1], _owned_whole(gio, g_got[0], k),
+                    gio.leaves, moves.io.dims[1])
                 updates, new_s = optimizer.update(jax.tree.unflatten(p_tree, gg),
                                                   _state_inputs(moves, k, rows, common), pp)
                 return (_branch_outputs(pio, jax.tree.leaves(updates), k, n),

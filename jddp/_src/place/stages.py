@@ -223,11 +223,6 @@ class ZeRO1(Place):
         """The partition spec of an optimizer-state leaf of ``shape`` (split)."""
         return zero.leaf_spec(shape, topo.shard_count, topo.shard)
 
-    def init_opt_state(self, optimizer: optax.GradientTransformation, topo: Topology,
-                       params: Any) -> Any:
-        """The optimizer's initial state as kept between steps: optax's own."""
-        return optimizer.init(params)
-
     def stored(self, shardings: Any) -> Any:
         """A state's ``NamedSharding`` s as it is kept between steps: with ``offload``, the
         optimizer state's in host memory."""

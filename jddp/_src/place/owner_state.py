@@ -142,31 +142,28 @@ def pack(opt_state: Any, layout: StateLayout) -> Packed:
     return Packed(rows, common, layout)
 
 
+def _leaf(layout: StateLayout, i: int, rows: Sequence[jax.Array], r: int) -> jax.Array:
+    """Owned leaf ``i`` whole, from row ``r`` of ``rows``."""
+    w = layout.where[i]
+    assert w is not None  # owned leaves have a place in the rows
+    g, off, size = w
+    return jnp.reshape(rows[g][r, off:off + size], layout.shapes[i]).astype(layout.dtypes[i])
+
+
 def unpack(packed: Packed) -> Any:
     """The optax tree of ``packed`` (global view): owned leaves from their owner's row, common
     leaves from device 0's copy."""
     lay = packed.layout
-    out, common = [], dict(zip(lay.common(), packed.common, strict=True))
-    for i, (shape, w, o) in enumerate(zip(lay.shapes, lay.where, lay.owner, strict=True)):
-        if w is None or o is None:
-            out.append(common[i][0])
-        else:
-            g, off, size = w
-            out.append(jnp.reshape(packed.rows[g][o, off:off + size], shape)
-                       .astype(lay.dtypes[i]))
-    return jax.tree.unflatten(lay.treedef, out)
+    common = dict(zip(lay.common(), packed.common, strict=True))
+    return jax.tree.unflatten(lay.treedef, [common[i][0] if o is None
+                                            else _leaf(lay, i, packed.rows, o)
+                                            for i, o in enumerate(lay.owner)])
 
 
 def owned_leaves(layout: StateLayout, k: int, rows: Sequence[jax.Array]) -> dict[int, jax.Array]:
     """Inside ``shard_map`` on device ``k``: its owned leaves, whole, from its ``(1, width)``
     rows."""
-    out = {}
-    for i in layout.owned(k):
-        w = layout.where[i]
-        assert w is not None  # owned leaves have a place in the rows
-        g, off, size = w
-        out[i] = jnp.reshape(rows[g][0, off:off + size], layout.shapes[i]).astype(layout.dtypes[i])
-    return out
+    return {i: _leaf(layout, i, rows, 0) for i in layout.owned(k)}
 
 
 # ------------------------------------------------------------------------------ checkpoints

@@ -121,19 +121,14 @@ def state_owners(params: Any, opt_state: Any, owners: Owners,
     return tuple(out)
 
 
-def state_layout(params: Any, opt_state: Any, n: int) -> owner_state.StateLayout:
-    """Where ``opt_state`` (of ``params``) lives packed per owner on ``n`` devices: each slot
-    of a parameter on that parameter's owner, the rest on every device."""
-    owners = assign([tuple(np.shape(x)) for x in jax.tree.leaves(params)], n)
-    return owner_state.make_layout(opt_state, state_owners(params, opt_state, owners, None), n)
-
-
 def init_state(optimizer: optax.GradientTransformation, params: Any,
                n: int) -> owner_state.Packed:
-    """The optimizer's initial state of ``params``, packed per owner on ``n`` devices (as
-    ``ZeRO(shard="owner")`` keeps it between steps: :mod:`jddp._src.place.owner_state`)."""
+    """The optimizer's initial state of ``params``, packed per owner on ``n`` devices: each slot
+    of a parameter on that parameter's owner, the rest on every device."""
     opt_state = optimizer.init(params)
-    return owner_state.pack(opt_state, state_layout(params, opt_state, n))
+    owners = assign([tuple(np.shape(x)) for x in jax.tree.leaves(params)], n)
+    return owner_state.pack(opt_state, owner_state.make_layout(
+        opt_state, state_owners(params, opt_state, owners, None), n))
 
 
 # ------------------------------------------------------------------------------ packing

@@ -1,20 +1,7 @@
 """Optimizer state in host memory between steps (``jddp.ZeRO(stage=s, offload=True)``).
 
-The one placement module of the offload feature (ZeRO-Offload; FSDP2's
-``CPUOffloadPolicy(pin_memory=True)``): between steps every leaf of ``state.opt_state`` lives in
-the devices' pinned host memory (its ``NamedSharding`` has ``memory_kind="pinned_host"``, split
-over the data axis as at its stage); the step moves it to device memory for the update
-(:func:`fetch`) and writes the new state back (:func:`store`), one transfer per leaf, placed in
-the compiled schedule by XLA. On GPU and TPU these are asynchronous copies
-(``copy-start``/``copy-done``) that the scheduler can overlap with the backward and the update;
-XLA:CPU keeps every memory kind in the same RAM, so there the transfers compile to nothing and
-the placement changes only the arrays' recorded memory kind.
-
-The master parameters stay in device memory at every stage, stage 3 included: the forward and
-the backward read every parameter each step (gathered bucket by bucket), so host-resident
-parameters would put a host-to-device copy in front of every all-gather, on the critical path.
-The optimizer state is read once per step, by the update, and with Adam it is twice the
-parameters: the larger share, and the one whose transfer can hide behind the backward.
+Between steps ``state.opt_state`` lives in pinned host memory; the step fetches it for the update
+and stores the new state back, one transfer per leaf (docs/sharded.md, "Offloading").
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
 """Owner-sharded placement (``jddp.ZeRO(stage=s, shard="owner")``): each leaf's update on one device.
 
-Whole-matrix optimizers (Muon's Newton–Schulz orthogonalization, Shampoo-like preconditioners)
-need a leaf whole to update it. Split evenly (``shard="even"``), XLA partitions that work across
-the shards and communicates in every iteration; replicated, every device repeats all of it. Here
-each parameter leaf has one **owner** device (:func:`assign`: greedy bin packing of the update's
-cost, largest first), and only the owner computes the leaf's update:
-
-- the parameters and gradients are *stored* as at ``ZeRO(stage=s)`` (the same specs, forward
-  gathers and reductions: the stage placements of
-  :mod:`jddp._src.place.stages`); the optimizer state is
-  stored per owner (:mod:`jddp._src.place.owner_state`: each device keeps only its leaves' state,
-  which therefore never moves; checkpoints hold optax's own tree);
-- from stage 2 each bucket is reduce-scattered in owner rows (:mod:`jddp._src.core.owner_rows`):
-  each leaf's reduced gradient lands on its owner, but for segments lying in another row, sent
-  by an all-to-all (:mod:`jddp._src.place.owner_grads`); when some owner reads another's
-  gradient (a global norm) every row is all-gathered; at stage 3 the parameters' pieces go to
-  the owners only if the optimizer reads them (weight decay);
-- every device then runs the optimizer in one branch of a ``lax.switch`` on its own index, whose
-  outputs are the leaves it owns only: XLA removes the rest of the update from that branch, so the
-  orthogonalization of each matrix runs once, on its owner, and no collective runs inside it;
-- the owners' updates go back to the pieces (stage 3: one all-to-all per dtype) or, for leaves
-  stored whole (stages 1-2), to every device (one all-gather per dtype); each device adds the
-  updates to the parameters it stores, and keeps its new optimizer state where it is;
-- those collectives record what they send as :func:`update` traces them
-  (:mod:`jddp._src.core.recorder`, for ``metrics["comm_bytes"]``): it depends on what the
-  optimizer reads.
-
-Inputs that live in pieces and belong to another owner read as zeros on a device: :func:`analyse`
-traces the optimizer once and refuses, naming the leaf, an optimizer whose update of one leaf
-reads the parameters or optimizer state of another (never the case in optax: its global
-quantities are gradient norms).
+Parameters and gradients are stored as at ``ZeRO(stage=s)``, the optimizer state per owner
+(:mod:`jddp._src.place.owner_state`); each device runs the optimizer in its branch of a
+``lax.switch`` whose outputs are its own leaves, and the updates go back where the leaves are
+stored. docs/sharded.md ("Whole-matrix optimizers") describes each step.
 """
 
 from __future__ import annotations
@@ -147,19 +121,14 @@ def state_owners(params: Any, opt_state: Any, owners: Owners,
     return tuple(out)
 
 
-def state_layout(params: Any, opt_state: Any, n: int) -> owner_state.StateLayout:
-    """Where ``opt_state`` (of ``params``) lives packed per owner on ``n`` devices: each slot
-    of a parameter on that parameter's owner, the rest on every device."""
-    owners = assign([tuple(np.shape(x)) for x in jax.tree.leaves(params)], n)
-    return owner_state.make_layout(opt_state, state_owners(params, opt_state, owners, None), n)
-
-
 def init_state(optimizer: optax.GradientTransformation, params: Any,
                n: int) -> owner_state.Packed:
-    """The optimizer's initial state of ``params``, packed per owner on ``n`` devices (as
-    ``ZeRO(shard="owner")`` keeps it between steps: :mod:`jddp._src.place.owner_state`)."""
+    """The optimizer's initial state of ``params``, packed per owner on ``n`` devices: each slot
+    of a parameter on that parameter's owner, the rest on every device."""
     opt_state = optimizer.init(params)
-    return owner_state.pack(opt_state, state_layout(params, opt_state, n))
+    owners = assign([tuple(np.shape(x)) for x in jax.tree.leaves(params)], n)
+    return owner_state.pack(opt_state, owner_state.make_layout(
+        opt_state, state_owners(params, opt_state, owners, None), n))
 
 
 # ------------------------------------------------------------------------------ packing
@@ -183,38 +152,19 @@ class _Pack(NamedTuple):
 
 
 def _pack(leaves: Sequence[_Leaf], indices: Sequence[int], n: int, piece: bool) -> _Pack:
-    groups: list[Any] = []
-    fill: dict[tuple[int, int], int] = {}
-    where = {}
-    for i in indices:
-        lf = leaves[i]
-        dt = jnp.dtype(lf.dtype)
-        if dt not in groups:
-            groups.append(dt)
-        g = groups.index(dt)
-        size = int(np.prod(lf.shape, dtype=np.int64))
-        size = size // n if piece and lf.dim is not None else size
-        off = fill.get((g, lf.owner), 0)
-        where[i] = (g, off, size)
-        fill[(g, lf.owner)] = off + size
-    width = tuple(max([fill.get((g, d), 0) for d in range(n)] + [1]) for g in range(len(groups)))
-    return _Pack(tuple(groups), width, where)
+    def size(lf: _Leaf) -> int:
+        whole = int(np.prod(lf.shape, dtype=np.int64))
+        return whole // n if piece and lf.dim is not None else whole
+
+    return _Pack(*owner_state.offsets(
+        ((i, jnp.dtype(leaves[i].dtype), size(leaves[i]), leaves[i].owner) for i in indices), n))
 
 
-def _rows(pack: _Pack, k: int, leaves: Sequence[_Leaf], parts: dict[int, jax.Array],
-          rows: int) -> list[jax.Array]:
-    """Buffers ``(rows, width)`` per dtype holding owner ``k``'s ``parts`` (each ``(rows, size)``)
+def _rows(pack: _Pack, parts: dict[int, jax.Array], rows: int) -> list[jax.Array]:
+    """Buffers ``(rows, width)`` per dtype holding one owner's ``parts`` (each ``(rows, size)``)
     at their offsets, zeros elsewhere."""
-    out = []
-    for g, dt in enumerate(pack.groups):
-        mine = [(pack.where[i][1], parts[i]) for i in sorted(parts)
-                if pack.where[i][0] == g and leaves[i].owner == k]
-        cols = [p.astype(dt) for _, p in sorted(mine, key=lambda t: t[0])]
-        used = sum(c.shape[1] for c in cols)
-        if used < pack.width[g]:
-            cols.append(jnp.zeros((rows, pack.width[g] - used), dt))
-        out.append(jnp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0])
-    return out
+    return [owner_state.fill_row(pack.groups, pack.width, pack.where, parts, g, rows)
+            for g in range(len(pack.groups))]
 
 
 # ------------------------------------------------------------------------------ the update
@@ -320,7 +270,7 @@ def _to_owners(io: _Io, pieces: list, n: int, axis: Any) -> list:
     for s in range(n):
         parts = {i: zero.piece_row(pieces[i], _dim(io.leaves[i])) for i in io.send.where
                  if io.leaves[i].owner == s}
-        for g, b in enumerate(_rows(io.send, s, io.leaves, parts, 1)):
+        for g, b in enumerate(_rows(io.send, parts, 1)):
             bufs[g].append(b)
     return [recorder.all_to_all(jnp.concatenate(b, axis=0), axis, 0, 0, tiled=True)
             for b in bufs]
@@ -349,7 +299,7 @@ def _branch_outputs(io: _Io, new: list, k: int, n: int) -> tuple[list, list]:
     split = {i: zero.to_rows(new[i], io.leaves[i].dim, n) for i in io.send.where
              if io.leaves[i].owner == k}
     whole = {i: jnp.reshape(new[i], (1, -1)) for i in io.whole.where if io.leaves[i].owner == k}
-    return _rows(io.send, k, io.leaves, split, n), _rows(io.whole, k, io.leaves, whole, 1)
+    return _rows(io.send, split, n), _rows(io.whole, whole, 1)
 
 
 def _from_owners(io: _Io, split_bufs: list, whole_bufs: list, n: int, axis: Any) -> list:
@@ -380,19 +330,6 @@ def _apply(plan: BucketPlan, params: list, updates: list) -> list:
             for i, (p, u) in enumerate(zip(params, updates, strict=True))]
 
 
-class _Moves(NamedTuple):
-    """What :func:`update` moves for one model and optimizer (static: from the shapes)."""
-
-    params: _Io
-    grads: _Io
-    state: owner_state.StateLayout
-    common: tuple[_Leaf, ...]  # the state leaves every device keeps (device 0 computes them)
-    common_pack: _Pack         # their new values, from device 0 to every device
-    needs: Needs
-    dims: tuple[tuple[int | None, ...], ...]  # as stored: parameters, gradients
-    rows: owner_grads.Exchange | None  # the gradients' owner rows (from stage 2), else None
-
-
 class Packs(NamedTuple):
     """The static buffers of the parameters and gradients :func:`update` moves (from the
     shapes alone: the optimizer decides only which of them it reads)."""
@@ -400,6 +337,17 @@ class Packs(NamedTuple):
     params: _Io
     grads: _Io
     rows: owner_grads.Exchange | None  # the gradients' owner rows (from stage 2), else None
+    dims: tuple[tuple[int | None, ...], ...]  # as stored: parameters, gradients
+
+
+class _Moves(NamedTuple):
+    """What :func:`update` moves for one model and optimizer (static: from the shapes)."""
+
+    io: Packs
+    state: owner_state.StateLayout
+    common: tuple[_Leaf, ...]  # the state leaves every device keeps (device 0 computes them)
+    common_pack: _Pack         # their new values, from device 0 to every device
+    needs: Needs
 
 
 def packs(pieces: tuple[bool, bool], n: int, layout: zero.Layout, plan: BucketPlan | None,
@@ -417,26 +365,22 @@ def packs(pieces: tuple[bool, bool], n: int, layout: zero.Layout, plan: BucketPl
     skip = frozenset() if rows is None or plan is None else rows.ranked() | frozenset(plan.unused)
     loose = tuple(None if i in skip else d for i, d in enumerate(g_dims))
     return Packs(_io(_leaves(params, owners, p_dims), n), _io(_leaves(grads, owners, loose), n),
-                 rows)
+                 rows, (tuple(p_dims), tuple(g_dims)))
 
 
-def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n: int, layout: zero.Layout,
-           plan: BucketPlan, params: Any, opt_state: owner_state.Packed, grads: Any) -> _Moves:
-    owners = assign(layout.shapes, n)
-    p_dims = layout.dims if pieces[0] else (None,) * len(layout.dims)
+def _moves(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, n: int,
+           layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: owner_state.Packed,
+           grads: Any) -> _Moves:
+    static = packs(pieces, n, layout, plan, params, grads)
     lay = opt_state.layout
     abstract = jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct(sh, jnp.dtype(dt)) for sh, dt
                                                 in zip(lay.shapes, lay.dtypes, strict=True)])
-    needs = analyse(optimizer, params, abstract, grads, owners.owner,
+    needs = analyse(optimizer, params, abstract, grads, [lf.owner for lf in static.params.leaves],
                     [0 if o is None else o for o in lay.owner],
-                    [d is not None for d in p_dims], [o is not None for o in lay.owner],
+                    [d is not None for d in static.dims[0]], [o is not None for o in lay.owner],
                     plan.paths, [o is None for o in lay.owner])
     common = tuple(_Leaf(lay.shapes[i], jnp.dtype(lay.dtypes[i]), None, 0) for i in lay.common())
-    g_dims = layout.dims if pieces[1] else (None,) * len(layout.dims)
-    static = packs(pieces, n, layout, plan, params, grads)
-    return _Moves(static.params, static.grads, lay, common,
-                  _pack(common, range(len(common)), n, False), needs,
-                  (tuple(p_dims), tuple(g_dims)), static.rows)
+    return _Moves(static, lay, common, _pack(common, range(len(common)), n, False), needs)
 
 
 def _state_inputs(moves: _Moves, k: int, rows: list, common: list) -> Any:
@@ -455,12 +399,13 @@ def _state_outputs(moves: _Moves, k: int, new: list) -> tuple[list, list]:
     own copies when every device computes them alike, else device 0's as ``(1, width)`` rows
     per dtype (all-gathered by :func:`_common_from_zero`)."""
     lay = moves.state
-    rows = [owner_state.row(lay, k, {i: new[i] for i in lay.owned(k)}, g)
+    mine = {i: jnp.reshape(new[i], (1, -1)) for i in lay.owned(k)}
+    rows = [owner_state.fill_row(lay.groups, lay.width, lay.where, mine, g)
             for g in range(len(lay.groups))]
     if moves.needs.common_local:  # every device computed them alike: its own copy
         return rows, [jnp.reshape(new[i], (1, *lay.shapes[i])) for i in lay.common()]
     parts = {j: jnp.reshape(new[i], (1, -1)) for j, i in enumerate(lay.common())} if k == 0 else {}
-    return rows, _rows(moves.common_pack, k, moves.common, parts, 1)
+    return rows, _rows(moves.common_pack, parts, 1)
 
 
 def _common_from_zero(moves: _Moves, bufs: list, axis: Any) -> list:
@@ -480,38 +425,29 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
            layout: zero.Layout, plan: BucketPlan, params: Any, opt_state: owner_state.Packed,
            grads: Any, record: Any = None) -> tuple[Any, owner_state.Packed]:
     """``(new_params, new_opt_state)``: each leaf's update computed on its owner, applied where
-    the leaf is stored (global view; parameters and gradients stored as at the placement's stage:
-    ``pieces``, whether the parameters and the gradients are in pieces; the optimizer state
-    packed per owner: :func:`init_state`).
-
-    Gradients in pieces (from stage 2) come in owner rows (the reducer's: each owner already
-    holds its leaves, but for segments straddling into another row, which an all-to-all
-    brings), or are all-gathered when some owner reads another's gradient (a global norm);
-    parameters in pieces (stage 3) go
-    to their owners only when the optimizer reads them (:func:`analyse`). Each owner reads and
-    writes its optimizer state where it lives.
+    the leaf is stored (global view; the optimizer state packed per owner: :func:`init_state`).
 
     Args:
-      record: called, when traced, with the :class:`Bytes` one device sends here (what its
-        collectives record, :mod:`jddp._src.core.recorder`; for ``metrics["comm_bytes"]``);
-        ``None``: not counted.
+      pieces: whether the parameters and the gradients are stored in pieces.
+      record: called, when traced, with the :class:`Bytes` one device sends here (for
+        ``metrics["comm_bytes"]``); ``None``: not counted.
     """
     n, axis = topo.shard_count, topo.shard
     moves = _moves(pieces, optimizer, n, layout, plan, params, opt_state, grads)
-    pio, gio, needs = moves.params, moves.grads, moves.needs
+    pio, gio, needs = moves.io.params, moves.io.grads, moves.needs
     p_tree = jax.tree.structure(params)
     p_specs, g_specs = ([P() if d is None else P(*([None] * d), axis) for d in dims]
-                        for dims in moves.dims)
+                        for dims in moves.io.dims)
     rows_spec = [P(axis)] * len(opt_state.rows)
     common_spec = [P(axis)] * len(opt_state.common)
 
     def local(p: list, rows: list, common: list, g: list) -> tuple[list, list, list]:
-        g_rows = owner_grads.my_rows(moves.rows, g) if moves.rows is not None else []
-        g_in = owner_grads.all_whole(moves.rows, _gather_whole(g, gio.leaves, axis), g_rows,
-                                     axis, gio.leaves, moves.dims[1]) if needs.all_grads else g
+        g_rows = owner_grads.my_rows(moves.io.rows, g) if moves.io.rows is not None else []
+        g_in = owner_grads.all_whole(moves.io.rows, _gather_whole(g, gio.leaves, axis), g_rows,
+                                     axis, gio.leaves, moves.io.dims[1]) if needs.all_grads else g
         g_got = [] if needs.all_grads else [
             _to_owners(gio, g, n, axis),
-            owner_grads.send(moves.rows, g_rows, n, axis) if moves.rows is not None else []]
+            owner_grads.send(moves.io.rows, g_rows, n, axis) if moves.io.rows is not None else []]
         p_got = _to_owners(pio, p, n, axis) if needs.params else []
 
         def branch(k: int) -> Any:
@@ -520,8 +456,8 @@ def update(pieces: tuple[bool, bool], optimizer: optax.GradientTransformation, t
                 own_p = _owned_whole(pio, p_got, k) if needs.params else {}
                 pp = jax.tree.unflatten(p_tree, _branch_inputs(pio, p, own_p))
                 gg = g_in[0] if needs.all_grads else owner_grads.branch_whole(
-                    moves.rows, k, g_in[0], g_in[1], g_got[1], _owned_whole(gio, g_got[0], k),
-                    gio.leaves, moves.dims[1])
+                    moves.io.rows, k, g_in[0], g_in[1], g_got[1], _owned_whole(gio, g_got[0], k),
+                    gio.leaves, moves.io.dims[1])
                 updates, new_s = optimizer.update(jax.tree.unflatten(p_tree, gg),
                                                   _state_inputs(moves, k, rows, common), pp)
                 return (_branch_outputs(pio, jax.tree.leaves(updates), k, n),

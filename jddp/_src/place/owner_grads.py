@@ -1,17 +1,8 @@
 """The reduced gradients of owner sharding, from the owner rows to each owner (stages 2-3).
 
-From stage 2 the bucket reducer scatters each bucket in owner rows
-(:mod:`jddp._src.core.owner_rows`): after the reduce-scatter, device ``d`` holds row ``d`` of
-every bucket, cut into the pieces of the even layout. When a bucket's leaves are balanced over
-the owners, row ``d`` is exactly owner ``d``'s leaves and nothing moves; otherwise a leaf may
-straddle two rows, and the segments held by another device go to their owner by one all-to-all
-per dtype (:class:`Exchange`); a bucket where that would cost more than even pieces keeps them
-(the reducer's choice, :func:`jddp._src.core.owner_rows.worth_it`), and its leaves go to their
-owners as even pieces, as leaves in no bucket do. When some owner's update reads another owner's gradients (a
-global norm), every device's rows are all-gathered instead (:func:`gather_all`), as the even
-pieces were.
-
-All of it runs inside the owner update's ``shard_map`` (:func:`jddp._src.place.owner.update`).
+Segments that straddle into another row go to their owner by one all-to-all per dtype
+(:class:`Exchange`); with a global norm every row is all-gathered (:func:`gather_all`). All of it
+runs inside :func:`jddp._src.place.owner.update`'s ``shard_map`` (docs/sharded.md).
 """
 
 from __future__ import annotations
@@ -156,14 +147,6 @@ def gather_all(ex: Exchange, rows: list[jax.Array], axis: Any,
             for i in r.split:
                 out[i] = owner_rows.whole_from_all(r, block, i, shapes[i])
             col += r.width
-    return out
-
-
-def gathered_widths(ex: Exchange) -> dict[Any, int]:
-    """Per dtype, the elements of one device's rows (what :func:`gather_all` sends)."""
-    out: dict[Any, int] = {}
-    for r, dt in zip(ex.rows, ex.dtypes, strict=True):
-        out[dt] = out.get(dt, 0) + r.width
     return out
 
 

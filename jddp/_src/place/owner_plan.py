@@ -1,14 +1,7 @@
 """What owner sharding moves, as its plan states it (``print(ddp.report(state, batch))``).
 
-With ``jddp.ZeRO(stage=s, shard="owner")`` the gradients reach their owners by the buckets'
-reduce-scatters in owner rows (from stage 2, :mod:`jddp._src.core.owner_rows`): a bucket whose
-leaves are balanced over the owners needs nothing more, one where an owner has more than an
-even share sends the segments straddling into other rows by an all-to-all, and one with fewer
-leaves than devices keeps the even pieces, which go to their owners by an all-to-all
-(:mod:`jddp._src.place.owner_grads`). The owners' updates then go back to where the
-parameters are stored. :func:`routes` computes, from the shapes and the bucket plan only, each
-bucket's route and the bytes of those collectives (operand bytes, as the report's collectives
-count them), so the plan says how it splits the work and what that costs.
+:func:`routes` computes from the shapes and the bucket plan each bucket's route to the owners and
+the operand bytes of the collectives that move gradients and updates (docs/sharded.md).
 """
 
 from __future__ import annotations

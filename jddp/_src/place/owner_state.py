@@ -1,23 +1,13 @@
 """The optimizer state of owner sharding at rest: packed per owner, one row per device.
 
-With ``jddp.ZeRO(stage=s, shard="owner")`` each parameter leaf's optimizer state (Muon's momentum,
-Adam's moments, Adafactor's factored moments, ...) is read and written by its owner only, so each
-device stores only its owned leaves' state: per dtype, one ``(n, width)`` array split on its rows
-(:class:`Packed`; row ``k`` holds owner ``k``'s leaves, flattened at static offsets, padded to the
-longest row). The update then reads and writes the state where it lives, with no collective.
-The state leaves that belong to no parameter (counts, Newton–Schulz coefficients, injected
-hyperparameters) are small and read by every owner: each device keeps a copy (``common``, one
-row per device).
-
-A :class:`Packed` is a pytree whose static part (:class:`StateLayout`) says where every leaf of
-the optax state is, so it converts to and from the optax tree without the optimizer:
-:func:`portable` at checkpoint time (a checkpoint holds the ordinary optax state and restores
-into any placement), :func:`portable_abstract` and :func:`repack` when restoring.
+Per dtype one ``(n, width)`` array split on its rows (row ``k``: owner ``k``'s leaves at static
+offsets); the leaves of no parameter (``common``) are copied on every device. :func:`portable`,
+:func:`portable_abstract` and :func:`repack` convert to and from optax's tree for checkpoints.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -60,29 +50,52 @@ class StateLayout(NamedTuple):
         return tuple(i for i, o in enumerate(self.owner) if o == k)
 
 
+def offsets(entries: Iterable[tuple[int, Any, int, int]],
+            n: int) -> tuple[tuple[Any, ...], tuple[int, ...], dict[int, tuple[int, int, int]]]:
+    """``(groups, width, where)`` of leaves packed per owner, one row buffer per dtype.
+
+    Args:
+      entries: per packed leaf ``(index, dtype, size, owner)``; ``where[index] = (group,
+        offset, size)`` and ``width[group]`` is the busiest owner's row length (at least 1).
+    """
+    groups: list[Any] = []
+    fill: dict[tuple[int, int], int] = {}
+    where = {}
+    for i, dt, size, o in entries:
+        if dt not in groups:
+            groups.append(dt)
+        g = groups.index(dt)
+        off = fill.get((g, o), 0)
+        where[i] = (g, off, size)
+        fill[(g, o)] = off + size
+    width = tuple(max([fill.get((g, d), 0) for d in range(n)] + [1]) for g in range(len(groups)))
+    return tuple(groups), width, where
+
+
+def fill_row(groups: Sequence[Any], width: Sequence[int], where: Any,
+             parts: dict[int, jax.Array], group: int, rows: int = 1) -> jax.Array:
+    """One owner's ``(rows, width)`` buffer of ``group``: its ``parts`` (each ``(rows, size)``)
+    at their offsets (``where``, as :func:`offsets` gives), zeros elsewhere."""
+    dt = jnp.dtype(groups[group])
+    cols = [parts[i].astype(dt) for i in sorted(parts, key=lambda i: where[i][1])
+            if where[i][0] == group]
+    used = sum(c.shape[1] for c in cols)
+    if used < width[group]:
+        cols.append(jnp.zeros((rows, width[group] - used), dt))
+    return jnp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
+
+
 def make_layout(opt_state: Any, owners: Sequence[int | None], n: int) -> StateLayout:
     """The :class:`StateLayout` of ``opt_state`` (arrays or shape structs) with ``owners`` per
     leaf (``None``: common) on ``n`` devices."""
     leaves, treedef = jax.tree.flatten(opt_state)
     shapes = tuple(tuple(int(d) for d in np.shape(x)) for x in leaves)
     dtypes = tuple(jnp.dtype(jnp.result_type(x)).name for x in leaves)
-    groups: list[str] = []
-    fill: dict[tuple[int, int], int] = {}
-    where: list[tuple[int, int, int] | None] = []
-    for shape, dt, o in zip(shapes, dtypes, owners, strict=True):
-        if o is None:
-            where.append(None)
-            continue
-        if dt not in groups:
-            groups.append(dt)
-        g = groups.index(dt)
-        size = int(np.prod(shape, dtype=np.int64))
-        off = fill.get((g, o), 0)
-        where.append((g, off, size))
-        fill[(g, o)] = off + size
-    width = tuple(max([fill.get((g, d), 0) for d in range(n)] + [1]) for g in range(len(groups)))
-    return StateLayout(treedef, shapes, dtypes, tuple(owners), tuple(where), tuple(groups),
-                       width, n)
+    groups, width, where = offsets(
+        ((i, dt, int(np.prod(shape, dtype=np.int64)), o) for i, (shape, dt, o)
+         in enumerate(zip(shapes, dtypes, owners, strict=True)) if o is not None), n)
+    return StateLayout(treedef, shapes, dtypes, tuple(owners),
+                       tuple(where.get(i) for i in range(len(shapes))), groups, width, n)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -116,26 +129,12 @@ def is_packed(x: Any) -> bool:
     return isinstance(x, Packed)
 
 
-def row(layout: StateLayout, k: int, leaves: dict[int, jax.Array], group: int,
-        rows: int = 1) -> jax.Array:
-    """Owner ``k``'s row of ``group``: its leaves (``leaves``, by index, each whole or, with
-    ``rows > 1``, already ``(rows, size)``) at their offsets, zeros elsewhere; ``(rows, width)``."""
-    dt = jnp.dtype(layout.groups[group])
-    cols = []
-    for i in layout.owned(k):
-        w = layout.where[i]
-        if w is not None and w[0] == group and i in leaves:
-            cols.append(jnp.reshape(leaves[i], (rows, -1)).astype(dt))
-    used = sum(c.shape[1] for c in cols)
-    if used < layout.width[group]:
-        cols.append(jnp.zeros((rows, layout.width[group] - used), dt))
-    return jnp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
-
-
 def pack(opt_state: Any, layout: StateLayout) -> Packed:
     """``opt_state`` (the optax tree, global view) packed per owner."""
     leaves = jax.tree.leaves(opt_state)
-    rows = [jnp.concatenate([row(layout, k, dict(enumerate(leaves)), g)
+    rows = [jnp.concatenate([fill_row(layout.groups, layout.width, layout.where,
+                                      {i: jnp.reshape(leaves[i], (1, -1))
+                                       for i in layout.owned(k)}, g)
                              for k in range(layout.n)], axis=0)
             for g in range(len(layout.groups))]
     common = [jnp.broadcast_to(jnp.asarray(leaves[i])[None], (layout.n, *layout.shapes[i]))
@@ -143,31 +142,28 @@ def pack(opt_state: Any, layout: StateLayout) -> Packed:
     return Packed(rows, common, layout)
 
 
+def _leaf(layout: StateLayout, i: int, rows: Sequence[jax.Array], r: int) -> jax.Array:
+    """Owned leaf ``i`` whole, from row ``r`` of ``rows``."""
+    w = layout.where[i]
+    assert w is not None  # owned leaves have a place in the rows
+    g, off, size = w
+    return jnp.reshape(rows[g][r, off:off + size], layout.shapes[i]).astype(layout.dtypes[i])
+
+
 def unpack(packed: Packed) -> Any:
     """The optax tree of ``packed`` (global view): owned leaves from their owner's row, common
     leaves from device 0's copy."""
     lay = packed.layout
-    out, common = [], dict(zip(lay.common(), packed.common, strict=True))
-    for i, (shape, w, o) in enumerate(zip(lay.shapes, lay.where, lay.owner, strict=True)):
-        if w is None or o is None:
-            out.append(common[i][0])
-        else:
-            g, off, size = w
-            out.append(jnp.reshape(packed.rows[g][o, off:off + size], shape)
-                       .astype(lay.dtypes[i]))
-    return jax.tree.unflatten(lay.treedef, out)
+    common = dict(zip(lay.common(), packed.common, strict=True))
+    return jax.tree.unflatten(lay.treedef, [common[i][0] if o is None
+                                            else _leaf(lay, i, packed.rows, o)
+                                            for i, o in enumerate(lay.owner)])
 
 
 def owned_leaves(layout: StateLayout, k: int, rows: Sequence[jax.Array]) -> dict[int, jax.Array]:
     """Inside ``shard_map`` on device ``k``: its owned leaves, whole, from its ``(1, width)``
     rows."""
-    out = {}
-    for i in layout.owned(k):
-        w = layout.where[i]
-        assert w is not None  # owned leaves have a place in the rows
-        g, off, size = w
-        out[i] = jnp.reshape(rows[g][0, off:off + size], layout.shapes[i]).astype(layout.dtypes[i])
-    return out
+    return {i: _leaf(layout, i, rows, 0) for i in layout.owned(k)}
 
 
 # ------------------------------------------------------------------------------ checkpoints

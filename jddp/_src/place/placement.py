@@ -1,22 +1,9 @@
 """Where the training state lives: :class:`Place`, the placement protocol with the replicated
 defaults, and :class:`Replicate` (DDP), which is those defaults.
 
-The step never asks for a ZeRO stage. Every decision that depends on where parameters, gradients
-and optimizer state live is a method of the step's placement (FSDP2's policy objects, e.g. its
-``OffloadPolicy`` / ``CPUOffloadPolicy``, the first of which is "nothing to do"). :class:`Place`
-defines each with the replicated path, the do-nothing answer; a placement overrides what it
-changes (ZeRO's stages: :mod:`jddp._src.place.stages`). The methods take the pieces of the step
-they need (the :class:`jddp._src.runtime.topology.Topology`, the parameters'
-:class:`jddp._src.core.zero.Layout`, the bucket plan), never the step's configuration:
-
-- partition specs of the parameters, the optimizer state and the reduced gradients, and the
-  zeros a non-synchronising call returns for the latter (:meth:`Place.param_spec`,
-  :meth:`Place.opt_spec`, :meth:`Place.grad_specs`, :meth:`Place.grad_zeros`);
-- the sharded reduction's record (:class:`jddp._src.core.zero.Sharded`, or ``None`` for the
-  hook's all-reduce), whether ``shard_map`` can be typed (``check_vma``), the parameters the
-  loss is traced at and local gradients are taken at, the plan's not-resharded leaves;
-- the optimizer update and the bytes it sends to make the parameters whole again;
-- the optimizer state's memory between steps (``offload``: :mod:`jddp._src.place.offload`).
+Every decision that depends on where parameters, gradients and optimizer state live is a method
+of the step's placement; each takes the pieces of the step it needs, never the configuration
+(docs/design.md, "Where to add a feature").
 """
 
 from __future__ import annotations

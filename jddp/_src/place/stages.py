@@ -1,15 +1,9 @@
 """ZeRO's placements: the user's :class:`ZeRO` and the placement of each stage it resolves to.
 
-``jddp.ZeRO(stage=s, ...)`` is a value (its fields, checked); :meth:`ZeRO.resolve` turns it into
-one :class:`jddp._src.place.placement.Place` per stage, FSDP2's way of keeping what each
-configuration does in its own class instead of behind a flag: :class:`ZeRO1` splits the
-optimizer state (each device updates its pieces, which are then all-gathered) and holds what
-every stage shares (the topology, offload); :class:`ZeRO2` also keeps the
-reduced gradients in pieces (each bucket reduce-scattered); :class:`ZeRO3` also the parameters
-(gathered bucket by bucket in the forward pass). Each overrides only the methods its stage
-changes; the collectives are :mod:`jddp._src.core.zero`'s, the bucket reducers
-:mod:`jddp._src.reduce.sharded`'s (from the :class:`jddp._src.core.zero.Sharded` record a
-stage gives). ``shard="owner"`` resolves to their subclasses in :mod:`jddp._src.place.owned`.
+:meth:`ZeRO.resolve` gives one :class:`jddp._src.place.placement.Place` per stage, each overriding
+only what its stage changes: :class:`ZeRO1` splits the optimizer state, :class:`ZeRO2` also the
+reduced gradients, :class:`ZeRO3` also the parameters. ``shard="owner"`` resolves to their
+subclasses in :mod:`jddp._src.place.owned`.
 """
 
 from __future__ import annotations
@@ -228,11 +222,6 @@ class ZeRO1(Place):
     def opt_spec(self, topo: Topology, shape: Shape) -> P:
         """The partition spec of an optimizer-state leaf of ``shape`` (split)."""
         return zero.leaf_spec(shape, topo.shard_count, topo.shard)
-
-    def init_opt_state(self, optimizer: optax.GradientTransformation, topo: Topology,
-                       params: Any) -> Any:
-        """The optimizer's initial state as kept between steps: optax's own."""
-        return optimizer.init(params)
 
     def stored(self, shardings: Any) -> Any:
         """A state's ``NamedSharding`` s as it is kept between steps: with ``offload``, the

@@ -1,10 +1,7 @@
 """``jddp.Buckets(cap_mb="auto")``: the bucket cap chosen for this model on this machine, once.
 
-The cost model's error on a host exceeds the few percent between good caps, so the choice is
-measured on the real step, like Horovod's autotune: each distinct candidate plan is compiled and
-run round-robin on copies of the state; one beats DDP's 25 MiB only by more than ``margin`` and
-than the spread of its own rounds; process 0's choice is broadcast and its compiled step becomes
-``ddp.step`` (docs/performance.md). Caps change no gradient beyond float rounding.
+Each distinct candidate plan is compiled and timed round-robin on the real step; process 0's
+choice is broadcast (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import jax
 import numpy as np
 
 from jddp._src.api import options
-from jddp._src.plan.planner import BucketPlan, assign_buckets, backward_sizes
+from jddp._src.plan.planner import BucketPlan, backward_sizes, bucket_sizes
 from jddp._src.runtime import hostsync
 from jddp._src.step import skeleton
 from jddp._src.step.step import Step
@@ -48,17 +45,24 @@ class AutoCap:
     max_tune_s: float = 120.0
 
     def __post_init__(self) -> None:
-        caps = tuple(float(c) for c in self.candidates_mb)
-        for c in caps:
-            options.cap_bytes(c, "AutoCap.candidates_mb")
-        if not caps:
-            raise ValueError("AutoCap.candidates_mb must name at least one cap (MiB).")
-        object.__setattr__(self, "candidates_mb", caps)
+        check_choice(self)
         options.count(self.rounds, "AutoCap.rounds")
-        if not (0.0 <= float(self.margin) < 1.0):
-            raise ValueError(f"AutoCap.margin must be in [0, 1), got {self.margin!r}.")
         if not float(self.max_tune_s) >= 0.0:
             raise ValueError(f"AutoCap.max_tune_s must be >= 0 seconds, got {self.max_tune_s!r}.")
+
+
+def check_choice(policy: Any) -> None:
+    """Checks (and normalises) the ``candidates_mb`` and ``margin`` of an :class:`AutoCap` or a
+    ``ModelCap``."""
+    name = type(policy).__name__
+    caps = tuple(float(c) for c in policy.candidates_mb)
+    if not caps:
+        raise ValueError(f"{name}.candidates_mb must name at least one cap (MiB).")
+    for c in caps:
+        options.cap_bytes(c, f"{name}.candidates_mb")
+    object.__setattr__(policy, "candidates_mb", caps)
+    if not (0.0 <= float(policy.margin) < 1.0):
+        raise ValueError(f"{name}.margin must be in [0, 1), got {policy.margin!r}.")
 
 
 class CapChoice(NamedTuple):
@@ -110,6 +114,12 @@ class CapChoice(NamedTuple):
         if self.method == "timed" or self.chosen_first_mb == self.cap_mb:
             return f"reduce=jddp.Buckets(cap_mb={self.cap_mb:g})"
         return f"reduce=jddp.Buckets(cap_mb={self.cap_mb:g}, first_mb={self.chosen_first_mb:g})"
+
+    @property
+    def caps_bytes(self) -> tuple[int, int]:
+        """The chosen ``(cap, first)`` in bytes (the first clipped to the cap)."""
+        cap = options.cap_bytes(self.cap_mb, "bucket_cap_mb")
+        return cap, min(options.cap_bytes(self.chosen_first_mb, "first_bucket_mb"), cap)
 
     def table(self) -> str:
         if self.method != "timed":
@@ -173,15 +183,10 @@ def distinct_candidates(
     """
     nbytes, dtypes = backward_sizes(plan)
     slack = tolerance * max(1, sum(nbytes))
-
-    def sizes(cap_mb: float) -> list[int]:
-        cap = options.cap_bytes(cap_mb, "bucket_cap_mb")
-        return [sum(nbytes[k] for k in b)
-                for b in assign_buckets(nbytes, dtypes, cap, min(first_bytes, cap))]
-
-    kept = [(default_mb, sizes(default_mb))]
+    first_mb = first_bytes / MiB
+    kept = [(default_mb, bucket_sizes(nbytes, dtypes, default_mb, first_mb))]
     for cap_mb in sorted(set(caps_mb) - {default_mb}):
-        mine = sizes(cap_mb)
+        mine = bucket_sizes(nbytes, dtypes, cap_mb, first_mb)
         if not any(len(mine) == len(other) and
                    all(abs(a - b) <= slack for a, b in zip(mine, other, strict=True))
                    for _, other in kept):

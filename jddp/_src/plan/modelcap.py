@@ -1,12 +1,7 @@
 """``jddp.Buckets(cap_mb="model")``: the plan the cost model predicts fastest, chosen without timing.
 
-The candidate plans (DDP's packing rule under each of ``ModelCap.candidates_mb``, with and
-without the small first bucket, DDP's default always one) are costed by
-:func:`jddp.perf.costmodel.simulate_iteration`: on XLA:CPU with a built-in table fitted to jddp
-steps (:data:`CPU_ALLREDUCE_TABLE`); on GPU/TPU DDP's plan stays unless ``ModelCap`` describes the
-machine. A candidate replaces DDP's plan only when cheaper by more than ``margin``. A pure
-function of the traced sizes: every process computes the same plan. Also the **default plan**
-where the table describes the step (:class:`DefaultPlan`; docs/performance.md).
+Also the default plan where the built-in table describes the step (:class:`DefaultPlan`). A
+pure function of the traced sizes: every process computes the same plan (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -20,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jddp._src.api import options
-from jddp._src.plan.autocap import CapChoice, ChoosingStep
-from jddp._src.plan.planner import BucketPlan, assign_buckets, backward_sizes
+from jddp._src.plan.autocap import DEFAULT_CANDIDATES_MB, CapChoice, ChoosingStep, check_choice
+from jddp._src.plan.planner import BucketPlan, backward_sizes, bucket_sizes
 from jddp._src.reduce.hooks import CommHook
 from jddp._src.reduce.hooks.mean import allreduce_mean
 from jddp._src.step.step import Step
@@ -29,9 +24,6 @@ from jddp._src.tree import MiB
 
 if TYPE_CHECKING:  # the cost model loads when a plan is chosen, not with `import jddp`
     from jddp._src.plan import costmodel
-
-#: Caps (MiB) that "model" considers by default, each with and without a 1 MiB first bucket.
-DEFAULT_CANDIDATES_MB: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 50.0, 100.0)
 
 #: One bucket's all-reduce inside a jddp step on XLA:CPU, as ``(bytes, seconds)`` points
 #: (interpolated linearly, extrapolated along the last segment). Fitted to the step times of
@@ -70,15 +62,8 @@ class ModelCap:
     merge: bool = True
 
     def __post_init__(self) -> None:
-        caps = tuple(float(c) for c in self.candidates_mb)
-        if not caps:
-            raise ValueError("ModelCap.candidates_mb must name at least one cap (MiB).")
-        for c in caps:
-            options.cap_bytes(c, "ModelCap.candidates_mb")
-        object.__setattr__(self, "candidates_mb", caps)
+        check_choice(self)
         object.__setattr__(self, "merge", options.flag(self.merge, "ModelCap.merge"))
-        if not (0.0 <= float(self.margin) < 1.0):
-            raise ValueError(f"ModelCap.margin must be in [0, 1), got {self.margin!r}.")
         if self.cluster is not None and not _is_cluster(self.cluster):
             raise TypeError("ModelCap.cluster must be a jddp.perf.costmodel.ClusterSpec, got "
                             f"{type(self.cluster).__name__}.")
@@ -132,10 +117,7 @@ def distinct_plans(
     seen: set[tuple[int, ...]] = set()
     out = []
     for cap_mb, first_mb in pairs:
-        cap = options.cap_bytes(cap_mb, "bucket_cap_mb")
-        first = min(options.cap_bytes(first_mb, "first_bucket_mb"), cap)
-        sizes = tuple(sum(nbytes[k] for k in b)
-                      for b in assign_buckets(nbytes, dtypes, cap, first))
+        sizes = bucket_sizes(nbytes, dtypes, cap_mb, first_mb)
         if sizes not in seen:
             seen.add(sizes)
             out.append((cap_mb, first_mb, sizes))
@@ -241,8 +223,7 @@ class DefaultPlan:
         """The chosen plan: ``plan`` itself when DDP's is kept, else ``pack(cap, first)`` with a
         note that says why and how to pin it."""
         choice = self.choose(plan, platform, num_devices)
-        cap = options.cap_bytes(choice.cap_mb, "bucket_cap_mb")
-        first = min(options.cap_bytes(choice.chosen_first_mb, "first_bucket_mb"), cap)
+        cap, first = choice.caps_bytes
         if (cap, first) == (plan.cap_bytes, plan.first_bytes):
             return plan
         return pack(cap, first)._replace(note=f"the default plan, chosen by the cost model (no cap given, "
@@ -264,9 +245,7 @@ class ModelStep(ChoosingStep):
         plan = cands.plan(state, batch, mask, rng)
         default = (cands.cap_bytes / MiB, cands.first_bytes / MiB)
         choice = decide(plan, cands.platform, cands.num_devices, self._policy, default)
-        cap = options.cap_bytes(choice.cap_mb, "bucket_cap_mb")
-        first = min(options.cap_bytes(choice.chosen_first_mb, "first_bucket_mb"), cap)
-        self._step = cands.build(cap, first, self._observer)
+        self._step = cands.build(*choice.caps_bytes, self._observer)
         self.choice = choice
         self._on_choice(self._step, choice)
         return choice

@@ -156,6 +156,15 @@ def backward_sizes(plan: BucketPlan) -> tuple[list[int], list[np.dtype]]:
     return nbytes, [plan.dtypes[i] for i in order]
 
 
+def bucket_sizes(nbytes: Sequence[int], dtypes: Sequence[Any], cap_mb: float,
+                 first_mb: float) -> tuple[int, ...]:
+    """The bytes of each bucket DDP's rule packs the leaves into (``first_mb`` clipped to the
+    cap)."""
+    cap = options.cap_bytes(cap_mb, "bucket_cap_mb")
+    first = min(options.cap_bytes(first_mb, "first_bucket_mb"), cap)
+    return tuple(sum(nbytes[k] for k in b) for b in assign_buckets(nbytes, dtypes, cap, first))
+
+
 def assign_buckets(
     nbytes: Sequence[int], dtypes: Sequence[Any], cap_bytes: int, first_bytes: int
 ) -> list[list[int]]:

@@ -27,3 +27,16 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
                                + " --xla_cpu_parallel_codegen_split_count=1").strip()
 
 chex.set_n_cpu_devices(8)
+
+# Test files whose later tests compare with results their earlier tests computed in the same
+# process (functools.cache): test_matrix's 2-process test with the 1 x 8 runs of its cells,
+# test_owner's with the matrix's owner cells. Collected first, they run at the head of the first
+# pytest-xdist worker's queue (worksteal splits the collection in halves and steals from a queue's
+# tail), not split between workers (in file order the halves' boundary fell inside test_matrix,
+# and the other worker computed 11 of those 1 x 8 runs again).
+FIRST = ("test_matrix.py", "test_owner.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: file order kept

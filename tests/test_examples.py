@@ -75,6 +75,28 @@ def test_digits_example_under_launcher_matches_single_process(digits_on_8_device
     assert epochs(out) == epochs(single.stdout)[:2]
 
 
+# The digits example for 3 epochs on 2 processes x 2 devices: 33 steps, ~0.4 s of training after
+# the preemption test's first save (with one epoch, the 8 steps left after step 3's checkpoint
+# appeared sometimes ended before the SIGTERM arrived, and the job finished unpreempted: seen once
+# in a clean clone's suite).
+DIGITS_2X2 = ["examples/train_digits.py", "--epochs", "3", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def digits_2x2_jddp_run(tmp_path_factory):
+    """One uninterrupted ``jddp-run -n 2 --devices-per-process 2`` run of :data:`DIGITS_2X2`,
+    shared by the mpirun test (the result mpirun must equal) and the preemption test (the
+    result the preempted and restarted job must end with): ``(result, cache dir, seconds)``,
+    its compiled programs in the cache dir."""
+    tmp = tmp_path_factory.mktemp("digits2x2")
+    env = child_env(JAX_PLATFORMS="cpu", **compile_cache(tmp / "jax-cache"))
+    rc, out, err, secs = run_launcher(
+        ["-n", "2", "--devices-per-process", "2", "--timeout", "250", *DIGITS_2X2, "--json",
+         str(tmp / "plain.json")], timeout=260, env=env)
+    assert rc == 0, (out[-2000:], err[-3000:])
+    return json.loads((tmp / "plain.json").read_text()), tmp / "jax-cache", secs
+
+
 MPIRUN = shutil.which("mpirun")
 
 
@@ -99,27 +121,24 @@ def _mpirun(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, 
 @pytest.mark.slow
 @pytest.mark.skipif(MPIRUN is None, reason="Open MPI's mpirun is not installed (Debian: apt-get "
                     "install openmpi-bin; .ci/run installs it when run as root)")
-def test_digits_example_under_mpirun_equals_jddp_run(tmp_path):
+def test_digits_example_under_mpirun_equals_jddp_run(tmp_path, digits_2x2_jddp_run):
     """Issue #37: under mpirun the example joins one 2-process job (it used to train each rank
     alone), and its result is jddp-run's, bit for bit."""
-    args = ["examples/train_digits.py", "--devices", "2", "--epochs", "1", "--no-progress"]
-    # No shared compilation cache: each job compiles its own programs.
+    # --devices: under mpirun no launcher sets the devices per process. No compilation cache:
+    # the mpirun job compiles its own programs.
+    args = ["examples/train_digits.py", "--devices", "2", *DIGITS_2X2[1:]]
     env = child_env(JAX_PLATFORMS="cpu", OMPI_ALLOW_RUN_AS_ROOT="1",
                     OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    rc, out, err, jr_secs = run_launcher(
-        ["-n", "2", "--devices-per-process", "2", "--timeout", "200", *args, "--json",
-         str(tmp_path / "jddp_run.json")], timeout=210, env=env)
-    assert rc == 0, (out[-2000:], err[-3000:])
+    want, _, jr_secs = digits_2x2_jddp_run
     rc, out, err, mpi_secs = _mpirun([*args, "--json", str(tmp_path / "mpirun.json")], env, 240)
     assert rc == 0, (out[-2000:], err[-3000:])
     assert "4 devices (2 process(es))" in out, out[-2000:]
-    want = json.loads((tmp_path / "jddp_run.json").read_text())
     got = json.loads((tmp_path / "mpirun.json").read_text())
     assert got["processes"] == want["processes"] == 2 and got["devices"] == 4
     assert got["params_sha256"] == want["params_sha256"]
     assert got["params"] == want["params"] and got["final_loss"] == want["final_loss"]
     assert [h["loss"] for h in got["history"]] == [h["loss"] for h in want["history"]]
-    print(f"digits, 2 x 2 devices, 1 epoch: jddp-run {jr_secs:.1f} s, mpirun {mpi_secs:.1f} s, "
+    print(f"digits, 2 x 2 devices, 3 epochs: jddp-run {jr_secs:.1f} s, mpirun {mpi_secs:.1f} s, "
           f"params_sha256 {got['params_sha256'][:16]} on both")
 
 
@@ -160,22 +179,16 @@ def test_digits_example_under_srun_equals_jddp_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_digits_example_survives_preemption_of_a_rank_bit_identically(tmp_path):
+def test_digits_example_survives_preemption_of_a_rank_bit_identically(tmp_path,
+                                                                      digits_2x2_jddp_run):
     """jddp-run --max-restarts: SIGTERM to rank 1 mid-training -> both ranks save at the same step
     and exit 75 -> the launcher restarts the job -> it resumes and ends with the same parameters
     as an uninterrupted run."""
-    # Three epochs (33 steps, ~0.4 s of training after the first save): with one, the 8 steps
-    # left after step 3's checkpoint appeared sometimes ended before the SIGTERM arrived, and
-    # the job finished unpreempted (seen once in a clean clone's suite).
-    args = ["-n", "2", "--devices-per-process", "2", "--timeout", "250", "examples/train_digits.py",
-            "--epochs", "3", "--no-progress"]
-    # The plain run, the preempted attempt and the restarted one compile the same programs: the
-    # later ranks load them from this test's compilation cache.
-    env = child_env(JAX_PLATFORMS="cpu", **compile_cache(tmp_path / "jax-cache"))
-    rc, out, err, _ = run_launcher([*args, "--json", str(tmp_path / "plain.json")], timeout=260,
-                                   env=env)
-    assert rc == 0, (out[-2000:], err[-3000:])
-    plain = json.loads((tmp_path / "plain.json").read_text())
+    args = ["-n", "2", "--devices-per-process", "2", "--timeout", "250", *DIGITS_2X2]
+    # The plain run (the fixture's), the preempted attempt and the restarted one compile the
+    # same programs: the later ranks load them from the plain run's compilation cache.
+    plain, cache, _ = digits_2x2_jddp_run
+    env = child_env(JAX_PLATFORMS="cpu", **compile_cache(cache))
 
     ckpt = tmp_path / "ckpt"
     p = subprocess.Popen(

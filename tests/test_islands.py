@@ -24,12 +24,9 @@ import pytest
 
 from tests.launch_util import REPO, child_env, compile_cache
 
-try:
-    import torchft  # noqa: F401
-except ImportError:  # pragma: no cover - CI installs jddp[ft]
-    HAVE_FT = False
-else:
-    HAVE_FT = True
+# Found, not imported: importing torchft imports torch (~3 s in every test worker that collects
+# this file), and only the islands' subprocesses use it.
+HAVE_FT = importlib.util.find_spec("torchft") is not None
 needs_ft = pytest.mark.skipif(not HAVE_FT, reason="the islands need torchft: pip install "
                               "'jddp[ft]' (CI installs it with the dev extra)")
 JOB = REPO / "tests" / "_island_job.py"

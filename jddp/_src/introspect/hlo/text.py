@@ -272,15 +272,20 @@ def canonical_text(text: str) -> str:
     return "".join(parts)
 
 
+_SPECIAL = re.compile(r'["()\[\]{},]')  # all the callers look at: skip the rest in C
+
+
 def unquoted(s: str, start: int = 0) -> Iterator[tuple[int, str, int]]:
-    """Each character of ``s`` from ``start`` outside quoted text, with the bracket depth after
-    it (an opening bracket counts itself, a closing one no longer does)."""
+    """Each bracket and comma of ``s`` from ``start`` outside quoted text, with the bracket depth
+    after it (an opening bracket counts itself, a closing one no longer does)."""
     depth = 0
     quoted = False
-    for i in range(start, len(s)):
+    for m in _SPECIAL.finditer(s, start):
+        i = m.start()
         ch = s[i]
-        if ch == '"' and (i == 0 or s[i - 1] != "\\"):
-            quoted = not quoted
+        if ch == '"':
+            if i == 0 or s[i - 1] != "\\":
+                quoted = not quoted
             continue
         if quoted:
             continue

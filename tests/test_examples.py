@@ -76,6 +76,23 @@ def test_digits_example_under_launcher_matches_single_process(digits_on_8_device
 
 
 MPIRUN = shutil.which("mpirun")
+# The digits example as one 2-process job of 2 devices each, 3 epochs: jddp-run's result, the
+# reference of the mpirun test and of the preemption test (its plain, uninterrupted run).
+# (--devices 2 is the mpirun run's device count; jddp-run's --devices-per-process overrides it.)
+DIGITS_2X2 = ["examples/train_digits.py", "--devices", "2", "--epochs", "3", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def digits_2x2(tmp_path_factory):
+    """(result JSON, compile-cache env) of one uninterrupted `jddp-run -n 2` run of DIGITS_2X2;
+    the cache holds its programs, for the preemption test's restarted ranks."""
+    tmp = tmp_path_factory.mktemp("digits2x2")
+    env = child_env(JAX_PLATFORMS="cpu", **compile_cache(tmp / "jax-cache"))
+    rc, out, err, _ = run_launcher(
+        ["-n", "2", "--devices-per-process", "2", "--timeout", "250", *DIGITS_2X2, "--json",
+         str(tmp / "plain.json")], timeout=260, env=env)
+    assert rc == 0, (out[-2000:], err[-3000:])
+    return json.loads((tmp / "plain.json").read_text()), env
 
 
 def _mpirun(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str, float]:
@@ -99,28 +116,24 @@ def _mpirun(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, 
 @pytest.mark.slow
 @pytest.mark.skipif(MPIRUN is None, reason="Open MPI's mpirun is not installed (Debian: apt-get "
                     "install openmpi-bin; .ci/run installs it when run as root)")
-def test_digits_example_under_mpirun_equals_jddp_run(tmp_path):
+def test_digits_example_under_mpirun_equals_jddp_run(tmp_path, digits_2x2):
     """Issue #37: under mpirun the example joins one 2-process job (it used to train each rank
     alone), and its result is jddp-run's, bit for bit."""
-    args = ["examples/train_digits.py", "--devices", "2", "--epochs", "1", "--no-progress"]
-    # No shared compilation cache: each job compiles its own programs.
+    # No shared compilation cache: the mpirun job compiles its own programs.
     env = child_env(JAX_PLATFORMS="cpu", OMPI_ALLOW_RUN_AS_ROOT="1",
                     OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    rc, out, err, jr_secs = run_launcher(
-        ["-n", "2", "--devices-per-process", "2", "--timeout", "200", *args, "--json",
-         str(tmp_path / "jddp_run.json")], timeout=210, env=env)
-    assert rc == 0, (out[-2000:], err[-3000:])
-    rc, out, err, mpi_secs = _mpirun([*args, "--json", str(tmp_path / "mpirun.json")], env, 240)
+    rc, out, err, mpi_secs = _mpirun([*DIGITS_2X2, "--json", str(tmp_path / "mpirun.json")], env,
+                                     240)
     assert rc == 0, (out[-2000:], err[-3000:])
     assert "4 devices (2 process(es))" in out, out[-2000:]
-    want = json.loads((tmp_path / "jddp_run.json").read_text())
+    want = digits_2x2[0]
     got = json.loads((tmp_path / "mpirun.json").read_text())
     assert got["processes"] == want["processes"] == 2 and got["devices"] == 4
     assert got["params_sha256"] == want["params_sha256"]
     assert got["params"] == want["params"] and got["final_loss"] == want["final_loss"]
     assert [h["loss"] for h in got["history"]] == [h["loss"] for h in want["history"]]
-    print(f"digits, 2 x 2 devices, 1 epoch: jddp-run {jr_secs:.1f} s, mpirun {mpi_secs:.1f} s, "
-          f"params_sha256 {got['params_sha256'][:16]} on both")
+    print(f"digits, 2 x 2 devices, 3 epochs: mpirun {mpi_secs:.1f} s, "
+          f"params_sha256 {got['params_sha256'][:16]} as jddp-run's")
 
 
 def _slurm_reachable() -> bool:
@@ -160,22 +173,17 @@ def test_digits_example_under_srun_equals_jddp_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_digits_example_survives_preemption_of_a_rank_bit_identically(tmp_path):
+def test_digits_example_survives_preemption_of_a_rank_bit_identically(tmp_path, digits_2x2):
     """jddp-run --max-restarts: SIGTERM to rank 1 mid-training -> both ranks save at the same step
     and exit 75 -> the launcher restarts the job -> it resumes and ends with the same parameters
     as an uninterrupted run."""
     # Three epochs (33 steps, ~0.4 s of training after the first save): with one, the 8 steps
     # left after step 3's checkpoint appeared sometimes ended before the SIGTERM arrived, and
     # the job finished unpreempted (seen once in a clean clone's suite).
-    args = ["-n", "2", "--devices-per-process", "2", "--timeout", "250", "examples/train_digits.py",
-            "--epochs", "3", "--no-progress"]
-    # The plain run, the preempted attempt and the restarted one compile the same programs: the
-    # later ranks load them from this test's compilation cache.
-    env = child_env(JAX_PLATFORMS="cpu", **compile_cache(tmp_path / "jax-cache"))
-    rc, out, err, _ = run_launcher([*args, "--json", str(tmp_path / "plain.json")], timeout=260,
-                                   env=env)
-    assert rc == 0, (out[-2000:], err[-3000:])
-    plain = json.loads((tmp_path / "plain.json").read_text())
+    args = ["-n", "2", "--devices-per-process", "2", "--timeout", "250", *DIGITS_2X2]
+    # The plain run (digits_2x2), the preempted attempt and the restarted one compile the same
+    # programs: the later ranks load them from the plain run's compilation cache.
+    plain, env = digits_2x2
 
     ckpt = tmp_path / "ckpt"
     p = subprocess.Popen(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import optax
@@ -160,6 +162,13 @@ def _on(n, hook=None, stage=0, shard="even", **options):
                              else jddp.Replicate(), **options)
 
 
+@functools.cache
+def _shared(n, stage=0, shard="even"):
+    """``_on``'s plain trainer, one per configuration for this module: the tests that only train,
+    save and restore with it share its compiled programs (a new trainer compiles them again)."""
+    return _on(n, stage=stage, shard=shard)
+
+
 def _host(tree):
     return jax.tree.map(np.asarray, tree)
 
@@ -169,12 +178,12 @@ def test_replicated_state_restores_on_another_device_count(tmp_path, old, new):
     """Params and optimizer state are the same on every device: they reshard, and training goes
     on exactly as it would have on the old device count (to float rounding of the reduction)."""
     params, batches = mlp_params(1, SIZES), _batches(4)
-    a = _on(old)
+    a = _shared(old)
     state = _run(a, a.init(params), batches[:2])
     mngr = ckpt.manager(tmp_path / "c")
     ckpt.save(mngr, state)
     ref = _run(a, state, batches[2:])
-    b = _on(new)
+    b = _shared(new)
     restored = ckpt.restore_or_init(mngr, b, params)
     assert restored.params["Dense_0"]["kernel"].sharding.mesh.size == new
     after = _run(b, restored, batches[2:])
@@ -261,7 +270,7 @@ def test_per_replica_model_state_does_not_restore_on_another_device_count(tmp_pa
 
 
 def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path):
-    a = _on(8)
+    a = _shared(8)
     mngr = ckpt.manager(tmp_path / "c")
     ckpt.save(mngr, a.init(mlp_params(5, SIZES)))
     other = mlp_params(5, [6, 16, 4, 3])
@@ -289,12 +298,12 @@ def test_sharded_state_restores_on_any_device_count_and_stage(tmp_path, saved, r
     otherwise)."""
     (s_stage, s_n, *s_shard), (r_stage, r_n, *r_shard) = saved, resumed
     params, batches = mlp_params(6, SIZES), _batches(4)
-    a = _on(s_n, stage=s_stage, shard=(s_shard or ["even"])[0])
+    a = _shared(s_n, stage=s_stage, shard=(s_shard or ["even"])[0])
     state = _run(a, a.init(params), batches[:2])
     mngr = ckpt.manager(tmp_path / "c")
     ckpt.save(mngr, state)
     reference = _run(a, state, batches[2:])
-    b = _on(r_n, stage=r_stage, shard=(r_shard or ["even"])[0])
+    b = _shared(r_n, stage=r_stage, shard=(r_shard or ["even"])[0])
     restored = ckpt.restore_or_init(mngr, b, params)
     assert int(restored.step) == 2
     want = b.abstract_state(params)

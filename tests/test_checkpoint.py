@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import optax
@@ -160,6 +162,13 @@ def _on(n, hook=None, stage=0, shard="even", **options):
                              else jddp.Replicate(), **options)
 
 
+@functools.cache
+def _shared(n, stage=0, shard="even"):
+    """``_on``'s plain trainer, one per configuration for this module: the tests that only train,
+    save and restore with it share its compiled programs (a new trainer compiles them again)."""
+    return _on(n, stage=stage, shard=shard)
+
+
 def _host(tree):
     return jax.tree.map(np.asarray, tree)
 
@@ -169,12 +178,12 @@ def test_replicated_state_restores_on_another_device_count(tmp_path, old, new):
     """Params and optimizer state are the same on every device: they reshard, and training goes
     on exactly as it would have on the old device count (to float rounding of the reduction)."""
     params, batches = mlp_params(1, SIZES), _batches(4)
-    a = _on(old)
+    a = _shared(old)
     state = _run(a, a.init(params), batches[:2])
     mngr = ckpt.manager(tmp_path / "c")
     ckpt.save(mngr, state)
     ref = _run(a, state, batches[2:])
-    b = _on(new)
+    b = _shared(new)
     restored = ckpt.restore_or_init(mngr, b, params)
     assert restored.params["Dense_0"]["kernel"].sharding.mesh.size == new
     after = _run(b, restored, batches[2:])
@@ -261,7 +270,7 @@ def test_per_replica_model_state_does_not_restore_on_another_device_count(tmp_pa
 
 
 def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path):
-    a = _on(8)
+    a = _shared(8)
     mngr = ckpt.manager(tmp_path / "c")
     ckpt.save(mngr, a.init(mlp_params(5, SIZES)))
     other = mlp_params(5, [6, 16, 4, 3])
@@ -289,12 +298,12 @@ def test_sharded_state_restores_on_any_device_count_and_stage(tmp_path, saved, r
     otherwise)."""
     (s_stage, s_n, *s_shard), (r_stage, r_n, *r_shard) = saved, resumed
     params, batches = mlp_params(6, SIZES), _batches(4)
-    a = _on(s_n, stage=s_stage, shard=(s_shard or ["even"])[0])
+    a = _shared(s_n, stage=s_stage, shard=(s_shard or ["even"])[0])
     state = _run(a, a.init(params), batches[:2])
     mngr = ckpt.manager(tmp_path / "c")
     ckpt.save(mngr, state)
     reference = _run(a, state, batches[2:])
-    b = _on(r_n, stage=r_stage, shard=(r_shard or ["even"])[0])
+    b = _shared(r_n, stage=r_stage, shard=(r_shard or ["even"])[0])
     restored = ckpt.restore_or_init(mngr, b, params)
     assert int(restored.step) == 2
     want = b.abstract_state(params)
@@ -331,12 +340,10 @@ ddp = jddp.DataParallel(loss_fn, optax.adam(1e-3), mesh=jddp.data_mesh())
 batch = lambda s: {"x": np.random.default_rng(s).standard_normal((4, 2048)).astype(np.float32),
                    "y": np.random.default_rng(s).standard_normal(4).astype(np.float32)}
 mngr = ckpt.manager(os.path.join(directory, "ckpt"), save_interval_steps=2, async_save=True)
-state = ckpt.restore_or_init(mngr, ddp, params) if mode != "plain" else ddp.init(params)
+state = ckpt.restore_or_init(mngr, ddp, params)
 print("START", int(state.step), flush=True)
 for step in range(int(state.step), 6):
     state, _ = ddp.step(state, batch(step))
-    if mode == "plain":
-        continue
     saved = ckpt.save_if_due(mngr, state, step=step + 1)
     if mode == "kill" and step + 1 == 4:
         assert saved
@@ -344,7 +351,13 @@ for step in range(int(state.step), 6):
         print("PENDING", len(pending), flush=True)  # the write of step 4 is under way
         os.kill(os.getpid(), signal.SIGKILL)
 ckpt.wait(mngr)
-np.savez(os.path.join(directory, mode + ".npz"), **jax.tree.map(np.asarray, state.params))
+np.savez(os.path.join(directory, "resume.npz"), **jax.tree.map(np.asarray, state.params))
+# The reference, a run never interrupted (no checkpoints at all), in this process: one process
+# launch less, and the same compiled step program.
+plain = ddp.init(params)
+for step in range(6):
+    plain, _ = ddp.step(plain, batch(step))
+np.savez(os.path.join(directory, "plain.npz"), **jax.tree.map(np.asarray, plain.params))
 '''
 
 
@@ -356,12 +369,15 @@ def test_async_save_killed_mid_write_resumes_from_the_last_complete_checkpoint(t
     import subprocess
     import sys
 
-    from tests.launch_util import REPO, child_env
+    from tests.launch_util import REPO, child_env, compile_cache
 
     script = tmp_path / "job.py"
     script.write_text(KILL_SCRIPT)
+    # The restarted process compiles the killed one's programs: it loads them from this test's
+    # compilation cache.
+    env = child_env(**compile_cache(tmp_path / "jax-cache"))
     run = lambda mode: subprocess.run([sys.executable, str(script), mode, str(tmp_path)],
-                                      cwd=REPO, env=child_env(), capture_output=True, text=True,
+                                      cwd=REPO, env=env, capture_output=True, text=True,
                                       timeout=180)
     killed = run("kill")
     assert killed.returncode == -9, killed.stderr[-2000:]
@@ -371,8 +387,6 @@ def test_async_save_killed_mid_write_resumes_from_the_last_complete_checkpoint(t
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "START 2" in resumed.stdout
     assert ckpt.manager(tmp_path / "ckpt").all_steps() == [2, 4, 6]
-    plain = run("plain")
-    assert plain.returncode == 0, plain.stderr[-2000:]
     with np.load(tmp_path / "plain.npz") as a, np.load(tmp_path / "resume.npz") as b:
         for k in ("w", "v"):
             np.testing.assert_array_equal(a[k], b[k])

@@ -10,6 +10,7 @@ host argument bytes, moved by ``copy-start``/``copy-done`` pairs.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -31,6 +32,13 @@ BUCKETS = jddp.Buckets(cap_mb=0.002, first_mb=0.001)
 def _ddp(stage: int, off: bool, **kw):
     return jddp.DataParallel(mlp_loss, optax.adam(1e-2), mesh=jddp.data_mesh(),
                              place=jddp.ZeRO(stage=stage, offload=off), reduce=BUCKETS, **kw)
+
+
+@functools.cache
+def _plain(stage: int, off: bool):
+    """``_ddp(stage, off)``, one per configuration for this module: the tests share its compiled
+    programs (a new trainer compiles them again)."""
+    return _ddp(stage, off)
 
 
 def _batch(i: int):
@@ -63,7 +71,7 @@ def test_offloaded_training_is_bitwise_the_device_one(stage):
     """Same parameters and optimizer state after 3 Adam steps; the optimizer state in pinned host
     memory at rest (after init and after every step), the parameters in device memory; replicas
     verified (``ddp.verify`` reads the offloaded state)."""
-    ddp = _ddp(stage, True)
+    ddp = _plain(stage, True)
     state = ddp.init(mlp_params(0, SIZES))
     assert _kinds(state.opt_state) == {offload.HOST}
     assert _kinds(state.params) == {"device"}
@@ -72,7 +80,7 @@ def test_offloaded_training_is_bitwise_the_device_one(stage):
         assert _kinds(state.opt_state) == {offload.HOST}, i
         assert _kinds(state.params) == {"device"}, i
     ddp.verify(state)  # reads the host-memory optimizer state (copied to the devices for it)
-    plain = _train(_ddp(stage, False), 3)
+    plain = _train(_plain(stage, False), 3)
     _bitwise(state.params, plain.params)
     _bitwise(state.opt_state, plain.opt_state)
     # Split as at the stage: each device holds 1/8 of every split moment.
@@ -105,17 +113,17 @@ def test_checkpoint_restores_into_host_memory_and_resumes(tmp_path):
     into an ``offload=False`` trainer (device memory) and continues to the same bits."""
     from jddp import checkpoint as ckpt
 
-    ddp = _ddp(2, True)
+    ddp = _plain(2, True)
     mngr = ckpt.manager(tmp_path / "c")
     ckpt.save(mngr, _train(ddp, 2))
     restored = ckpt.restore(mngr, ddp.abstract_state(mlp_params(0, SIZES)))
     assert _kinds(restored.opt_state) == {offload.HOST}
     assert _kinds(restored.params) == {"device"}
     resumed = _train(ddp, 2, restored, start=2)
-    straight = _train(_ddp(2, True), 4)
+    straight = _train(_plain(2, True), 4)
     _bitwise(resumed.params, straight.params)
     _bitwise(resumed.opt_state, straight.opt_state)
-    plain = _ddp(2, False)
+    plain = _plain(2, False)
     on_device = ckpt.restore(mngr, plain.abstract_state(mlp_params(0, SIZES)))
     assert _kinds(on_device.opt_state) == {"device"}
     _bitwise(_train(plain, 2, on_device, start=2).params, straight.params)
@@ -126,7 +134,7 @@ def test_report_counts_the_optimizer_state_as_host_memory():
     ``host_at_rest`` (device + host is the ``offload=False`` state), and the text says so."""
     reps = {}
     for off in (False, True):
-        ddp = _ddp(3, off)
+        ddp = _plain(3, off)
         state = ddp.init(mlp_params(0, SIZES))
         reps[off] = (ddp.report(state, _batch(0)).memory, device_nbytes(state.opt_state),
                      str(ddp.report(state, _batch(0))))

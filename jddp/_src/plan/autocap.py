@@ -116,7 +116,7 @@ class CapChoice(NamedTuple):
         return f"reduce=jddp.Buckets(cap_mb={self.cap_mb:g}, first_mb={self.chosen_first_mb:g})"
 
     @property
-    def caps_bytes(self) -> tuple[int, int]:
+    def caps(self) -> tuple[int, int]:
         """The chosen ``(cap, first)`` in bytes (the first clipped to the cap)."""
         cap = options.cap_bytes(self.cap_mb, "bucket_cap_mb")
         return cap, min(options.cap_bytes(self.chosen_first_mb, "first_bucket_mb"), cap)

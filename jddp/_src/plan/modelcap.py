@@ -223,7 +223,7 @@ class DefaultPlan:
         """The chosen plan: ``plan`` itself when DDP's is kept, else ``pack(cap, first)`` with a
         note that says why and how to pin it."""
         choice = self.choose(plan, platform, num_devices)
-        cap, first = choice.caps_bytes
+        cap, first = choice.caps
         if (cap, first) == (plan.cap_bytes, plan.first_bytes):
             return plan
         return pack(cap, first)._replace(note=f"the default plan, chosen by the cost model (no cap given, "
@@ -245,7 +245,7 @@ class ModelStep(ChoosingStep):
         plan = cands.plan(state, batch, mask, rng)
         default = (cands.cap_bytes / MiB, cands.first_bytes / MiB)
         choice = decide(plan, cands.platform, cands.num_devices, self._policy, default)
-        self._step = cands.build(*choice.caps_bytes, self._observer)
+        self._step = cands.build(*choice.caps, self._observer)
         self.choice = choice
         self._on_choice(self._step, choice)
         return choice

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import jddp
 from tests._models import max_abs_diff, mlp_loss, mlp_params, regression_batch
@@ -80,15 +81,15 @@ def test_options_are_fixed_at_construction():
     with pytest.raises(AttributeError, match="fixed at construction.*'optimizer'"):
         ddp.optimizer = optax.sgd(1.0)
     nnx_ddp = jddp.nnx.DataParallel(
-        _TinyNNX(__import__("flax").nnx.Rngs(0)), optax.sgd(0.1), loss_fn=_nnx_loss
+        _TinyNNX(nnx.Rngs(0)), optax.sgd(0.1), loss_fn=_nnx_loss
     )
     with pytest.raises(AttributeError, match="fixed at construction"):
         nnx_ddp.loss_fn = _nnx_loss
 
 
-class _TinyNNX(__import__("flax").nnx.Module):
+class _TinyNNX(nnx.Module):
     def __init__(self, rngs):
-        self.lin = __import__("flax").nnx.Linear(6, 3, rngs=rngs)
+        self.lin = nnx.Linear(6, 3, rngs=rngs)
 
     def __call__(self, x):
         return self.lin(x)
